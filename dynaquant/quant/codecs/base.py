@@ -1,0 +1,146 @@
+"""The codec interface: an encode/decode pair on blocks, as gguf-py's quantize_blocks.
+
+A codec works on ``(n_blocks, block_size)`` float32 tensors. The module-level
+``quantize``/``dequantize`` functions handle rows, reshaping, importance weights,
+chunking (to bound memory) and devices; a codec only sees blocks.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from ..formats import Format, get_format
+
+
+class Codec:
+    """Encode/decode pair for one format.
+
+    Subclasses set ``format_name`` and implement ``encode_blocks``/``decode_blocks``.
+    Both run on whatever device their inputs are on.
+    """
+
+    format_name: ClassVar[str]
+
+    @property
+    def format(self) -> Format:
+        return get_format(self.format_name)
+
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Encode blocks.
+
+        Args:
+            x: (n_blocks, block_size) float32 weights.
+            w: (n_blocks, block_size) float32 importance, > 0; the encoder minimises
+               ``sum(w * (x - decode(encode(x)))**2)`` per block (or comes close).
+        Returns:
+            (n_blocks, type_size) uint8, the GGUF block layout.
+        """
+        raise NotImplementedError
+
+    def decode_blocks(self, b: torch.Tensor) -> torch.Tensor:
+        """Decode blocks: (n_blocks, type_size) uint8 -> (n_blocks, block_size) float32.
+
+        Equal bit for bit to ``gguf.quants.dequantize`` on the same bytes.
+        """
+        raise NotImplementedError
+
+
+_CODECS: dict[str, Codec] = {}
+
+
+def register(cls: type[Codec]) -> type[Codec]:
+    """Class decorator adding a codec to the registry under its format name."""
+    _CODECS[cls.format_name] = cls()
+    return cls
+
+
+def get_codec(name: str) -> Codec:
+    """The codec of a format name.
+
+    Raises:
+        KeyError: no codec is registered for that format.
+    """
+    fmt = get_format(name)
+    if fmt.name not in _CODECS:
+        raise KeyError(f"no codec for format {fmt.name}; codecs exist for: {', '.join(_CODECS)}")
+    return _CODECS[fmt.name]
+
+
+# Rows per encode chunk are chosen so a chunk holds about this many weights; codecs
+# that search many candidates multiply memory by their candidate count.
+CHUNK_WEIGHTS = 1 << 20
+
+
+def _importance(imatrix: torch.Tensor | None, rows: int, k: int, device, dtype=torch.float32) -> torch.Tensor:
+    if imatrix is None:
+        return torch.ones(rows, k, device=device, dtype=dtype)
+    imatrix = torch.as_tensor(imatrix, dtype=dtype, device=device).reshape(-1)
+    if imatrix.numel() != k:
+        raise ValueError(f"imatrix has {imatrix.numel()} entries, the weight's rows have {k}")
+    if not torch.isfinite(imatrix).all() or (imatrix < 0).any():
+        raise ValueError("imatrix must be finite and non-negative")
+    # A column never seen in calibration (0) keeps a small weight so its values are not arbitrary.
+    floor = imatrix[imatrix > 0].min() * 1e-3 if (imatrix > 0).any() else torch.tensor(1.0, device=device)
+    return imatrix.clamp_min(floor).expand(rows, k)
+
+
+def quantize(weight: torch.Tensor, fmt: str | Format, imatrix: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize a 2-D weight (or any tensor, by its last axis) to a format's bytes.
+
+    Args:
+        weight: (..., K) float tensor on any device; K must be a multiple of the block size.
+        fmt: format name or row.
+        imatrix: optional (K,) per-column importance (E[x^2] of the layer's inputs); the
+            encoder minimises the importance-weighted squared error.
+    Returns:
+        (..., K // block_size * type_size) uint8 tensor on the weight's device, the GGUF
+        byte layout (as ``gguf.quants.quantize`` returns it).
+    Raises:
+        ValueError: K is not a multiple of the block size, or the imatrix does not fit.
+    """
+    fmt = fmt if isinstance(fmt, Format) else get_format(fmt)
+    codec = get_codec(fmt.name)
+    shape = weight.shape
+    k = shape[-1]
+    row_bytes = fmt.row_bytes(k)
+    x = weight.reshape(-1, k).to(torch.float32)
+    rows = x.shape[0]
+    out = torch.empty(rows, row_bytes, dtype=torch.uint8, device=x.device)
+    step = max(1, CHUNK_WEIGHTS // k)
+    for r0 in range(0, rows, step):
+        xr = x[r0 : r0 + step]
+        wr = _importance(imatrix, xr.shape[0], k, x.device)
+        blocks = codec.encode_blocks(xr.reshape(-1, fmt.block_size).contiguous(), wr.reshape(-1, fmt.block_size).contiguous())
+        out[r0 : r0 + step] = blocks.reshape(xr.shape[0], row_bytes)
+    return out.reshape(*shape[:-1], row_bytes)
+
+
+def dequantize(data: torch.Tensor | np.ndarray, fmt: str | Format) -> torch.Tensor:
+    """Decode a format's bytes.
+
+    Args:
+        data: (..., B) uint8 with B a multiple of the format's type size.
+    Returns:
+        (..., B // type_size * block_size) float32 tensor on the data's device.
+    """
+    fmt = fmt if isinstance(fmt, Format) else get_format(fmt)
+    data = torch.as_tensor(np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data)
+    if data.dtype != torch.uint8:
+        raise ValueError(f"dequantize takes uint8 bytes, got {data.dtype}")
+    nbytes = data.shape[-1]
+    if nbytes % fmt.type_size:
+        raise ValueError(f"{fmt.name}: {nbytes} bytes per row is not a multiple of {fmt.type_size}")
+    k = nbytes // fmt.type_size * fmt.block_size
+    blocks = get_codec(fmt.name).decode_blocks(data.reshape(-1, fmt.type_size).contiguous())
+    return blocks.reshape(*data.shape[:-1], k)
+
+
+def weighted_error(weight: torch.Tensor, decoded: torch.Tensor, imatrix: torch.Tensor | None = None) -> float:
+    """Importance-weighted squared error ``sum_ij imatrix[j] * (W - Q(W))_ij ** 2`` (float)."""
+    d = (weight.to(torch.float64) - decoded.to(torch.float64)) ** 2
+    if imatrix is not None:
+        d = d * torch.as_tensor(imatrix, dtype=torch.float64, device=d.device)
+    return float(d.sum())
