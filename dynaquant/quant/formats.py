@@ -27,7 +27,8 @@ class Format:
             (256-element super-blocks with quantized sub-block scales).
         ggml_type: the GGML type id written in GGUF files, or None for non-GGUF formats.
         fallback: the format llama.cpp uses when a row's length is not a multiple of
-            ``block_size`` (``llama-quant.cpp``), or None when the format needs no fallback.
+            ``block_size`` (``tensor_type_fallback`` in ``llama-quant.cpp``: Q2_K/Q3_K -> Q4_0,
+            Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, 32-element types -> F16).
     """
 
     name: str
@@ -75,8 +76,8 @@ FORMATS: dict[str, Format] = {
         Format("Q6_K", 256, 210, "kquant", _T.Q6_K, "Q8_0"),
         Format("Q5_K", 256, 176, "kquant", _T.Q5_K, "Q5_1"),
         Format("Q4_K", 256, 144, "kquant", _T.Q4_K, "Q5_0"),
-        Format("Q3_K", 256, 110, "kquant", _T.Q3_K, "IQ4_NL"),
-        Format("Q2_K", 256, 84, "kquant", _T.Q2_K, "IQ4_NL"),
+        Format("Q3_K", 256, 110, "kquant", _T.Q3_K, "Q4_0"),
+        Format("Q2_K", 256, 84, "kquant", _T.Q2_K, "Q4_0"),
     )
 }
 

@@ -1,0 +1,87 @@
+"""Quality of a quantized model against its original: KL divergence, perplexity, top-1 agreement.
+
+Tokens are scored as ``llama-perplexity --kl-divergence`` scores them, so the two tools'
+numbers are comparable: the text is tokenized once and cut into chunks of ``n_ctx``
+tokens; in each chunk only the second half is scored (the logits at positions
+``n_ctx/2 .. n_ctx-2`` predicting the next token), each position with the full first half
+as context.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+
+@dataclass
+class EvalResult:
+    """Figures of one evaluation.
+
+    Attributes:
+        kld_mean: mean KL(reference || quantized) over scored tokens, in nats.
+        kld_p99: 99th percentile of the per-token KL divergence, nats.
+        kld_max: largest per-token KL divergence, nats.
+        ppl: perplexity of the quantized model on the scored tokens.
+        ppl_reference: perplexity of the reference model.
+        top1_agreement: fraction of scored positions where both models' argmax agree.
+        tokens: scored tokens; chunks: chunks; n_ctx: tokens per chunk; text_id: the text used.
+    """
+
+    kld_mean: float
+    kld_p99: float
+    kld_max: float
+    ppl: float
+    ppl_reference: float
+    top1_agreement: float
+    tokens: int
+    chunks: int
+    n_ctx: int
+    text_id: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.no_grad()
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    device = next(model.parameters()).device
+    return model(ids.to(device)[None], use_cache=False).logits[0].to(torch.float32).cpu()
+
+
+@torch.no_grad()
+def compare_models(reference, quantized, chunks: torch.Tensor, text_id: str = "", progress: bool = True) -> EvalResult:
+    """Score ``quantized`` against ``reference`` on token chunks.
+
+    Args:
+        reference, quantized: transformers causal LMs with the same vocabulary (any device).
+        chunks: (n, n_ctx) int64 token ids (``calibration.tokenize_chunks``).
+    Returns:
+        EvalResult.
+    Raises:
+        ValueError: the two models' vocabularies differ in size.
+    """
+    n, n_ctx = chunks.shape
+    first = n_ctx // 2
+    klds, nll_q, nll_r, agree = [], 0.0, 0.0, 0
+    for c in tqdm(range(n), desc="eval", disable=not progress, unit="chunk"):
+        ids = chunks[c]
+        lr = _logits(reference, ids)[first : n_ctx - 1]
+        lq = _logits(quantized, ids)[first : n_ctx - 1]
+        if lr.shape[-1] != lq.shape[-1]:
+            raise ValueError(f"vocabularies differ: reference {lr.shape[-1]}, quantized {lq.shape[-1]}")
+        target = ids[first + 1 :]
+        pr, pq = torch.log_softmax(lr.double(), -1), torch.log_softmax(lq.double(), -1)
+        klds.append((pr.exp() * (pr - pq)).sum(-1).clamp_min(0))
+        nll_q -= float(pq.gather(1, target[:, None]).sum())
+        nll_r -= float(pr.gather(1, target[:, None]).sum())
+        agree += int((lr.argmax(-1) == lq.argmax(-1)).sum())
+    k = torch.cat(klds)
+    tokens = k.numel()
+    return EvalResult(
+        kld_mean=float(k.mean()), kld_p99=float(torch.quantile(k, 0.99)), kld_max=float(k.max()),
+        ppl=math.exp(nll_q / tokens), ppl_reference=math.exp(nll_r / tokens),
+        top1_agreement=agree / tokens, tokens=tokens, chunks=n, n_ctx=n_ctx, text_id=text_id,
+    )

@@ -1,0 +1,74 @@
+"""Shared fixtures: the default model, its dithered weights and their imatrix."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+# Weight tensors of SmolLM2 used by codec quality tests: every tensor kind, early/middle/late layers.
+SMOLLM2_TEST_TENSORS = (
+    "blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.20.attn_v.weight", "blk.3.attn_output.weight",
+    "blk.5.ffn_gate.weight", "blk.10.ffn_up.weight",
+    "blk.2.ffn_down.weight", "blk.15.ffn_down.weight", "blk.29.ffn_down.weight",
+)
+
+
+@pytest.fixture(scope="session")
+def default_source():
+    from dynaquant.checkpoint import resolve_source
+
+    return resolve_source(None)
+
+
+@pytest.fixture(scope="session")
+def default_model(default_source):
+    from dynaquant.checkpoint import load_model
+
+    return load_model(default_source)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_source):
+    from dynaquant.checkpoint import load_tokenizer
+
+    return load_tokenizer(default_source)
+
+
+@pytest.fixture(scope="session")
+def default_imatrix(default_model, default_tokenizer):
+    """Imatrix of the default model on 8 chunks of 512 tokens of the default calibration text."""
+    from dynaquant.analysis.calibration import tokenize_chunks
+    from dynaquant.analysis.imatrix import compute_imatrix
+    from dynaquant.analysis.texts import default_calibration_text
+
+    chunks = tokenize_chunks(default_tokenizer, default_calibration_text(), 512, 8)
+    return compute_imatrix(default_model, chunks, "stdlib-docstrings:calibration", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_weights(default_source, default_imatrix):
+    """[(gguf_name, weight (N, K) float32 dithered, imatrix (K,) float32)] for SMOLLM2_TEST_TENSORS."""
+    import gguf
+
+    from dynaquant.analysis.dither import dither
+
+    reader = gguf.GGUFReader(str(default_source.path))
+    by_name = {t.name: t for t in reader.tensors}
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 30)
+    hf_for = {}
+    for hf in default_imatrix.names():
+        g = tmap.get_name(hf)
+        if g:
+            hf_for[g + ".weight"] = hf
+    out = []
+    for i, name in enumerate(SMOLLM2_TEST_TENSORS):
+        t = by_name[name]
+        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        out.append((name, dither(w, 32, seed=i), default_imatrix.mean(hf_for[name])))
+    return out
