@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import warnings
 from functools import lru_cache
 from pathlib import Path
 
@@ -61,7 +62,9 @@ def _module_text(name: str) -> str:
 
 @lru_cache(maxsize=2)
 def _assemble(modules: tuple[str, ...]) -> str:
-    return "\n\n".join(t for t in (_module_text(m) for m in modules) if t)
+    with warnings.catch_warnings():  # some modules warn on attribute access (typing.io)
+        warnings.simplefilter("ignore")
+        return "\n\n".join(t for t in (_module_text(m) for m in modules) if t)
 
 
 def default_calibration_text() -> str:

@@ -1,0 +1,140 @@
+"""Plans: presets mirror llama.cpp's mixes, rules, fallbacks, budgets, JSON validation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dynaquant.quant.formats import FORMATS, get_format, resolve_for_row
+from dynaquant.quant.plan import Plan, TensorInfo
+from dynaquant.quant.planner import BudgetError, Rule, make_plan
+from dynaquant.quant.presets import ModelInfo
+
+N_LAYERS = 30
+SMOL = ModelInfo(n_layers=N_LAYERS, n_head=9, n_head_kv=3, tied_embeddings=True)
+
+
+def smollm2_tensors() -> list[TensorInfo]:
+    """SmolLM2-135M's tensor table (GGUF names, torch-order shapes), tied embedding."""
+    ts = [TensorInfo("token_embd.weight", None, (49152, 576))]
+    for i in range(N_LAYERS):
+        b = f"blk.{i}."
+        ts += [
+            TensorInfo(b + "attn_norm.weight", None, (576,), False),
+            TensorInfo(b + "ffn_down.weight", None, (576, 1536)),
+            TensorInfo(b + "ffn_gate.weight", None, (1536, 576)),
+            TensorInfo(b + "ffn_up.weight", None, (1536, 576)),
+            TensorInfo(b + "ffn_norm.weight", None, (576,), False),
+            TensorInfo(b + "attn_k.weight", None, (192, 576)),
+            TensorInfo(b + "attn_output.weight", None, (576, 576)),
+            TensorInfo(b + "attn_q.weight", None, (576, 576)),
+            TensorInfo(b + "attn_v.weight", None, (192, 576)),
+        ]
+    return ts + [TensorInfo("output_norm.weight", None, (576,), False)]
+
+
+def test_bpw_is_derived_from_the_row():
+    assert get_format("Q4_K").bpw == 4.5
+    assert get_format("Q8_0").bpw == 8.5
+    assert get_format("q6_k").bpw == 6.5625
+    with pytest.raises(KeyError, match="unknown format"):
+        get_format("Q4_Z")
+
+
+def test_fallbacks_follow_llama_cpp():
+    assert resolve_for_row("Q4_K", 576)[0].name == "Q5_0"
+    assert resolve_for_row("Q5_K", 576)[0].name == "Q5_1"
+    assert resolve_for_row("Q6_K", 576)[0].name == "Q8_0"
+    assert resolve_for_row("Q3_K", 576)[0].name == "Q4_0"
+    assert resolve_for_row("Q2_K", 576)[0].name == "Q4_0"
+    assert resolve_for_row("Q4_K", 1536) == (FORMATS["Q4_K"], None)
+    fmt, why = resolve_for_row("Q4_0", 48)
+    assert fmt.name == "F16" and "Q4_0->F16" in why
+
+
+def test_q4_k_m_preset_matches_llama_quantize_decisions():
+    plan = make_plan(smollm2_tensors(), SMOL, preset="Q4_K_M")
+    f = plan.formats()
+    # tied embedding acts as the output tensor; 576 is not a multiple of 256 -> Q8_0
+    assert f["token_embd.weight"] == "Q8_0"
+    # use_more_bits(i, 30): i < 3, i >= 26, or (i - 3) % 3 == 2
+    more = {i for i in range(N_LAYERS) if i < 3 or i >= 26 or (i - 3) % 3 == 2}
+    for i in range(N_LAYERS):
+        assert f[f"blk.{i}.ffn_down.weight"] == ("Q6_K" if i in more else "Q4_K")
+        assert f[f"blk.{i}.attn_v.weight"] == ("Q8_0" if i in more else "Q5_0")  # Q6_K/Q4_K fall back on rows of 576
+        assert f[f"blk.{i}.attn_q.weight"] == "Q5_0"
+        assert f[f"blk.{i}.attn_norm.weight"] == "F32"
+    e = next(e for e in plan.entries if e.name == "blk.4.attn_q.weight")
+    assert e.requested == "Q4_K" and "fallback Q4_K->Q5_0" in e.reason
+
+
+def test_q2_k_and_q3_k_m_presets():
+    f = make_plan(smollm2_tensors(), SMOL, preset="Q2_K").formats()
+    assert f["blk.7.ffn_down.weight"] == "Q3_K" and f["blk.7.attn_q.weight"] == "Q4_0"
+    f = make_plan(smollm2_tensors(), SMOL, preset="Q3_K_M").formats()
+    assert f["blk.0.ffn_down.weight"] == "Q5_K" and f["blk.9.ffn_down.weight"] == "Q4_K"
+    assert f["blk.1.attn_v.weight"] == "Q5_1" and f["blk.5.attn_v.weight"] == "Q5_0"
+    assert f["blk.5.attn_output.weight"] == "Q5_0"
+
+
+def test_presets_are_ordered_by_size():
+    sizes = [make_plan(smollm2_tensors(), SMOL, preset=p).size_bytes
+             for p in ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K")]
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
+
+
+def test_rules_first_match_wins_and_are_recorded():
+    plan = make_plan(smollm2_tensors(), SMOL, preset="Q4_K_M", rules=["ffn_down=Q2_K", "ffn_.*=Q8_0"])
+    e = {e.name: e for e in plan.entries}
+    assert e["blk.5.ffn_down.weight"].format == "Q2_K" and e["blk.5.ffn_down.weight"].reason.startswith("rule 1")
+    assert e["blk.5.ffn_up.weight"].format == "Q8_0" and e["blk.5.ffn_up.weight"].reason.startswith("rule 2")
+    assert plan.rules == ["ffn_down=Q2_K", "ffn_.*=Q8_0"]
+
+
+@pytest.mark.parametrize("text,msg", [("ffn_down", "REGEX=FORMAT"), ("ffn_down=Q9_X", "unknown format"),
+                                      ("ffn_(down=Q4_K", "invalid regex")])
+def test_bad_rules_are_named(text, msg):
+    with pytest.raises(ValueError, match=msg):
+        Rule.parse(text)
+
+
+@pytest.mark.parametrize("bpw", [4.0, 5.0, 6.5])
+def test_bpw_budget_is_an_upper_bound_and_mostly_used(bpw):
+    plan = make_plan(smollm2_tensors(), SMOL, bpw=bpw)
+    assert plan.bpw <= bpw
+    assert plan.bpw > bpw - 0.25  # the allocator spends the budget
+    assert all(e.reason.startswith(("allocation", "not quantized")) for e in plan.entries)
+
+
+def test_size_budget_counts_overhead_and_bigger_budget_is_never_worse():
+    small = make_plan(smollm2_tensors(), SMOL, size_bytes=80_000_000, overhead_bytes=2_000_000)
+    big = make_plan(smollm2_tensors(), SMOL, size_bytes=100_000_000, overhead_bytes=2_000_000)
+    assert small.size_bytes <= 78_000_000 < big.size_bytes <= 98_000_000
+
+
+def test_budget_below_fixed_rules_reports_the_minimum():
+    with pytest.raises(BudgetError, match="at least") as info:
+        make_plan(smollm2_tensors(), SMOL, bpw=5.0, rules=["token_embd=F32"])
+    # token_embd in F32 alone is 28.3M * 4 bytes
+    assert info.value.min_bytes > 49152 * 576 * 4
+
+
+def test_plan_json_round_trip_and_validation():
+    ts = smollm2_tensors()
+    plan = make_plan(ts, SMOL, preset="Q4_K_M")
+    d = json.loads(json.dumps(plan.to_dict()))
+    back = Plan.from_dict(d, "p.json")
+    back.check_tensors(ts, "p.json")
+    assert back.formats() == plan.formats() and back.size_bytes == plan.size_bytes
+    d["tensors"][2]["format"] = "Q7_Z"
+    with pytest.raises(ValueError, match=r"p\.json: tensor blk\.0\.ffn_down\.weight: unknown format"):
+        Plan.from_dict(d, "p.json")
+    d["tensors"][2]["format"] = "Q4_K"
+    d["tensors"][6]["format"] = "Q4_K"  # attn_k rows of 576
+    with pytest.raises(ValueError, match="multiple of 256"):
+        Plan.from_dict(d, "p.json")
+    d["tensors"][6]["format"] = "Q8_0"
+    d["tensors"][6]["name"] = "blk.0.attn_kk.weight"
+    with pytest.raises(ValueError, match="not in the model: blk.0.attn_kk.weight"):
+        Plan.from_dict(d, "p.json").check_tensors(ts, "p.json")
