@@ -1,0 +1,327 @@
+"""The quantize pipeline: source -> imatrix -> plan -> GGUF, one tensor at a time.
+
+``quantize`` is what ``dynaquant quantize`` runs; ``evaluate`` what ``dynaquant eval`` runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from . import __version__
+from .analysis.calibration import tokenize_chunks
+from .analysis.evaluate import EvalResult, compare_models
+from .analysis.imatrix import Imatrix, compute_imatrix
+from .analysis.texts import default_calibration_text, default_eval_text, read_text
+from .checkpoint import ModelSource, load_model, load_tokenizer, resolve_source
+from .exporters.gguf_names import hf_to_gguf_name
+from .exporters.gguf_source import SourceTensor, TensorSource, open_gguf_source
+from .exporters.gguf_writer import write_gguf
+from .quant.codecs import quantize as encode_tensor
+from .quant.formats import Format, get_format
+from .quant.plan import Plan, TensorInfo
+from .quant.planner import Rule, make_plan
+from .quant.presets import PRESETS, ModelInfo
+
+log = logging.getLogger(__name__)
+
+# llama.cpp file type that best describes a file whose bulk is in a format.
+_FILE_TYPE_OF_FORMAT = {
+    "F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16, "BF16": gguf.LlamaFileType.MOSTLY_BF16,
+    "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
+    "Q5_K": gguf.LlamaFileType.MOSTLY_Q5_K_M, "Q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
+    "Q5_0": gguf.LlamaFileType.MOSTLY_Q5_0, "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+    "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+    "IQ4_NL": gguf.LlamaFileType.MOSTLY_IQ4_NL, "MXFP4": gguf.LlamaFileType.MOSTLY_MXFP4_MOE,
+    "Q3_K": gguf.LlamaFileType.MOSTLY_Q3_K_M, "Q2_K": gguf.LlamaFileType.MOSTLY_Q2_K,
+}
+
+
+@dataclass
+class QuantizeResult:
+    """What ``quantize`` produced.
+
+    Attributes:
+        output: the GGUF file written.
+        plan: the plan used.
+        size_bytes: the output file's size.
+        bpw: average bits per weight over all tensor data (metadata excluded).
+        time_s: wall time of the whole run (evaluation excluded).
+        imatrix_chunks: calibration chunks behind the imatrix (0: none used).
+        eval: quality against the source, when asked for.
+    """
+
+    output: Path
+    plan: Plan
+    size_bytes: int
+    bpw: float
+    time_s: float
+    imatrix_chunks: int = 0
+    eval: EvalResult | None = None
+    timings_s: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "output": str(self.output), "size_bytes": self.size_bytes, "bpw": round(self.bpw, 4),
+            "time_s": round(self.time_s, 2), "timings_s": {k: round(v, 2) for k, v in self.timings_s.items()},
+            "imatrix_chunks": self.imatrix_chunks, "method": self.plan.method,
+            "formats": self.plan.count_by_format(), "eval": self.eval.to_dict() if self.eval else None,
+        }
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def open_tensor_source(source: ModelSource) -> TensorSource:
+    """The exporter's tensor source for a model source (GGUF file or HF folder)."""
+    if source.kind == "gguf":
+        return open_gguf_source(source.path)
+    from .exporters.hf_source import open_hf_source
+
+    return open_hf_source(source.path)
+
+
+def tensor_infos(ts: TensorSource) -> list[TensorInfo]:
+    return [TensorInfo(t.gguf_name, t.hf_name, tuple(t.shape), t.quantizable) for t in ts.tensors()]
+
+
+def model_info(ts: TensorSource, config) -> ModelInfo:
+    names = {t.gguf_name for t in ts.tensors()}
+    n_head = getattr(config, "num_attention_heads", 1) or 1
+    return ModelInfo(
+        n_layers=ts.n_layers, n_head=n_head, n_head_kv=getattr(config, "num_key_value_heads", None) or n_head,
+        n_expert=getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0) or 0,
+        tied_embeddings="output.weight" not in names,
+    )
+
+
+def imatrix_by_gguf_name(im: Imatrix, ts: TensorSource) -> dict[str, torch.Tensor]:
+    """Re-key an imatrix from HF module names to GGUF tensor names ((K,) float32 each).
+
+    The lm_head's statistics go to ``output.weight``, or to ``token_embd.weight`` when the
+    embedding is tied (llama.cpp's imatrix does the same: the output matmul reads it).
+    """
+    names = {t.gguf_name for t in ts.tensors()}
+    out: dict[str, torch.Tensor] = {}
+    for hf in im.names():
+        g = hf_to_gguf_name(ts.arch, ts.n_layers, hf)
+        if g is None:
+            continue
+        g = g if g.endswith(".weight") else g + ".weight"
+        if g == "output.weight" and g not in names:
+            g = "token_embd.weight"
+        if g in names:
+            out[g] = im.mean(hf)
+    return out
+
+
+def _extra_kv(source: ModelSource, plan: Plan, im: Imatrix | None) -> dict:
+    kv = {
+        "general.quantized_by": "dynaquant",
+        "dynaquant.version": __version__,
+        "dynaquant.source": source.model_id,
+        "dynaquant.plan.method": plan.method,
+        "dynaquant.plan.rules": list(plan.rules) or [""],
+    }
+    if im is not None:
+        kv["dynaquant.imatrix.dataset"] = im.dataset
+        kv["dynaquant.imatrix.chunks"] = im.chunks
+    return kv
+
+
+def _overhead_bytes(ts: TensorSource, tensors: list[TensorInfo], extra_kv: dict) -> int:
+    """Bytes a GGUF file adds to its tensor data: header, metadata, tensor infos, alignment (upper bound)."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "h.gguf")
+        w = gguf.GGUFWriter(path, ts.arch)
+        ts.add_metadata(w)
+        w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_K_M))
+        for k, v in extra_kv.items():
+            if isinstance(v, list):
+                w.add_array(k, v)
+            elif isinstance(v, str):
+                w.add_string(k, v + " " * 64)  # room for longer values
+            else:
+                w.add_uint32(k, 0)
+        for t in tensors:
+            w.add_tensor_info(t.name, list(t.shape), np.dtype(np.float32), 4, raw_dtype=gguf.GGMLQuantizationType.F32)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        w.close()
+        header = os.path.getsize(path)
+    return header + 32 * (len(tensors) + 1)
+
+
+def file_type_of(plan: Plan, preset: str | None) -> int:
+    """``general.file_type`` for a plan: the preset's, else the format holding most quantized weights."""
+    if preset:
+        return int(PRESETS[preset.upper()][1])
+    counts = {f: n for f, n in plan.count_by_format().items() if f != "F32"} or {"F32": 1}
+    bulk = max(sorted(counts), key=lambda f: counts[f])
+    return int(_FILE_TYPE_OF_FORMAT.get(bulk, gguf.LlamaFileType.GUESSED))
+
+
+def _calibrate(model, tokenizer, calibration, chunks, n_ctx, progress) -> Imatrix:
+    text, text_id = read_text(calibration, default_calibration_text)
+    ids = tokenize_chunks(tokenizer, text, n_ctx, chunks)
+    return compute_imatrix(model, ids, text_id, progress=progress)
+
+
+def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLike | None = None,
+             preset: str | None = None, bpw: float | None = None, size: int | None = None,
+             rules: list[str] | tuple[str, ...] = (), plan: Plan | str | os.PathLike | None = None,
+             calibration: str | os.PathLike | None = None, calibration_chunks: int = 32, n_ctx: int = 512,
+             use_imatrix: bool = True, evaluate: bool = False, eval_text: str | os.PathLike | None = None,
+             eval_chunks: int = 16, allow_pickle: bool = False, trust_remote_code: bool = False,
+             device: str | None = None, progress: bool = True) -> QuantizeResult:
+    """Quantize a model to a mixed-precision GGUF file.
+
+    Args:
+        model: HF checkpoint folder, hub id, ``.gguf`` file, or None for the embedded default.
+        output: the GGUF path; default ``<model>-<target>.gguf`` in the current folder.
+        preset: a llama.cpp mix (``Q4_K_M`` ...); the default when no other target is given.
+        bpw: target average bits per weight (upper bound); size: target file size in bytes (upper bound).
+        rules: ``'REGEX=FORMAT'`` overrides matched against GGUF tensor names, first match wins.
+        plan: a Plan or a plan.json path, used as is (validated against the model).
+        calibration: calibration text file (default: stdlib docstrings); calibration_chunks x n_ctx tokens.
+        use_imatrix: compute and use the imatrix (encoders minimise the imatrix-weighted error).
+        evaluate: also measure KLD/perplexity/top-1 against the source on ``eval_text`` (``eval_chunks`` chunks).
+        device: torch device for calibration and encoding (default: CUDA when present).
+    Returns:
+        QuantizeResult.
+    Raises:
+        checkpoint.SourceError: the model cannot be found or read.
+        planner.BudgetError: the target is below what the fixed rules need.
+        ValueError: bad rules, plan or options (messages name the culprit).
+    """
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+    targets = sum(x is not None for x in (preset, bpw, size, plan))
+    if targets > 1:
+        raise ValueError("give at most one of preset, bpw, size and plan")
+    if targets == 0:
+        preset = "Q4_K_M"
+    if preset is not None and preset.upper() not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; known presets: {', '.join(PRESETS)}")
+    device = device or default_device()
+    source = resolve_source(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    ts = open_tensor_source(source)
+    tensors = tensor_infos(ts)
+    hf_model = load_model(source, device=device)
+    info = model_info(ts, hf_model.config)
+    timings["load_s"] = time.perf_counter() - t0
+
+    loaded_plan = _load_plan(plan) if plan is not None else None
+    if loaded_plan is not None:
+        loaded_plan.check_tensors(tensors, str(plan) if not isinstance(plan, Plan) else "plan")
+    im = None
+    if use_imatrix:
+        t1 = time.perf_counter()
+        im = _calibrate(hf_model, load_tokenizer(source), calibration, calibration_chunks, n_ctx, progress)
+        timings["imatrix_s"] = time.perf_counter() - t1
+    if not evaluate:
+        del hf_model
+    if loaded_plan is not None:
+        the_plan = loaded_plan
+    else:
+        overhead = _overhead_bytes(ts, tensors, _extra_kv(source, _empty_plan(), im)) if size is not None else 0
+        the_plan = make_plan(tensors, info, source.model_id, preset=preset, rules=rules, bpw=bpw, size_bytes=size,
+                             overhead_bytes=overhead)
+    if output is None:
+        output = Path.cwd() / f"{source.name}-{_target_label(the_plan, preset, bpw, size)}.gguf"
+    output = Path(output)
+    imat = imatrix_by_gguf_name(im, ts) if im is not None else {}
+    dev = torch.device(device)
+
+    def encode(t: SourceTensor, w: torch.Tensor, fmt: Format) -> np.ndarray:
+        q = encode_tensor(w.to(dev), fmt, imat.get(t.gguf_name) if fmt.kind != "float" else None)
+        return q.cpu().numpy()
+
+    t2 = time.perf_counter()
+    write_gguf(output, ts, {e.name: get_format(e.format) for e in the_plan.entries}, encode,
+               _extra_kv(source, the_plan, im), file_type_of(the_plan, preset if loaded_plan is None else None),
+               progress=progress)
+    timings["quantize_s"] = time.perf_counter() - t2
+    result = QuantizeResult(output, the_plan, output.stat().st_size, the_plan.bpw, time.perf_counter() - t0,
+                            im.chunks if im else 0, timings_s=timings)
+    if size is not None and result.size_bytes > size:  # the overhead estimate is an upper bound; never expected
+        raise RuntimeError(f"{output}: {result.size_bytes} bytes exceeds the target {size}")
+    if evaluate:
+        result.eval = _evaluate_models(hf_model, load_model(resolve_source(output), device=device),
+                                       load_tokenizer(source), eval_text, n_ctx, eval_chunks, progress)
+    return result
+
+
+def _empty_plan() -> Plan:
+    return Plan("gguf", "", [], "allocation size<=000000000000")
+
+
+def _target_label(plan: Plan, preset, bpw, size) -> str:
+    if preset:
+        return preset.upper()
+    if bpw is not None:
+        return f"{bpw:g}bpw"
+    if size is not None:
+        return f"{size}B"
+    return "plan"
+
+
+def _load_plan(plan: Plan | str | os.PathLike) -> Plan:
+    if isinstance(plan, Plan):
+        return plan
+    p = Path(plan)
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{p}: cannot read plan: {exc}") from exc
+    return Plan.from_dict(data, str(p))
+
+
+def _evaluate_models(reference, quantized, tokenizer, text, n_ctx, chunks, progress) -> EvalResult:
+    body, text_id = read_text(text, default_eval_text)
+    ids = tokenize_chunks(tokenizer, body, n_ctx, chunks)
+    return compare_models(reference, quantized, ids, text_id, progress=progress)
+
+
+def source_of(path: str | os.PathLike) -> str | None:
+    """The ``dynaquant.source`` recorded in a GGUF written by dynaquant, or None."""
+    reader = gguf.GGUFReader(str(path))
+    f = reader.fields.get("dynaquant.source")
+    return f.contents() if f is not None else None
+
+
+def evaluate(quantized: str | os.PathLike, reference: str | os.PathLike | None = None, *,
+             text: str | os.PathLike | None = None, n_ctx: int = 512, chunks: int | None = 16,
+             device: str | None = None, progress: bool = True) -> EvalResult:
+    """Mean KLD, perplexity and top-1 agreement of a quantized GGUF against its original.
+
+    Computed in PyTorch on the decoded weights, scoring tokens as ``llama-perplexity
+    --kl-divergence`` does (see ``analysis.evaluate``).
+
+    Args:
+        quantized: a GGUF file.
+        reference: the original model (default: the ``dynaquant.source`` recorded in the file).
+        text: evaluation text file (default: stdlib docstrings, disjoint from the calibration default).
+        n_ctx: tokens per chunk; chunks: at most this many chunks (None: all).
+    Raises:
+        ValueError: no reference given and none recorded in the file.
+    """
+    device = device or default_device()
+    qsrc = resolve_source(quantized)
+    ref = reference if reference is not None else source_of(qsrc.path)
+    if ref is None:
+        raise ValueError(f"{quantized}: no dynaquant.source recorded; pass --reference")
+    rsrc = resolve_source(ref)
+    return _evaluate_models(load_model(rsrc, device=device), load_model(qsrc, device=device), load_tokenizer(rsrc),
+                            text, n_ctx, chunks, progress)
