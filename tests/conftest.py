@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import sys
 
-import numpy as np
-import pytest
-import torch
+# OpenMP threads that spin while waiting starve each other on small, busy machines.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 

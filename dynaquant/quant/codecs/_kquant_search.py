@@ -1,0 +1,513 @@
+"""Scale searches behind the K-quant encoders (private to ``kquants.py``).
+
+Two families of sub-block models, both on super-blocks of 256 weights viewed as
+``(n_super, n_sub, sub_size)`` float32 tensors ``x`` with importance ``w`` (> 0):
+
+* symmetric (Q3_K, Q6_K): ``x ~ (d * k_j) * q``, codes ``q`` in ``[qlo, qhi]``, integer
+  sub-scales ``k_j`` in ``[klo, khi]``, one float16 ``d`` per super-block;
+* affine (Q2_K, Q4_K, Q5_K): ``x ~ (d * ks_j) * q - dmin * km_j``, ``q`` in ``[0, qmax]``,
+  ``ks_j, km_j`` in ``[0, kmax]``, float16 ``d, dmin`` per super-block.
+
+The encoders minimise ``sum(w * (x - decode)**2)`` in three steps, batched over all
+super-blocks (no loop over blocks; the loops are over candidates, keeping a running best):
+
+1. per sub-block, continuous scales (and offsets): many candidate inverse scales (and
+   starting offsets), each followed by a weighted least-squares refit of the scale (and
+   offset) to the rounded codes, then a few re-round / refit steps from the best. Q3_K
+   tries every interval of inverse scales with constant codes (the global optimum);
+   Q6_K adds the scales that put its most important elements exactly on a level.
+2. the super-block scale ``d`` (and ``dmin``): many float16 candidates, each with its best
+   integer sub-scales (floor or ceil; for the affine model, the min's floor or ceil at the
+   best offset for that scale), ranked by the closed-form quadratic error of the current
+   codes. The affine model searches ``d`` then ``dmin`` (coordinate search), and also
+   tries the least-squares ``(d, dmin)`` of the previous round.
+3. codes are re-rounded with the quantized scales exactly as decode rebuilds them, small
+   moves of each integer sub-scale (and min) are tried on the elements, and per super-block
+   the configuration with the lowest exact error is kept. Steps 2-3 repeat.
+
+A configuration (``d``, ``dmin``, integer sub-scales) fixes the codes (nearest rounding,
+optimal per element for given scales), so only configurations are carried. Sums per
+sub-block are float64 where they feed least squares; element-level work is float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+_F16_MAX = 65504.0
+_F16_TINY = 2.0**-24  # smallest positive float16 (subnormal)
+# Candidate evaluations (n_super * C * n_sub * options) per chunk in step 2, to bound memory.
+_EVAL_CHUNK = 1 << 21
+
+MOVES_SMALL = ((1, 0), (-1, 0), (0, 1), (0, -1), (1, 1), (-1, -1))
+MOVES_WIDE = MOVES_SMALL + ((2, 0), (-2, 0), (0, 2), (0, -2), (2, 1), (-2, -1), (1, 2), (-1, -2))
+
+
+def fp16_round(v: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest float16 (saturating at +-65504), returned in ``v``'s dtype."""
+    return v.clamp(-_F16_MAX, _F16_MAX).to(torch.float16).to(v.dtype)
+
+
+def _f16_candidates(v: torch.Tensor) -> torch.Tensor:
+    """Float16-rounded candidate scales as float32; nonzero values that would round to 0 (or
+    a very coarse subnormal) become +-2**-24, so tiny blocks keep a usable scale."""
+    v = v.float()
+    tiny = (v != 0) & (v.abs() < _F16_TINY)
+    return fp16_round(torch.where(tiny, torch.sign(v) * _F16_TINY, v))
+
+
+def _safe_div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a / b`` where ``b != 0``, else 0."""
+    nz = b != 0
+    return torch.where(nz, a / torch.where(nz, b, torch.ones_like(b)), torch.zeros_like(a))
+
+
+def _inv(b: torch.Tensor) -> torch.Tensor:
+    return _safe_div(torch.ones_like(b), b)
+
+
+def _pick_best(cands, evaluate):
+    """Run ``evaluate`` on chunks of candidates; keep, per super-block, the lowest error.
+
+    ``evaluate(chunk)`` returns ``(err (n_super, c), payload)`` where every payload tensor has
+    shape (n_super, c, ...); returns the payload tensors of the best candidate, (n_super, ...).
+    """
+    best_e = best = None
+    for chunk in cands:
+        e, payload = evaluate(*chunk)
+        i = e.argmin(1, keepdim=True)
+        e = e.gather(1, i).squeeze(1)
+        sel = [
+            p.gather(1, i.view(*i.shape, *([1] * (p.ndim - 2))).expand(-1, 1, *p.shape[2:])).squeeze(1) for p in payload
+        ]
+        if best is None:
+            best_e, best = e, sel
+        else:
+            take = e < best_e
+            best_e = torch.where(take, e, best_e)
+            best = [torch.where(take.view(-1, *([1] * (s.ndim - 1))), s, b) for s, b in zip(sel, best)]
+    return best
+
+
+def _chunks(step: int, *cands: torch.Tensor):
+    for c0 in range(0, cands[0].shape[1], step):
+        yield tuple(c[:, c0 : c0 + step] for c in cands)
+
+
+# --------------------------------------------------------------------------- symmetric
+
+
+@dataclass(frozen=True)
+class SymSearch:
+    """Settings of the symmetric search.
+
+    Attributes:
+        qlo, qhi: code range (Q3_K -4, 3; Q6_K -32, 31).
+        klo, khi: integer sub-scale range (Q3_K -32, 31; Q6_K -128, 127).
+        d_steps: candidate super-block scales are ``+-max|A| / t`` for each ``t``.
+        steps: step-1 candidate inverse scales ``+-t / max|x|`` for each ``t``.
+        n_elem: step 1 also puts each of the ``n_elem`` elements with the largest
+            ``w * x**2`` exactly on every nonzero level.
+        exhaustive: step 1 tries every interval of inverse scales with constant codes.
+        rounds: repetitions of steps 2-3.
+    """
+
+    qlo: int
+    qhi: int
+    klo: int
+    khi: int
+    d_steps: tuple[float, ...]
+    steps: tuple[float, ...] = ()
+    n_elem: int = 0
+    exhaustive: bool = False
+    rounds: int = 2
+
+
+@dataclass
+class SymConfig:
+    """A symmetric encoding: ``d`` (n_super,) float32 holding float16 values; ``k`` (n_super, n_sub) int64."""
+
+    d: torch.Tensor
+    k: torch.Tensor
+
+    def sub_scales(self) -> torch.Tensor:
+        """Decode's float32 ``d * k``, (n_super, n_sub)."""
+        return self.d.unsqueeze(-1) * self.k.float()
+
+
+def sym_codes(x: torch.Tensor, dl: torch.Tensor, qlo: int, qhi: int) -> torch.Tensor:
+    """Nearest codes (float32) for sub-block scales ``dl`` (n_super, n_sub); 0 where ``dl == 0``."""
+    return (x * _inv(dl).unsqueeze(-1)).round_().clamp_(qlo, qhi)
+
+
+def sym_error(x: torch.Tensor, w: torch.Tensor, dl: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``sum(w * (x - dl * q)**2)`` per sub-block, (n_super, n_sub) float64."""
+    r = x - dl.unsqueeze(-1) * q
+    return (w * r * r).sum(-1).double()
+
+
+def sym_search_scales(x: torch.Tensor, w: torch.Tensor, spec: SymSearch, iters: int = 2) -> torch.Tensor:
+    """Step 1, symmetric: the best continuous scale per sub-block.
+
+    Args:
+        x, w: (n_super, n_sub, sub_size) float32.
+    Returns:
+        (n_super, n_sub) float64 signed scale ``A`` minimising ``sum(w * (x - A * q)**2)``
+        (``q`` the nearest codes) over the candidates of ``spec``.
+    """
+    qlo, qhi = spec.qlo, spec.qhi
+    wx = w * x
+    inv_amax = _inv(x.abs().amax(-1))
+    best_gain = torch.full(inv_amax.shape, -1.0, dtype=torch.float64, device=x.device)
+    best_a = torch.zeros(inv_amax.shape, dtype=torch.float64, device=x.device)
+
+    def consider(iscale: torch.Tensor) -> None:  # iscale: (B, S, 1)
+        q = (x * iscale).round_().clamp_(qlo, qhi)
+        sxq = (wx * q).sum(-1).double()
+        sqq = (w * q * q).sum(-1).double()
+        gain = _safe_div(sxq * sxq, sqq)  # error = Sxx - gain
+        better = gain > best_gain
+        best_gain.copy_(torch.where(better, gain, best_gain))
+        best_a.copy_(torch.where(better, _safe_div(sxq, sqq), best_a))
+
+    for t in spec.steps:
+        for sign in (1.0, -1.0):
+            consider((sign * t * inv_amax).unsqueeze(-1))
+    if spec.exhaustive:
+        # Codes change where |x_i| * iscale crosses l + 1/2; between consecutive breakpoints
+        # they are constant, so the middle of every interval (and a point past the last one),
+        # with both signs, covers every distinct code vector.
+        half = torch.arange(max(-qlo, qhi), dtype=x.dtype, device=x.device) + 0.5
+        bp = (_inv(x.abs()).unsqueeze(-1) * half).flatten(-2).sort(-1).values
+        mids = torch.cat([(bp[..., :-1] + bp[..., 1:]) * 0.5, bp[..., -1:] * 1.25], -1)
+        for i in range(mids.shape[-1]):
+            for sign in (1.0, -1.0):
+                consider(sign * mids[..., i : i + 1])
+    if spec.n_elem:
+        idx = (w * x * x).topk(min(spec.n_elem, x.shape[-1]), dim=-1).indices
+        for i in range(idx.shape[-1]):
+            inv_xi = _inv(x.gather(-1, idx[..., i : i + 1]))
+            for lev in range(qlo, qhi + 1):
+                if lev:
+                    consider(lev * inv_xi)
+    for _ in range(iters):
+        consider(_inv(best_a.float()).unsqueeze(-1))
+    return best_a
+
+
+def _sym_eval(a, sqq, klo, khi, d):
+    """Step-2 ranking of candidate scales ``d`` (n_super, C).
+
+    With the codes fixed, a sub-block's error at scale ``D`` is ``E(A) + Sqq (D - A)**2``
+    (``A`` its least-squares scale); candidates are ranked by the sum of the second term
+    over sub-blocks, each with the better of floor/ceil ``A / d``.
+    Returns (err (n_super, C), (d, k (n_super, C, n_sub) int64)).
+    """
+    d3 = d.unsqueeze(-1)
+    k0 = (a.unsqueeze(1) * _inv(d3)).floor_().clamp_(klo, khi)
+    k = torch.stack([k0, (k0 + 1).clamp_(klo, khi)], -1)  # (B, C, S, 2)
+    r = d3.unsqueeze(-1) * k - a[:, None, :, None]
+    e, i = (sqq[:, None, :, None] * r * r).min(-1)
+    return e.sum(-1), (d, k.gather(-1, i.unsqueeze(-1)).squeeze(-1).long())
+
+
+def _sym_refine(x, w, cfg: SymConfig, spec: SymSearch):
+    """Step 3, symmetric: try ``k_j +- 1`` on the elements; returns (config, error per super-block)."""
+    dl = cfg.sub_scales()
+    err = sym_error(x, w, dl, sym_codes(x, dl, spec.qlo, spec.qhi))
+    k = cfg.k
+    for delta in (1, -1):
+        kt = (k + delta).clamp(spec.klo, spec.khi)
+        dlt = cfg.d.unsqueeze(-1) * kt.float()
+        et = sym_error(x, w, dlt, sym_codes(x, dlt, spec.qlo, spec.qhi))
+        take = et < err
+        err = torch.where(take, et, err)
+        k = torch.where(take, kt, k)
+    return SymConfig(cfg.d, k), err.sum(-1)
+
+
+def sym_encode(x: torch.Tensor, w: torch.Tensor, spec: SymSearch) -> SymConfig:
+    """Symmetric model, steps 1-3 (module docstring); x, w: (n_super, n_sub, sub_size) float32."""
+    a = sym_search_scales(x, w, spec)
+    q = sym_codes(x, a.float(), spec.qlo, spec.qhi)
+    wx = w * x
+    ts = torch.tensor(spec.d_steps, dtype=torch.float64, device=x.device)
+    n_super, n_sub = a.shape
+    best: SymConfig | None = None
+    best_err = None
+    for r in range(spec.rounds):
+        sxq = (wx * q).sum(-1).double()
+        sqq = (w * q * q).sum(-1).double()
+        a = _safe_div(sxq, sqq)
+        am = a.gather(1, a.abs().argmax(1, keepdim=True))  # signed largest sub-scale, (B, 1)
+        cand = [am / ts, -am / ts]
+        if best is not None:
+            # the kept d and its least-squares refit to the current codes and integer scales
+            kf = best.k.double()
+            d_ls = _safe_div((kf * sxq).sum(1), (kf * kf * sqq).sum(1))
+            cand += [best.d.double().unsqueeze(1), d_ls.unsqueeze(1)]
+        cand = _f16_candidates(torch.cat(cand, 1))
+        step = max(1, _EVAL_CHUNK // max(1, n_super * n_sub * 2))
+        af, sqqf = a.float(), sqq.float()
+        d, k = _pick_best(_chunks(step, cand), partial(_sym_eval, af, sqqf, spec.klo, spec.khi))
+        cfg, err = _sym_refine(x, w, SymConfig(d, k), spec)
+        if best is None:
+            best, best_err = cfg, err
+        else:
+            take = err < best_err
+            best = SymConfig(torch.where(take, cfg.d, best.d), torch.where(take.unsqueeze(-1), cfg.k, best.k))
+            best_err = torch.where(take, err, best_err)
+        if r + 1 < spec.rounds:
+            q = sym_codes(x, best.sub_scales(), spec.qlo, spec.qhi)
+    return best
+
+
+# --------------------------------------------------------------------------- affine
+
+
+@dataclass(frozen=True)
+class AffSearch:
+    """Settings of the affine search.
+
+    Attributes:
+        qmax: top code (Q2_K 3, Q4_K 15, Q5_K 31).
+        kmax: top integer sub-scale and min (Q2_K 15, else 63).
+        steps, shifts: step-1 candidates: codes ``round((x - b0) * t / (max - m0))`` with
+            ``m0 = min(min(x), 0)`` and ``b0 = m0 + s * (max - m0) / t``, for each ``t`` in
+            ``steps`` and ``s`` in ``shifts``.
+        d_steps: candidate ``d`` are ``max(A) / t`` and candidate ``dmin`` ``max(-B) / t``.
+        moves: step-3 moves ``(dks, dkm)`` of each sub-block's integer scale and min.
+        rounds: repetitions of steps 2-3.
+    """
+
+    qmax: int
+    kmax: int
+    steps: tuple[float, ...]
+    shifts: tuple[float, ...]
+    d_steps: tuple[float, ...]
+    moves: tuple[tuple[int, int], ...] = MOVES_SMALL
+    rounds: int = 2
+
+
+@dataclass
+class AffConfig:
+    """An affine encoding: ``d``, ``dmin`` (n_super,) float32 holding float16 values;
+    ``ks``, ``km`` (n_super, n_sub) int64."""
+
+    d: torch.Tensor
+    dmin: torch.Tensor
+    ks: torch.Tensor
+    km: torch.Tensor
+
+    def where(self, take: torch.Tensor, other: AffConfig) -> AffConfig:
+        """Per super-block: this configuration where ``take`` (n_super,) bool, else ``other``."""
+        t1 = take.unsqueeze(-1)
+        return AffConfig(
+            torch.where(take, self.d, other.d),
+            torch.where(take, self.dmin, other.dmin),
+            torch.where(t1, self.ks, other.ks),
+            torch.where(t1, self.km, other.km),
+        )
+
+    def sub_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dl, ml): decode's float32 ``d * ks`` and ``dmin * km``, (n_super, n_sub) each."""
+        return self.d.unsqueeze(-1) * self.ks.float(), self.dmin.unsqueeze(-1) * self.km.float()
+
+
+def aff_codes(x: torch.Tensor, dl: torch.Tensor, ml: torch.Tensor, qmax: int) -> torch.Tensor:
+    """Nearest codes (float32) in ``[0, qmax]`` for ``x ~ dl * q - ml``; 0 where ``dl == 0``."""
+    return ((x + ml.unsqueeze(-1)) * _inv(dl).unsqueeze(-1)).round_().clamp_(0, qmax)
+
+
+def aff_error(x, w, dl, ml, q) -> torch.Tensor:
+    """``sum(w * (x - (dl * q - ml))**2)`` per sub-block in decode's float32 order, float64."""
+    r = x - (dl.unsqueeze(-1) * q - ml.unsqueeze(-1))
+    return (w * r * r).sum(-1).double()
+
+
+def _aff_ls(sw, sq, sqq, sx, sxq):
+    """Weighted least squares of ``x ~ A q + B`` with ``A >= 0``, ``B <= 0``; returns (A, B)."""
+    det = sw * sqq - sq * sq
+    ok = det > 1e-12 * sw * sqq
+    det = torch.where(ok, det, torch.zeros_like(det))
+    a = _safe_div(sw * sxq - sq * sx, det)
+    b = _safe_div(sqq * sx - sq * sxq, det)
+    # constrained or degenerate: B = 0 with A = Sxq / Sqq (A >= 0), then B refitted if A is 0
+    fix = ~ok | (b > 0) | (a < 0)
+    a2 = _safe_div(sxq, sqq).clamp_min(0)
+    b2 = _safe_div(sx - a2 * sq, sw).clamp_max(0)
+    return torch.where(fix, a2, a), torch.where(fix, b2, b)
+
+
+def _aff_quad(sw, sq, sqq, sx, sxq, sxx, a, b):
+    """``sum(w (x - a q - b)**2)`` from the sums."""
+    return sxx - 2 * a * sxq - 2 * b * sx + a * a * sqq + 2 * a * b * sq + b * b * sw
+
+
+def aff_search_scales(x: torch.Tensor, w: torch.Tensor, spec: AffSearch, iters: int = 3):
+    """Step 1, affine: the best continuous ``(A, B)`` per sub-block, ``x ~ A q + B``.
+
+    Args:
+        x, w: (n_super, n_sub, sub_size) float32.
+    Returns:
+        (A, B): (n_super, n_sub) float64 each, ``A >= 0``, ``B <= 0``.
+    """
+    qmax = spec.qmax
+    wx = w * x
+    sw = w.sum(-1).double()
+    sx = wx.sum(-1).double()
+    sxx = (wx * x).sum(-1).double()
+    lo = x.amin(-1).clamp_max(0)
+    rng = x.amax(-1) - lo
+    inv_rng = _inv(rng)
+    best_e = torch.full(sw.shape, float("inf"), dtype=torch.float64, device=x.device)
+    best_a = torch.zeros_like(best_e)
+    best_b = torch.zeros_like(best_e)
+
+    def consider(q):
+        wq = w * q
+        sq = wq.sum(-1).double()
+        sqq = (wq * q).sum(-1).double()
+        sxq = (wx * q).sum(-1).double()
+        a, b = _aff_ls(sw, sq, sqq, sx, sxq)
+        e = _aff_quad(sw, sq, sqq, sx, sxq, sxx, a, b)
+        take = e < best_e
+        best_e.copy_(torch.where(take, e, best_e))
+        best_a.copy_(torch.where(take, a, best_a))
+        best_b.copy_(torch.where(take, b, best_b))
+
+    for t in spec.steps:
+        iscale = (t * inv_rng).unsqueeze(-1)
+        for s in spec.shifts:
+            b0 = (lo + s * rng / t).unsqueeze(-1)
+            consider(((x - b0) * iscale).round_().clamp_(0, qmax))
+    for _ in range(iters):
+        consider(aff_codes(x, best_a.float(), (-best_b).float(), qmax))
+    return best_a, best_b
+
+
+def _aff_reference(st):
+    """The current codes' error as a quadratic around its constrained least-squares point.
+
+    ``err(A, B) = E(a, b) + 2 (gA dA + gB dB) + Sqq dA**2 + 2 Sq dA dB + Sw dB**2`` with
+    ``dA = A - a``, ``dB = B - b``. Returns float32 (a, b, gA, gB, Sqq, Sq, Sw), each
+    (n_super, n_sub): ranking by the variable part avoids the cancellation of the raw sums.
+    """
+    sw, sq, sqq, sx, sxq = st
+    a, b = _aff_ls(sw, sq, sqq, sx, sxq)
+    ga = a * sqq + b * sq - sxq
+    gb = a * sq + b * sw - sx
+    return tuple(t.float() for t in (a, b, ga, gb, sqq, sq, sw))
+
+
+def _aff_eval(ref, kmax, d, dm):
+    """Step-2 ranking of candidate pairs ``(d, dm)`` (n_super, C).
+
+    Per sub-block: ``ks`` in {floor, ceil}(a / d); for each, ``km`` in {floor, ceil} of the
+    best min for that scale. Returns (err (n_super, C), (d, dm, ks, km)), ``ks``/``km``
+    (n_super, C, n_sub) int64.
+    """
+    a, b, ga, gb, sqq, sq, sw = (t[:, None, :, None] for t in ref)
+    d4, dm4 = d[:, :, None, None], dm[:, :, None, None]
+    k0 = (a * _inv(d4)).floor_().clamp_(0, kmax)
+    ks = torch.cat([k0, (k0 + 1).clamp_(0, kmax)], -1)  # (B, C, S, 2)
+    da = d4 * ks - a
+    # best offset for this scale: dB = -(gB + Sq dA) / Sw, i.e. min M = -B >= 0
+    mopt = (-(b - (gb + sq * da) / sw)).clamp_(min=0)
+    m0 = (mopt * _inv(dm4)).floor_().clamp_(0, kmax)
+    km = torch.stack([m0, (m0 + 1).clamp_(0, kmax)], -1)  # (B, C, S, 2, 2)
+    ks = ks.unsqueeze(-1).expand_as(km)
+    da = da.unsqueeze(-1)
+    db = -dm4.unsqueeze(-1) * km - b.unsqueeze(-1)
+    e = 2 * (ga.unsqueeze(-1) * da + gb.unsqueeze(-1) * db) + sqq.unsqueeze(-1) * da * da
+    e += 2 * sq.unsqueeze(-1) * da * db + sw.unsqueeze(-1) * db * db
+    e, i = e.flatten(-2).min(-1)
+    i = i.unsqueeze(-1)
+    ks = ks.flatten(-2).gather(-1, i).squeeze(-1).long()
+    km = km.flatten(-2).gather(-1, i).squeeze(-1).long()
+    return e.sum(-1), (d, dm, ks, km)
+
+
+def _aff_ls_super(st, cfg: AffConfig):
+    """Least-squares ``(d, dmin)`` for fixed codes and integer scales/mins, (n_super,) float64 each
+    (the config's own values where the fit is degenerate or negative)."""
+    sw, sq, sqq, sx, sxq = st
+    ks, km = cfg.ks.double(), cfg.km.double()
+    a11 = (ks * ks * sqq).sum(1)
+    a12 = -(ks * km * sq).sum(1)
+    a22 = (km * km * sw).sum(1)
+    b1 = (ks * sxq).sum(1)
+    b2 = -(km * sx).sum(1)
+    det = a11 * a22 - a12 * a12
+    d = _safe_div(b1 * a22 - a12 * b2, det)
+    m = _safe_div(a11 * b2 - a12 * b1, det)
+    bad = (d <= 0) | (m < 0)
+    return torch.where(bad, cfg.d.double(), d), torch.where(bad, cfg.dmin.double(), m)
+
+
+def _aff_refine(x, w, cfg: AffConfig, spec: AffSearch):
+    """Step 3, affine: try the moves of each sub-block's ``(ks, km)`` on the elements.
+
+    Returns (config, error per super-block (n_super,) float64)."""
+    qmax, kmax = spec.qmax, spec.kmax
+    dl, ml = cfg.sub_scales()
+    err = aff_error(x, w, dl, ml, aff_codes(x, dl, ml, qmax))
+    ks, km = cfg.ks, cfg.km
+    for ds, dm in spec.moves:
+        kst, kmt = (ks + ds).clamp(0, kmax), (km + dm).clamp(0, kmax)
+        dlt = cfg.d.unsqueeze(-1) * kst.float()
+        mlt = cfg.dmin.unsqueeze(-1) * kmt.float()
+        et = aff_error(x, w, dlt, mlt, aff_codes(x, dlt, mlt, qmax))
+        take = et < err
+        err = torch.where(take, et, err)
+        ks, km = torch.where(take, kst, ks), torch.where(take, kmt, km)
+    return AffConfig(cfg.d, cfg.dmin, ks, km), err.sum(-1)
+
+
+def aff_encode(x: torch.Tensor, w: torch.Tensor, spec: AffSearch) -> AffConfig:
+    """Affine model, steps 1-3 (module docstring); x, w: (n_super, n_sub, sub_size) float32."""
+    kmax = spec.kmax
+    a, b = aff_search_scales(x, w, spec)
+    q = aff_codes(x, a.float(), (-b).float(), spec.qmax)
+    wx = w * x
+    sw = w.sum(-1).double()
+    sx = wx.sum(-1).double()
+    ts = torch.tensor(spec.d_steps, dtype=torch.float32, device=x.device)
+    n_super, n_sub = a.shape
+    step = max(1, _EVAL_CHUNK // max(1, n_super * n_sub * 4))
+    best: AffConfig | None = None
+    best_err = d_cur = dm_cur = None
+    for r in range(spec.rounds):
+        wq = w * q
+        st = (sw, wq.sum(-1).double(), (wq * q).sum(-1).double(), sx, (wx * q).sum(-1).double())
+        ref = _aff_reference(st)
+        amax, mmax = ref[0].amax(1, keepdim=True), (-ref[1]).amax(1, keepdim=True)
+        grid_d, grid_m = _f16_candidates(amax / ts), _f16_candidates(mmax / ts)
+        if d_cur is None:
+            d_cur, dm_cur = _f16_candidates(amax / kmax), _f16_candidates(mmax / kmax)
+        extra_d, extra_m = [d_cur], [dm_cur]
+        if best is not None:
+            d_ls, m_ls = _aff_ls_super(st, best)
+            extra_d.append(_f16_candidates(d_ls).unsqueeze(1))
+            extra_m.append(_f16_candidates(m_ls).unsqueeze(1))
+        evaluate = partial(_aff_eval, ref, kmax)
+        # coordinate search: d over its grid (dmin kept), then dmin over its grid (d kept)
+        dc = torch.cat([grid_d, *extra_d], 1)
+        mc = torch.cat([dm_cur.expand_as(grid_d), *extra_m], 1)
+        d, dm, _, _ = _pick_best(_chunks(step, dc, mc), evaluate)
+        dc = d.unsqueeze(1).expand(-1, grid_m.shape[1] + 1)
+        mc = torch.cat([grid_m, dm.unsqueeze(1)], 1)
+        cfg = AffConfig(*_pick_best(_chunks(step, dc, mc), evaluate))
+        cfg, err = _aff_refine(x, w, cfg, spec)
+        if best is None:
+            best, best_err = cfg, err
+        else:
+            take = err < best_err
+            best, best_err = cfg.where(take, best), torch.where(take, err, best_err)
+        d_cur, dm_cur = best.d.unsqueeze(1), best.dmin.unsqueeze(1)
+        if r + 1 < spec.rounds:
+            q = aff_codes(x, *best.sub_scales(), spec.qmax)
+    return best

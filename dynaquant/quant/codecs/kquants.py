@@ -1,0 +1,324 @@
+"""GGUF K-quants Q2_K, Q3_K, Q4_K, Q5_K and Q6_K: super-blocks of 256 weights.
+
+Layouts follow llama.cpp's ``ggml-common.h`` (``block_q2_K`` ... ``block_q6_K``); decoding
+repeats gguf-py's ``gguf.quants`` float32 operations in the same order, so it equals
+``gguf.quants.dequantize`` bit for bit.
+
+=====  =====  ========================================================================
+type   bytes  layout (offsets in bytes)                 decoded weight
+=====  =====  ========================================================================
+Q2_K   84     scales[16] (lo nibble: scale, hi: min),    ``d*sc*q - dmin*m``, q in 0..3,
+              qs[64] (2-bit), d, dmin (fp16)             16 sub-blocks of 16
+Q3_K   110    hmask[32] (high bit), qs[64] (low 2 bits), ``d*(sc-32)*(q-4)``, q in 0..7,
+              scales[12] (16 x 6 bit), d                 16 sub-blocks of 16
+Q4_K   144    d, dmin, scales[12] (8 scales + 8 mins,    ``d*sc*q - dmin*m``, q in 0..15,
+              6 bit), qs[128] (4-bit)                    8 sub-blocks of 32
+Q5_K   176    d, dmin, scales[12], qh[32], qs[128]       as Q4_K, q in 0..31
+Q6_K   210    ql[128], qh[64], scales[16] (int8), d      ``d*sc*(q-32)``, q in 0..63,
+                                                         16 sub-blocks of 16
+=====  =====  ========================================================================
+
+Encoders minimise the importance-weighted squared error of what decode reproduces
+(float16 ``d``/``dmin``, quantized sub-block scales and mins, re-rounded codes); the
+searches are in ``_kquant_search``. Everything is batched torch on the input's device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _kquant_search as kqs
+from .base import Codec, register
+
+QK_K = 256
+
+
+# --------------------------------------------------------------------------- byte helpers
+
+
+def _shifts(values, shape, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device).reshape(shape)
+
+
+def _f16_bytes(v: torch.Tensor) -> torch.Tensor:
+    """(n,) float32 holding float16 values -> (n, 2) uint8, little-endian."""
+    return v.to(torch.float16).contiguous().view(torch.uint8).reshape(-1, 2)
+
+
+def _f16_value(b: torch.Tensor) -> torch.Tensor:
+    """(n, 2) uint8 -> (n, 1) float32."""
+    return b.contiguous().view(torch.float16).to(torch.float32).reshape(-1, 1)
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int32).to(torch.uint8)
+
+
+def _pack_crumbs(c: torch.Tensor) -> torch.Tensor:
+    """2-bit codes (n, 256) -> qs (n, 64): byte ``32*h + l`` holds element ``128*h + 32*s + l``
+    at bits ``2s`` (Q2_K/Q3_K ``qs``, and Q6_K ``qh`` for the high 2 bits)."""
+    n = c.shape[0]
+    c = c.to(torch.int32).reshape(n, 2, 4, 32) << _shifts([0, 2, 4, 6], (1, 1, 4, 1), c.device)
+    return _u8(c.sum(2).reshape(n, 64))
+
+
+def _unpack_crumbs(b: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``_pack_crumbs``: (n, 64) uint8 -> (n, 256) int32."""
+    n = b.shape[0]
+    c = (b.to(torch.int32).reshape(n, 2, 1, 32) >> _shifts([0, 2, 4, 6], (1, 1, 4, 1), b.device)) & 3
+    return c.reshape(n, QK_K)
+
+
+def _pack_bitplanes(h: torch.Tensor) -> torch.Tensor:
+    """1-bit values (n, 256) -> (n, 32): element ``32*i + l`` at bit ``i`` of byte ``l``
+    (Q3_K ``hmask``, Q5_K ``qh``)."""
+    n = h.shape[0]
+    h = h.to(torch.int32).reshape(n, 8, 32) << _shifts(list(range(8)), (1, 8, 1), h.device)
+    return _u8(h.sum(1))
+
+
+def _unpack_bitplanes(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    return ((b.to(torch.int32).reshape(n, 1, 32) >> _shifts(list(range(8)), (1, 8, 1), b.device)) & 1).reshape(n, QK_K)
+
+
+def _pack_nibbles(c: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (n, 256) -> (n, 128): byte ``32*g + l`` holds element ``64*g + l`` (low
+    nibble) and ``64*g + 32 + l`` (high nibble) (Q4_K/Q5_K ``qs``)."""
+    n = c.shape[0]
+    c = c.to(torch.int32).reshape(n, 4, 2, 32)
+    return _u8((c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, 128))
+
+
+def _unpack_nibbles(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    return ((b.to(torch.int32).reshape(n, 4, 1, 32) >> _shifts([0, 4], (1, 1, 2, 1), b.device)) & 15).reshape(n, QK_K)
+
+
+def _pack_scale_min_k4(sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Eight 6-bit scales and mins (n, 8) -> the 12 ``scales`` bytes of Q4_K/Q5_K
+    (llama.cpp ``get_scale_min_k4`` reads them back)."""
+    sc, m = sc.to(torch.int32), m.to(torch.int32)
+    b0 = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    b4 = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
+    b8 = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
+    return _u8(torch.cat([b0, b4, b8], 1))
+
+
+def _unpack_scale_min_k4(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    b = b.to(torch.int32).reshape(-1, 3, 4)
+    d, m, md = b[:, 0], b[:, 1], b[:, 2]
+    sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], 1)
+    mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], 1)
+    return sc, mn
+
+
+def _pack_scales_q3(s: torch.Tensor) -> torch.Tensor:
+    """Sixteen 6-bit values (n, 16) in 0..63 -> Q3_K's 12 ``scales`` bytes: low nibbles of
+    ``j`` and ``j + 8`` share byte ``j``; the top 2 bits of ``j`` sit in byte ``8 + j % 4`` at
+    bit ``2 * (j // 4)``."""
+    s = s.to(torch.int32)
+    lo = (s[:, :8] & 15) | ((s[:, 8:] & 15) << 4)
+    hi = ((s >> 4).reshape(-1, 4, 4) << _shifts([0, 2, 4, 6], (1, 4, 1), s.device)).sum(1)
+    return _u8(torch.cat([lo, hi], 1))
+
+
+def _unpack_scales_q3(b: torch.Tensor) -> torch.Tensor:
+    b = b.to(torch.int32)
+    lo = torch.cat([b[:, :8] & 15, b[:, :8] >> 4], 1)
+    hi = ((b[:, 8:12].reshape(-1, 1, 4) >> _shifts([0, 2, 4, 6], (1, 4, 1), b.device)) & 3).reshape(-1, 16)
+    return lo | (hi << 4)
+
+
+# --------------------------------------------------------------------------- codecs
+
+
+def _grid(lo: float, hi: float, step: float) -> tuple[float, ...]:
+    n = round((hi - lo) / step)
+    return tuple(lo + i * step for i in range(n + 1))
+
+
+class _KQuant(Codec):
+    """A K-quant: 256-weight super-blocks; subclasses give the layout and the search.
+
+    ``encode_blocks(x, w)``: (n, 256) float32 weights and importance -> (n, type_size) uint8.
+    ``decode_blocks(b)``: (n, type_size) uint8 -> (n, 256) float32, as ``gguf.quants.dequantize``.
+    Both raise ValueError on other shapes.
+    """
+
+    n_sub: int
+    search: kqs.AffSearch | kqs.SymSearch
+
+    def _encode_config(self, x: torch.Tensor, w: torch.Tensor):
+        """Search the encoding of (n, 256) blocks: (config, codes (n, 256) int32)."""
+        if x.ndim != 2 or x.shape[1] != QK_K or w.shape != x.shape:
+            raise ValueError(
+                f"{self.format_name}: expected x and w of shape (n_blocks, 256), got {tuple(x.shape)} and {tuple(w.shape)}"
+            )
+        n = x.shape[0]
+        x3 = x.float().reshape(n, self.n_sub, -1)
+        w3 = w.float().reshape(n, self.n_sub, -1)
+        sp = self.search
+        if isinstance(sp, kqs.AffSearch):
+            cfg = kqs.aff_encode(x3, w3, sp)
+            q = kqs.aff_codes(x3, *cfg.sub_scales(), sp.qmax)
+        else:
+            cfg = kqs.sym_encode(x3, w3, sp)
+            q = kqs.sym_codes(x3, cfg.sub_scales(), sp.qlo, sp.qhi)
+        return cfg, q.reshape(n, QK_K).to(torch.int32)
+
+    def _check_bytes(self, b: torch.Tensor) -> int:
+        """Number of blocks in ``b``; raises ValueError unless it is (n_blocks, type_size) uint8."""
+        ts = self.format.type_size
+        if b.dtype != torch.uint8 or b.ndim != 2 or b.shape[1] != ts:
+            raise ValueError(f"{self.format_name}: expected (n_blocks, {ts}) uint8, got {tuple(b.shape)} {b.dtype}")
+        return b.shape[0]
+
+
+@register
+class Q2_K(_KQuant):
+    """``block_q2_K``: 2.625 bpw; 16 sub-blocks of 16 with 4-bit scales and mins."""
+
+    format_name = "Q2_K"
+    n_sub = 16
+    search = kqs.AffSearch(
+        qmax=3,
+        kmax=15,
+        steps=_grid(1.5, 4.0, 0.2),
+        shifts=(0.0, 0.25, -0.25, 0.5),
+        d_steps=_grid(8.0, 15.5, 0.25),
+        moves=kqs.MOVES_WIDE,
+    )
+
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        cfg, q = self._encode_config(x, w)
+        scales = _u8(cfg.ks | (cfg.km << 4))
+        return torch.cat([scales, _pack_crumbs(q), _f16_bytes(cfg.d), _f16_bytes(cfg.dmin)], 1)
+
+    def decode_blocks(self, b: torch.Tensor) -> torch.Tensor:
+        n = self._check_bytes(b)
+        sc = b[:, :16].to(torch.int32)
+        d, dmin = _f16_value(b[:, 80:82]), _f16_value(b[:, 82:84])
+        dl = (d * (sc & 15).to(torch.float32)).reshape(n, 16, 1)
+        ml = (dmin * (sc >> 4).to(torch.float32)).reshape(n, 16, 1)
+        q = _unpack_crumbs(b[:, 16:80]).reshape(n, 16, 16).to(torch.float32)
+        return (dl * q - ml).reshape(n, QK_K)
+
+
+@register
+class Q3_K(_KQuant):
+    """``block_q3_K``: 3.4375 bpw; 16 sub-blocks of 16 with signed 6-bit scales, codes -4..3."""
+
+    format_name = "Q3_K"
+    n_sub = 16
+    search = kqs.SymSearch(qlo=-4, qhi=3, klo=-32, khi=31, d_steps=_grid(20.0, 32.5, 0.25), exhaustive=True)
+
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        cfg, q = self._encode_config(x, w)
+        L = q + 4
+        return torch.cat(
+            [_pack_bitplanes(L >> 2), _pack_crumbs(L & 3), _pack_scales_q3(cfg.k + 32), _f16_bytes(cfg.d)], 1
+        )
+
+    def decode_blocks(self, b: torch.Tensor) -> torch.Tensor:
+        n = self._check_bytes(b)
+        d = _f16_value(b[:, 108:110])
+        sc = (_unpack_scales_q3(b[:, 96:108]) - 32).to(torch.float32)
+        dl = (d * sc).reshape(n, 16, 1)
+        q = _unpack_crumbs(b[:, 32:96]) - ((1 - _unpack_bitplanes(b[:, :32])) << 2)
+        return (dl * q.reshape(n, 16, 16).to(torch.float32)).reshape(n, QK_K)
+
+
+@register
+class Q4_K(_KQuant):
+    """``block_q4_K``: 4.5 bpw; 8 sub-blocks of 32 with 6-bit scales and mins."""
+
+    format_name = "Q4_K"
+    n_sub = 8
+    search = kqs.AffSearch(
+        qmax=15, kmax=63, steps=_grid(11.0, 16.0, 0.2), shifts=(0.0, 0.3, -0.3), d_steps=_grid(40.0, 63.5, 0.5)
+    )
+
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        cfg, q = self._encode_config(x, w)
+        return torch.cat(
+            [_f16_bytes(cfg.d), _f16_bytes(cfg.dmin), _pack_scale_min_k4(cfg.ks, cfg.km), _pack_nibbles(q)], 1
+        )
+
+    def decode_blocks(self, b: torch.Tensor) -> torch.Tensor:
+        self._check_bytes(b)
+        return _decode_q45(b, _unpack_nibbles(b[:, 16:144]))
+
+
+@register
+class Q5_K(_KQuant):
+    """``block_q5_K``: 5.5 bpw; 8 sub-blocks of 32 with 6-bit scales and mins."""
+
+    format_name = "Q5_K"
+    n_sub = 8
+    search = kqs.AffSearch(
+        qmax=31,
+        kmax=63,
+        steps=_grid(25.0, 32.0, 0.25),
+        shifts=(0.0, 0.3, -0.3),
+        d_steps=_grid(40.0, 63.5, 0.5),
+        moves=kqs.MOVES_WIDE,
+    )
+
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        cfg, q = self._encode_config(x, w)
+        return torch.cat(
+            [
+                _f16_bytes(cfg.d),
+                _f16_bytes(cfg.dmin),
+                _pack_scale_min_k4(cfg.ks, cfg.km),
+                _pack_bitplanes(q >> 4),
+                _pack_nibbles(q & 15),
+            ],
+            1,
+        )
+
+    def decode_blocks(self, b: torch.Tensor) -> torch.Tensor:
+        self._check_bytes(b)
+        q = _unpack_nibbles(b[:, 48:176]) | (_unpack_bitplanes(b[:, 16:48]) << 4)
+        return _decode_q45(b, q)
+
+
+def _decode_q45(b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Q4_K/Q5_K decode from the block bytes and the unpacked codes (n, 256)."""
+    n = b.shape[0]
+    d, dmin = _f16_value(b[:, 0:2]), _f16_value(b[:, 2:4])
+    sc, m = _unpack_scale_min_k4(b[:, 4:16])
+    dl = (d * sc.to(torch.float32)).reshape(n, 8, 1)
+    ml = (dmin * m.to(torch.float32)).reshape(n, 8, 1)
+    return (dl * q.reshape(n, 8, 32).to(torch.float32) - ml).reshape(n, QK_K)
+
+
+@register
+class Q6_K(_KQuant):
+    """``block_q6_K``: 6.5625 bpw; 16 sub-blocks of 16 with int8 scales, codes -32..31."""
+
+    format_name = "Q6_K"
+    n_sub = 16
+    search = kqs.SymSearch(
+        qlo=-32, qhi=31, klo=-128, khi=127, d_steps=_grid(100.0, 128.5, 0.5), steps=_grid(26.0, 32.5, 0.25), n_elem=2
+    )
+
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        cfg, q = self._encode_config(x, w)
+        n = x.shape[0]
+        L = (q + 32).reshape(n, 2, 2, 64)
+        ql = _u8(((L[:, :, 0] & 15) | ((L[:, :, 1] & 15) << 4)).reshape(n, 128))
+        qh = _pack_crumbs((q + 32).reshape(n, QK_K) >> 4)
+        sc = cfg.k.to(torch.int8).view(torch.uint8)
+        return torch.cat([ql, qh, sc, _f16_bytes(cfg.d)], 1)
+
+    def decode_blocks(self, b: torch.Tensor) -> torch.Tensor:
+        n = self._check_bytes(b)
+        d = _f16_value(b[:, 208:210])
+        sc = b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
+        dl = (d * sc).reshape(n, 16, 1)
+        ql = (b[:, :128].to(torch.int32).reshape(n, 2, 1, 64) >> _shifts([0, 4], (1, 1, 2, 1), b.device)) & 15
+        qh = _unpack_crumbs(b[:, 128:192]).reshape(n, 2, 4, 32)
+        q = (ql.reshape(n, 2, 4, 32) | (qh << 4)) - 32
+        return (dl * q.reshape(n, 16, 16).to(torch.float32)).reshape(n, QK_K)
