@@ -131,7 +131,7 @@ def _extra_kv(source: ModelSource, plan: Plan, im: Imatrix | None) -> dict:
         "dynaquant.version": __version__,
         "dynaquant.source": source.model_id,
         "dynaquant.plan.method": plan.method,
-        "dynaquant.plan.rules": list(plan.rules) or [""],
+        "dynaquant.plan.rules": list(plan.rules),
     }
     if im is not None:
         kv["dynaquant.imatrix.dataset"] = im.dataset

@@ -110,6 +110,9 @@ def quantize(weight: torch.Tensor, fmt: str | Format, imatrix: torch.Tensor | No
     rows = x.shape[0]
     out = torch.empty(rows, row_bytes, dtype=torch.uint8, device=x.device)
     step = max(1, CHUNK_WEIGHTS // k)
+    if fmt.kind == "float":  # plain conversion: no search, no importance
+        blocks = codec.encode_blocks(x.reshape(-1, 1), x.reshape(-1, 1))
+        return blocks.reshape(*shape[:-1], row_bytes)
     for r0 in range(0, rows, step):
         xr = x[r0 : r0 + step]
         wr = _importance(imatrix, xr.shape[0], k, x.device)

@@ -1,0 +1,115 @@
+"""Tensor names between Hugging Face checkpoints and GGUF (llama.cpp) files.
+
+The forward map (HF -> GGUF) is gguf-py's ``TensorNameMap``, the table llama.cpp's
+``convert_hf_to_gguf.py`` uses; nothing is retyped here. The reverse map (GGUF -> HF) needs
+one canonical HF name per GGUF tensor, which that table cannot give (it lists every alias
+of every architecture), so :data:`CANONICAL_HF_MODULES` names the transformers modules of
+the Llama family (Llama, Mistral, Qwen2, Qwen3) and the reverse map is built by running
+those names through the forward map, so both directions always agree.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import gguf
+
+# HF ``architectures[0]`` -> gguf architecture string, for the checkpoints we convert.
+HF_ARCH_TO_GGUF: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+# Canonical transformers module names of the Llama family, global then per block
+# (``{bid}`` is the block index). Qwen2 adds q/k/v biases (same modules, ".bias"),
+# Qwen3 adds q_norm/k_norm; llama.cpp permutes nothing else.
+CANONICAL_HF_MODULES: tuple[str, ...] = (
+    "model.embed_tokens",
+    "model.norm",
+    "lm_head",
+)
+CANONICAL_HF_BLOCK_MODULES: tuple[str, ...] = (
+    "model.layers.{bid}.input_layernorm",
+    "model.layers.{bid}.self_attn.q_proj",
+    "model.layers.{bid}.self_attn.k_proj",
+    "model.layers.{bid}.self_attn.v_proj",
+    "model.layers.{bid}.self_attn.o_proj",
+    "model.layers.{bid}.self_attn.q_norm",
+    "model.layers.{bid}.self_attn.k_norm",
+    "model.layers.{bid}.post_attention_layernorm",
+    "model.layers.{bid}.mlp.gate_proj",
+    "model.layers.{bid}.mlp.up_proj",
+    "model.layers.{bid}.mlp.down_proj",
+)
+
+_SUFFIXES = (".weight", ".bias")
+
+
+def gguf_arch(arch: str) -> gguf.MODEL_ARCH:
+    """The gguf-py ``MODEL_ARCH`` of an architecture string (``"llama"``).
+
+    Raises:
+        ValueError: gguf-py knows no such architecture.
+    """
+    for key, name in gguf.MODEL_ARCH_NAMES.items():
+        if name == arch:
+            return key
+    raise ValueError(f"unknown GGUF architecture {arch!r}")
+
+
+@lru_cache(maxsize=16)
+def _name_map(arch: str, n_layers: int) -> gguf.TensorNameMap:
+    return gguf.get_tensor_name_map(gguf_arch(arch), n_layers)
+
+
+def hf_to_gguf_name(arch: str, n_layers: int, hf_name: str) -> str | None:
+    """The llama.cpp name of a HF parameter or module.
+
+    Args:
+        arch: gguf architecture string (``"llama"``, ``"qwen2"``, ``"qwen3"``, or any other
+            gguf-py knows).
+        n_layers: number of transformer blocks (``num_hidden_layers``).
+        hf_name: a module name (``"model.layers.3.mlp.down_proj"`` -> ``"blk.3.ffn_down"``)
+            or a parameter name; a ``.weight``/``.bias`` suffix is kept
+            (``"model.layers.3.mlp.down_proj.weight"`` -> ``"blk.3.ffn_down.weight"``).
+    Returns:
+        The GGUF name, or None when the name has no GGUF tensor for this architecture
+        (e.g. ``rotary_emb.inv_freq``, or a block index >= n_layers).
+    Raises:
+        ValueError: unknown architecture.
+    """
+    return _name_map(arch, n_layers).get_name(hf_name, try_suffixes=_SUFFIXES)
+
+
+@lru_cache(maxsize=16)
+def _reverse_map(arch: str, n_layers: int) -> dict[str, str]:
+    rev: dict[str, str] = {}
+    modules = list(CANONICAL_HF_MODULES)
+    modules += [m.format(bid=b) for b in range(n_layers) for m in CANONICAL_HF_BLOCK_MODULES]
+    for hf in modules:
+        name = hf_to_gguf_name(arch, n_layers, hf)
+        if name is not None:
+            rev.setdefault(name, hf)
+    return rev
+
+
+def gguf_to_hf_name(arch: str, n_layers: int, gguf_name: str) -> str | None:
+    """The canonical transformers name of a GGUF tensor (the inverse of :func:`hf_to_gguf_name`).
+
+    ``"blk.3.ffn_down.weight"`` -> ``"model.layers.3.mlp.down_proj.weight"``; a name without
+    suffix maps to the module name. Only the Llama-family modules of
+    :data:`CANONICAL_HF_BLOCK_MODULES` are known.
+
+    Returns:
+        The HF name, or None for tensors with no HF counterpart (``rope_freqs.weight``) or
+        of other architectures' layouts.
+    Raises:
+        ValueError: unknown architecture.
+    """
+    rev = _reverse_map(arch, n_layers)
+    for suffix in _SUFFIXES:
+        if gguf_name.endswith(suffix) and (hf := rev.get(gguf_name[: -len(suffix)])) is not None:
+            return hf + suffix
+    return rev.get(gguf_name)

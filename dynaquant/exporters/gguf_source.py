@@ -1,0 +1,221 @@
+"""Tensor sources for the GGUF exporter, and the source that reads an existing GGUF file.
+
+A :class:`TensorSource` lists a model's tensors under their llama.cpp names, reads them one
+at a time as float32 (so memory stays at one tensor), and writes the model's metadata
+(architecture hyper-parameters, tokenizer) into a ``gguf.GGUFWriter``. Two sources exist:
+:func:`open_gguf_source` here (re-quantizing a GGUF file) and
+:func:`dynaquant.exporters.hf_source.open_hf_source` (a HF checkpoint folder).
+
+File format: GGUF v3 as read by gguf-py's ``GGUFReader`` (llama.cpp ``docs/gguf.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+from .gguf_names import gguf_to_hf_name
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """One tensor of a source model.
+
+    Attributes:
+        gguf_name: llama.cpp name, e.g. ``"blk.3.ffn_down.weight"``.
+        hf_name: HF parameter name, e.g. ``"model.layers.3.mlp.down_proj.weight"``; None if
+            unknown (``rope_freqs.weight``, or a GGUF of an unknown layout).
+        shape: torch order ``(rows, row_size)`` for matrices, ``(n,)`` for norms and biases;
+            the LAST axis is the GGUF row (``ne[0]``), the axis blocks run along.
+        quantizable: True for matmul weights of 2 or more dims (``token_embd`` and
+            ``output`` included); False for norms, biases and other 1-D tensors.
+    """
+
+    gguf_name: str
+    hf_name: str | None
+    shape: tuple[int, ...]
+    quantizable: bool
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def row_size(self) -> int:
+        """Length of one GGUF row (the last axis)."""
+        return self.shape[-1]
+
+
+class TensorSource(ABC):
+    """A model whose tensors are read one at a time for the GGUF writer.
+
+    Attributes:
+        arch: gguf architecture string (``"llama"``, ``"qwen2"``, ``"qwen3"``).
+        n_layers: number of transformer blocks.
+        source_id: the path (or hub id) the model came from, recorded in the output metadata.
+    """
+
+    arch: str
+    n_layers: int
+    source_id: str
+
+    @abstractmethod
+    def tensors(self) -> list[SourceTensor]:
+        """Every tensor to write, in output order."""
+
+    @abstractmethod
+    def read(self, t: SourceTensor) -> torch.Tensor:
+        """One tensor as float32 (CPU), shape ``t.shape``, ready to quantize.
+
+        For HF sources q/k are already permuted as llama.cpp expects; for GGUF sources the
+        values are the dequantized stored values.
+        """
+
+    @abstractmethod
+    def add_metadata(self, writer: GGUFWriter) -> None:
+        """Add every key/value pair except ``general.architecture`` (the writer's constructor
+        adds it), ``general.file_type``, ``general.quantization_version`` and ``dynaquant.*``
+        (the GGUF writer and the pipeline add those)."""
+
+    def tensor(self, gguf_name: str) -> SourceTensor:
+        """Look a tensor up by GGUF name.
+
+        Raises:
+            KeyError: no such tensor.
+        """
+        for t in self.tensors():
+            if t.gguf_name == gguf_name:
+                return t
+        raise KeyError(f"{self.source_id}: no tensor {gguf_name!r}")
+
+
+# Keys a re-quantized file must not inherit from its source: written anew by the GGUF writer
+# (architecture, file type, quantization version), alignment (we write the default alignment),
+# the source's own quantization provenance (imatrix) and split bookkeeping.
+_DROPPED_KEYS = frozenset(
+    {
+        gguf.Keys.General.ARCHITECTURE,
+        gguf.Keys.General.FILE_TYPE,
+        gguf.Keys.General.QUANTIZATION_VERSION,
+        gguf.Keys.General.ALIGNMENT,
+    }
+)
+_DROPPED_PREFIXES = ("GGUF.", "dynaquant.", "quantize.", "split.")
+
+
+def _field_value(field) -> tuple[object, GGUFValueType, GGUFValueType | None]:
+    """(value, type, sub_type) of a reader field, strings kept as raw bytes."""
+    main = field.types[0]
+    if main == GGUFValueType.ARRAY:
+        sub = field.types[-1]
+        if len(field.types) != 2:
+            raise NotImplementedError("nested arrays")
+        if sub == GGUFValueType.STRING:
+            return [bytes(field.parts[i]) for i in field.data], main, sub
+        return field.contents(), main, sub
+    if main == GGUFValueType.STRING:
+        return bytes(field.parts[-1]), main, None
+    return field.contents(), main, None
+
+
+class GGUFFileSource(TensorSource):
+    """A GGUF file as a tensor source (see :func:`open_gguf_source`).
+
+    Attributes:
+        path: the file.
+        reader: its ``gguf.GGUFReader`` (memory-mapped; fields and tensor data read lazily),
+            for callers that want the stored metadata or types as they are.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ValueError(f"{self.path}: no such GGUF file")
+        try:
+            self.reader = GGUFReader(self.path)
+        except Exception as e:  # the reader raises ValueError/struct errors on bad files
+            raise ValueError(f"{self.path}: not a readable GGUF file ({e})") from e
+        fields = self.reader.fields
+        if (f := fields.get(gguf.Keys.Split.LLM_KV_SPLIT_COUNT)) is not None and int(f.contents()) > 1:
+            raise ValueError(f"{self.path}: split GGUF files are not supported; merge them with llama-gguf-split first")
+        if (f := fields.get(gguf.Keys.General.ARCHITECTURE)) is None:
+            raise ValueError(f"{self.path}: no general.architecture key")
+        self.arch = str(f.contents())
+        block_count = fields.get(f"{self.arch}.block_count")
+        self.n_layers = int(block_count.contents()) if block_count is not None else 0
+        self.source_id = str(self.path)
+        self._tensors: list[SourceTensor] = []
+        self._by_name = {}
+        for rt in self.reader.tensors:
+            shape = tuple(int(n) for n in reversed(rt.shape.tolist()))
+            hf = gguf_to_hf_name(self.arch, self.n_layers, rt.name) if self.n_layers else None
+            st = SourceTensor(rt.name, hf, shape, quantizable=len(shape) >= 2 and rt.name.endswith(".weight"))
+            self._tensors.append(st)
+            self._by_name[rt.name] = rt
+        logger.info("%s: GGUF %s, %d blocks, %d tensors", self.path, self.arch, self.n_layers, len(self._tensors))
+
+    def tensors(self) -> list[SourceTensor]:
+        return list(self._tensors)
+
+    def stored_type(self, t: SourceTensor) -> gguf.GGMLQuantizationType:
+        """The GGML type the tensor is stored in, in the source file."""
+        return self._by_name[t.gguf_name].tensor_type
+
+    def read(self, t: SourceTensor) -> torch.Tensor:
+        """Dequantize one tensor with ``gguf.quants.dequantize``.
+
+        Returns:
+            float32 tensor of shape ``t.shape`` (a copy; the file stays memory-mapped).
+        Raises:
+            KeyError: the tensor is not in this file.
+            NotImplementedError: gguf-py cannot dequantize the stored type.
+        """
+        rt = self._by_name[t.gguf_name]
+        data = rt.data
+        if rt.tensor_type == gguf.GGMLQuantizationType.BF16:
+            # gguf-py's BF16 dequantize wants the raw bytes; the reader hands out uint16/uint8 views.
+            data = np.ascontiguousarray(data).view(np.uint8)
+        x = gguf.quants.dequantize(data, rt.tensor_type)
+        x = np.array(x, dtype=np.float32, copy=True).reshape(t.shape)
+        return torch.from_numpy(x)
+
+    def add_metadata(self, writer: GGUFWriter) -> None:
+        """Copy every key of the source file (tokenizer included) with its own value type,
+        except the architecture, ``general.file_type``, ``general.quantization_version``,
+        ``general.alignment``, ``quantize.*`` (the source's imatrix provenance), ``split.*``
+        and ``dynaquant.*``."""
+        n = 0
+        for key, field in self.reader.fields.items():
+            if key in _DROPPED_KEYS or key.startswith(_DROPPED_PREFIXES):
+                if not key.startswith("GGUF."):
+                    logger.debug("%s: not copying %s", self.path, key)
+                continue
+            try:
+                value, vtype, sub = _field_value(field)
+            except NotImplementedError:
+                logger.warning("%s: skipping key %s (nested arrays are not supported)", self.path, key)
+                continue
+            writer.add_key_value(key, value, vtype, sub_type=sub)
+            n += 1
+        logger.info("%s: copied %d metadata keys", self.path, n)
+
+
+def open_gguf_source(path: str | os.PathLike) -> GGUFFileSource:
+    """Open a GGUF file as a tensor source (tensors in file order, metadata copied).
+
+    Raises:
+        ValueError: the file is missing, unreadable, split into parts, or lacks
+            ``general.architecture``.
+    """
+    return GGUFFileSource(path)
