@@ -148,7 +148,8 @@ def _overhead_bytes(ts: TensorSource, tensors: list[TensorInfo], extra_kv: dict)
         w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_K_M))
         for k, v in extra_kv.items():
             if isinstance(v, list):
-                w.add_array(k, v)
+                if v:
+                    w.add_array(k, v)
             elif isinstance(v, str):
                 w.add_string(k, v + " " * 64)  # room for longer values
             else:
