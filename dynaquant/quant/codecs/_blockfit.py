@@ -1,0 +1,396 @@
+"""Scale search for one-scale block formats (legacy ``Q*_0``/``Q*_1``, ``IQ4_NL``).
+
+Shared by ``legacy.py`` and ``nonlinear.py``; private to those modules. Every function
+works on ``(n_blocks, n)`` float32 tensors ``x`` (weights) and ``w`` (importance, > 0) on
+any device, batched over all blocks (the Python loops run over candidate scales, never
+over blocks), and minimises the importance-weighted squared error
+``sum(w * (x - decode)**2)`` per block.
+
+The search, per block:
+
+1. candidate starting scales: ``d = xmax / c`` for a grid of ``c`` around the grid's
+   extreme levels (both signs for asymmetric grids) and well past them (clipping a
+   low-importance outlier often pays), plus scales that put the block's most important
+   weight exactly on a level; for affine grids a grid of ``d`` with the level grid
+   anchored at the block's min, its max, or its most important weight;
+2. for each candidate: round to the grid, least-squares refit of the scale (and min)
+   given those codes;
+3. the refit scale (and min) are rounded to fp16 *as stored*, the codes are re-rounded
+   to the nearest level under the stored values, and the error is computed on exactly
+   the float32 reconstruction the decoder produces (``d * q`` or ``d * q + m``);
+4. the best candidate per block is kept (the all-zero block, error ``sum(w x^2)``, is the
+   starting point, so a block never ends worse than zero), then polished by a few
+   Lloyd steps (refit on the best codes) and by trying the neighbouring fp16 scales.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+FP16_MAX = 65504.0
+
+
+def to_half(v: torch.Tensor) -> torch.Tensor:
+    """float32 (any shape) -> float16, clamped to the finite fp16 range (NaN stays NaN)."""
+    return v.clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+
+
+def half_bytes(v: torch.Tensor) -> torch.Tensor:
+    """(B,) float16 -> (B, 2) uint8, little-endian (``ggml_half`` as stored in a block)."""
+    return v.contiguous().view(torch.uint8).reshape(-1, 2)
+
+
+def bytes_half(b: torch.Tensor) -> torch.Tensor:
+    """(B, 2) uint8 little-endian fp16 -> (B, 1) float32 (exact)."""
+    return b.contiguous().view(torch.float16).to(torch.float32).reshape(-1, 1)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """(B, 32) codes < 16 -> (B, 16) uint8: byte j = code[j] | code[j + 16] << 4 (ggml order)."""
+    c = codes.to(torch.uint8)
+    return (c[:, :16] & 15) | ((c[:, 16:] & 15) << 4)
+
+
+def unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """(B, 16) uint8 -> (B, 32) uint8 codes, inverse of :func:`pack_nibbles`."""
+    return torch.cat([qs & 15, qs >> 4], dim=1)
+
+
+def _bit_weights(device) -> torch.Tensor:
+    return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
+
+
+def pack_high_bits(codes: torch.Tensor) -> torch.Tensor:
+    """(B, 32) 5-bit codes -> (B, 4) uint8: bit j of the little-endian uint32 is code[j] >> 4."""
+    bits = ((codes.to(torch.uint8) >> 4) & 1).reshape(-1, 4, 8)
+    return (bits * _bit_weights(codes.device)).sum(dim=2, dtype=torch.uint8)
+
+
+def unpack_high_bits(qh: torch.Tensor) -> torch.Tensor:
+    """(B, 4) uint8 -> (B, 32) uint8 of 0/1, inverse of :func:`pack_high_bits`."""
+    return ((qh.unsqueeze(2) & _bit_weights(qh.device)) != 0).to(torch.uint8).reshape(-1, 32)
+
+
+class Grid:
+    """A sorted set of levels (one block's value set is ``d * levels``).
+
+    Args:
+        levels: ascending level values. Consecutive integers make a linear grid, rounded
+            by ``round``/``clamp``; other grids are rounded to the nearest level with ties
+            going to the upper level (as ggml's ``best_index_int8``): by a lookup table on
+            ``floor(2 t)`` when every midpoint is a multiple of 1/2 (``kvalues_iq4nl``,
+            E2M1), else by bucketize.
+    """
+
+    def __init__(self, levels: Sequence[float]):
+        self.levels = [float(v) for v in levels]
+        if any(b <= a for a, b in zip(self.levels, self.levels[1:])):
+            raise ValueError("grid levels must be strictly increasing")
+        self.lo, self.hi = self.levels[0], self.levels[-1]
+        self.linear = self.lo == int(self.lo) and self.levels == [self.lo + i for i in range(len(self.levels))]
+        mids2 = [a + b for a, b in zip(self.levels, self.levels[1:])]  # 2 * midpoints
+        self.half_int = all(m == int(m) for m in mids2)
+        if self.half_int:
+            # Table over k = floor(2 t) in [kmin, kmax]: index = #midpoints m with 2 m <= k.
+            self.kmin, self.kmax = int(mids2[0]) - 1, int(mids2[-1])
+            self._lut = [sum(m <= k for m in mids2) for k in range(self.kmin, self.kmax + 1)]
+        self._cache: dict = {}
+
+    def _tables(self, device):
+        key = str(device)
+        if key not in self._cache:
+            lv = torch.tensor(self.levels, dtype=torch.float32, device=device)
+            mids = (lv[1:] + lv[:-1]) * 0.5
+            lut = torch.tensor(self._lut, dtype=torch.int32, device=device) if self.half_int else None
+            vlut = lv[lut.long()] if self.half_int else None
+            self._cache[key] = (lv, mids, lut, vlut)
+        return self._cache[key]
+
+    def level_tensor(self, device) -> torch.Tensor:
+        """The levels as a float32 tensor on ``device``."""
+        return self._tables(device)[0]
+
+    def _k(self, t: torch.Tensor) -> torch.Tensor:
+        return (torch.floor(t * 2).clamp_(self.kmin, self.kmax) - self.kmin).to(torch.int32).reshape(-1)
+
+    def values_of(self, t: torch.Tensor) -> torch.Tensor:
+        """Value of the level nearest to each entry of ``t`` (float32, same shape)."""
+        if self.linear:
+            return torch.round(t).clamp_(self.lo, self.hi)
+        lv, mids, _, vlut = self._tables(t.device)
+        if self.half_int:
+            return vlut.index_select(0, self._k(t)).reshape(t.shape)
+        return lv[torch.bucketize(t, mids, right=True)]
+
+    def codes_of(self, t: torch.Tensor) -> torch.Tensor:
+        """Index (int64) of the level nearest to each entry of ``t``, as :meth:`values_of`."""
+        if self.linear:
+            return (torch.round(t).clamp_(self.lo, self.hi) - self.lo).to(torch.int64)
+        _, mids, lut, _ = self._tables(t.device)
+        if self.half_int:
+            return lut.index_select(0, self._k(t)).reshape(t.shape).to(torch.int64)
+        return torch.bucketize(t, mids, right=True)
+
+    def zero_code(self) -> int:
+        """Index of the level nearest to 0."""
+        return min(range(len(self.levels)), key=lambda i: (abs(self.levels[i]), -i))
+
+
+# On CPU the search runs over sub-chunks of this many blocks, so that its (blocks, 32)
+# temporaries stay in cache (about 2.5x faster than whole 1M-weight chunks on 2 cores).
+CPU_SUBCHUNK_BLOCKS = 8192
+
+
+def in_subchunks(fn: Callable[..., tuple[torch.Tensor, ...]], x: torch.Tensor, w: torch.Tensor, *args, **kwargs):
+    """Run ``fn(x, w, *args, **kwargs)`` (which returns a tuple of tensors with the block
+    axis first) on sub-chunks of blocks on CPU and concatenate; on other devices run it once."""
+    n = x.shape[0]
+    step = CPU_SUBCHUNK_BLOCKS
+    if x.device.type != "cpu" or n <= step:
+        return fn(x, w, *args, **kwargs)
+    parts = [fn(x[i : i + step], w[i : i + step], *args, **kwargs) for i in range(0, n, step)]
+    return tuple(torch.cat(p, dim=0) for p in zip(*parts))
+
+
+def scale_targets(
+    extremes: Sequence[float], n_near: int, n_far: int, near: tuple[float, float], far: float
+) -> list[float]:
+    """Candidate targets ``c`` for :func:`fit_scale`: for each extreme level ``L``, ``n_near``
+    values ``L * f`` with ``f`` evenly spaced over ``near``, then ``n_far`` values with ``f``
+    geometrically spaced from ``near[1]`` (excluded) to ``far`` (``f > 1`` clips the max)."""
+    out: list[float] = []
+    for lev in extremes:
+        out += [lev * float(f) for f in np.linspace(near[0], near[1], n_near)]
+        if n_far:
+            out += [lev * float(f) for f in np.geomspace(near[1], far, n_far + 1)[1:]]
+    return out
+
+
+def _safe(d: torch.Tensor) -> torch.Tensor:
+    return torch.where(d == 0, torch.ones_like(d), d)
+
+
+def _ulp_neighbours(d16: torch.Tensor, k: int) -> torch.Tensor:
+    """fp16 values ``k`` steps away in the bit pattern (same sign), as float32; non-finite -> same."""
+    bits = d16.view(torch.int16)
+    nb = (bits.to(torch.int32) + k).clamp(-32768, 32767).to(torch.int16).view(torch.float16)
+    ok = torch.isfinite(nb) & ((nb.view(torch.int16) < 0) == (bits < 0))
+    return torch.where(ok, nb, d16).to(torch.float32)
+
+
+def fit_scale(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    grid: Grid,
+    targets: Sequence[float],
+    anchor_offsets: Sequence[int] = (),
+    lloyd_steps: int = 2,
+    ulps: Sequence[int] = (-2, -1, 1, 2),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Search the fp16 scale ``d`` of ``decode = d * levels[code]`` per block.
+
+    Args:
+        x: (B, n) float32 weights.
+        w: (B, n) float32 importance, > 0.
+        grid: the levels.
+        targets: candidate values ``c`` for the level of the block's largest-magnitude
+            weight: each candidate starts at ``d = xmax / c`` (``xmax`` signed).
+        anchor_offsets: more candidates: with ``j`` the block's largest ``w x^2`` and ``i0``
+            its nearest level under ``d = |xmax| / max|level|``, start at
+            ``d = x_j / levels[i0 + o]`` for each offset ``o`` (skipped off the grid or at 0).
+        lloyd_steps: refit/re-round steps on the best codes after the candidate search.
+        ulps: fp16 bit-pattern offsets of the best scale tried at the end.
+    Returns:
+        (d, codes): (B,) float16 stored scales and (B, n) int64 codes into ``grid``; the
+        codes are the nearest levels under the stored scale (the level nearest 0 where
+        ``d == 0``).
+    """
+    imax = x.abs().argmax(dim=1, keepdim=True)
+    xmax = x.gather(1, imax).squeeze(1)
+    # Start from the all-zero block (d = 0); every candidate must beat it.
+    best_err = (w * x * x).sum(dim=1)
+    best_d = torch.zeros_like(xmax, dtype=torch.float16)
+
+    def consider(d: torch.Tensor) -> None:
+        # Error of the stored scale with the codes re-rounded under it, on d * q exactly
+        # as the decoder computes it.
+        nonlocal best_err, best_d
+        d16 = to_half(d)
+        df = d16.to(torch.float32)[:, None]
+        q = grid.values_of(x / _safe(df))
+        err = (w * (x - df * q).square_()).sum(dim=1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_d = torch.where(better, d16, best_d)
+
+    def refit(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        wq = w * q
+        sqx = (wq * x).sum(dim=1)
+        sq2 = (wq * q).sum(dim=1)
+        return torch.where(sq2 > 0, sqx / torch.where(sq2 > 0, sq2, 1.0), d)
+
+    for c in targets:
+        d = xmax / c
+        consider(refit(grid.values_of(x / _safe(d)[:, None]), d))
+    if anchor_offsets:
+        # Scales that put the block's most important weight (largest w x^2) exactly on a
+        # level: its nearest level under the max-based scale, and levels around it.
+        lv = grid.level_tensor(x.device)
+        xj = x.gather(1, (w * x * x).argmax(dim=1, keepdim=True)).squeeze(1)
+        d_nom = xmax.abs() / max(abs(grid.lo), abs(grid.hi))
+        i0 = grid.codes_of(xj / _safe(d_nom))
+        for o in anchor_offsets:
+            i = i0 + o
+            ok = (i >= 0) & (i < len(grid.levels))
+            lvl = lv[i.clamp(0, len(grid.levels) - 1)]
+            ok &= lvl != 0
+            d = torch.where(ok, xj / torch.where(ok, lvl, 1.0), d_nom)
+            consider(refit(grid.values_of(x / _safe(d)[:, None]), d))
+    for _ in range(lloyd_steps):
+        df = best_d.to(torch.float32)
+        consider(refit(grid.values_of(x / _safe(df)[:, None]), df))
+    base = best_d
+    for k in ulps:
+        consider(_ulp_neighbours(base, k))
+    df = best_d.to(torch.float32)[:, None]
+    codes = grid.codes_of(x / _safe(df))
+    return best_d, torch.where(df == 0, grid.zero_code(), codes)
+
+
+def fit_affine(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    nmax: int,
+    steps: Sequence[float],
+    n_anchor: int = 0,
+    lloyd_steps: int = 2,
+    ulps: Sequence[int] = (-1, 1),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Search fp16 ``d`` and ``m`` of ``decode = d * code + m``, ``code`` in ``0..nmax``, per block.
+
+    Each step ``s`` starts ``2 + n_anchor`` candidates, ``d = (max - min) / (nmax + s)``
+    with the level grid anchored at the block's min, at its max, and at each of its
+    ``n_anchor`` most important weights (largest ``w``); each is rounded, refit by weighted least
+    squares for (d, m), then ``d`` is rounded to fp16, ``m`` refit under the stored ``d``
+    and rounded to fp16, the codes re-rounded under the stored pair and the error taken
+    on ``d * code + m`` as the decoder computes it.
+
+    Args:
+        x: (B, n) float32 weights.
+        w: (B, n) float32 importance, > 0.
+        nmax: largest code (15 for Q4_1, 31 for Q5_1).
+        steps: offsets ``s`` of the candidate level count (``nmax + s`` steps span max - min).
+        n_anchor: number of most-important weights used as extra grid anchors.
+        lloyd_steps: refit/re-round steps on the best codes after the candidate search.
+        ulps: fp16 bit-pattern offsets of the best ``d`` tried at the end (``m`` refit).
+    Returns:
+        (d, m, codes): (B,) float16, (B,) float16, (B, n) int64 codes in ``0..nmax``
+        (0 where ``d == 0``).
+    """
+    xmin = x.min(dim=1).values
+    xmax = x.max(dim=1).values
+    sw = w.sum(dim=1)
+    swx = (w * x).sum(dim=1)
+    # Start: the constant block at the weighted mean (d = 0).
+    best_m = to_half(swx / sw)
+    best_d = torch.zeros_like(best_m)
+    best_err = (w * (x - best_m.to(torch.float32)[:, None]).square()).sum(dim=1)
+
+    def codes_of(df: torch.Tensor, mf: torch.Tensor) -> torch.Tensor:
+        return torch.round((x - mf) / _safe(df)).clamp_(0, nmax)
+
+    def consider(d: torch.Tensor, q: torch.Tensor) -> None:
+        # d -> fp16; m refit under the stored d with the codes q, -> fp16; codes re-rounded
+        # under the stored pair; error on d * q + m exactly as the decoder computes it.
+        nonlocal best_err, best_d, best_m
+        d16 = to_half(d)
+        df = d16.to(torch.float32)
+        m16 = to_half((swx - df * (w * q).sum(dim=1)) / sw)
+        mf = m16.to(torch.float32)[:, None]
+        df = df[:, None]
+        qn = codes_of(df, mf)
+        err = (w * (x - (df * qn + mf)).square_()).sum(dim=1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_d = torch.where(better, d16, best_d)
+        best_m = torch.where(better, m16, best_m)
+
+    def refit(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        # Weighted least squares for (d, m) given codes q; returns d (m is refit in consider).
+        wq = w * q
+        swq = wq.sum(dim=1)
+        swq2 = (wq * q).sum(dim=1)
+        swqx = (wq * x).sum(dim=1)
+        det = sw * swq2 - swq * swq
+        ok = det > 1e-6 * sw * swq2
+        return torch.where(ok, (sw * swqx - swq * swx) / torch.where(ok, det, 1.0), d)
+
+    def best_codes() -> torch.Tensor:
+        return codes_of(best_d.to(torch.float32)[:, None], best_m.to(torch.float32)[:, None])
+
+    rng = xmax - xmin
+    order = w.argsort(dim=1, descending=True)[:, :n_anchor]
+    anchors = [x.gather(1, order[:, i : i + 1]) for i in range(n_anchor)]
+    for s in steps:
+        d = rng / (nmax + s)
+        inv = 1.0 / _safe(d)[:, None]
+        q = torch.round((x - xmin[:, None]) * inv).clamp_(0, nmax)
+        consider(refit(q, d), q)
+        q = (nmax - torch.round((xmax[:, None] - x) * inv)).clamp_(0, nmax)
+        consider(refit(q, d), q)
+        for xa in anchors:
+            ka = torch.round((xa - xmin[:, None]) * inv)
+            q = (torch.round((x - xa) * inv) + ka).clamp_(0, nmax)
+            consider(refit(q, d), q)
+    for _ in range(lloyd_steps):
+        q = best_codes()
+        consider(refit(q, best_d.to(torch.float32)), q)
+    base_d, q = best_d, best_codes()
+    for k in ulps:
+        consider(_ulp_neighbours(base_d, k), q)
+    codes = best_codes()
+    return best_d, best_m, torch.where(best_d[:, None] == 0, 0.0, codes).to(torch.int64)
+
+
+def fit_pow2(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    grid: Grid,
+    e0: torch.Tensor,
+    offsets: Sequence[int],
+    emin: int,
+    emax: int,
+    scale_of: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Search a power-of-two scale exponent per block (E8M0-style scales).
+
+    With a power-of-two scale ``x / d`` is exact, so the nearest level of each weight is
+    the best code and the exponent is the only choice; each candidate is scored on the
+    decoder's ``d * level``.
+
+    Args:
+        x, w: (B, n) float32 weights and importance.
+        grid: the levels.
+        e0: (B,) int64 starting exponent code.
+        offsets: exponent offsets from ``e0`` tried.
+        emin, emax: valid range of the exponent code.
+        scale_of: maps (B,) int64 exponent codes to (B,) float32 scales exactly as the decoder.
+    Returns:
+        (e, codes): (B,) int64 exponent codes and (B, n) int64 codes into ``grid``.
+    """
+    best_err = best_e = None
+    for k in offsets:
+        e = (e0 + k).clamp(emin, emax)
+        d = scale_of(e)[:, None]
+        q = grid.values_of(x / d)
+        err = (w * (x - d * q).square_()).sum(dim=1)
+        if best_err is None:
+            best_err, best_e = err, e
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_e = torch.where(better, e, best_e)
+    return best_e, grid.codes_of(x / scale_of(best_e)[:, None])

@@ -1,0 +1,186 @@
+"""Legacy GGUF block formats Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 (32 weights a block).
+
+Layouts follow llama.cpp ``ggml-common.h`` (all little-endian, ``ggml_half`` = IEEE fp16):
+
+- ``block_q8_0``: ``d`` (fp16), ``qs[32]`` int8; ``y = d * q``.
+- ``block_q4_0``: ``d``, ``qs[16]``: byte j holds element j (low nibble) and j + 16 (high
+  nibble); ``y = d * (q - 8)``.
+- ``block_q4_1``: ``d``, ``m`` (fp16), ``qs[16]`` as Q4_0; ``y = d * q + m``.
+- ``block_q5_0``: ``d``, ``qh[4]`` (bit j of the little-endian uint32 is bit 4 of element
+  j), ``qs[16]`` low nibbles as Q4_0; ``y = d * (q - 16)``.
+- ``block_q5_1``: ``d``, ``m``, ``qh[4]``, ``qs[16]``; ``y = d * q + m``.
+
+Decoders repeat gguf-py's float operations in the same order (fp16 -> fp32 scale, one
+float32 multiply, then one add for the ``_1`` types), so they equal
+``gguf.quants.dequantize`` bit for bit. Encoders minimise the importance-weighted squared
+error with the scale search of :mod:`._blockfit` (a grid of candidate scales, least-squares
+refits, error measured on the stored fp16 values); they are not bit-compatible with
+llama.cpp's encoders, only at least as accurate. Q8_0 codes stay in ``-127..127`` as
+llama.cpp's own encoder writes them (``-128`` is left unused so SIMD dot products that take
+``|q|`` as int8 stay exact).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ._blockfit import (
+    Grid,
+    bytes_half,
+    fit_affine,
+    fit_scale,
+    half_bytes,
+    in_subchunks,
+    pack_high_bits,
+    pack_nibbles,
+    scale_targets,
+    unpack_high_bits,
+    unpack_nibbles,
+)
+from .base import Codec, register
+
+
+def _targets(lo: float, hi: float, n: int) -> list[float]:
+    return [float(v) for v in np.linspace(lo, hi, n)]
+
+
+def _geo(level: float, lo: float, hi: float, n: int) -> list[float]:
+    return [level * float(f) for f in np.geomspace(lo, hi, n)]
+
+
+class _SymmetricCodec(Codec):
+    """Formats ``y = d * level`` with an fp16 ``d`` and a linear grid of integer levels.
+
+    ``encode_blocks(x, w)``: x, w (n_blocks, 32) float32 (w > 0) -> (n_blocks, type_size)
+    uint8; ``decode_blocks`` inverts it. Search parameters (class data): ``targets`` and
+    ``anchor_offsets`` of :func:`._blockfit.fit_scale`.
+    """
+
+    grid: Grid
+    targets: list[float]
+    anchor_offsets: tuple[int, ...] = ()
+
+    def _fit(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.to(torch.float32)
+        w = w.to(torch.float32)
+        return in_subchunks(fit_scale, x, w, self.grid, self.targets, self.anchor_offsets)
+
+
+@register
+class Q8_0(_SymmetricCodec):
+    """Q8_0 (``block_q8_0``): 34 bytes = fp16 ``d`` + 32 int8 codes."""
+
+    format_name = "Q8_0"
+    grid = Grid(range(-127, 128))
+    # Starts with the largest weight on level 127 * f, f in [0.6, 1] (a larger scale than
+    # needed moves the codes of the others), plus scales putting the most important weight
+    # exactly on a level near its own.
+    targets = scale_targets([127], 24, 0, (0.6, 1.0), 1.0)
+    anchor_offsets = tuple(range(-8, 9))
+
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        d, codes = self._fit(x, w)
+        q = (codes + int(self.grid.lo)).to(torch.int8).view(torch.uint8)
+        return torch.cat([half_bytes(d), q], dim=1)
+
+    def decode_blocks(self, b: torch.Tensor) -> torch.Tensor:
+        d = bytes_half(b[:, :2])
+        return b[:, 2:].contiguous().view(torch.int8).to(torch.float32) * d
+
+
+@register
+class Q4_0(_SymmetricCodec):
+    """Q4_0 (``block_q4_0``): 18 bytes = fp16 ``d`` + 16 bytes of 4-bit codes, ``y = d * (q - 8)``."""
+
+    format_name = "Q4_0"
+    grid = Grid(range(-8, 8))
+    # Starts put the largest weight near -8 (the extra level on its side) or near +7, up to
+    # 3x past it (clipping a low-importance outlier), plus most-important-weight anchors.
+    targets = _geo(-8, 0.8, 3.0, 22) + _geo(7, 0.85, 3.0, 16)
+    anchor_offsets = tuple(range(-3, 4))
+
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        d, codes = self._fit(x, w)
+        return torch.cat([half_bytes(d), pack_nibbles(codes)], dim=1)
+
+    def decode_blocks(self, b: torch.Tensor) -> torch.Tensor:
+        d = bytes_half(b[:, :2])
+        q = unpack_nibbles(b[:, 2:18]).to(torch.int8) - 8
+        return d * q.to(torch.float32)
+
+
+@register
+class Q5_0(_SymmetricCodec):
+    """Q5_0 (``block_q5_0``): 22 bytes = fp16 ``d`` + ``qh[4]`` + ``qs[16]``, ``y = d * (q - 16)``."""
+
+    format_name = "Q5_0"
+    grid = Grid(range(-16, 16))
+    targets = scale_targets([-16, 15], 16, 10, (0.85, 1.08), 3.0)
+    anchor_offsets = tuple(range(-4, 5))
+
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        d, codes = self._fit(x, w)
+        return torch.cat([half_bytes(d), pack_high_bits(codes), pack_nibbles(codes)], dim=1)
+
+    def decode_blocks(self, b: torch.Tensor) -> torch.Tensor:
+        d = bytes_half(b[:, :2])
+        q = unpack_nibbles(b[:, 6:22]) | (unpack_high_bits(b[:, 2:6]) << 4)
+        return d * (q.to(torch.int8) - 16).to(torch.float32)
+
+
+class _AffineCodec(Codec):
+    """Formats ``y = d * code + m`` with fp16 ``d``, ``m`` and codes ``0..nmax``.
+
+    ``encode_blocks(x, w)``: x, w (n_blocks, 32) float32 (w > 0) -> (n_blocks, type_size)
+    uint8; ``decode_blocks`` inverts it. Search parameters (class data): ``steps`` and
+    ``n_anchor`` of :func:`._blockfit.fit_affine`.
+    """
+
+    nmax: int
+    steps: list[float]
+    n_anchor: int = 0
+
+    def _fit(self, x: torch.Tensor, w: torch.Tensor):
+        return in_subchunks(fit_affine, x.to(torch.float32), w.to(torch.float32), self.nmax, self.steps, self.n_anchor)
+
+
+@register
+class Q4_1(_AffineCodec):
+    """Q4_1 (``block_q4_1``): 20 bytes = fp16 ``d``, fp16 ``m`` + 16 bytes of 4-bit codes, ``y = d * q + m``."""
+
+    format_name = "Q4_1"
+    nmax = 15
+    # Level counts nmax + s: dense where the winners concentrate, a geometric tail for clipping.
+    steps = _targets(-5.0, 2.0, 22) + [float(v) for v in np.geomspace(2.3, 10.0, 8)]
+    n_anchor = 1
+
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        d, m, codes = self._fit(x, w)
+        return torch.cat([half_bytes(d), half_bytes(m), pack_nibbles(codes)], dim=1)
+
+    def decode_blocks(self, b: torch.Tensor) -> torch.Tensor:
+        d = bytes_half(b[:, :2])
+        m = bytes_half(b[:, 2:4])
+        q = unpack_nibbles(b[:, 4:20]).to(torch.float32)
+        return d * q + m
+
+
+@register
+class Q5_1(_AffineCodec):
+    """Q5_1 (``block_q5_1``): 24 bytes = fp16 ``d``, fp16 ``m``, ``qh[4]``, ``qs[16]``, ``y = d * q + m``."""
+
+    format_name = "Q5_1"
+    nmax = 31
+    steps = _targets(-10.0, 2.0, 24) + [float(v) for v in np.geomspace(2.5, 16.0, 8)]
+    n_anchor = 1
+
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        d, m, codes = self._fit(x, w)
+        return torch.cat([half_bytes(d), half_bytes(m), pack_high_bits(codes), pack_nibbles(codes)], dim=1)
+
+    def decode_blocks(self, b: torch.Tensor) -> torch.Tensor:
+        d = bytes_half(b[:, :2])
+        m = bytes_half(b[:, 2:4])
+        q = (unpack_nibbles(b[:, 8:24]) | (unpack_high_bits(b[:, 4:8]) << 4)).to(torch.float32)
+        return d * q + m
