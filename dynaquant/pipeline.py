@@ -29,7 +29,7 @@ from .exporters.gguf_writer import write_gguf
 from .quant.codecs import quantize as encode_tensor
 from .quant.formats import Format, get_format
 from .quant.plan import Plan, TensorInfo
-from .quant.planner import Rule, make_plan
+from .quant.planner import make_plan
 from .quant.presets import PRESETS, ModelInfo
 
 log = logging.getLogger(__name__)
@@ -95,14 +95,28 @@ def tensor_infos(ts: TensorSource) -> list[TensorInfo]:
     return [TensorInfo(t.gguf_name, t.hf_name, tuple(t.shape), t.quantizable) for t in ts.tensors()]
 
 
-def model_info(ts: TensorSource, config) -> ModelInfo:
+def _gguf_int(reader, key: str) -> int | None:
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    v = f.contents()
+    return int(max(v)) if isinstance(v, list) else int(v)
+
+
+def model_info(ts: TensorSource) -> ModelInfo:
+    """Model facts for the planner, from the source's metadata (no model is loaded)."""
     names = {t.gguf_name for t in ts.tensors()}
-    n_head = getattr(config, "num_attention_heads", 1) or 1
-    return ModelInfo(
-        n_layers=ts.n_layers, n_head=n_head, n_head_kv=getattr(config, "num_key_value_heads", None) or n_head,
-        n_expert=getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0) or 0,
-        tied_embeddings="output.weight" not in names,
-    )
+    reader = getattr(ts, "reader", None)
+    if reader is not None:
+        n_head = _gguf_int(reader, f"{ts.arch}.attention.head_count") or 1
+        n_head_kv = _gguf_int(reader, f"{ts.arch}.attention.head_count_kv") or n_head
+        n_expert = _gguf_int(reader, f"{ts.arch}.expert_count") or 0
+    else:
+        n_head, n_head_kv = getattr(ts, "n_head", 1), getattr(ts, "n_head_kv", 1)
+        cfg = getattr(ts, "config", {})
+        n_expert = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    return ModelInfo(n_layers=ts.n_layers, n_head=n_head, n_head_kv=n_head_kv, n_expert=n_expert,
+                     tied_embeddings="output.weight" not in names)
 
 
 def imatrix_by_gguf_name(im: Imatrix, ts: TensorSource) -> dict[str, torch.Tensor]:
@@ -219,26 +233,26 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
     source = resolve_source(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     ts = open_tensor_source(source)
     tensors = tensor_infos(ts)
-    hf_model = load_model(source, device=device)
-    info = model_info(ts, hf_model.config)
-    timings["load_s"] = time.perf_counter() - t0
-
+    # Plan first: a bad plan or an impossible budget fails before any model is loaded.
     loaded_plan = _load_plan(plan) if plan is not None else None
     if loaded_plan is not None:
         loaded_plan.check_tensors(tensors, str(plan) if not isinstance(plan, Plan) else "plan")
+        the_plan = loaded_plan
+    else:
+        kv = _extra_kv(source, _empty_plan(), Imatrix(dataset=" " * 64, chunks=0) if use_imatrix else None)
+        overhead = _overhead_bytes(ts, tensors, kv) if size is not None else 0
+        the_plan = make_plan(tensors, model_info(ts), source.model_id, preset=preset, rules=rules, bpw=bpw,
+                             size_bytes=size, overhead_bytes=overhead)
+    needs_imatrix = use_imatrix and any(get_format(e.format).kind != "float" for e in the_plan.entries)
+    hf_model = load_model(source, device=device) if needs_imatrix or evaluate else None
+    timings["load_s"] = time.perf_counter() - t0
     im = None
-    if use_imatrix:
+    if needs_imatrix:
         t1 = time.perf_counter()
         im = _calibrate(hf_model, load_tokenizer(source), calibration, calibration_chunks, n_ctx, progress)
         timings["imatrix_s"] = time.perf_counter() - t1
     if not evaluate:
-        del hf_model
-    if loaded_plan is not None:
-        the_plan = loaded_plan
-    else:
-        overhead = _overhead_bytes(ts, tensors, _extra_kv(source, _empty_plan(), im)) if size is not None else 0
-        the_plan = make_plan(tensors, info, source.model_id, preset=preset, rules=rules, bpw=bpw, size_bytes=size,
-                             overhead_bytes=overhead)
+        hf_model = None
     if output is None:
         output = Path.cwd() / f"{source.name}-{_target_label(the_plan, preset, bpw, size)}.gguf"
     output = Path(output)

@@ -191,7 +191,7 @@ def test_quality_vs_llama_cpp_with_imatrix(fmt, request):
     tensors, and never more than 2% worse on any one."""
     pytest.importorskip("llama_cpp")
     ratios = []
-    for name, w, imatrix in request.getfixturevalue("smollm2_weights"):
+    for _name, w, imatrix in request.getfixturevalue("smollm2_weights"):
         x = w[:QUALITY_ROWS].contiguous()
         ours = weighted_error(x, dequantize(quantize(x, fmt, imatrix), fmt), imatrix)
         ratios.append(ours / _ggml_error(fmt, x, imatrix))
@@ -205,7 +205,7 @@ def test_quality_vs_llama_cpp_without_imatrix(fmt, request):
     """Without an imatrix (w = 1) our plain squared error is within 2% of llama.cpp's on average."""
     pytest.importorskip("llama_cpp")
     ratios = []
-    for name, w, _ in request.getfixturevalue("smollm2_weights"):
+    for _name, w, _ in request.getfixturevalue("smollm2_weights"):
         x = w[: QUALITY_ROWS // 2].contiguous()
         ours = weighted_error(x, dequantize(quantize(x, fmt), fmt))
         ratios.append(ours / _ggml_error(fmt, x, None))

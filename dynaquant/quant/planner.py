@@ -22,7 +22,7 @@ import heapq
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -76,7 +76,7 @@ class BudgetError(ValueError):
         self.min_bytes = min_bytes
 
 
-@lru_cache(maxsize=None)
+@cache
 def gaussian_rel_mse(fmt: str) -> float:
     """Relative squared error of a format on i.i.d. Gaussian rows of 1536 (float, deterministic)."""
     from .codecs import dequantize, quantize
