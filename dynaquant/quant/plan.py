@@ -9,6 +9,7 @@ Plans convert to and from JSON-ready dicts (human-editable) and are validated on
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, field
 
@@ -35,10 +36,7 @@ class TensorInfo:
 
     @property
     def n_elements(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def row_size(self) -> int:
@@ -72,10 +70,7 @@ class PlanEntry:
 
     @property
     def n_elements(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def size_bytes(self) -> int:
