@@ -523,3 +523,33 @@ def test_unknown_pre_tokenizer_falls_back_to_default(caplog):
     with caplog.at_level(logging.WARNING):
         assert identify_bpe_pre_tokenizer(Tok()) == "default"
     assert "unknown BPE pre-tokenizer" in caplog.text
+
+
+def test_hf_folder_quantized_q8_0_greedy_matches_transformers(smollm_hf, tmp_path):
+    """The whole pipeline from a save_pretrained folder at Q8_0: llama.cpp's greedy output equals
+    transformers' on the same decoded weights (transformers' GGUF loader on our file)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from transformers import AutoTokenizer
+
+    import dynaquant
+    from dynaquant.checkpoint import load_model, resolve_source
+
+    res = dynaquant.quantize(str(smollm_hf), preset="Q8_0", output=tmp_path / "hf-q8.gguf",
+                             calibration_chunks=2, progress=False)
+    r = GGUFReader(res.output)
+    assert {t.tensor_type.name for t in r.tensors} == {"Q8_0", "F32"}
+    assert r.fields["tokenizer.ggml.pre"].contents() == "smollm"
+    assert r.fields["dynaquant.imatrix.chunks"].contents() == 2
+    del r
+    tok = AutoTokenizer.from_pretrained(smollm_hf)
+    ids = tok("The three most useful Python modules for text processing are", add_special_tokens=False).input_ids
+    model = load_model(resolve_source(res.output))
+    with torch.no_grad():
+        hf_new = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+    llm = llama_cpp.Llama(model_path=str(res.output), n_ctx=128, verbose=False)
+    try:
+        out = llm(tok.decode(ids), max_tokens=12, temperature=0.0)
+        cpp_new = tok(out["choices"][0]["text"], add_special_tokens=False).input_ids
+    finally:
+        llm.close()
+    assert cpp_new[:12] == hf_new[: len(cpp_new[:12])] and len(cpp_new) >= 10, (tok.decode(cpp_new), tok.decode(hf_new))
