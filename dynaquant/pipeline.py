@@ -245,11 +245,12 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
                              size_bytes=size, overhead_bytes=overhead)
     needs_imatrix = use_imatrix and any(get_format(e.format).kind != "float" for e in the_plan.entries)
     hf_model = load_model(source, device=device) if needs_imatrix or evaluate else None
+    tokenizer = load_tokenizer(source) if hf_model is not None else None
     timings["load_s"] = time.perf_counter() - t0
     im = None
     if needs_imatrix:
         t1 = time.perf_counter()
-        im = _calibrate(hf_model, load_tokenizer(source), calibration, calibration_chunks, n_ctx, progress)
+        im = _calibrate(hf_model, tokenizer, calibration, calibration_chunks, n_ctx, progress)
         timings["imatrix_s"] = time.perf_counter() - t1
     if not evaluate:
         hf_model = None
@@ -274,7 +275,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         raise RuntimeError(f"{output}: {result.size_bytes} bytes exceeds the target {size}")
     if evaluate:
         result.eval = _evaluate_models(hf_model, load_model(resolve_source(output), device=device),
-                                       load_tokenizer(source), eval_text, n_ctx, eval_chunks, progress)
+                                       tokenizer, eval_text, n_ctx, eval_chunks, progress)
     return result
 
 
