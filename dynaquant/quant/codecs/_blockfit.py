@@ -255,9 +255,23 @@ def fit_scale(
     base = best_d
     for k in ulps:
         consider(_ulp_neighbours(base, k))
-    df = best_d.to(torch.float32)[:, None]
+    return best_d, scale_codes(x, best_d, grid)
+
+
+def scale_codes(x: torch.Tensor, d: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """Nearest codes under stored scales: x (B, m) float32, d (B,) float16 -> (B, m) int64
+    indices into ``grid`` (the level nearest 0 where ``d == 0``)."""
+    df = d.to(torch.float32)[:, None]
     codes = grid.codes_of(x / _safe(df))
-    return best_d, torch.where(df == 0, grid.zero_code(), codes)
+    return torch.where(df == 0, grid.zero_code(), codes)
+
+
+def affine_codes(x: torch.Tensor, d: torch.Tensor, m: torch.Tensor, nmax: int) -> torch.Tensor:
+    """Nearest codes of ``d * code + m`` under stored values: x (B, n) float32, d, m (B,)
+    float16 -> (B, n) int64 in ``0..nmax`` (0 where ``d == 0``)."""
+    df, mf = d.to(torch.float32)[:, None], m.to(torch.float32)[:, None]
+    codes = torch.round((x - mf) / _safe(df)).clamp_(0, nmax)
+    return torch.where(d[:, None] == 0, 0.0, codes).to(torch.int64)
 
 
 def fit_affine(
@@ -351,8 +365,7 @@ def fit_affine(
     base_d, q = best_d, best_codes()
     for k in ulps:
         consider(_ulp_neighbours(base_d, k), q)
-    codes = best_codes()
-    return best_d, best_m, torch.where(best_d[:, None] == 0, 0.0, codes).to(torch.int64)
+    return best_d, best_m, affine_codes(x, best_d, best_m, nmax)
 
 
 def fit_pow2(

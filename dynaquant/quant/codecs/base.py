@@ -31,6 +31,11 @@ class Codec:
     def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Encode blocks.
 
+        The block formats compose the three steps below (``pack(params, codes)`` with
+        ``params = fit_params(x, w)`` and ``codes = round_to_grid(x, params)[0]``); other
+        error-compensating encoders (GPTQ, :mod:`dynaquant.quant.gptq`) reuse the steps with
+        their own rounding.
+
         Args:
             x: (n_blocks, block_size) float32 weights.
             w: (n_blocks, block_size) float32 importance, > 0; the encoder minimises
@@ -38,7 +43,43 @@ class Codec:
         Returns:
             (n_blocks, type_size) uint8, the GGUF block layout.
         """
-        raise NotImplementedError
+        params = self.fit_params(x, w)
+        codes, _ = self.round_to_grid(x, params)
+        return self.pack(params, codes)
+
+    def fit_params(self, x: torch.Tensor, w: torch.Tensor):
+        """Choose each block's grid: its scales (and mins) exactly as stored.
+
+        Args:
+            x: (n_blocks, block_size) float32 weights.
+            w: (n_blocks, block_size) float32 importance, > 0.
+        Returns:
+            The codec's parameter object (its class docstring says which), every tensor in it
+            with the block axis first; the same search as :meth:`encode_blocks`.
+        Raises:
+            NotImplementedError: the format has no block grid (plain floats).
+        """
+        raise NotImplementedError(f"{self.format_name} has no block grid")
+
+    def round_to_grid(self, x: torch.Tensor, params, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Round weights to the nearest value of their block's grid.
+
+        Args:
+            x: (n_blocks, m) float32: columns ``start .. start + m - 1`` of each block.
+            params: from :meth:`fit_params` for the same blocks.
+            start: index in the block of ``x``'s first column (sub-block scales of the
+                K-quants depend on it).
+        Returns:
+            (codes, values): (n_blocks, m) int64 codes as :meth:`pack` takes them and
+            (n_blocks, m) float32 values, equal bit for bit to what :meth:`decode_blocks`
+            gives for them.
+        """
+        raise NotImplementedError(f"{self.format_name} has no block grid")
+
+    def pack(self, params, codes: torch.Tensor) -> torch.Tensor:
+        """Write blocks: :meth:`fit_params` parameters + (n_blocks, block_size) int64 codes ->
+        (n_blocks, type_size) uint8, the GGUF block layout."""
+        raise NotImplementedError(f"{self.format_name} has no block grid")
 
     def decode_blocks(self, b: torch.Tensor) -> torch.Tensor:
         """Decode blocks: (n_blocks, type_size) uint8 -> (n_blocks, block_size) float32.

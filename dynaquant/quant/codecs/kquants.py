@@ -144,13 +144,20 @@ class _KQuant(Codec):
     ``encode_blocks(x, w)``: (n, 256) float32 weights and importance -> (n, type_size) uint8.
     ``decode_blocks(b)``: (n, type_size) uint8 -> (n, 256) float32, as ``gguf.quants.dequantize``.
     Both raise ValueError on other shapes.
+
+    Block parameters (:meth:`fit_params`): exactly what a super-block stores besides its
+    codes: ``SymConfig`` (Q3_K, Q6_K: fp16 ``d``, integer sub-scales ``k``) or ``AffConfig``
+    (Q2_K, Q4_K, Q5_K: fp16 ``d``, ``dmin``, integer sub-scales ``ks`` and mins ``km``) of
+    ``_kquant_search``. Codes (:meth:`round_to_grid`, :meth:`pack`): the stored unsigned
+    values, ``q - qlo`` for the symmetric types (Q3_K ``0..7``, Q6_K ``0..63``), ``q`` for
+    the affine ones.
     """
 
     n_sub: int
     search: kqs.AffSearch | kqs.SymSearch
 
-    def _encode_config(self, x: torch.Tensor, w: torch.Tensor):
-        """Search the encoding of (n, 256) blocks: (config, codes (n, 256) int32)."""
+    def fit_params(self, x: torch.Tensor, w: torch.Tensor) -> kqs.AffConfig | kqs.SymConfig:
+        """Search the scales of (n, 256) blocks; raises ValueError on other shapes."""
         if x.ndim != 2 or x.shape[1] != QK_K or w.shape != x.shape:
             raise ValueError(
                 f"{self.format_name}: expected x and w of shape (n_blocks, 256), got {tuple(x.shape)} and {tuple(w.shape)}"
@@ -160,12 +167,25 @@ class _KQuant(Codec):
         w3 = w.float().reshape(n, self.n_sub, -1)
         sp = self.search
         if isinstance(sp, kqs.AffSearch):
-            cfg = kqs.aff_encode(x3, w3, sp)
-            q = kqs.aff_codes(x3, *cfg.sub_scales(), sp.qmax)
-        else:
-            cfg = kqs.sym_encode(x3, w3, sp)
-            q = kqs.sym_codes(x3, cfg.sub_scales(), sp.qlo, sp.qhi)
-        return cfg, q.reshape(n, QK_K).to(torch.int32)
+            return kqs.aff_encode(x3, w3, sp)
+        return kqs.sym_encode(x3, w3, sp)
+
+    def round_to_grid(self, x: torch.Tensor, params, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        n, m = x.shape
+        if start < 0 or start + m > QK_K:
+            raise ValueError(f"{self.format_name}: columns {start}..{start + m - 1} are outside a 256-block")
+        # Each column's sub-block scale (and min), (n, m); the codes as the search rounds
+        # them, on (n, m, 1) "sub-blocks" of one column.
+        sub = torch.arange(start, start + m, device=x.device) // (QK_K // self.n_sub)
+        x3 = x.float().unsqueeze(-1)
+        sp = self.search
+        if isinstance(sp, kqs.AffSearch):
+            dl, ml = (t[:, sub] for t in params.sub_scales())
+            q = kqs.aff_codes(x3, dl, ml, sp.qmax).squeeze(-1)
+            return q.to(torch.int64), dl * q - ml
+        dl = params.sub_scales()[:, sub]
+        q = kqs.sym_codes(x3, dl, sp.qlo, sp.qhi).squeeze(-1)
+        return (q - sp.qlo).to(torch.int64), dl * q
 
     def _check_bytes(self, b: torch.Tensor) -> int:
         """Number of blocks in ``b``; raises ValueError unless it is (n_blocks, type_size) uint8."""
@@ -190,10 +210,10 @@ class Q2_K(_KQuant):
         moves=kqs.MOVES_WIDE,
     )
 
-    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        cfg, q = self._encode_config(x, w)
+    def pack(self, params: kqs.AffConfig, codes: torch.Tensor) -> torch.Tensor:
+        cfg = params
         scales = _u8(cfg.ks | (cfg.km << 4))
-        return torch.cat([scales, _pack_crumbs(q), _f16_bytes(cfg.d), _f16_bytes(cfg.dmin)], 1)
+        return torch.cat([scales, _pack_crumbs(codes), _f16_bytes(cfg.d), _f16_bytes(cfg.dmin)], 1)
 
     def decode_blocks(self, b: torch.Tensor) -> torch.Tensor:
         n = self._check_bytes(b)
@@ -213,9 +233,8 @@ class Q3_K(_KQuant):
     n_sub = 16
     search = kqs.SymSearch(qlo=-4, qhi=3, klo=-32, khi=31, d_steps=_grid(20.0, 32.5, 0.25), exhaustive=True)
 
-    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        cfg, q = self._encode_config(x, w)
-        L = q + 4
+    def pack(self, params: kqs.SymConfig, codes: torch.Tensor) -> torch.Tensor:
+        cfg, L = params, codes
         return torch.cat(
             [_pack_bitplanes(L >> 2), _pack_crumbs(L & 3), _pack_scales_q3(cfg.k + 32), _f16_bytes(cfg.d)], 1
         )
@@ -239,10 +258,10 @@ class Q4_K(_KQuant):
         qmax=15, kmax=63, steps=_grid(11.0, 16.0, 0.2), shifts=(0.0, 0.3, -0.3), d_steps=_grid(40.0, 63.5, 0.5)
     )
 
-    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        cfg, q = self._encode_config(x, w)
+    def pack(self, params: kqs.AffConfig, codes: torch.Tensor) -> torch.Tensor:
+        cfg = params
         return torch.cat(
-            [_f16_bytes(cfg.d), _f16_bytes(cfg.dmin), _pack_scale_min_k4(cfg.ks, cfg.km), _pack_nibbles(q)], 1
+            [_f16_bytes(cfg.d), _f16_bytes(cfg.dmin), _pack_scale_min_k4(cfg.ks, cfg.km), _pack_nibbles(codes)], 1
         )
 
     def decode_blocks(self, b: torch.Tensor) -> torch.Tensor:
@@ -265,8 +284,8 @@ class Q5_K(_KQuant):
         moves=kqs.MOVES_WIDE,
     )
 
-    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        cfg, q = self._encode_config(x, w)
+    def pack(self, params: kqs.AffConfig, codes: torch.Tensor) -> torch.Tensor:
+        cfg, q = params, codes
         return torch.cat(
             [
                 _f16_bytes(cfg.d),
@@ -304,12 +323,12 @@ class Q6_K(_KQuant):
         qlo=-32, qhi=31, klo=-128, khi=127, d_steps=_grid(100.0, 128.5, 0.5), steps=_grid(26.0, 32.5, 0.25), n_elem=2
     )
 
-    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        cfg, q = self._encode_config(x, w)
-        n = x.shape[0]
-        L = (q + 32).reshape(n, 2, 2, 64)
+    def pack(self, params: kqs.SymConfig, codes: torch.Tensor) -> torch.Tensor:
+        cfg = params
+        n = codes.shape[0]
+        L = codes.reshape(n, 2, 2, 64)
         ql = _u8(((L[:, :, 0] & 15) | ((L[:, :, 1] & 15) << 4)).reshape(n, 128))
-        qh = _pack_crumbs((q + 32).reshape(n, QK_K) >> 4)
+        qh = _pack_crumbs(codes.reshape(n, QK_K) >> 4)
         sc = cfg.k.to(torch.int8).view(torch.uint8)
         return torch.cat([ql, qh, sc, _f16_bytes(cfg.d)], 1)
 

@@ -27,6 +27,7 @@ import torch
 
 from ._blockfit import (
     Grid,
+    affine_codes,
     bytes_half,
     fit_affine,
     fit_scale,
@@ -34,6 +35,7 @@ from ._blockfit import (
     in_subchunks,
     pack_high_bits,
     pack_nibbles,
+    scale_codes,
     scale_targets,
     unpack_high_bits,
     unpack_nibbles,
@@ -55,16 +57,27 @@ class _SymmetricCodec(Codec):
     ``encode_blocks(x, w)``: x, w (n_blocks, 32) float32 (w > 0) -> (n_blocks, type_size)
     uint8; ``decode_blocks`` inverts it. Search parameters (class data): ``targets`` and
     ``anchor_offsets`` of :func:`._blockfit.fit_scale`.
+
+    Block parameters (:meth:`fit_params`): the tuple ``(d,)``, ``d`` (n_blocks,) float16 as
+    stored. Codes (:meth:`round_to_grid`, :meth:`pack`): indices into ``grid``, i.e.
+    ``level - grid.lo`` (the stored nibble / 5-bit value; Q8_0 stores ``code - 127`` as int8).
     """
 
     grid: Grid
     targets: list[float]
     anchor_offsets: tuple[int, ...] = ()
 
-    def _fit(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def fit_params(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
         x = x.to(torch.float32)
         w = w.to(torch.float32)
-        return in_subchunks(fit_scale, x, w, self.grid, self.targets, self.anchor_offsets)
+        d, _ = in_subchunks(fit_scale, x, w, self.grid, self.targets, self.anchor_offsets)
+        return (d,)
+
+    def round_to_grid(self, x: torch.Tensor, params, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        (d,) = params
+        x = x.to(torch.float32)
+        codes = scale_codes(x, d, self.grid)
+        return codes, d.to(torch.float32)[:, None] * self.grid.level_tensor(x.device)[codes]
 
 
 @register
@@ -79,8 +92,8 @@ class Q8_0(_SymmetricCodec):
     targets = scale_targets([127], 24, 0, (0.6, 1.0), 1.0)
     anchor_offsets = tuple(range(-8, 9))
 
-    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        d, codes = self._fit(x, w)
+    def pack(self, params, codes: torch.Tensor) -> torch.Tensor:
+        (d,) = params
         q = (codes + int(self.grid.lo)).to(torch.int8).view(torch.uint8)
         return torch.cat([half_bytes(d), q], dim=1)
 
@@ -100,8 +113,8 @@ class Q4_0(_SymmetricCodec):
     targets = _geo(-8, 0.8, 3.0, 22) + _geo(7, 0.85, 3.0, 16)
     anchor_offsets = tuple(range(-3, 4))
 
-    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        d, codes = self._fit(x, w)
+    def pack(self, params, codes: torch.Tensor) -> torch.Tensor:
+        (d,) = params
         return torch.cat([half_bytes(d), pack_nibbles(codes)], dim=1)
 
     def decode_blocks(self, b: torch.Tensor) -> torch.Tensor:
@@ -119,8 +132,8 @@ class Q5_0(_SymmetricCodec):
     targets = scale_targets([-16, 15], 16, 10, (0.85, 1.08), 3.0)
     anchor_offsets = tuple(range(-4, 5))
 
-    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        d, codes = self._fit(x, w)
+    def pack(self, params, codes: torch.Tensor) -> torch.Tensor:
+        (d,) = params
         return torch.cat([half_bytes(d), pack_high_bits(codes), pack_nibbles(codes)], dim=1)
 
     def decode_blocks(self, b: torch.Tensor) -> torch.Tensor:
@@ -135,14 +148,23 @@ class _AffineCodec(Codec):
     ``encode_blocks(x, w)``: x, w (n_blocks, 32) float32 (w > 0) -> (n_blocks, type_size)
     uint8; ``decode_blocks`` inverts it. Search parameters (class data): ``steps`` and
     ``n_anchor`` of :func:`._blockfit.fit_affine`.
+
+    Block parameters (:meth:`fit_params`): the tuple ``(d, m)``, each (n_blocks,) float16 as
+    stored. Codes (:meth:`round_to_grid`, :meth:`pack`): the stored ``0..nmax``.
     """
 
     nmax: int
     steps: list[float]
     n_anchor: int = 0
 
-    def _fit(self, x: torch.Tensor, w: torch.Tensor):
-        return in_subchunks(fit_affine, x.to(torch.float32), w.to(torch.float32), self.nmax, self.steps, self.n_anchor)
+    def fit_params(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d, m, _ = in_subchunks(fit_affine, x.to(torch.float32), w.to(torch.float32), self.nmax, self.steps, self.n_anchor)
+        return d, m
+
+    def round_to_grid(self, x: torch.Tensor, params, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        d, m = params
+        codes = affine_codes(x.to(torch.float32), d, m, self.nmax)
+        return codes, d.to(torch.float32)[:, None] * codes.to(torch.float32) + m.to(torch.float32)[:, None]
 
 
 @register
@@ -155,8 +177,8 @@ class Q4_1(_AffineCodec):
     steps = _targets(-5.0, 2.0, 22) + [float(v) for v in np.geomspace(2.3, 10.0, 8)]
     n_anchor = 1
 
-    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        d, m, codes = self._fit(x, w)
+    def pack(self, params, codes: torch.Tensor) -> torch.Tensor:
+        d, m = params
         return torch.cat([half_bytes(d), half_bytes(m), pack_nibbles(codes)], dim=1)
 
     def decode_blocks(self, b: torch.Tensor) -> torch.Tensor:
@@ -175,8 +197,8 @@ class Q5_1(_AffineCodec):
     steps = _targets(-10.0, 2.0, 24) + [float(v) for v in np.geomspace(2.5, 16.0, 8)]
     n_anchor = 1
 
-    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        d, m, codes = self._fit(x, w)
+    def pack(self, params, codes: torch.Tensor) -> torch.Tensor:
+        d, m = params
         return torch.cat([half_bytes(d), half_bytes(m), pack_high_bits(codes), pack_nibbles(codes)], dim=1)
 
     def decode_blocks(self, b: torch.Tensor) -> torch.Tensor:

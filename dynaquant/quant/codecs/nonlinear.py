@@ -30,6 +30,7 @@ from ._blockfit import (
     half_bytes,
     in_subchunks,
     pack_nibbles,
+    scale_codes,
     scale_targets,
     unpack_nibbles,
 )
@@ -50,6 +51,9 @@ class IQ4_NL(Codec):
     ``encode_blocks(x, w)``: x, w (n_blocks, 32) float32 (w > 0) -> (n_blocks, 18) uint8;
     ``decode_blocks`` -> (n_blocks, 32) float32. The scale may be negative (the grid is
     asymmetric, so its sign picks which end gets -127).
+
+    Block parameters (:meth:`fit_params`): the tuple ``(d,)``, ``d`` (n_blocks,) float16 as
+    stored. Codes: indices into ``kvalues_iq4nl`` (the stored nibbles).
     """
 
     format_name = "IQ4_NL"
@@ -59,10 +63,19 @@ class IQ4_NL(Codec):
     targets = scale_targets([-127, 113], 16, 10, (0.8, 1.1), 3.0)
     anchor_offsets = tuple(range(-3, 4))
 
-    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        d, codes = in_subchunks(
+    def fit_params(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+        d, _ = in_subchunks(
             fit_scale, x.to(torch.float32), w.to(torch.float32), self.grid, self.targets, self.anchor_offsets
         )
+        return (d,)
+
+    def round_to_grid(self, x: torch.Tensor, params, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        (d,) = params
+        codes = scale_codes(x.to(torch.float32), d, self.grid)
+        return codes, d.to(torch.float32)[:, None] * self.grid.level_tensor(x.device)[codes]
+
+    def pack(self, params, codes: torch.Tensor) -> torch.Tensor:
+        (d,) = params
         return torch.cat([half_bytes(d), pack_nibbles(codes)], dim=1)
 
     def decode_blocks(self, b: torch.Tensor) -> torch.Tensor:
@@ -90,6 +103,9 @@ class MXFP4(Codec):
     ``encode_blocks(x, w)``: x, w (n_blocks, 32) float32 (w > 0) -> (n_blocks, 17) uint8;
     ``decode_blocks`` -> (n_blocks, 32) float32. ``e`` stays in 0..254 (255 is NaN in the
     OCP spec); +0 is written as code 0, never 8 (-0).
+
+    Block parameters (:meth:`fit_params`): the tuple ``(e,)``, ``e`` (n_blocks,) int64 E8M0
+    exponent codes. Codes: the stored E2M1 nibbles (indices into ``kvalues_mxfp4``).
     """
 
     format_name = "MXFP4"
@@ -97,14 +113,24 @@ class MXFP4(Codec):
     # Exponents tried around llama.cpp's floor(log2(amax)) - 2 + 127.
     offsets = (-3, -2, -1, 0, 1, 2)
 
-    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def fit_params(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
         x = x.to(torch.float32)
         amax = x.abs().max(dim=1).values
         # floor(log2(amax)) exactly: frexp gives amax = mant * 2**exp with mant in [0.5, 1).
         exp = torch.frexp(amax).exponent.to(torch.int64) - 1
         e0 = torch.where(amax > 0, exp - 2 + 127, torch.zeros_like(exp))
-        e, idx = fit_pow2(x, w.to(torch.float32), self.grid, e0, self.offsets, 0, 254, e8m0_to_fp32_half)
-        codes = torch.tensor(_MX_CODES, dtype=torch.uint8, device=x.device)[idx]
+        e, _ = fit_pow2(x, w.to(torch.float32), self.grid, e0, self.offsets, 0, 254, e8m0_to_fp32_half)
+        return (e,)
+
+    def round_to_grid(self, x: torch.Tensor, params, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        (e,) = params
+        d = e8m0_to_fp32_half(e)[:, None]
+        idx = self.grid.codes_of(x.to(torch.float32) / d)
+        codes = torch.tensor(_MX_CODES, dtype=torch.int64, device=x.device)[idx]
+        return codes, d * self.grid.level_tensor(x.device)[idx]
+
+    def pack(self, params, codes: torch.Tensor) -> torch.Tensor:
+        (e,) = params
         return torch.cat([e.to(torch.uint8)[:, None], pack_nibbles(codes)], dim=1)
 
     def decode_blocks(self, b: torch.Tensor) -> torch.Tensor:

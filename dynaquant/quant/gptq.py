@@ -1,0 +1,248 @@
+"""GPTQ: error-compensating rounding to the GGUF block formats, layout unchanged.
+
+GPTQ (Frantar et al. 2022, "GPTQ: Accurate Post-Training Quantization for Generative
+Pre-trained Transformers", arXiv 2210.17323) quantizes the columns (input features) of a
+weight ``W`` (N, K) one at a time and, after each, spreads its rounding error over the
+columns not yet quantized so that the layer output error ``tr(dW H dW^T)`` stays small,
+with ``H = E[x x^T]`` (K, K) the second moment of the layer's inputs:
+
+1. dead inputs (``H_jj == 0``) get ``H_jj = 1`` and their weights set to 0 (they never
+   touch the calibration output), then ``H += damp * mean(diag H) * I``;
+2. ``U`` = upper Cholesky factor of ``H^-1``; column ``j`` is rounded to ``q_j`` and the
+   columns after it are updated ``W[:, j+1:] -= (w_j - q_j) / U_jj * U[j, j+1:]``;
+3. updates are applied lazily in batches of ``block_columns`` columns (the rest of ``W``
+   is updated once per batch with one matrix product).
+
+Block formats (here every GGUF quantized type: ``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0``,
+``Q5_1``, ``IQ4_NL``, ``MXFP4``, ``Q2_K`` ... ``Q6_K``) fix a grid per block of 32 or 256
+consecutive columns: as GPTQ with groups does, a block's grid (its stored scales, mins
+and K-quant sub-block scales) is chosen when the algorithm reaches the block's first
+column, from the block's weights *as updated so far*, by the codec's own importance-
+weighted search (:meth:`Codec.fit_params`, the same search ``quantize`` runs); each of the
+block's columns is then rounded to the nearest value of that grid
+(:meth:`Codec.round_to_grid`). Batches are rounded up to a whole number of blocks so a
+block's columns are all current when its grid is chosen. At the end the codes and grid
+parameters are written in the GGUF layout (:meth:`Codec.pack`), so decoding the bytes
+(our codec or ``gguf.quants.dequantize``) gives exactly the values GPTQ worked with.
+
+Act-order (GPTQ's columns by descending ``H_jj``) is offered in the only form the layout
+allows: whole blocks in descending ``sum(H_jj)`` over the block, and the columns of each
+block (contiguous) in descending ``H_jj``; the bytes keep the layout's column order.
+The grid search weighs the columns of a block by GPTQ's own cost of an error in each,
+``1 / [U_jj]**2`` (unless an imatrix is given).
+
+Everything runs on the device of the weight, vectorised over all rows (the Python loop is
+over columns).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .codecs.base import _importance, get_codec
+from .formats import Format, get_format
+
+logger = logging.getLogger(__name__)
+
+# Damping is multiplied by this factor (up to _MAX_DAMP_TRIES times) when H + damp is not
+# numerically positive definite.
+_DAMP_GROWTH = 10.0
+_MAX_DAMP_TRIES = 4
+
+
+@dataclass
+class GPTQResult:
+    """What GPTQ rounding produced.
+
+    Attributes:
+        data: (N, row_bytes) uint8, the GGUF rows (as :func:`dynaquant.quant.codecs.quantize` returns them).
+        decoded: (N, K) float32, the rounded weights; equal bit for bit to decoding ``data``.
+        damp: the relative damping finally used (larger than asked if ``H`` needed more).
+    """
+
+    data: torch.Tensor
+    decoded: torch.Tensor
+    damp: float
+
+
+def _inverse_cholesky(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, float]:
+    """Upper Cholesky factor of ``(H + damp * mean(diag H) I)^-1`` (float64), and the damp used.
+
+    Raises:
+        ValueError: still not positive definite after raising the damping.
+    """
+    k = h.shape[0]
+    eye = torch.eye(k, dtype=h.dtype, device=h.device)
+    mean_diag = float(torch.diagonal(h).mean())
+    for _ in range(_MAX_DAMP_TRIES):
+        lower, info = torch.linalg.cholesky_ex(h + damp * mean_diag * eye)
+        if int(info) == 0:
+            u, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+            if int(info) == 0 and torch.isfinite(u).all():
+                return u, damp
+        logger.warning("GPTQ: H + %.3g * mean(diag H) is not positive definite; damping more", damp)
+        damp *= _DAMP_GROWTH
+    raise ValueError(f"GPTQ: the Hessian is not positive definite even with damp {damp / _DAMP_GROWTH:.3g}")
+
+
+def _column_order(diag: torch.Tensor, bs: int, act_order: bool) -> list[int]:
+    """Processing order of the columns: identity, or blocks by descending ``sum(diag H)`` over
+    the block and, inside each block, columns by descending ``diag H`` (blocks stay contiguous)."""
+    k = diag.shape[0]
+    if not act_order:
+        return list(range(k))
+    d = diag.reshape(k // bs, bs).cpu()
+    blocks = d.sum(1).argsort(descending=True, stable=True)
+    inside = d.argsort(dim=1, descending=True, stable=True)
+    return (blocks[:, None] * bs + inside[blocks]).reshape(-1).tolist()
+
+
+def gptq_round(
+    weight: torch.Tensor,
+    fmt: str | Format,
+    hessian: torch.Tensor,
+    imatrix: torch.Tensor | None = None,
+    *,
+    damp: float = 0.01,
+    block_columns: int = 128,
+    act_order: bool = False,
+) -> GPTQResult:
+    """GPTQ-round a weight to a GGUF block format (module docstring).
+
+    Args:
+        weight: (N, K) float tensor, any device; K a multiple of the format's block size.
+        fmt: a quantized GGUF format name or row (not a plain float format).
+        hessian: (K, K) float tensor, ``E[x x^T]`` of the layer's inputs over calibration
+            tokens (any positive scale; symmetric positive semi-definite).
+        imatrix: (K,) per-column importance for the choice of each block's grid. None (the
+            default, and better in our measurements than ``diag H``): GPTQ's own cost of a
+            rounding error in column ``j``, ``1 / [U_jj]**2`` (``U`` the upper Cholesky factor
+            of ``H^-1`` in processing order: ``H_jj`` less what the later columns can absorb).
+        damp: diagonal damping, relative to the mean of ``diag H`` (GPTQ's ``percdamp``).
+        block_columns: lazy-update batch, in columns; rounded up to a multiple of the block size.
+        act_order: process whole blocks in descending order of ``sum(diag H)`` over the block,
+            and the columns of a block in descending ``diag H`` (GPTQ's act-order, restricted
+            to orders that keep each block's columns together, as the layout demands).
+    Returns:
+        GPTQResult with the bytes and the decoded weight, both on the weight's device.
+    Raises:
+        ValueError: bad shapes, a float format, non-finite inputs, or ``H`` not positive
+            definite even after more damping.
+    """
+    fmt = fmt if isinstance(fmt, Format) else get_format(fmt)
+    if fmt.kind == "float":
+        raise ValueError(f"GPTQ needs a quantized block format, not {fmt.name}")
+    if weight.ndim != 2:
+        raise ValueError(f"GPTQ takes a 2-D weight, got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    bs, ts = fmt.block_size, fmt.type_size
+    row_bytes = fmt.row_bytes(k)  # raises ValueError when K is not a multiple of the block size
+    if hessian.shape != (k, k):
+        raise ValueError(f"hessian has shape {tuple(hessian.shape)}, expected ({k}, {k})")
+    if damp < 0 or block_columns < 1:
+        raise ValueError(f"need damp >= 0 and block_columns >= 1, got {damp} and {block_columns}")
+    device = weight.device
+    w = weight.detach().to(torch.float32).clone()
+    h = hessian.detach().to(device=device, dtype=torch.float64)
+    if not (torch.isfinite(w).all() and torch.isfinite(h).all()):
+        raise ValueError("GPTQ: weight and hessian must be finite")
+    imp = None if imatrix is None else _importance(imatrix, 1, k, device)[0]
+    h = (h + h.T) * 0.5
+    diag = torch.diagonal(h).clamp_min(0)
+    dead = diag == 0
+    if dead.any():
+        # GPTQ: an input never active in calibration is pinned to 0 and decoupled.
+        h[dead, :] = 0
+        h[:, dead] = 0
+        h[dead, dead] = 1
+        w[:, dead] = 0
+    order = _column_order(diag, bs, act_order)
+    if act_order:
+        perm = torch.tensor(order, device=device)
+        w, h, dead = w[:, perm], h[perm][:, perm], dead[perm]
+        imp = None if imp is None else imp[perm]
+    u, used_damp = _inverse_cholesky(h, damp)
+    u = u.to(torch.float32)
+    if imp is None:
+        imp = torch.diagonal(u).square().reciprocal()
+        if dead.any():  # a dead column's error costs nothing: the least importance, not H_jj = 1's
+            imp = torch.where(dead, imp[~dead].min() * 1e-3 if (~dead).any() else 1.0, imp)
+
+    codec = get_codec(fmt.name)
+    batch = -(-block_columns // bs) * bs
+    codes = torch.empty(n, k, dtype=torch.int64, device=device)  # original column order
+    decoded = torch.empty(n, k, dtype=torch.float32, device=device)
+    data = torch.empty(n, row_bytes, dtype=torch.uint8, device=device)
+    for i1 in range(0, k, batch):
+        i2 = min(i1 + batch, k)
+        w1 = w[:, i1:i2].clone()
+        err1 = torch.empty_like(w1)
+        u1 = u[i1:i2, i1:i2]
+        params = None
+        for i in range(i2 - i1):
+            pos = i1 + i  # processing position; the column is order[pos]
+            col = order[pos]
+            if pos % bs == 0:
+                # The block's grid, from its updated weights (put back in layout order).
+                xb, wb = w1[:, i : i + bs], imp[pos : pos + bs]
+                if act_order:
+                    back = torch.tensor([c % bs for c in order[pos : pos + bs]], device=device).argsort()
+                    xb, wb = xb[:, back], wb[back]
+                params = codec.fit_params(xb, wb.expand(n, bs))
+            c, v = codec.round_to_grid(w1[:, i : i + 1], params, col % bs)
+            codes[:, col] = c[:, 0]
+            decoded[:, col] = v[:, 0]
+            e = (w1[:, i] - v[:, 0]) / u1[i, i]
+            w1[:, i + 1 :].addr_(e, u1[i, i + 1 :], alpha=-1.0)
+            err1[:, i] = e
+            if pos % bs == bs - 1:
+                b0 = col - col % bs
+                data[:, b0 // bs * ts : (b0 // bs + 1) * ts] = codec.pack(params, codes[:, b0 : b0 + bs])
+        if i2 < k:
+            w[:, i2:].addmm_(err1, u[i1:i2, i2:], alpha=-1.0)
+    return GPTQResult(data, decoded, used_damp)
+
+
+def gptq_quantize(
+    weight: torch.Tensor,
+    fmt: str | Format,
+    hessian: torch.Tensor,
+    imatrix: torch.Tensor | None = None,
+    *,
+    damp: float = 0.01,
+    block_columns: int = 128,
+    act_order: bool = False,
+) -> torch.Tensor:
+    """GPTQ-quantize a weight to a GGUF format's bytes (arguments and errors as :func:`gptq_round`).
+
+    Returns:
+        (N, K // block_size * type_size) uint8 on the weight's device: the GGUF layout, a
+        drop-in replacement for ``quantize(weight, fmt, imatrix)``.
+    """
+    return gptq_round(weight, fmt, hessian, imatrix, damp=damp, block_columns=block_columns, act_order=act_order).data
+
+
+def output_error(weight: torch.Tensor, decoded: torch.Tensor, hessian: torch.Tensor) -> float:
+    """Relative layer-output error ``tr(dW H dW^T) / tr(W H W^T)``, ``dW = weight - decoded``.
+
+    Args:
+        weight, decoded: (N, K) float tensors on one device.
+        hessian: (K, K) ``E[x x^T]``.
+    Returns:
+        float (float64 arithmetic): the mean squared output error over the calibration
+        inputs relative to the mean squared output.
+    Raises:
+        ValueError: shapes disagree, or the reference output ``tr(W H W^T)`` is 0.
+    """
+    if weight.shape != decoded.shape or weight.ndim != 2 or hessian.shape != (weight.shape[1],) * 2:
+        raise ValueError(f"shapes {tuple(weight.shape)}, {tuple(decoded.shape)}, {tuple(hessian.shape)} do not fit")
+    w = weight.to(torch.float64)
+    h = hessian.to(device=w.device, dtype=torch.float64)
+    dw = w - decoded.to(device=w.device, dtype=torch.float64)
+    den = float(((w @ h) * w).sum())
+    if den == 0:
+        raise ValueError("the reference output tr(W H W^T) is 0")
+    return float(((dw @ h) * dw).sum()) / den
