@@ -242,10 +242,11 @@ class Llama:
                                "-o", str(self.imatrix), *self._common()], self.work / "imatrix.log", self.timeout_s)
         return {"time_s": round(dt, 2), "cpu_s": round(cpu, 2)}
 
-    def quantize(self, model: Path, mix: str, out: Path) -> tuple[float, float]:
-        """(wall seconds, CPU seconds) of ``llama-quantize --imatrix``."""
-        _, dt, cpu = run_tool([str(self.tools["llama-quantize"]), "--imatrix", str(self.imatrix), str(model), str(out), mix,
-                          str(self.threads)], self.work / f"quantize-llama.cpp-{mix}.log", self.timeout_s)
+    def quantize(self, model: Path, mix: str, out: Path, extra: list[str] = (), label: str = "") -> tuple[float, float]:
+        """(wall seconds, CPU seconds) of ``llama-quantize --imatrix [extra overrides]``."""
+        _, dt, cpu = run_tool([str(self.tools["llama-quantize"]), "--imatrix", str(self.imatrix), *extra, str(model), str(out),
+                               mix, str(self.threads)], self.work / f"quantize-{label or 'llama.cpp-' + mix}.log",
+                              self.timeout_s)
         return dt, cpu
 
     def kld(self, model: Path, label: str) -> dict:
@@ -281,6 +282,15 @@ def ratios(rows: list[dict], mixes: list[str]) -> dict:
             a, b = dq.get(key), lc.get(key)
             entry[name] = round(a / b, 4) if a is not None and b else None
         out[mix] = entry
+    for mix in mixes:  # dynamic plans against the llama.cpp mix and the hand allocation at that size
+        dyn = by.get(("dynamic", mix))
+        if not dyn:
+            continue
+        for base in ("llama.cpp", "hand"):
+            b = by.get((base, mix))
+            for key in ("kld_mean", "kld_p99"):
+                if b and dyn.get(key) is not None and b.get(key):
+                    out.setdefault(f"dynamic/{base} {mix}", {})[key] = round(dyn[key] / b[key], 4)
     return out
 
 
@@ -337,6 +347,63 @@ def run_llama(mix: str, dithered: Path, llama: Llama) -> dict:
     return row
 
 
+# Hand allocations with llama-quantize's per-tensor overrides, one per target size: what a careful
+# person does today (the tied embedding out of Q8_0, bytes moved into attn_v and ffn_down). On
+# SmolLM2 only ffn_down (rows of 1536) takes 256-blocks; the rest choose among 32-block types.
+# Patterns are matched in order (first match wins), as llama-quantize applies --tensor-type.
+HAND = {
+    "Q4_K_M": {"token_embd": "q5_1", "tensor_types": ["attn_v=q8_0", "attn_k=q5_1", "attn_q=q5_1", "attn_output=q5_0",
+                                                     "ffn_down=q6_k", "ffn_gate=q5_1", "ffn_up=q5_1"]},
+    "Q3_K_M": {"token_embd": "q5_0", "tensor_types": ["attn_v=q5_1", "attn_k=q5_0", "attn_q=q5_0", "attn_output=q5_0",
+                                                     "ffn_down=q5_k", "ffn_gate=q4_1", "ffn_up=q5_0"]},
+    "Q2_K": {"token_embd": "q5_0", "tensor_types": ["attn_v=q5_1", "attn_k=q4_1", "attn_q=q4_1", "attn_output=q5_1",
+                                                   "ffn_down=q4_k", "ffn_gate=q4_1", "ffn_up=q4_1"]},
+}
+
+
+def run_hand(mix: str, dithered: Path, llama: Llama, size_limit: int | None) -> dict:
+    """llama-quantize --imatrix with the HAND overrides for a mix's size; the row notes whether it fits."""
+    row = _row("hand", mix)
+    h = HAND[mix]
+    out = llama.work / f"hand-{mix}.gguf"
+    extra = ["--token-embedding-type", h["token_embd"], "--output-tensor-type", h["token_embd"]]
+    for tt in h["tensor_types"]:
+        extra += ["--tensor-type", tt]
+    dt, cpu = llama.quantize(dithered, mix, out, extra, label=f"hand-{mix}")
+    row["quantize_time_s"], row["quantize_cpu_s"] = round(dt, 2), round(cpu, 2)
+    row["overrides"] = extra
+    row.update(file_stats(out))
+    row["size_limit"] = size_limit
+    row["fits"] = size_limit is None or row["size_bytes"] <= size_limit
+    row.update(llama.kld(out, f"hand-{mix}"))
+    return row
+
+
+def run_dynamic(mix: str, dithered: Path, args, llama: Llama | None, size_limit: int) -> dict:
+    """A dynamic plan at ``size_limit`` bytes from one shared analysis of the dithered model."""
+    from dynaquant.analysis.calibration import CalibrationSpec
+
+    report = args.work_dir / "analysis" / "report.json"
+    row = _row("dynamic", mix)
+    if not report.is_file() or not args.reuse:
+        t0 = time.perf_counter()
+        res = dynaquant.analyze(str(dithered), report.parent, calibration=CalibrationSpec((str(args.calibration),),
+                                args.chunks, args.n_ctx), device=args.device, progress=False)
+        row["analysis_time_s"] = round(time.perf_counter() - t0, 2)
+        row["analysis_timings_s"] = {k: round(v, 2) for k, v in res.report["timings_s"].items()}
+    out = args.work_dir / f"dynamic-{mix}.gguf"
+    t0 = time.perf_counter()
+    res = dynaquant.quantize(str(dithered), size=size_limit, report=report, output=out, device=args.device, progress=False)
+    row["quantize_time_s"] = round(time.perf_counter() - t0, 2)
+    row["size_limit"] = size_limit
+    row["kld_pred"] = res.plan.kld_pred
+    row["formats"] = res.plan.count_by_format()
+    row.update(file_stats(out))
+    if llama is not None:
+        row.update(llama.kld(out, f"dynamic-{mix}"))
+    return row
+
+
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -367,6 +434,9 @@ def table(header: dict, rows: list[dict]) -> str:
         keys = ("kld_mean", "kld_p99", "size", "quantize_time", "quantize_cpu")
         lines.append("dynaquant / llama.cpp (same run): " + " ".join(f"{c:>13}" for c in names))
         for mix, e in rat.items():
+            if mix.startswith("dynamic/"):
+                lines.append(f"{mix:>33}: KLD mean {_fmt(e.get('kld_mean'), '.3f')}  KLD p99 {_fmt(e.get('kld_p99'), '.3f')}")
+                continue
             lines.append(f"{mix:>33}: " + " ".join(f"{_fmt(e.get(k), '.3f'):>13}" for k in keys))
     if header.get("stopped"):
         lines.append(f"run stopped early; not run: {', '.join(header['stopped']['not_run'])}")
@@ -389,7 +459,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixes", default=",".join(MIXES), help="comma-separated presets")
     p.add_argument("--dynaquant-mixes", default=None,
                    help="comma-separated presets for dynaquant only (default: --mixes); llama.cpp still runs --mixes")
-    p.add_argument("--methods", default="dynaquant,llama.cpp", help="comma-separated: dynaquant, llama.cpp")
+    p.add_argument("--methods", default="dynaquant,llama.cpp",
+                   help="comma-separated: dynaquant (presets), llama.cpp, hand (llama-quantize overrides), "
+                        "dynamic (dynaquant plans at the llama.cpp files' sizes)")
+    p.add_argument("--dynamic-mixes", default="Q4_K_M,Q3_K_M,Q2_K", help="sizes for hand and dynamic rows")
     p.add_argument("--no-torch-eval", action="store_true", help="skip dynaquant.evaluate (PyTorch KLD)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp threads")
     p.add_argument("--device", default="cpu", help="torch device for dynaquant")
@@ -409,10 +482,14 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("gguf", "transformers", "dynaquant.exporters"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     mixes = [m.strip().upper() for m in args.mixes.split(",") if m.strip()]
+    if "dynamic" in args.methods or "hand" in args.methods:
+        mixes += [m.strip().upper() for m in args.dynamic_mixes.split(",") if m.strip().upper() not in mixes]
     dq_mixes = [m.strip().upper() for m in (args.dynaquant_mixes or args.mixes).split(",") if m.strip()]
     methods = {m.strip() for m in args.methods.split(",") if m.strip()}
-    if not methods <= {"dynaquant", "llama.cpp"}:
-        p.error(f"unknown method(s): {', '.join(sorted(methods - {'dynaquant', 'llama.cpp'}))}")
+    known = {"dynaquant", "llama.cpp", "hand", "dynamic"}
+    if not methods <= known:
+        p.error(f"unknown method(s): {', '.join(sorted(methods - known))}")
+    dyn_mixes = [m.strip().upper() for m in args.dynamic_mixes.split(",") if m.strip()]
     if args.calibration.resolve() == args.eval_text.resolve():
         p.error("calibration and evaluation texts must differ")
     args.work_dir.mkdir(parents=True, exist_ok=True)
@@ -447,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         llama = Llama(tools, args.work_dir, args.n_ctx, args.chunks, args.threads, args.tool_timeout_s)
         try:
             header["llama_cpp"]["base"] = llama.make_base(args.dithered, args.eval_text, args.reuse)
-            if "llama.cpp" in methods:
+            if methods & {"llama.cpp", "hand"}:
                 header["llama_cpp"]["imatrix"] = llama.make_imatrix(args.dithered, args.calibration, args.reuse)
         except ToolError as e:
             log.error("%s", e)
@@ -460,16 +537,30 @@ def main(argv: list[str] | None = None) -> int:
     jobs = []
     if "llama.cpp" in methods and llama is not None:
         jobs += [("llama.cpp", mix) for mix in mixes]
+    if "hand" in methods and llama is not None:
+        jobs += [("hand", mix) for mix in dyn_mixes]
     if "dynaquant" in methods:
         jobs += [("dynaquant", mix) for mix in dq_mixes]
+    if "dynamic" in methods:
+        jobs += [("dynamic", mix) for mix in dyn_mixes]
     # SIGTERM (kill PID) ends the run like Ctrl-C: the rows so far are kept and the header says so.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         for method, mix in jobs:
             log.info("=== %s %s (load average %s)", method, mix, os.getloadavg())
             try:
-                row = run_llama(mix, args.dithered, llama) if method == "llama.cpp" else \
-                    run_dynaquant(mix, args.dithered, args, llama)
+                limit = next((r["size_bytes"] for r in rows if r["method"] == "llama.cpp" and r["mix"] == mix
+                              and r.get("size_bytes")), None)
+                if method == "llama.cpp":
+                    row = run_llama(mix, args.dithered, llama)
+                elif method == "hand":
+                    row = run_hand(mix, args.dithered, llama, limit)
+                elif method == "dynamic":
+                    if limit is None:
+                        raise RuntimeError(f"no llama.cpp {mix} row to take the size from; add llama.cpp to --methods")
+                    row = run_dynamic(mix, args.dithered, args, llama, limit)
+                else:
+                    row = run_dynaquant(mix, args.dithered, args, llama)
             except Exception as e:  # one failing mix must not lose the others; the row says what failed
                 log.exception("%s %s failed", method, mix)
                 row = _row(method, mix)

@@ -34,7 +34,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--size", type=_size, help="whole output file size, at most (bytes, or 80MB, 1.5GiB)")
     g.add_argument("--plan", help="plan.json to use as is")
     q.add_argument("--rule", action="append", default=[], metavar="REGEX=FORMAT",
-                   help="override, matched against GGUF tensor names; first match wins (repeatable)")
+                   help="override, matched against GGUF tensor names; first match wins (repeatable); "
+                        "REGEX>=FORMAT / REGEX<=FORMAT bound the allocator")
+    q.add_argument("--no-default-rules", action="store_true", help="dynamic plans without the default rules")
+    q.add_argument("--report", help="analysis report.json for dynamic plans (default: analyse here)")
+    q.add_argument("--imatrix", help="imatrix file (llama.cpp GGUF or .dat) for the encoders")
     q.add_argument("--calibration", help="calibration text file (default: Python stdlib docstrings)")
     q.add_argument("--calibration-chunks", type=int, default=32, help="chunks of --ctx tokens (default 32)")
     q.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default 512)")
@@ -50,6 +54,41 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--trust-remote-code", action="store_true")
     q.add_argument("--device", help="torch device (default: cuda if available)")
     q.add_argument("--json", action="store_true", help="machine-readable output")
+
+    a = sub.add_parser("analyze", help="measure per-tensor errors, activations and super weights: DIR/report.json")
+    a.add_argument("model", nargs="?", help="HF folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
+    a.add_argument("-o", "--output", default="analysis", help="output folder (default: ./analysis)")
+    a.add_argument("--calibration", action="append", default=[], metavar="FILE|hf:ID[:SPLIT[:COLUMN]]",
+                   help="calibration text file or HF dataset (repeatable; default: Python stdlib docstrings)")
+    a.add_argument("--sequences", type=int, default=64, help="calibration sequences (default 64)")
+    a.add_argument("--ctx", type=int, default=512, help="tokens per sequence (default 512)")
+    a.add_argument("--chat-template", action="store_true", help="wrap the text in the model's chat template")
+    a.add_argument("--fisher-sequences", type=int, default=8, help="sequences with a backward pass (default 8)")
+    a.add_argument("--formats", help="comma-separated candidate formats (default: all GGUF candidates)")
+    a.add_argument("--sensitivity", metavar="FORMATS", help="also measure end-to-end KLD per block group in these formats")
+    a.add_argument("--validate", metavar="PRESETS", help="check dynamic plans at these presets' sizes (e.g. Q4_K_M,Q2_K)")
+    a.add_argument("--no-super-weights", action="store_true")
+    a.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    a.add_argument("--device")
+    a.add_argument("--allow-pickle", action="store_true")
+    a.add_argument("--trust-remote-code", action="store_true")
+    a.add_argument("--json", action="store_true")
+
+    pl = sub.add_parser("plan", help="a dynamic plan from an analysis report, within a budget")
+    pl.add_argument("report", help="report.json written by dynaquant analyze")
+    g = pl.add_mutually_exclusive_group(required=True)
+    g.add_argument("--bpw", type=float, help="average bits per weight over all tensor data, at most")
+    g.add_argument("--size", type=_size, help="whole output file size, at most (bytes, or 80MB, 1.5GiB)")
+    pl.add_argument("--target", default="gguf", choices=["gguf", "safetensors"])
+    pl.add_argument("--rule", action="append", default=[], metavar="REGEX=FORMAT")
+    pl.add_argument("--no-default-rules", action="store_true")
+    pl.add_argument("-o", "--output", default="plan.json")
+    pl.add_argument("--json", action="store_true")
+
+    r = sub.add_parser("report", help="render an analysis report as a self-contained HTML page")
+    r.add_argument("report", help="report.json")
+    r.add_argument("--plan", help="also show this plan.json as a heat map")
+    r.add_argument("-o", "--output", help="HTML file (default: report.html beside report.json)")
 
     e = sub.add_parser("eval", help="KLD, perplexity and top-1 agreement of a quantized GGUF against its original")
     e.add_argument("quantized")
@@ -77,6 +116,7 @@ def _quantize(a, bare: bool) -> int:
 
     evaluate = (a.evaluate or bare) and not a.no_eval
     res = quantize(a.model, output=a.output, preset=a.preset, bpw=a.bpw, size=a.size, rules=a.rule, plan=a.plan,
+                   report=a.report, imatrix=a.imatrix, default_rules_on=not a.no_default_rules,
                    calibration=a.calibration, calibration_chunks=a.calibration_chunks, n_ctx=a.ctx,
                    use_imatrix=not a.no_imatrix, evaluate=evaluate, eval_text=a.text, eval_chunks=a.chunks,
                    allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code, device=a.device,
@@ -95,6 +135,59 @@ def _quantize(a, bare: bool) -> int:
     print(f"  formats by weights: {mix}")
     if res.eval:
         _print_eval(res.eval)
+    return 0
+
+
+def _analyze(a) -> int:
+    from . import analyze
+    from .analysis.calibration import CalibrationSpec
+
+    spec = CalibrationSpec(tuple(a.calibration), a.sequences, a.ctx, a.chat_template)
+    kw = {}
+    if a.formats:
+        kw["candidates"] = tuple(f.strip().upper() for f in a.formats.split(","))
+    res = analyze(a.model, a.output, calibration=spec, fisher_sequences=a.fisher_sequences,
+                  super_weights=not a.no_super_weights,
+                  sensitivity_formats=tuple(f.strip().upper() for f in a.sensitivity.split(",")) if a.sensitivity else (),
+                  validate_presets=tuple(p.strip().upper() for p in a.validate.split(",")) if a.validate else (),
+                  device=a.device, dtype=a.dtype, allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code,
+                  progress=not a.json, **kw)
+    rep = res.report
+    if a.json:
+        print(json.dumps({"report": str(res.report_path), "imatrix": str(res.imatrix_path),
+                          "timings_s": rep["timings_s"], "super_weights": rep["super_weights"]}, indent=1))
+        return 0
+    print(f"wrote {res.report_path} and {res.imatrix_path}")
+    c = rep["calibration"]
+    print(f"  {c['n_sequences']} sequences x {c['seq_len']} tokens of {c['id']}, {len(rep['tensors'])} tensors, "
+          f"{len(rep['candidates'])} candidate formats, {rep['timings_s']['total_s']:.1f} s")
+    for sw in rep["super_weights"]:
+        print(f"  super weight {'(confirmed) ' if sw['confirmed'] else '(rejected)  '}{sw['tensor']} [{sw['row']}, "
+              f"{sw['column']}] = {sw['value']:.3f}: perplexity {sw['ppl_base']:.2f} -> {sw['ppl_ablated']:.2f} when zeroed")
+    for p in rep["plans"]:
+        print(f"  plan at {p['label']}: {p['size_bytes']} bytes, KLD predicted {p['kld_pred']:.5f}, "
+              f"measured {p['kld_measured']:.5f}")
+    return 0
+
+
+def _plan(a) -> int:
+    from . import make_dynamic_plan
+
+    plan = make_dynamic_plan(a.report, bpw=a.bpw, size=a.size, rules=a.rule, target=a.target,
+                             default_rules_on=not a.no_default_rules, output=a.output)
+    if a.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+        return 0
+    print(f"wrote {a.output}: {plan.size_bytes} bytes of tensor data, {plan.bpw:.3f} bpw, "
+          f"predicted KLD {plan.kld_pred or 0:.5f} ({plan.method})")
+    return 0
+
+
+def _report(a) -> int:
+    from .analysis.report_html import render_report_cli
+
+    out = render_report_cli(a.report, a.output, a.plan)
+    print(f"wrote {out}")
     return 0
 
 
@@ -143,6 +236,12 @@ def main(argv: list[str] | None = None) -> int:
             return _quantize(a, bare)
         if a.command == "eval":
             return _eval(a)
+        if a.command == "analyze":
+            return _analyze(a)
+        if a.command == "plan":
+            return _plan(a)
+        if a.command == "report":
+            return _report(a)
         return _inspect(a)
     except (ValueError, KeyError, FileNotFoundError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 
 from . import __version__
-from .analysis.calibration import tokenize_chunks
+from .analysis.calibration import CalibrationSpec, calibration_chunks, tokenize_chunks
 from .analysis.evaluate import EvalResult, compare_models
 from .analysis.imatrix import Imatrix, compute_imatrix
-from .analysis.texts import default_calibration_text, default_eval_text, read_text
+from .analysis.texts import default_eval_text, read_text
 from .checkpoint import ModelSource, load_model, load_tokenizer, resolve_source
 from .exporters.gguf_names import hf_to_gguf_name
 from .exporters.gguf_source import SourceTensor, TensorSource, open_gguf_source
@@ -29,7 +29,7 @@ from .exporters.gguf_writer import write_gguf
 from .quant.codecs import quantize as encode_tensor
 from .quant.formats import Format, get_format
 from .quant.plan import Plan, TensorInfo
-from .quant.planner import make_plan
+from .quant.planner import GGUF_CANDIDATES, default_rules, error_fn_from_report, make_plan
 from .quant.presets import PRESETS, ModelInfo
 
 log = logging.getLogger(__name__)
@@ -187,30 +187,32 @@ def file_type_of(plan: Plan, preset: str | None) -> int:
     return int(_FILE_TYPE_OF_FORMAT.get(bulk, gguf.LlamaFileType.GUESSED))
 
 
-def _calibrate(model, tokenizer, calibration, chunks, n_ctx, progress) -> Imatrix:
-    text, text_id = read_text(calibration, default_calibration_text)
-    ids = tokenize_chunks(tokenizer, text, n_ctx, chunks)
-    return compute_imatrix(model, ids, text_id, progress=progress)
-
-
 def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLike | None = None,
              preset: str | None = None, bpw: float | None = None, size: int | None = None,
              rules: list[str] | tuple[str, ...] = (), plan: Plan | str | os.PathLike | None = None,
-             calibration: str | os.PathLike | None = None, calibration_chunks: int = 32, n_ctx: int = 512,
-             use_imatrix: bool = True, evaluate: bool = False, eval_text: str | os.PathLike | None = None,
-             eval_chunks: int = 16, allow_pickle: bool = False, trust_remote_code: bool = False,
-             device: str | None = None, progress: bool = True) -> QuantizeResult:
+             report: dict | str | os.PathLike | None = None, imatrix: str | os.PathLike | None = None,
+             calibration: str | os.PathLike | CalibrationSpec | None = None, calibration_chunks: int = 32,
+             n_ctx: int = 512, use_imatrix: bool = True, default_rules_on: bool = True, evaluate: bool = False,
+             eval_text: str | os.PathLike | None = None, eval_chunks: int = 16, allow_pickle: bool = False,
+             trust_remote_code: bool = False, device: str | None = None, progress: bool = True) -> QuantizeResult:
     """Quantize a model to a mixed-precision GGUF file.
+
+    Targets (at most one): ``preset`` (a llama.cpp mix, tensor by tensor as llama-quantize decides),
+    ``bpw`` or ``size`` (a dynamic plan: every tensor's format chosen to minimise the KL divergence
+    predicted by the analysis within the budget), or ``plan`` (used as is). None: a dynamic plan at the
+    file size of the ``Q4_K_M`` preset.
 
     Args:
         model: HF checkpoint folder, hub id, ``.gguf`` file, or None for the embedded default.
         output: the GGUF path; default ``<model>-<target>.gguf`` in the current folder.
-        preset: a llama.cpp mix (``Q4_K_M`` ...); the default when no other target is given.
-        bpw: target average bits per weight (upper bound); size: target file size in bytes (upper bound).
-        rules: ``'REGEX=FORMAT'`` overrides matched against GGUF tensor names, first match wins.
-        plan: a Plan or a plan.json path, used as is (validated against the model).
-        calibration: calibration text file (default: stdlib docstrings); calibration_chunks x n_ctx tokens.
-        use_imatrix: compute and use the imatrix (encoders minimise the imatrix-weighted error).
+        rules: ``'REGEX=FORMAT'`` (or ``>=``, ``<=``) matched against GGUF tensor names, first match wins,
+            before the default rules (``planner.default_rules``; off with ``default_rules_on=False``).
+        report: an analysis report (``report.json`` path or dict) for dynamic plans; without one, the
+            analysis runs here on ``calibration_chunks`` sequences.
+        imatrix: an imatrix file (llama.cpp GGUF or legacy ``.dat``) for the encoders; default: the one
+            beside the report or named by the plan, else computed on the calibration text.
+        calibration: calibration text file, or a CalibrationSpec; default: stdlib docstrings.
+        use_imatrix: encoders minimise the imatrix-weighted error.
         evaluate: also measure KLD/perplexity/top-1 against the source on ``eval_text`` (``eval_chunks`` chunks).
         device: torch device for calibration and encoding (default: CUDA when present).
     Returns:
@@ -218,46 +220,72 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
     Raises:
         checkpoint.SourceError: the model cannot be found or read.
         planner.BudgetError: the target is below what the fixed rules need.
-        ValueError: bad rules, plan or options (messages name the culprit).
+        ValueError: bad rules, plan, report, imatrix or options (messages name the culprit).
     """
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
-    targets = sum(x is not None for x in (preset, bpw, size, plan))
-    if targets > 1:
+    if sum(x is not None for x in (preset, bpw, size, plan)) > 1:
         raise ValueError("give at most one of preset, bpw, size and plan")
-    if targets == 0:
-        preset = "Q4_K_M"
     if preset is not None and preset.upper() not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known presets: {', '.join(PRESETS)}")
     device = device or default_device()
     source = resolve_source(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     ts = open_tensor_source(source)
     tensors = tensor_infos(ts)
-    # Plan first: a bad plan or an impossible budget fails before any model is loaded.
+    info = model_info(ts)
+    spec = calibration if isinstance(calibration, CalibrationSpec) else CalibrationSpec(
+        (str(calibration),) if calibration is not None else (), calibration_chunks, n_ctx)
+    # Plan first where possible: a bad plan or an impossible budget fails before any model is loaded.
     loaded_plan = _load_plan(plan) if plan is not None else None
+    report_d = _load_report(report) if report is not None and not isinstance(report, dict) else report
+    dynamic = loaded_plan is None and preset is None
+    overhead = 0
+    if dynamic:
+        kv = _extra_kv(source, _empty_plan(), Imatrix(dataset=" " * 64, chunks=0) if use_imatrix else None)
+        overhead = _overhead_bytes(ts, tensors, kv)
+        if bpw is None and size is None:
+            size = make_plan(tensors, info, preset="Q4_K_M").size_bytes + overhead
+        make_plan(tensors, info, rules=rules, bpw=bpw, size_bytes=size, overhead_bytes=overhead)  # fails fast
     if loaded_plan is not None:
         loaded_plan.check_tensors(tensors, str(plan) if not isinstance(plan, Plan) else "plan")
         the_plan = loaded_plan
-    else:
-        kv = _extra_kv(source, _empty_plan(), Imatrix(dataset=" " * 64, chunks=0) if use_imatrix else None)
-        overhead = _overhead_bytes(ts, tensors, kv) if size is not None else 0
-        the_plan = make_plan(tensors, model_info(ts), source.model_id, preset=preset, rules=rules, bpw=bpw,
-                             size_bytes=size, overhead_bytes=overhead)
-    needs_imatrix = use_imatrix and any(get_format(e.format).kind != "float" for e in the_plan.entries)
-    hf_model = load_model(source, device=device) if needs_imatrix or evaluate else None
+    elif preset is not None:
+        the_plan = make_plan(tensors, info, source.model_id, preset=preset, rules=rules)
+    imat_path = _imatrix_path(imatrix, report, report_d, loaded_plan)
+    needs_imatrix = use_imatrix and imat_path is None and (
+        dynamic or any(get_format(e.format).kind != "float" for e in the_plan.entries))
+    needs_analysis = dynamic and report_d is None
+    hf_model = load_model(source, device=device) if needs_imatrix or needs_analysis or evaluate else None
     tokenizer = load_tokenizer(source) if hf_model is not None else None
     timings["load_s"] = time.perf_counter() - t0
     im = None
-    if needs_imatrix:
+    if needs_analysis:
+        from .analyze_pipeline import run_analysis
+
+        res = run_analysis(source, ts, hf_model, tokenizer, spec, fisher_sequences=8, progress=progress, timings=timings)
+        report_d, im = res.report, res.imatrix
+    elif needs_imatrix:
         t1 = time.perf_counter()
-        im = _calibrate(hf_model, tokenizer, calibration, calibration_chunks, n_ctx, progress)
+        im = compute_imatrix(hf_model, calibration_chunks_of(tokenizer, spec), spec.id, progress=progress)
         timings["imatrix_s"] = time.perf_counter() - t1
+    if dynamic:
+        _check_report(report_d, tensors, report if not isinstance(report, dict) else "report")
+        sw = [t["name"] for t in report_d["tensors"] if t.get("super_weight")]
+        the_plan = make_plan(tensors, info, source.model_id, rules=rules, bpw=bpw, size_bytes=size,
+                             overhead_bytes=overhead, error_fn=error_fn_from_report(report_d),
+                             candidates=[c for c in report_d["candidates"] if c in GGUF_CANDIDATES] or GGUF_CANDIDATES,
+                             defaults=default_rules(info, sw) if default_rules_on else (), error_source="measured kld")
     if not evaluate:
         hf_model = None
     if output is None:
         output = Path.cwd() / f"{source.name}-{_target_label(the_plan, preset, bpw, size)}.gguf"
     output = Path(output)
-    imat = imatrix_by_gguf_name(im, ts) if im is not None else {}
+    if im is not None:
+        imat = imatrix_by_gguf_name(im, ts)
+    elif imat_path is not None and use_imatrix:
+        imat = _imatrix_from_file(imat_path, ts, info)
+    else:
+        imat = {}
     dev = torch.device(device)
 
     def encode(t: SourceTensor, w: torch.Tensor, fmt: Format) -> np.ndarray:
@@ -272,11 +300,53 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
     result = QuantizeResult(output, the_plan, output.stat().st_size, the_plan.bpw, time.perf_counter() - t0,
                             im.chunks if im else 0, timings_s=timings)
     if size is not None and result.size_bytes > size:  # the overhead estimate is an upper bound; never expected
-        raise RuntimeError(f"{output}: {result.size_bytes} bytes exceeds the target {size}")
+        output.unlink(missing_ok=True)
+        raise RuntimeError(f"{output}: {result.size_bytes} bytes exceeds the target {size}; removed")
     if evaluate:
         result.eval = _evaluate_models(hf_model, load_model(resolve_source(output), device=device),
                                        tokenizer, eval_text, n_ctx, eval_chunks, progress)
     return result
+
+
+def calibration_chunks_of(tokenizer, spec: CalibrationSpec) -> torch.Tensor:
+    return calibration_chunks(tokenizer, spec)
+
+
+def _load_report(path) -> dict:
+    from .analysis.report import load_report
+
+    return load_report(path)
+
+
+def _check_report(report: dict, tensors: list[TensorInfo], where) -> None:
+    have = {t["name"]: tuple(t["shape"]) for t in report["tensors"]}
+    for t in tensors:
+        if t.quantizable and have.get(t.name) != tuple(t.shape):
+            raise ValueError(f"{where}: the report does not match the model: tensor {t.name} "
+                             f"{'missing' if t.name not in have else f'has shape {list(have[t.name])}'}")
+
+
+def _imatrix_path(imatrix, report, report_d, plan: Plan | None) -> Path | None:
+    """The imatrix file to use: given, named by the plan, or beside the report."""
+    if imatrix is not None:
+        return Path(imatrix)
+    if plan is not None and plan.sources.get("imatrix") and Path(plan.sources["imatrix"]).exists():
+        return Path(plan.sources["imatrix"])
+    if report_d is not None and report is not None and not isinstance(report, dict) and report_d.get("imatrix"):
+        p = Path(report).parent / report_d["imatrix"]
+        return p if p.exists() else None
+    return None
+
+
+def _imatrix_from_file(path: Path, ts: TensorSource, info: ModelInfo) -> dict[str, torch.Tensor]:
+    """GGUF name -> (K,) importance from an imatrix file; ``output.weight`` serves a tied ``token_embd``."""
+    from .analysis.imatrix_io import load_imatrix
+
+    means = load_imatrix(path).means()
+    names = {t.gguf_name for t in ts.tensors()}
+    if info.tied_embeddings and "output.weight" in means:
+        means["token_embd.weight"] = means.pop("output.weight")
+    return {k: v for k, v in means.items() if k in names}
 
 
 def _empty_plan() -> Plan:
@@ -289,7 +359,7 @@ def _target_label(plan: Plan, preset, bpw, size) -> str:
     if bpw is not None:
         return f"{bpw:g}bpw"
     if size is not None:
-        return f"{size}B"
+        return f"dynamic-{size / 1e6:.0f}MB"
     return "plan"
 
 

@@ -138,3 +138,65 @@ def test_plan_json_round_trip_and_validation():
     d["tensors"][6]["name"] = "blk.0.attn_kk.weight"
     with pytest.raises(ValueError, match="not in the model: blk.0.attn_kk.weight"):
         Plan.from_dict(d, "p.json").check_tensors(ts, "p.json")
+
+
+def test_rule_operators():
+    assert Rule.parse("attn_v>=Q5_0") == Rule("attn_v", "Q5_0", ">=")
+    assert Rule.parse(r"blk\.1[0-9]\.ffn_down<=q4_k") == Rule(r"blk\.1[0-9]\.ffn_down", "Q4_K", "<=")
+    assert Rule.parse("a=b=Q8_0") == Rule("a=b", "Q8_0", "=")
+    with pytest.raises(ValueError, match="expected REGEX=FORMAT"):
+        Rule.parse(">=Q8_0")
+
+
+def _toy_error(t: TensorInfo, fmt: str) -> float:
+    """A deterministic, tensor-dependent error: more weight on low layers and on ffn_down."""
+    w = 1.0 + (3.0 if t.layer == 2 else 0.0) + (2.0 if "ffn_down" in t.name else 0.0) + 0.01 * len(t.name)
+    return t.n_elements * w * 2.0 ** (-2 * get_format(fmt).bpw)
+
+
+def test_allocator_is_optimal_on_a_small_problem():
+    """Greedy on convex hulls equals the brute-force optimum (convex errors), and respects bounds."""
+    import itertools
+
+    from dynaquant.quant.planner import _bytes
+
+    ts = [TensorInfo(f"blk.{i}.ffn_down.weight", None, (64, 256)) for i in range(3)] + \
+         [TensorInfo(f"blk.{i}.attn_q.weight", None, (64, 256)) for i in range(3)]
+    m = ModelInfo(n_layers=3)
+    cands = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0")
+    for bpw in (3.0, 4.0, 5.25):
+        plan = make_plan(ts, m, bpw=bpw, error_fn=_toy_error, candidates=cands, error_source="toy")
+        limit = int(bpw * sum(t.n_elements for t in ts) / 8)
+        assert plan.size_bytes <= limit
+        best = min((sum(_toy_error(t, f) for t, f in zip(ts, combo)), combo)
+                   for combo in itertools.product(cands, repeat=len(ts))
+                   if sum(_bytes(t, f) for t, f in zip(ts, combo)) <= limit)
+        got = sum(_toy_error(t, e.format) for t, e in zip(ts, plan.entries))
+        assert got <= best[0] * 1.02, (bpw, got, best)
+        assert plan.kld_pred == pytest.approx(got)
+    again = make_plan(ts, m, bpw=4.0, error_fn=_toy_error, candidates=cands, error_source="toy")
+    assert again.to_dict() == make_plan(ts, m, bpw=4.0, error_fn=_toy_error, candidates=cands, error_source="toy").to_dict()
+    bounded = make_plan(ts, m, bpw=4.0, error_fn=_toy_error, candidates=cands, error_source="toy",
+                        rules=["attn_q<=Q3_K", r"blk\.0\.ffn_down>=Q6_K"])
+    f = bounded.formats()
+    assert all(get_format(f[f"blk.{i}.attn_q.weight"]).bpw <= 3.4375 for i in range(3))
+    assert get_format(f["blk.0.ffn_down.weight"]).bpw >= 6.5625
+    assert "rule 2" in next(e.reason for e in bounded.entries if e.name == "blk.0.ffn_down.weight")
+
+
+def test_default_rules_keep_super_weights_first_layer_and_attention_high():
+    from dynaquant.quant.planner import default_rules
+
+    ts = smollm2_tensors()
+    err = lambda t, f: t.n_elements * 2.0 ** (-2 * get_format(f).bpw)  # noqa: E731
+    plan = make_plan(ts, SMOL, size_bytes=80_000_000, error_fn=err, error_source="toy",
+                     defaults=default_rules(SMOL, ["blk.11.ffn_down.weight"]))
+    f = plan.formats()
+    assert f["blk.11.ffn_down.weight"] == "Q8_0" and f["blk.0.ffn_up.weight"] == "Q8_0"
+    assert all(get_format(f[f"blk.{i}.attn_v.weight"]).bpw >= 4.5 for i in range(N_LAYERS))
+    assert get_format(f["token_embd.weight"]).bpw >= 4.5
+    assert plan.size_bytes <= 80_000_000
+    # a user rule overrides a default one
+    plan = make_plan(ts, SMOL, size_bytes=80_000_000, error_fn=err, error_source="toy", rules=[r"blk\.11\.ffn_down=Q4_K"],
+                     defaults=default_rules(SMOL, ["blk.11.ffn_down.weight"]))
+    assert plan.formats()["blk.11.ffn_down.weight"] == "Q4_K"

@@ -1,8 +1,12 @@
-"""Turn a text into fixed-length token chunks, as llama.cpp's imatrix and perplexity tools do."""
+"""Calibration data: text sources, and fixed-length token chunks as llama.cpp's imatrix and perplexity tools cut them."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from .texts import default_calibration_text, read_text
 
 
 def tokenize_chunks(tokenizer, text: str, n_ctx: int = 512, n_chunks: int | None = None,
@@ -35,3 +39,97 @@ def tokenize_chunks(tokenizer, text: str, n_ctx: int = 512, n_chunks: int | None
     if add_bos:
         chunks[:, 0] = tokenizer.bos_token_id
     return chunks
+
+
+HF_DATASET_PREFIX = "hf:"
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    """What to calibrate on.
+
+    Attributes:
+        sources: text files (UTF-8), and/or Hugging Face datasets written ``hf:<id>[:<split>[:<column>]]``
+            (needs the optional ``datasets`` package; default split ``train``, column ``text``). Empty: the
+            offline default (Python standard-library docstrings, no download).
+        n_sequences: sequences (chunks) of ``seq_len`` tokens; fewer when the text is shorter.
+        seq_len: tokens per sequence (llama-imatrix's ``-c``; default 512).
+        chat_template: wrap the text in the tokenizer's chat template (consecutive paragraphs become
+            user / assistant turns), for instruct models.
+    """
+
+    sources: tuple[str, ...] = ()
+    n_sequences: int = 64
+    seq_len: int = 512
+    chat_template: bool = False
+
+    @property
+    def id(self) -> str:
+        base = "+".join(self.sources) if self.sources else "stdlib-docstrings:calibration"
+        return base + (" (chat template)" if self.chat_template else "")
+
+
+def _dataset_text(source: str) -> str:
+    spec = source[len(HF_DATASET_PREFIX):]
+    parts = spec.split(":")
+    name, split, column = parts[0], parts[1] if len(parts) > 1 else "train", parts[2] if len(parts) > 2 else "text"
+    try:
+        import datasets
+    except ImportError as exc:
+        raise ValueError(f"calibration source {source!r} needs the optional 'datasets' package "
+                         "(pip install datasets), or give a text file") from exc
+    try:
+        ds = datasets.load_dataset(name, split=split)
+    except Exception as exc:  # noqa: BLE001 - datasets raises many types; report which source failed
+        raise ValueError(f"calibration dataset {name!r} (split {split!r}) cannot be loaded: {exc}") from exc
+    if column not in ds.column_names:
+        raise ValueError(f"calibration dataset {name!r} has no column {column!r}; columns: {', '.join(ds.column_names)}")
+    return "\n\n".join(str(t) for t in ds[column] if str(t).strip())
+
+
+def calibration_text(spec: CalibrationSpec) -> str:
+    """The calibration text of a spec (sources joined by blank lines).
+
+    Raises:
+        ValueError: a file is missing, unreadable or empty; a dataset cannot be loaded (messages name it).
+    """
+    if not spec.sources:
+        return default_calibration_text()
+    texts = []
+    for s in spec.sources:
+        texts.append(_dataset_text(s) if s.startswith(HF_DATASET_PREFIX) else read_text(s, default_calibration_text)[0])
+    return "\n\n".join(texts)
+
+
+def apply_chat_template(tokenizer, text: str) -> str:
+    """Render paragraphs as alternating user / assistant turns with the tokenizer's chat template.
+
+    Raises:
+        ValueError: the tokenizer has no chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the model's tokenizer has no chat template; calibrate without --chat-template")
+    paras = []
+    for p in text.split("\n\n"):
+        p = p.strip()
+        paras += [p[i : i + 2000] for i in range(0, len(p), 2000)]  # long paragraphs become several turns
+    out = []
+    for i in range(0, len(paras), 2):
+        msgs = [{"role": "user", "content": paras[i]}]
+        if i + 1 < len(paras):
+            msgs.append({"role": "assistant", "content": paras[i + 1]})
+        out.append(tokenizer.apply_chat_template(msgs, tokenize=False))
+    return "".join(out)
+
+
+def calibration_chunks(tokenizer, spec: CalibrationSpec) -> torch.Tensor:
+    """(n, seq_len) int64 token ids for a spec, n <= ``spec.n_sequences``.
+
+    Raises:
+        ValueError: as ``calibration_text``; or the text is shorter than one sequence.
+    """
+    text = calibration_text(spec)
+    if spec.chat_template:
+        text = apply_chat_template(tokenizer, text)
+    return tokenize_chunks(tokenizer, text, spec.seq_len, spec.n_sequences,
+                           add_bos=False if spec.chat_template else None)

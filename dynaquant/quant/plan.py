@@ -59,6 +59,7 @@ class PlanEntry:
         requested: the format the rule or allocator asked for (differs from ``format`` after a fallback).
         reason: why (``"preset Q4_K_M: attn_v use_more_bits"``, ``"rule 1: ffn_down=Q6_K"``,
             ``"allocation: step 12"``; a fallback appends ``"; fallback Q4_K->Q5_0: row 576 ..."``).
+        kld_pred: the KL divergence (nats/token) the analysis predicts this tensor adds in this format, if known.
     """
 
     name: str
@@ -67,6 +68,7 @@ class PlanEntry:
     format: str
     requested: str
     reason: str
+    kld_pred: float | None = None
 
     @property
     def n_elements(self) -> int:
@@ -90,6 +92,7 @@ class Plan:
         method: how it was made (``"preset Q4_K_M"``, ``"allocation bpw<=4.5"``, ``"file"``).
         rules: the user rules applied (``"ffn_down=Q6_K"``), in order.
         budget: the target given (``{"bpw": 4.5}`` or ``{"size_bytes": 100_000_000}``), or {}.
+        sources: the analysis artifacts the plan was made from (``{"report": path, "imatrix": path}``), or {}.
     """
 
     target: str
@@ -98,6 +101,7 @@ class Plan:
     method: str = ""
     rules: list[str] = field(default_factory=list)
     budget: dict = field(default_factory=dict)
+    sources: dict = field(default_factory=dict)
 
     @property
     def size_bytes(self) -> int:
@@ -107,6 +111,12 @@ class Plan:
     @property
     def n_elements(self) -> int:
         return sum(e.n_elements for e in self.entries)
+
+    @property
+    def kld_pred(self) -> float | None:
+        """Sum of the entries' predicted KL divergence, or None when no entry has a prediction."""
+        vals = [e.kld_pred for e in self.entries if e.kld_pred is not None]
+        return sum(vals) if vals else None
 
     @property
     def bpw(self) -> float:
@@ -133,8 +143,10 @@ class Plan:
             "method": self.method,
             "rules": list(self.rules),
             "budget": dict(self.budget),
+            "sources": dict(self.sources),
             "size_bytes": self.size_bytes,
             "bpw": round(self.bpw, 4),
+            "kld_pred": self.kld_pred,
             "tensors": [
                 {k: (list(v) if k == "shape" else v) for k, v in asdict(e).items()} for e in self.entries
             ],
@@ -169,9 +181,9 @@ class Plan:
                 raise ValueError(f"{source}: tensor {name}: {f.name} needs rows that are a multiple of "
                                  f"{f.block_size}, the tensor's rows have {shape[-1]}")
             entries.append(PlanEntry(name, t.get("hf_name"), shape, f.name, t.get("requested", f.name),
-                                     t.get("reason", "edited")))
+                                     t.get("reason", "edited"), t.get("kld_pred")))
         return cls(target, d.get("model", ""), entries, d.get("method", "file"), list(d.get("rules", [])),
-                   dict(d.get("budget", {})))
+                   dict(d.get("budget", {})), dict(d.get("sources", {})))
 
     def check_tensors(self, tensors: list[TensorInfo], source: str = "plan") -> None:
         """Check the plan covers exactly these tensors with these shapes.

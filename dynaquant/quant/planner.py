@@ -19,6 +19,7 @@ relative squared error on Gaussian weights (measured once with the codecs themse
 from __future__ import annotations
 
 import heapq
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,34 +39,63 @@ GGUF_CANDIDATES = ("Q2_K", "Q3_K", "MXFP4", "Q4_0", "IQ4_NL", "Q4_1", "Q4_K", "Q
 
 @dataclass(frozen=True)
 class Rule:
-    """A user rule: tensors whose GGUF name matches ``pattern`` (``re.search``) get ``format``."""
+    """A rule on tensors whose GGUF name matches ``pattern`` (``re.search``).
+
+    ``op`` is ``"="`` (the tensor gets ``format``, as ``llama-quantize --tensor-type``), ``">="``
+    (with a budget, the allocator only considers formats with at least ``format``'s bits per
+    weight; without one, the tensor gets ``format`` unless another rule fixes it) or ``"<="``
+    (at most ``format``'s bits per weight).
+    """
 
     pattern: str
     format: str
+    op: str = "="
+    origin: str = "user"
 
     @classmethod
-    def parse(cls, text: str) -> Rule:
-        """Parse ``'REGEX=FORMAT'``.
+    def parse(cls, text: str, origin: str = "user") -> Rule:
+        """Parse ``'REGEX=FORMAT'``, ``'REGEX>=FORMAT'`` or ``'REGEX<=FORMAT'``.
 
         Raises:
-            ValueError: no ``=``, an invalid regex, or an unknown format (named in the message).
+            ValueError: no operator, an invalid regex, or an unknown format (named in the message).
         """
-        pattern, sep, fmt = text.rpartition("=")
-        if not sep or not pattern or not fmt:
-            raise ValueError(f"rule {text!r}: expected REGEX=FORMAT, e.g. 'ffn_down=Q6_K'")
+        m = re.match(r"^(.*?)(>=|<=|=)([A-Za-z0-9_]+)$", text)
+        if not m or not m.group(1):
+            raise ValueError(f"rule {text!r}: expected REGEX=FORMAT (or REGEX>=FORMAT, REGEX<=FORMAT), e.g. 'ffn_down=Q6_K'")
+        pattern, op, fmt = m.groups()
         try:
             re.compile(pattern)
         except re.error as exc:
             raise ValueError(f"rule {text!r}: invalid regex: {exc}") from exc
         if fmt.upper() not in FORMATS:
             raise ValueError(f"rule {text!r}: unknown format {fmt!r}; known: {', '.join(FORMATS)}")
-        return cls(pattern, fmt.upper())
+        return cls(pattern, fmt.upper(), op, origin)
 
     def matches(self, name: str) -> bool:
         return re.search(self.pattern, name) is not None
 
     def __str__(self) -> str:
-        return f"{self.pattern}={self.format}"
+        return f"{self.pattern}{self.op}{self.format}"
+
+
+def default_rules(model: ModelInfo, super_weight_tensors: Sequence[str] = ()) -> list[Rule]:
+    """The dynamic planner's default rules (after any user rule; each overridable by one).
+
+    - tensors holding a confirmed super weight, and the first block(s): at least Q8_0
+      (Yu et al. 2024; llama.cpp and Unsloth keep the first layers high too);
+    - token embedding, output head and attention: "high", at least 4.5 bpw (Q4_0 / Q4_K class);
+    - MoE routers (``ffn_gate_inp``) unquantized (F32), shared experts at least Q5_K class;
+      MoE routed experts may go as low as the candidates allow (Q2_K here).
+    Norms, biases and 1-D tensors are never quantized (not rules: they are not candidates).
+    """
+    rules = [Rule(re.escape(n), "Q8_0", ">=", "default: super weight") for n in super_weight_tensors]
+    first = max(1, model.n_layers // 32)
+    rules.append(Rule(r"^blk\.(" + "|".join(str(i) for i in range(first)) + r")\.", "Q8_0", ">=", "default: first layers"))
+    rules.append(Rule(r"ffn_gate_inp\.", "F32", "=", "default: MoE router"))
+    rules.append(Rule(r"_shexp\.", "Q5_K", ">=", "default: shared experts"))
+    rules.append(Rule(r"^(token_embd|output)\.", "Q4_0", ">=", "default: embeddings and output"))
+    rules.append(Rule(r"\.attn_", "Q4_0", ">=", "default: attention"))
+    return rules
 
 
 class BudgetError(ValueError):
@@ -119,22 +149,44 @@ def _entry(t: TensorInfo, requested: str, reason: str) -> PlanEntry:
 
 
 def _candidates(t: TensorInfo, names: Sequence[str], error_fn: ErrorFn) -> list[tuple[int, float, str]]:
-    """(bytes, error, format) for the formats that fit the rows, dominated ones removed, cheapest first."""
+    """(bytes, error, format) on the lower convex hull of the formats that fit the rows, cheapest first.
+
+    Dominated formats (no cheaper and no better) and formats whose error is not finite are removed;
+    so are those below the hull, so the error reduction per extra byte decreases along the list
+    (what makes the greedy allocation optimal for the convexified problem).
+    """
     opts = sorted({(_bytes(t, f), error_fn(t, f), f) for f in names if get_format(f).fits(t.row_size)})
     hull: list[tuple[int, float, str]] = []
     for b, e, f in opts:
-        if hull and e >= hull[-1][1]:
-            continue  # costs more and is no better than a cheaper one
+        if not math.isfinite(e) or (hull and e >= hull[-1][1]):
+            continue  # unmeasured, or costs more and is no better than a cheaper one
         while hull and hull[-1][0] == b:
+            hull.pop()
+        while len(hull) >= 2:
+            (b0, e0, _), (b1, e1, _) = hull[-2], hull[-1]
+            if (e0 - e1) / (b1 - b0) > (e1 - e) / (b - b1):
+                break
             hull.pop()
         hull.append((b, e, f))
     return hull
 
 
+def _bounded(names: Sequence[str], rule: Rule | None, row: int) -> list[str]:
+    """Candidates allowed by a bound rule (``>=`` / ``<=`` on bits per weight)."""
+    if rule is None or rule.op == "=":
+        return list(names)
+    bound = get_format(rule.format).bpw
+    if rule.op == ">=":
+        out = [f for f in names if get_format(f).bpw >= bound - 1e-9]
+        return out or [resolve_for_row(rule.format, row)[0].name]
+    return [f for f in names if get_format(f).bpw <= bound + 1e-9]
+
+
 def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "", *, preset: str | None = None,
               rules: Sequence[Rule | str] = (), bpw: float | None = None, size_bytes: int | None = None,
               overhead_bytes: int = 0, error_fn: ErrorFn | None = None,
-              candidates: Sequence[str] = GGUF_CANDIDATES) -> Plan:
+              candidates: Sequence[str] = GGUF_CANDIDATES, defaults: Sequence[Rule] = (),
+              error_source: str = "prior error") -> Plan:
     """Plan every tensor of a GGUF target.
 
     Args:
@@ -142,12 +194,15 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
         model: model facts for the presets and priors.
         model_id: recorded in the plan.
         preset: a llama.cpp mix name (``Q4_K_M``); the default when no budget is given.
-        rules: user rules (``Rule`` or ``'REGEX=FORMAT'``), first match wins.
+        rules: user rules (``Rule`` or ``'REGEX=FORMAT'``, ``'REGEX>=FORMAT'``, ``'REGEX<=FORMAT'``).
         bpw: budget as average bits per weight over all tensor data (upper bound).
         size_bytes: budget as the whole file's bytes (upper bound); ``overhead_bytes`` is
             the metadata and alignment the file adds to the tensor data.
-        error_fn: predicted error of a tensor in a format (default: ``prior_error``).
+        error_fn: predicted error of a tensor in a format (default: ``prior_error``); the
+            allocator minimises its sum. ``error_source`` names it in the reasons.
         candidates: formats the allocator may choose.
+        defaults: rules applied after the user's (``default_rules``); for each tensor the first
+            matching rule of all (user rules first) decides.
     Returns:
         The plan; with a budget, its tensor data fits ``bpw`` or ``size_bytes - overhead_bytes``.
     Raises:
@@ -162,19 +217,25 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
     if not budgeted and preset is None:
         preset = "Q4_K_M"
     parsed = [r if isinstance(r, Rule) else Rule.parse(r) for r in rules]
+    all_rules = parsed + list(defaults)
     entries: dict[str, PlanEntry] = {}
-    free: list[TensorInfo] = []
+    free: list[tuple[TensorInfo, Rule | None, str]] = []
     for t in tensors:
         if not t.quantizable:
             entries[t.name] = PlanEntry(t.name, t.hf_name, tuple(t.shape), "F32", "F32", "not quantized (norm, bias or 1-D)")
             continue
-        hit = next((i for i, r in enumerate(parsed) if r.matches(t.name)), None)
-        if hit is not None:
-            entries[t.name] = _entry(t, parsed[hit].format, f"rule {hit + 1}: {parsed[hit]}")
+        hit = next((r for r in all_rules if r.matches(t.name)), None)
+        label = "" if hit is None else (f"rule {parsed.index(hit) + 1}: {hit}" if hit in parsed else f"{hit.origin} ({hit})")
+        if hit is not None and hit.op == "=":
+            entries[t.name] = _entry(t, hit.format, label)
         elif preset is not None:
-            entries[t.name] = _entry(t, *preset_format(preset, t, model))
+            fmt, why = preset_format(preset, t, model)
+            if hit is not None and ((hit.op == ">=" and get_format(fmt).bpw < get_format(hit.format).bpw)
+                                    or (hit.op == "<=" and get_format(fmt).bpw > get_format(hit.format).bpw)):
+                fmt, why = hit.format, label
+            entries[t.name] = _entry(t, fmt, why)
         else:
-            free.append(t)
+            free.append((t, hit, label))
     method = f"preset {preset.upper()}" if preset else ""
     budget: dict = {}
     if budgeted:
@@ -183,36 +244,39 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
             limit, budget, method = int(bpw * total / 8), {"bpw": bpw}, f"allocation bpw<={bpw}"
         else:
             limit, budget, method = size_bytes - overhead_bytes, {"size_bytes": size_bytes}, f"allocation size<={size_bytes}"
-        _allocate(free, entries, limit, error_fn or prior_error(model), candidates, overhead_bytes, total, bpw)
+        _allocate(free, entries, limit, error_fn or prior_error(model), candidates, overhead_bytes, total, bpw, error_source)
     ordered = [entries[t.name] for t in tensors]
+    if error_fn is not None and error_source != "prior error":
+        for t, e in zip(tensors, ordered):
+            if t.quantizable and e.kld_pred is None:
+                v = error_fn(t, e.format)
+                e.kld_pred = v if math.isfinite(v) else None
     return Plan("gguf", model_id, ordered, method, [str(r) for r in parsed], budget)
 
 
-def _allocate(free, entries, limit, error_fn, candidates, overhead, total, bpw) -> None:
+def _allocate(free, entries, limit, error_fn, candidates, overhead, total, bpw, error_source) -> None:
     fixed = sum(e.size_bytes for e in entries.values())
-    options = {t.name: _candidates(t, candidates, error_fn) for t in free}
-    for t in free:
+    options = {t.name: _candidates(t, _bounded(candidates, rule, t.row_size), error_fn) for t, rule, _ in free}
+    for t, _, _ in free:
         if not options[t.name]:
             raise ValueError(f"tensor {t.name}: no candidate format fits rows of {t.row_size}")
-    level = {t.name: 0 for t in free}
-    used = fixed + sum(options[t.name][0][0] for t in free)
+    level = {t.name: 0 for t, _, _ in free}
+    used = fixed + sum(options[t.name][0][0] for t, _, _ in free)
     if used > limit:
         unit = f"{8 * used / total:.4f} bpw" if bpw is not None else f"{used + overhead} bytes"
         raise BudgetError(f"the target is too small: the fixed rules and the cheapest formats need at least {unit} "
                           f"({used + overhead} bytes with metadata)", used + overhead)
 
-    def push(heap, t):
-        opts, i = options[t.name], level[t.name]
+    def push(heap, name):
+        opts, i = options[name], level[name]
         if i + 1 < len(opts):
             db = opts[i + 1][0] - opts[i][0]
             de = opts[i][1] - opts[i + 1][1]
-            heapq.heappush(heap, (-de / db, t.name, i))
+            heapq.heappush(heap, (-de / db, name, i))
 
-    by_name = {t.name: t for t in free}
     heap: list = []
-    for t in free:
-        push(heap, t)
-    steps = 0
+    for t, _, _ in free:
+        push(heap, t.name)
     while heap:
         _, name, i = heapq.heappop(heap)
         if level[name] != i:
@@ -223,9 +287,38 @@ def _allocate(free, entries, limit, error_fn, candidates, overhead, total, bpw) 
             continue  # this upgrade does not fit; smaller ones may
         used += db
         level[name] = i + 1
-        steps += 1
-        push(heap, by_name[name])
-    for t in free:
+        push(heap, name)
+    for t, rule, label in free:
         opts = options[t.name]
-        entries[t.name] = _entry(t, opts[level[t.name]][2],
-                                 f"allocation: {level[t.name]} upgrade(s) from {opts[0][2]}, prior error")
+        b, e, fmt = opts[level[t.name]]
+        bound = f"; {label}" if rule is not None else ""
+        entry = _entry(t, fmt, f"allocation: {level[t.name]} upgrade(s) from {opts[0][2]} by {error_source}{bound}")
+        entry.kld_pred = e if error_source != "prior error" else None
+        entries[t.name] = entry
+
+
+def error_fn_from_report(report: dict, use_sensitivity: bool = True) -> ErrorFn:
+    """The allocator's error function from an analysis report (``report.json`` as a dict).
+
+    The predicted KL divergence ``kld_pred`` of each tensor in each measured format; formats not
+    measured for a tensor are infinite (never chosen). With end-to-end sensitivity rows in the
+    report, each block's attention / MLP predictions are scaled by the geometric mean over the
+    measured formats of measured / predicted KL divergence for that group.
+    """
+    errs = {t["name"]: t.get("errors", {}) for t in report["tensors"]}
+    scale: dict[str, float] = {}
+    if use_sensitivity and report.get("sensitivity"):
+        logs: dict[str, list[float]] = {}
+        for r in report["sensitivity"]:
+            if r.get("kld") and r.get("kld_pred") and r["kld"] > 0 and r["kld_pred"] > 0:
+                logs.setdefault(r["group"], []).append(math.log(r["kld"] / r["kld_pred"]))
+        scale = {g: math.exp(sum(v) / len(v)) for g, v in logs.items()}
+
+    def fn(t: TensorInfo, fmt: str) -> float:
+        e = errs.get(t.name, {}).get(fmt)
+        if e is None or e.get("kld_pred") is None:
+            return math.inf
+        group = f"blk.{t.layer}.{'attn' if '.attn_' in t.name else 'ffn'}" if t.layer is not None else ""
+        return float(e["kld_pred"]) * scale.get(group, 1.0)
+
+    return fn

@@ -1,0 +1,85 @@
+"""End-to-end checks: the KL divergence of the final logits when some weights are quantized.
+
+Used two ways: per layer group (attention / MLP of one block) and format, the optional
+end-to-end sensitivity that exllamav3 measures, which corrects the per-tensor predictions of
+:mod:`.errors`; and for whole plans, to check predicted against measured KL divergence.
+Weights are swapped in place (``Q(W)`` decoded to float) and restored afterwards; the KL
+divergence is scored on held-out calibration sequences, every position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from tqdm.auto import tqdm
+
+from ..quant.codecs import dequantize, quantize
+from ..quant.formats import get_format, resolve_for_row
+
+
+class ReferenceLogits:
+    """Log-probabilities of the unmodified model on a few sequences, for KL divergence against it.
+
+    Args:
+        model: transformers causal LM; chunks: (n, T) int64 token ids.
+    """
+
+    @torch.no_grad()
+    def __init__(self, model, chunks: torch.Tensor):
+        self.chunks = chunks
+        self.device = next(model.parameters()).device
+        self.logp = [torch.log_softmax(model(c.to(self.device)[None], use_cache=False).logits[0].float(), -1).cpu()
+                     for c in chunks]
+
+    @torch.no_grad()
+    def kld(self, model) -> float:
+        """Mean KL(reference || model) per token (nats) over all positions of the chunks."""
+        tot, n = 0.0, 0
+        for c, lp in zip(self.chunks, self.logp):
+            lq = torch.log_softmax(model(c.to(self.device)[None], use_cache=False).logits[0].float(), -1).cpu()
+            tot += float((lp.exp() * (lp - lq)).sum(-1).clamp_min(0).sum())
+            n += lp.shape[0]
+        return tot / n
+
+
+@torch.no_grad()
+def kld_with_weights(model, ref: ReferenceLogits, formats: dict[str, str],
+                     imatrix_of: Callable[[str], torch.Tensor | None]) -> float:
+    """KL divergence of the model with some parameters quantized, then restored.
+
+    Args:
+        formats: HF parameter name -> format name (block-size fallbacks applied as llama.cpp does).
+        imatrix_of: HF parameter name -> (K,) importance for the encoder, or None.
+    """
+    params = dict(model.named_parameters())
+    saved = {}
+    try:
+        for name, fmt in formats.items():
+            p = params[name]
+            f, _ = resolve_for_row(fmt, p.shape[-1])
+            saved[name] = p.detach().clone()
+            q = dequantize(quantize(p.detach().float(), f, imatrix_of(name) if f.kind != "float" else None), f)
+            p.copy_(q.to(p.dtype).reshape(p.shape))
+        return ref.kld(model)
+    finally:
+        for name, w in saved.items():
+            params[name].copy_(w)
+
+
+def group_sensitivity(model, ref: ReferenceLogits, groups: dict[str, list[str]], fmts: Iterable[str],
+                      imatrix_of: Callable[[str], torch.Tensor | None], progress: bool = True) -> list[dict]:
+    """KL divergence when only one group is quantized, for each group and format.
+
+    Args:
+        groups: group label (``blk.3.attn``) -> HF parameter names in it.
+        fmts: format names (each tensor falls back by row size as llama.cpp does).
+    Returns:
+        rows ``{"group", "format", "kld"}``.
+    """
+    rows = []
+    jobs = [(g, f) for g in groups for f in fmts]
+    for g, f in tqdm(jobs, desc="sensitivity", disable=not progress, unit="group"):
+        get_format(f)
+        rows.append({"group": g, "format": f, "kld": kld_with_weights(model, ref, {n: f for n in groups[g]}, imatrix_of)})
+    return rows

@@ -1,0 +1,264 @@
+"""One calibration pass that collects every activation statistic the analysis needs.
+
+For each distinct input of the model's ``nn.Linear`` layers (q/k/v projections read one
+input, gate/up another; detected by tensor identity on the first sequence):
+
+- the second-moment matrix ``H = sum_t x_t x_t^T`` (K, K), from which the imatrix
+  (``diag H / tokens``, what ``llama-imatrix`` collects), the layer-output error
+  ``||dW X|| / ||W X||`` and GPTQ's Hessian all follow;
+- per-channel ``max |x|`` (outlier / massive-activation channels, Sun et al. 2024);
+- the relative error of per-token absmax activation quantization at 8 and 4 bits.
+
+For each linear layer's output: per-channel ``max |y|`` (super-weight spikes, Yu et al. 2024)
+and, on the first ``fisher_sequences`` sequences, the empirical Fisher diagonal of the output,
+``sum_t g_t**2`` with ``g_t = d log p(y) / d out_t`` for labels ``y`` *sampled from the model*
+(so ``1/2 dW^T F dW`` estimates the KL divergence a weight change ``dW`` adds; Kunstner et al.
+2019 on true vs empirical Fisher). The token embedding gets the same Fisher on its output and
+the token counts of the calibration text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from .imatrix import Imatrix
+
+
+@dataclass
+class InputStats:
+    """Statistics of one linear-layer input (shared by the modules that read it).
+
+    Attributes:
+        modules: HF module names reading this input, in call order.
+        hessian_sum: (K, K) float32, sum over tokens of x x^T.
+        tokens: tokens accumulated.
+        absmax: (K,) float32 max |x| per channel.
+        sq_sum: float, sum of x^2 over tokens and channels.
+        qerr_sum: {"int8": float, "int4": float}, sum of squared per-token absmax quantization errors.
+    """
+
+    modules: list[str]
+    hessian_sum: torch.Tensor
+    tokens: int = 0
+    absmax: torch.Tensor | None = None
+    sq_sum: float = 0.0
+    qerr_sum: dict = field(default_factory=lambda: {"int8": 0.0, "int4": 0.0})
+
+    @property
+    def hessian(self) -> torch.Tensor:
+        """(K, K) float32 E[x x^T]."""
+        return self.hessian_sum / max(self.tokens, 1)
+
+    @property
+    def imatrix(self) -> torch.Tensor:
+        """(K,) float32 E[x^2] per column."""
+        return torch.diagonal(self.hessian_sum) / max(self.tokens, 1)
+
+    def quant_rel_error(self) -> dict[str, float]:
+        """Relative error ``||Q(x) - x|| / ||x||`` of per-token absmax quantization, per bit width."""
+        return {k: (v / self.sq_sum) ** 0.5 if self.sq_sum > 0 else 0.0 for k, v in self.qerr_sum.items()}
+
+
+@dataclass
+class OutputStats:
+    """Statistics of one linear layer's output.
+
+    Attributes:
+        absmax: (N,) float32 max |y| per output channel over all calibration tokens.
+        fisher_sum: (N,) float64 sum over Fisher tokens of (d log p / d y)^2, or None.
+        fisher_tokens: tokens in ``fisher_sum``.
+    """
+
+    absmax: torch.Tensor
+    fisher_sum: torch.Tensor | None = None
+    fisher_tokens: int = 0
+
+    @property
+    def fisher(self) -> torch.Tensor | None:
+        """(N,) float32 mean squared output gradient per channel, or None."""
+        return None if self.fisher_sum is None else (self.fisher_sum / max(self.fisher_tokens, 1)).float()
+
+
+@dataclass
+class ModelStats:
+    """Everything one calibration pass measured.
+
+    Attributes:
+        inputs: input key (the first module reading it) -> InputStats.
+        input_of: HF module name -> input key.
+        outputs: HF module name -> OutputStats.
+        embed_fisher_sum: (hidden,) float64 sum of squared gradients at the embedding output, or None.
+        token_counts: (vocab,) int64 occurrences of each token id in the calibration chunks.
+        sequences, tokens: calibration sequences and tokens seen; fisher_sequences: with gradients.
+        fisher_tokens: tokens with gradients.
+    """
+
+    inputs: dict[str, InputStats] = field(default_factory=dict)
+    input_of: dict[str, str] = field(default_factory=dict)
+    outputs: dict[str, OutputStats] = field(default_factory=dict)
+    embed_fisher_sum: torch.Tensor | None = None
+    token_counts: torch.Tensor | None = None
+    sequences: int = 0
+    tokens: int = 0
+    fisher_sequences: int = 0
+    fisher_tokens: int = 0
+
+    def input(self, module: str) -> InputStats:
+        """The InputStats of a module's input. Raises KeyError for an unknown module."""
+        return self.inputs[self.input_of[module]]
+
+    @property
+    def embed_fisher(self) -> torch.Tensor | None:
+        """(hidden,) float32 mean squared gradient at the embedding output, or None."""
+        if self.embed_fisher_sum is None:
+            return None
+        return (self.embed_fisher_sum / max(self.fisher_tokens, 1)).float()
+
+    def to_imatrix(self, dataset: str = "") -> Imatrix:
+        """The imatrix (diag of H, as llama-imatrix sums it) keyed by HF module name."""
+        im = Imatrix(dataset=dataset, chunks=self.sequences)
+        for mod, key in self.input_of.items():
+            s = self.inputs[key]
+            im.sums[mod] = torch.diagonal(s.hessian_sum).to(torch.float64).cpu()
+            im.counts[mod] = s.tokens
+        return im
+
+
+def _linear_modules(model) -> dict[str, torch.nn.Linear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def _token_quant_err(x: torch.Tensor, levels: int) -> float:
+    s = x.abs().amax(-1, keepdim=True).clamp_min(1e-30) / levels
+    return float(((torch.round(x / s) * s - x) ** 2).sum())
+
+
+class _Collector:
+    def __init__(self, model, st: ModelStats, hessian: bool):
+        self.st, self.hessian = st, hessian
+        self.fisher = False
+        self.last: tuple[torch.Tensor, str] | None = None
+        self.first_pass = True
+        self.handles = [m.register_forward_hook(self._hook(n)) for n, m in _linear_modules(model).items()]
+        emb = model.get_input_embeddings()
+        st.token_counts = torch.zeros(emb.weight.shape[0], dtype=torch.int64)
+        self.handles.append(emb.register_forward_hook(self._embed_hook))
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+    def _hook(self, name):
+        def fn(_mod, inputs, out):
+            x = inputs[0]
+            st = self.st
+            if self.first_pass and name not in st.input_of:
+                shared = self.last is not None and self.last[0] is x
+                st.input_of[name] = self.last[1] if shared else name
+                if shared:
+                    st.inputs[self.last[1]].modules.append(name)
+            self.last = (x, st.input_of[name])
+            key = st.input_of[name]
+            if key == name:
+                self._accumulate_input(name, x.detach())
+            self._accumulate_output(name, out)
+        return fn
+
+    @torch.no_grad()
+    def _accumulate_input(self, name, x):
+        x = x.reshape(-1, x.shape[-1]).to(torch.float32)
+        s = self.st.inputs.get(name)
+        if s is None:
+            k = x.shape[1]
+            h = torch.zeros((k, k) if self.hessian else (k,), dtype=torch.float32, device=x.device)
+            s = self.st.inputs[name] = InputStats([name], h, absmax=torch.zeros(k, dtype=torch.float32, device=x.device))
+        if self.hessian:
+            s.hessian_sum.addmm_(x.T, x)
+        else:
+            s.hessian_sum += (x * x).sum(0)
+        s.tokens += x.shape[0]
+        s.absmax = torch.maximum(s.absmax, x.abs().amax(0))
+        s.sq_sum += float((x * x).sum())
+        s.qerr_sum["int8"] += _token_quant_err(x, 127)
+        s.qerr_sum["int4"] += _token_quant_err(x, 7)
+
+    def _accumulate_output(self, name, out):
+        with torch.no_grad():
+            y = out.detach().reshape(-1, out.shape[-1]).to(torch.float32)
+            o = self.st.outputs.get(name)
+            if o is None:
+                o = self.st.outputs[name] = OutputStats(torch.zeros(y.shape[1], device=y.device))
+            o.absmax = torch.maximum(o.absmax, y.abs().amax(0))
+        if self.fisher and out.requires_grad:
+            def grad_hook(g, o=o):
+                g = g.detach().reshape(-1, g.shape[-1]).to(torch.float64)
+                s = (g * g).sum(0)
+                o.fisher_sum = s if o.fisher_sum is None else o.fisher_sum + s
+                o.fisher_tokens += g.shape[0]
+            out.register_hook(grad_hook)
+
+    def _embed_hook(self, _mod, inputs, out):
+        st = self.st
+        st.token_counts += torch.bincount(inputs[0].reshape(-1).cpu(), minlength=st.token_counts.numel())
+        if not self.fisher:
+            return None
+        out = out.detach().requires_grad_(True)
+
+        def grad_hook(g):
+            g = g.detach().reshape(-1, g.shape[-1]).to(torch.float64)
+            s = (g * g).sum(0)
+            st.embed_fisher_sum = s if st.embed_fisher_sum is None else st.embed_fisher_sum + s
+        out.register_hook(grad_hook)
+        return out
+
+
+def collect_stats(model, chunks: torch.Tensor, *, fisher_sequences: int = 16, hessian: bool = True,
+                  seed: int = 0, progress: bool = True) -> ModelStats:
+    """Run calibration sequences through a model once and collect activation statistics.
+
+    Args:
+        model: a transformers causal LM in eval mode (any device / dtype; statistics in float32/64).
+        chunks: (n, seq_len) int64 token ids.
+        fisher_sequences: how many of the first sequences also get a backward pass for the Fisher
+            diagonals (labels sampled from the model's own next-token distribution, fixed ``seed``).
+        hessian: keep the full (K, K) second moment of each input (False: only its diagonal, the imatrix).
+        seed: label-sampling seed.
+        progress: show a progress bar.
+    Returns:
+        ModelStats (tensors on the model's device; ``token_counts`` on CPU).
+    """
+    st = ModelStats()
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    col = _Collector(model, st, hessian)
+    req = {n: p.requires_grad for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.requires_grad_(False)
+    try:
+        for i in tqdm(range(chunks.shape[0]), desc="calibration", disable=not progress, unit="seq"):
+            ids = chunks[i : i + 1].to(device)
+            col.fisher = i < fisher_sequences
+            col.last = None
+            if col.fisher:
+                with torch.enable_grad():
+                    logits = model(ids, use_cache=False).logits[0].to(torch.float32)
+                    logp = torch.log_softmax(logits, -1)
+                    with torch.no_grad():
+                        y = torch.multinomial(logp.exp(), 1, generator=gen)
+                    logp.gather(1, y).sum().backward()
+                st.fisher_sequences += 1
+                st.fisher_tokens += ids.numel()
+            else:
+                with torch.no_grad():
+                    model(ids, use_cache=False)
+            col.first_pass = False
+            st.sequences += 1
+            st.tokens += ids.numel()
+    finally:
+        col.remove()
+        for n, p in model.named_parameters():
+            p.requires_grad_(req[n])
+    return st

@@ -1,0 +1,112 @@
+"""Super weights (Yu et al. 2024, "The Super Weight in Large Language Models", arXiv 2411.07191).
+
+A super weight is a single scalar of an ``mlp.down_proj`` that creates a massive activation:
+the down projection's *input* spikes at one channel (column ``c``) and its *output* spikes at one
+channel (row ``r``), and ``W[r, c]`` carries the spike. Zeroing it alone raises perplexity sharply.
+
+Detection follows the paper: from the per-channel ``max |x|`` of each down_proj's input and output
+over the calibration text (:mod:`.stats`), layers whose output spike stands far above the typical
+channel (``spike_ratio`` times the median channel maximum) give candidates ``(r, c)``. Each candidate
+is confirmed by ablation: the weight is set to zero and the perplexity of a short text measured,
+then restored.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .stats import ModelStats
+
+_DOWN = re.compile(r"^(?:.*\.)?layers\.(\d+)\.mlp\.down_proj$")
+
+
+@dataclass
+class SuperWeight:
+    """One super-weight candidate.
+
+    Attributes:
+        layer: block index; module: HF module name (``model.layers.2.mlp.down_proj``).
+        row, column: position in the (out, in) torch weight.
+        value: the weight's value.
+        spike_in: max |input| at ``column``; spike_out: max |output| at ``row`` (over calibration).
+        spike_ratio: ``spike_out`` / median over channels of max |output|.
+        ppl_base, ppl_ablated: perplexity of the ablation text with the weight, and with it zeroed.
+        confirmed: ``ppl_ablated / ppl_base >= confirm_ratio``.
+        tensor: the GGUF tensor holding it (filled by the caller), or None.
+    """
+
+    layer: int
+    module: str
+    row: int
+    column: int
+    value: float
+    spike_in: float
+    spike_out: float
+    spike_ratio: float
+    ppl_base: float = math.nan
+    ppl_ablated: float = math.nan
+    confirmed: bool = False
+    tensor: str | None = None
+
+    @property
+    def ppl_ratio(self) -> float:
+        return self.ppl_ablated / self.ppl_base
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["ppl_ratio"] = self.ppl_ratio
+        return {k: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v) for k, v in d.items()}
+
+
+def find_candidates(model, stats: ModelStats, *, spike_ratio: float = 50.0, max_candidates: int = 8) -> list[SuperWeight]:
+    """Super-weight candidates from down_proj input/output spikes, largest spike ratio first."""
+    mods = dict(model.named_modules())
+    out = []
+    for name, o in stats.outputs.items():
+        m = _DOWN.match(name)
+        if not m or name not in stats.input_of:
+            continue
+        ratio = float(o.absmax.max() / o.absmax.median().clamp_min(1e-12))
+        if ratio < spike_ratio:
+            continue
+        inp = stats.input(name).absmax
+        r, c = int(o.absmax.argmax()), int(inp.argmax())
+        w = mods[name].weight.detach()
+        out.append(SuperWeight(int(m.group(1)), name, r, c, float(w[r, c]), float(inp[c]), float(o.absmax[r]), ratio))
+    out.sort(key=lambda s: -s.spike_ratio)
+    return out[:max_candidates]
+
+
+@torch.no_grad()
+def perplexity(model, chunks: torch.Tensor) -> float:
+    """Perplexity of a model on (n, T) token chunks (every position after the first scored)."""
+    device = next(model.parameters()).device
+    nll, n = 0.0, 0
+    for ids in chunks:
+        ids = ids.to(device)[None]
+        logits = model(ids, use_cache=False).logits[0, :-1].to(torch.float32)
+        nll += float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum"))
+        n += ids.shape[1] - 1
+    return math.exp(nll / n)
+
+
+@torch.no_grad()
+def confirm(model, candidates: list[SuperWeight], chunks: torch.Tensor, confirm_ratio: float = 1.1) -> list[SuperWeight]:
+    """Ablate each candidate (zero it, measure perplexity on ``chunks``, restore it); fills the ppl fields."""
+    mods = dict(model.named_modules())
+    base = perplexity(model, chunks)
+    for s in candidates:
+        w = mods[s.module].weight
+        keep = w[s.row, s.column].clone()
+        w[s.row, s.column] = 0
+        try:
+            s.ppl_ablated = perplexity(model, chunks)
+        finally:
+            w[s.row, s.column] = keep
+        s.ppl_base = base
+        s.confirmed = s.ppl_ratio >= confirm_ratio
+    return candidates

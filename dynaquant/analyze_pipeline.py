@@ -1,0 +1,379 @@
+"""The analysis pipeline: source -> calibration pass -> per-tensor errors -> report.json + imatrix.gguf.
+
+``analyze`` is what ``dynaquant analyze`` runs; ``run_analysis`` is the same on an already
+loaded model (``quantize`` without a report calls it). See :mod:`dynaquant.analysis.report`
+for the report's layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .analysis.calibration import CalibrationSpec, calibration_chunks
+from .analysis.errors import RowWeights, measure_errors
+from .analysis.imatrix import Imatrix
+from .analysis.report import activation_entry, save_report, tensor_group, tensor_kind
+from .analysis.sensitivity import ReferenceLogits, group_sensitivity, kld_with_weights
+from .analysis.stats import ModelStats, collect_stats
+from .analysis.superweights import confirm, find_candidates
+from .checkpoint import ModelSource, load_model, load_tokenizer, resolve_source
+from .exporters.gguf_source import TensorSource
+from .quant.formats import get_format
+from .quant.plan import Plan
+from .quant.planner import GGUF_CANDIDATES, default_rules, error_fn_from_report, make_plan
+
+log = logging.getLogger(__name__)
+
+# Formats measured for every tensor by default: the allocator's GGUF candidates.
+DEFAULT_CANDIDATES = tuple(sorted(GGUF_CANDIDATES, key=lambda f: (get_format(f).bpw, f)))
+
+
+@dataclass
+class AnalysisResult:
+    """What an analysis produced.
+
+    Attributes:
+        report: the report dict (``report.json`` layout).
+        stats: the calibration statistics (not serialised; for GPTQ and the encoders in the same run).
+        imatrix: the imatrix keyed by HF module name.
+        report_path, imatrix_path: files written (None when no output folder was given).
+    """
+
+    report: dict
+    stats: ModelStats
+    imatrix: Imatrix
+    report_path: Path | None = None
+    imatrix_path: Path | None = None
+
+
+def _param_name(module: str) -> str:
+    return module + ".weight"
+
+
+def _row_weights(t, stats: ModelStats, tied: bool, vocab_counts: torch.Tensor):
+    """(module for encoder imatrix, RowWeights, encoder imatrix) of a GGUF tensor."""
+    kind = tensor_kind(t.gguf_name)
+    if kind == "token_embd":
+        counts = vocab_counts.to(torch.float64)
+        freq = ((counts + 0.5) / (counts.sum() + 0.5 * counts.numel())).float()
+        rw = RowWeights(lookup=freq, lookup_fisher=stats.embed_fisher)
+        if tied and "lm_head" in stats.outputs:
+            inp = stats.input("lm_head")
+            rw.fisher, rw.hessian = stats.outputs["lm_head"].fisher, inp.hessian
+            return rw, inp.imatrix
+        return rw, None
+    module = t.hf_name[: -len(".weight")] if t.hf_name and t.hf_name.endswith(".weight") else None
+    if kind == "output":
+        module = "lm_head"
+    if module is None or module not in stats.input_of:
+        return None, None
+    inp = stats.input(module)
+    return RowWeights(fisher=stats.outputs[module].fisher, hessian=inp.hessian), inp.imatrix
+
+
+def _weight_of(model, t) -> torch.Tensor | None:
+    kind = tensor_kind(t.gguf_name)
+    if kind == "token_embd":
+        return model.get_input_embeddings().weight
+    if kind == "output":
+        return model.get_output_embeddings().weight
+    try:
+        return model.get_parameter(t.hf_name) if t.hf_name else None
+    except AttributeError:
+        return None
+
+
+def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: CalibrationSpec, *,
+                 candidates: tuple[str, ...] = DEFAULT_CANDIDATES, fisher_sequences: int = 16,
+                 super_weights: bool = True, sensitivity_formats: tuple[str, ...] = (),
+                 validate: tuple[tuple[str, int], ...] = (), overhead_bytes: int = 0,
+                 progress: bool = True, timings: dict | None = None) -> AnalysisResult:
+    """Analyse a loaded model (see ``analyze``); ``validate`` is (label, size_bytes) pairs of plans to check."""
+    from .pipeline import model_info, tensor_infos
+
+    timings = {} if timings is None else timings
+    device = next(model.parameters()).device
+    t0 = time.perf_counter()
+    all_chunks = calibration_chunks(tokenizer, replace(spec, n_sequences=spec.n_sequences + 2))
+    held = all_chunks[-2:] if all_chunks.shape[0] > 2 else all_chunks[:1]
+    chunks = all_chunks[:-2] if all_chunks.shape[0] > 2 else all_chunks
+    stats = collect_stats(model, chunks, fisher_sequences=fisher_sequences, progress=progress)
+    timings["calibration_s"] = time.perf_counter() - t0
+    info = model_info(ts)
+    src_tensors = ts.tensors()
+
+    t1 = time.perf_counter()
+    sws = []
+    if super_weights:
+        sws = confirm(model, find_candidates(model, stats), held[:1])
+        by_hf = {t.hf_name: t.gguf_name for t in src_tensors if t.hf_name}
+        for s in sws:
+            s.tensor = by_hf.get(_param_name(s.module))
+    timings["super_weights_s"] = time.perf_counter() - t1
+    sw_tensors = {s.tensor for s in sws if s.confirmed and s.tensor}
+
+    t2 = time.perf_counter()
+    entries = []
+    enc_imatrix: dict[str, torch.Tensor | None] = {}
+    for t in (tqdm_wrap(src_tensors, progress)):
+        e = {"name": t.gguf_name, "hf_name": t.hf_name, "shape": list(t.shape), "n_elements": t.numel,
+             "layer": _layer(t.gguf_name), "kind": tensor_kind(t.gguf_name), "group": tensor_group(t.gguf_name),
+             "quantizable": t.quantizable, "super_weight": t.gguf_name in sw_tensors, "errors": {}}
+        if t.quantizable:
+            w = _weight_of(model, t)
+            rw, imp = _row_weights(t, stats, info.tied_embeddings, stats.token_counts)
+            if w is not None and rw is not None and tuple(w.shape) == tuple(t.shape):
+                errs = measure_errors(w.detach(), list(candidates), rw, imatrix=imp)
+                e["errors"] = {f: v.to_dict() for f, v in errs.items()}
+                if t.hf_name:
+                    enc_imatrix[t.hf_name] = imp
+            else:
+                log.warning("%s: no calibration statistics or weight shape mismatch; not measured", t.gguf_name)
+        entries.append(e)
+    timings["errors_s"] = time.perf_counter() - t2
+
+    activations = []
+    gguf_of_param = {t.hf_name: t.gguf_name for t in src_tensors if t.hf_name}
+    for key, s in stats.inputs.items():
+        names = [gguf_of_param.get(_param_name(m), "output.weight" if m == "lm_head" else m) for m in s.modules]
+        activations.append(activation_entry(key, _layer(names[0]), tensor_kind(names[0]), names, s.absmax, s.sq_sum,
+                                            s.tokens, s.quant_rel_error()))
+
+    report = {
+        "version": 1,
+        "dynaquant_version": __version__,
+        "model": {"id": source.model_id, "revision": _revision(source), "arch": ts.arch, "n_layers": ts.n_layers,
+                  "tied_embeddings": info.tied_embeddings, "n_parameters": sum(t.numel for t in src_tensors),
+                  "gguf_overhead_bytes": overhead_bytes or None},
+        "calibration": {"id": spec.id, "sources": list(spec.sources), "n_sequences": stats.sequences,
+                        "seq_len": spec.seq_len, "tokens": stats.tokens, "chat_template": spec.chat_template,
+                        "fisher_sequences": stats.fisher_sequences, "device": str(device),
+                        "dtype": str(next(model.parameters()).dtype).replace("torch.", "")},
+        "candidates": list(candidates),
+        "tensors": entries,
+        "activations": activations,
+        "super_weights": [s.to_dict() for s in sws],
+        "sensitivity": [],
+        "plans": [],
+        "timings_s": timings,
+    }
+    imatrix_of = enc_imatrix.get
+    tensors = tensor_infos(ts)
+    by_gguf = {t.gguf_name: t for t in src_tensors}
+    if sensitivity_formats or validate:
+        ref = ReferenceLogits(model, held)
+    if sensitivity_formats:
+        t3 = time.perf_counter()
+        groups: dict[str, list[str]] = {}
+        for t in src_tensors:
+            g = tensor_group(t.gguf_name)
+            if t.quantizable and t.hf_name and g in ("attn", "ffn") and _layer(t.gguf_name) is not None:
+                groups.setdefault(f"blk.{_layer(t.gguf_name)}.{g}", []).append(t.hf_name)
+        rows = group_sensitivity(model, ref, groups, sensitivity_formats, imatrix_of, progress)
+        pred = {e["name"]: e["errors"] for e in entries}
+        for r in rows:
+            layer, kind = int(r["group"].split(".")[1]), r["group"].split(".")[2]
+            r.update(layer=layer, kind=kind, kld_pred=_group_pred(r["group"], r["format"], src_tensors, pred))
+        report["sensitivity"] = rows
+        timings["sensitivity_s"] = time.perf_counter() - t3
+    if validate:
+        t4 = time.perf_counter()
+        err_fn = error_fn_from_report(report)
+        for label, size in validate:
+            plan = make_plan(tensors, info, source.model_id, size_bytes=size, overhead_bytes=overhead_bytes,
+                             error_fn=err_fn, defaults=default_rules(info, sorted(sw_tensors)),
+                             candidates=candidates, error_source="measured kld")
+            fmts = {by_gguf[e.name].hf_name: e.format for e in plan.entries
+                    if by_gguf[e.name].quantizable and by_gguf[e.name].hf_name
+                    and _weight_of(model, by_gguf[e.name]) is not None}
+            fmts = _dedupe_tied(model, fmts)
+            report["plans"].append({"label": label, "size_bytes": plan.size_bytes + overhead_bytes, "bpw": plan.bpw,
+                                    "kld_pred": plan.kld_pred, "kld_measured": kld_with_weights(model, ref, fmts, imatrix_of),
+                                    "formats": plan.formats()})
+        timings["validate_s"] = time.perf_counter() - t4
+    return AnalysisResult(report, stats, stats.to_imatrix(spec.id))
+
+
+def _dedupe_tied(model, fmts: dict[str, str]) -> dict[str, str]:
+    names = dict(model.named_parameters())
+    return {k: v for k, v in fmts.items() if k in names}
+
+
+def _group_pred(group: str, fmt: str, src_tensors, pred: dict) -> float | None:
+    from .quant.formats import resolve_for_row
+
+    tot = 0.0
+    for t in src_tensors:
+        if t.quantizable and t.gguf_name.startswith(group.rsplit(".", 1)[0] + ".") and \
+                tensor_group(t.gguf_name) == group.rsplit(".", 1)[1]:
+            f = resolve_for_row(fmt, t.row_size)[0].name
+            e = pred.get(t.gguf_name, {}).get(f)
+            if e is None:
+                return None
+            tot += e["kld_pred"]
+    return tot
+
+
+def _layer(name: str) -> int | None:
+    if name.startswith("blk."):
+        return int(name.split(".")[1])
+    return None
+
+
+def _revision(source: ModelSource) -> str | None:
+    """The hub revision (snapshot commit) when the source is a hub cache folder, else None."""
+    parts = Path(source.path).parts
+    if "snapshots" in parts:
+        i = parts.index("snapshots")
+        return parts[i + 1] if i + 1 < len(parts) else None
+    return None
+
+
+def tqdm_wrap(items, progress: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc="errors", disable=not progress, unit="tensor")
+
+
+def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLike | None = None, *,
+            calibration: CalibrationSpec | None = None, candidates: tuple[str, ...] = DEFAULT_CANDIDATES,
+            fisher_sequences: int = 16, super_weights: bool = True, sensitivity_formats: tuple[str, ...] = (),
+            validate_presets: tuple[str, ...] = (), device: str | None = None, dtype: str = "float32",
+            allow_pickle: bool = False, trust_remote_code: bool = False, progress: bool = True) -> AnalysisResult:
+    """Analyse a model: calibration statistics, per-tensor errors of every candidate format, super weights.
+
+    Args:
+        model: HF checkpoint folder, hub id, ``.gguf`` file, or None for the embedded default.
+        output_dir: where ``report.json`` and ``imatrix.gguf`` (llama.cpp's GGUF imatrix format) are
+            written (created if needed); None writes nothing.
+        calibration: what to calibrate on (default: 64 sequences of 512 tokens of the offline default).
+        candidates: GGUF formats to measure for every tensor.
+        fisher_sequences: sequences that also get a backward pass for the Fisher diagonals.
+        super_weights: detect and confirm super weights (Yu et al. 2024).
+        sensitivity_formats: optional end-to-end sensitivity per block attention / MLP group in these formats.
+        validate_presets: make dynamic plans at these llama.cpp presets' file sizes and measure their KLD.
+        device: torch device (default CUDA when present); dtype: ``float32`` or ``bfloat16`` for the forward passes.
+    Returns:
+        AnalysisResult.
+    Raises:
+        checkpoint.SourceError / ValueError: the model or calibration source cannot be used (named).
+    """
+    from .pipeline import _extra_kv, _overhead_bytes, default_device, model_info, open_tensor_source, tensor_infos
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype {dtype!r}: use float32, bfloat16 or float16")
+    spec = calibration or CalibrationSpec()
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    source = resolve_source(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    ts = open_tensor_source(source)
+    for f in candidates:
+        get_format(f)
+    hf_model = load_model(source, dtype=getattr(torch, dtype), device=device or default_device())
+    tokenizer = load_tokenizer(source)
+    timings["load_s"] = time.perf_counter() - t0
+    validate: tuple[tuple[str, int], ...] = ()
+    tensors = tensor_infos(ts)
+    kv = _extra_kv(source, make_plan(tensors, model_info(ts), preset="Q8_0"), Imatrix(dataset=" " * 64))
+    overhead = _overhead_bytes(ts, tensors, kv)
+    if validate_presets:
+        validate = tuple((f"{p} size", make_plan(tensors, model_info(ts), preset=p).size_bytes + overhead)
+                         for p in validate_presets)
+    res = run_analysis(source, ts, hf_model, tokenizer, spec, candidates=candidates, fisher_sequences=fisher_sequences,
+                       super_weights=super_weights, sensitivity_formats=sensitivity_formats, validate=validate,
+                       overhead_bytes=overhead, progress=progress, timings=timings)
+    timings["total_s"] = time.perf_counter() - t0
+    if output_dir is not None:
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        res.imatrix_path = save_imatrix(out / "imatrix.gguf", res.imatrix, ts, spec)
+        res.report["imatrix"] = res.imatrix_path.name
+        res.report_path = save_report(res.report, out / "report.json")
+    return res
+
+
+def save_imatrix(path: Path, im: Imatrix, ts: TensorSource, spec: CalibrationSpec) -> Path:
+    """Write the imatrix in llama.cpp's GGUF imatrix format (``llama-quantize --imatrix`` reads it)."""
+    from .analysis.imatrix_io import save_imatrix as write
+    from .exporters.gguf_names import hf_to_gguf_name
+
+    def name_map(module: str) -> str | None:
+        if module == "lm_head":
+            return "output.weight"  # also when tied: dynaquant reads it back for token_embd
+        g = hf_to_gguf_name(ts.arch, ts.n_layers, module)
+        if not g or not g.startswith("blk."):
+            return None  # llama-imatrix records only the blocks' matmuls (and the output head)
+        return g if g.endswith(".weight") else g + ".weight"
+
+    return write(path, im, name_map, chunk_size=spec.seq_len)
+
+
+def make_dynamic_plan(report: dict | str | os.PathLike, *, bpw: float | None = None, size: int | None = None,
+                      rules: tuple[str, ...] | list[str] = (), target: str = "gguf", default_rules_on: bool = True,
+                      output: str | os.PathLike | None = None) -> Plan:
+    """A dynamic plan from an analysis report: minimise the predicted KL divergence within a budget.
+
+    Args:
+        report: ``report.json`` path (or its dict).
+        bpw / size: the budget (exactly one): average bits per weight of the tensor data, or whole-file bytes.
+        rules: user rules (``REGEX=FORMAT``, ``REGEX>=FORMAT``, ``REGEX<=FORMAT``), before the default rules.
+        target: ``gguf`` (the safetensors runtime target comes with the Triton runtime).
+        output: write the plan JSON here (temporary file, then renamed).
+    Returns:
+        The Plan (``sources`` names the report and the imatrix beside it).
+    Raises:
+        ValueError: bad report, budget, rule or target; planner.BudgetError: budget below the fixed rules' minimum.
+    """
+    from .analysis.report import load_report
+    from .quant.plan import TensorInfo
+    from .quant.presets import ModelInfo
+
+    if target != "gguf":
+        raise ValueError(f"target {target!r}: only 'gguf' is available (the safetensors runtime target is not built yet)")
+    if (bpw is None) == (size is None):
+        raise ValueError("give exactly one of bpw and size")
+    path = None if isinstance(report, dict) else Path(report)
+    rep = report if isinstance(report, dict) else load_report(path)
+    tensors = [TensorInfo(t["name"], t.get("hf_name"), tuple(t["shape"]), bool(t.get("quantizable", True)))
+               for t in rep["tensors"]]
+    m = rep["model"]
+    info = ModelInfo(n_layers=int(m["n_layers"]), tied_embeddings=bool(m.get("tied_embeddings")))
+    overhead = int(m.get("gguf_overhead_bytes") or 0)
+    if size is not None and not overhead:
+        raise ValueError(f"{path or 'report'}: no gguf_overhead_bytes in the report; plan with --bpw")
+    sw = [t["name"] for t in rep["tensors"] if t.get("super_weight")]
+    plan = make_plan(tensors, info, m.get("id", ""), rules=rules, bpw=bpw, size_bytes=size, overhead_bytes=overhead,
+                     error_fn=error_fn_from_report(rep), candidates=rep["candidates"],
+                     defaults=default_rules(info, sw) if default_rules_on else (), error_source="measured kld")
+    if path is not None:
+        plan.sources["report"] = str(path.resolve())
+        if rep.get("imatrix"):
+            plan.sources["imatrix"] = str((path.parent / rep["imatrix"]).resolve())
+    if output is not None:
+        save_json(plan.to_dict(), output)
+    return plan
+
+
+def save_json(d: dict, path: str | os.PathLike) -> Path:
+    """Write JSON through a temporary file renamed at the end (no partial output)."""
+    import json
+    import tempfile
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(d, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
