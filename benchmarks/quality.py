@@ -283,14 +283,15 @@ def ratios(rows: list[dict], mixes: list[str]) -> dict:
             entry[name] = round(a / b, 4) if a is not None and b else None
         out[mix] = entry
     for mix in mixes:  # dynamic plans against the llama.cpp mix and the hand allocation at that size
-        dyn = by.get(("dynamic", mix))
-        if not dyn:
-            continue
-        for base in ("llama.cpp", "hand"):
-            b = by.get((base, mix))
-            for key in ("kld_mean", "kld_p99"):
-                if b and dyn.get(key) is not None and b.get(key):
-                    out.setdefault(f"dynamic/{base} {mix}", {})[key] = round(dyn[key] / b[key], 4)
+        for m in ("dynamic", "dynamic-gptq"):
+            dyn = by.get((m, mix))
+            if not dyn:
+                continue
+            for base in ("llama.cpp", "hand"):
+                b = by.get((base, mix))
+                for key in ("kld_mean", "kld_p99"):
+                    if b and dyn.get(key) is not None and b.get(key):
+                        out.setdefault(f"{m}/{base} {mix}", {})[key] = round(dyn[key] / b[key], 4)
     return out
 
 
@@ -379,28 +380,31 @@ def run_hand(mix: str, dithered: Path, llama: Llama, size_limit: int | None) -> 
     return row
 
 
-def run_dynamic(mix: str, dithered: Path, args, llama: Llama | None, size_limit: int) -> dict:
-    """A dynamic plan at ``size_limit`` bytes from one shared analysis of the dithered model."""
+def run_dynamic(mix: str, dithered: Path, args, llama: Llama | None, size_limit: int, gptq: bool = False) -> dict:
+    """A dynamic plan at ``size_limit`` bytes from one shared analysis of the dithered model (optionally GPTQ-rounded)."""
     from dynaquant.analysis.calibration import CalibrationSpec
 
     report = args.work_dir / "analysis" / "report.json"
-    row = _row("dynamic", mix)
+    method = "dynamic-gptq" if gptq else "dynamic"
+    row = _row(method, mix)
     if not report.is_file() or not args.reuse:
         t0 = time.perf_counter()
         res = dynaquant.analyze(str(dithered), report.parent, calibration=CalibrationSpec((str(args.calibration),),
                                 args.chunks, args.n_ctx), device=args.device, progress=False)
         row["analysis_time_s"] = round(time.perf_counter() - t0, 2)
         row["analysis_timings_s"] = {k: round(v, 2) for k, v in res.report["timings_s"].items()}
-    out = args.work_dir / f"dynamic-{mix}.gguf"
+    out = args.work_dir / f"{method}-{mix}.gguf"
     t0 = time.perf_counter()
-    res = dynaquant.quantize(str(dithered), size=size_limit, report=report, output=out, device=args.device, progress=False)
+    res = dynaquant.quantize(str(dithered), size=size_limit, report=report, output=out, device=args.device, progress=False,
+                             gptq=gptq, calibration=args.calibration, calibration_chunks=args.chunks, n_ctx=args.n_ctx)
+    row["gptq"] = res.gptq
     row["quantize_time_s"] = round(time.perf_counter() - t0, 2)
     row["size_limit"] = size_limit
     row["kld_pred"] = res.plan.kld_pred
     row["formats"] = res.plan.count_by_format()
     row.update(file_stats(out))
     if llama is not None:
-        row.update(llama.kld(out, f"dynamic-{mix}"))
+        row.update(llama.kld(out, f"{method}-{mix}"))
     return row
 
 
@@ -434,7 +438,7 @@ def table(header: dict, rows: list[dict]) -> str:
         keys = ("kld_mean", "kld_p99", "size", "quantize_time", "quantize_cpu")
         lines.append("dynaquant / llama.cpp (same run): " + " ".join(f"{c:>13}" for c in names))
         for mix, e in rat.items():
-            if mix.startswith("dynamic/"):
+            if mix.startswith("dynamic"):
                 lines.append(f"{mix:>33}: KLD mean {_fmt(e.get('kld_mean'), '.3f')}  KLD p99 {_fmt(e.get('kld_p99'), '.3f')}")
                 continue
             lines.append(f"{mix:>33}: " + " ".join(f"{_fmt(e.get(k), '.3f'):>13}" for k in keys))
@@ -482,11 +486,11 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("gguf", "transformers", "dynaquant.exporters"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     mixes = [m.strip().upper() for m in args.mixes.split(",") if m.strip()]
-    if "dynamic" in args.methods or "hand" in args.methods:
+    if "dynamic" in args.methods or "hand" in args.methods:  # (dynamic-gptq included)
         mixes += [m.strip().upper() for m in args.dynamic_mixes.split(",") if m.strip().upper() not in mixes]
     dq_mixes = [m.strip().upper() for m in (args.dynaquant_mixes or args.mixes).split(",") if m.strip()]
     methods = {m.strip() for m in args.methods.split(",") if m.strip()}
-    known = {"dynaquant", "llama.cpp", "hand", "dynamic"}
+    known = {"dynaquant", "llama.cpp", "hand", "dynamic", "dynamic-gptq"}
     if not methods <= known:
         p.error(f"unknown method(s): {', '.join(sorted(methods - known))}")
     dyn_mixes = [m.strip().upper() for m in args.dynamic_mixes.split(",") if m.strip()]
@@ -541,8 +545,9 @@ def main(argv: list[str] | None = None) -> int:
         jobs += [("hand", mix) for mix in dyn_mixes]
     if "dynaquant" in methods:
         jobs += [("dynaquant", mix) for mix in dq_mixes]
-    if "dynamic" in methods:
-        jobs += [("dynamic", mix) for mix in dyn_mixes]
+    for m in ("dynamic", "dynamic-gptq"):
+        if m in methods:
+            jobs += [(m, mix) for mix in dyn_mixes]
     # SIGTERM (kill PID) ends the run like Ctrl-C: the rows so far are kept and the header says so.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -555,10 +560,10 @@ def main(argv: list[str] | None = None) -> int:
                     row = run_llama(mix, args.dithered, llama)
                 elif method == "hand":
                     row = run_hand(mix, args.dithered, llama, limit)
-                elif method == "dynamic":
+                elif method.startswith("dynamic"):
                     if limit is None:
                         raise RuntimeError(f"no llama.cpp {mix} row to take the size from; add llama.cpp to --methods")
-                    row = run_dynamic(mix, args.dithered, args, llama, limit)
+                    row = run_dynamic(mix, args.dithered, args, llama, limit, gptq=method == "dynamic-gptq")
                 else:
                     row = run_dynaquant(mix, args.dithered, args, llama)
             except Exception as e:  # one failing mix must not lose the others; the row says what failed

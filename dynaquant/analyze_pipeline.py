@@ -19,7 +19,7 @@ from . import __version__
 from .analysis.calibration import CalibrationSpec, calibration_chunks
 from .analysis.errors import RowWeights, measure_errors
 from .analysis.imatrix import Imatrix
-from .analysis.report import activation_entry, save_report, tensor_group, tensor_kind
+from .analysis.report import activation_entry, save_report, tensor_group, tensor_kind, write_json
 from .analysis.sensitivity import ReferenceLogits, group_sensitivity, kld_with_weights
 from .analysis.stats import ModelStats, collect_stats
 from .analysis.superweights import confirm, find_candidates
@@ -244,7 +244,7 @@ def tqdm_wrap(items, progress: bool):
 
 def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLike | None = None, *,
             calibration: CalibrationSpec | None = None, candidates: tuple[str, ...] = DEFAULT_CANDIDATES,
-            fisher_sequences: int = 16, super_weights: bool = True, sensitivity_formats: tuple[str, ...] = (),
+            fisher_sequences: int = 8, super_weights: bool = True, sensitivity_formats: tuple[str, ...] = (),
             validate_presets: tuple[str, ...] = (), device: str | None = None, dtype: str = "float32",
             allow_pickle: bool = False, trust_remote_code: bool = False, progress: bool = True) -> AnalysisResult:
     """Analyse a model: calibration statistics, per-tensor errors of every candidate format, super weights.
@@ -357,23 +357,5 @@ def make_dynamic_plan(report: dict | str | os.PathLike, *, bpw: float | None = N
         if rep.get("imatrix"):
             plan.sources["imatrix"] = str((path.parent / rep["imatrix"]).resolve())
     if output is not None:
-        save_json(plan.to_dict(), output)
+        write_json(plan.to_dict(), output)
     return plan
-
-
-def save_json(d: dict, path: str | os.PathLike) -> Path:
-    """Write JSON through a temporary file renamed at the end (no partial output)."""
-    import json
-    import tempfile
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(d, f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path

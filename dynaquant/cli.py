@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--no-default-rules", action="store_true", help="dynamic plans without the default rules")
     q.add_argument("--report", help="analysis report.json for dynamic plans (default: analyse here)")
     q.add_argument("--imatrix", help="imatrix file (llama.cpp GGUF or .dat) for the encoders")
+    q.add_argument("--gptq", action="store_true",
+                   help="error-compensating (GPTQ) rounding where it lowers the held-out layer-output error")
+    q.add_argument("--gptq-damp", type=float, default=0.01, help="GPTQ damping, relative to mean diag(H) (default 0.01)")
     q.add_argument("--calibration", help="calibration text file (default: Python stdlib docstrings)")
     q.add_argument("--calibration-chunks", type=int, default=32, help="chunks of --ctx tokens (default 32)")
     q.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default 512)")
@@ -120,7 +123,7 @@ def _quantize(a, bare: bool) -> int:
                    calibration=a.calibration, calibration_chunks=a.calibration_chunks, n_ctx=a.ctx,
                    use_imatrix=not a.no_imatrix, evaluate=evaluate, eval_text=a.text, eval_chunks=a.chunks,
                    allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code, device=a.device,
-                   progress=not a.json)
+                   progress=not a.json, gptq=a.gptq, gptq_damp=a.gptq_damp)
     if a.save_plan:
         from pathlib import Path
 
@@ -133,6 +136,9 @@ def _quantize(a, bare: bool) -> int:
     mix = ", ".join(f"{f} {100 * n / res.plan.n_elements:.1f}%" for f, n in
                     sorted(res.plan.count_by_format().items(), key=lambda kv: -kv[1]))
     print(f"  formats by weights: {mix}")
+    if res.gptq:
+        for f, g in res.gptq.items():
+            print(f"  GPTQ {f}: {g['gptq']}/{g['tensors']} tensors, held-out output error x{g['mean_ratio']:.3f} vs plain")
     if res.eval:
         _print_eval(res.eval)
     return 0

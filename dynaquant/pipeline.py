@@ -68,6 +68,7 @@ class QuantizeResult:
     imatrix_chunks: int = 0
     eval: EvalResult | None = None
     timings_s: dict = field(default_factory=dict)
+    gptq: dict | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -75,6 +76,7 @@ class QuantizeResult:
             "time_s": round(self.time_s, 2), "timings_s": {k: round(v, 2) for k, v in self.timings_s.items()},
             "imatrix_chunks": self.imatrix_chunks, "method": self.plan.method,
             "formats": self.plan.count_by_format(), "eval": self.eval.to_dict() if self.eval else None,
+            "gptq": self.gptq,
         }
 
 
@@ -194,7 +196,8 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
              calibration: str | os.PathLike | CalibrationSpec | None = None, calibration_chunks: int = 32,
              n_ctx: int = 512, use_imatrix: bool = True, default_rules_on: bool = True, evaluate: bool = False,
              eval_text: str | os.PathLike | None = None, eval_chunks: int = 16, allow_pickle: bool = False,
-             trust_remote_code: bool = False, device: str | None = None, progress: bool = True) -> QuantizeResult:
+             trust_remote_code: bool = False, device: str | None = None, progress: bool = True,
+             gptq: bool = False, gptq_damp: float = 0.01) -> QuantizeResult:
     """Quantize a model to a mixed-precision GGUF file.
 
     Targets (at most one): ``preset`` (a llama.cpp mix, tensor by tensor as llama-quantize decides),
@@ -215,8 +218,12 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         use_imatrix: encoders minimise the imatrix-weighted error.
         evaluate: also measure KLD/perplexity/top-1 against the source on ``eval_text`` (``eval_chunks`` chunks).
         device: torch device for calibration and encoding (default: CUDA when present).
+        gptq: error-compensating rounding (GPTQ, Frantar et al. 2022) for every matmul weight, using
+            each layer's input second moments from the calibration text (damping ``gptq_damp``); for each
+            tensor the rounding (GPTQ or plain) with the lower layer-output error on two held-out
+            calibration sequences is written. The GGUF layout is unchanged.
     Returns:
-        QuantizeResult.
+        QuantizeResult (``gptq`` says per format how many tensors took GPTQ and the mean error ratio).
     Raises:
         checkpoint.SourceError: the model cannot be found or read.
         planner.BudgetError: the target is below what the fixed rules need.
@@ -255,15 +262,16 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
     needs_imatrix = use_imatrix and imat_path is None and (
         dynamic or any(get_format(e.format).kind != "float" for e in the_plan.entries))
     needs_analysis = dynamic and report_d is None
-    hf_model = load_model(source, device=device) if needs_imatrix or needs_analysis or evaluate else None
+    hf_model = load_model(source, device=device) if needs_imatrix or needs_analysis or evaluate or gptq else None
     tokenizer = load_tokenizer(source) if hf_model is not None else None
     timings["load_s"] = time.perf_counter() - t0
     im = None
+    stats = None
     if needs_analysis:
         from .analyze_pipeline import run_analysis
 
         res = run_analysis(source, ts, hf_model, tokenizer, spec, fisher_sequences=8, progress=progress, timings=timings)
-        report_d, im = res.report, res.imatrix
+        report_d, im, stats = res.report, res.imatrix, res.stats
     elif needs_imatrix:
         t1 = time.perf_counter()
         im = compute_imatrix(hf_model, calibration_chunks_of(tokenizer, spec), spec.id, progress=progress)
@@ -275,6 +283,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
                              overhead_bytes=overhead, error_fn=error_fn_from_report(report_d),
                              candidates=[c for c in report_d["candidates"] if c in GGUF_CANDIDATES] or GGUF_CANDIDATES,
                              defaults=default_rules(info, sw) if default_rules_on else (), error_source="measured kld")
+    rounding = _GPTQRounding(hf_model, tokenizer, spec, stats, gptq_damp, device, progress, timings) if gptq else None
     if not evaluate:
         hf_model = None
     if output is None:
@@ -289,7 +298,12 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
     dev = torch.device(device)
 
     def encode(t: SourceTensor, w: torch.Tensor, fmt: Format) -> np.ndarray:
-        q = encode_tensor(w.to(dev), fmt, imat.get(t.gguf_name) if fmt.kind != "float" else None)
+        imp = imat.get(t.gguf_name) if fmt.kind != "float" else None
+        if rounding is not None and fmt.kind != "float":
+            q = rounding.encode(t, w.to(dev), fmt, imp)
+            if q is not None:
+                return q.cpu().numpy()
+        q = encode_tensor(w.to(dev), fmt, imp)
         return q.cpu().numpy()
 
     t2 = time.perf_counter()
@@ -298,7 +312,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
                progress=progress)
     timings["quantize_s"] = time.perf_counter() - t2
     result = QuantizeResult(output, the_plan, output.stat().st_size, the_plan.bpw, time.perf_counter() - t0,
-                            im.chunks if im else 0, timings_s=timings)
+                            im.chunks if im else 0, timings_s=timings, gptq=rounding.summary() if rounding else None)
     if size is not None and result.size_bytes > size:  # the overhead estimate is an upper bound; never expected
         output.unlink(missing_ok=True)
         raise RuntimeError(f"{output}: {result.size_bytes} bytes exceeds the target {size}; removed")
@@ -310,6 +324,52 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
 
 def calibration_chunks_of(tokenizer, spec: CalibrationSpec) -> torch.Tensor:
     return calibration_chunks(tokenizer, spec)
+
+
+class _GPTQRounding:
+    """GPTQ rounding per tensor, kept where it lowers the layer-output error on held-out calibration inputs."""
+
+    def __init__(self, model, tokenizer, spec: CalibrationSpec, stats, damp: float, device, progress: bool,
+                 timings: dict):
+        from dataclasses import replace
+
+        from .analysis.stats import collect_stats
+
+        t0 = time.perf_counter()
+        chunks = calibration_chunks(tokenizer, replace(spec, n_sequences=spec.n_sequences + 2))
+        if chunks.shape[0] < 3:
+            raise ValueError(f"GPTQ needs at least 3 calibration sequences of {spec.seq_len} tokens; the text gives "
+                             f"{chunks.shape[0]}")
+        self.fit = stats if stats is not None else collect_stats(model, chunks[:-2], fisher_sequences=0, progress=progress)
+        self.check = collect_stats(model, chunks[-2:], fisher_sequences=0, progress=False)
+        self.damp, self.device = damp, device
+        self.ratios: dict[str, list[float]] = {}
+        self.used: dict[str, int] = {}
+        timings["gptq_stats_s"] = time.perf_counter() - t0
+
+    def encode(self, t: SourceTensor, w: torch.Tensor, fmt: Format, imp) -> torch.Tensor | None:
+        from .quant.codecs import dequantize
+        from .quant.gptq import gptq_round, output_error
+
+        module = t.hf_name[: -len(".weight")] if t.hf_name and t.hf_name.endswith(".weight") else None
+        if module is None or module not in self.fit.input_of or w.ndim != 2 or t.gguf_name.startswith("token_embd"):
+            return None
+        h_fit = self.fit.input(module).hessian.to(self.device)
+        h_check = self.check.input(module).hessian.to(self.device)
+        plain = encode_tensor(w, fmt, imp)
+        g = gptq_round(w, fmt, h_fit, imp, damp=self.damp)
+        e_plain = output_error(w, dequantize(plain, fmt).to(w.device), h_check)
+        e_gptq = output_error(w, g.decoded.to(w.device), h_check)
+        self.ratios.setdefault(fmt.name, []).append(e_gptq / e_plain if e_plain > 0 else 1.0)
+        if e_gptq < e_plain:
+            self.used[fmt.name] = self.used.get(fmt.name, 0) + 1
+            return g.data
+        return plain
+
+    def summary(self) -> dict:
+        """Per format: tensors tried, tensors that took GPTQ, mean held-out output-error ratio GPTQ / plain."""
+        return {f: {"tensors": len(r), "gptq": self.used.get(f, 0), "mean_ratio": round(sum(r) / len(r), 4)}
+                for f, r in self.ratios.items()}
 
 
 def _load_report(path) -> dict:

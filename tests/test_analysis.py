@@ -133,3 +133,27 @@ def test_calibration_sources(tmp_path, default_tokenizer):
     # without the optional 'datasets' package the message says so; with it (offline) it names the dataset
     with pytest.raises(ValueError, match="'datasets' package|'org/name'"):
         calibration_chunks(default_tokenizer, CalibrationSpec(("hf:org/name",)))
+
+
+def test_group_sensitivity_and_planner_correction(stats, default_model, default_tokenizer):
+    from dynaquant.analysis.sensitivity import group_sensitivity
+    from dynaquant.quant.plan import TensorInfo
+    from dynaquant.quant.planner import error_fn_from_report
+
+    held = tokenize_chunks(default_tokenizer, default_calibration_text(), 128, 6)[5:]
+    ref = ReferenceLogits(default_model, held)
+    groups = {"blk.4.attn": [f"model.layers.4.self_attn.{p}_proj.weight" for p in "qkvo"],
+              "blk.4.ffn": [f"model.layers.4.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]}
+    rows = group_sensitivity(default_model, ref, groups, ["MXFP4", "Q8_0"],
+                             lambda n: stats.input(n[: -len(".weight")]).imatrix, progress=False)
+    kld = {(r["group"], r["format"]): r["kld"] for r in rows}
+    assert len(rows) == 4 and all(v >= 0 and math.isfinite(v) for v in kld.values())
+    assert kld[("blk.4.ffn", "Q8_0")] < kld[("blk.4.ffn", "MXFP4")]
+    # the planner scales a group's predictions by measured / predicted
+    report = {"tensors": [{"name": "blk.4.ffn_up.weight", "errors": {"Q4_0": {"kld_pred": 1e-3}}},
+                          {"name": "blk.5.ffn_up.weight", "errors": {"Q4_0": {"kld_pred": 1e-3}}}],
+              "sensitivity": [{"group": "blk.4.ffn", "format": "Q4_0", "kld": 4e-3, "kld_pred": 1e-3}]}
+    fn = error_fn_from_report(report)
+    assert fn(TensorInfo("blk.4.ffn_up.weight", None, (1536, 576)), "Q4_0") == pytest.approx(4e-3)
+    assert fn(TensorInfo("blk.5.ffn_up.weight", None, (1536, 576)), "Q4_0") == pytest.approx(1e-3)
+    assert fn(TensorInfo("blk.5.ffn_up.weight", None, (1536, 576)), "Q8_0") == math.inf

@@ -98,3 +98,15 @@ def test_quantize_reads_a_llama_imatrix_file(tmp_path):
     res = dynaquant.quantize(None, preset="Q4_0", imatrix=fixture, output=tmp_path / "q.gguf", progress=False)
     assert res.imatrix_chunks == 0 and res.output.exists()
     assert resolve_source(res.output).kind == "gguf"
+
+
+def test_quantize_with_gptq_rounding(tmp_path):
+    """GPTQ rounding is kept where it lowers the held-out output error; the file stays llama.cpp's layout."""
+    import dynaquant
+
+    res = dynaquant.quantize(None, preset="Q4_0", gptq=True, calibration_chunks=4, n_ctx=128,
+                             output=tmp_path / "g.gguf", progress=False)
+    g = res.gptq["Q4_0"]
+    assert g["tensors"] == 7 * 30 and g["gptq"] > 0.5 * g["tensors"] and g["mean_ratio"] < 1.0  # 512 tokens: some overfit
+    llm = llama_cpp.Llama(model_path=str(res.output), n_ctx=128, verbose=False, seed=0)
+    assert llm("Python is", max_tokens=4, temperature=0)["choices"][0]["text"].strip()

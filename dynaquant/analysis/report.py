@@ -87,12 +87,17 @@ def _clean(x):
 
 def save_report(report: dict, path: str | os.PathLike) -> Path:
     """Write a report as JSON (non-finite floats become null), through a temporary file renamed at the end."""
+    return write_json(_clean(report), path)
+
+
+def write_json(d: dict, path: str | os.PathLike) -> Path:
+    """Write JSON through a temporary file in the same folder, renamed at the end (no partial output)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".report-", suffix=".json", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(_clean(report), f, indent=1)
+            json.dump(d, f, indent=1)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
