@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from . import __version__
 from .analysis.calibration import CalibrationSpec, calibration_chunks
@@ -21,7 +22,7 @@ from .analysis.errors import RowWeights, measure_errors
 from .analysis.imatrix import Imatrix
 from .analysis.report import activation_entry, save_report, tensor_group, tensor_kind, write_json
 from .analysis.sensitivity import ReferenceLogits, group_sensitivity, kld_with_weights
-from .analysis.stats import ModelStats, collect_stats
+from .analysis.stats import ModelStats, collect_stats, module_of
 from .analysis.superweights import confirm, find_candidates
 from .checkpoint import ModelSource, load_model, load_tokenizer, resolve_source
 from .exporters.gguf_source import TensorSource
@@ -53,12 +54,8 @@ class AnalysisResult:
     imatrix_path: Path | None = None
 
 
-def _param_name(module: str) -> str:
-    return module + ".weight"
-
-
 def _row_weights(t, stats: ModelStats, tied: bool, vocab_counts: torch.Tensor):
-    """(module for encoder imatrix, RowWeights, encoder imatrix) of a GGUF tensor."""
+    """(RowWeights, encoder imatrix (K,) or None) of a GGUF tensor; (None, None) without statistics."""
     kind = tensor_kind(t.gguf_name)
     if kind == "token_embd":
         counts = vocab_counts.to(torch.float64)
@@ -69,9 +66,7 @@ def _row_weights(t, stats: ModelStats, tied: bool, vocab_counts: torch.Tensor):
             rw.fisher, rw.hessian = stats.outputs["lm_head"].fisher, inp.hessian
             return rw, inp.imatrix
         return rw, None
-    module = t.hf_name[: -len(".weight")] if t.hf_name and t.hf_name.endswith(".weight") else None
-    if kind == "output":
-        module = "lm_head"
+    module = "lm_head" if kind == "output" else module_of(t.hf_name)
     if module is None or module not in stats.input_of:
         return None, None
     inp = stats.input(module)
@@ -109,20 +104,20 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
     info = model_info(ts)
     src_tensors = ts.tensors()
 
+    gguf_of_param = {t.hf_name: t.gguf_name for t in src_tensors if t.hf_name}
     t1 = time.perf_counter()
     sws = []
     if super_weights:
         sws = confirm(model, find_candidates(model, stats), held[:1])
-        by_hf = {t.hf_name: t.gguf_name for t in src_tensors if t.hf_name}
         for s in sws:
-            s.tensor = by_hf.get(_param_name(s.module))
+            s.tensor = gguf_of_param.get(s.module + ".weight")
     timings["super_weights_s"] = time.perf_counter() - t1
     sw_tensors = {s.tensor for s in sws if s.confirmed and s.tensor}
 
     t2 = time.perf_counter()
     entries = []
     enc_imatrix: dict[str, torch.Tensor | None] = {}
-    for t in (tqdm_wrap(src_tensors, progress)):
+    for t in tqdm(src_tensors, desc="errors", disable=not progress, unit="tensor"):
         e = {"name": t.gguf_name, "hf_name": t.hf_name, "shape": list(t.shape), "n_elements": t.numel,
              "layer": _layer(t.gguf_name), "kind": tensor_kind(t.gguf_name), "group": tensor_group(t.gguf_name),
              "quantizable": t.quantizable, "super_weight": t.gguf_name in sw_tensors, "errors": {}}
@@ -140,9 +135,8 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
     timings["errors_s"] = time.perf_counter() - t2
 
     activations = []
-    gguf_of_param = {t.hf_name: t.gguf_name for t in src_tensors if t.hf_name}
     for key, s in stats.inputs.items():
-        names = [gguf_of_param.get(_param_name(m), "output.weight" if m == "lm_head" else m) for m in s.modules]
+        names = [gguf_of_param.get(m + ".weight", "output.weight" if m == "lm_head" else m) for m in s.modules]
         activations.append(activation_entry(key, _layer(names[0]), tensor_kind(names[0]), names, s.absmax, s.sq_sum,
                                             s.tokens, s.quant_rel_error()))
 
@@ -190,20 +184,14 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
             plan = make_plan(tensors, info, source.model_id, size_bytes=size, overhead_bytes=overhead_bytes,
                              error_fn=err_fn, defaults=default_rules(info, sorted(sw_tensors)),
                              candidates=candidates, error_source="measured kld")
+            params = dict(model.named_parameters())  # a tied output head has no parameter of its own
             fmts = {by_gguf[e.name].hf_name: e.format for e in plan.entries
-                    if by_gguf[e.name].quantizable and by_gguf[e.name].hf_name
-                    and _weight_of(model, by_gguf[e.name]) is not None}
-            fmts = _dedupe_tied(model, fmts)
+                    if by_gguf[e.name].quantizable and by_gguf[e.name].hf_name in params}
             report["plans"].append({"label": label, "size_bytes": plan.size_bytes + overhead_bytes, "bpw": plan.bpw,
                                     "kld_pred": plan.kld_pred, "kld_measured": kld_with_weights(model, ref, fmts, imatrix_of),
                                     "formats": plan.formats()})
         timings["validate_s"] = time.perf_counter() - t4
     return AnalysisResult(report, stats, stats.to_imatrix(spec.id))
-
-
-def _dedupe_tied(model, fmts: dict[str, str]) -> dict[str, str]:
-    names = dict(model.named_parameters())
-    return {k: v for k, v in fmts.items() if k in names}
 
 
 def _group_pred(group: str, fmt: str, src_tensors, pred: dict) -> float | None:
@@ -236,12 +224,6 @@ def _revision(source: ModelSource) -> str | None:
     return None
 
 
-def tqdm_wrap(items, progress: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(items, desc="errors", disable=not progress, unit="tensor")
-
-
 def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLike | None = None, *,
             calibration: CalibrationSpec | None = None, candidates: tuple[str, ...] = DEFAULT_CANDIDATES,
             fisher_sequences: int = 8, super_weights: bool = True, sensitivity_formats: tuple[str, ...] = (),
@@ -265,7 +247,15 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
     Raises:
         checkpoint.SourceError / ValueError: the model or calibration source cannot be used (named).
     """
-    from .pipeline import _extra_kv, _overhead_bytes, default_device, model_info, open_tensor_source, tensor_infos
+    from .pipeline import (
+        _empty_plan,
+        _extra_kv,
+        _overhead_bytes,
+        default_device,
+        model_info,
+        open_tensor_source,
+        tensor_infos,
+    )
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype {dtype!r}: use float32, bfloat16 or float16")
@@ -281,7 +271,7 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
     timings["load_s"] = time.perf_counter() - t0
     validate: tuple[tuple[str, int], ...] = ()
     tensors = tensor_infos(ts)
-    kv = _extra_kv(source, make_plan(tensors, model_info(ts), preset="Q8_0"), Imatrix(dataset=" " * 64))
+    kv = _extra_kv(source, _empty_plan(), Imatrix(dataset=" " * 64))  # as quantize() estimates it
     overhead = _overhead_bytes(ts, tensors, kv)
     if validate_presets:
         validate = tuple((f"{p} size", make_plan(tensors, model_info(ts), preset=p).size_bytes + overhead)

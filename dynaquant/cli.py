@@ -144,18 +144,20 @@ def _quantize(a, bare: bool) -> int:
     return 0
 
 
+def _names(text: str | None) -> tuple[str, ...]:
+    """``'q4_k, Q8_0'`` -> ``('Q4_K', 'Q8_0')``; None -> ()."""
+    return tuple(n.strip().upper() for n in text.split(",") if n.strip()) if text else ()
+
+
 def _analyze(a) -> int:
     from . import analyze
     from .analysis.calibration import CalibrationSpec
 
     spec = CalibrationSpec(tuple(a.calibration), a.sequences, a.ctx, a.chat_template)
-    kw = {}
-    if a.formats:
-        kw["candidates"] = tuple(f.strip().upper() for f in a.formats.split(","))
+    kw = {"candidates": _names(a.formats)} if a.formats else {}
     res = analyze(a.model, a.output, calibration=spec, fisher_sequences=a.fisher_sequences,
-                  super_weights=not a.no_super_weights,
-                  sensitivity_formats=tuple(f.strip().upper() for f in a.sensitivity.split(",")) if a.sensitivity else (),
-                  validate_presets=tuple(p.strip().upper() for p in a.validate.split(",")) if a.validate else (),
+                  super_weights=not a.no_super_weights, sensitivity_formats=_names(a.sensitivity),
+                  validate_presets=_names(a.validate),
                   device=a.device, dtype=a.dtype, allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code,
                   progress=not a.json, **kw)
     rep = res.report

@@ -10,7 +10,7 @@ import logging
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import gguf
@@ -18,9 +18,14 @@ import numpy as np
 import torch
 
 from . import __version__
-from .analysis.calibration import CalibrationSpec, calibration_chunks, tokenize_chunks
+
+# quantize()'s ``calibration_chunks`` argument (a count) shadows the function's name inside it.
+from .analysis.calibration import CalibrationSpec, tokenize_chunks
+from .analysis.calibration import calibration_chunks as calibration_ids
 from .analysis.evaluate import EvalResult, compare_models
 from .analysis.imatrix import Imatrix, compute_imatrix
+from .analysis.report import load_report
+from .analysis.stats import collect_stats, module_of
 from .analysis.texts import default_eval_text, read_text
 from .checkpoint import ModelSource, load_model, load_tokenizer, resolve_source
 from .exporters.gguf_names import hf_to_gguf_name
@@ -244,7 +249,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         (str(calibration),) if calibration is not None else (), calibration_chunks, n_ctx)
     # Plan first where possible: a bad plan or an impossible budget fails before any model is loaded.
     loaded_plan = _load_plan(plan) if plan is not None else None
-    report_d = _load_report(report) if report is not None and not isinstance(report, dict) else report
+    report_d = load_report(report) if report is not None and not isinstance(report, dict) else report
     dynamic = loaded_plan is None and preset is None
     overhead = 0
     if dynamic:
@@ -274,7 +279,12 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         report_d, im, stats = res.report, res.imatrix, res.stats
     elif needs_imatrix:
         t1 = time.perf_counter()
-        im = compute_imatrix(hf_model, calibration_chunks_of(tokenizer, spec), spec.id, progress=progress)
+        if gptq:  # one pass gives the imatrix and GPTQ's second moments (held-out sequences excluded, as in the analysis)
+            fit = calibration_ids(tokenizer, replace(spec, n_sequences=spec.n_sequences + 2))
+            stats = collect_stats(hf_model, fit[:-2] if fit.shape[0] > 2 else fit, fisher_sequences=0, progress=progress)
+            im = stats.to_imatrix(spec.id)
+        else:
+            im = compute_imatrix(hf_model, calibration_ids(tokenizer, spec), spec.id, progress=progress)
         timings["imatrix_s"] = time.perf_counter() - t1
     if dynamic:
         _check_report(report_d, tensors, report if not isinstance(report, dict) else "report")
@@ -322,21 +332,13 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
     return result
 
 
-def calibration_chunks_of(tokenizer, spec: CalibrationSpec) -> torch.Tensor:
-    return calibration_chunks(tokenizer, spec)
-
-
 class _GPTQRounding:
     """GPTQ rounding per tensor, kept where it lowers the layer-output error on held-out calibration inputs."""
 
     def __init__(self, model, tokenizer, spec: CalibrationSpec, stats, damp: float, device, progress: bool,
                  timings: dict):
-        from dataclasses import replace
-
-        from .analysis.stats import collect_stats
-
         t0 = time.perf_counter()
-        chunks = calibration_chunks(tokenizer, replace(spec, n_sequences=spec.n_sequences + 2))
+        chunks = calibration_ids(tokenizer, replace(spec, n_sequences=spec.n_sequences + 2))
         if chunks.shape[0] < 3:
             raise ValueError(f"GPTQ needs at least 3 calibration sequences of {spec.seq_len} tokens; the text gives "
                              f"{chunks.shape[0]}")
@@ -351,7 +353,7 @@ class _GPTQRounding:
         from .quant.codecs import dequantize
         from .quant.gptq import gptq_round, output_error
 
-        module = t.hf_name[: -len(".weight")] if t.hf_name and t.hf_name.endswith(".weight") else None
+        module = module_of(t.hf_name)
         if module is None or module not in self.fit.input_of or w.ndim != 2 or t.gguf_name.startswith("token_embd"):
             return None
         h_fit = self.fit.input(module).hessian.to(self.device)
@@ -370,12 +372,6 @@ class _GPTQRounding:
         """Per format: tensors tried, tensors that took GPTQ, mean held-out output-error ratio GPTQ / plain."""
         return {f: {"tensors": len(r), "gptq": self.used.get(f, 0), "mean_ratio": round(sum(r) / len(r), 4)}
                 for f, r in self.ratios.items()}
-
-
-def _load_report(path) -> dict:
-    from .analysis.report import load_report
-
-    return load_report(path)
 
 
 def _check_report(report: dict, tensors: list[TensorInfo], where) -> None:

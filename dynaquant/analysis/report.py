@@ -30,8 +30,6 @@ import re
 import tempfile
 from pathlib import Path
 
-import torch
-
 REPORT_VERSION = 1
 _BLK = re.compile(r"^blk\.(\d+)\.(.+?)(?:\.weight|\.bias)?$")
 
@@ -60,9 +58,11 @@ def tensor_group(name: str) -> str:
     return "other"
 
 
-def activation_entry(module: str, layer: int | None, kind: str, tensors: list[str], absmax: torch.Tensor,
+def activation_entry(module: str, layer: int | None, kind: str, tensors: list[str], absmax,
                      sq_sum: float, tokens: int, quant_rel_error: dict) -> dict:
-    """One ``activations`` row from an input's statistics (absmax (K,), sum of x^2, token count)."""
+    """One ``activations`` row from an input's statistics (absmax (K,) torch tensor, sum of x^2, token count)."""
+    import torch
+
     a = absmax.float().cpu()
     top = torch.argsort(a, descending=True)[:8]
     med = float(a.median())
@@ -91,13 +91,22 @@ def save_report(report: dict, path: str | os.PathLike) -> Path:
 
 
 def write_json(d: dict, path: str | os.PathLike) -> Path:
-    """Write JSON through a temporary file in the same folder, renamed at the end (no partial output)."""
+    """Write JSON (indent 1) as ``write_text`` does."""
+    return write_text(json.dumps(d, indent=1), path)
+
+
+def write_text(text: str, path: str | os.PathLike) -> Path:
+    """Write UTF-8 text through a temporary file in the same folder, renamed at the end (no partial output).
+
+    The file is world-readable (0644) like any other output: ``mkstemp`` alone would leave it private.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".report-", suffix=".json", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(d, f, indent=1)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -23,17 +23,15 @@ import io
 import json
 import logging
 import math
-import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..quant.formats import get_format
+from .report import REPORT_VERSION, write_text
 
 log = logging.getLogger(__name__)
 
-REPORT_VERSION = 1
 KIND_ORDER = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
               "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_inp")
 _BLK = re.compile(r"^blk\.(\d+)\.(.+?)(?:\.weight)?$")
@@ -736,16 +734,7 @@ def render_report_html(report: dict, path, *, title: str | None = None, plan: di
         TypeError: ``report`` is not a dict. OSError: the file cannot be written.
     """
     page = build_report_page(report, title=title, plan=plan, plan_label=plan_label)
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(page.html)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; a report is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    path = write_text(page.html, path)
     log.info("wrote %s (%d plots, %d notes)", path, len(page.figures), len(page.notes))
     return path
 

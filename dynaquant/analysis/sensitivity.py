@@ -77,9 +77,9 @@ def group_sensitivity(model, ref: ReferenceLogits, groups: dict[str, list[str]],
     Returns:
         rows ``{"group", "format", "kld"}``.
     """
+    fmts = [get_format(f).name for f in fmts]  # unknown names fail before any work
     rows = []
     jobs = [(g, f) for g in groups for f in fmts]
     for g, f in tqdm(jobs, desc="sensitivity", disable=not progress, unit="group"):
-        get_format(f)
         rows.append({"group": g, "format": f, "kld": kld_with_weights(model, ref, {n: f for n in groups[g]}, imatrix_of)})
     return rows

@@ -127,6 +127,11 @@ class ModelStats:
         return im
 
 
+def module_of(param_name: str | None) -> str | None:
+    """HF module of a weight parameter (``model.layers.3.mlp.down_proj.weight`` -> ``model.layers.3.mlp.down_proj``)."""
+    return param_name[: -len(".weight")] if param_name and param_name.endswith(".weight") else None
+
+
 def _linear_modules(model) -> dict[str, torch.nn.Linear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
@@ -137,8 +142,8 @@ def _token_quant_err(x: torch.Tensor, levels: int) -> float:
 
 
 class _Collector:
-    def __init__(self, model, st: ModelStats, hessian: bool):
-        self.st, self.hessian = st, hessian
+    def __init__(self, model, st: ModelStats):
+        self.st = st
         self.fisher = False
         self.last: tuple[torch.Tensor, str] | None = None
         self.first_pass = True
@@ -173,12 +178,9 @@ class _Collector:
         s = self.st.inputs.get(name)
         if s is None:
             k = x.shape[1]
-            h = torch.zeros((k, k) if self.hessian else (k,), dtype=torch.float32, device=x.device)
+            h = torch.zeros((k, k), dtype=torch.float32, device=x.device)
             s = self.st.inputs[name] = InputStats([name], h, absmax=torch.zeros(k, dtype=torch.float32, device=x.device))
-        if self.hessian:
-            s.hessian_sum.addmm_(x.T, x)
-        else:
-            s.hessian_sum += (x * x).sum(0)
+        s.hessian_sum.addmm_(x.T, x)
         s.tokens += x.shape[0]
         s.absmax = torch.maximum(s.absmax, x.abs().amax(0))
         s.sq_sum += float((x * x).sum())
@@ -215,8 +217,8 @@ class _Collector:
         return out
 
 
-def collect_stats(model, chunks: torch.Tensor, *, fisher_sequences: int = 16, hessian: bool = True,
-                  seed: int = 0, progress: bool = True) -> ModelStats:
+def collect_stats(model, chunks: torch.Tensor, *, fisher_sequences: int = 16, seed: int = 0,
+                  progress: bool = True) -> ModelStats:
     """Run calibration sequences through a model once and collect activation statistics.
 
     Args:
@@ -224,7 +226,6 @@ def collect_stats(model, chunks: torch.Tensor, *, fisher_sequences: int = 16, he
         chunks: (n, seq_len) int64 token ids.
         fisher_sequences: how many of the first sequences also get a backward pass for the Fisher
             diagonals (labels sampled from the model's own next-token distribution, fixed ``seed``).
-        hessian: keep the full (K, K) second moment of each input (False: only its diagonal, the imatrix).
         seed: label-sampling seed.
         progress: show a progress bar.
     Returns:
@@ -233,7 +234,7 @@ def collect_stats(model, chunks: torch.Tensor, *, fisher_sequences: int = 16, he
     st = ModelStats()
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
-    col = _Collector(model, st, hessian)
+    col = _Collector(model, st)
     req = {n: p.requires_grad for n, p in model.named_parameters()}
     for p in model.parameters():
         p.requires_grad_(False)

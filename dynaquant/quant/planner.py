@@ -244,9 +244,10 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
             limit, budget, method = int(bpw * total / 8), {"bpw": bpw}, f"allocation bpw<={bpw}"
         else:
             limit, budget, method = size_bytes - overhead_bytes, {"size_bytes": size_bytes}, f"allocation size<={size_bytes}"
-        _allocate(free, entries, limit, error_fn or prior_error(model), candidates, overhead_bytes, total, bpw, error_source)
+        _allocate(free, entries, limit, error_fn or prior_error(model), candidates, overhead_bytes, total, bpw, error_source,
+                  predicted=error_fn is not None)
     ordered = [entries[t.name] for t in tensors]
-    if error_fn is not None and error_source != "prior error":
+    if error_fn is not None:  # measured errors: every quantized entry records its prediction
         for t, e in zip(tensors, ordered):
             if t.quantizable and e.kld_pred is None:
                 v = error_fn(t, e.format)
@@ -254,7 +255,7 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
     return Plan("gguf", model_id, ordered, method, [str(r) for r in parsed], budget)
 
 
-def _allocate(free, entries, limit, error_fn, candidates, overhead, total, bpw, error_source) -> None:
+def _allocate(free, entries, limit, error_fn, candidates, overhead, total, bpw, error_source, predicted) -> None:
     fixed = sum(e.size_bytes for e in entries.values())
     options = {t.name: _candidates(t, _bounded(candidates, rule, t.row_size), error_fn) for t, rule, _ in free}
     for t, _, _ in free:
@@ -293,7 +294,7 @@ def _allocate(free, entries, limit, error_fn, candidates, overhead, total, bpw, 
         b, e, fmt = opts[level[t.name]]
         bound = f"; {label}" if rule is not None else ""
         entry = _entry(t, fmt, f"allocation: {level[t.name]} upgrade(s) from {opts[0][2]} by {error_source}{bound}")
-        entry.kld_pred = e if error_source != "prior error" else None
+        entry.kld_pred = e if predicted else None
         entries[t.name] = entry
 
 
