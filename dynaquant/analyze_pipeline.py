@@ -36,6 +36,23 @@ log = logging.getLogger(__name__)
 DEFAULT_CANDIDATES = tuple(sorted(GGUF_CANDIDATES, key=lambda f: (get_format(f).bpw, f)))
 
 
+def expand_formats(text: str) -> tuple[str, ...]:
+    """Candidate formats from a comma-separated list of names, where ``gguf`` stands for the GGUF
+    candidates and ``safetensors`` for the runtime ones (``"gguf,safetensors"``, ``"Q4_K,INT4_G128"``).
+
+    Raises:
+        KeyError: an unknown format name.
+    """
+    from .quant.planner import RUNTIME_CANDIDATES
+
+    out: list[str] = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        groups = {"GGUF": DEFAULT_CANDIDATES, "SAFETENSORS": RUNTIME_CANDIDATES}
+        names = groups[item.upper()] if item.upper() in groups else (get_format(item).name,)
+        out += [n for n in names if n not in out]
+    return tuple(out)
+
+
 @dataclass
 class AnalysisResult:
     """What an analysis produced.
@@ -183,7 +200,8 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
         for label, size in validate:
             plan = make_plan(tensors, info, source.model_id, size_bytes=size, overhead_bytes=overhead_bytes,
                              error_fn=err_fn, defaults=default_rules(info, sorted(sw_tensors)),
-                             candidates=candidates, error_source="measured kld")
+                             candidates=[c for c in candidates if get_format(c).allowed_in("gguf")] or None,
+                             error_source="measured kld")
             params = dict(model.named_parameters())  # a tied output head has no parameter of its own
             fmts = {by_gguf[e.name].hf_name: e.format for e in plan.entries
                     if by_gguf[e.name].quantizable and by_gguf[e.name].hf_name in params}
@@ -314,7 +332,8 @@ def make_dynamic_plan(report: dict | str | os.PathLike, *, bpw: float | None = N
         report: ``report.json`` path (or its dict).
         bpw / size: the budget (exactly one): average bits per weight of the tensor data, or whole-file bytes.
         rules: user rules (``REGEX=FORMAT``, ``REGEX>=FORMAT``, ``REGEX<=FORMAT``), before the default rules.
-        target: ``gguf`` (the safetensors runtime target comes with the Triton runtime).
+        target: ``gguf`` or ``safetensors`` (the report must have measured that target's formats: ``analyze
+            --formats safetensors``; a safetensors ``size`` counts the safetensors shards' bytes).
         output: write the plan JSON here (temporary file, then renamed).
     Returns:
         The Plan (``sources`` names the report and the imatrix beside it).
@@ -325,8 +344,8 @@ def make_dynamic_plan(report: dict | str | os.PathLike, *, bpw: float | None = N
     from .quant.plan import TensorInfo
     from .quant.presets import ModelInfo
 
-    if target != "gguf":
-        raise ValueError(f"target {target!r}: only 'gguf' is available (the safetensors runtime target is not built yet)")
+    if target not in ("gguf", "safetensors"):
+        raise ValueError(f"unknown target {target!r} (known: gguf, safetensors)")
     if (bpw is None) == (size is None):
         raise ValueError("give exactly one of bpw and size")
     path = None if isinstance(report, dict) else Path(report)
@@ -336,12 +355,21 @@ def make_dynamic_plan(report: dict | str | os.PathLike, *, bpw: float | None = N
     m = rep["model"]
     info = ModelInfo(n_layers=int(m["n_layers"]), tied_embeddings=bool(m.get("tied_embeddings")))
     overhead = int(m.get("gguf_overhead_bytes") or 0)
+    if target == "safetensors":
+        from .exporters.safetensors_writer import safetensors_overhead_bytes
+
+        overhead = safetensors_overhead_bytes(tensors)
     if size is not None and not overhead:
         raise ValueError(f"{path or 'report'}: no gguf_overhead_bytes in the report; plan with --bpw")
+    candidates = [c for c in rep["candidates"] if get_format(c).allowed_in(target)]
+    if not candidates:
+        raise ValueError(f"{path or 'report'}: the analysis measured no {target} formats; "
+                         f"run 'dynaquant analyze --formats {target}'")
     sw = [t["name"] for t in rep["tensors"] if t.get("super_weight")]
     plan = make_plan(tensors, info, m.get("id", ""), rules=rules, bpw=bpw, size_bytes=size, overhead_bytes=overhead,
-                     error_fn=error_fn_from_report(rep), candidates=rep["candidates"],
-                     defaults=default_rules(info, sw) if default_rules_on else (), error_source="measured kld")
+                     error_fn=error_fn_from_report(rep), candidates=candidates,
+                     defaults=default_rules(info, sw) if default_rules_on else (), error_source="measured kld",
+                     target=target)
     if path is not None:
         plan.sources["report"] = str(path.resolve())
         if rep.get("imatrix"):

@@ -26,8 +26,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="log more")
     sub = p.add_subparsers(dest="command", required=True)
 
-    q = sub.add_parser("quantize", help="quantize a model to a mixed-precision GGUF file")
+    q = sub.add_parser("quantize", help="quantize a model to a mixed-precision GGUF file or safetensors checkpoint")
     q.add_argument("model", nargs="?", help="HF folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
+    q.add_argument("--format", dest="target", default="gguf", choices=["gguf", "safetensors"],
+                   help="output: a GGUF file (default) or a compressed-tensors safetensors folder run by dynaquant.load "
+                        "(with --bpw, --size or --plan; no presets)")
     g = q.add_mutually_exclusive_group()
     g.add_argument("--preset", help="llama.cpp mix: Q8_0, Q6_K, Q5_K_M, Q4_K_M (default), Q3_K_M, Q2_K, ...")
     g.add_argument("--bpw", type=float, help="average bits per weight over all tensor data, at most")
@@ -51,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--no-eval", action="store_true", help="never evaluate")
     q.add_argument("--text", help="evaluation text file (default: stdlib docstrings, not the calibration ones)")
     q.add_argument("--chunks", type=int, default=16, help="evaluation chunks (default 16)")
-    q.add_argument("-o", "--output", help="output .gguf (default: <model>-<target>.gguf here)")
+    q.add_argument("-o", "--output", help="output .gguf, or folder with --format safetensors (default: named after "
+                                           "the model and target, here)")
     q.add_argument("--save-plan", help="also write the plan as JSON here")
     q.add_argument("--allow-pickle", action="store_true", help="read *.bin/*.pt weights (torch.load weights_only)")
     q.add_argument("--trust-remote-code", action="store_true")
@@ -67,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--ctx", type=int, default=512, help="tokens per sequence (default 512)")
     a.add_argument("--chat-template", action="store_true", help="wrap the text in the model's chat template")
     a.add_argument("--fisher-sequences", type=int, default=8, help="sequences with a backward pass (default 8)")
-    a.add_argument("--formats", help="comma-separated candidate formats (default: all GGUF candidates)")
+    a.add_argument("--formats", help="comma-separated candidate formats; 'gguf' and 'safetensors' stand for each "
+                                     "target's candidates (default: gguf)")
     a.add_argument("--sensitivity", metavar="FORMATS", help="also measure end-to-end KLD per block group in these formats")
     a.add_argument("--validate", metavar="PRESETS", help="check dynamic plans at these presets' sizes (e.g. Q4_K_M,Q2_K)")
     a.add_argument("--no-super-weights", action="store_true")
@@ -93,8 +98,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--plan", help="also show this plan.json as a heat map")
     r.add_argument("-o", "--output", help="HTML file (default: report.html beside report.json)")
 
-    e = sub.add_parser("eval", help="KLD, perplexity and top-1 agreement of a quantized GGUF against its original")
-    e.add_argument("quantized")
+    e = sub.add_parser("eval", help="KLD, perplexity and top-1 agreement of a quantized GGUF (or safetensors folder) "
+                                    "against its original")
+    e.add_argument("quantized", help="GGUF file or safetensors checkpoint folder")
     e.add_argument("--reference", help="original model (default: the dynaquant.source recorded in the file)")
     e.add_argument("--text", help="evaluation text file (default: stdlib docstrings)")
     e.add_argument("--ctx", type=int, default=512)
@@ -123,7 +129,7 @@ def _quantize(a, bare: bool) -> int:
                    calibration=a.calibration, calibration_chunks=a.calibration_chunks, n_ctx=a.ctx,
                    use_imatrix=not a.no_imatrix, evaluate=evaluate, eval_text=a.text, eval_chunks=a.chunks,
                    allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code, device=a.device,
-                   progress=not a.json, gptq=a.gptq, gptq_damp=a.gptq_damp)
+                   progress=not a.json, gptq=a.gptq, gptq_damp=a.gptq_damp, target=a.target)
     if a.save_plan:
         from pathlib import Path
 
@@ -154,7 +160,11 @@ def _analyze(a) -> int:
     from .analysis.calibration import CalibrationSpec
 
     spec = CalibrationSpec(tuple(a.calibration), a.sequences, a.ctx, a.chat_template)
-    kw = {"candidates": _names(a.formats)} if a.formats else {}
+    kw = {}
+    if a.formats:
+        from .analyze_pipeline import expand_formats
+
+        kw["candidates"] = expand_formats(a.formats)
     res = analyze(a.model, a.output, calibration=spec, fisher_sequences=a.fisher_sequences,
                   super_weights=not a.no_super_weights, sensitivity_formats=_names(a.sensitivity),
                   validate_presets=_names(a.validate),

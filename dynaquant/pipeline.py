@@ -202,8 +202,8 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
              n_ctx: int = 512, use_imatrix: bool = True, default_rules_on: bool = True, evaluate: bool = False,
              eval_text: str | os.PathLike | None = None, eval_chunks: int = 16, allow_pickle: bool = False,
              trust_remote_code: bool = False, device: str | None = None, progress: bool = True,
-             gptq: bool = False, gptq_damp: float = 0.01) -> QuantizeResult:
-    """Quantize a model to a mixed-precision GGUF file.
+             gptq: bool = False, gptq_damp: float = 0.01, target: str = "gguf") -> QuantizeResult:
+    """Quantize a model to a mixed-precision GGUF file (or, ``target="safetensors"``, a safetensors checkpoint).
 
     Targets (at most one): ``preset`` (a llama.cpp mix, tensor by tensor as llama-quantize decides),
     ``bpw`` or ``size`` (a dynamic plan: every tensor's format chosen to minimise the KL divergence
@@ -227,6 +227,9 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
             each layer's input second moments from the calibration text (damping ``gptq_damp``); for each
             tensor the rounding (GPTQ or plain) with the lower layer-output error on two held-out
             calibration sequences is written. The GGUF layout is unchanged.
+        target: ``gguf``, or ``safetensors``: a compressed-tensors checkpoint folder in the runtime formats,
+            planned by ``bpw`` / ``size`` / ``plan`` (no presets), run by ``dynaquant.load``
+            (:func:`dynaquant.safetensors_pipeline.quantize_safetensors`).
     Returns:
         QuantizeResult (``gptq`` says per format how many tensors took GPTQ and the mean error ratio).
     Raises:
@@ -234,6 +237,19 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         planner.BudgetError: the target is below what the fixed rules need.
         ValueError: bad rules, plan, report, imatrix or options (messages name the culprit).
     """
+    if target == "safetensors":
+        if preset is not None:
+            raise ValueError("presets are llama.cpp mixes; for the safetensors target give bpw, size or plan")
+        from .safetensors_pipeline import quantize_safetensors
+
+        return quantize_safetensors(
+            model, output=output, bpw=bpw, size=size, rules=rules, plan=plan, report=report, imatrix=imatrix,
+            calibration=calibration, calibration_chunks=calibration_chunks, n_ctx=n_ctx, use_imatrix=use_imatrix,
+            default_rules_on=default_rules_on, evaluate=evaluate, eval_text=eval_text, eval_chunks=eval_chunks,
+            allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, device=device, progress=progress,
+            gptq=gptq, gptq_damp=gptq_damp)
+    if target != "gguf":
+        raise ValueError(f"unknown target {target!r} (known: gguf, safetensors)")
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     if sum(x is not None for x in (preset, bpw, size, plan)) > 1:
@@ -446,13 +462,13 @@ def source_of(path: str | os.PathLike) -> str | None:
 def evaluate(quantized: str | os.PathLike, reference: str | os.PathLike | None = None, *,
              text: str | os.PathLike | None = None, n_ctx: int = 512, chunks: int | None = 16,
              device: str | None = None, progress: bool = True) -> EvalResult:
-    """Mean KLD, perplexity and top-1 agreement of a quantized GGUF against its original.
+    """Mean KLD, perplexity and top-1 agreement of a quantized GGUF (or safetensors checkpoint) against its original.
 
     Computed in PyTorch on the decoded weights, scoring tokens as ``llama-perplexity
     --kl-divergence`` does (see ``analysis.evaluate``).
 
     Args:
-        quantized: a GGUF file.
+        quantized: a GGUF file, or a safetensors checkpoint folder (run by ``dynaquant.load``, float32).
         reference: the original model (default: the ``dynaquant.source`` recorded in the file).
         text: evaluation text file (default: stdlib docstrings, disjoint from the calibration default).
         n_ctx: tokens per chunk; chunks: at most this many chunks (None: all).
@@ -460,6 +476,18 @@ def evaluate(quantized: str | os.PathLike, reference: str | os.PathLike | None =
         ValueError: no reference given and none recorded in the file.
     """
     device = device or default_device()
+    from .runtime import is_runtime_checkpoint
+
+    if is_runtime_checkpoint(quantized):
+        from .runtime import load
+        from .safetensors_pipeline import source_of_checkpoint
+
+        ref = reference if reference is not None else source_of_checkpoint(quantized)
+        if ref is None:
+            raise ValueError(f"{quantized}: no dynaquant source recorded; pass --reference")
+        rsrc = resolve_source(ref)
+        return _evaluate_models(load_model(rsrc, device=device), load(quantized, device=device, dtype=torch.float32),
+                                load_tokenizer(rsrc), text, n_ctx, chunks, progress)
     qsrc = resolve_source(quantized)
     ref = reference if reference is not None else source_of(qsrc.path)
     if ref is None:

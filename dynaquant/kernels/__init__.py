@@ -1,1 +1,21 @@
-"""kernels"""
+"""dynaquant.kernels: Triton dequant-matmul kernels for the safetensors runtime formats.
+
+Public API (importing this package does not import Triton):
+    KernelFormat.parse(name) -> KernelFormat           the format as the kernels see it
+    pack(codes, scales, zeros, fmt, *, global_scale=None, super_weights=None) -> PackedWeight
+    linear(x, packed, bias=None, *, config=None) -> y  y = x @ dequant(W).T + bias (Triton on CUDA)
+    dequantize(packed, dtype=torch.bfloat16) -> W      (N, K)
+    dequantize_ref(codes, scales, zeros, fmt, *, global_scale=None) -> (N, K) float32
+    linear_ref(x, packed, bias=None) -> y              torch reference of ``linear``
+    choose_config(fmt, m, n, k, device_info(device)) -> LaunchConfig   cached launch tuning
+"""
+
+from .formats import KernelFormat
+from .ops import dequantize, linear, uses_triton
+from .packing import PackedWeight, pack, unpack
+from .reference import dequantize_packed_ref, dequantize_ref, e2m1_to_float, e8m0_to_float, linear_ref
+from .tuning import DeviceInfo, LaunchConfig, choose_config, device_info, valid_config
+
+__all__ = ["KernelFormat", "PackedWeight", "LaunchConfig", "DeviceInfo", "pack", "unpack", "linear", "dequantize",
+           "uses_triton", "dequantize_ref", "dequantize_packed_ref", "linear_ref", "e2m1_to_float", "e8m0_to_float",
+           "choose_config", "device_info", "valid_config"]

@@ -5,6 +5,28 @@ consecutive values along a row (the K axis), each block taking ``type_size`` byt
 Bits per weight are derived from the row (``bpw = 8 * type_size / block_size``), never
 typed twice. GGUF rows follow llama.cpp's ``ggml-common.h`` and gguf-py's
 ``GGML_QUANT_SIZES``; the table is checked against the latter in the tests.
+
+Each row also names the target file it is written to (``target``): ``gguf`` rows only go
+to GGUF files, ``safetensors`` rows (the runtime formats of :mod:`dynaquant.quant.runtime`,
+stored as compressed-tensors stores them) only to safetensors checkpoints, and the plain
+float rows to either. Runtime rows give their code, scale and zero-point bits per block
+(``bits``, ``scale_bits``, ``zero_bits``) and take their bits per weight from those (the
+file packs codes densely, so a block need not be a whole number of bytes); their
+``type_size`` is the size of the reference codec's byte record of a block
+(:meth:`Format.record_bytes`), not of the file layout.
+
+Runtime rows (group size ``g`` in 32, 64, 128; a row that ``g`` does not divide falls back to
+the next smaller group, then to BF16):
+
+- ``INT{b}_G{g}``, b in 2, 3, 4, 8: symmetric, ``w = scale * code``, signed codes
+  ``-2**(b-1) .. 2**(b-1)-1``, one fp16 scale per group (bpw ``b + 16 / g``);
+- ``INT{b}_G{g}_ASYM``: ``w = scale * (code - zero)``, unsigned codes and an integer zero
+  point ``0 .. 2**b - 1`` per group, stored with ``b`` bits (bpw ``b + (16 + b) / g``);
+- ``MXFP4_G32``: OCP Microscaling MXFP4, E2M1 elements and one E8M0 scale per 32 (4.25 bpw);
+  the same values as GGUF's ``MXFP4`` row in compressed-tensors' byte order;
+- ``NVFP4_G16``: NVFP4 as compressed-tensors and NVIDIA define it, E2M1 elements, one E4M3
+  scale per 16 and one float32 global scale per tensor (4.5 bpw, the global scale not
+  counted); not GGUF's NVFP4 (GGML type 40).
 """
 
 from __future__ import annotations
@@ -28,7 +50,12 @@ class Format:
         ggml_type: the GGML type id written in GGUF files, or None for non-GGUF formats.
         fallback: the format llama.cpp uses when a row's length is not a multiple of
             ``block_size`` (``tensor_type_fallback`` in ``llama-quant.cpp``: Q2_K/Q3_K -> Q4_0,
-            Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, 32-element types -> F16).
+            Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, 32-element types -> F16); runtime
+            rows fall back to the next smaller group size, then BF16.
+        target: ``gguf``, ``safetensors`` (runtime formats: ``kind`` ``int`` or ``fp4``) or
+            ``any`` (plain floats).
+        bits, scale_bits, zero_bits: runtime rows only: bits per code, per group scale and per
+            group zero point (0 when symmetric) in the safetensors file.
     """
 
     name: str
@@ -37,18 +64,45 @@ class Format:
     kind: str
     ggml_type: GGMLQuantizationType | None
     fallback: str | None = None
+    target: str = "gguf"
+    bits: int = 0
+    scale_bits: int = 0
+    zero_bits: int = 0
+
+    @property
+    def block_bits(self) -> int:
+        """Bits one block takes in its target file (codes, scales and zero points)."""
+        if self.target == "safetensors":
+            return self.block_size * self.bits + self.scale_bits + self.zero_bits
+        return 8 * self.type_size
 
     @property
     def bpw(self) -> float:
         """Bits per weight, scale overhead included."""
-        return 8.0 * self.type_size / self.block_size
+        return self.block_bits / self.block_size
+
+    def allowed_in(self, target: str) -> bool:
+        """Whether the format can be written to a ``target`` (``gguf`` / ``safetensors``) file."""
+        return self.target in (target, "any")
 
     def fits(self, row_size: int) -> bool:
         """Whether a row of ``row_size`` weights is a whole number of blocks."""
         return row_size % self.block_size == 0
 
     def row_bytes(self, row_size: int) -> int:
-        """Bytes taken by one row of ``row_size`` weights.
+        """Bytes taken by one row of ``row_size`` weights in the target file (runtime rows:
+        the row's bits rounded up to whole bytes).
+
+        Raises:
+            ValueError: the row is not a whole number of blocks.
+        """
+        if not self.fits(row_size):
+            raise ValueError(f"{self.name}: row of {row_size} is not a multiple of block size {self.block_size}")
+        return -(-row_size // self.block_size * self.block_bits // 8)
+
+    def record_bytes(self, row_size: int) -> int:
+        """Bytes of one row in the codecs' byte layout (``quantize`` / ``dequantize``): whole
+        ``type_size`` records; equal to :meth:`row_bytes` for GGUF and float rows.
 
         Raises:
             ValueError: the row is not a whole number of blocks.
@@ -63,9 +117,9 @@ _T = GGMLQuantizationType
 FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
-        Format("F32", 1, 4, "float", _T.F32),
-        Format("F16", 1, 2, "float", _T.F16),
-        Format("BF16", 1, 2, "float", _T.BF16),
+        Format("F32", 1, 4, "float", _T.F32, target="any"),
+        Format("F16", 1, 2, "float", _T.F16, target="any"),
+        Format("BF16", 1, 2, "float", _T.BF16, target="any"),
         Format("Q8_0", 32, 34, "legacy", _T.Q8_0, "F16"),
         Format("Q5_1", 32, 24, "legacy", _T.Q5_1, "F16"),
         Format("Q5_0", 32, 22, "legacy", _T.Q5_0, "F16"),
@@ -78,8 +132,29 @@ FORMATS: dict[str, Format] = {
         Format("Q4_K", 256, 144, "kquant", _T.Q4_K, "Q5_0"),
         Format("Q3_K", 256, 110, "kquant", _T.Q3_K, "Q4_0"),
         Format("Q2_K", 256, 84, "kquant", _T.Q2_K, "Q4_0"),
+        *(
+            Format(f"INT{b}_G{g}{sfx}", g, g + 2 + (sfx != ""), "int", None,
+                   f"INT{b}_G{g // 2}{sfx}" if g > 32 else "BF16", "safetensors", b, 16, b if sfx else 0)
+            for b in (2, 3, 4, 8) for g in (128, 64, 32) for sfx in ("", "_ASYM")
+        ),
+        Format("MXFP4_G32", 32, 17, "fp4", None, "BF16", "safetensors", 4, 8),
+        Format("NVFP4_G16", 16, 13, "fp4", None, "BF16", "safetensors", 4, 8),
     )
 }
+
+# The runtime formats (safetensors target), in table order.
+RUNTIME_FORMATS: tuple[str, ...] = tuple(n for n, f in FORMATS.items() if f.target == "safetensors")
+
+
+def formats_for(target: str) -> list[str]:
+    """Names of the formats a ``target`` file can hold (``gguf`` or ``safetensors``), table order.
+
+    Raises:
+        ValueError: an unknown target.
+    """
+    if target not in ("gguf", "safetensors"):
+        raise ValueError(f"unknown target {target!r} (known: gguf, safetensors)")
+    return [n for n, f in FORMATS.items() if f.allowed_in(target)]
 
 
 def get_format(name: str) -> Format:

@@ -139,7 +139,7 @@ def gptq_round(
         raise ValueError(f"GPTQ takes a 2-D weight, got shape {tuple(weight.shape)}")
     n, k = weight.shape
     bs, ts = fmt.block_size, fmt.type_size
-    row_bytes = fmt.row_bytes(k)  # raises ValueError when K is not a multiple of the block size
+    row_bytes = fmt.record_bytes(k)  # raises ValueError when K is not a multiple of the block size
     if hessian.shape != (k, k):
         raise ValueError(f"hessian has shape {tuple(hessian.shape)}, expected ({k}, {k})")
     if damp < 0 or block_columns < 1:

@@ -1,9 +1,11 @@
 """Plans: which format every tensor of a target file gets, and why.
 
-A plan is made for one target (``gguf`` here; ``safetensors`` later) and maps every tensor,
-by the target file's tensor names (llama.cpp's names for GGUF, as
-``llama-quantize --tensor-type`` matches them), to a format, with the reason: the preset
-rule, the user rule, the allocation step or the block-size fallback that chose it.
+A plan is made for one target (``gguf`` or ``safetensors``) and maps every tensor, by
+llama.cpp's tensor names (as ``llama-quantize --tensor-type`` matches them, on both targets so
+that rules and analysis reports apply to either; ``hf_name`` is the Hugging Face name, the
+safetensors file's), to a format allowed in that target's files (``Format.allowed_in``), with
+the reason: the preset rule, the user rule, the allocation step or the block-size fallback
+that chose it.
 Plans convert to and from JSON-ready dicts (human-editable) and are validated on load.
 """
 
@@ -14,6 +16,8 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from .formats import FORMATS, get_format
+
+TARGETS = ("gguf", "safetensors")
 
 PLAN_VERSION = 1
 
@@ -86,7 +90,7 @@ class Plan:
     """A whole plan.
 
     Attributes:
-        target: ``"gguf"``.
+        target: ``"gguf"`` or ``"safetensors"``.
         model: the source model id.
         entries: one per tensor of the target file, in file order.
         method: how it was made (``"preset Q4_K_M"``, ``"allocation bpw<=4.5"``, ``"file"``).
@@ -157,16 +161,17 @@ class Plan:
         """Build and validate a plan from its dict.
 
         Raises:
-            ValueError: a missing field, an unknown format name, or a format whose block
-                size does not divide the tensor's rows; the message names ``source`` and the tensor.
+            ValueError: a missing field, an unknown target or format name, a format not allowed in the
+                target's files, or a format whose block size does not divide the tensor's rows; the
+                message names ``source`` and the tensor.
         """
         try:
             target = d["target"]
             tensors = d["tensors"]
         except (KeyError, TypeError) as exc:
             raise ValueError(f"{source}: not a plan (missing {exc})") from exc
-        if target != "gguf":
-            raise ValueError(f"{source}: unknown target {target!r} (known: gguf)")
+        if target not in TARGETS:
+            raise ValueError(f"{source}: unknown target {target!r} (known: {', '.join(TARGETS)})")
         entries = []
         for i, t in enumerate(tensors):
             try:
@@ -177,6 +182,8 @@ class Plan:
             if fmt.upper() not in FORMATS:
                 raise ValueError(f"{source}: tensor {name}: unknown format {fmt!r}; known: {', '.join(FORMATS)}")
             f = get_format(fmt)
+            if not f.allowed_in(target):
+                raise ValueError(f"{source}: tensor {name}: {f.name} is a {f.target} format, not allowed in a {target} plan")
             if not f.fits(shape[-1]):
                 raise ValueError(f"{source}: tensor {name}: {f.name} needs rows that are a multiple of "
                                  f"{f.block_size}, the tensor's rows have {shape[-1]}")

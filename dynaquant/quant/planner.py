@@ -8,6 +8,13 @@ Order of decisions for each quantizable tensor (as ``llama-quantize`` does):
 3. block-size fallback (``formats.resolve_for_row``), recorded in the reason.
 Norms, biases and other 1-D tensors are stored as F32.
 
+Plans for the ``safetensors`` target choose among the runtime formats (``RUNTIME_CANDIDATES``);
+presets do not apply (they are llama.cpp mixes), so a budget is required. The token embedding and
+tensors that are not 2-D stay BF16 there (compressed-tensors and vLLM quantize linear layers), and
+the allocator gives the tensors vLLM fuses (``tie_groups``: a block's q/k/v, its gate/up) one format
+together, so the checkpoint loads in vLLM. Bound rules (``>=`` / ``<=``) compare bits per weight,
+so GGUF-named bounds (``attn_v>=Q8_0``: at least 8.5 bpw) apply on both targets.
+
 The allocator (after exllamav3's ``optimize_model``): every free tensor starts at its
 cheapest candidate format; the upgrade with the largest predicted error reduction per
 extra byte is taken until the budget is spent; ties broken by tensor name. The predicted
@@ -27,7 +34,7 @@ from functools import cache
 
 import torch
 
-from .formats import FORMATS, get_format, resolve_for_row
+from .formats import FORMATS, RUNTIME_FORMATS, get_format, resolve_for_row
 from .plan import Plan, PlanEntry, TensorInfo
 from .presets import ModelInfo, preset_format
 
@@ -35,6 +42,8 @@ ErrorFn = Callable[[TensorInfo, str], float]
 
 # Formats the allocator may choose for GGUF tensors (those that llama.cpp runs on every backend).
 GGUF_CANDIDATES = ("Q2_K", "Q3_K", "MXFP4", "Q4_0", "IQ4_NL", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+# Formats the allocator may choose for safetensors tensors: every runtime format, cheapest first.
+RUNTIME_CANDIDATES = tuple(sorted(RUNTIME_FORMATS, key=lambda f: (get_format(f).bpw, f)))
 
 
 @dataclass(frozen=True)
@@ -148,14 +157,17 @@ def _entry(t: TensorInfo, requested: str, reason: str) -> PlanEntry:
     return PlanEntry(t.name, t.hf_name, tuple(t.shape), fmt.name, requested, f"{reason}; fallback {fb}" if fb else reason)
 
 
-def _candidates(t: TensorInfo, names: Sequence[str], error_fn: ErrorFn) -> list[tuple[int, float, str]]:
+def _candidates(ts: Sequence[TensorInfo], names: Sequence[str], error_fn: ErrorFn) -> list[tuple[int, float, str]]:
     """(bytes, error, format) on the lower convex hull of the formats that fit the rows, cheapest first.
+
+    ``ts`` is one tensor, or the tensors of a tie group (one format for all: bytes and errors summed).
 
     Dominated formats (no cheaper and no better) and formats whose error is not finite are removed;
     so are those below the hull, so the error reduction per extra byte decreases along the list
     (what makes the greedy allocation optimal for the convexified problem).
     """
-    opts = sorted({(_bytes(t, f), error_fn(t, f), f) for f in names if get_format(f).fits(t.row_size)})
+    opts = sorted({(sum(_bytes(t, f) for t in ts), sum(error_fn(t, f) for t in ts), f) for f in names
+                   if all(get_format(f).fits(t.row_size) for t in ts)})
     hull: list[tuple[int, float, str]] = []
     for b, e, f in opts:
         if not math.isfinite(e) or (hull and e >= hull[-1][1]):
@@ -171,23 +183,37 @@ def _candidates(t: TensorInfo, names: Sequence[str], error_fn: ErrorFn) -> list[
     return hull
 
 
-def _bounded(names: Sequence[str], rule: Rule | None, row: int) -> list[str]:
+def _bounded(names: Sequence[str], rule: Rule | None, row: int, target: str = "gguf") -> list[str]:
     """Candidates allowed by a bound rule (``>=`` / ``<=`` on bits per weight)."""
     if rule is None or rule.op == "=":
         return list(names)
     bound = get_format(rule.format).bpw
     if rule.op == ">=":
         out = [f for f in names if get_format(f).bpw >= bound - 1e-9]
-        return out or [resolve_for_row(rule.format, row)[0].name]
+        if out:
+            return out
+        fmt = resolve_for_row(rule.format, row)[0]
+        if fmt.allowed_in(target):
+            return [fmt.name]
+        fits = [f for f in names if get_format(f).fits(row)]  # the rule's format is another target's: the best there is
+        return [max(fits, key=lambda f: (get_format(f).bpw, f))] if fits else []
     return [f for f in names if get_format(f).bpw <= bound + 1e-9]
+
+
+def tie_groups(t: TensorInfo) -> str | None:
+    """The vLLM fused-module group of a tensor (``blk.3.attn_qkv``, ``blk.3.ffn_gate_up``), or None."""
+    m = re.match(r"^(blk\.\d+\.)(attn_q|attn_k|attn_v|ffn_gate|ffn_up)\.weight$", t.name)
+    if m is None:
+        return None
+    return m.group(1) + ("attn_qkv" if m.group(2).startswith("attn") else "ffn_gate_up")
 
 
 def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "", *, preset: str | None = None,
               rules: Sequence[Rule | str] = (), bpw: float | None = None, size_bytes: int | None = None,
               overhead_bytes: int = 0, error_fn: ErrorFn | None = None,
-              candidates: Sequence[str] = GGUF_CANDIDATES, defaults: Sequence[Rule] = (),
-              error_source: str = "prior error") -> Plan:
-    """Plan every tensor of a GGUF target.
+              candidates: Sequence[str] | None = None, defaults: Sequence[Rule] = (),
+              error_source: str = "prior error", target: str = "gguf") -> Plan:
+    """Plan every tensor of a GGUF (or safetensors) target.
 
     Args:
         tensors: the target file's tensors, in file order.
@@ -200,13 +226,16 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
             the metadata and alignment the file adds to the tensor data.
         error_fn: predicted error of a tensor in a format (default: ``prior_error``); the
             allocator minimises its sum. ``error_source`` names it in the reasons.
-        candidates: formats the allocator may choose.
+        candidates: formats the allocator may choose (default: ``GGUF_CANDIDATES``, or
+            ``RUNTIME_CANDIDATES`` for the safetensors target).
         defaults: rules applied after the user's (``default_rules``); for each tensor the first
             matching rule of all (user rules first) decides.
+        target: ``gguf`` or ``safetensors`` (module docstring: no presets, a budget required).
     Returns:
         The plan; with a budget, its tensor data fits ``bpw`` or ``size_bytes - overhead_bytes``.
     Raises:
-        ValueError: both or neither of preset/budget given, or a bad rule.
+        ValueError: both or neither of preset/budget given (a preset for safetensors), a bad rule,
+            or a candidate or ``=`` rule format not allowed in the target's files.
         BudgetError: the fixed choices (rules, unquantized tensors, cheapest candidates) exceed the budget.
     """
     if bpw is not None and size_bytes is not None:
@@ -214,9 +243,21 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
     budgeted = bpw is not None or size_bytes is not None
     if budgeted and preset is not None:
         raise ValueError("give a preset or a budget (bpw / size_bytes), not both")
+    st = target == "safetensors"
+    if target not in ("gguf", "safetensors"):
+        raise ValueError(f"unknown target {target!r} (known: gguf, safetensors)")
+    if st and not budgeted:
+        raise ValueError("presets are llama.cpp mixes: a safetensors plan needs a budget (bpw or size_bytes)")
     if not budgeted and preset is None:
         preset = "Q4_K_M"
+    candidates = list(candidates if candidates is not None else (RUNTIME_CANDIDATES if st else GGUF_CANDIDATES))
+    for f in candidates:
+        if not get_format(f).allowed_in(target):
+            raise ValueError(f"candidate {f} is a {get_format(f).target} format, not allowed in a {target} plan")
     parsed = [r if isinstance(r, Rule) else Rule.parse(r) for r in rules]
+    for r in parsed:
+        if r.op == "=" and not get_format(r.format).allowed_in(target):
+            raise ValueError(f"rule {r}: {r.format} is a {get_format(r.format).target} format, not allowed in a {target} plan")
     all_rules = parsed + list(defaults)
     entries: dict[str, PlanEntry] = {}
     free: list[tuple[TensorInfo, Rule | None, str]] = []
@@ -224,9 +265,13 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
         if not t.quantizable:
             entries[t.name] = PlanEntry(t.name, t.hf_name, tuple(t.shape), "F32", "F32", "not quantized (norm, bias or 1-D)")
             continue
+        if st and (t.name.startswith("token_embd.") or len(t.shape) != 2):
+            entries[t.name] = PlanEntry(t.name, t.hf_name, tuple(t.shape), "BF16", "BF16",
+                                        "kept BF16: the safetensors runtime quantizes 2-D linear weights only")
+            continue
         hit = next((r for r in all_rules if r.matches(t.name)), None)
         label = "" if hit is None else (f"rule {parsed.index(hit) + 1}: {hit}" if hit in parsed else f"{hit.origin} ({hit})")
-        if hit is not None and hit.op == "=":
+        if hit is not None and hit.op == "=" and get_format(hit.format).allowed_in(target):
             entries[t.name] = _entry(t, hit.format, label)
         elif preset is not None:
             fmt, why = preset_format(preset, t, model)
@@ -245,24 +290,47 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
         else:
             limit, budget, method = size_bytes - overhead_bytes, {"size_bytes": size_bytes}, f"allocation size<={size_bytes}"
         _allocate(free, entries, limit, error_fn or prior_error(model), candidates, overhead_bytes, total, bpw, error_source,
-                  predicted=error_fn is not None)
+                  predicted=error_fn is not None, target=target, tie=tie_groups if st else None)
     ordered = [entries[t.name] for t in tensors]
     if error_fn is not None:  # measured errors: every quantized entry records its prediction
         for t, e in zip(tensors, ordered):
             if t.quantizable and e.kld_pred is None:
                 v = error_fn(t, e.format)
                 e.kld_pred = v if math.isfinite(v) else None
-    return Plan("gguf", model_id, ordered, method, [str(r) for r in parsed], budget)
+    return Plan(target, model_id, ordered, method, [str(r) for r in parsed], budget)
 
 
-def _allocate(free, entries, limit, error_fn, candidates, overhead, total, bpw, error_source, predicted) -> None:
+def _units(free, candidates, error_fn, target, tie) -> dict[str, tuple[list, list[tuple[int, float, str]]]]:
+    """Allocation units: unit name -> (members [(tensor, rule, label)], hull options). A unit is one
+    tensor, or a tie group whose members share at least one allowed format (else its members alone)."""
+    groups: dict[str, list] = {}
+    for item in free:
+        key = tie(item[0]) if tie is not None else None
+        groups.setdefault(key if key is not None else item[0].name, []).append(item)
+    units: dict[str, tuple[list, list]] = {}
+    for members in groups.values():
+        allowed = [set(_bounded(candidates, rule, t.row_size, target)) for t, rule, _ in members]
+        names = [f for f in candidates if all(f in a for a in allowed)]
+        opts = _candidates([t for t, _, _ in members], names, error_fn) if len(members) > 1 else []
+        if len(members) > 1 and opts:
+            units[members[0][0].name] = (members, opts)
+            continue
+        for t, rule, label in members:
+            units[t.name] = ([(t, rule, label)], _candidates([t], _bounded(candidates, rule, t.row_size, target), error_fn))
+    return units
+
+
+def _allocate(free, entries, limit, error_fn, candidates, overhead, total, bpw, error_source, predicted,
+              target="gguf", tie=None) -> None:
     fixed = sum(e.size_bytes for e in entries.values())
-    options = {t.name: _candidates(t, _bounded(candidates, rule, t.row_size), error_fn) for t, rule, _ in free}
-    for t, _, _ in free:
-        if not options[t.name]:
+    units = _units(free, candidates, error_fn, target, tie)
+    options = {u: opts for u, (_, opts) in units.items()}
+    for members, opts in units.values():
+        if not opts:
+            t = members[0][0]
             raise ValueError(f"tensor {t.name}: no candidate format fits rows of {t.row_size}")
-    level = {t.name: 0 for t, _, _ in free}
-    used = fixed + sum(options[t.name][0][0] for t, _, _ in free)
+    level = {u: 0 for u in units}
+    used = fixed + sum(opts[0][0] for opts in options.values())
     if used > limit:
         unit = f"{8 * used / total:.4f} bpw" if bpw is not None else f"{used + overhead} bytes"
         raise BudgetError(f"the target is too small: the fixed rules and the cheapest formats need at least {unit} "
@@ -276,8 +344,8 @@ def _allocate(free, entries, limit, error_fn, candidates, overhead, total, bpw, 
             heapq.heappush(heap, (-de / db, name, i))
 
     heap: list = []
-    for t, _, _ in free:
-        push(heap, t.name)
+    for u in units:
+        push(heap, u)
     while heap:
         _, name, i = heapq.heappop(heap)
         if level[name] != i:
@@ -289,13 +357,15 @@ def _allocate(free, entries, limit, error_fn, candidates, overhead, total, bpw, 
         used += db
         level[name] = i + 1
         push(heap, name)
-    for t, rule, label in free:
-        opts = options[t.name]
-        b, e, fmt = opts[level[t.name]]
-        bound = f"; {label}" if rule is not None else ""
-        entry = _entry(t, fmt, f"allocation: {level[t.name]} upgrade(s) from {opts[0][2]} by {error_source}{bound}")
-        entry.kld_pred = e if predicted else None
-        entries[t.name] = entry
+    for u, (members, opts) in units.items():
+        b, e, fmt = opts[level[u]]
+        for t, rule, label in members:
+            others = [m.name for m, _, _ in members if m.name != t.name]
+            tied = f" (tied with {', '.join(others)})" if others else ""
+            bound = f"; {label}" if rule is not None else ""
+            entry = _entry(t, fmt, f"allocation: {level[u]} upgrade(s) from {opts[0][2]} by {error_source}{tied}{bound}")
+            entry.kld_pred = error_fn(t, fmt) if predicted else None
+            entries[t.name] = entry
 
 
 def error_fn_from_report(report: dict, use_sensitivity: bool = True) -> ErrorFn:

@@ -138,7 +138,8 @@ def quantize(weight: torch.Tensor, fmt: str | Format, imatrix: torch.Tensor | No
             encoder minimises the importance-weighted squared error.
     Returns:
         (..., K // block_size * type_size) uint8 tensor on the weight's device, the GGUF
-        byte layout (as ``gguf.quants.quantize`` returns it).
+        byte layout (as ``gguf.quants.quantize`` returns it); for the runtime formats the
+        reference codec's block records (see :mod:`dynaquant.quant.runtime`).
     Raises:
         ValueError: K is not a multiple of the block size, or the imatrix does not fit.
     """
@@ -146,7 +147,7 @@ def quantize(weight: torch.Tensor, fmt: str | Format, imatrix: torch.Tensor | No
     codec = get_codec(fmt.name)
     shape = weight.shape
     k = shape[-1]
-    row_bytes = fmt.row_bytes(k)
+    row_bytes = fmt.record_bytes(k)  # the codecs' records (= the GGUF row for GGUF formats)
     x = weight.reshape(-1, k).to(torch.float32)
     rows = x.shape[0]
     out = torch.empty(rows, row_bytes, dtype=torch.uint8, device=x.device)

@@ -1,0 +1,283 @@
+"""Safetensors export of a plan, in compressed-tensors' checkpoint layout.
+
+The output is a Hugging Face checkpoint folder: ``config.json`` with a ``quantization_config``
+as compressed-tensors 0.20 writes it (``quant_method: compressed-tensors``, ``format``
+``pack-quantized`` / ``mxfp4-pack-quantized`` / ``nvfp4-pack-quantized`` or ``mixed-precision``,
+``quantization_status: compressed``, one ``config_groups`` entry per runtime format named after it,
+with ``re:`` regex ``targets`` naming its modules, and ``ignore`` listing the linear layers left
+unquantized), the weights in safetensors shards (``model.safetensors``, or
+``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``), each quantized module's
+tensors under compressed-tensors' names (``weight_packed``, ``weight_scale``, ``weight_zero_point``,
+``weight_global_scale``, ``weight_shape``: :func:`dynaquant.quant.runtime.to_compressed_tensors`) and
+every other tensor as planned (F32 / F16 / BF16). Transformers (with the ``compressed-tensors``
+package) and vLLM read it as any compressed-tensors checkpoint.
+
+dynaquant's extension of that config, ``quantization_config["dynaquant"]`` (compressed-tensors
+ignores unknown keys there)::
+
+    {"version": 1,                      # of this extension
+     "dynaquant_version": "0.1.0", "source": "<model id>", "plan_method": "allocation bpw<=4.5",
+     "formats": {"model.layers.0.self_attn.q_proj": "INT4_G64", ...},   # every quantized module
+     "super_weights": {"model.layers.2.mlp.down_proj": [[row, col, value], ...], ...}}
+
+``super_weights`` are weights kept exactly (torch ``(out, in)`` indices, float32 values written
+over the decoded weight); loaders that ignore the extension (transformers' compressed-tensors
+path, vLLM) use the quantized value there instead. Everything is written into a temporary folder
+beside the output, which replaces the output only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..quant.formats import get_format
+from ..quant.plan import Plan, PlanEntry, TensorInfo
+from ..quant.runtime import RuntimeWeight, compressed_tensors_scheme, to_compressed_tensors
+
+log = logging.getLogger(__name__)
+
+EXTENSION_VERSION = 1
+COMPRESSED_TENSORS_VERSION = "0.20.0"  # the layout followed
+DEFAULT_SHARD_BYTES = 2 * 10**9
+_FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_HEADER_BYTES_PER_TENSOR = 160  # safetensors JSON header entry, upper bound beyond the name
+
+
+@dataclass
+class SafetensorsResult:
+    """What :func:`write_safetensors` wrote.
+
+    Attributes:
+        path: the checkpoint folder.
+        size_bytes: bytes of the safetensors shards (headers included; JSON side files excluded).
+        shards: shard file names, in order.
+        n_tensors: tensors written.
+    """
+
+    path: Path
+    size_bytes: int
+    shards: list[str]
+    n_tensors: int
+
+
+def module_regexes(modules: Iterable[str]) -> list[str]:
+    """Compact ``re:`` targets matching exactly these module names (``re.match``, anchored both ends).
+
+    Names that differ only in their first numeric component share one regex
+    (``re:^model\\.layers\\.(?:0|3)\\.mlp\\.down_proj$``).
+    """
+    by_shape: dict[tuple[str, str], list[str]] = {}
+    plain: list[str] = []
+    for m in modules:
+        hit = re.search(r"\.(\d+)\.", m)
+        if hit is None:
+            plain.append(m)
+            continue
+        key = (m[: hit.start() + 1], m[hit.end() - 1:])
+        by_shape.setdefault(key, []).append(hit.group(1))
+    out = [f"re:^{re.escape(m)}$" for m in plain]
+    for (head, tail), nums in by_shape.items():
+        alt = "|".join(sorted(set(nums), key=int))
+        out.append(f"re:^{re.escape(head)}(?:{alt}){re.escape(tail)}$")
+    return out
+
+
+def compressed_tensors_config(formats: Mapping[str, str], ignore: Iterable[str] = (), *,
+                              super_weights: Mapping[str, list] | None = None, extension: Mapping | None = None) -> dict | None:
+    """The ``quantization_config`` of a checkpoint (module docstring), or None when nothing is quantized.
+
+    Args:
+        formats: quantized module name (``model.layers.0.mlp.down_proj``) -> runtime format name.
+        ignore: linear modules left unquantized.
+        super_weights: module -> ``[[row, col, value], ...]`` kept exactly.
+        extension: more keys for the ``dynaquant`` extension (source, plan method, ...).
+    """
+    if not formats:
+        return None
+    groups: dict[str, list[str]] = {}
+    for module, fmt in formats.items():
+        groups.setdefault(get_format(fmt).name, []).append(module)
+    config_groups = {}
+    for fmt in sorted(groups):
+        scheme = compressed_tensors_scheme(fmt)
+        config_groups[fmt] = {"targets": module_regexes(groups[fmt]), **scheme}
+    ct_formats = {g["format"] for g in config_groups.values()}
+    from .. import __version__
+
+    ext = {"version": EXTENSION_VERSION, "dynaquant_version": __version__, **dict(extension or {}),
+           "formats": dict(formats), "super_weights": dict(super_weights or {})}
+    return {
+        "config_groups": config_groups,
+        "format": ct_formats.pop() if len(ct_formats) == 1 else "mixed-precision",
+        "global_compression_ratio": None,
+        "ignore": sorted(set(ignore)),
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": COMPRESSED_TENSORS_VERSION,
+        "dynaquant": ext,
+    }
+
+
+def unquantized_linears(model: torch.nn.Module, plan: Plan) -> list[str]:
+    """Names of ``model``'s linear layers that ``plan`` leaves in a float format (compressed-tensors' ``ignore``)."""
+    quantized = {e.hf_name.removesuffix(".weight") for e in plan.entries
+                 if e.hf_name and get_format(e.format).target == "safetensors"}
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in quantized]
+
+
+def safetensors_overhead_bytes(tensors: Iterable[TensorInfo]) -> int:
+    """Upper bound of what the shards add to a plan's tensor data (``Plan.size_bytes``) for any formats:
+    headers (five tensors per quantizable tensor), ``weight_shape``, global scales and the int32 words
+    of zero points packed along the output axis."""
+    total = 64
+    for t in tensors:
+        name_len = len(t.hf_name or t.name) + 24
+        if t.quantizable and len(t.shape) == 2:
+            total += 5 * (_HEADER_BYTES_PER_TENSOR + name_len) + 20 + 4 * (t.shape[-1] // 16)
+        else:
+            total += _HEADER_BYTES_PER_TENSOR + name_len
+    return total
+
+
+def _prepare_output(output: Path) -> None:
+    if output.exists():
+        if not output.is_dir():
+            raise ValueError(f"{output}: exists and is not a folder")
+        cfg = output / "config.json"
+        ours = cfg.is_file() and "dynaquant" in cfg.read_text(errors="replace")
+        if any(output.iterdir()) and not ours:
+            raise ValueError(f"{output}: a non-empty folder that is not a dynaquant checkpoint; not overwritten")
+
+
+def _publish(tmp: Path, output: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp and safetensors create owner-only files
+    for f in tmp.iterdir():
+        os.chmod(f, 0o666 & ~umask)
+    old = None
+    if output.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
+        os.replace(output, old / "x")
+    os.replace(tmp, output)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def write_safetensors(output: str | os.PathLike, plan: Plan, weights: Mapping[str, torch.Tensor],
+                      encode: Callable[[PlanEntry, torch.Tensor], RuntimeWeight], config: dict, *,
+                      ignore: Iterable[str] = (), super_weights: Mapping[str, list] | None = None,
+                      extension: Mapping | None = None, extra_files: Callable[[Path], None] | None = None,
+                      max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True) -> SafetensorsResult:
+    """Write a plan's checkpoint (module docstring), one tensor at a time.
+
+    Args:
+        output: the checkpoint folder (replaced if it is an earlier dynaquant checkpoint).
+        plan: a ``safetensors`` plan; entries are found in ``weights`` by ``hf_name``.
+        weights: HF parameter name -> tensor (a model's ``state_dict()``), torch orientation. Names not
+            in the plan are written as they are, except tied duplicates of a planned tensor.
+        encode: ``encode(entry, weight) -> RuntimeWeight`` for entries in a runtime format.
+        config: the model's ``config.json`` dict; ``quantization_config`` is set here.
+        ignore: linear modules left unquantized (compressed-tensors' ``ignore``).
+        super_weights: module -> ``[[row, col, value], ...]`` as stored in the extension.
+        extension: more keys for the ``dynaquant`` config extension.
+        extra_files: ``extra_files(folder)`` writes tokenizer / generation config files into the folder.
+        max_shard_bytes: a shard is closed once its data reaches this size.
+    Returns:
+        SafetensorsResult.
+    Raises:
+        ValueError: a non-safetensors plan, a planned tensor missing from ``weights`` or of another shape,
+            or an output that exists and is not a dynaquant checkpoint folder.
+    """
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    if plan.target != "safetensors":
+        raise ValueError(f"plan target is {plan.target!r}; write_safetensors takes a safetensors plan")
+    output = Path(output)
+    _prepare_output(output)
+    by_hf = {e.hf_name: e for e in plan.entries if e.hf_name}
+    missing = [e.name for e in plan.entries if not e.hf_name or e.hf_name not in weights]
+    if missing:
+        raise ValueError(f"plan tensors without a source weight: {', '.join(missing[:5])}")
+    planned_ptrs = {weights[h].data_ptr() for h in by_hf}
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+    try:
+        shards: list[list[str]] = []
+        weight_map: dict[str, int] = {}
+        part: dict[str, torch.Tensor] = {}
+        part_bytes = 0
+        formats: dict[str, str] = {}
+
+        def flush():
+            nonlocal part, part_bytes
+            if part:
+                save_file(part, str(tmp / f"part-{len(shards):05d}.safetensors"), metadata={"format": "pt"})
+                shards.append(list(part))
+                part, part_bytes = {}, 0
+
+        def add(name: str, t: torch.Tensor):
+            nonlocal part_bytes
+            part[name] = t.detach().to("cpu").contiguous()
+            weight_map[name] = len(shards)
+            part_bytes += part[name].numel() * part[name].element_size()
+
+        for name in tqdm(list(weights), desc="safetensors", disable=not progress, unit="tensor"):
+            w = weights[name]
+            entry = by_hf.get(name)
+            if entry is None:
+                if w.data_ptr() in planned_ptrs:
+                    continue  # a tied copy of a planned tensor (lm_head of a tied embedding)
+                log.info("%s: not in the plan, written as %s", name, w.dtype)
+                add(name, w)
+            elif tuple(w.shape) != tuple(entry.shape):
+                raise ValueError(f"{name}: shape {list(w.shape)} in the model, {list(entry.shape)} in the plan")
+            elif entry.format in _FLOAT_DTYPES:
+                add(name, w.to(_FLOAT_DTYPES[entry.format]))
+            else:
+                module = name.removesuffix(".weight")
+                rw = encode(entry, w)
+                if rw.format != entry.format:
+                    raise ValueError(f"{name}: encoded as {rw.format}, planned as {entry.format}")
+                formats[module] = entry.format
+                for k, t in to_compressed_tensors(rw).items():
+                    add(f"{module}.{k}", t)
+            if part_bytes >= max_shard_bytes:
+                flush()
+        flush()
+        n = len(shards)
+        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for i, fname in enumerate(names):
+            os.replace(tmp / f"part-{i:05d}.safetensors", tmp / fname)
+        size = sum((tmp / f).stat().st_size for f in names)
+        if n > 1:
+            index = {"metadata": {"total_size": size}, "weight_map": {k: names[v] for k, v in sorted(weight_map.items())}}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        cfg = dict(config)
+        qc = compressed_tensors_config(formats, ignore, super_weights=super_weights, extension=extension)
+        if qc is not None:
+            cfg["quantization_config"] = qc
+        else:
+            cfg.pop("quantization_config", None)
+        if extra_files is not None:
+            extra_files(tmp)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
+        _publish(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return SafetensorsResult(output, size, names, len(weight_map))

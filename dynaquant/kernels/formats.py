@@ -1,0 +1,93 @@
+"""Weight formats as the kernels see them.
+
+A :class:`KernelFormat` names what the kernels need to know of a runtime format
+(:mod:`dynaquant.quant.runtime`, the safetensors target's rows of :mod:`dynaquant.quant.formats`):
+the element kind, the code width, the group size and whether a zero point is stored. Names
+follow the format table: ``INT{b}_G{g}`` (symmetric), ``INT{b}_G{g}_ASYM``, ``MXFP4_G32`` and
+``NVFP4_G16``; :meth:`KernelFormat.parse` also takes them in lower case.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+INT_BITS = (2, 3, 4, 8)
+GROUP_SIZES = (16, 32, 64, 128)
+_INT_RE = re.compile(r"^INT(\d)_G(\d+)(_ASYM|_SYM)?$")
+
+
+@dataclass(frozen=True)
+class KernelFormat:
+    """A runtime weight format, as the kernels see it.
+
+    Attributes:
+        kind: ``int`` (group-wise integer codes), ``mxfp4`` (OCP Microscaling MXFP4: E2M1 elements,
+            one E8M0 scale per 32) or ``nvfp4`` (NVIDIA NVFP4 as compressed-tensors stores it: E2M1
+            elements, one E4M3 scale per 16, one float32 global scale per tensor).
+        bits: code width in bits (2, 3, 4 or 8 for ``int``; 4 for the FP4 kinds).
+        group_size: weights per scale along a row (the K axis).
+        symmetric: no zero point (``w = scale * code``); False: ``w = scale * (code - zero)``.
+    """
+
+    kind: str
+    bits: int
+    group_size: int
+    symmetric: bool = True
+
+    def __post_init__(self):
+        if self.kind == "int":
+            if self.bits not in INT_BITS:
+                raise ValueError(f"integer formats take {INT_BITS} bits, not {self.bits}")
+            if self.group_size not in GROUP_SIZES or self.group_size < 32:
+                raise ValueError(f"integer formats take group sizes 32, 64 or 128, not {self.group_size}")
+        elif self.kind == "mxfp4":
+            if (self.bits, self.group_size, self.symmetric) != (4, 32, True):
+                raise ValueError("MXFP4 is 4-bit, symmetric, group 32")
+        elif self.kind == "nvfp4":
+            if (self.bits, self.group_size, self.symmetric) != (4, 16, True):
+                raise ValueError("NVFP4 is 4-bit, symmetric, group 16")
+        else:
+            raise ValueError(f"unknown kernel format kind {self.kind!r}")
+
+    @property
+    def name(self) -> str:
+        """The format table's name (``INT4_G128``, ``INT2_G64_ASYM``, ``MXFP4_G32``, ``NVFP4_G16``)."""
+        if self.kind == "mxfp4":
+            return "MXFP4_G32"
+        if self.kind == "nvfp4":
+            return "NVFP4_G16"
+        return f"INT{self.bits}_G{self.group_size}" + ("" if self.symmetric else "_ASYM")
+
+    @property
+    def is_fp4(self) -> bool:
+        return self.kind in ("mxfp4", "nvfp4")
+
+    @property
+    def packed_bits_per_weight(self) -> float:
+        """Bits per weight of the kernel layout (codes, scales and zero points; global scale not counted)."""
+        scale_bits = 8 if self.is_fp4 else 16
+        zero_bits = 0 if self.symmetric else 8
+        return self.bits + (scale_bits + zero_bits) / self.group_size
+
+    @classmethod
+    def parse(cls, fmt: str | KernelFormat) -> KernelFormat:
+        """A KernelFormat from a format name (case-insensitive) or a KernelFormat (returned as is).
+
+        Raises:
+            ValueError: not a runtime format name.
+        """
+        if isinstance(fmt, KernelFormat):
+            return fmt
+        name = getattr(fmt, "name", fmt)  # a dynaquant.quant.formats.Format row works too
+        if not isinstance(name, str):
+            raise ValueError(f"not a format: {fmt!r}")
+        up = name.upper()
+        if up in ("MXFP4", "MXFP4_G32"):
+            return cls("mxfp4", 4, 32)
+        if up in ("NVFP4_G16", "NVFP4_CT"):
+            return cls("nvfp4", 4, 16)
+        m = _INT_RE.match(up)
+        if not m:
+            raise ValueError(f"not a runtime format name: {name!r} (expected INT{{b}}_G{{g}}[_ASYM], MXFP4_G32, NVFP4_G16)")
+        return cls("int", int(m.group(1)), int(m.group(2)), m.group(3) != "_ASYM")

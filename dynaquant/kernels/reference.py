@@ -1,0 +1,96 @@
+"""Torch references for the kernels: dequantization of the unpacked contract and ``linear_ref``.
+
+The decoding rules are those of :mod:`dynaquant.quant.runtime` (in float32)::
+
+    INT{b}_G{g}        w = scale * code                       (code int8, signed)
+    INT{b}_G{g}_ASYM   w = scale * (code - zero)              (code, zero uint8)
+    MXFP4_G32          w = e2m1(code) * 2**(e - 127)          (OCP Microscaling v1.0, E8M0 e)
+    NVFP4_G16          w = e2m1(code) * (e4m3(scale) / global_scale)   (compressed-tensors' NVFP4)
+
+E2M1 codes: bit 3 the sign, bits 0-2 index ``0, 0.5, 1, 1.5, 2, 3, 4, 6``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import KernelFormat
+from .packing import PackedWeight, unpack
+
+__all__ = ["E2M1_VALUES", "e2m1_to_float", "e8m0_to_float", "dequantize_ref", "linear_ref", "dequantize_packed_ref"]
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 nibbles (any shape, integer dtype, values 0..15) -> float32 values."""
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    return lut[codes.long()]
+
+
+def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 biased exponents (uint8) -> float32 ``2**(e - 127)`` exactly (e = 255 -> NaN)."""
+    e = e.to(torch.int32)
+    bits = torch.where(e > 0, e << 23, torch.full_like(e, 0x00400000))
+    return torch.where(e == 255, torch.full_like(e, 0x7FC00000), bits).view(torch.float32)
+
+
+def dequantize_ref(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, fmt: str | KernelFormat, *,
+                   global_scale: float | torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantize an unpacked runtime weight (module docstring), in float32.
+
+    Args:
+        codes: (N, K) int8 / uint8 codes; scales: (N, K / g); zeros: (N, K / g) uint8 or None
+            (dtypes as :func:`dynaquant.kernels.pack` takes them).
+        fmt: format name or KernelFormat.
+        global_scale: NVFP4's float32 global scale (divides the E4M3 scales).
+    Returns:
+        (N, K) float32 on the codes' device.
+    Raises:
+        ValueError: NVFP4 without its global scale.
+    """
+    f = KernelFormat.parse(fmt)
+    n, k = codes.shape
+    g = f.group_size
+    if f.kind == "int":
+        q = codes.to(torch.float32).reshape(n, k // g, g)
+        if zeros is not None:
+            q = q - zeros.to(torch.float32).reshape(n, k // g, 1)
+        w = q * scales.to(torch.float32).reshape(n, k // g, 1)
+    elif f.kind == "mxfp4":
+        w = e2m1_to_float(codes).reshape(n, k // g, g) * e8m0_to_float(scales.view(torch.uint8)).reshape(n, k // g, 1)
+    else:
+        if global_scale is None:
+            raise ValueError("NVFP4_G16 needs its global scale")
+        s = scales.view(torch.float8_e4m3fn).to(torch.float32)
+        s = s / torch.as_tensor(global_scale, dtype=torch.float32, device=s.device).reshape(())
+        w = e2m1_to_float(codes).reshape(n, k // g, g) * s.reshape(n, k // g, 1)
+    return w.reshape(n, k)
+
+
+def dequantize_packed_ref(packed: PackedWeight) -> torch.Tensor:
+    """The full-precision weight (N, K) float32 of a PackedWeight, super weights restored."""
+    codes, scales, zeros = unpack(packed)
+    w = dequantize_ref(codes, scales, zeros, packed.fmt, global_scale=packed.global_scale)
+    if packed.super_weights is not None:
+        rows, cols, delta = packed.super_weights
+        w[rows, cols] += delta
+    return w
+
+
+def linear_ref(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference for :func:`dynaquant.kernels.linear`: ``y = x @ dequant(W).T + bias``.
+
+    Computed in float32 from the packed layout (so it also checks :func:`~dynaquant.kernels.pack`).
+
+    Args:
+        x: (..., K) float16 / bfloat16 / float32 activations.
+        packed: the weight; bias: (N,) or None.
+    Returns:
+        (..., N) in x's dtype.
+    """
+    w = dequantize_packed_ref(packed).to(x.device)
+    y = x.to(torch.float32) @ w.t()
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype)

@@ -1,0 +1,453 @@
+"""Triton kernels for ``y = x @ dequant(W).T`` on the layout of :mod:`dynaquant.kernels.packing`.
+
+Imported lazily (by :func:`dynaquant.kernels.linear`): importing this module imports Triton, and
+``TRITON_INTERPRET=1`` must be set before that to run the kernels on CPU tensors.
+
+Integer-to-float conversion without ``I2F`` (quarter-rate on the GPU): a ``b``-bit code at bit ``p``
+of a word is masked in place and OR-ed with the exponent ``150 - p``, which makes the float
+``2**(23 - p) + code`` exactly; one subtraction of ``2**(23 - p) + zero`` gives ``code - zero``
+(codes above bit ``23 - b`` are shifted down 16 first). An E2M1 nibble moves its sign to bit 31
+and its three magnitude bits to bits 22..24, giving ``e2m1 * 2**-126`` exactly (subnormal for
+0.5); the GEMV path scales the activations by ``2**100`` and the result by ``2**26`` instead of
+each weight, the other paths multiply by ``2**126`` before rounding to bf16/fp16.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .formats import KernelFormat
+from .packing import PackedWeight
+from .tuning import LaunchConfig
+
+KIND_INT, KIND_MX, KIND_NV = 0, 1, 2
+MAGIC = 150 << 23  # float32 bits of 2**23, passed at run time (see _int_field)
+X_SCALE_FP4 = 2.0 ** 100  # activations' scale on the FP4 GEMV path (weights decode to e2m1 * 2**-126)
+FP4_UNSCALE = 2.0 ** 26  # 2**126 / 2**100
+X_SCALE = tl.constexpr(X_SCALE_FP4)
+FP4_UP = tl.constexpr(2.0 ** 126)
+
+
+# ----------------------------------------------------------------------------------------------
+# element decoders (compile-time field index IDX)
+
+
+@triton.jit
+def _int_field(w, magic, IDX: tl.constexpr, BITS: tl.constexpr):
+    """Code IDX of int32 words ``w`` (BITS-bit codes, natural order) as exact float32 ``2**(23-p) + code``.
+
+    ``magic`` is the runtime int32 ``150 << 23``: a register operand lets the mask and the OR fuse
+    into one LOP3 (two immediates do not)."""
+    P: tl.constexpr = BITS * IDX
+    SH: tl.constexpr = 16 if P + BITS > 23 else 0
+    PP: tl.constexpr = P - SH
+    MASK: tl.constexpr = ((1 << BITS) - 1) << PP
+    return ((w >> SH) & MASK | (magic - (PP << 23))).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int_offset(IDX: tl.constexpr, BITS: tl.constexpr):
+    """The magic part ``2**(23 - p)`` of :func:`_int_field` for code IDX."""
+    P: tl.constexpr = BITS * IDX
+    SH: tl.constexpr = 16 if P + BITS > 23 else 0
+    PP: tl.constexpr = P - SH
+    return 1 << (23 - PP)
+
+
+@triton.jit
+def _hi_bit(hsrc, magic, IDX: tl.constexpr):
+    """Bit IDX (< 16) of ``hsrc`` as exact float32 0.0 / 1.0."""
+    return ((hsrc & (1 << IDX)) | (magic - (IDX << 23))).to(tl.float32, bitcast=True) - (1 << (23 - IDX))
+
+
+@triton.jit
+def _fp4_field(w, IDX: tl.constexpr):
+    """E2M1 nibble IDX of int32 words ``w`` as float32 ``e2m1 * 2**-126`` (exact): the nibble is shifted
+    to the top, then arithmetically right by 6 (sign stays at bit 31, magnitude lands on bits 22..24)."""
+    SS: tl.constexpr = 28 - 4 * IDX
+    return (((w << SS) >> 6) & -2118123520).to(tl.float32, bitcast=True)  # mask 0x81C00000
+
+
+@triton.jit
+def _value(w, hsrc, zoff, magic, IDX: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr):
+    """Code IDX of the words as float32: ``code - zero`` for integer formats (``zoff`` holds
+    ``zero`` per row/group, or is the symmetric constant), ``e2m1 * 2**-126`` for FP4."""
+    if KIND != 0:
+        v = _fp4_field(w, IDX)
+    elif BITS == 3:
+        lo = _int_field(w, magic, IDX, 2) - (_int_offset(IDX, 2) + zoff)
+        v = _hi_bit(hsrc, magic, IDX) * 4.0 + lo
+    else:
+        v = _int_field(w, magic, IDX, BITS) - (_int_offset(IDX, BITS) + zoff)
+    return v
+
+
+@triton.jit
+def _scale(sc, KIND: tl.constexpr):
+    """Loaded scales -> float32 (INT: fp16/bf16; MXFP4: E8M0 byte; NVFP4: E4M3 byte)."""
+    if KIND == 0:
+        s = sc.to(tl.float32)
+    elif KIND == 1:
+        e = sc.to(tl.int32)
+        bits = tl.where(e > 0, e << 23, 0x00400000)
+        bits = tl.where(e == 255, 0x7FC00000, bits)
+        s = bits.to(tl.float32, bitcast=True)
+    else:
+        s = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return s
+
+
+@triton.jit
+def _il8(a0, a1, a2, a3, a4, a5, a6, a7):
+    """Interleave 8 tensors along the last axis: element j of a_i lands at 8 j + i."""
+    return tl.interleave(tl.interleave(tl.interleave(a0, a4), tl.interleave(a2, a6)),
+                         tl.interleave(tl.interleave(a1, a5), tl.interleave(a3, a7)))
+
+
+@triton.jit
+def _tile_values(w, hsrc, zoff, magic, KIND: tl.constexpr, BITS: tl.constexpr, EPW: tl.constexpr, DT: tl.constexpr):
+    """Words [R, W] -> values [R, W * EPW] in natural K order, dtype DT (exact; FP4 scaled to e2m1)."""
+    if KIND != 0:
+        c = FP4_UP
+        v0 = (_fp4_field(w, 0) * c).to(DT)
+        v1 = (_fp4_field(w, 1) * c).to(DT)
+        v2 = (_fp4_field(w, 2) * c).to(DT)
+        v3 = (_fp4_field(w, 3) * c).to(DT)
+        v4 = (_fp4_field(w, 4) * c).to(DT)
+        v5 = (_fp4_field(w, 5) * c).to(DT)
+        v6 = (_fp4_field(w, 6) * c).to(DT)
+        v7 = (_fp4_field(w, 7) * c).to(DT)
+        out = _il8(v0, v1, v2, v3, v4, v5, v6, v7)
+    elif EPW == 4:
+        v0 = _value(w, hsrc, zoff, magic, 0, KIND, BITS).to(DT)
+        v1 = _value(w, hsrc, zoff, magic, 1, KIND, BITS).to(DT)
+        v2 = _value(w, hsrc, zoff, magic, 2, KIND, BITS).to(DT)
+        v3 = _value(w, hsrc, zoff, magic, 3, KIND, BITS).to(DT)
+        out = tl.interleave(tl.interleave(v0, v2), tl.interleave(v1, v3))
+    elif EPW == 8:
+        v0 = _value(w, hsrc, zoff, magic, 0, KIND, BITS).to(DT)
+        v1 = _value(w, hsrc, zoff, magic, 1, KIND, BITS).to(DT)
+        v2 = _value(w, hsrc, zoff, magic, 2, KIND, BITS).to(DT)
+        v3 = _value(w, hsrc, zoff, magic, 3, KIND, BITS).to(DT)
+        v4 = _value(w, hsrc, zoff, magic, 4, KIND, BITS).to(DT)
+        v5 = _value(w, hsrc, zoff, magic, 5, KIND, BITS).to(DT)
+        v6 = _value(w, hsrc, zoff, magic, 6, KIND, BITS).to(DT)
+        v7 = _value(w, hsrc, zoff, magic, 7, KIND, BITS).to(DT)
+        out = _il8(v0, v1, v2, v3, v4, v5, v6, v7)
+    else:
+        v0 = _value(w, hsrc, zoff, magic, 0, KIND, BITS).to(DT)
+        v1 = _value(w, hsrc, zoff, magic, 1, KIND, BITS).to(DT)
+        v2 = _value(w, hsrc, zoff, magic, 2, KIND, BITS).to(DT)
+        v3 = _value(w, hsrc, zoff, magic, 3, KIND, BITS).to(DT)
+        v4 = _value(w, hsrc, zoff, magic, 4, KIND, BITS).to(DT)
+        v5 = _value(w, hsrc, zoff, magic, 5, KIND, BITS).to(DT)
+        v6 = _value(w, hsrc, zoff, magic, 6, KIND, BITS).to(DT)
+        v7 = _value(w, hsrc, zoff, magic, 7, KIND, BITS).to(DT)
+        v8 = _value(w, hsrc, zoff, magic, 8, KIND, BITS).to(DT)
+        v9 = _value(w, hsrc, zoff, magic, 9, KIND, BITS).to(DT)
+        v10 = _value(w, hsrc, zoff, magic, 10, KIND, BITS).to(DT)
+        v11 = _value(w, hsrc, zoff, magic, 11, KIND, BITS).to(DT)
+        v12 = _value(w, hsrc, zoff, magic, 12, KIND, BITS).to(DT)
+        v13 = _value(w, hsrc, zoff, magic, 13, KIND, BITS).to(DT)
+        v14 = _value(w, hsrc, zoff, magic, 14, KIND, BITS).to(DT)
+        v15 = _value(w, hsrc, zoff, magic, 15, KIND, BITS).to(DT)
+        out = tl.interleave(_il8(v0, v2, v4, v6, v8, v10, v12, v14), _il8(v1, v3, v5, v7, v9, v11, v13, v15))
+    return out
+
+
+@triton.jit
+def _finish(y, rn, n_mask, pid_n, pid_k, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, out_mul,
+            HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Store one row of outputs (GEMV), reducing split-K partials in the last program of the tile."""
+    if SPLIT_K == 1:
+        out = y * out_mul
+        if HAS_BIAS:
+            out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        tl.store(ws_ptr + pid_k * N + rn, y, mask=n_mask)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            tot = tl.zeros_like(y)
+            for s in range(SPLIT_K):
+                tot += tl.load(ws_ptr + s * N + rn, mask=n_mask, other=0.0, cache_modifier=".cg")
+            out = tot * out_mul
+            if HAS_BIAS:
+                out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=n_mask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# M = 1: GEMV on the CUDA cores
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+                 N, KW, KH, NG, out_mul, magic, NT, NT_C: tl.constexpr,
+                 KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ZC: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, PREFETCH: tl.constexpr,
+                 SPLIT_K: tl.constexpr):
+    """Words [BLOCK_N, BLOCK_KW] per iteration (16-byte loads along K, whole groups or parts of one);
+    NT iterations per program. PREFETCH loads the next tile's words before decoding the current one."""
+    EPW: tl.constexpr = 16 if BITS == 3 else 32 // BITS
+    WPG: tl.constexpr = G // EPW
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    row = tl.minimum(rn, N - 1)[:, None]
+    rw = tl.arange(0, BLOCK_KW)
+    wrow = qw_ptr + row * KW
+    acc = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+    kw0 = pid_k * NT * BLOCK_KW
+    if PREFETCH:
+        w_next = tl.load(wrow + (kw0 + rw)[None, :])
+    for t in range(0, NT_C if NT_C > 0 else NT):  # (an assigned ternary trips the 3.6 interpreter)
+        base = kw0 + t * BLOCK_KW  # a multiple of BLOCK_KW, so of WPG or of the tile's part of a group
+        word = base + rw
+        if PREFETCH:
+            w = w_next
+            w_next = tl.load(wrow + (word + BLOCK_KW)[None, :], mask=(rw + (t + 1) * BLOCK_KW < NT * BLOCK_KW)[None, :],
+                             other=0)
+        else:
+            w = tl.load(wrow + word[None, :])
+        # the group of each word, as (scalar + per-element constant): words of one group then load
+        # their scale from one address, which the compiler merges into one load a thread
+        goff = row * NG + (base // WPG + rw // WPG)[None, :]
+        sc = _scale(tl.load(s_ptr + goff), KIND)
+        if BITS == 3:
+            hw = tl.load(qh_ptr + row * KH + (base // 2 + rw // 2)[None, :])
+            hsrc = hw >> ((rw % 2) * 16)[None, :]
+        else:
+            hsrc = w
+        kb = word * EPW
+        part = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+        xs = tl.zeros([BLOCK_KW], dtype=tl.float32)
+        for i in tl.static_range(EPW):
+            xi = tl.load(x_ptr + kb + i).to(tl.float32)
+            if KIND != 0:
+                xi = xi * X_SCALE
+            part += xi[None, :] * _value(w, hsrc, ZC, magic, i, KIND, BITS)
+            if ASYM:
+                xs += xi
+        if ASYM:  # sum x (code - zero) = sum x code - zero * sum x; the tile lies in one group (valid_config),
+            # whose sum x is a scalar (a per-word sum would reload x in the zeros' register layout)
+            part -= tl.load(z_ptr + goff).to(tl.float32) * (tl.sum(xs, axis=0) / BLOCK_KW)
+        acc += part * sc
+    y = tl.sum(acc, axis=1)
+    _finish(y, rn, n_mask, pid_n, pid_k, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, out_mul, HAS_BIAS, SPLIT_K)
+
+
+# ----------------------------------------------------------------------------------------------
+# small batches: tensor cores, W tile as the wide operand
+
+
+@triton.jit
+def _mm_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+               M, N, KW, KH, NG, stride_xm, stride_ym, out_mul, magic, GPS, GPS_C: tl.constexpr,
+               KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ZC: tl.constexpr,
+               HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NGT: tl.constexpr,
+               SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr):
+    EPW: tl.constexpr = 16 if BITS == 3 else 32 // BITS
+    WPG: tl.constexpr = G // EPW
+    DT: tl.constexpr = tl.float32 if DOT_F32 else x_ptr.dtype.element_ty
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    rowv = tl.minimum(rn, N - 1)
+    row = rowv[:, None]
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = rm < M
+    rw = tl.arange(0, WPG)
+    rk = tl.arange(0, G)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    g_start = pid_k * GPS
+    for gl in range(0, GPS_C if GPS_C > 0 else GPS, NGT):
+        for t in tl.static_range(NGT):
+            gi = g_start + gl + t
+            word = gi * WPG + rw
+            w = tl.load(qw_ptr + row * KW + word[None, :])  # [BLOCK_N, WPG]
+            if ASYM:
+                zoff = tl.load(z_ptr + row * NG + gi).to(tl.float32)  # [BLOCK_N, 1]
+            else:
+                zoff = ZC
+            if BITS == 3:
+                hw = tl.load(qh_ptr + row * KH + (word // 2)[None, :])
+                hsrc = hw >> ((word % 2) * 16)[None, :]
+            else:
+                hsrc = w
+            wt = _tile_values(w, hsrc, zoff, magic, KIND, BITS, EPW, DT)  # [BLOCK_N, G]
+            xt = tl.load(x_ptr + rm[None, :] * stride_xm + (gi * G + rk)[:, None], mask=m_mask[None, :], other=0.0)
+            xt = xt.to(DT)
+            d = tl.dot(wt, xt)  # [BLOCK_N, BLOCK_M]
+            sc = _scale(tl.load(s_ptr + rowv * NG + gi), KIND)
+            acc += d * sc[:, None]
+    out = acc * out_mul
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], out.to(y_ptr.dtype.element_ty),
+                 mask=n_mask[:, None] & m_mask[None, :])
+    else:
+        wsp = ws_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None]
+        mask = n_mask[:, None] & m_mask[None, :]
+        tl.store(wsp, out, mask=mask)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            tot = tl.zeros_like(out)
+            for s in range(SPLIT_K):
+                tot += tl.load(ws_ptr + s * M * N + rm[None, :] * N + rn[:, None], mask=mask, other=0.0,
+                               cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], tot.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# large batches: dequantize, then cuBLAS
+
+
+@triton.jit
+def _dequant_kernel(qw_ptr, qh_ptr, s_ptr, z_ptr, out_ptr, N, K, KW, KH, NG, out_mul, magic,
+                    KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ZC: tl.constexpr,
+                    BLOCK_N: tl.constexpr, NGT: tl.constexpr):
+    EPW: tl.constexpr = 16 if BITS == 3 else 32 // BITS
+    WPG: tl.constexpr = G // EPW
+    DT: tl.constexpr = out_ptr.dtype.element_ty
+    pid_n = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    row = tl.minimum(rn, N - 1)[:, None]
+    rw = tl.arange(0, WPG)
+    rk = tl.arange(0, G)
+    for t in tl.static_range(NGT):
+        gi = pid_g * NGT + t
+        word = gi * WPG + rw
+        w = tl.load(qw_ptr + row * KW + word[None, :])
+        if ASYM:
+            zoff = tl.load(z_ptr + row * NG + gi).to(tl.float32)
+        else:
+            zoff = ZC
+        if BITS == 3:
+            hw = tl.load(qh_ptr + row * KH + (word // 2)[None, :])
+            hsrc = hw >> ((word % 2) * 16)[None, :]
+        else:
+            hsrc = w
+        v = _tile_values(w, hsrc, zoff, magic, KIND, BITS, EPW, tl.float32)
+        sc = _scale(tl.load(s_ptr + row * NG + gi), KIND) * out_mul  # [BLOCK_N, 1]
+        tl.store(out_ptr + row * K + (gi * G + rk)[None, :], (v * sc).to(DT), mask=n_mask[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+
+
+def _interpreting() -> bool:
+    # Triton 3.6's interpreter multiplies bf16 tl.dot operands as raw integers (it gets float32 ones),
+    # and cannot take a loop bound from a run-time argument under numpy 2.4 (it gets a constexpr one)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _consts(packed: PackedWeight) -> dict:
+    f: KernelFormat = packed.fmt
+    kind = {"int": KIND_INT, "mxfp4": KIND_MX, "nvfp4": KIND_NV}[f.kind]
+    zc = (1 << (f.bits - 1)) if (f.kind == "int" and f.symmetric) else 0
+    return dict(KIND=kind, BITS=f.bits, G=f.group_size, ASYM=not f.symmetric, ZC=zc)
+
+
+def _out_mul(packed: PackedWeight, gemv: bool) -> float:
+    f = packed.fmt
+    if f.kind == "int":
+        return 1.0
+    m = FP4_UNSCALE if gemv else 1.0
+    return m / packed.global_scale if f.kind == "nvfp4" else m
+
+
+def _words(packed: PackedWeight) -> tuple[int, int, int]:
+    kw = packed.qweight.shape[1]
+    kh = packed.qweight_hi.shape[1] if packed.qweight_hi is not None else 0
+    return kw, kh, packed.in_features // packed.fmt.group_size
+
+
+def dequantize(packed: PackedWeight, dtype: torch.dtype, config: LaunchConfig | None = None) -> torch.Tensor:
+    """The weight (N, K) in ``dtype`` (bf16/fp16/fp32), dequantized by a Triton kernel (super weights not applied)."""
+    n, k = packed.shape
+    kw, kh, ng = _words(packed)
+    block_n = config.block_n if config is not None else 64
+    ngt = config.groups if config is not None and ng % config.groups == 0 else 1
+    out = torch.empty(n, k, dtype=dtype, device=packed.device)
+    qh = packed.qweight_hi if packed.qweight_hi is not None else packed.qweight
+    z = packed.zeros if packed.zeros is not None else packed.scales
+    grid = (triton.cdiv(n, block_n), ng // ngt)
+    _dequant_kernel[grid](packed.qweight, qh, packed.scales, z, out, n, k, kw, kh, ng, _out_mul(packed, False), MAGIC,
+                          BLOCK_N=block_n, NGT=ngt, num_warps=4, **_consts(packed))
+    return out
+
+
+def _launch_args(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig):
+    """(kernel, grid, args, kwargs, y) of one call on the gemv or mm path."""
+    m, k = x2.shape
+    n = packed.out_features
+    kw, kh, ng = _words(packed)
+    y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    split = cfg.split_k
+    ws = torch.empty(split * m * n if split > 1 else 1, dtype=torch.float32, device=x2.device)
+    qh = packed.qweight_hi if packed.qweight_hi is not None else packed.qweight
+    z = packed.zeros if packed.zeros is not None else packed.scales
+    b = bias if bias is not None else y
+    gps = ng // split
+    gps_c = gps if _interpreting() else 0  # the 3.6 interpreter cannot loop to a run-time bound (numpy 2.4)
+    common = dict(HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, SPLIT_K=split, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages, **_consts(packed))
+    if cfg.path == "gemv":
+        f = packed.fmt
+        wpg = f.group_size // (16 if f.bits == 3 else 32 // f.bits)
+        nt = gps // cfg.groups
+        grid = (triton.cdiv(n, cfg.block_n), split)
+        args = (x2, packed.qweight, qh, packed.scales, z, b, y, ws, packed.counters, n, kw, kh, ng,
+                _out_mul(packed, True), MAGIC, nt)
+        return _gemv_kernel, grid, args, dict(common, NT_C=nt if gps_c else 0, BLOCK_KW=cfg.groups * wpg,
+                                              PREFETCH=cfg.prefetch), y
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
+    args = (x2, packed.qweight, qh, packed.scales, z, b, y, ws, packed.counters, m, n, kw, kh, ng, x2.stride(0),
+            y.stride(0), _out_mul(packed, False), MAGIC, gps)
+    return _mm_kernel, grid, args, dict(common, GPS_C=gps_c, BLOCK_M=cfg.block_m, NGT=cfg.groups,
+                                        DOT_F32=_interpreting()), y
+
+
+def run_linear(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig) -> torch.Tensor:
+    """``x2 (M, K) @ dequant(W).T + bias`` with the given launch configuration (no super weights)."""
+    if cfg.path == "dequant":
+        w = dequantize(packed, x2.dtype, cfg)
+        return torch.nn.functional.linear(x2, w, bias)
+    kernel, grid, args, kwargs, y = _launch_args(x2, packed, bias, cfg)
+    kernel[grid](*args, **kwargs)
+    return y
+
+
+def compile_linear(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig) -> None:
+    """Compile (without running) the kernel :func:`run_linear` would launch; safe to call from threads."""
+    if cfg.path == "dequant":
+        n, k = packed.shape
+        kw, kh, ng = _words(packed)
+        ngt = cfg.groups if ng % cfg.groups == 0 else 1
+        out = torch.empty(1, dtype=x2.dtype, device=x2.device)
+        qh = packed.qweight_hi if packed.qweight_hi is not None else packed.qweight
+        z = packed.zeros if packed.zeros is not None else packed.scales
+        _dequant_kernel.warmup(packed.qweight, qh, packed.scales, z, out, n, k, kw, kh, ng, _out_mul(packed, False), MAGIC,
+                               BLOCK_N=cfg.block_n, NGT=ngt, num_warps=4, grid=(1,), **_consts(packed))
+        return
+    kernel, grid, args, kwargs, _ = _launch_args(x2[:1], packed, bias, cfg) if cfg.path == "gemv" else \
+        _launch_args(x2, packed, bias, cfg)
+    kernel.warmup(*args, grid=grid, **kwargs)

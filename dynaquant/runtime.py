@@ -1,0 +1,330 @@
+"""Run safetensors checkpoints in PyTorch: :func:`load` and the :class:`DynaLinear` module.
+
+``load(path)`` builds the checkpoint's transformers model with its quantized linear layers
+replaced by :class:`DynaLinear` modules that hold the compressed-tensors tensors as stored
+(``weight_packed``, ``weight_scale``, ...; see :mod:`dynaquant.quant.runtime`) and compute
+``x @ dequant(W).T + b``:
+
+- on CUDA, with the Triton kernel that :mod:`dynaquant.kernels` provides for the format, if any;
+- otherwise (CPU, no kernel, float32 inputs) with the torch reference: decode the weight in
+  float32 (:func:`dynaquant.quant.runtime.decode`, super weights restored), cast it to the
+  input's dtype and call ``F.linear``; the same checkpoint runs everywhere.
+
+Kernel hook (:func:`kernel_op`, looked up lazily: ``dynaquant.kernels`` is never imported at load
+time of this module). An op is any object with::
+
+    op.prepare(weight: RuntimeWeight) -> packed | None   # once per layer, tensors on its CUDA device, super
+                                                         # weights included; None: no kernel for this shape
+    op.linear(x: Tensor, packed, bias) -> Tensor         # x (..., K) bf16/fp16 -> (..., N) in x.dtype,
+                                                         # bias and super weights applied
+
+found as ``dynaquant.kernels.KERNELS[format]`` when the kernels package has such a registry, else made
+from its ``pack(codes, scales, zeros, fmt, *, global_scale, super_weights)`` and ``linear(x, packed, bias)``
+functions for every format ``KernelFormat.parse`` accepts. Any compressed-tensors checkpoint whose
+schemes map onto runtime formats (``quant.runtime.format_of_scheme``) loads too; dynaquant's config
+extension adds exact format names and super weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .quant.formats import get_format
+from .quant.runtime import RuntimeWeight, decode, format_of_scheme, from_compressed_tensors, runtime_format
+
+log = logging.getLogger(__name__)
+
+
+class _PackLinearOp:
+    """The op made from ``dynaquant.kernels.pack`` / ``linear`` (module docstring)."""
+
+    def __init__(self, kernels):
+        self.kernels = kernels
+
+    def prepare(self, weight: RuntimeWeight):
+        codes, scales, zeros, gs = weight.unpacked()
+        return self.kernels.pack(codes, scales, zeros, weight.format, global_scale=gs, super_weights=weight.super_weights)
+
+    def linear(self, x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.kernels.linear(x, packed, bias)
+
+
+def kernel_op(fmt: str):
+    """The kernel op for a runtime format (module docstring), or None: no kernels package (no Triton on
+    this platform), or no kernel for the format."""
+    try:
+        from . import kernels
+    except ImportError as exc:
+        log.debug("dynaquant.kernels unavailable: %s", exc)
+        return None
+    registry = getattr(kernels, "KERNELS", None)
+    if registry is not None:
+        return registry.get(fmt)
+    if not (hasattr(kernels, "pack") and hasattr(kernels, "linear")):
+        return None
+    parse = getattr(getattr(kernels, "KernelFormat", None), "parse", None)
+    if parse is not None:
+        try:
+            parse(fmt)
+        except ValueError:
+            return None
+    return _PackLinearOp(kernels)
+
+
+def _kernel_device(t: torch.Tensor) -> bool:
+    """Whether kernels may run on ``t``'s device (CUDA)."""
+    return t.is_cuda
+
+
+def _kernel_input(x: torch.Tensor) -> bool:
+    """Whether a kernel takes this input: on its device, bf16 or fp16."""
+    return _kernel_device(x) and x.dtype in (torch.float16, torch.bfloat16)
+
+
+def _buffer_specs(fmt: str, n: int, k: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The compressed-tensors tensors of an (n, k) weight in ``fmt``: name -> (shape, dtype)."""
+    f = runtime_format(fmt)
+    groups = k // f.block_size
+    if f.kind == "int":
+        specs = {"weight_packed": ((n, -(-k * f.bits // 32)), torch.int32), "weight_scale": ((n, groups), torch.float16),
+                 "weight_shape": ((2,), torch.int64)}
+        if f.zero_bits:
+            specs["weight_zero_point"] = ((-(-n * f.bits // 32), groups), torch.int32)
+        return specs
+    specs = {"weight_packed": ((n, k // 2), torch.uint8),
+             "weight_scale": ((n, groups), torch.uint8 if f.name == "MXFP4_G32" else torch.float8_e4m3fn)}
+    if f.name == "NVFP4_G16":
+        specs["weight_global_scale"] = ((1,), torch.float32)
+    return specs
+
+
+class DynaLinear(nn.Module):
+    """A linear layer whose weight is stored in a runtime format (module docstring).
+
+    Args:
+        in_features, out_features: K and N.
+        fmt: the runtime format name; K must be a multiple of its group size.
+        bias: whether the layer has a bias (kept in the model dtype).
+        device, dtype: of the (empty) buffers / bias; the checkpoint tensors are loaded over them.
+    Buffers (persistent, compressed-tensors names and layouts): ``weight_packed``, ``weight_scale``
+        and by format ``weight_zero_point``, ``weight_global_scale``, ``weight_shape``.
+    Raises:
+        ValueError: not a runtime format, or K not a multiple of its group size.
+    """
+
+    def __init__(self, in_features: int, out_features: int, fmt: str, bias: bool = False, *,
+                 device=None, dtype: torch.dtype | None = None):
+        super().__init__()
+        f = runtime_format(fmt)
+        if not f.fits(in_features):
+            raise ValueError(f"{f.name}: {in_features} input features are not a multiple of {f.block_size}")
+        self.in_features, self.out_features, self.format = in_features, out_features, f.name
+        for name, (shape, dt) in _buffer_specs(f.name, out_features, in_features).items():
+            self.register_buffer(name, torch.empty(shape, dtype=dt, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
+        self.super_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.use_kernels = True
+        self._rw: RuntimeWeight | None = None
+        self._op = None
+        self._packed = None
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}, " \
+               f"bias={self.bias is not None}, kernel={self._op is not None}"
+
+    def set_super_weights(self, items) -> None:
+        """Weights kept exactly: ``[[row, col, value], ...]`` (torch (out, in) indices). Call :meth:`prepare` after."""
+        items = list(items)
+        if not items:
+            self.super_weights = None
+            return
+        rows = torch.tensor([int(r) for r, _, _ in items], dtype=torch.int64)
+        cols = torch.tensor([int(c) for _, c, _ in items], dtype=torch.int64)
+        vals = torch.tensor([float(v) for _, _, v in items], dtype=torch.float32)
+        self.super_weights = (rows, cols, vals)
+
+    def runtime_weight(self) -> RuntimeWeight:
+        """The weight unpacked from the buffers (on their device), super weights included."""
+        tensors = {n: b for n, b in self.named_buffers(recurse=False)}
+        sw = None if self.super_weights is None else tuple(t.to(self.weight_packed.device) for t in self.super_weights)
+        return from_compressed_tensors(self.format, tensors, (self.out_features, self.in_features), sw)
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) float32 decoded weight, super weights restored."""
+        return decode(self._rw if self._rw is not None else self.runtime_weight())
+
+    def prepare(self) -> None:
+        """Unpack the buffers once, and on CUDA build the kernel's layout when a kernel exists. Called by
+        :func:`load`; call again after changing buffers or moving the module."""
+        rw = self.runtime_weight()
+        self._op = self._packed = None
+        self._rw = rw
+        if _kernel_device(rw.codes) and self.use_kernels:
+            op = kernel_op(self.format)
+            packed = op.prepare(rw) if op is not None else None
+            if packed is not None:
+                self._op, self._packed = op, packed
+                self._rw = None  # the kernel layout replaces the unpacked copy on the GPU
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._op is not None and _kernel_input(x):
+            return self._op.linear(x, self._packed, None if self.bias is None else self.bias.to(x.dtype))
+        w = self.dequantize().to(device=x.device, dtype=x.dtype)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+
+def _match(name: str, targets, module: nn.Module) -> bool:
+    for t in targets:
+        if t.startswith("re:"):
+            if re.match(t[3:], name):
+                return True
+        elif t == name or t == type(module).__name__:
+            return True
+    return False
+
+
+def module_formats(qc: dict, model: nn.Module) -> dict[str, str]:
+    """Quantized linear module -> runtime format, from a ``quantization_config`` (compressed-tensors).
+
+    dynaquant's extension (``qc["dynaquant"]["formats"]``) when present, else each config group's
+    ``targets`` (``re:`` regexes, names or class names) minus ``ignore``, as compressed-tensors matches them.
+
+    Raises:
+        ValueError: not compressed-tensors, or a group in a scheme no runtime format matches.
+    """
+    if qc.get("quant_method") != "compressed-tensors":
+        raise ValueError(f"quant_method {qc.get('quant_method')!r}: dynaquant.load reads compressed-tensors checkpoints")
+    ext = qc.get("dynaquant") or {}
+    if ext.get("formats"):
+        return {m: get_format(f).name for m, f in ext["formats"].items()}
+    ignore = qc.get("ignore") or []
+    groups = [(format_of_scheme(g), g.get("targets") or []) for g in (qc.get("config_groups") or {}).values()]
+    out: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or _match(name, ignore, module):
+            continue
+        for fmt, targets in groups:
+            if _match(name, targets, module):
+                out[name] = fmt
+                break
+    return out
+
+
+def _shards(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder}: no *.safetensors files")
+    return files
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    if attr in mod._parameters:
+        mod._parameters[attr] = nn.Parameter(value, requires_grad=False)
+    elif attr in mod._buffers:
+        mod._buffers[attr] = value
+    else:
+        raise KeyError(name)
+
+
+def load(path: str | os.PathLike, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+         kernels: bool = True, trust_remote_code: bool = False):
+    """Load a safetensors checkpoint written by ``dynaquant quantize --format safetensors`` (or any
+    compressed-tensors checkpoint in runtime formats) as a transformers causal LM.
+
+    Args:
+        path: the checkpoint folder.
+        device: where the model runs (default: CUDA when available, else CPU).
+        dtype: of activations and unquantized weights (default: bfloat16 on CUDA, float32 on CPU).
+        kernels: use ``dynaquant.kernels`` where it has a kernel (CUDA only); False: torch reference everywhere.
+    Returns:
+        The model in eval mode, quantized linear layers replaced by :class:`DynaLinear`; ``generate`` works.
+    Raises:
+        ValueError: not a checkpoint folder, not compressed-tensors, unsupported schemes, or tensors missing
+            from / unexpected in the shards (named).
+    """
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{folder}: no config.json (not a checkpoint folder)")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    raw = json.loads((folder / "config.json").read_text())
+    qc = raw.get("quantization_config") or {}
+    config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    with init_empty_weights():
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        except TypeError:  # transformers < 4.56 names it torch_dtype
+            model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype, trust_remote_code=trust_remote_code)
+    formats = module_formats(qc, model) if qc else {}
+    for name, fmt in formats.items():
+        old = model.get_submodule(name)
+        if not isinstance(old, nn.Linear):
+            raise ValueError(f"{name}: quantized in the checkpoint but not a linear layer in the model")
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr,
+                DynaLinear(old.in_features, old.out_features, fmt, old.bias is not None, device="meta", dtype=dtype))
+    expected = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for shard in _shards(folder):
+        with safe_open(str(shard), "pt", device="cpu") as f:
+            for key in f.keys():
+                if key not in expected:
+                    unexpected.append(key)
+                    continue
+                t = f.get_tensor(key)
+                mod = model.get_submodule(key.rpartition(".")[0])
+                if t.is_floating_point() and not (isinstance(mod, DynaLinear) and key.rpartition(".")[2] != "bias"):
+                    t = t.to(dtype)
+                _set_tensor(model, key, t.to(device))
+                loaded.add(key)
+    if unexpected:
+        raise ValueError(f"{folder}: tensors not in the model: {', '.join(sorted(unexpected)[:5])}")
+    model.tie_weights()
+    missing = sorted(n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.device.type == "meta")
+    if missing:
+        raise ValueError(f"{folder}: tensors missing from the checkpoint: {', '.join(missing[:5])}")
+    model.to(device)
+    sw = (qc.get("dynaquant") or {}).get("super_weights") or {}
+    for name, module in model.named_modules():
+        if isinstance(module, DynaLinear):
+            module.use_kernels = kernels
+            module.set_super_weights(sw.get(name, ()))
+            module.prepare()
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(str(folder))
+    log.info("loaded %s: %d quantized linear layers, %d with kernels", folder, len(formats),
+             sum(isinstance(m, DynaLinear) and m._op is not None for m in model.modules()))
+    return model.eval()
+
+
+def is_runtime_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether a folder holds a compressed-tensors checkpoint (what :func:`load` reads)."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        qc = json.loads(cfg.read_text()).get("quantization_config") or {}
+    except (OSError, json.JSONDecodeError):
+        return False
+    return qc.get("quant_method") == "compressed-tensors"

@@ -1,0 +1,224 @@
+"""The quantize pipeline for the safetensors target: source -> imatrix -> plan -> compressed-tensors checkpoint.
+
+``dynaquant.quantize(..., target="safetensors")`` (``dynaquant quantize --format safetensors``) runs
+:func:`quantize_safetensors`. It shares the GGUF pipeline's steps (model source, calibration,
+analysis, plans, GPTQ rounding; :mod:`dynaquant.pipeline`) and differs in what it writes: the
+source model is loaded with transformers (Hugging Face tensor names and orientation, whatever the
+source), every planned weight is encoded to its runtime format (:func:`dynaquant.quant.runtime.encode`,
+imatrix-weighted, super weights of the analysis kept exactly) and the checkpoint is written by
+:func:`dynaquant.exporters.safetensors_writer.write_safetensors`. A ``size`` budget counts the bytes of
+the safetensors shards.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from .analysis.calibration import CalibrationSpec
+from .analysis.imatrix import compute_imatrix
+from .checkpoint import load_model, load_tokenizer, resolve_source
+from .exporters.safetensors_writer import (
+    DEFAULT_SHARD_BYTES,
+    safetensors_overhead_bytes,
+    unquantized_linears,
+    write_safetensors,
+)
+from .quant.formats import get_format
+from .quant.plan import Plan, PlanEntry
+from .quant.planner import RUNTIME_CANDIDATES, default_rules, error_fn_from_report, make_plan
+from .quant.runtime import RuntimeWeight, from_records
+from .quant.runtime import encode as encode_runtime
+
+log = logging.getLogger(__name__)
+
+
+def _super_weights(report: dict | None) -> dict[str, list[tuple[int, int]]]:
+    """HF module -> [(row, col)] of the report's confirmed super weights."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for s in (report or {}).get("super_weights", []):
+        if s.get("confirmed") and s.get("module"):
+            out.setdefault(s["module"], []).append((int(s["row"]), int(s["column"])))
+    return out
+
+
+class _Tensor:
+    """The names ``_GPTQRounding.encode`` reads from a source tensor."""
+
+    def __init__(self, e: PlanEntry):
+        self.gguf_name, self.hf_name = e.name, e.hf_name
+
+
+def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=(), plan=None, report=None, imatrix=None,
+                         calibration=None, calibration_chunks: int = 32, n_ctx: int = 512, use_imatrix: bool = True,
+                         default_rules_on: bool = True, evaluate: bool = False, eval_text=None, eval_chunks: int = 16,
+                         allow_pickle: bool = False, trust_remote_code: bool = False, device: str | None = None,
+                         progress: bool = True, gptq: bool = False, gptq_damp: float = 0.01, keep_super_weights: bool = True,
+                         max_shard_bytes: int = DEFAULT_SHARD_BYTES):
+    """Quantize a model to a safetensors checkpoint in runtime formats (arguments as ``dynaquant.quantize``).
+
+    Targets (at most one): ``bpw`` or ``size`` (a dynamic plan over ``RUNTIME_CANDIDATES``: the analysis
+    report must have measured runtime formats, ``dynaquant analyze --formats safetensors``; without a
+    report the analysis runs here), or ``plan`` (a safetensors plan, used as is). None: a dynamic plan at
+    the GGUF ``Q4_K_M`` file size. Presets do not apply.
+
+    Args:
+        keep_super_weights: keep the analysis' confirmed super weights exactly (config extension).
+        max_shard_bytes: shard size of the checkpoint.
+    Returns:
+        pipeline.QuantizeResult: ``output`` is the checkpoint folder, ``size_bytes`` its shards' bytes.
+    Raises:
+        checkpoint.SourceError, planner.BudgetError, ValueError: as ``dynaquant.quantize``; also a GGUF plan,
+        or a report without runtime formats.
+    """
+    from .pipeline import (
+        QuantizeResult,
+        _check_report,
+        _evaluate_models,
+        _GPTQRounding,
+        _imatrix_from_file,
+        _imatrix_path,
+        _load_plan,
+        _load_report,
+        calibration_chunks_of,
+        default_device,
+        imatrix_by_gguf_name,
+        model_info,
+        open_tensor_source,
+        tensor_infos,
+    )
+    from .runtime import load
+
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+    if sum(x is not None for x in (bpw, size, plan)) > 1:
+        raise ValueError("give at most one of bpw, size and plan")
+    device = device or default_device()
+    source = resolve_source(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    ts = open_tensor_source(source)
+    tensors = tensor_infos(ts)
+    info = model_info(ts)
+    spec = calibration if isinstance(calibration, CalibrationSpec) else CalibrationSpec(
+        (str(calibration),) if calibration is not None else (), calibration_chunks, n_ctx)
+    loaded_plan = _load_plan(plan) if plan is not None else None
+    where = str(plan) if plan is not None and not isinstance(plan, Plan) else "plan"
+    if loaded_plan is not None:
+        if loaded_plan.target != "safetensors":
+            raise ValueError(f"{where}: a {loaded_plan.target} plan; make one with 'dynaquant plan --target safetensors'")
+        loaded_plan.check_tensors(tensors, where)
+    report_d = _load_report(report) if report is not None and not isinstance(report, dict) else report
+    if report_d is None and loaded_plan is not None and loaded_plan.sources.get("report"):
+        p = Path(loaded_plan.sources["report"])
+        report_d = _load_report(p) if p.is_file() else None
+    dynamic = loaded_plan is None
+    overhead = safetensors_overhead_bytes(tensors)
+    defaults = default_rules(info) if default_rules_on else ()
+    if dynamic:
+        if bpw is None and size is None:
+            size = make_plan(tensors, info, preset="Q4_K_M").size_bytes + overhead
+        make_plan(tensors, info, rules=rules, bpw=bpw, size_bytes=size, overhead_bytes=overhead, defaults=defaults,
+                  target="safetensors")  # fails fast on an impossible budget or a bad rule
+        if report_d is not None and not [c for c in report_d["candidates"] if get_format(c).allowed_in("safetensors")]:
+            raise ValueError(f"{report if not isinstance(report, dict) else 'report'}: the analysis measured no "
+                             "safetensors formats; run 'dynaquant analyze --formats safetensors'")
+    imat_path = _imatrix_path(imatrix, report, report_d, loaded_plan)
+    needs_analysis = dynamic and report_d is None
+    needs_imatrix = use_imatrix and imat_path is None and not needs_analysis
+    hf_model = load_model(source, device=device)
+    tokenizer = load_tokenizer(source)
+    timings["load_s"] = time.perf_counter() - t0
+    im = stats = None
+    if needs_analysis:
+        from .analyze_pipeline import run_analysis
+
+        res = run_analysis(source, ts, hf_model, tokenizer, spec, candidates=RUNTIME_CANDIDATES, fisher_sequences=8,
+                           progress=progress, timings=timings)
+        report_d, im, stats = res.report, res.imatrix, res.stats
+    elif needs_imatrix:
+        t1 = time.perf_counter()
+        im = compute_imatrix(hf_model, calibration_chunks_of(tokenizer, spec), spec.id, progress=progress)
+        timings["imatrix_s"] = time.perf_counter() - t1
+    if dynamic:
+        _check_report(report_d, tensors, report if report is not None and not isinstance(report, dict) else "report")
+        sw_tensors = [t["name"] for t in report_d["tensors"] if t.get("super_weight")]
+        the_plan = make_plan(tensors, info, source.model_id, rules=rules, bpw=bpw, size_bytes=size, overhead_bytes=overhead,
+                             error_fn=error_fn_from_report(report_d),
+                             candidates=[c for c in report_d["candidates"] if get_format(c).allowed_in("safetensors")],
+                             defaults=default_rules(info, sw_tensors) if default_rules_on else (),
+                             error_source="measured kld", target="safetensors")
+    else:
+        the_plan = loaded_plan
+    if not use_imatrix:
+        imat = {}
+    elif im is not None:
+        imat = imatrix_by_gguf_name(im, ts)
+    else:
+        imat = _imatrix_from_file(imat_path, ts, info) if imat_path is not None else {}
+    rounding = _GPTQRounding(hf_model, tokenizer, spec, stats, gptq_damp, device, progress, timings) if gptq else None
+    keep = _super_weights(report_d) if keep_super_weights else {}
+    kept: dict[str, list] = {}
+    dev = torch.device(device)
+
+    def encode(e: PlanEntry, w: torch.Tensor) -> RuntimeWeight:
+        fmt = get_format(e.format)
+        module = e.hf_name.removesuffix(".weight")
+        imp = imat.get(e.name)
+        sw = keep.get(module)
+        rw = None
+        if rounding is not None and fmt.name != "NVFP4_G16":  # NVFP4's global scale is per tensor: plain rounding
+            q = rounding.encode(_Tensor(e), w.to(dev, torch.float32), fmt, imp)
+            if q is not None:
+                rw = from_records(q, fmt, tuple(w.shape))
+                if sw:
+                    r, c = zip(*sw)
+                    rw.super_weights = (torch.tensor(r), torch.tensor(c), w.detach()[list(r), list(c)].float().cpu())
+        if rw is None:
+            rw = encode_runtime(w.to(dev, torch.float32), fmt, imp, super_weights=tuple(zip(*sw)) if sw else None)
+        if rw.super_weights is not None:
+            kept[module] = [[int(r), int(c), float(v)] for r, c, v in zip(*(t.tolist() for t in rw.super_weights))]
+        return rw.to("cpu")
+
+    if output is None:
+        label = f"{bpw:g}bpw" if bpw is not None else (f"{size / 1e6:.0f}MB" if size is not None else "plan")
+        output = Path.cwd() / f"{source.name}-{label}-safetensors"
+    config = hf_model.config.to_dict()
+    config["dtype"] = "bfloat16"
+    config.pop("torch_dtype", None)
+    config["architectures"] = config.get("architectures") or [type(hf_model).__name__]  # vLLM picks the class by it
+    ignore = unquantized_linears(hf_model, the_plan)
+
+    def extra_files(folder: Path) -> None:
+        tokenizer.save_pretrained(str(folder))
+        if getattr(hf_model, "generation_config", None) is not None:
+            hf_model.generation_config.save_pretrained(str(folder))
+
+    t2 = time.perf_counter()
+    written = write_safetensors(output, the_plan, hf_model.state_dict(), encode, config, ignore=ignore, super_weights=kept,
+                                extension={"source": source.model_id, "plan_method": the_plan.method,
+                                           "bpw": round(the_plan.bpw, 4)},
+                                extra_files=extra_files, max_shard_bytes=max_shard_bytes, progress=progress)
+    timings["quantize_s"] = time.perf_counter() - t2
+    result = QuantizeResult(written.path, the_plan, written.size_bytes, the_plan.bpw, time.perf_counter() - t0,
+                            im.chunks if im else 0, timings_s=timings, gptq=rounding.summary() if rounding else None)
+    if size is not None and result.size_bytes > size:  # the overhead estimate is an upper bound; never expected
+        import shutil
+
+        shutil.rmtree(written.path, ignore_errors=True)
+        raise RuntimeError(f"{written.path}: {result.size_bytes} bytes exceeds the target {size}; removed")
+    if evaluate:
+        result.eval = _evaluate_models(hf_model, load(written.path, device=device, dtype=torch.float32), tokenizer,
+                                       eval_text, n_ctx, eval_chunks, progress)
+    return result
+
+
+def source_of_checkpoint(path: str | os.PathLike) -> str | None:
+    """The ``source`` recorded in a dynaquant safetensors checkpoint's config extension, or None."""
+    import json
+
+    cfg = Path(path) / "config.json"
+    qc = json.loads(cfg.read_text()).get("quantization_config") or {}
+    return (qc.get("dynaquant") or {}).get("source")

@@ -1,0 +1,285 @@
+"""dynaquant.kernels: packing, the torch reference, and the Triton kernels against it.
+
+Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set here before the
+kernels are first imported) on small shapes; on a CUDA machine the same tests run natively, and the
+``cuda`` tests add full-size shapes (Llama-3-8B's) and every path.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from dynaquant.kernels import (  # noqa: E402
+    DeviceInfo,
+    KernelFormat,
+    LaunchConfig,
+    choose_config,
+    dequantize,
+    dequantize_packed_ref,
+    dequantize_ref,
+    linear,
+    linear_ref,
+    pack,
+    unpack,
+    uses_triton,
+    valid_config,
+)
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+INTERPRETED = not HAS_CUDA
+
+FORMATS = ["INT4_G128", "INT4_G64_ASYM", "INT4_G32", "INT2_G128", "INT2_G32_ASYM", "INT3_G128", "INT3_G32_ASYM",
+           "INT8_G64", "INT8_G128_ASYM", "MXFP4_G32", "NVFP4_G16"]
+
+
+def random_weight(fmt: str, n: int, k: int, gen: torch.Generator, device=DEVICE):
+    """Random codes/scales/zeros of a format (the unpacked contract), as (codes, scales, zeros, global_scale)."""
+    f = KernelFormat.parse(fmt)
+    g = f.group_size
+    if f.kind == "int":
+        b = f.bits
+        if f.symmetric:
+            codes = torch.randint(-(1 << (b - 1)), 1 << (b - 1), (n, k), generator=gen).to(torch.int8)
+            zeros = None
+        else:
+            codes = torch.randint(0, 1 << b, (n, k), generator=gen).to(torch.uint8)
+            zeros = torch.randint(0, 1 << b, (n, k // g), generator=gen).to(torch.uint8)
+        sign = torch.where(torch.rand(n, k // g, generator=gen) < 0.1, -1.0, 1.0)  # symmetric scales may be negative
+        scales = ((torch.rand(n, k // g, generator=gen) * 0.02 + 0.002) * (sign if f.symmetric else 1.0)).to(torch.float16)
+        out = codes, scales, zeros, None
+    else:
+        codes = torch.randint(0, 16, (n, k), generator=gen).to(torch.uint8)
+        if f.kind == "mxfp4":
+            out = codes, torch.randint(118, 128, (n, k // g), generator=gen).to(torch.uint8), None, None
+        else:
+            scales = (torch.rand(n, k // g, generator=gen) * 440 + 2).to(torch.float8_e4m3fn)
+            out = codes, scales, None, torch.tensor(2688.0 / 1.7)
+    return tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in out)
+
+
+def packed_weight(fmt, n, k, gen, device=DEVICE, super_weights=None):
+    codes, scales, zeros, gs = random_weight(fmt, n, k, gen, device)
+    return pack(codes, scales, zeros, fmt, global_scale=gs, super_weights=super_weights)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(y).any()
+    return float((y.double() - ref.double()).norm() / ref.double().norm())
+
+
+def tolerance(dtype) -> float:
+    # one rounding of the output (fp16 2**-11, bf16 2**-8 relative); the interpreter rounds bf16 toward zero
+    return 1.5e-3 if dtype == torch.float16 else 8e-3
+
+
+def fp32_ref(x, pw, bias=None):
+    y = x.float() @ dequantize_packed_ref(pw).to(x.device).t()
+    return y if bias is None else y + bias.float()
+
+
+# ----------------------------------------------------------------------------------------------
+# formats, packing, reference
+
+
+def test_format_names():
+    assert KernelFormat.parse("int4_g128") == KernelFormat("int", 4, 128, True)
+    assert KernelFormat.parse("INT2_G64_ASYM") == KernelFormat("int", 2, 64, False)
+    assert KernelFormat.parse("MXFP4_G32").kind == "mxfp4" and KernelFormat.parse("NVFP4_G16").group_size == 16
+    for name in FORMATS:
+        assert KernelFormat.parse(name).name == name
+    with pytest.raises(ValueError):
+        KernelFormat.parse("Q4_K")
+    with pytest.raises(ValueError):
+        KernelFormat("int", 5, 128)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_pack_roundtrip(fmt):
+    gen = torch.Generator().manual_seed(1)
+    codes, scales, zeros, gs = random_weight(fmt, 24, 256, gen, "cpu")
+    pw = pack(codes, scales, zeros, fmt, global_scale=gs)
+    c2, s2, z2 = unpack(pw)
+    assert torch.equal(c2, codes) and c2.dtype == codes.dtype
+    assert torch.equal(s2.view(torch.uint8), scales.view(torch.uint8))
+    assert (z2 is None) == (zeros is None) and (zeros is None or torch.equal(z2, zeros))
+    bits = KernelFormat.parse(fmt).bits
+    assert pw.qweight.dtype == torch.int32 and pw.qweight.shape == (24, 256 * (2 if bits == 3 else bits) // 32)
+
+
+def test_pack_rejects_bad_input():
+    gen = torch.Generator().manual_seed(2)
+    codes, scales, zeros, _ = random_weight("INT4_G64_ASYM", 8, 128, gen, "cpu")
+    with pytest.raises(ValueError):
+        pack(codes, scales, None, "INT4_G64_ASYM")  # missing zeros
+    with pytest.raises(ValueError):
+        pack(codes.to(torch.int8), scales, zeros, "INT4_G64_ASYM")  # wrong code dtype
+    with pytest.raises(ValueError):
+        pack(codes[:, :96], scales[:, :1], zeros[:, :1], "INT4_G64_ASYM")  # K not a multiple of the group
+    with pytest.raises(ValueError):
+        pack((codes.to(torch.int8) + 8), scales, None, "INT4_G64")  # symmetric codes out of range
+    c, s, _, _ = random_weight("NVFP4_G16", 8, 64, gen, "cpu")
+    with pytest.raises(ValueError):
+        pack(c, s, None, "NVFP4_G16")  # no global scale
+
+
+def test_dequantize_ref_values():
+    # hand-computed values for each rule
+    codes = torch.tensor([[-8, 7] * 16], dtype=torch.int8)
+    scales = torch.tensor([[0.5]], dtype=torch.float16)
+    w = dequantize_ref(codes, scales, None, "INT4_G32")
+    assert w[0, 0] == -4.0 and w[0, 1] == 3.5
+    codes = torch.tensor([[0, 15] * 16], dtype=torch.uint8)
+    w = dequantize_ref(codes, scales, torch.tensor([[3]], dtype=torch.uint8), "INT4_G32_ASYM")
+    assert w[0, 0] == -1.5 and w[0, 1] == 6.0
+    codes = torch.arange(16, dtype=torch.uint8).repeat(2).reshape(1, 32)
+    w = dequantize_ref(codes, torch.tensor([[128]], dtype=torch.uint8), None, "MXFP4_G32")
+    assert w[0, :8].tolist() == [0, 1, 2, 3, 4, 6, 8, 12] and w[0, 15] == -12
+    w = dequantize_ref(codes[:, :16], torch.tensor([[2.0]]).to(torch.float8_e4m3fn), None, "NVFP4_G16",
+                       global_scale=4.0)
+    assert w[0, 7] == 3.0 and w[0, 9] == -0.25
+
+
+def test_reference_matches_runtime_decode():
+    """The kernels' reference decodes the unpacked contract as dynaquant.quant.runtime does."""
+    runtime = pytest.importorskip("dynaquant.quant.runtime")
+    if not hasattr(runtime, "encode") or not hasattr(runtime, "decode"):
+        pytest.skip("dynaquant.quant.runtime has no encode/decode")
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(16, 128, generator=gen)
+    for fmt in ["INT4_G128", "INT2_G64_ASYM", "INT3_G32", "INT8_G64_ASYM", "MXFP4_G32", "NVFP4_G16"]:
+        rw = runtime.encode(w, fmt)
+        codes, scales, zeros, gs = rw.unpacked()
+        ours = dequantize_ref(codes, scales, zeros, fmt, global_scale=gs)
+        assert torch.equal(ours, runtime.decode(rw)), fmt
+        pw = pack(codes, scales, zeros, fmt, global_scale=gs)
+        assert torch.allclose(dequantize_packed_ref(pw), ours)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels against the reference
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 5])
+def test_linear_matches_reference(fmt, m):
+    gen = torch.Generator().manual_seed(10 + m)
+    n, k = 40, 256  # N not a multiple of the row block, K = 2..16 groups
+    pw = packed_weight(fmt, n, k, gen)
+    dtype = torch.float16 if m == 5 else torch.bfloat16
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=gen).to(DEVICE, dtype) if fmt.startswith("INT4") else None
+    y = linear(x, pw, bias)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert rel_err(y, fp32_ref(x, pw, bias)) < tolerance(dtype)
+    assert rel_err(y, linear_ref(x, pw, bias)) < 2 * tolerance(dtype)
+
+
+@pytest.mark.parametrize("fmt", ["INT4_G128", "INT2_G32_ASYM", "MXFP4_G32"])
+@pytest.mark.parametrize("cfg", [LaunchConfig("gemv", 1, 32, 1, 1), LaunchConfig("gemv", 1, 16, 1, 4),
+                                 LaunchConfig("mm", 16, 16, 1, 2), LaunchConfig("mm", 16, 32, 2, 1),
+                                 LaunchConfig("dequant", 1, 16, 2, 1)])
+def test_paths_and_split_k(fmt, cfg):
+    """Every path, with and without split-K (the last program reduces; counters reset for the next call)."""
+    gen = torch.Generator().manual_seed(20)
+    n, k = 24, 512
+    pw = packed_weight(fmt, n, k, gen)
+    m = 1 if cfg.path == "gemv" else 3
+    for _ in range(2):  # a second call checks the split-K counters were reset
+        x = torch.randn(m, k, generator=gen).to(DEVICE, torch.float16)
+        y = linear(x, pw, config=cfg)
+        assert rel_err(y, fp32_ref(x, pw)) < tolerance(torch.float16)
+    assert int(pw.counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("fmt", ["INT4_G64", "INT3_G32", "MXFP4_G32", "NVFP4_G16", "INT4_G128_ASYM"])
+@pytest.mark.parametrize("groups,prefetch,split", [(1, True, 2), (2, False, 1), (4, True, 2)])
+def test_gemv_tiles_and_prefetch(fmt, groups, prefetch, split):
+    """GEMV K tiles of several groups, and the prefetch of the next tile (last tile masked)."""
+    f = KernelFormat.parse(fmt)
+    gen = torch.Generator().manual_seed(25)
+    n, k = 24, 16 * f.group_size
+    pw = packed_weight(fmt, n, k, gen)
+    cfg = LaunchConfig("gemv", 1, 16, groups, split, 4, 1, prefetch)
+    x = torch.randn(1, k, generator=gen).to(DEVICE, torch.float16)
+    if not valid_config(cfg, f, 1, n, k):
+        assert not f.symmetric and groups > 1  # asymmetric formats take one group a tile
+        with pytest.raises(ValueError):
+            linear(x, pw, config=cfg)
+        return
+    assert rel_err(linear(x, pw, config=cfg), fp32_ref(x, pw)) < tolerance(torch.float16)
+
+
+def test_batched_input_and_super_weights():
+    gen = torch.Generator().manual_seed(30)
+    n, k = 20, 128
+    rows, cols = torch.tensor([3, 3, 17]), torch.tensor([5, 100, 0])
+    vals = torch.tensor([40.0, -25.0, 60.0])
+    pw = packed_weight("INT4_G64", n, k, gen, super_weights=(rows, cols, vals))
+    w = dequantize_packed_ref(pw).cpu()
+    assert torch.equal(w[rows, cols], vals)
+    x = torch.randn(2, 3, k, generator=gen).to(DEVICE, torch.float16)
+    y = linear(x, pw)
+    assert y.shape == (2, 3, n)
+    assert rel_err(y, (x.float() @ w.to(DEVICE).t())) < tolerance(torch.float16)
+    wd = dequantize(pw, torch.float32)
+    assert torch.allclose(wd, w.to(wd.device), rtol=0, atol=1e-6)
+
+
+def test_fallback_and_errors():
+    gen = torch.Generator().manual_seed(40)
+    pw = packed_weight("INT2_G64", 16, 128, gen)
+    x = torch.randn(3, 128, generator=gen).to(DEVICE)
+    assert not uses_triton(x)  # float32 takes the torch path
+    assert torch.allclose(linear(x, pw), x @ dequantize_packed_ref(pw).to(DEVICE).t(), atol=1e-5)
+    with pytest.raises(ValueError):
+        linear(x[:, :64], pw)
+    with pytest.raises(ValueError):
+        linear(x.half(), pw, config=LaunchConfig("gemv", 1, 16, 1, 3))  # split does not divide the groups
+    assert linear(x[:0].half(), pw).shape == (0, 16)
+
+
+def test_import_does_not_load_triton(tmp_path):
+    code = "import sys, dynaquant, dynaquant.kernels; assert 'triton' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
+
+
+def test_choose_config_llama_shapes():
+    dev = DeviceInfo("NVIDIA H100 80GB HBM3", 132, (9, 0))
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (1024, 4096)]
+    for fmt in FORMATS:
+        f = KernelFormat.parse(fmt)
+        for n, k in shapes:
+            for m in (1, 4, 16, 64, 256):
+                cfg = choose_config(f, m, n, k, dev)
+                assert valid_config(cfg, f, m, n, k), (fmt, m, n, k, cfg)
+    assert choose_config(KernelFormat.parse("INT4_G128"), 1, 4096, 4096, dev).path == "gemv"
+
+
+# ----------------------------------------------------------------------------------------------
+# full size, on a GPU
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_full_size(fmt):
+    gen = torch.Generator().manual_seed(50)
+    for n, k in [(6144, 4096), (4096, 14336), (1000, 4096)]:
+        pw = packed_weight(fmt, n, k, gen)
+        w = dequantize_packed_ref(pw)
+        for m in (1, 4, 16, 64, 256):
+            x = torch.randn(m, k, generator=gen).to(DEVICE, torch.bfloat16)
+            y = linear(x, pw)
+            ref = x.float() @ w.t()
+            assert rel_err(y, ref) < 5e-3, (fmt, n, k, m)
+        assert torch.allclose(dequantize(pw, torch.float32), w, rtol=1e-6, atol=0)  # NVFP4: s * (1 / gs) vs s / gs
