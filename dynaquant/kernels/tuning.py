@@ -122,10 +122,19 @@ def _gemv_config(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> LaunchCo
     # measured on an H100 (benchmarks/kernels.py --sweep, M = 1, Llama-3-8B shapes): 4 rows a thread
     # for groups of 8+ words, 2 rows a thread (BLOCK_N 256) for smaller groups (MXFP4: 10-20 % faster
     # than 4); K split until about 2 programs per SM
-    rows = 4 if _words_per_group(fmt) >= 8 else 2
-    block_n = _gemv_rows(fmt, 4, rows)
-    split = _split_for(n_groups, 1, -(-n // block_n), 2 * dev.sm_count, 32)
-    return LaunchConfig("gemv", 1, block_n, 1, split, 4, 1)
+    # Third run (2026-11-22, 264 candidates): 2-group K tiles with prefetch for int 16-word groups
+    # (INT4_G128: 2-8 % on q/o, gate/up, down), 32-word tiles for MXFP4 up to N = 8192 (6-18 %);
+    # more programs per SM (4, 8), 8 warps or num_stages 3 did not help
+    wpg = _words_per_group(fmt)
+    groups, prefetch = 1, False
+    if fmt.symmetric and fmt.kind == "int" and wpg == 16 and n_groups % 2 == 0:
+        groups, prefetch = 2, True
+    elif fmt.symmetric and fmt.kind == "mxfp4" and n <= 8192 and n_groups % (32 // wpg) == 0:
+        groups = 32 // wpg
+    rows = 4 if (wpg >= 8 or groups > 1) else 2
+    block_n = _gemv_rows(fmt, 4, rows, groups)
+    split = _split_for(n_groups, groups, -(-n // block_n), 2 * dev.sm_count, 32)
+    return LaunchConfig("gemv", 1, block_n, groups, split, 4, 1, prefetch)
 
 
 def _mm_config(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) -> LaunchConfig:
@@ -166,26 +175,29 @@ def gemv_candidates(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> list[
     n_groups = k // fmt.group_size
     wpg = _words_per_group(fmt)
     out = []
-    for warps, rows_options in ((4, (2, 4, 8)), (8, (2, 4))):
-        for rows in rows_options:
-            block_n = _gemv_rows(fmt, warps, rows)
-            if block_n > 1024:
-                continue
-            tiles = -(-n // block_n)
-            for target in (1, 2):
-                split = _split_for(n_groups, 1, tiles, target * dev.sm_count, 32)
-                out.append(LaunchConfig("gemv", 1, block_n, 1, split, warps, 1))
-                if warps == 4 and rows in (2, 4) and target == 2:
-                    out.append(LaunchConfig("gemv", 1, block_n, 1, split, warps, 1, True))
+    for warps, rows, targets in ((4, 1, (2, 4, 8)), (4, 2, (2, 4, 8)), (4, 4, (2, 4, 8)), (4, 8, (1, 2)),
+                                 (8, 1, (2, 4)), (8, 2, (2, 4))):
+        block_n = _gemv_rows(fmt, warps, rows)
+        if block_n > 1024:
+            continue
+        tiles = -(-n // block_n)
+        for target in targets:  # programs per SM: more resident warps keep more loads in flight
+            split = _split_for(n_groups, 1, tiles, target * dev.sm_count, 32)
+            out.append(LaunchConfig("gemv", 1, block_n, 1, split, warps, 1))
+            if warps == 4 and rows in (2, 4) and target in (2, 4):
+                out.append(LaunchConfig("gemv", 1, block_n, 1, split, warps, 1, True))
+            if warps == 4 and rows == 4 and target in (2, 4):
+                out.append(LaunchConfig("gemv", 1, block_n, 1, split, warps, 3))
     if fmt.symmetric and wpg < 32:
         groups = 32 // wpg
         for rows in (2, 4):
             block_n = _gemv_rows(fmt, 4, rows, groups)
             if n_groups % groups or block_n > 1024:
                 continue
-            split = _split_for(n_groups, groups, -(-n // block_n), 2 * dev.sm_count, 32)
-            for prefetch in (False, True):
-                out.append(LaunchConfig("gemv", 1, block_n, groups, split, 4, 1, prefetch))
+            for target in (2, 4):
+                split = _split_for(n_groups, groups, -(-n // block_n), target * dev.sm_count, 32)
+                for prefetch in (False, True):
+                    out.append(LaunchConfig("gemv", 1, block_n, groups, split, 4, 1, prefetch))
     return [c for c in dict.fromkeys(out) if valid_config(c, fmt, 1, n, k)]
 
 
