@@ -14,8 +14,9 @@ default choice of ``choose_config``.
 
 Output: a JSON list (``--out``, default ``benchmarks/out/kernels.json``), rewritten after every row:
 a header row (device, versions, ceiling), ``bf16`` rows, ``kernel`` rows, ``sweep`` rows and ``step``
-rows (one decode step's linear layers summed: 32 x (q, k, v, o, gate, up, down) + lm_head), and a
-table printed at the end.
+rows (one decode step's linear layers summed: 32 x (q, k, v, o, gate, up, down) + lm_head), ``step_fused``
+rows (32 x (qkv, o, gate+up, down) + lm_head: the calls ``dynaquant.load`` makes, q/k/v and gate/up
+stacked), both against bf16 called as transformers calls it, and a table printed at the end.
 
 Usage (on a CUDA machine):
     python benchmarks/kernels.py [--formats INT4_G128,MXFP4_G32] [--m 1,4,16] [--sweep] [--quick]
@@ -50,13 +51,18 @@ from dynaquant.kernels.tuning import gemv_candidates, mm_candidates, valid_confi
 log = logging.getLogger("kernels")
 
 # Llama-3-8B: hidden 4096, 32 heads x 128 (8 KV heads), FFN 14336, vocab 128256, 32 layers
-SHAPES = {  # name: (N, K, calls per decode step)
+SHAPES = {  # name: (N, K, calls per decode step as transformers makes them)
     "q_o": (4096, 4096, 64),
     "k_v": (1024, 4096, 64),
     "gate_up": (14336, 4096, 64),
     "down": (4096, 14336, 32),
     "lm_head": (128256, 4096, 1),
+    "qkv": (6144, 4096, 0),  # q/k/v stacked, as dynaquant.load fuses them
+    "gate_up2": (28672, 4096, 0),  # gate/up stacked
 }
+# One decode step's calls: separate (transformers' layers) and fused (dynaquant.load's default).
+STEPS = {"step": {"q_o": 64, "k_v": 64, "gate_up": 64, "down": 32, "lm_head": 1},
+         "step_fused": {"qkv": 32, "q_o": 32, "gate_up2": 32, "down": 32, "lm_head": 1}}
 FORMATS = ["INT4_G128", "INT2_G128", "MXFP4_G32", "INT4_G128_ASYM", "INT4_G64", "INT4_G32", "INT2_G64",
            "INT2_G32_ASYM", "INT3_G128", "INT8_G128", "NVFP4_G16"]
 PRIORITY = ["INT4_G128", "INT2_G128", "MXFP4_G32"]
@@ -64,7 +70,7 @@ MS = [1, 4, 16, 64, 256]
 MIN_BYTES = 512 << 20
 DEVICE = "cuda"
 DRY_SHAPES = {"q_o": (64, 256, 64), "k_v": (32, 256, 64), "gate_up": (96, 256, 64), "down": (64, 512, 32),
-              "lm_head": (128, 256, 1)}
+              "lm_head": (128, 256, 1), "qkv": (128, 256, 0), "gate_up2": (192, 256, 0)}
 
 
 def _version(pkg: str) -> str | None:
@@ -312,7 +318,7 @@ def main(argv=None) -> int:
     def candidates(f, m, n, k):
         default = choose_config(f, m, n, k, info)
         cands = gemv_candidates(f, n, k, info) if m == 1 else []
-        cands += [c for c in mm_candidates(f, max(m, 2), n, k, info) if c.num_warps == 4 and c.groups * f.group_size <= 128]
+        cands += [c for c in mm_candidates(f, max(m, 2), n, k, info) if (c.num_warps == 4 or m > 64) and c.groups * f.group_size <= 128]
         return [c for c in dict.fromkeys([default] + cands) if valid_config(c, f, m, n, k)]
 
     def jobs_for(fmt: str, sweep: bool) -> list:
@@ -413,21 +419,25 @@ def main(argv=None) -> int:
         run_format(fmt)
 
     out.rows[0]["compile_s"] = compile_s
-    # one decode step's linear layers
-    for fmt in formats:
-        for m in ms:
-            rows = {r["shape"]: r for r in table if r["format"] == fmt and r["m"] == m}
-            if set(rows) != set(SHAPES):
-                continue
-            tq = sum(SHAPES[s][2] * rows[s]["time_s"] for s in SHAPES)
-            tb = sum(SHAPES[s][2] * bf16[(s, m)] for s in SHAPES)
-            nbytes = sum(SHAPES[s][2] * rows[s]["weight_bytes"] for s in SHAPES)
-            step = {"row": "step", "format": fmt, "m": m, "time_s": tq, "bf16_time_s": tb, "speedup_vs_bf16": tb / tq,
-                    "weight_bytes": nbytes, "fraction_of_ceiling": nbytes / tq / ceil}
-            if any("best_time_s" in rows[s] for s in SHAPES):
-                tbest = sum(SHAPES[s][2] * rows[s].get("best_time_s", rows[s]["time_s"]) for s in SHAPES)
-                step.update(best_time_s=tbest, best_speedup_vs_bf16=tb / tbest)
-            out.add(step)
+    # one decode step's linear layers: separate calls and fused q/k/v, gate/up; against bf16 as transformers
+    # calls it (separate), and bf16 fused too
+    for kind, calls in STEPS.items():
+        for fmt in formats:
+            for m in ms:
+                rows = {r["shape"]: r for r in table if r["format"] == fmt and r["m"] == m}
+                if not set(calls) <= set(rows) or not all((s, m) in bf16 for s in STEPS["step"]):
+                    continue
+                tq = sum(c * rows[s]["time_s"] for s, c in calls.items())
+                tb = sum(c * bf16[(s, m)] for s, c in STEPS["step"].items())
+                nbytes = sum(c * rows[s]["weight_bytes"] for s, c in calls.items())
+                step = {"row": kind, "format": fmt, "m": m, "time_s": tq, "bf16_time_s": tb, "speedup_vs_bf16": tb / tq,
+                        "weight_bytes": nbytes, "fraction_of_ceiling": nbytes / tq / ceil, "calls": sum(calls.values())}
+                if all((s, m) in bf16 for s in calls):
+                    step["bf16_same_calls_time_s"] = sum(c * bf16[(s, m)] for s, c in calls.items())
+                if any("best_time_s" in rows[s] for s in calls):
+                    tbest = sum(c * rows[s].get("best_time_s", rows[s]["time_s"]) for s, c in calls.items())
+                    step.update(best_time_s=tbest, best_speedup_vs_bf16=tb / tbest)
+                out.add(step)
 
     # table
     print(f"\n{props.name}  read ceiling {ceiling['read_bandwidth_gbps']:.0f} GB/s   torch {torch.__version__} "
@@ -437,11 +447,12 @@ def main(argv=None) -> int:
         print(f"{r['format']:16s} {r['shape']:8s} {r['m']:4d} {r['time_s'] * 1e6:8.1f} {r['bf16_time_s'] * 1e6:8.1f} "
               f"{r['speedup_vs_bf16']:7.2f} {r['bandwidth_gbps']:6.0f} {100 * r['fraction_of_ceiling']:6.1f} "
               f"{r['rel_err']:8.1e}")
-    print("\ndecode step (32 layers + lm_head):")
+    print("\ndecode step (32 layers + lm_head; step_fused: q/k/v and gate/up one call each), against bf16 as "
+          "transformers calls it:")
     for r in out.rows:
-        if r.get("row") == "step":
+        if r.get("row") in STEPS:
             extra = f"  best configs {r['best_speedup_vs_bf16']:.2f}x" if "best_speedup_vs_bf16" in r else ""
-            print(f"  {r['format']:16s} m={r['m']:<4d} {r['time_s'] * 1e6:9.1f} us vs bf16 {r['bf16_time_s'] * 1e6:9.1f} us"
+            print(f"  {r['row']:10s} {r['format']:16s} m={r['m']:<4d} {r['time_s'] * 1e6:9.1f} us vs bf16 {r['bf16_time_s'] * 1e6:9.1f} us"
                   f"  {r['speedup_vs_bf16']:.2f}x  {100 * r['fraction_of_ceiling']:.0f}% of ceiling{extra}")
     log.info("wrote %s (%.0f s)", args.out, time.time() - t_start)
     return 0

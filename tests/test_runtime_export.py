@@ -309,3 +309,55 @@ def test_kernels_package_takes_runtime_weights(name):
     x, bias = torch.randn(3, 256), torch.randn(40)
     y = op.linear(x, packed, bias)
     assert torch.allclose(y, torch.nn.functional.linear(x, decode(rw), bias), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_projections_equal_separate_calls(tmp_path, monkeypatch):
+    """q/k/v and gate/up fused into one call each (stand-in kernel op): same logits as separate calls,
+    any call order, biases and super weights kept; a format mismatch leaves that group unfused."""
+    calls = []
+
+    class FakeOp:
+        @staticmethod
+        def prepare(weight):
+            return decode(weight)
+
+        @staticmethod
+        def linear(x, packed, bias):
+            calls.append(packed.shape[0])
+            return torch.nn.functional.linear(x, packed.to(x.dtype), bias)
+
+    monkeypatch.setattr(rt, "_kernel_device", lambda t: True)
+    monkeypatch.setattr(rt, "kernel_op", lambda fmt: FakeOp)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(3)  # Qwen2: q/k/v have biases, which the fused call keeps
+    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=320)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for n in ("q_proj", "k_proj", "v_proj"):
+                layer.self_attn.get_submodule(n).bias.normal_(0, 0.1)
+    formats = ("INT4_G64",) * 9 + ("INT8_G32",) + ("INT4_G64",) * 5  # layer 1: v differs -> q/k/v not fused
+    plan = _plan(model, formats)
+    out = tmp_path / "ckpt"
+    _export(model, out, plan, super_weights={"model.layers.0.self_attn.k_proj": ([1], [2])})
+    ids = torch.tensor([[1, 5, 9, 200, 7]])
+    sep = load(out, device="cpu", dtype=torch.bfloat16, fuse=False)
+    fused = load(out, device="cpu", dtype=torch.bfloat16)
+    assert rt.fuse_projections(fused) == 0  # already fused
+    groups = {m._fused[0] for m in fused.modules() if isinstance(m, DynaLinear) and m._fused is not None}
+    assert len(groups) == 3  # layer 0 q/k/v, both gate/up; layer 1 q/k/v mixes INT4_G64 and INT8_G32
+    calls.clear()
+    with torch.no_grad():
+        a = sep(ids).logits
+        n_sep = len(calls)
+        calls.clear()
+        b = fused(ids).logits
+    assert n_sep == 15 and len(calls) == 15 - 2 - 1 - 1  # 3 -> 1 once, 2 -> 1 twice
+    assert torch.equal(a, b)
+    attn = fused.model.layers[0].self_attn
+    x = torch.randn(2, 3, 128, dtype=torch.bfloat16)
+    ref = [sep.model.layers[0].self_attn.get_submodule(n)(x) for n in ("q_proj", "k_proj", "v_proj")]
+    assert torch.equal(attn.v_proj(x), ref[2]) and torch.equal(attn.q_proj(x), ref[0])  # out of order
+    assert torch.equal(attn.k_proj(x), ref[1])
+    assert torch.equal(attn.k_proj(x.clone()), ref[1])  # another tensor: recomputed
