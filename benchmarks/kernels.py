@@ -318,7 +318,8 @@ def main(argv=None) -> int:
     def candidates(f, m, n, k):
         default = choose_config(f, m, n, k, info)
         cands = gemv_candidates(f, n, k, info) if m == 1 else []
-        cands += [c for c in mm_candidates(f, max(m, 2), n, k, info) if (c.num_warps == 4 or m > 64) and c.groups * f.group_size <= 128]
+        cands += [c for c in mm_candidates(f, max(m, 2), n, k, info)
+                  if (c.num_warps == 4 or m > 64) and c.groups * f.group_size <= 128]
         return [c for c in dict.fromkeys([default] + cands) if valid_config(c, f, m, n, k)]
 
     def jobs_for(fmt: str, sweep: bool) -> list:
@@ -452,7 +453,8 @@ def main(argv=None) -> int:
     for r in out.rows:
         if r.get("row") in STEPS:
             extra = f"  best configs {r['best_speedup_vs_bf16']:.2f}x" if "best_speedup_vs_bf16" in r else ""
-            print(f"  {r['row']:10s} {r['format']:16s} m={r['m']:<4d} {r['time_s'] * 1e6:9.1f} us vs bf16 {r['bf16_time_s'] * 1e6:9.1f} us"
+            print(f"  {r['row']:10s} {r['format']:16s} m={r['m']:<4d} {r['time_s'] * 1e6:9.1f} us "
+                  f"vs bf16 {r['bf16_time_s'] * 1e6:9.1f} us"
                   f"  {r['speedup_vs_bf16']:.2f}x  {100 * r['fraction_of_ceiling']:.0f}% of ceiling{extra}")
     log.info("wrote %s (%.0f s)", args.out, time.time() - t_start)
     return 0

@@ -75,6 +75,7 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
         checkpoint.SourceError, planner.BudgetError, ValueError: as ``dynaquant.quantize``; also a GGUF plan,
         or a report without runtime formats.
     """
+    from .analysis.report import load_report
     from .pipeline import (
         QuantizeResult,
         _check_report,
@@ -83,8 +84,7 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
         _imatrix_from_file,
         _imatrix_path,
         _load_plan,
-        _load_report,
-        calibration_chunks_of,
+        calibration_ids,
         default_device,
         imatrix_by_gguf_name,
         model_info,
@@ -110,10 +110,10 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
         if loaded_plan.target != "safetensors":
             raise ValueError(f"{where}: a {loaded_plan.target} plan; make one with 'dynaquant plan --target safetensors'")
         loaded_plan.check_tensors(tensors, where)
-    report_d = _load_report(report) if report is not None and not isinstance(report, dict) else report
+    report_d = load_report(report) if report is not None and not isinstance(report, dict) else report
     if report_d is None and loaded_plan is not None and loaded_plan.sources.get("report"):
         p = Path(loaded_plan.sources["report"])
-        report_d = _load_report(p) if p.is_file() else None
+        report_d = load_report(p) if p.is_file() else None
     dynamic = loaded_plan is None
     overhead = safetensors_overhead_bytes(tensors)
     defaults = default_rules(info) if default_rules_on else ()
@@ -140,7 +140,7 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
         report_d, im, stats = res.report, res.imatrix, res.stats
     elif needs_imatrix:
         t1 = time.perf_counter()
-        im = compute_imatrix(hf_model, calibration_chunks_of(tokenizer, spec), spec.id, progress=progress)
+        im = compute_imatrix(hf_model, calibration_ids(tokenizer, spec), spec.id, progress=progress)
         timings["imatrix_s"] = time.perf_counter() - t1
     if dynamic:
         _check_report(report_d, tensors, report if report is not None and not isinstance(report, dict) else "report")
