@@ -359,6 +359,14 @@ HAND = {
                                                      "ffn_down=q5_k", "ffn_gate=q4_1", "ffn_up=q5_0"]},
     "Q2_K": {"token_embd": "q5_0", "tensor_types": ["attn_v=q5_1", "attn_k=q4_1", "attn_q=q4_1", "attn_output=q5_1",
                                                    "ffn_down=q4_k", "ffn_gate=q4_1", "ffn_up=q4_1"]},
+    # the i-quant mixes' sizes (llama.cpp keeps the tied embedding at Q8_0 there: a third of the file); no i-quants by
+    # hand: on SmolLM2 only ffn_down could take them, and Q4_K there is what a careful person keeps
+    "IQ2_XS": {"token_embd": "q5_0", "tensor_types": ["attn_v=q8_0", "attn_k=q5_0", "attn_q=q4_1", "attn_output=q4_1",
+                                                     "ffn_down=q4_k", "ffn_gate=iq4_nl", "ffn_up=iq4_nl"]},
+    "IQ2_XXS": {"token_embd": "q5_0", "tensor_types": ["attn_v=q8_0", "attn_k=q5_0", "attn_q=q4_1", "attn_output=iq4_nl",
+                                                      "ffn_down=q4_k", "ffn_gate=iq4_nl", "ffn_up=iq4_nl"]},
+    "IQ1_S": {"token_embd": "q4_1", "tensor_types": ["attn_v=q8_0", "attn_k=q5_0", "attn_q=q4_1", "attn_output=iq4_nl",
+                                                    "ffn_down=q4_k", "ffn_gate=iq4_nl", "ffn_up=iq4_nl"]},
 }
 
 

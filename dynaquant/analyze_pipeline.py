@@ -26,13 +26,14 @@ from .analysis.stats import ModelStats, collect_stats, module_of
 from .analysis.superweights import confirm, find_candidates
 from .checkpoint import ModelSource, load_model, load_tokenizer, resolve_source
 from .exporters.gguf_source import TensorSource
+from .quant.codecs import get_codec
 from .quant.formats import get_format
 from .quant.plan import Plan
 from .quant.planner import GGUF_CANDIDATES, default_rules, error_fn_from_report, make_plan
 
 log = logging.getLogger(__name__)
 
-# Formats measured for every tensor by default: the allocator's GGUF candidates.
+# Formats measured for every tensor by default: the allocator's GGUF candidates (those with a codec).
 DEFAULT_CANDIDATES = tuple(sorted(GGUF_CANDIDATES, key=lambda f: (get_format(f).bpw, f)))
 
 
@@ -201,7 +202,7 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
             plan = make_plan(tensors, info, source.model_id, size_bytes=size, overhead_bytes=overhead_bytes,
                              error_fn=err_fn, defaults=default_rules(info, sorted(sw_tensors)),
                              candidates=[c for c in candidates if get_format(c).allowed_in("gguf")] or None,
-                             error_source="measured kld")
+                             error_source="measured kld", has_imatrix=True)
             params = dict(model.named_parameters())  # a tied output head has no parameter of its own
             fmts = {by_gguf[e.name].hf_name: e.format for e in plan.entries
                     if by_gguf[e.name].quantizable and by_gguf[e.name].hf_name in params}
@@ -254,7 +255,7 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
         output_dir: where ``report.json`` and ``imatrix.gguf`` (llama.cpp's GGUF imatrix format) are
             written (created if needed); None writes nothing.
         calibration: what to calibrate on (default: 64 sequences of 512 tokens of the offline default).
-        candidates: GGUF formats to measure for every tensor.
+        candidates: GGUF formats to measure for every tensor (default: the planner's, those with a codec).
         fisher_sequences: sequences that also get a backward pass for the Fisher diagonals.
         super_weights: detect and confirm super weights (Yu et al. 2024).
         sensitivity_formats: optional end-to-end sensitivity per block attention / MLP group in these formats.
@@ -264,6 +265,7 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
         AnalysisResult.
     Raises:
         checkpoint.SourceError / ValueError: the model or calibration source cannot be used (named).
+        KeyError: a candidate format is unknown or has no codec registered.
     """
     from .pipeline import (
         _empty_plan,
@@ -283,7 +285,7 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
     source = resolve_source(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     ts = open_tensor_source(source)
     for f in candidates:
-        get_format(f)
+        get_codec(f)  # KeyError (named) for an unknown format or one without a codec
     hf_model = load_model(source, dtype=getattr(torch, dtype), device=device or default_device())
     tokenizer = load_tokenizer(source)
     timings["load_s"] = time.perf_counter() - t0
@@ -292,7 +294,7 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
     kv = _extra_kv(source, _empty_plan(), Imatrix(dataset=" " * 64))  # as quantize() estimates it
     overhead = _overhead_bytes(ts, tensors, kv)
     if validate_presets:
-        validate = tuple((f"{p} size", make_plan(tensors, model_info(ts), preset=p).size_bytes + overhead)
+        validate = tuple((f"{p} size", make_plan(tensors, model_info(ts), preset=p, has_imatrix=True).size_bytes + overhead)
                          for p in validate_presets)
     res = run_analysis(source, ts, hf_model, tokenizer, spec, candidates=candidates, fisher_sequences=fisher_sequences,
                        super_weights=super_weights, sensitivity_formats=sensitivity_formats, validate=validate,
@@ -369,7 +371,7 @@ def make_dynamic_plan(report: dict | str | os.PathLike, *, bpw: float | None = N
     plan = make_plan(tensors, info, m.get("id", ""), rules=rules, bpw=bpw, size_bytes=size, overhead_bytes=overhead,
                      error_fn=error_fn_from_report(rep), candidates=candidates,
                      defaults=default_rules(info, sw) if default_rules_on else (), error_source="measured kld",
-                     target=target)
+                     target=target, has_imatrix=True)  # the analysis had an imatrix; quantize refuses the plan without one
     if path is not None:
         plan.sources["report"] = str(path.resolve())
         if rep.get("imatrix"):

@@ -144,7 +144,10 @@ def _quantize(a, bare: bool) -> int:
     print(f"  formats by weights: {mix}")
     if res.gptq:
         for f, g in res.gptq.items():
-            print(f"  GPTQ {f}: {g['gptq']}/{g['tensors']} tensors, held-out output error x{g['mean_ratio']:.3f} vs plain")
+            if g.get("plain_only"):
+                print(f"  GPTQ {f}: vector-quantized, {g['tensors']} tensors rounded plainly")
+            else:
+                print(f"  GPTQ {f}: {g['gptq']}/{g['tensors']} tensors, held-out output error x{g['mean_ratio']:.3f} vs plain")
     if res.eval:
         _print_eval(res.eval)
     return 0

@@ -35,7 +35,7 @@ from .quant.codecs import quantize as encode_tensor
 from .quant.formats import Format, get_format
 from .quant.plan import Plan, TensorInfo
 from .quant.planner import GGUF_CANDIDATES, default_rules, error_fn_from_report, make_plan
-from .quant.presets import PRESETS, ModelInfo
+from .quant.presets import PRESETS, ModelInfo, requires_imatrix
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,11 @@ _FILE_TYPE_OF_FORMAT = {
     "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
     "IQ4_NL": gguf.LlamaFileType.MOSTLY_IQ4_NL, "MXFP4": gguf.LlamaFileType.MOSTLY_MXFP4_MOE,
     "Q3_K": gguf.LlamaFileType.MOSTLY_Q3_K_M, "Q2_K": gguf.LlamaFileType.MOSTLY_Q2_K,
+    "IQ4_XS": gguf.LlamaFileType.MOSTLY_IQ4_XS, "NVFP4": gguf.LlamaFileType.MOSTLY_NVFP4,
+    "IQ3_S": gguf.LlamaFileType.MOSTLY_IQ3_S, "IQ3_XXS": gguf.LlamaFileType.MOSTLY_IQ3_XXS,
+    "IQ2_S": gguf.LlamaFileType.MOSTLY_IQ2_M, "IQ2_XS": gguf.LlamaFileType.MOSTLY_IQ2_XS,
+    "IQ2_XXS": gguf.LlamaFileType.MOSTLY_IQ2_XXS, "IQ1_M": gguf.LlamaFileType.MOSTLY_IQ1_M,
+    "IQ1_S": gguf.LlamaFileType.MOSTLY_IQ1_S,
 }
 
 
@@ -226,16 +231,20 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         gptq: error-compensating rounding (GPTQ, Frantar et al. 2022) for every matmul weight, using
             each layer's input second moments from the calibration text (damping ``gptq_damp``); for each
             tensor the rounding (GPTQ or plain) with the lower layer-output error on two held-out
-            calibration sequences is written. The GGUF layout is unchanged.
+            calibration sequences is written. The GGUF layout is unchanged. Vector-quantized formats
+            (IQ3_XXS, IQ3_S, IQ2_*, IQ1_*) have no per-weight rounding: their tensors are rounded plainly.
         target: ``gguf``, or ``safetensors``: a compressed-tensors checkpoint folder in the runtime formats,
             planned by ``bpw`` / ``size`` / ``plan`` (no presets), run by ``dynaquant.load``
             (:func:`dynaquant.safetensors_pipeline.quantize_safetensors`).
     Returns:
-        QuantizeResult (``gptq`` says per format how many tensors took GPTQ and the mean error ratio).
+        QuantizeResult (``gptq`` says per format how many tensors took GPTQ and the mean error ratio,
+        or ``plain_only`` for the vector-quantized formats).
     Raises:
         checkpoint.SourceError: the model cannot be found or read.
         planner.BudgetError: the target is below what the fixed rules need.
-        ValueError: bad rules, plan, report, imatrix or options (messages name the culprit).
+        ValueError: bad rules, plan, report, imatrix or options (messages name the culprit); a plan or
+            preset with formats llama.cpp writes only with an imatrix (IQ3_XXS, IQ2_*, IQ1_*:
+            ``presets.requires_imatrix``) when no imatrix is used or it lacks one of those tensors.
     """
     if target == "safetensors":
         if preset is not None:
@@ -273,12 +282,15 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         overhead = _overhead_bytes(ts, tensors, kv)
         if bpw is None and size is None:
             size = make_plan(tensors, info, preset="Q4_K_M").size_bytes + overhead
-        make_plan(tensors, info, rules=rules, bpw=bpw, size_bytes=size, overhead_bytes=overhead)  # fails fast
+        make_plan(tensors, info, rules=rules, bpw=bpw, size_bytes=size, overhead_bytes=overhead,
+                  has_imatrix=use_imatrix)  # fails fast
     if loaded_plan is not None:
         loaded_plan.check_tensors(tensors, str(plan) if not isinstance(plan, Plan) else "plan")
         the_plan = loaded_plan
     elif preset is not None:
-        the_plan = make_plan(tensors, info, source.model_id, preset=preset, rules=rules)
+        the_plan = make_plan(tensors, info, source.model_id, preset=preset, rules=rules, has_imatrix=use_imatrix)
+    if not use_imatrix and not dynamic:
+        _check_imatrix_needs(the_plan, set())
     imat_path = _imatrix_path(imatrix, report, report_d, loaded_plan)
     needs_imatrix = use_imatrix and imat_path is None and (
         dynamic or any(get_format(e.format).kind != "float" for e in the_plan.entries))
@@ -308,7 +320,8 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         the_plan = make_plan(tensors, info, source.model_id, rules=rules, bpw=bpw, size_bytes=size,
                              overhead_bytes=overhead, error_fn=error_fn_from_report(report_d),
                              candidates=[c for c in report_d["candidates"] if c in GGUF_CANDIDATES] or GGUF_CANDIDATES,
-                             defaults=default_rules(info, sw) if default_rules_on else (), error_source="measured kld")
+                             defaults=default_rules(info, sw) if default_rules_on else (), error_source="measured kld",
+                             has_imatrix=use_imatrix)
     rounding = _GPTQRounding(hf_model, tokenizer, spec, stats, gptq_damp, device, progress, timings) if gptq else None
     if not evaluate:
         hf_model = None
@@ -321,6 +334,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         imat = _imatrix_from_file(imat_path, ts, info)
     else:
         imat = {}
+    _check_imatrix_needs(the_plan, set(imat))
     dev = torch.device(device)
 
     def encode(t: SourceTensor, w: torch.Tensor, fmt: Format) -> np.ndarray:
@@ -363,14 +377,19 @@ class _GPTQRounding:
         self.damp, self.device = damp, device
         self.ratios: dict[str, list[float]] = {}
         self.used: dict[str, int] = {}
+        self.plain_only: dict[str, int] = {}  # vector-quantized formats: no per-weight rounding, encoded plainly
         timings["gptq_stats_s"] = time.perf_counter() - t0
 
     def encode(self, t: SourceTensor, w: torch.Tensor, fmt: Format, imp) -> torch.Tensor | None:
+        """GGUF bytes of one tensor, or None where GPTQ does not apply (the caller encodes plainly)."""
         from .quant.codecs import dequantize
-        from .quant.gptq import gptq_round, output_error
+        from .quant.gptq import gptq_round, output_error, supports_gptq
 
         module = module_of(t.hf_name)
         if module is None or module not in self.fit.input_of or w.ndim != 2 or t.gguf_name.startswith("token_embd"):
+            return None
+        if not supports_gptq(fmt):
+            self.plain_only[fmt.name] = self.plain_only.get(fmt.name, 0) + 1
             return None
         h_fit = self.fit.input(module).hessian.to(self.device)
         h_check = self.check.input(module).hessian.to(self.device)
@@ -385,9 +404,31 @@ class _GPTQRounding:
         return plain
 
     def summary(self) -> dict:
-        """Per format: tensors tried, tensors that took GPTQ, mean held-out output-error ratio GPTQ / plain."""
-        return {f: {"tensors": len(r), "gptq": self.used.get(f, 0), "mean_ratio": round(sum(r) / len(r), 4)}
-                for f, r in self.ratios.items()}
+        """Per format: tensors tried, tensors that took GPTQ, mean held-out output-error ratio GPTQ / plain.
+
+        Vector-quantized formats (no per-weight rounding) appear with ``gptq`` 0, ``mean_ratio`` None
+        and ``plain_only`` True: all their tensors were encoded plainly.
+        """
+        out = {f: {"tensors": len(r), "gptq": self.used.get(f, 0), "mean_ratio": round(sum(r) / len(r), 4)}
+               for f, r in self.ratios.items()}
+        for f, n in self.plain_only.items():
+            out[f] = {"tensors": n, "gptq": 0, "mean_ratio": None, "plain_only": True}
+        return out
+
+
+def _check_imatrix_needs(plan: Plan, have: set[str]) -> None:
+    """Refuse, as ``llama-quantize`` does, tensors planned in a format that needs an imatrix
+    (``presets.requires_imatrix``) when the imatrix used has no entry for them.
+
+    Raises:
+        ValueError: names the first such tensors and their formats.
+    """
+    bad = [f"{e.name} ({e.format})" for e in plan.entries if requires_imatrix(e.name, e.format) and e.name not in have]
+    if bad:
+        why = "no imatrix is used" if not have else "the imatrix has no entry for them"
+        raise ValueError(f"{len(bad)} tensor(s) are planned in formats that need an imatrix (IQ3_XXS, IQ2_*, IQ1_*; "
+                         f"llama-quantize refuses them too) but {why}: {', '.join(bad[:5])}"
+                         + (" ..." if len(bad) > 5 else "") + "; give an imatrix (or calibration) or choose other formats")
 
 
 def _check_report(report: dict, tensors: list[TensorInfo], where) -> None:

@@ -8,6 +8,7 @@ import sys
 
 import gguf
 import pytest
+import torch
 
 from dynaquant.analysis.imatrix_io import load_imatrix
 from dynaquant.checkpoint import resolve_source
@@ -107,6 +108,58 @@ def test_quantize_with_gptq_rounding(tmp_path):
     res = dynaquant.quantize(None, preset="Q4_0", gptq=True, calibration_chunks=4, n_ctx=128,
                              output=tmp_path / "g.gguf", progress=False)
     g = res.gptq["Q4_0"]
-    assert g["tensors"] == 7 * 30 and g["gptq"] > 0.5 * g["tensors"] and g["mean_ratio"] < 1.0  # 512 tokens: some overfit
+    # llama.cpp's Q4_0 mix with an imatrix puts ffn_down of blocks 0-2 (n_layer / 8) in Q4_1
+    assert res.gptq["Q4_1"]["tensors"] == 3 and res.plan.formats()["blk.2.ffn_down.weight"] == "Q4_1"
+    assert g["tensors"] == 7 * 30 - 3 and g["gptq"] > 0.5 * g["tensors"] and g["mean_ratio"] < 1.0  # 512 tokens: some overfit
     llm = llama_cpp.Llama(model_path=str(res.output), n_ctx=128, verbose=False, seed=0)
     assert llm("Python is", max_tokens=4, temperature=0)["choices"][0]["text"].strip()
+
+
+@pytest.fixture(scope="module")
+def tiny256(tmp_path_factory):
+    """A random 2-block Llama checkpoint (tiny BPE tokenizer) whose rows are multiples of 256, and a plan
+    for it: Q4_0 (preset) with ``ffn_down`` in IQ3_XXS."""
+    from test_gguf_export import _tiny_checkpoint
+
+    from dynaquant.pipeline import model_info, open_tensor_source, tensor_infos
+    from dynaquant.quant.planner import make_plan
+
+    ckpt = tmp_path_factory.mktemp("tiny256") / "ckpt"
+    _tiny_checkpoint(ckpt, "llama", hidden_size=256, intermediate_size=512)
+    ts = open_tensor_source(resolve_source(ckpt))
+    plan = make_plan(tensor_infos(ts), model_info(ts), preset="Q4_0", rules=["ffn_down=IQ3_XXS"], has_imatrix=True)
+    assert plan.formats()["blk.1.ffn_down.weight"] == "IQ3_XXS"
+    return ckpt, plan
+
+
+def test_gptq_rounds_vector_quantized_formats_plainly(tiny256, tmp_path):
+    """IQ3_XXS has no per-weight grid: those tensors are encoded plainly (reported as such), the rest by GPTQ."""
+    import dynaquant
+    from dynaquant.quant.gptq import gptq_round, supports_gptq
+
+    assert not supports_gptq("IQ3_XXS") and not supports_gptq("F16") and supports_gptq("IQ4_XS")
+    assert supports_gptq("NVFP4") and supports_gptq("Q4_0")
+    with pytest.raises(NotImplementedError, match="vector-quantized"):
+        gptq_round(torch.randn(4, 256), "IQ3_S", torch.eye(256))
+    ckpt, plan = tiny256
+    res = dynaquant.quantize(str(ckpt), plan=plan, gptq=True, calibration_chunks=3, n_ctx=64, device="cpu",
+                             output=tmp_path / "g.gguf", progress=False)
+    assert res.gptq["IQ3_XXS"] == {"tensors": 2, "gptq": 0, "mean_ratio": None, "plain_only": True}
+    assert res.gptq["Q4_0"]["tensors"] == 2 * 6  # attention and ffn_gate/up; token_embd is not GPTQ'd
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(res.output)).tensors}
+    assert types == plan.formats()
+
+
+def test_quantize_refuses_imatrix_formats_without_an_imatrix(tiny256, tmp_path):
+    """As llama-quantize: IQ3_XXS/IQ2_*/IQ1_* tensors (outside token_embd/output) need an imatrix."""
+    import dynaquant
+
+    ckpt, plan = tiny256
+    with pytest.raises(ValueError, match=r"2 tensor\(s\) .* need an imatrix .*blk\.0\.ffn_down\.weight \(IQ3_XXS\)"):
+        dynaquant.quantize(str(ckpt), plan=plan, use_imatrix=False, output=tmp_path / "a.gguf", progress=False)
+    with pytest.raises(ValueError, match="need an imatrix"):
+        dynaquant.quantize(str(ckpt), preset="IQ2_XXS", use_imatrix=False, output=tmp_path / "b.gguf", progress=False)
+    assert list(tmp_path.iterdir()) == []
+    # without an imatrix the IQ3_S / IQ4_XS mixes need none, and dynamic plans avoid those formats
+    res = dynaquant.quantize(str(ckpt), preset="IQ4_XS", use_imatrix=False, output=tmp_path / "c.gguf", progress=False)
+    assert "IQ4_XS" in res.plan.count_by_format()

@@ -311,16 +311,16 @@ TINY = {
 }
 
 
-def _tiny_checkpoint(folder: Path, case: str) -> torch.nn.Module:
+def _tiny_checkpoint(folder: Path, case: str, **sizes) -> torch.nn.Module:
+    """A random checkpoint of TINY[case] (``sizes`` override the config: ``hidden_size=256`` ...)."""
     import transformers
 
     arch, overrides = TINY[case]
     cls = getattr(transformers, arch)
-    config = cls.config_class(
+    config = cls.config_class(**{**dict(
         vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
-        bos_token_id=1, eos_token_id=2, **overrides,
-    )
+        bos_token_id=1, eos_token_id=2), **overrides, **sizes})
     config.architectures = [arch]
     torch.manual_seed(0)
     model = cls(config).eval()
@@ -413,7 +413,66 @@ def test_tiny_quantized_plan_runs_in_llama_cpp(tmp_path):
         plan[n] = get_format(fmt if t.quantizable else "F32")
     out = tmp_path / "tiny-mixed.gguf"
     write_gguf(out, src, plan, encode, {}, file_type=gguf.LlamaFileType.MOSTLY_Q8_0, progress=False)
+    # Q8_0 steps are absmax/127 of a block, Q4_0 absmax/8: a misplaced block or row is O(1)
+    bound = {n: {"Q8_0": 0.01, "Q4_0": 0.12, "F16": 1e-3, "F32": 0.0 + 1e-9}[f.name] for n, f in plan.items()}
+    # transformers on the file's own (dequantized) weights: llama.cpp differs from it only by
+    # quantizing activations for the Q8_0/Q4_0 matmuls
+    got, ref = _logits_on_decoded_weights(out, src, model, plan, bound)
+    # measured: max error 3.4% of max |logit|, correlation 0.9998; a misplaced block or row
+    # would leave no correlation at all
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+    assert np.abs(got - ref).max() < 0.06 * np.abs(ref).max()
+    assert np.corrcoef(got.ravel(), ref.ravel())[0, 1] > 0.999
 
+
+# codec module of each i-quant / FP4 type written below; only iq2 and iq1 may still be missing
+IQ_FILE_TYPES = {"IQ4_XS": "iq4", "IQ3_S": "iq3", "IQ3_XXS": "iq3", "NVFP4": "nonlinear", "IQ2_S": "iq2",
+                 "IQ2_XS": "iq2", "IQ2_XXS": "iq2", "IQ1_M": "iq1", "IQ1_S": "iq1"}
+
+
+@pytest.mark.parametrize("fmt", list(IQ_FILE_TYPES))
+def test_tiny_iquant_file_runs_in_llama_cpp(fmt, tmp_path):
+    """Every matmul weight (embedding and output head included) of a tiny Llama with rows of 256 and 512
+    in one i-quant / NVFP4 type: llama.cpp's logits match transformers' on the file's decoded weights."""
+    pytest.importorskip("llama_cpp")
+    from dynaquant.quant import get_codec
+    from dynaquant.quant.planner import gaussian_rel_mse
+
+    try:
+        get_codec(fmt)
+    except KeyError as e:
+        if IQ_FILE_TYPES[fmt] not in ("iq2", "iq1"):
+            raise
+        pytest.skip(f"{fmt}: codec module dynaquant.quant.codecs.{IQ_FILE_TYPES[fmt]} is not registered yet ({e})")
+    ckpt = tmp_path / "ckpt"
+    model = _tiny_checkpoint(ckpt, "llama", hidden_size=256, intermediate_size=512)
+    src = open_hf_source(ckpt)
+    plan = {t.gguf_name: get_format(fmt if t.quantizable else "F32") for t in src.tensors()}
+    assert sum(f.name == fmt for f in plan.values()) == 2 + 2 * 7
+    out = tmp_path / f"tiny-{fmt}.gguf"
+    write_gguf(out, src, plan, encode, {}, file_type=gguf.LlamaFileType.GUESSED, progress=False)
+    ids = [1, 40, 7, 266, 290, 99, 283, 5, 299, 12]
+    with torch.no_grad():
+        orig = model(torch.tensor([ids])).logits[0].numpy()
+    # the weights are 0.15 * N(0, 1): each tensor's error is the format's error on Gaussian rows
+    bound = {n: 1.5 * gaussian_rel_mse(f.name) ** 0.5 if f.name == fmt else 1e-9 for n, f in plan.items()}
+    got, ref = _logits_on_decoded_weights(out, src, model, plan, bound)
+
+    def rel_rms(a, b):
+        return float(np.sqrt(((a - b) ** 2).mean() / (b**2).mean()))
+
+    # llama.cpp quantizes the activations of these matmuls to 8 bits (Q8_K; Q8_0 for NVFP4), which this
+    # random network amplifies: measured rel. RMS 0.04-0.065 for every type here (0.033 for an all-Q8_0
+    # file), correlation > 0.997, while the quantization itself moves the logits by 0.5 (IQ4_XS) to
+    # 1.3 (IQ1_S) rel. RMS; a misplaced block, row, scale, sign or grid point would be of that order
+    assert rel_rms(got, ref) < 0.1
+    assert rel_rms(got, ref) < 0.25 * rel_rms(orig, ref)
+    assert np.corrcoef(got.ravel(), ref.ravel())[0, 1] > 0.995
+
+
+def _logits_on_decoded_weights(out, src, model, plan, bound) -> tuple[np.ndarray, np.ndarray]:
+    """(llama.cpp's logits, transformers' logits on the file's weights decoded by gguf-py), both (10, vocab),
+    after checking each tensor's type, shape and relative RMS error against ``bound[name]``."""
     r = GGUFReader(out)
     state = {}
     for rt in r.tensors:
@@ -422,27 +481,19 @@ def test_tiny_quantized_plan_runs_in_llama_cpp(tmp_path):
         w = torch.from_numpy(gguf.quants.dequantize(rt.data, rt.tensor_type).reshape(t.shape).copy())
         x = src.read(t)
         rel_rmse = float((w - x).pow(2).mean().sqrt() / x.pow(2).mean().sqrt())
-        # Q8_0 steps are absmax/127 of a block, Q4_0 absmax/8: a misplaced block or row is O(1)
-        assert rel_rmse < {"Q8_0": 0.01, "Q4_0": 0.12, "F16": 1e-3, "F32": 0.0 + 1e-9}[plan[rt.name].name], rt.name
+        assert rel_rmse < bound[rt.name], (rt.name, rel_rmse)
         if rt.name.endswith("attn_q.weight"):
-            w = _unpermute_qk(w, 4)
+            w = _unpermute_qk(w, model.config.num_attention_heads)
         elif rt.name.endswith("attn_k.weight"):
-            w = _unpermute_qk(w, 2)
+            w = _unpermute_qk(w, model.config.num_key_value_heads)
         state[t.hf_name] = w
     del r
-    # transformers on the file's own (dequantized) weights: llama.cpp differs from it only by
-    # quantizing activations for the Q8_0/Q4_0 matmuls
     missing = model.load_state_dict(state, strict=False).missing_keys
     assert missing == []
     ids = [1, 40, 7, 266, 290, 99, 283, 5, 299, 12]
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].numpy()
-    got = _llama_logits(out, ids)
-    # measured: max error 3.4% of max |logit|, correlation 0.9998; a misplaced block or row
-    # would leave no correlation at all
-    assert (got.argmax(-1) == ref.argmax(-1)).all()
-    assert np.abs(got - ref).max() < 0.06 * np.abs(ref).max()
-    assert np.corrcoef(got.ravel(), ref.ravel())[0, 1] > 0.999
+    return _llama_logits(out, ids), ref
 
 
 def test_sharded_checkpoint_reads_like_single_file(tmp_path):
@@ -553,3 +604,77 @@ def test_hf_folder_quantized_q8_0_greedy_matches_transformers(smollm_hf, tmp_pat
     finally:
         llm.close()
     assert cpp_new[:12] == hf_new[: len(cpp_new[:12])] and len(cpp_new) >= 10, (tok.decode(cpp_new), tok.decode(hf_new))
+
+
+# ---------------------------------------------------------------------------------------------
+# presets against llama-quantize
+
+
+def _llama_quantize() -> str:
+    """The llama-quantize binary: $LLAMA_QUANTIZE, else on PATH; skips the test when neither exists."""
+    import os
+    import shutil
+
+    exe = os.environ.get("LLAMA_QUANTIZE") or shutil.which("llama-quantize")
+    if not exe or not Path(exe).is_file():
+        pytest.skip("llama-quantize not found (set LLAMA_QUANTIZE to the binary)")
+    return exe
+
+
+@pytest.fixture(scope="module", params=["untied-gqa1", "tied-gqa4"])
+def preset_model(request, tmp_path_factory):
+    """(F32 GGUF, imatrix GGUF) of a random 16-block Llama whose rows are all multiples of 256 (so the
+    256-block types are kept and the mixes' own choices show), untied with n_gqa 1 or tied with n_gqa 4."""
+    from dynaquant.analysis.imatrix_io import save_imatrix_gguf
+
+    d = tmp_path_factory.mktemp(request.param)
+    tied = request.param.startswith("tied")
+    case = "llama3-rope" if tied else "llama"
+    _tiny_checkpoint(d / "ckpt", case, hidden_size=256, intermediate_size=512, num_hidden_layers=16,
+                     num_attention_heads=4, num_key_value_heads=1 if tied else 4)
+    src = open_hf_source(d / "ckpt")
+    out = d / "model-f32.gguf"
+    write_gguf(out, src, all_f32(src), encode_f32, {}, file_type=gguf.LlamaFileType.ALL_F32, progress=False)
+    g = torch.Generator().manual_seed(1)
+    entries = {t.gguf_name: (100 * torch.rand(t.shape[-1], generator=g) + 1, 100)
+               for t in src.tensors() if t.quantizable and t.gguf_name.startswith("blk.")}
+    entries["output.weight"] = (100 * torch.rand(256, generator=g) + 1, 100)
+    imatrix = save_imatrix_gguf(d / "imatrix.gguf", entries, datasets=["random"], chunk_count=1, chunk_size=100)
+    return out, imatrix
+
+
+def _llama_quantize_types(exe: str, model: Path, preset: str, imatrix: Path | None) -> tuple[dict[str, str], str]:
+    """llama-quantize --dry-run's type for every tensor it quantizes, and its log."""
+    import re
+    import subprocess
+
+    cmd = [exe, "--dry-run"] + (["--imatrix", str(imatrix)] if imatrix else []) + [str(model), preset, "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-3000:]
+    types = dict(re.findall(r"\]\s+(\S+)\s+- \[.*?\], type = +\w+, size = .*?-> .*?\((\w+)\)", log))
+    return {k: v.upper() for k, v in types.items()}, log
+
+
+IQ_PRESETS = ["IQ4_XS", "IQ3_M", "IQ3_S", "IQ3_XS", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S"]
+
+
+@pytest.mark.parametrize("has_imatrix", [True, False], ids=["imatrix", "no-imatrix"])
+@pytest.mark.parametrize("preset", IQ_PRESETS + ["Q2_K", "Q3_K_M", "Q4_0", "Q4_K_M", "Q5_0", "Q6_K"])
+def test_presets_match_llama_quantize(preset, has_imatrix, preset_model):
+    """Every tensor's type in our preset plan is the one ``llama-quantize --dry-run`` picks for the same
+    file, with and without an imatrix, and we refuse exactly when llama.cpp would (``requires_imatrix``)."""
+    from dynaquant.pipeline import model_info, tensor_infos
+    from dynaquant.quant.planner import make_plan
+    from dynaquant.quant.presets import requires_imatrix
+
+    model, imatrix = preset_model
+    theirs, log = _llama_quantize_types(_llama_quantize(), model, preset, imatrix if has_imatrix else None)
+    src = open_gguf_source(model)
+    plan = make_plan(tensor_infos(src), model_info(src), preset=preset, has_imatrix=has_imatrix)
+    ours = {e.name: e.format for e in plan.entries if e.format != "F32"}
+    assert len(theirs) == len(ours) > 16 * 7
+    assert ours == theirs
+    if not has_imatrix:  # llama-quantize's dry run warns where the real run would refuse
+        needs = any(requires_imatrix(e.name, e.format) for e in plan.entries)
+        assert needs == ("will require an imatrix" in log)

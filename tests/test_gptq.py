@@ -20,6 +20,7 @@ from dynaquant.quant.gptq import gptq_quantize, gptq_round, output_error
 BLOCK32 = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4"]
 KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 ALL = BLOCK32 + KQUANTS
+SCALAR_NEW = ["NVFP4", "IQ4_XS"]  # 64-blocks with an FP8 scale; IQ4_NL's grid in 256-blocks
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 # Real tensors (from the smollm2_weights fixture) and the HF module whose input H is taken from.
@@ -79,7 +80,7 @@ def real_layers(default_model, default_tokenizer, smollm2_weights):
 # --------------------------------------------------------------------------- codec steps
 
 
-@pytest.mark.parametrize("fmt", ALL)
+@pytest.mark.parametrize("fmt", ALL + SCALAR_NEW)
 def test_codec_steps_compose_to_encode(fmt):
     """pack(fit_params, round_to_grid) is encode_blocks; rounding column slices (any start)
     equals rounding the whole block; the values are what decode gives for the packed bytes."""
@@ -104,7 +105,7 @@ def test_codec_steps_compose_to_encode(fmt):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("act_order", [False, True], ids=["natural", "act_order"])
-@pytest.mark.parametrize("fmt", ALL)
+@pytest.mark.parametrize("fmt", ALL + SCALAR_NEW)
 def test_gptq_bytes_decode_to_the_rounded_values(fmt, act_order, device):
     w, h = _synthetic(13, 512, seed=3, device=device)
     res = gptq_round(w, fmt, h, act_order=act_order)

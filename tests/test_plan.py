@@ -53,6 +53,51 @@ def test_fallbacks_follow_llama_cpp():
     assert fmt.name == "F16" and "Q4_0->F16" in why
 
 
+IQ_256 = ("IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
+
+
+def test_iquant_fallbacks_and_sizes_follow_llama_cpp():
+    # tensor_type_fallback: every 256-block i-quant -> IQ4_NL; rows not a multiple of 32 -> F16
+    for f in IQ_256:
+        assert resolve_for_row(f, 576) == (FORMATS["IQ4_NL"], f"{f}->IQ4_NL: row 576 not a multiple of 256")
+        assert resolve_for_row(f, 1536) == (FORMATS[f], None)
+        assert resolve_for_row(f, 48)[0].name == "F16"
+    assert resolve_for_row("NVFP4", 576) == (FORMATS["NVFP4"], None)  # 9 blocks of 64
+    plan = make_plan(smollm2_tensors(), SMOL, preset="Q4_K_M", rules=["attn_q=IQ2_XXS", "ffn_down=IQ1_S"])
+    e = {e.name: e for e in plan.entries}
+    q, d = e["blk.3.attn_q.weight"], e["blk.3.ffn_down.weight"]
+    assert (q.format, q.requested) == ("IQ4_NL", "IQ2_XXS") and "fallback IQ2_XXS->IQ4_NL" in q.reason
+    assert q.size_bytes == 576 * 576 // 32 * 18  # sized in the format written, as llama-quantize does
+    assert (d.format, d.size_bytes) == ("IQ1_S", 576 * 1536 // 256 * 50)
+
+
+def test_candidates_are_the_registered_codecs(monkeypatch):
+    from dynaquant.quant.codecs import base
+    from dynaquant.quant.planner import GGUF_CANDIDATES, _registered
+
+    assert set(IQ_256) | {"NVFP4"} <= set(GGUF_CANDIDATES) <= set(FORMATS)
+    monkeypatch.delitem(base._CODECS, "IQ1_S")  # a codec module not (yet) importable
+    assert _registered(("Q4_0", "IQ1_S", "IQ2_XXS")) == ("Q4_0", "IQ2_XXS")
+
+
+def test_allocator_needs_an_imatrix_for_the_lowest_iquants():
+    from dynaquant.quant.presets import requires_imatrix
+
+    # llama.cpp refuses IQ3_XXS/IQ2_*/IQ1_* without an imatrix, except in token_embd/output
+    assert requires_imatrix("blk.0.ffn_down.weight", "IQ3_XXS") and requires_imatrix("blk.0.attn_q.weight", "iq1_m")
+    assert not requires_imatrix("token_embd.weight", "IQ2_XXS") and not requires_imatrix("output.weight", "IQ1_S")
+    assert not requires_imatrix("blk.0.ffn_down.weight", "IQ3_S") and not requires_imatrix("blk.0.ffn_down.weight", "Q2_K")
+    with_im = make_plan(smollm2_tensors(), SMOL, bpw=4.0, has_imatrix=True)
+    without = make_plan(smollm2_tensors(), SMOL, bpw=4.0)
+    assert any(requires_imatrix(e.name, e.format) for e in with_im.entries)
+    assert not any(requires_imatrix(e.name, e.format) for e in without.entries)
+    assert without.bpw <= 4.0 and with_im.bpw <= 4.0
+    # the cheapest formats differ: IQ1_S (1.5625 bpw) with an imatrix, Q2_K (2.625 bpw) without
+    make_plan(smollm2_tensors(), SMOL, bpw=3.8, has_imatrix=True)
+    with pytest.raises(BudgetError):
+        make_plan(smollm2_tensors(), SMOL, bpw=3.8)
+
+
 def test_q4_k_m_preset_matches_llama_quantize_decisions():
     plan = make_plan(smollm2_tensors(), SMOL, preset="Q4_K_M")
     f = plan.formats()

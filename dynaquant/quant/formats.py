@@ -132,6 +132,15 @@ FORMATS: dict[str, Format] = {
         Format("Q4_K", 256, 144, "kquant", _T.Q4_K, "Q5_0"),
         Format("Q3_K", 256, 110, "kquant", _T.Q3_K, "Q4_0"),
         Format("Q2_K", 256, 84, "kquant", _T.Q2_K, "Q4_0"),
+        Format("IQ4_XS", 256, 136, "iquant", _T.IQ4_XS, "IQ4_NL"),
+        Format("IQ3_S", 256, 110, "iquant", _T.IQ3_S, "IQ4_NL"),
+        Format("IQ3_XXS", 256, 98, "iquant", _T.IQ3_XXS, "IQ4_NL"),
+        Format("IQ2_S", 256, 82, "iquant", _T.IQ2_S, "IQ4_NL"),
+        Format("IQ2_XS", 256, 74, "iquant", _T.IQ2_XS, "IQ4_NL"),
+        Format("IQ2_XXS", 256, 66, "iquant", _T.IQ2_XXS, "IQ4_NL"),
+        Format("IQ1_M", 256, 56, "iquant", _T.IQ1_M, "IQ4_NL"),
+        Format("IQ1_S", 256, 50, "iquant", _T.IQ1_S, "IQ4_NL"),
+        Format("NVFP4", 64, 36, "nonlinear", _T.NVFP4, "F16"),
         *(
             Format(f"INT{b}_G{g}{sfx}", g, g + 2 + (sfx != ""), "int", None,
                    f"INT{b}_G{g // 2}{sfx}" if g > 32 else "BF16", "safetensors", b, 16, b if sfx else 0)

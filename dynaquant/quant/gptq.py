@@ -13,8 +13,8 @@ with ``H = E[x x^T]`` (K, K) the second moment of the layer's inputs:
 3. updates are applied lazily in batches of ``block_columns`` columns (the rest of ``W``
    is updated once per batch with one matrix product).
 
-Block formats (here every GGUF quantized type: ``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0``,
-``Q5_1``, ``IQ4_NL``, ``MXFP4``, ``Q2_K`` ... ``Q6_K``) fix a grid per block of 32 or 256
+Block formats (every GGUF quantized type with a per-weight grid: ``Q8_0``, ``Q4_0``, ``Q4_1``,
+``Q5_0``, ``Q5_1``, ``IQ4_NL``, ``MXFP4``, ``NVFP4``, ``IQ4_XS``, ``Q2_K`` ... ``Q6_K``) fix a grid per block of 32, 64 or 256
 consecutive columns: as GPTQ with groups does, a block's grid (its stored scales, mins
 and K-quant sub-block scales) is chosen when the algorithm reaches the block's first
 column, from the block's weights *as updated so far*, by the codec's own importance-
@@ -31,6 +31,11 @@ block (contiguous) in descending ``H_jj``; the bytes keep the layout's column or
 The grid search weighs the columns of a block by GPTQ's own cost of an error in each,
 ``1 / [U_jj]**2`` (unless an imatrix is given).
 
+Vector-quantized formats (the i-quants ``IQ3_*``, ``IQ2_*``, ``IQ1_*``: groups of 4 or 8
+weights share one codebook entry) have no per-weight grid, so there is no column to round
+alone: their codecs' :meth:`Codec.fit_params` raises NotImplementedError, :func:`supports_gptq`
+says False and :func:`gptq_round` refuses them; callers encode such tensors plainly.
+
 Everything runs on the device of the weight, vectorised over all rows (the Python loop is
 over columns).
 """
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -66,6 +72,30 @@ class GPTQResult:
     data: torch.Tensor
     decoded: torch.Tensor
     damp: float
+
+
+@cache
+def _has_weight_grid(name: str) -> bool:
+    codec, bs = get_codec(name), get_format(name).block_size
+    x = torch.linspace(-1.0, 1.0, bs).reshape(1, bs)
+    try:
+        codec.fit_params(x, torch.ones_like(x))
+    except NotImplementedError:
+        return False
+    return True
+
+
+def supports_gptq(fmt: str | Format) -> bool:
+    """Whether GPTQ can round to a format: a quantized format whose codec rounds weight by weight.
+
+    False for plain floats and for vector-quantized formats (their codec's ``fit_params`` raises
+    NotImplementedError: IQ3_XXS, IQ3_S, IQ2_*, IQ1_*).
+
+    Raises:
+        KeyError: unknown format, or no codec registered for it.
+    """
+    fmt = fmt if isinstance(fmt, Format) else get_format(fmt)
+    return fmt.kind != "float" and _has_weight_grid(fmt.name)
 
 
 def _inverse_cholesky(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, float]:
@@ -131,10 +161,13 @@ def gptq_round(
     Raises:
         ValueError: bad shapes, a float format, non-finite inputs, or ``H`` not positive
             definite even after more damping.
+        NotImplementedError: a vector-quantized format (:func:`supports_gptq` is False).
     """
     fmt = fmt if isinstance(fmt, Format) else get_format(fmt)
     if fmt.kind == "float":
         raise ValueError(f"GPTQ needs a quantized block format, not {fmt.name}")
+    if not supports_gptq(fmt):
+        raise NotImplementedError(f"GPTQ: {fmt.name} is vector-quantized (no per-weight grid); encode it with quantize()")
     if weight.ndim != 2:
         raise ValueError(f"GPTQ takes a 2-D weight, got shape {tuple(weight.shape)}")
     n, k = weight.shape

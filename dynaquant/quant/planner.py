@@ -34,14 +34,33 @@ from functools import cache
 
 import torch
 
+from .codecs import get_codec
 from .formats import FORMATS, RUNTIME_FORMATS, get_format, resolve_for_row
 from .plan import Plan, PlanEntry, TensorInfo
-from .presets import ModelInfo, preset_format
+from .presets import ModelInfo, preset_format, requires_imatrix
 
 ErrorFn = Callable[[TensorInfo, str], float]
 
-# Formats the allocator may choose for GGUF tensors (those that llama.cpp runs on every backend).
-GGUF_CANDIDATES = ("Q2_K", "Q3_K", "MXFP4", "Q4_0", "IQ4_NL", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+
+def _registered(names: Sequence[str]) -> tuple[str, ...]:
+    """The formats of ``names`` that have a codec (a codec module still being written is left out)."""
+    out = []
+    for f in names:
+        try:
+            get_codec(f)
+        except KeyError:
+            continue
+        out.append(f)
+    return tuple(out)
+
+
+# Formats the allocator may choose for GGUF tensors (llama.cpp's quantized types with a codec here).
+# The i-quants IQ3_XXS, IQ2_* and IQ1_* need an imatrix (presets.requires_imatrix): make_plan drops
+# them unless ``has_imatrix``.
+GGUF_CANDIDATES = _registered((
+    "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "Q2_K", "IQ3_XXS", "IQ3_S", "Q3_K", "MXFP4", "Q4_0",
+    "IQ4_NL", "IQ4_XS", "NVFP4", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0",
+))
 # Formats the allocator may choose for safetensors tensors: every runtime format, cheapest first.
 RUNTIME_CANDIDATES = tuple(sorted(RUNTIME_FORMATS, key=lambda f: (get_format(f).bpw, f)))
 
@@ -212,7 +231,8 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
               rules: Sequence[Rule | str] = (), bpw: float | None = None, size_bytes: int | None = None,
               overhead_bytes: int = 0, error_fn: ErrorFn | None = None,
               candidates: Sequence[str] | None = None, defaults: Sequence[Rule] = (),
-              error_source: str = "prior error", target: str = "gguf") -> Plan:
+              error_source: str = "prior error", target: str = "gguf",
+              has_imatrix: bool = False) -> Plan:
     """Plan every tensor of a GGUF (or safetensors) target.
 
     Args:
@@ -231,6 +251,10 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
         defaults: rules applied after the user's (``default_rules``); for each tensor the first
             matching rule of all (user rules first) decides.
         target: ``gguf`` or ``safetensors`` (module docstring: no presets, a budget required).
+        has_imatrix: the encoders will have an imatrix. Without one the allocator never picks a
+            format llama.cpp refuses to write without one (``presets.requires_imatrix``: IQ3_XXS,
+            IQ2_*, IQ1_*), and the presets decide as ``llama-quantize`` without ``--imatrix``.
+            Presets and ``=`` rules are not checked here: ``quantize`` refuses such a plan.
     Returns:
         The plan; with a budget, its tensor data fits ``bpw`` or ``size_bytes - overhead_bytes``.
     Raises:
@@ -274,7 +298,7 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
         if hit is not None and hit.op == "=" and get_format(hit.format).allowed_in(target):
             entries[t.name] = _entry(t, hit.format, label)
         elif preset is not None:
-            fmt, why = preset_format(preset, t, model)
+            fmt, why = preset_format(preset, t, model, has_imatrix)
             if hit is not None and ((hit.op == ">=" and get_format(fmt).bpw < get_format(hit.format).bpw)
                                     or (hit.op == "<=" and get_format(fmt).bpw > get_format(hit.format).bpw)):
                 fmt, why = hit.format, label
@@ -290,7 +314,8 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
         else:
             limit, budget, method = size_bytes - overhead_bytes, {"size_bytes": size_bytes}, f"allocation size<={size_bytes}"
         _allocate(free, entries, limit, error_fn or prior_error(model), candidates, overhead_bytes, total, bpw, error_source,
-                  predicted=error_fn is not None, target=target, tie=tie_groups if st else None)
+                  predicted=error_fn is not None, target=target, tie=tie_groups if st else None,
+                  has_imatrix=has_imatrix)
     ordered = [entries[t.name] for t in tensors]
     if error_fn is not None:  # measured errors: every quantized entry records its prediction
         for t, e in zip(tensors, ordered):
@@ -300,30 +325,33 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
     return Plan(target, model_id, ordered, method, [str(r) for r in parsed], budget)
 
 
-def _units(free, candidates, error_fn, target, tie) -> dict[str, tuple[list, list[tuple[int, float, str]]]]:
+def _units(free, candidates, error_fn, target, tie, has_imatrix=True) -> dict[str, tuple[list, list[tuple[int, float, str]]]]:
     """Allocation units: unit name -> (members [(tensor, rule, label)], hull options). A unit is one
     tensor, or a tie group whose members share at least one allowed format (else its members alone)."""
     groups: dict[str, list] = {}
     for item in free:
         key = tie(item[0]) if tie is not None else None
         groups.setdefault(key if key is not None else item[0].name, []).append(item)
+    def usable(t):  # without an imatrix, never a format llama.cpp refuses to write without one
+        return [f for f in candidates if has_imatrix or not requires_imatrix(t.name, f)]
+
     units: dict[str, tuple[list, list]] = {}
     for members in groups.values():
-        allowed = [set(_bounded(candidates, rule, t.row_size, target)) for t, rule, _ in members]
+        allowed = [set(_bounded(usable(t), rule, t.row_size, target)) for t, rule, _ in members]
         names = [f for f in candidates if all(f in a for a in allowed)]
         opts = _candidates([t for t, _, _ in members], names, error_fn) if len(members) > 1 else []
         if len(members) > 1 and opts:
             units[members[0][0].name] = (members, opts)
             continue
         for t, rule, label in members:
-            units[t.name] = ([(t, rule, label)], _candidates([t], _bounded(candidates, rule, t.row_size, target), error_fn))
+            units[t.name] = ([(t, rule, label)], _candidates([t], _bounded(usable(t), rule, t.row_size, target), error_fn))
     return units
 
 
 def _allocate(free, entries, limit, error_fn, candidates, overhead, total, bpw, error_source, predicted,
-              target="gguf", tie=None) -> None:
+              target="gguf", tie=None, has_imatrix=True) -> None:
     fixed = sum(e.size_bytes for e in entries.values())
-    units = _units(free, candidates, error_fn, target, tie)
+    units = _units(free, candidates, error_fn, target, tie, has_imatrix)
     options = {u: opts for u, (_, opts) in units.items()}
     for members, opts in units.values():
         if not opts:

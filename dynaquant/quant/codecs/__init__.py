@@ -7,7 +7,7 @@ Importing this package registers every codec. Public entry points:
 from . import floats  # noqa: F401  (registers codecs)
 from .base import Codec, dequantize, get_codec, quantize, register, weighted_error
 
-for _mod in ("legacy", "nonlinear", "kquants", "runtime_int", "runtime_fp4"):
+for _mod in ("legacy", "nonlinear", "kquants", "iq4", "iq3", "iq2", "iq1", "runtime_int", "runtime_fp4"):
     try:
         __import__(f"{__name__}.{_mod}")
     except ModuleNotFoundError as _e:  # pragma: no cover - while codecs are being written

@@ -113,6 +113,22 @@ def get_codec(name: str) -> Codec:
 # Rows per encode chunk are chosen so a chunk holds about this many weights; codecs
 # that search many candidates multiply memory by their candidate count.
 CHUNK_WEIGHTS = 1 << 20
+# On CUDA a chunk is larger (fewer, bigger kernels: the searches are launch-bound on 1M
+# weights), up to CUDA_CHUNK_WEIGHTS, and at most the free device memory divided by
+# CUDA_BYTES_PER_WEIGHT (a bound on the search temporaries per weight), never below
+# CHUNK_WEIGHTS.
+CUDA_CHUNK_WEIGHTS = 1 << 24
+CUDA_BYTES_PER_WEIGHT = 1024
+
+
+def chunk_weights(device: torch.device | str) -> int:
+    """Weights per encode chunk on ``device``: :data:`CHUNK_WEIGHTS`, or on CUDA up to
+    :data:`CUDA_CHUNK_WEIGHTS` as free memory allows (``torch.cuda.mem_get_info``)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return CHUNK_WEIGHTS
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(CHUNK_WEIGHTS, min(CUDA_CHUNK_WEIGHTS, free // CUDA_BYTES_PER_WEIGHT))
 
 
 def _importance(imatrix: torch.Tensor | None, rows: int, k: int, device, dtype=torch.float32) -> torch.Tensor:
@@ -151,7 +167,7 @@ def quantize(weight: torch.Tensor, fmt: str | Format, imatrix: torch.Tensor | No
     x = weight.reshape(-1, k).to(torch.float32)
     rows = x.shape[0]
     out = torch.empty(rows, row_bytes, dtype=torch.uint8, device=x.device)
-    step = max(1, CHUNK_WEIGHTS // k)
+    step = max(1, chunk_weights(x.device) // k)
     if fmt.kind == "float":  # plain conversion: no search, no importance
         blocks = codec.encode_blocks(x.reshape(-1, 1), x.reshape(-1, 1))
         return blocks.reshape(*shape[:-1], row_bytes)

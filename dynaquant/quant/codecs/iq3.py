@@ -1,0 +1,448 @@
+"""IQ3_XXS and IQ3_S: 3-bit i-quants, 256-weight super-blocks of 4-weight grid points.
+
+Layouts (llama.cpp ``ggml-common.h``), 8 sub-blocks of 32 weights = 8 groups of 4 each:
+
+``block_iq3_xxs`` (98 bytes, 3.0625 bpw)
+    ``d`` (fp16) | ``qs[64]``: index into the 256-point grid ``iq3xxs_grid`` per group of 4 |
+    ``scales_and_signs[8]`` (uint32 LE per sub-block): bits ``7k .. 7k+6`` index ``ksigns_iq2xs``
+    for the 8 signs of weights ``8k .. 8k+7`` (an even number of minus signs: the 8th sign is
+    the parity of the other 7), bits ``28..31`` the sub-block scale ``l``.
+    ``y = (((d * (0.5 + l)) * 0.5) * grid) * sign``; grid values ``4, 12, .., 52, 62``.
+``block_iq3_s`` (110 bytes, 3.4375 bpw)
+    ``d`` (fp16) | ``qs[64]``: low 8 bits of the index into the 512-point ``iq3s_grid`` |
+    ``qh[8]``: bit ``k`` of byte ``j`` = 9th index bit of group ``8 j + k`` | ``signs[32]``:
+    bit ``i`` of byte ``j`` = sign of weight ``8 j + i`` (free signs) | ``scales[4]``: nibble
+    ``j % 2`` of byte ``j // 2`` = ``l_j``. ``y = ((d * (1 + 2 l)) * grid) * sign``; grid
+    values ``1, 3, .., 15``.
+
+Decoders repeat ``gguf.quants`` float32 operations in the same order (bit-for-bit equal).
+The grids and ``ksigns`` are gguf-py's published tables (``init_grid``), loaded once.
+
+Encoder (minimises ``sum(w * (x - y)**2)``, batched over all blocks; the loops run over
+candidate scales). With a sub-block scale ``A`` fixed, each group of 4 takes its best grid
+point by an exhaustive search over the whole grid: ``sum_i w_i (v_i - A g_i)**2`` is
+``sum w v**2 - [2 w v, -A w] . [g, g**2]``, one (groups, 8) x (8, grid) matmul and an
+argmax (llama.cpp rounds each weight and searches a small neighbour list only when that
+point is off the grid). ``v`` is ``|x|`` with the signs taken from ``x``; for IQ3_XXS,
+whose sign bytes must have even parity, an 8-weight half-group with an odd number of
+negative weights gets one weight with the wrong sign: every choice of that weight is tried
+(each of the 8, in the final assignment; the least ``w x**2`` of either half of 4 during
+the scale search), each with its own best grid point.
+
+1. per sub-block, candidate scales ``A = max|x| / t`` (``t`` over the grid's top values),
+   each assignment followed by a weighted least-squares refit of ``A``; the best refit
+   scale, then two assign/refit (Lloyd) steps;
+2. the fp16 ``d``: candidates ``max A / (c t)`` (``A = c d (2 l + 1)``, ``c = 1/4`` for
+   IQ3_XXS, 1 for IQ3_S), each with the best odd multiple ``2 l + 1`` per sub-block, ranked
+   by the fixed points' quadratic error ``Sgg (c d (2l+1) - A)**2``;
+3. the points re-assigned under the stored scales, ``l +- 1`` tried on the exact decoded
+   error; steps 2-3 repeat once from the new points (with the least-squares ``d`` as an
+   extra candidate), keeping the best configuration per super-block.
+
+These are vector codes: a weight is not rounded on its own, so ``fit_params`` (GPTQ's
+per-column rounding) raises NotImplementedError.
+
+Measured weighted error ours / llama.cpp (same imatrix, ``ggml_quantize_chunk``): see
+``MEASURED`` below.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import _kquant_search as kqs
+from .base import Codec, register
+
+QK_K = 256
+_N_SUB = 8  # sub-blocks of 32
+_N_GRP = 8  # groups of 4 per sub-block
+
+# Ratios ours / llama.cpp of the importance-weighted error, measured by
+# tests/test_codecs_iq34.py (SmolLM2-135M dithered test tensors: mean, worst; synthetic).
+# CPU speed, one thread: IQ3_XXS about 2.5e5 weights/s, IQ3_S 3.5e5 (llama.cpp 1.8e6, 2e6).
+MEASURED = {
+    "IQ3_XXS": "smollm2 mean 0.770 worst 0.918; synthetic 0.69-0.70; no imatrix 0.59-0.69",
+    "IQ3_S": "smollm2 mean 0.743 worst 0.856; synthetic 0.69-0.71; no imatrix 0.54-0.61",
+}
+
+# Rows of the (rows, grid) score matrix per matmul: bounds memory at about this many floats.
+_SCORE_ELEMS = {"cpu": 1 << 21, "other": 1 << 26}
+# Super-blocks per encode pass on CPU (keeps the temporaries small); other devices take all.
+_CPU_BLOCKS = 2048
+
+_tables: dict = {}
+
+
+def _grid_table(name: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grid (P, 4) float32, G8 (8, P) = [g; g**2]) of gguf-py's ``IQ3_XXS``/``IQ3_S`` grid."""
+    key = (name, str(device))
+    if key not in _tables:
+        import gguf.quants as gq
+
+        cls = getattr(gq, name)
+        cls.init_grid()
+        g = torch.from_numpy(np.array(cls.grid, dtype=np.float32).reshape(-1, 4)).to(device)
+        _tables[key] = (g, torch.cat([g.T, g.T * g.T], 0).contiguous())
+    return _tables[key]
+
+
+def _grid_map(name: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kmap (4096,) int64: grid index of the point with level indices ``l0 + 8 l1 + 64 l2 +
+    512 l3``, or -1 off the grid; mids (7,) float32 midpoints between the 8 levels)."""
+    key = (name, "map", str(device))
+    if key not in _tables:
+        g, _ = _grid_table(name, "cpu")
+        levels = torch.unique(g)
+        lev = torch.bucketize(g, levels)  # exact level index of each coordinate
+        u = (lev << (3 * torch.arange(4))).sum(1)
+        kmap = torch.full((8**4,), -1, dtype=torch.int64)
+        kmap[u] = torch.arange(g.shape[0])
+        _tables[key] = (kmap.to(device), ((levels[1:] + levels[:-1]) * 0.5).to(device))
+    return _tables[key]
+
+
+def _ksigns(device) -> torch.Tensor:
+    """``ksigns_iq2xs`` (128,) int64: 7 sign bits -> the 8-bit pattern with even parity."""
+    key = ("ksigns", str(device))
+    if key not in _tables:
+        import gguf.quants as gq
+
+        _tables[key] = torch.tensor(list(gq.IQ2_XXS.ksigns), dtype=torch.int64, device=device)
+    return _tables[key]
+
+
+def _bits(device, n: int = 8) -> torch.Tensor:
+    return torch.arange(n, device=device, dtype=torch.int64)
+
+
+class _IQ3(Codec):
+    """Shared IQ3 encoder (module docstring); subclasses give the layout."""
+
+    grid_name: str
+    scale_mul: float  # c in A = c * d * (2 l + 1)
+    parity: bool  # signs of 8 weights must have even parity (IQ3_XXS)
+    # Step 1: A = max|x| / t for these t (grid value units).
+    step1_t: tuple[float, ...]
+    # Step 2: d = max A / (c t) for these t (odd multiples 2 l + 1 reach 31).
+    d_steps = tuple(18.0 + 0.25 * i for i in range(61))  # 18 .. 33
+    lloyd_steps = 2
+    rounds = 2
+
+    # ------------------------------------------------------------------ assignment
+
+    def _nearest(self, f: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Best grid point of each row: features ``f`` (R, 8) = [2 w v, -A w], targets ``t`` (R, 4) = v / A.
+
+        Where the per-weight nearest levels of ``t`` form a grid point, that point is the
+        best (the error is a sum over the 4 weights), so only the other rows are searched,
+        exhaustively, by a (rows, 8) x (8, P) matmul and an argmax.
+        Returns (score (R,), index (R,) int64): ``sum w v**2 - score`` is the group's error.
+        """
+        _, g8 = _grid_table(self.grid_name, f.device)
+        kmap, mids = _grid_map(self.grid_name, f.device)
+        lev = torch.bucketize(t, mids)  # (R, 4) nearest level per weight
+        u = (lev << (3 * torch.arange(4, device=f.device))).sum(1)
+        idx = kmap[u]
+        on = idx >= 0
+        score = (f * g8.T[idx.clamp_min(0)]).sum(1)
+        off = (~on).nonzero().squeeze(1)
+        if off.numel():
+            fo = f[off]
+            p = g8.shape[1]
+            step = max(1, _SCORE_ELEMS["cpu" if f.device.type == "cpu" else "other"] // p)
+            for r0 in range(0, fo.shape[0], step):
+                s, i = (fo[r0 : r0 + step] @ g8).max(dim=1)
+                rows = off[r0 : r0 + step]
+                score[rows] = s
+                idx[rows] = i
+        return score, idx
+
+    def _assign(self, xa: torch.Tensor, w: torch.Tensor, neg: torch.Tensor, a: torch.Tensor, full: bool):
+        """Best grid points and signs for sub-block scales ``a``.
+
+        Args:
+            xa, w: (n, 8, 32) float32 ``|x|`` and importance; neg: (n, 8, 32) bool ``x < 0``.
+            a: (n, 8) float32 sub-block scales (>= 0) in grid units.
+            full: IQ3_XXS: try every weight of an odd 8-group as the flipped one (else the
+                least ``w x**2`` of each half).
+        Returns:
+            (idx (n, 8, 8) int64 grid indices, flip (n, 8, 32) bool: weight decoded with the
+            sign opposite to ``x``'s).
+        """
+        n = xa.shape[0]
+        xg = xa.reshape(n, _N_SUB, _N_GRP, 4)
+        wg = w.reshape(n, _N_SUB, _N_GRP, 4)
+        f = torch.cat([2 * wg * xg, -a[:, :, None, None] * wg], -1)  # (n, 8, 8, 8)
+        inv_a = torch.where(a > 0, 1.0 / torch.where(a > 0, a, 1.0), 0.0)[:, :, None, None]
+        if not self.parity:
+            _, idx = self._nearest(f.reshape(-1, 8), (xg * inv_a).reshape(-1, 4))
+            return idx.reshape(n, _N_SUB, _N_GRP), torch.zeros_like(neg)
+        if full:
+            # variants: no flip, flip weight i of the group (i = 0..3)
+            eye = torch.eye(4, device=xa.device, dtype=torch.bool)
+            flips = torch.cat([torch.zeros(1, 4, dtype=torch.bool, device=xa.device), eye], 0)  # (5, 4)
+            flips = flips.expand(n, _N_SUB, _N_GRP, 5, 4)
+        else:
+            imin = (wg * xg * xg).argmin(-1)  # (n, 8, 8)
+            one = torch.nn.functional.one_hot(imin, 4).bool()
+            flips = torch.stack([torch.zeros_like(one), one], -2)  # (n, 8, 8, 2, 4)
+        nv = flips.shape[-2]
+        sign = torch.cat([torch.where(flips, -1.0, 1.0), torch.ones_like(flips, dtype=f.dtype)], -1)
+        tg = xg * inv_a
+        score0, idx0 = self._nearest(f.reshape(-1, 8), tg.reshape(-1, 4))
+        # Flip variants only where the 8-group has an odd number of negative weights.
+        odd = (neg.reshape(n, _N_SUB, 4, 8).sum(-1) % 2) == 1  # (n, 8, 4)
+        rows = odd.repeat_interleave(2, dim=-1).reshape(-1).nonzero().squeeze(1)
+        score = torch.full((n * _N_SUB * _N_GRP, nv), -torch.inf, dtype=f.dtype, device=f.device)
+        idx = torch.zeros((n * _N_SUB * _N_GRP, nv), dtype=torch.int64, device=f.device)
+        score[:, 0], idx[:, 0] = score0, idx0
+        if rows.numel():
+            sg = sign.reshape(-1, nv, 8)[rows, 1:]  # (R, V-1, 8)
+            fv = f.reshape(-1, 1, 8)[rows] * sg
+            tv = tg.reshape(-1, 1, 4)[rows] * sg[..., :4]
+            sv, iv = self._nearest(fv.reshape(-1, 8), tv.reshape(-1, 4))
+            score[rows, 1:] = sv.reshape(-1, nv - 1)
+            idx[rows, 1:] = iv.reshape(-1, nv - 1)
+        score, idx = score.reshape(n, _N_SUB, 4, 2, nv), idx.reshape(n, _N_SUB, 4, 2, nv)
+        flips = flips.reshape(n, _N_SUB, 4, 2, nv, 4)
+        # Per 8-group (pair of halves): even parity -> no flip; odd -> flip in one half.
+        s0 = score[..., 0]  # (n, 8, 4, 2)
+        sf, vf = score[..., 1:].max(-1)  # best flip variant per half
+        vf = vf + 1
+        in_a = sf[..., 0] + s0[..., 1] >= s0[..., 0] + sf[..., 1]  # flip in half 0 is better
+        v0 = torch.where(odd & in_a, vf[..., 0], 0)
+        v1 = torch.where(odd & ~in_a, vf[..., 1], 0)
+        v = torch.stack([v0, v1], -1)  # (n, 8, 4, 2)
+        idx = idx.gather(-1, v.unsqueeze(-1)).squeeze(-1).reshape(n, _N_SUB, _N_GRP)
+        flip = flips.gather(-2, v[..., None, None].expand(-1, -1, -1, -1, 1, 4)).squeeze(-2)
+        return idx, flip.reshape(n, _N_SUB, 32)
+
+    def _points(self, idx: torch.Tensor) -> torch.Tensor:
+        """(n, 8, 8) grid indices -> (n, 8, 32) float32 grid values."""
+        g, _ = _grid_table(self.grid_name, idx.device)
+        return g[idx].reshape(idx.shape[0], _N_SUB, 32)
+
+    # ------------------------------------------------------------------ scales
+
+    def _sub_scale(self, d: torch.Tensor, lsc: torch.Tensor) -> torch.Tensor:
+        """Decode's float32 sub-block scale for fp16 ``d`` (n,) float32 and ``l`` (n, 8) int64."""
+        raise NotImplementedError
+
+    def _exact_error(self, x, w, xa, neg, d, lsc, full):
+        """Assignment under the stored scales and its exact error per sub-block (n, 8) float64."""
+        dl = self._sub_scale(d, lsc)
+        idx, flip = self._assign(xa, w, neg, dl, full)
+        y = (dl.unsqueeze(-1) * self._points(idx)) * torch.where(neg ^ flip, -1.0, 1.0)
+        r = x - y
+        return (w * r * r).sum(-1).double(), idx, flip
+
+    def _step1(self, xa, w, neg) -> torch.Tensor:
+        """Step 1: the best continuous sub-block scales ``A`` (n, 8) float32 (0 for an all-zero sub-block)."""
+        amax = xa.amax(-1)
+        best_gain = torch.full(amax.shape, -1.0, dtype=torch.float64, device=xa.device)
+        best_a = torch.zeros_like(amax)
+
+        def consider(a):
+            nonlocal best_gain, best_a
+            idx, flip = self._assign(xa, w, neg, a, False)
+            g = self._points(idx)
+            v = torch.where(flip, -xa, xa)
+            sxg = (w * v * g).sum(-1).double()
+            sgg = (w * g * g).sum(-1).double()
+            gain = kqs._safe_div(sxg * sxg, sgg)
+            take = (gain > best_gain) & (sxg > 0)
+            best_gain = torch.where(take, gain, best_gain)
+            best_a = torch.where(take, kqs._safe_div(sxg, sgg).float(), best_a)
+
+        for t in self.step1_t:
+            consider(amax / t)
+        for _ in range(self.lloyd_steps):
+            consider(best_a)
+        return best_a
+
+    def _ls_stats(self, xa, w, idx, flip):
+        g = self._points(idx)
+        v = torch.where(flip, -xa, xa)
+        return (w * v * g).sum(-1).double(), (w * g * g).sum(-1).double()
+
+    def _pick_d(self, a: torch.Tensor, sgg: torch.Tensor, extra: list[torch.Tensor]):
+        """Step 2: (d (n,) float32 fp16 values, l (n, 8) int64) ranked by the quadratic error."""
+        c = self.scale_mul
+        ts = torch.tensor(self.d_steps, dtype=torch.float64, device=a.device)
+        am = a.amax(1, keepdim=True)
+        cand = kqs._f16_candidates(torch.cat([am / (c * ts), *extra], 1))  # (n, C) float32
+        cand = cand.clamp_min(0)
+        d3 = cand.unsqueeze(-1).double()  # (n, C, 1)
+        ad = a.unsqueeze(1).double()
+        u = kqs._safe_div(ad, c * d3)  # ideal odd multiple
+        l0 = ((u - 1) * 0.5).floor().clamp(0, 15)
+        ls = torch.stack([l0, (l0 + 1).clamp(0, 15)], -1)  # (n, C, 8, 2)
+        r = c * d3.unsqueeze(-1) * (2 * ls + 1) - ad.unsqueeze(-1)
+        e, i = (sgg[:, None, :, None] * r * r).min(-1)
+        lsc = ls.gather(-1, i.unsqueeze(-1)).squeeze(-1)  # (n, C, 8)
+        best = e.sum(-1).argmin(1, keepdim=True)  # (n, 1)
+        d = cand.gather(1, best).squeeze(1)
+        lsc = lsc.gather(1, best.unsqueeze(-1).expand(-1, 1, _N_SUB)).squeeze(1).long()
+        return d, lsc
+
+    def _encode(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n = x.shape[0]
+        x = x.reshape(n, _N_SUB, 32)
+        w = w.reshape(n, _N_SUB, 32)
+        xa, neg = x.abs(), x < 0
+        a = self._step1(xa, w, neg)
+        idx, flip = self._assign(xa, w, neg, a, False)
+        best = None
+        for r in range(self.rounds):
+            sxg, sgg = self._ls_stats(xa, w, idx, flip)
+            a = kqs._safe_div(sxg, sgg).clamp_min(0)
+            extra = []
+            if best is not None:
+                kf = self.scale_mul * (2 * best[1].double() + 1)
+                d_ls = kqs._safe_div((kf * sxg).sum(1), (kf * kf * sgg).sum(1))
+                extra = [best[0].double().unsqueeze(1), d_ls.unsqueeze(1)]
+            d, lsc = self._pick_d(a, sgg, extra)
+            err, idx, flip = self._exact_error(x, w, xa, neg, d, lsc, False)
+            for delta in (1, -1):
+                lt = (lsc + delta).clamp(0, 15)
+                et, it, ft = self._exact_error(x, w, xa, neg, d, lt, False)
+                take = et < err
+                err = torch.where(take, et, err)
+                lsc = torch.where(take, lt, lsc)
+                idx = torch.where(take.unsqueeze(-1), it, idx)
+                flip = torch.where(take.unsqueeze(-1), ft, flip)
+            cfg = (d, lsc, idx, flip, err.sum(-1))
+            if best is None:
+                best = cfg
+            else:
+                take = cfg[4] < best[4]
+                best = tuple(torch.where(take.view(-1, *([1] * (c.ndim - 1))), c, b) for c, b in zip(cfg, best))
+            if r + 1 < self.rounds:
+                idx, flip = best[2], best[3]
+        d, lsc, idx, flip, err0 = best
+        if self.parity:
+            # Final assignment with every flip choice, kept where it is better.
+            err1, idx1, flip1 = self._exact_error(x, w, xa, neg, d, lsc, True)
+            take = (err1.sum(-1) < err0).view(-1, 1, 1)
+            idx, flip = torch.where(take, idx1, idx), torch.where(take, flip1, flip)
+        zero = d == 0
+        lsc = torch.where(zero.unsqueeze(-1), 0, lsc)
+        return (self._pack(d, lsc, idx, neg ^ flip),)
+
+    # ------------------------------------------------------------------ Codec
+
+    def _check_blocks(self, x: torch.Tensor, w: torch.Tensor) -> None:
+        if x.ndim != 2 or x.shape[1] != QK_K or w.shape != x.shape:
+            raise ValueError(
+                f"{self.format_name}: expected x and w of shape (n_blocks, 256), got {tuple(x.shape)} and {tuple(w.shape)}"
+            )
+
+    def _check_bytes(self, b: torch.Tensor) -> None:
+        ts = self.format.type_size
+        if b.dtype != torch.uint8 or b.ndim != 2 or b.shape[1] != ts:
+            raise ValueError(f"{self.format_name}: expected (n_blocks, {ts}) uint8, got {tuple(b.shape)} {b.dtype}")
+
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """(n, 256) float32 weights and importance (> 0) -> (n, type_size) uint8; ValueError on other shapes."""
+        self._check_blocks(x, w)
+        x, w = x.to(torch.float32), w.to(torch.float32)
+        step = _CPU_BLOCKS if x.device.type == "cpu" else max(1, x.shape[0])
+        parts = [self._encode(x[i : i + step], w[i : i + step])[0] for i in range(0, x.shape[0], step)]
+        return torch.cat(parts, 0) if parts else torch.empty(0, self.format.type_size, dtype=torch.uint8, device=x.device)
+
+    def fit_params(self, x: torch.Tensor, w: torch.Tensor):
+        """Not available: IQ3 types are vector-quantized (grid points of 4 weights), so
+        there is no per-weight rounding for GPTQ. Raises NotImplementedError."""
+        raise NotImplementedError(f"{self.format_name} is vector-quantized: no per-weight rounding")
+
+    def _pack(self, d, lsc, idx, negative) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@register
+class IQ3_XXS(_IQ3):
+    """IQ3_XXS (``block_iq3_xxs``): 98 bytes per 256 weights, 256-point grid, even-parity signs.
+
+    ``encode_blocks(x, w)``: x, w (n_blocks, 256) float32 -> (n_blocks, 98) uint8;
+    ``decode_blocks`` -> (n_blocks, 256) float32. Both raise ValueError on other shapes.
+    """
+
+    format_name = "IQ3_XXS"
+    grid_name = "IQ3_XXS"
+    scale_mul = 0.25
+    parity = True
+    step1_t = tuple(float(t) for t in np.linspace(44.0, 78.0, 8))
+
+    def _sub_scale(self, d, lsc):
+        return (d.unsqueeze(-1) * (0.5 + lsc.to(torch.float32))) * 0.5
+
+    def _pack(self, d, lsc, idx, negative) -> torch.Tensor:
+        n = d.shape[0]
+        d16 = d.to(torch.float16).contiguous().view(torch.uint8).reshape(n, 2)
+        qs = idx.reshape(n, 64).to(torch.uint8)
+        bits = negative.reshape(n, _N_SUB, 4, 8)[..., :7].to(torch.int64) << _bits(d.device, 7)
+        s7 = bits.sum(-1)  # (n, 8, 4)
+        word = (s7 << (7 * _bits(d.device, 4))).sum(-1) | (lsc.to(torch.int64) << 28)  # (n, 8)
+        wb = ((word.unsqueeze(-1) >> (8 * _bits(d.device, 4))) & 255).reshape(n, 32).to(torch.uint8)
+        return torch.cat([d16, qs, wb], 1)
+
+    def decode_blocks(self, b: torch.Tensor) -> torch.Tensor:
+        """(n, 98) uint8 -> (n, 256) float32 (``gguf.quants.IQ3_XXS``'s operations)."""
+        self._check_bytes(b)
+        n = b.shape[0]
+        d = b[:, :2].contiguous().view(torch.float16).to(torch.float32)  # (n, 1)
+        g, _ = _grid_table(self.grid_name, b.device)
+        grid = g[b[:, 2:66].long()].reshape(n, _N_SUB, 32)
+        word = (b[:, 66:98].long().reshape(n, _N_SUB, 4) << (8 * _bits(b.device, 4))).sum(-1)  # (n, 8)
+        db = (d * (0.5 + (word >> 28).to(torch.float32))) * 0.5
+        s7 = (word.unsqueeze(-1) >> (7 * _bits(b.device, 4))) & 127  # (n, 8, 4)
+        s8 = _ksigns(b.device)[s7]
+        sbits = (s8.unsqueeze(-1) >> _bits(b.device)) & 1  # (n, 8, 4, 8)
+        signs = torch.where(sbits == 0, 1.0, -1.0).reshape(n, _N_SUB, 32)
+        return ((db.unsqueeze(-1) * grid) * signs).reshape(n, QK_K)
+
+
+@register
+class IQ3_S(_IQ3):
+    """IQ3_S (``block_iq3_s``): 110 bytes per 256 weights, 512-point grid, free signs.
+
+    ``encode_blocks(x, w)``: x, w (n_blocks, 256) float32 -> (n_blocks, 110) uint8;
+    ``decode_blocks`` -> (n_blocks, 256) float32. Both raise ValueError on other shapes.
+    """
+
+    format_name = "IQ3_S"
+    grid_name = "IQ3_S"
+    scale_mul = 1.0
+    parity = False
+    step1_t = tuple(float(t) for t in np.linspace(11.0, 19.5, 8))
+
+    def _sub_scale(self, d, lsc):
+        return d.unsqueeze(-1) * (1 + 2 * lsc).to(torch.float32)
+
+    def _pack(self, d, lsc, idx, negative) -> torch.Tensor:
+        n = d.shape[0]
+        d16 = d.to(torch.float16).contiguous().view(torch.uint8).reshape(n, 2)
+        idx = idx.reshape(n, 64).to(torch.int64)
+        qs = idx & 255
+        qh = (((idx >> 8) & 1).reshape(n, 8, 8) << _bits(d.device)).sum(-1)
+        signs = (negative.reshape(n, 32, 8).to(torch.int64) << _bits(d.device)).sum(-1)
+        lsc = lsc.to(torch.int64)
+        scales = lsc[:, 0::2] | (lsc[:, 1::2] << 4)
+        return torch.cat([d16, torch.cat([qs, qh, signs, scales], 1).to(torch.uint8)], 1)
+
+    def decode_blocks(self, b: torch.Tensor) -> torch.Tensor:
+        """(n, 110) uint8 -> (n, 256) float32 (``gguf.quants.IQ3_S``'s operations)."""
+        self._check_bytes(b)
+        n = b.shape[0]
+        d = b[:, :2].contiguous().view(torch.float16).to(torch.float32)  # (n, 1)
+        bl = b.long()
+        qh = ((bl[:, 66:74].unsqueeze(-1) >> _bits(b.device)) & 1).reshape(n, 64)
+        idx = bl[:, 2:66] | (qh << 8)
+        g, _ = _grid_table(self.grid_name, b.device)
+        grid = g[idx].reshape(n, _N_SUB, 32)
+        sbits = ((bl[:, 74:106].unsqueeze(-1) >> _bits(b.device)) & 1).reshape(n, _N_SUB, 32)
+        signs = torch.where(sbits == 0, 1.0, -1.0)
+        sc = ((bl[:, 106:110].unsqueeze(-1) >> torch.tensor([0, 4], device=b.device)) & 15).reshape(n, _N_SUB)
+        db = d * (1 + 2 * sc).to(torch.float32)
+        return ((db.unsqueeze(-1) * grid) * signs).reshape(n, QK_K)

@@ -1,0 +1,235 @@
+"""The fused Triton nearest-codeword search against its torch reference.
+
+:func:`dynaquant.kernels.lattice_search.nearest_codewords` (Triton) and
+:func:`dynaquant.quant.codecs._lattice.nearest_codewords_torch` must give the same costs (to
+float32 rounding) and the same indices except where two codewords tie to rounding. On CPU the
+kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, set here before Triton is first
+imported, as tests/test_kernels.py does); on CUDA it runs compiled, on larger inputs too.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
+DEVICE = "cuda" if HAS_CUDA else "cpu"  # where the kernel runs (compiled or interpreted)
+
+pytest.importorskip("triton")
+
+from dynaquant.quant.codecs import _lattice as lat  # noqa: E402
+
+# (grid name, parity): IQ2_XXS/IQ2_XS carry the sign-parity flip; IQ2_S and IQ3_XXS (D = 4) do not.
+CASES = [("IQ2_XXS", True), ("IQ2_XS", True), ("IQ2_S", False), ("IQ3_XXS", False)]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """The kernel module (under Triton's interpreter when there is no GPU)."""
+    from dynaquant.kernels import lattice_search
+
+    return lattice_search
+
+
+def _inputs(n: int, d: int, t: int, device, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, d, generator=g) * 0.03).abs()
+    w = torch.exp(torch.randn(n, d, generator=g))
+    w[0] = 0.0  # a group without importance: every codeword ties
+    x[1] = 0.0  # a zero group
+    amax = x.amax(dim=1)
+    ts = torch.tensor([12.0, 30.0, 43.0, 70.0, 15.0, 20.0, 25.0, 35.0, 50.0, 60.0][:t])[:, None]
+    scale = amax[None, :] / ts
+    scale[:, 2] = 0.0  # zero scale: every codeword ties at cost 0
+    odd = torch.rand(n, generator=g) < 0.5
+    return x.to(device), w.to(device), scale.to(device), odd.to(device)
+
+
+def _check(cost, idx, ref_cost, ref_idx, x, w, grid, scale, odd):
+    assert cost.shape == ref_cost.shape == idx.shape
+    assert idx.dtype == torch.int64
+    # tolerance: float32 rounding of terms of size S**2 C and 2 S B
+    mag = scale**2 * (w @ (grid * grid).T).amax(dim=1) + 2 * scale * ((w * x) @ grid.T).amax(dim=1)
+    tol = 1e-5 * mag + 1e-30
+    assert torch.all((cost - ref_cost).abs() <= tol), float(((cost - ref_cost).abs() - tol).max())
+    diff = idx != ref_idx
+    if diff.any():
+        # a differing index must be a tie to rounding: its reference cost equals the minimum
+        g = grid[idx]  # (..., n, D)
+        b = (w * x * g).sum(-1)
+        if odd is not None:
+            b = b - 2.0 * torch.where(odd, (w * x * g).amin(-1), torch.zeros_like(b))
+        c = (w * g * g).sum(-1)
+        at = scale * scale * c - 2 * scale * b
+        assert torch.all(((at - ref_cost).abs() <= tol)[diff])
+    assert diff.float().mean() < 0.05
+
+
+@pytest.mark.parametrize("name,parity", CASES)
+@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("variant", ["rows", "tile"])
+def test_kernel_matches_reference(interpreted, name, parity, t, variant, monkeypatch):
+    monkeypatch.setenv("DYNAQUANT_LATTICE_KERNEL", variant)
+    grid = lat.gguf_grid(name, DEVICE)
+    n = 37  # not a multiple of the block of groups
+    x, w, scale, odd = _inputs(n, grid.shape[1], t, DEVICE)
+    odd = odd if parity else None
+    sc = scale if t > 1 else scale[0]
+    cost, idx = interpreted.nearest_codewords(x, w, grid, sc, odd)
+    ref_cost, ref_idx = lat.nearest_codewords_torch(x, w, grid, sc, odd)
+    assert cost.shape == sc.shape
+    _check(cost, idx, ref_cost, ref_idx, x, w, grid, sc, odd)
+    assert idx[..., 2].eq(0).all()  # all-tie group: the lowest index
+
+
+@pytest.mark.parametrize("name,parity", CASES)
+def test_candidate_terms_match_reference(interpreted, name, parity):
+    grid = lat.gguf_grid(name, DEVICE)
+    x, w, _, odd = _inputs(29, grid.shape[1], 1, DEVICE)
+    odd = odd if parity else None
+    idx = torch.randint(0, grid.shape[0], (29, 6), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    b, c = interpreted.candidate_terms(x, w, grid, idx.T.contiguous().T, odd)  # non-contiguous idx too
+    rb, rc = lat.candidate_terms_torch(x, w, grid, idx, odd)
+    torch.testing.assert_close(b, rb, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(c, rc, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("lead", [(), (3,), (2, 5)])
+def test_subset_min_costs_match_reference(interpreted, lead):
+    g = torch.Generator().manual_seed(4)
+    b, c = torch.randn(23, 6, generator=g).to(DEVICE), torch.rand(23, 6, generator=g).to(DEVICE)
+    scale = torch.rand(*lead, 23, generator=g).to(DEVICE)
+    got = interpreted.subset_min_costs(b, c, scale)
+    ref = lat.subset_min_costs_torch(b, c, scale)
+    assert got.shape == ref.shape == scale.shape
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_rows_kernel_more_than_eight_scales(interpreted, monkeypatch):
+    monkeypatch.setenv("DYNAQUANT_LATTICE_KERNEL", "rows")
+    grid = lat.gguf_grid("IQ2_XXS", DEVICE)
+    x, w, scale, odd = _inputs(40, 8, 10, DEVICE)
+    cost, idx = interpreted.nearest_codewords(x, w, grid, scale, odd)
+    ref_cost, ref_idx = lat.nearest_codewords_torch(x, w, grid, scale, odd)
+    _check(cost, idx, ref_cost, ref_idx, x, w, grid, scale, odd)
+
+
+def test_ternary_nearest_matches_iq1_search(interpreted):
+    """The IQ1 kernel returns the torch search's indices exactly (same costs, same order)."""
+    from dynaquant.quant.codecs import iq1
+
+    g = torch.Generator().manual_seed(5)
+    m = 300
+    x = torch.randn(m, 8, generator=g) * 0.02
+    x[:40] = torch.round(x[:40] / 0.01) * 0.01  # values on a lattice: exact ties
+    w = torch.exp(torch.randn(m, 8, generator=g))
+    w[5] = 0.0
+    t = x.abs().amax(1) * torch.rand(m, generator=g) * 1.5
+    t[7] = 0.0
+    sign = torch.where(torch.rand(m, generator=g) < 0.5, 1.0, -1.0)
+    ref_idx, _ = iq1.nearest_points(x, w, t, sign)  # torch on CPU
+    xd, wd, td, sd = (v.to(DEVICE) for v in (x, w, t, sign))
+    got = interpreted.ternary_nearest(xd, wd, td, sd, *iq1._kernel_tables(torch.device(DEVICE)), iq1.DELTA)
+    assert torch.equal(got.cpu(), ref_idx)
+
+
+@pytest.mark.parametrize("name", ["IQ1_S", "IQ1_M"])
+def test_iq1_encoder_on_fused_path(interpreted, name, monkeypatch):
+    """IQ1 through the kernel (forced on CPU, interpreted) gives the same bytes as through torch."""
+    from dynaquant.quant.codecs import quantize
+
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(2, 256, generator=g) * 0.02).to(DEVICE)
+    im = torch.exp(torch.randn(256, generator=g)).to(DEVICE)
+    with monkeypatch.context() as mp:
+        mp.setattr(lat, "fused", lambda t: False)
+        ref = quantize(x, name, im).cpu()
+    monkeypatch.setattr(lat, "fused", lambda t: True)
+    assert torch.equal(quantize(x, name, im).cpu(), ref)
+
+
+def test_empty(interpreted):
+    grid = lat.gguf_grid("IQ2_XXS", DEVICE)
+    x = torch.zeros(0, 8, device=DEVICE)
+    cost, idx = interpreted.nearest_codewords(x, x, grid, torch.zeros(2, 0, device=DEVICE), None)
+    assert cost.shape == idx.shape == (2, 0)
+
+
+def test_cpu_dispatch_is_torch():
+    """On CPU tensors the codecs' entry point is the torch reference (no Triton)."""
+    grid = lat.gguf_grid("IQ2_XXS")
+    x, w, scale, odd = _inputs(9, 8, 2, "cpu")
+    assert not lat.fused(x)
+    a = lat.nearest_codewords(x, w, grid, scale, odd)
+    b = lat.nearest_codewords_torch(x, w, grid, scale, odd)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_subset_penalty():
+    grid = lat.gguf_grid("IQ2_XS")
+    x, w, _, _ = _inputs(11, 8, 1, "cpu")
+    idx = torch.randint(0, grid.shape[0], (11, 5), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(lat.subset_penalty(w * x, grid, idx), lat.flip_penalty(w * x, grid).gather(1, idx))
+
+
+def test_import_does_not_load_triton():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import sys, dynaquant, dynaquant.kernels, dynaquant.quant.codecs; assert 'triton' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("name,parity", CASES + [("IQ1_S", False)])
+@pytest.mark.parametrize("variant", ["rows", "tile"])
+def test_cuda_matches_reference(name, parity, variant, monkeypatch):
+    from dynaquant.kernels.lattice_search import nearest_codewords
+
+    monkeypatch.setenv("DYNAQUANT_LATTICE_KERNEL", variant)
+    grid = lat.gguf_grid(name, "cuda")
+    n = 5003
+    x, w, scale, odd = _inputs(n, grid.shape[1], 4, "cuda")
+    if name == "IQ1_S":
+        x = x - 0.01  # signed weights on a signed grid (no parity)
+    odd = odd if parity else None
+    cost, idx = nearest_codewords(x, w, grid, scale, odd)
+    ref_cost, ref_idx = lat.nearest_codewords_torch(x, w, grid, scale, odd)
+    _check(cost, idx, ref_cost, ref_idx, x, w, grid, scale, odd)
+
+
+@pytest.mark.parametrize("name", ["IQ2_XXS", "IQ2_XS"])
+def test_iq2_encoder_on_fused_path(interpreted, name, monkeypatch):
+    """The IQ2 encoder through the kernel (forced on CPU, interpreted) gives valid bytes of
+    the same quality as through the torch reference."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from dynaquant.quant.codecs import dequantize, quantize
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 512, generator=g) * 0.02).to(DEVICE)
+    im = torch.exp(torch.randn(512, generator=g)).to(DEVICE)
+    with monkeypatch.context() as m:
+        m.setattr(lat, "fused", lambda t: False)
+        ref = quantize(x, name, im).cpu()
+    monkeypatch.setattr(lat, "fused", lambda t: True)  # all three kernels
+    ours = quantize(x, name, im).cpu()
+    x, im = x.cpu(), im.cpu()
+    y = dequantize(ours, name)
+    assert torch.equal(y, torch.from_numpy(gguf_dequantize(ours.numpy(), GGMLQuantizationType[name])))
+    e_ours = float((im * (x - y) ** 2).sum())
+    e_ref = float((im * (x - dequantize(ref, name)) ** 2).sum())
+    assert e_ours <= e_ref * 1.001
