@@ -22,6 +22,21 @@ SMOLLM2_TEST_TENSORS = (
 )
 
 
+@pytest.fixture
+def one_cpu_thread():
+    """Run a test's CPU work on one thread, restoring the setting afterwards (codec tests use it
+    through ``pytestmark``).
+
+    The encoders issue many small tensor ops; on a shared machine whose cores are busy,
+    OpenMP's thread hand-offs make two threads many times slower than one. Function scope,
+    so wider fixtures (the SmolLM2 imatrix) are built with the default threads.
+    """
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def default_source():
     from dynaquant.checkpoint import resolve_source

@@ -60,3 +60,25 @@ def ggml_quantize(x: np.ndarray, type_name: str, imatrix: np.ndarray | None = No
     )
     assert n == out.nbytes, (n, out.nbytes)
     return out
+
+
+def llama_error(w, name: str, imatrix=None) -> float:
+    """Importance-weighted error of llama.cpp's encoding of ``w`` ((rows, K) float32 torch tensor) in ``name``."""
+    import torch
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from dynaquant.quant.codecs import weighted_error
+
+    data = ggml_quantize(w.numpy(), name, None if imatrix is None else imatrix.numpy())
+    return weighted_error(w, torch.from_numpy(gguf_dequantize(data, GGMLQuantizationType[name])), imatrix)
+
+
+def error_ratios(tensors, name: str) -> np.ndarray:
+    """Per ``(w, imatrix)`` pair: our weighted error / llama.cpp's, same imatrix (may be None)."""
+    from dynaquant.quant.codecs import dequantize, quantize, weighted_error
+
+    out = []
+    for w, imatrix in tensors:
+        ours = weighted_error(w, dequantize(quantize(w, name, imatrix), name), imatrix)
+        out.append(ours / llama_error(w, name, imatrix))
+    return np.array(out)

@@ -16,22 +16,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from ggml_ref import error_ratios
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from dynaquant.quant.codecs import dequantize, get_codec, quantize, weighted_error
 from dynaquant.quant.codecs.iq1 import DELTA, grid_values, nearest_points
 
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
 IQ1 = ("IQ1_S", "IQ1_M")
-
-
-@pytest.fixture(autouse=True)
-def _one_cpu_thread():
-    """One CPU thread per test (see tests/test_codecs_kquants.py), restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _weights(rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,21 +205,6 @@ def test_device(name, device):
 #   synthetic (Gaussian 1536 and 2304 columns, Student t 1024):  IQ1_S 0.67-0.72;  IQ1_M 0.70-0.75
 
 
-def _llama_error(w: torch.Tensor, name: str, imatrix: torch.Tensor) -> float:
-    from ggml_ref import ggml_quantize
-
-    data = ggml_quantize(w.numpy(), name, imatrix.numpy())
-    return weighted_error(w, torch.from_numpy(gguf_dequantize(data, GGMLQuantizationType[name])), imatrix)
-
-
-def _ratios(tensors, name):
-    ratios = []
-    for w, imatrix in tensors:
-        ours = weighted_error(w, dequantize(quantize(w, name, imatrix), name), imatrix)
-        ratios.append(ours / _llama_error(w, name, imatrix))
-    return np.array(ratios)
-
-
 def _rows_of_256(tensors, max_rows: int = 48):
     """SmolLM2 tensors as (rows, K) with K a multiple of 256, and their (K,) imatrix.
 
@@ -251,7 +230,7 @@ def smollm2_rows(smollm2_weights):
 def test_quality_vs_llama_cpp_smollm2(name, smollm2_rows):
     """On average over the SmolLM2 tensors no worse than llama.cpp, and never 2% worse."""
     pytest.importorskip("llama_cpp")
-    ratios = _ratios(smollm2_rows, name)
+    ratios = error_ratios(smollm2_rows, name)
     assert ratios.mean() <= 1.0, ratios
     assert ratios.max() <= 1.02, ratios
 
@@ -265,6 +244,6 @@ def test_quality_vs_llama_cpp_synthetic(name):
     chi2 = (torch.randn(3, 32, 1024, generator=g) ** 2).mean(0)
     t3 = torch.randn(32, 1024, generator=g) / chi2.sqrt() * 0.02
     tensors.append((t3, torch.exp(torch.randn(1024, generator=g))))
-    ratios = _ratios(tensors, name)
+    ratios = error_ratios(tensors, name)
     assert ratios.mean() <= 1.0, ratios
     assert ratios.max() <= 1.02, ratios

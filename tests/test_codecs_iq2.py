@@ -18,23 +18,17 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from ggml_ref import error_ratios
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from dynaquant.quant.codecs import dequantize, get_codec, quantize, weighted_error
 from dynaquant.quant.codecs._lattice import gguf_grid
 
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
 IQ2 = ("IQ2_XXS", "IQ2_XS", "IQ2_S")
 SUB_LEN = {"IQ2_XXS": 32, "IQ2_XS": 16, "IQ2_S": 16}
-
-
-@pytest.fixture(autouse=True)
-def _one_cpu_thread():
-    """One CPU thread per test (the machine is shared; see test_codecs_kquants)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _weights(rows: int, k: int, seed: int, heavy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,21 +225,6 @@ def test_device(name, device):
 # --------------------------------------------------------------------------- against llama.cpp
 
 
-def _llama_error(w: torch.Tensor, name: str, imatrix: torch.Tensor) -> float:
-    from ggml_ref import ggml_quantize
-
-    data = ggml_quantize(w.numpy(), name, imatrix.numpy())
-    return weighted_error(w, torch.from_numpy(gguf_dequantize(data, GGMLQuantizationType[name])), imatrix)
-
-
-def _ratios(tensors, name):
-    ratios = []
-    for w, imatrix in tensors:
-        ours = weighted_error(w, dequantize(quantize(w, name, imatrix), name), imatrix)
-        ratios.append(ours / _llama_error(w, name, imatrix))
-    return np.array(ratios)
-
-
 def _rows_of_256(tensors, max_rows: int = 48):
     """SmolLM2 test tensors as (rows, K) matrices with K a multiple of 256, and their imatrix.
 
@@ -271,7 +250,7 @@ def smollm2_rows(smollm2_weights):
 def test_quality_vs_llama_cpp_smollm2(name, smollm2_rows):
     """On average over the (dithered) SmolLM2 tensors no worse than llama.cpp, never 2% worse."""
     pytest.importorskip("llama_cpp")
-    ratios = _ratios(smollm2_rows, name)
+    ratios = error_ratios(smollm2_rows, name)
     assert ratios.mean() <= 1.0, ratios
     assert ratios.max() <= 1.02, ratios
 
@@ -281,7 +260,7 @@ def test_quality_vs_llama_cpp_synthetic(name):
     """Gaussian and heavy-tailed weights with a lognormal imatrix."""
     pytest.importorskip("llama_cpp")
     tensors = [_weights(24, 1536, seed=1536), _weights(16, 2304, seed=2304, heavy=True)]
-    ratios = _ratios(tensors, name)
+    ratios = error_ratios(tensors, name)
     assert ratios.mean() <= 1.0, ratios
     assert ratios.max() <= 1.02, ratios
 

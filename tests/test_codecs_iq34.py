@@ -14,10 +14,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from ggml_ref import error_ratios
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from dynaquant.quant.codecs import dequantize, get_codec, quantize, weighted_error
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 TYPES = ("IQ4_XS", "NVFP4", "IQ3_XXS", "IQ3_S")
 # Offset of the fp16 super-block scale d (NVFP4 has none: 4 UE4M3 bytes, any value valid).
@@ -25,15 +28,6 @@ F16_OFFSET = {"IQ4_XS": 0, "IQ3_XXS": 0, "IQ3_S": 0}
 # Bits per weight of the codes, for the error bound of a b-bit code (range / 2**b)**2 / 12.
 BITS = {"IQ4_XS": 4, "NVFP4": 4, "IQ3_XXS": 3, "IQ3_S": 3}
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-@pytest.fixture(autouse=True)
-def _one_cpu_thread():
-    """One CPU thread per test (the encoders issue many small ops; see test_codecs_kquants)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _weights(rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,21 +236,6 @@ def test_device(name, device):
 # --------------------------------------------------------------------------- against llama.cpp
 
 
-def _llama_error(w: torch.Tensor, name: str, imatrix: torch.Tensor | None) -> float:
-    from ggml_ref import ggml_quantize
-
-    data = ggml_quantize(w.numpy(), name, None if imatrix is None else imatrix.numpy())
-    return weighted_error(w, torch.from_numpy(gguf_dequantize(data, GGMLQuantizationType[name])), imatrix)
-
-
-def _ratios(tensors, name) -> np.ndarray:
-    out = []
-    for w, imatrix in tensors:
-        ours = weighted_error(w, dequantize(quantize(w, name, imatrix), name), imatrix)
-        out.append(ours / _llama_error(w, name, imatrix))
-    return np.array(out)
-
-
 @pytest.fixture(scope="module")
 def smollm2_rows(smollm2_weights):
     """SmolLM2 test tensors (dithered) as (rows, K) with K a multiple of 256, and their imatrix.
@@ -278,7 +257,7 @@ def smollm2_rows(smollm2_weights):
 def test_quality_vs_llama_cpp_smollm2(name, smollm2_rows):
     """On average over the SmolLM2 tensors no worse than llama.cpp, and never 2% worse."""
     pytest.importorskip("llama_cpp")
-    ratios = _ratios(smollm2_rows, name)
+    ratios = error_ratios(smollm2_rows, name)
     print(name, "smollm2 ratios", np.round(ratios, 4), "mean", ratios.mean())
     assert ratios.mean() <= 1.0, ratios
     assert ratios.max() <= 1.02, ratios
@@ -288,7 +267,7 @@ def test_quality_vs_llama_cpp_smollm2(name, smollm2_rows):
 def test_quality_vs_llama_cpp_synthetic(name):
     pytest.importorskip("llama_cpp")
     tensors = [_weights(32, k, seed=k) for k in (1536, 2304)]
-    ratios = _ratios(tensors, name)
+    ratios = error_ratios(tensors, name)
     print(name, "synthetic ratios", np.round(ratios, 4))
     assert ratios.mean() <= 1.0, ratios
     assert ratios.max() <= 1.02, ratios
@@ -300,6 +279,6 @@ def test_quality_vs_llama_cpp_without_imatrix(name, smollm2_rows):
     (which then weighs by x**2 for these types, or ignores weights: NVFP4)."""
     pytest.importorskip("llama_cpp")
     tensors = [(w[:16].contiguous(), None) for w, _ in smollm2_rows[::2]]
-    ratios = _ratios(tensors, name)
+    ratios = error_ratios(tensors, name)
     print(name, "no-imatrix ratios", np.round(ratios, 4))
     assert ratios.mean() <= 1.0, ratios

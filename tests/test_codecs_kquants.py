@@ -16,28 +16,17 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from ggml_ref import error_ratios
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from dynaquant.quant.codecs import dequantize, get_codec, quantize, weighted_error
 
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
 KQUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # Offsets of the float16 super-block scales (d, and dmin where there is one) in each block.
 F16_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-
-
-@pytest.fixture(autouse=True)
-def _one_cpu_thread():
-    """Run each test's CPU work on one thread, restoring the setting afterwards.
-
-    The encoders issue many small tensor ops; on a shared machine whose cores are busy,
-    OpenMP's thread hand-offs make two threads many times slower than one. Function scope,
-    so wider fixtures (the SmolLM2 imatrix) are built with the default threads.
-    """
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _weights(rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,21 +148,6 @@ def test_device(name, device):
 # --------------------------------------------------------------------------- against llama.cpp
 
 
-def _llama_error(w: torch.Tensor, name: str, imatrix: torch.Tensor) -> float:
-    from ggml_ref import ggml_quantize
-
-    data = ggml_quantize(w.numpy(), name, imatrix.numpy())
-    return weighted_error(w, torch.from_numpy(gguf_dequantize(data, GGMLQuantizationType[name])), imatrix)
-
-
-def _ratios(tensors, name):
-    ratios = []
-    for w, imatrix in tensors:
-        ours = weighted_error(w, dequantize(quantize(w, name, imatrix), name), imatrix)
-        ratios.append(ours / _llama_error(w, name, imatrix))
-    return np.array(ratios)
-
-
 def _kquant_rows(tensors, max_rows: int = 96):
     """SmolLM2 test tensors as K-quant-able (rows, K) matrices with their (K,) imatrix.
 
@@ -200,7 +174,7 @@ def smollm2_kquant_rows(smollm2_weights):
 def test_quality_vs_llama_cpp_smollm2(name, smollm2_kquant_rows):
     """On average over the SmolLM2 tensors no worse than llama.cpp, and never 2% worse."""
     pytest.importorskip("llama_cpp")
-    ratios = _ratios(smollm2_kquant_rows, name)
+    ratios = error_ratios(smollm2_kquant_rows, name)
     assert ratios.mean() <= 1.0, ratios
     assert ratios.max() <= 1.02, ratios
 
@@ -209,6 +183,6 @@ def test_quality_vs_llama_cpp_smollm2(name, smollm2_kquant_rows):
 def test_quality_vs_llama_cpp_synthetic(name):
     pytest.importorskip("llama_cpp")
     tensors = [_weights(48, k, seed=k) for k in (1536, 2304)]
-    ratios = _ratios(tensors, name)
+    ratios = error_ratios(tensors, name)
     assert ratios.mean() <= 1.0, ratios
     assert ratios.max() <= 1.02, ratios
