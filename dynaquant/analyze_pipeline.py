@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import __version__
+from .analysis import experts
 from .analysis.calibration import CalibrationSpec, calibration_chunks
 from .analysis.errors import RowWeights, measure_errors
 from .analysis.imatrix import Imatrix
@@ -139,7 +141,17 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
         e = {"name": t.gguf_name, "hf_name": t.hf_name, "shape": list(t.shape), "n_elements": t.numel,
              "layer": _layer(t.gguf_name), "kind": tensor_kind(t.gguf_name), "group": tensor_group(t.gguf_name),
              "quantizable": t.quantizable, "super_weight": t.gguf_name in sw_tensors, "errors": {}}
-        if t.quantizable:
+        stacked = experts.stacked_name(t.hf_name)
+        if t.quantizable and stacked and stacked[0] in stats.experts:
+            mod = model.get_submodule(stacked[0])
+            errs, fallback = experts.measure_expert_errors(mod, stacked[1], stats.experts[stacked[0]], list(candidates),
+                                                           total_tokens=stats.tokens, fisher_total=stats.fisher_tokens)
+            e["errors"] = {f: v.to_dict() for f, v in errs.items()}
+            e["experts"] = {"n_expert": stats.experts[stacked[0]].n_expert, "fallback": fallback}
+            if fallback:
+                log.warning("%s: experts %s saw no calibration tokens (or none with gradients): measured with the "
+                            "layer's pooled statistics", t.gguf_name, fallback)
+        elif t.quantizable:
             w = _weight_of(model, t)
             rw, imp = _row_weights(t, stats, info.tied_embeddings, stats.token_counts)
             if w is not None and rw is not None and tuple(w.shape) == tuple(t.shape):
@@ -172,6 +184,7 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
         "tensors": entries,
         "activations": activations,
         "super_weights": [s.to_dict() for s in sws],
+        "experts": [experts.routing_entry(es, _layer_of_module(name), stats.tokens) for name, es in stats.experts.items()],
         "sensitivity": [],
         "plans": [],
         "timings_s": timings,
@@ -226,6 +239,11 @@ def _group_pred(group: str, fmt: str, src_tensors, pred: dict) -> float | None:
                 return None
             tot += e["kld_pred"]
     return tot
+
+
+def _layer_of_module(name: str) -> int | None:
+    m = re.search(r"\.layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
 
 
 def _layer(name: str) -> int | None:

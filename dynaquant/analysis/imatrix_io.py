@@ -222,7 +222,8 @@ def imatrix_entries(im: Imatrix, name_map: Callable[[str], str | None]) -> dict[
             continue
         if g in out:
             raise ValueError(f"imatrix: modules {source[g]!r} and {hf!r} both map to {g!r}")
-        out[g] = (im.sums[hf], int(im.counts[hf]))
+        c = im.counts[hf]
+        out[g] = (im.sums[hf], c if isinstance(c, torch.Tensor) else int(c))
         source[g] = hf
     return out
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from . import experts as moe
 from .imatrix import Imatrix
 
 
@@ -94,6 +95,7 @@ class ModelStats:
         token_counts: (vocab,) int64 occurrences of each token id in the calibration chunks.
         sequences, tokens: calibration sequences and tokens seen; fisher_sequences: with gradients.
         fisher_tokens: tokens with gradients.
+        experts: experts module name -> per-expert statistics (MoE models; :mod:`.experts`).
     """
 
     inputs: dict[str, InputStats] = field(default_factory=dict)
@@ -105,6 +107,7 @@ class ModelStats:
     tokens: int = 0
     fisher_sequences: int = 0
     fisher_tokens: int = 0
+    experts: dict[str, moe.ExpertStats] = field(default_factory=dict)
 
     def input(self, module: str) -> InputStats:
         """The InputStats of a module's input. Raises KeyError for an unknown module."""
@@ -118,12 +121,16 @@ class ModelStats:
         return (self.embed_fisher_sum / max(self.fisher_tokens, 1)).float()
 
     def to_imatrix(self, dataset: str = "") -> Imatrix:
-        """The imatrix (diag of H, as llama-imatrix sums it) keyed by HF module name."""
+        """The imatrix (diag of H, as llama-imatrix sums it) keyed by HF module name; MoE experts as
+        ``{experts module}.{gate_proj|up_proj|down_proj}`` with (n_expert, K) sums and (n_expert,) counts."""
         im = Imatrix(dataset=dataset, chunks=self.sequences)
         for mod, key in self.input_of.items():
             s = self.inputs[key]
             im.sums[mod] = torch.diagonal(s.hessian_sum).to(torch.float64).cpu()
             im.counts[mod] = s.tokens
+        for name, es in self.experts.items():
+            for proj in moe.PROJS:
+                im.sums[f"{name}.{proj}"], im.counts[f"{name}.{proj}"] = es.imatrix(proj)
         return im
 
 
@@ -151,10 +158,12 @@ class _Collector:
         emb = model.get_input_embeddings()
         st.token_counts = torch.zeros(emb.weight.shape[0], dtype=torch.int64)
         self.handles.append(emb.register_forward_hook(self._embed_hook))
+        self.experts_undo = moe.install(model, st.experts, self)
 
     def remove(self):
         for h in self.handles:
             h.remove()
+        moe.uninstall(self.experts_undo)
 
     def _hook(self, name):
         def fn(_mod, inputs, out):

@@ -151,7 +151,10 @@ def quantize(weight: torch.Tensor, fmt: str | Format, imatrix: torch.Tensor | No
         weight: (..., K) float tensor on any device; K must be a multiple of the block size.
         fmt: format name or row.
         imatrix: optional (K,) per-column importance (E[x^2] of the layer's inputs); the
-            encoder minimises the importance-weighted squared error.
+            encoder minimises the importance-weighted squared error. For a stacked MoE expert
+            weight (n_expert, N, K), an (n_expert, K) imatrix gives each expert its own (the
+            llama.cpp imatrix layout); an expert whose row is all zero (never routed to in
+            calibration) gets the mean of the others.
     Returns:
         (..., K // block_size * type_size) uint8 tensor on the weight's device, the GGUF
         byte layout (as ``gguf.quants.quantize`` returns it); for the runtime formats the
@@ -160,6 +163,8 @@ def quantize(weight: torch.Tensor, fmt: str | Format, imatrix: torch.Tensor | No
         ValueError: K is not a multiple of the block size, or the imatrix does not fit.
     """
     fmt = fmt if isinstance(fmt, Format) else get_format(fmt)
+    if imatrix is not None and torch.as_tensor(imatrix).dim() == 2:
+        return _quantize_experts(weight, fmt, torch.as_tensor(imatrix))
     codec = get_codec(fmt.name)
     shape = weight.shape
     k = shape[-1]
@@ -177,6 +182,15 @@ def quantize(weight: torch.Tensor, fmt: str | Format, imatrix: torch.Tensor | No
         blocks = codec.encode_blocks(xr.reshape(-1, fmt.block_size).contiguous(), wr.reshape(-1, fmt.block_size).contiguous())
         out[r0 : r0 + step] = blocks.reshape(xr.shape[0], row_bytes)
     return out.reshape(*shape[:-1], row_bytes)
+
+
+def _quantize_experts(weight: torch.Tensor, fmt: Format, imatrix: torch.Tensor) -> torch.Tensor:
+    if weight.dim() != 3 or imatrix.shape != (weight.shape[0], weight.shape[-1]):
+        raise ValueError(f"a per-expert imatrix {tuple(imatrix.shape)} needs a (n_expert, N, K) weight with the same "
+                         f"n_expert and K, got {tuple(weight.shape)}")
+    seen = imatrix.abs().sum(-1) > 0
+    fallback = imatrix[seen].mean(0) if seen.any() else None
+    return torch.stack([quantize(weight[e], fmt, imatrix[e] if seen[e] else fallback) for e in range(weight.shape[0])])
 
 
 def dequantize(data: torch.Tensor | np.ndarray, fmt: str | Format) -> torch.Tensor:

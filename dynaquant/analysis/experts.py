@@ -1,0 +1,301 @@
+"""Per-expert calibration statistics of mixture-of-experts layers.
+
+transformers (>= 5) holds a MoE layer's routed experts as fused 3-D parameters of one experts
+module (``model.layers.N.mlp.experts``) and runs them in one call, so there is no ``nn.Linear``
+per expert to hook. Two layouts exist:
+
+- ``fused`` (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V3): ``gate_up_proj`` (E, 2I, H) with the
+  gate rows first, ``down_proj`` (E, H, I), ``act_fn``; ``y = down(act(gate x) * up x)``;
+- ``gpt-oss``: ``gate_up_proj`` (E, H, 2I) with gate/up columns interleaved, ``down_proj``
+  (E, I, H), biases, and the module's own ``_apply_gate`` (clamped SwiGLU).
+
+During calibration :func:`install` replaces each experts module's ``forward`` with an equivalent
+per-expert loop that also accumulates, per expert ``e``:
+
+- the routing: tokens routed to it and the sum of their routing weights;
+- the input second moments ``H_e = sum x x^T`` of gate/up (over the tokens routed to ``e``) and of
+  down (``act(gate x) * up x``), from which the per-expert imatrix (llama.cpp's ``(n_expert, K)``
+  imatrix layout) and the errors of :mod:`.errors` follow;
+- on Fisher sequences, the squared gradients of the sampled-label log likelihood at each
+  expert's gate, up and down outputs (before the routing weight), as for linear layers.
+
+The GGUF tensors ``ffn_{gate,up,down}_exps`` stack the experts as (E, rows, row_size): see
+:func:`expert_weight`. An expert calibration never routes to gets the layer's pooled statistics
+and an add-half smoothed frequency (:meth:`ExpertStats.row_weights`), so its errors are finite,
+its importance small but not zero; the report flags it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import RowWeights
+
+PROJS = ("gate_proj", "up_proj", "down_proj")
+_STACKED = re.compile(r"^(.*\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def stacked_name(hf_name: str | None) -> tuple[str, str] | None:
+    """``"model.layers.3.mlp.experts.down_proj.weight"`` -> (experts module, ``"down_proj"``), else None."""
+    m = _STACKED.match(hf_name or "")
+    return (m.group(1), m.group(2)) if m else None
+
+
+def layout_of(module: torch.nn.Module) -> str | None:
+    """``"fused"``, ``"gpt-oss"`` or None (not a transformers experts module)."""
+    gu, dn = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not isinstance(gu, torch.nn.Parameter) or not isinstance(dn, torch.nn.Parameter) or gu.dim() != 3:
+        return None
+    if hasattr(module, "_apply_gate") and getattr(module, "gate_up_proj_bias", None) is not None:
+        return "gpt-oss"
+    return "fused" if hasattr(module, "act_fn") else None
+
+
+def find_experts(model) -> dict[str, torch.nn.Module]:
+    """Experts modules of a transformers model by name (empty for a dense model)."""
+    return {n: m for n, m in model.named_modules() if layout_of(m) is not None}
+
+
+def expert_weight(module: torch.nn.Module, proj: str) -> torch.Tensor:
+    """One projection of all experts as GGUF stacks them.
+
+    Args:
+        module: an experts module (see :func:`layout_of`).
+        proj: ``gate_proj``, ``up_proj`` or ``down_proj``.
+    Returns:
+        A view (E, N, K): gate/up (E, I, H), down (E, H, I) (torch orientation, rows = outputs).
+    """
+    gu, dn = module.gate_up_proj, module.down_proj
+    if layout_of(module) == "gpt-oss":
+        if proj == "down_proj":
+            return dn.transpose(1, 2)
+        start = 0 if proj == "gate_proj" else 1
+        return gu[..., start::2].transpose(1, 2)
+    if proj == "down_proj":
+        return dn
+    i = gu.shape[1] // 2
+    return gu[:, :i] if proj == "gate_proj" else gu[:, i:]
+
+
+@dataclass
+class ExpertStats:
+    """Statistics of one experts module (tensors on the model's device).
+
+    Attributes:
+        module: HF name of the experts module.
+        n_expert: E.
+        hessian_sum: ``"gate_up"`` (E, H, H) and ``"down"`` (E, I, I) float32 sums of x x^T over routed tokens.
+        tokens: (E,) int64 tokens routed to each expert.
+        weight_sum: (E,) float64 sum of their routing weights.
+        fisher_sum: proj -> (E, N) float64 sum of squared output gradients (Fisher sequences).
+        fisher_tokens: (E,) int64 routed tokens with gradients.
+    """
+
+    module: str
+    n_expert: int
+    hessian_sum: dict[str, torch.Tensor] = field(default_factory=dict)
+    tokens: torch.Tensor | None = None
+    weight_sum: torch.Tensor | None = None
+    fisher_sum: dict[str, torch.Tensor] = field(default_factory=dict)
+    fisher_tokens: torch.Tensor | None = None
+
+    @staticmethod
+    def input_of(proj: str) -> str:
+        return "down" if proj == "down_proj" else "gate_up"
+
+    def unrouted(self) -> list[int]:
+        """Experts no calibration token was routed to."""
+        return [int(e) for e in torch.nonzero(self.tokens == 0).flatten()]
+
+    def frequency(self, total_tokens: int) -> torch.Tensor:
+        """(E,) float32 share of tokens routed to each expert (sums to top-k)."""
+        return (self.tokens.double() / max(total_tokens, 1)).float().cpu()
+
+    def imatrix(self, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """((E, K) float64 sums of x^2, (E,) int64 tokens): llama.cpp's per-expert imatrix entry."""
+        h = self.hessian_sum[self.input_of(proj)]
+        return torch.diagonal(h, dim1=1, dim2=2).double().cpu(), self.tokens.cpu()
+
+    def row_weights(self, proj: str, e: int, total_tokens: int, fisher_total: int) -> tuple[RowWeights, torch.Tensor, bool]:
+        """What expert ``e``'s rows weigh in the predicted KL divergence (see :mod:`.errors`).
+
+        ``G_e = (Fisher per routed token of e) * (share of tokens routed to e)`` and
+        ``H_e = E[x x^T]`` over e's tokens, so ``1/2 sum_i G_i dW_i H dW_i^T`` is e's term of the
+        mean KL divergence per token. Experts without tokens (or without Fisher tokens) take the
+        layer's pooled H (Fisher) and an add-half smoothed share ``0.5 / total_tokens``.
+
+        Returns:
+            (RowWeights, (K,) float32 encoder imatrix, True when a fallback was used).
+        """
+        key = self.input_of(proj)
+        hs, tok = self.hessian_sum[key], self.tokens
+        fallback = bool(tok[e] == 0 or self.fisher_tokens[e] == 0)
+        if tok[e] > 0:
+            h = hs[e] / tok[e]
+        else:
+            h = hs.sum(0) / tok.sum().clamp_min(1)
+        share = (tok[e].double() if tok[e] > 0 else torch.tensor(0.5, dtype=torch.float64)) / max(total_tokens, 1)
+        fs, ft = self.fisher_sum.get(proj), self.fisher_tokens
+        if fs is None or fisher_total == 0:
+            g = None
+        elif ft[e] > 0:
+            g = (fs[e] / ft[e]) * share
+        else:
+            g = (fs.sum(0) / ft.sum().clamp_min(1)) * share
+        hf = h.float()
+        return RowWeights(fisher=None if g is None else g.float(), hessian=hf), torch.diagonal(hf).clone(), fallback
+
+
+class _ExpertsForward:
+    """The replacement forward of one experts module (equivalent output, statistics on the side)."""
+
+    def __init__(self, name: str, module: torch.nn.Module, st: ExpertStats, collector):
+        self.name, self.m, self.st, self.col = name, module, st, collector
+        self.layout = layout_of(module)
+
+    def _grad_hook(self, proj: str, e: int, n: int, sl=None):
+        st = self.st
+
+        def fn(g):
+            g = g.detach().reshape(-1, g.shape[-1]).to(torch.float64)
+            if sl is not None:
+                g = g[:, sl]
+            s = st.fisher_sum.get(proj)
+            if s is None:
+                s = st.fisher_sum[proj] = torch.zeros(st.n_expert, g.shape[1], dtype=torch.float64, device=g.device)
+            s[e] += (g * g).sum(0)
+            if proj == "down_proj":
+                st.fisher_tokens[e] += n
+        return fn
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+        m, st = self.m, self.st
+        shape = hidden_states.shape
+        x_all = hidden_states.reshape(-1, shape[-1])
+        idx = top_k_index.reshape(x_all.shape[0], -1)
+        w = top_k_weights.reshape(x_all.shape[0], -1)
+        out = torch.zeros_like(x_all)
+        fisher = self.col.fisher
+        gpt = self.layout == "gpt-oss"
+        for e in range(st.n_expert):
+            tok, pos = torch.where(idx == e)
+            if tok.numel() == 0:
+                continue
+            x = x_all[tok]
+            if gpt:
+                gu = x @ m.gate_up_proj[e] + m.gate_up_proj_bias[e]
+                h = m._apply_gate(gu)
+            else:
+                gu = torch.nn.functional.linear(x, m.gate_up_proj[e])
+                gate, up = gu.chunk(2, dim=-1)
+                h = m.act_fn(gate) * up
+            y = h @ m.down_proj[e] + m.down_proj_bias[e] if gpt else torch.nn.functional.linear(h, m.down_proj[e])
+            if fisher and gu.requires_grad:
+                i = gu.shape[-1] // 2
+                gu.register_hook(self._grad_hook("gate_proj", e, tok.numel(), slice(0, None, 2) if gpt else slice(0, i)))
+                gu.register_hook(self._grad_hook("up_proj", e, tok.numel(), slice(1, None, 2) if gpt else slice(i, None)))
+                y.register_hook(self._grad_hook("down_proj", e, tok.numel()))
+            out.index_add_(0, tok, (y * w[tok, pos, None]).to(out.dtype))
+            with torch.no_grad():
+                self._accumulate(e, x, h, w[tok, pos])
+        return out.reshape(shape)
+
+    @torch.no_grad()
+    def _accumulate(self, e: int, x: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> None:
+        st = self.st
+        for key, v in (("gate_up", x), ("down", h)):
+            v = v.detach().to(torch.float32)
+            hs = st.hessian_sum.get(key)
+            if hs is None:
+                k = v.shape[1]
+                hs = st.hessian_sum[key] = torch.zeros(st.n_expert, k, k, dtype=torch.float32, device=v.device)
+            hs[e].addmm_(v.T, v)
+        st.tokens[e] += x.shape[0]
+        st.weight_sum[e] += float(w.detach().double().sum())
+
+
+def install(model, experts: dict[str, ExpertStats], collector) -> list:
+    """Replace every experts module's forward with the collecting one.
+
+    Args:
+        model: a transformers model.
+        experts: filled with one :class:`ExpertStats` per experts module (by module name).
+        collector: has a boolean ``fisher`` attribute (True while a Fisher sequence runs).
+    Returns:
+        Undo handles: call :func:`uninstall` with them.
+    """
+    undo = []
+    for name, mod in find_experts(model).items():
+        dev = mod.gate_up_proj.device
+        n = mod.gate_up_proj.shape[0]
+        st = experts.setdefault(name, ExpertStats(name, n))
+        if st.tokens is None:
+            st.tokens = torch.zeros(n, dtype=torch.int64, device=dev)
+            st.weight_sum = torch.zeros(n, dtype=torch.float64, device=dev)
+            st.fisher_tokens = torch.zeros(n, dtype=torch.int64, device=dev)
+        had = "forward" in mod.__dict__
+        old = mod.__dict__.get("forward")
+        mod.forward = _ExpertsForward(name, mod, st, collector)
+        undo.append((mod, had, old))
+    return undo
+
+
+def uninstall(undo: list) -> None:
+    """Restore the forwards :func:`install` replaced."""
+    for mod, had, old in undo:
+        if had:
+            mod.forward = old
+        else:
+            del mod.forward
+
+
+def measure_expert_errors(module: torch.nn.Module, proj: str, st: ExpertStats, formats: list[str], *,
+                          total_tokens: int, fisher_total: int, seed: int = 0) -> tuple[dict, list[int]]:
+    """Errors of a stacked expert tensor (``ffn_{gate,up,down}_exps``) in each format.
+
+    Each expert is measured as a linear layer with its own statistics (:meth:`ExpertStats.row_weights`,
+    :func:`.errors.measure_errors`); sizes and predicted KL divergences add up over experts, the
+    relative errors are averaged with each expert's routing share as weight.
+
+    Args:
+        module: the experts module; proj: ``gate_proj``, ``up_proj`` or ``down_proj``.
+        st: its statistics; formats: candidate format names.
+        total_tokens: calibration tokens; fisher_total: tokens of the Fisher sequences.
+    Returns:
+        (format name -> :class:`.errors.TensorError` for the whole stack, experts that used a fallback).
+    """
+    from .errors import TensorError, measure_errors
+
+    w = expert_weight(module, proj).detach()
+    share = st.tokens.double().cpu().clamp_min(0.5)
+    share = share / share.sum()
+    sums: dict[str, list[float]] = {}
+    fallback = []
+    for e in range(st.n_expert):
+        rw, imp, fb = st.row_weights(proj, e, total_tokens, fisher_total)
+        if fb:
+            fallback.append(e)
+        for f, te in measure_errors(w[e], formats, rw, imatrix=imp, seed=seed + e).items():
+            s = sums.setdefault(f, [0, 0.0, 0.0, 0.0, 0.0])
+            s[0] += te.size_bytes
+            s[1] += float(share[e]) * te.weighted_rel
+            s[2] += float(share[e]) * te.output_rel
+            s[3] += te.kld_pred
+            s[4] = te.bpw
+    out = {f: TensorError(int(s[0]), s[4], s[1], s[2], s[3]) for f, s in sums.items()}
+    return out, fallback
+
+
+def routing_entry(st: ExpertStats, layer: int | None, total_tokens: int) -> dict:
+    """The report's row for one MoE layer: tokens, share and mean routing weight per expert, unrouted experts."""
+    tok = st.tokens.cpu()
+    return {
+        "module": st.module, "layer": layer, "n_expert": st.n_expert,
+        "tokens": [int(v) for v in tok],
+        "frequency": [float(f"{v:.6g}") for v in st.frequency(total_tokens).tolist()],
+        "mean_weight": [float(f"{v:.6g}") for v in (st.weight_sum.cpu() / tok.clamp_min(1)).tolist()],
+        "unrouted": st.unrouted(),
+    }
