@@ -44,6 +44,12 @@ MOE = {
     "qwen2moe": ("Qwen2MoeForCausalLM", dict(
         intermediate_size=512, moe_intermediate_size=256, shared_expert_intermediate_size=512, num_experts=4,
         num_experts_per_tok=2, norm_topk_prob=False), "qwen2moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", dict(
+        intermediate_size=512, moe_intermediate_size=512, num_experts=4, num_experts_per_tok=2, head_dim=64,
+        norm_topk_prob=True), "qwen3moe"),
+    # llama arch: q/k permuted, w1/w3/w2 -> gate/up/down
+    "mixtral": ("MixtralForCausalLM", dict(
+        intermediate_size=512, num_local_experts=4, num_experts_per_tok=2, sliding_window=None), "llama"),
 }
 
 
@@ -124,7 +130,8 @@ def test_tiny_moe_runs_in_llama_cpp(case, tmp_path):
     src = open_hf_source(ckpt)
     assert src.arch == gguf_arch
     by_name = {t.gguf_name: t for t in src.tensors()}
-    n_exp = model.config.num_experts if hasattr(model.config, "num_experts") else model.config.num_local_experts
+    c = model.config
+    n_exp = next(getattr(c, k) for k in ("num_local_experts", "num_experts", "n_routed_experts") if hasattr(c, k))
     moe_layers = [i for i in range(model.config.num_hidden_layers) if f"blk.{i}.ffn_gate_exps.weight" in by_name]
     assert moe_layers
     state = model.state_dict()

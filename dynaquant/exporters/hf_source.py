@@ -2,7 +2,7 @@
 
 Spec: llama.cpp's ``convert_hf_to_gguf.py`` (``conversion/base.py`` ``TextModel``,
 ``conversion/llama.py`` ``LlamaModel``, ``conversion/qwen.py`` ``Qwen2Model``/``Qwen3Model``),
-re-implemented for the Llama family only:
+re-implemented for the Llama family and the MoE architectures of :mod:`.hf_moe`:
 
 - tensors: ``*.safetensors`` (one file, or shards listed in ``model.safetensors.index.json``),
   streamed one tensor at a time with ``safetensors.safe_open``; names mapped with gguf-py's
@@ -496,8 +496,10 @@ def permute_qk(x: torch.Tensor, n_head: int) -> torch.Tensor:
 def open_hf_source(folder: str | os.PathLike) -> HFCheckpointSource:
     """Open a HF checkpoint folder (``config.json`` + ``*.safetensors``) as a tensor source.
 
-    Supported ``architectures``: LlamaForCausalLM and MistralForCausalLM (GGUF ``llama``),
-    Qwen2ForCausalLM (``qwen2``), Qwen3ForCausalLM (``qwen3``).
+    Supported ``architectures``: LlamaForCausalLM, MistralForCausalLM and MixtralForCausalLM
+    (GGUF ``llama``), Qwen2ForCausalLM (``qwen2``), Qwen3ForCausalLM (``qwen3``),
+    Qwen2MoeForCausalLM (``qwen2moe``), Qwen3MoeForCausalLM (``qwen3moe``); the mixture-of-experts
+    conversion (stacked experts, routers, ``expert_*`` keys) is :mod:`.hf_moe`'s.
 
     Raises:
         ValueError: no config.json, an unsupported architecture (the message names the file
