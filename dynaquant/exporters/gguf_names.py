@@ -20,6 +20,9 @@ HF_ARCH_TO_GGUF: dict[str, str] = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2moe",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "MixtralForCausalLM": "llama",
 }
 
 # Canonical transformers module names of the Llama family, global then per block
@@ -42,7 +45,22 @@ CANONICAL_HF_BLOCK_MODULES: tuple[str, ...] = (
     "model.layers.{bid}.mlp.gate_proj",
     "model.layers.{bid}.mlp.up_proj",
     "model.layers.{bid}.mlp.down_proj",
+    # mixture of experts: the stacked experts under the in-memory experts module's name (the
+    # HF source's convention for every architecture), the router, shared experts
+    "model.layers.{bid}.mlp.experts.gate_proj",
+    "model.layers.{bid}.mlp.experts.up_proj",
+    "model.layers.{bid}.mlp.experts.down_proj",
+    "model.layers.{bid}.mlp.gate",
 )
+# Per-architecture block modules, looked up before the common ones (first name wins).
+ARCH_HF_BLOCK_MODULES: dict[str, tuple[str, ...]] = {
+    "qwen2moe": (
+        "model.layers.{bid}.mlp.shared_expert.gate_proj",
+        "model.layers.{bid}.mlp.shared_expert.up_proj",
+        "model.layers.{bid}.mlp.shared_expert.down_proj",
+        "model.layers.{bid}.mlp.shared_expert_gate",
+    ),
+}
 
 _SUFFIXES = (".weight", ".bias")
 
@@ -87,7 +105,8 @@ def hf_to_gguf_name(arch: str, n_layers: int, hf_name: str) -> str | None:
 def _reverse_map(arch: str, n_layers: int) -> dict[str, str]:
     rev: dict[str, str] = {}
     modules = list(CANONICAL_HF_MODULES)
-    modules += [m.format(bid=b) for b in range(n_layers) for m in CANONICAL_HF_BLOCK_MODULES]
+    block = ARCH_HF_BLOCK_MODULES.get(arch, ()) + CANONICAL_HF_BLOCK_MODULES
+    modules += [m.format(bid=b) for b in range(n_layers) for m in block]
     for hf in modules:
         name = hf_to_gguf_name(arch, n_layers, hf)
         if name is not None:

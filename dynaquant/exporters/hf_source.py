@@ -2,7 +2,7 @@
 
 Spec: llama.cpp's ``convert_hf_to_gguf.py`` (``conversion/base.py`` ``TextModel``,
 ``conversion/llama.py`` ``LlamaModel``, ``conversion/qwen.py`` ``Qwen2Model``/``Qwen3Model``),
-re-implemented for the Llama family only:
+re-implemented for the Llama family and the MoE architectures of :mod:`.hf_moe`:
 
 - tensors: ``*.safetensors`` (one file, or shards listed in ``model.safetensors.index.json``),
   streamed one tensor at a time with ``safetensors.safe_open``; names mapped with gguf-py's
@@ -32,6 +32,7 @@ import torch
 from gguf import GGUFWriter, TokenType
 from safetensors import safe_open
 
+from . import hf_moe
 from .gguf_names import HF_ARCH_TO_GGUF, hf_to_gguf_name
 from .gguf_source import SourceTensor, TensorSource
 
@@ -181,7 +182,14 @@ class HFCheckpointSource(TensorSource):
         tensors: list[tuple[tuple, SourceTensor]] = []
         hf_of: dict[str, str] = {}
         unmapped = []
+        stacks, used = hf_moe.stack_per_expert(shapes, self.n_layers, str(self.folder))
+        self._stacks = {s.tensor.gguf_name: s for s in stacks}
+        for s in stacks:
+            tensors.append((self._order_key(s.tensor.gguf_name), s.tensor))
+            hf_of[s.tensor.gguf_name] = s.tensor.hf_name
         for hf_name, shape in shapes.items():
+            if hf_name in used:
+                continue
             if hf_name.endswith(_SKIPPED_TENSOR_SUFFIXES):
                 continue
             if hf_name.startswith("lm_head.") and self.tied:
@@ -191,7 +199,8 @@ class HFCheckpointSource(TensorSource):
             if gguf_name is None:
                 unmapped.append(hf_name)
                 continue
-            st = SourceTensor(gguf_name, hf_name, shape, quantizable=len(shape) >= 2 and gguf_name.endswith(".weight"))
+            quantizable = len(shape) >= 2 and gguf_name.endswith(".weight") and not hf_moe.is_router(gguf_name)
+            st = SourceTensor(gguf_name, hf_name, shape, quantizable=quantizable)
             tensors.append((self._order_key(gguf_name), st))
             hf_of[gguf_name] = hf_name
         if unmapped:
@@ -235,9 +244,10 @@ class HFCheckpointSource(TensorSource):
         """
         if t.gguf_name == "rope_freqs.weight" and t.hf_name is None:
             return self._llama3_rope_factors()
+        if (stack := self._stacks.get(t.gguf_name)) is not None:
+            return hf_moe.read_stack(stack, self._read_hf)
         hf_name = self._hf_of[t.gguf_name]
-        with safe_open(self._files[hf_name], framework="pt") as f:
-            x = f.get_tensor(hf_name).to(torch.float32)
+        x = self._read_hf(hf_name)
         if self.arch == "llama":
             if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
                 x = permute_qk(x, self.n_head)
@@ -246,6 +256,11 @@ class HFCheckpointSource(TensorSource):
         if tuple(x.shape) != t.shape:
             raise ValueError(f"{hf_name}: read shape {tuple(x.shape)}, expected {t.shape}")
         return x.contiguous()
+
+    def _read_hf(self, hf_name: str) -> torch.Tensor:
+        """One checkpoint tensor as stored, in float32."""
+        with safe_open(self._files[hf_name], framework="pt") as f:
+            return f.get_tensor(hf_name).to(torch.float32)
 
     def _llama3_rope_factors(self) -> torch.Tensor:
         # Llama 3.1 frequency-dependent RoPE scaling, as LlamaModel.generate_extra_tensors.
@@ -308,6 +323,7 @@ class HFCheckpointSource(TensorSource):
             w.add_value_length(int(head_dim))
         w.add_vocab_size(int(hp["vocab_size"]))
         w.add_rope_dimension_count(self._rope_dim())
+        hf_moe.add_moe_hparams(w, self.arch, hp)
 
     def _add_rope_scaling(self, w: GGUFWriter, rp: dict[str, Any]) -> None:
         rope_type = rp.get("rope_type", rp.get("type"))
@@ -480,8 +496,10 @@ def permute_qk(x: torch.Tensor, n_head: int) -> torch.Tensor:
 def open_hf_source(folder: str | os.PathLike) -> HFCheckpointSource:
     """Open a HF checkpoint folder (``config.json`` + ``*.safetensors``) as a tensor source.
 
-    Supported ``architectures``: LlamaForCausalLM and MistralForCausalLM (GGUF ``llama``),
-    Qwen2ForCausalLM (``qwen2``), Qwen3ForCausalLM (``qwen3``).
+    Supported ``architectures``: LlamaForCausalLM, MistralForCausalLM and MixtralForCausalLM
+    (GGUF ``llama``), Qwen2ForCausalLM (``qwen2``), Qwen3ForCausalLM (``qwen3``),
+    Qwen2MoeForCausalLM (``qwen2moe``), Qwen3MoeForCausalLM (``qwen3moe``); the mixture-of-experts
+    conversion (stacked experts, routers, ``expert_*`` keys) is :mod:`.hf_moe`'s.
 
     Raises:
         ValueError: no config.json, an unsupported architecture (the message names the file
