@@ -119,6 +119,7 @@ def model_info(ts: TensorSource) -> ModelInfo:
     """Model facts for the planner, from the source's metadata (no model is loaded)."""
     names = {t.gguf_name for t in ts.tensors()}
     reader = getattr(ts, "reader", None)
+    expert_format = None
     if reader is not None:
         n_head = _gguf_int(reader, f"{ts.arch}.attention.head_count") or 1
         n_head_kv = _gguf_int(reader, f"{ts.arch}.attention.head_count_kv") or n_head
@@ -126,9 +127,12 @@ def model_info(ts: TensorSource) -> ModelInfo:
     else:
         n_head, n_head_kv = getattr(ts, "n_head", 1), getattr(ts, "n_head_kv", 1)
         cfg = getattr(ts, "config", {})
-        n_expert = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        n_expert = int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
+        qc = cfg.get("quantization_config") or {}
+        if n_expert and str(qc.get("quant_method", "")).lower() == "mxfp4":
+            expert_format = "MXFP4"  # gpt-oss: routed experts stored as OCP MXFP4
     return ModelInfo(n_layers=ts.n_layers, n_head=n_head, n_head_kv=n_head_kv, n_expert=n_expert,
-                     tied_embeddings="output.weight" not in names)
+                     tied_embeddings="output.weight" not in names, expert_format=expert_format)
 
 
 def imatrix_by_gguf_name(im: Imatrix, ts: TensorSource) -> dict[str, torch.Tensor]:
@@ -277,6 +281,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
     report_d = load_report(report) if report is not None and not isinstance(report, dict) else report
     dynamic = loaded_plan is None and preset is None
     overhead = 0
+    explicit_target = bpw is not None or size is not None
     if dynamic:
         kv = _extra_kv(source, _empty_plan(), Imatrix(dataset=" " * 64, chunks=0) if use_imatrix else None)
         overhead = _overhead_bytes(ts, tensors, kv)
@@ -320,8 +325,8 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         the_plan = make_plan(tensors, info, source.model_id, rules=rules, bpw=bpw, size_bytes=size,
                              overhead_bytes=overhead, error_fn=error_fn_from_report(report_d),
                              candidates=[c for c in report_d["candidates"] if c in GGUF_CANDIDATES] or GGUF_CANDIDATES,
-                             defaults=default_rules(info, sw) if default_rules_on else (), error_source="measured kld",
-                             has_imatrix=use_imatrix)
+                             defaults=default_rules(info, sw, use_imatrix) if default_rules_on else (),
+                             error_source="measured kld", has_imatrix=use_imatrix, lift_expert_caps=explicit_target)
     rounding = _GPTQRounding(hf_model, tokenizer, spec, stats, gptq_damp, device, progress, timings) if gptq else None
     if not evaluate:
         hf_model = None

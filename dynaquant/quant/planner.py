@@ -106,21 +106,39 @@ class Rule:
         return f"{self.pattern}{self.op}{self.format}"
 
 
-def default_rules(model: ModelInfo, super_weight_tensors: Sequence[str] = ()) -> list[Rule]:
+EXPERT_CAP = "default: MoE routed experts"
+
+
+def default_rules(model: ModelInfo, super_weight_tensors: Sequence[str] = (), has_imatrix: bool = True) -> list[Rule]:
     """The dynamic planner's default rules (after any user rule; each overridable by one).
 
     - tensors holding a confirmed super weight, and the first block(s): at least Q8_0
       (Yu et al. 2024; llama.cpp and Unsloth keep the first layers high too);
     - token embedding, output head and attention: "high", at least 4.5 bpw (Q4_0 / Q4_K class);
-    - MoE routers (``ffn_gate_inp``) unquantized (F32), shared experts at least Q5_K class;
-      MoE routed experts may go as low as the candidates allow (Q2_K here).
+    - MoE routers (``ffn_gate_inp``, Qwen2-MoE's shared-expert gate ``ffn_gate_inp_shexp``)
+      unquantized (F32), shared experts at least Q5_K class.
+    - MoE models (``model.n_expert > 0``), after Unsloth's dynamic quants (DeepSeek-R1 at 1.58 bits):
+      routed experts stored in MXFP4 (gpt-oss) stay MXFP4; otherwise routed gate/up experts at most
+      IQ2_XXS (2.06 bpw) and down experts at most IQ2_XS (2.31 bpw, one step higher: the allocator
+      chooses from IQ1_S up to these by the measurements), or Q2_K / Q3_K without an imatrix (the
+      i-quants need one); attention (MLA included) and dense FFN blocks at least Q5_K. The expert
+      caps (origin :data:`EXPERT_CAP`) are lifted by ``make_plan`` when an explicit budget is larger
+      than they allow.
     Norms, biases and 1-D tensors are never quantized (not rules: they are not candidates).
     """
     rules = [Rule(re.escape(n), "Q8_0", ">=", "default: super weight") for n in super_weight_tensors]
+    rules.append(Rule(r"ffn_gate_inp(_shexp)?\.", "F32", "=", "default: MoE router"))
+    if model.n_expert > 0:  # before the first-layers rule: routed experts are capped in every block
+        if model.expert_format:
+            rules.append(Rule(r"_exps\.", model.expert_format, "=", "default: MoE experts kept in their stored format"))
+        rules.append(Rule(r"ffn_(gate|up)_exps\.", "IQ2_XXS" if has_imatrix else "Q2_K", "<=", EXPERT_CAP))
+        rules.append(Rule(r"ffn_down_exps\.", "IQ2_XS" if has_imatrix else "Q3_K", "<=", EXPERT_CAP))
     first = max(1, model.n_layers // 32)
     rules.append(Rule(r"^blk\.(" + "|".join(str(i) for i in range(first)) + r")\.", "Q8_0", ">=", "default: first layers"))
-    rules.append(Rule(r"ffn_gate_inp\.", "F32", "=", "default: MoE router"))
     rules.append(Rule(r"_shexp\.", "Q5_K", ">=", "default: shared experts"))
+    if model.n_expert > 0:
+        rules.append(Rule(r"\.attn_", "Q5_K", ">=", "default: MoE attention"))
+        rules.append(Rule(r"\.ffn_(gate|up|down)\.", "Q5_K", ">=", "default: MoE dense FFN blocks"))
     rules.append(Rule(r"^(token_embd|output)\.", "Q4_0", ">=", "default: embeddings and output"))
     rules.append(Rule(r"\.attn_", "Q4_0", ">=", "default: attention"))
     return rules
@@ -232,7 +250,7 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
               overhead_bytes: int = 0, error_fn: ErrorFn | None = None,
               candidates: Sequence[str] | None = None, defaults: Sequence[Rule] = (),
               error_source: str = "prior error", target: str = "gguf",
-              has_imatrix: bool = False) -> Plan:
+              has_imatrix: bool = False, lift_expert_caps: bool = True) -> Plan:
     """Plan every tensor of a GGUF (or safetensors) target.
 
     Args:
@@ -255,6 +273,9 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
             format llama.cpp refuses to write without one (``presets.requires_imatrix``: IQ3_XXS,
             IQ2_*, IQ1_*), and the presets decide as ``llama-quantize`` without ``--imatrix``.
             Presets and ``=`` rules are not checked here: ``quantize`` refuses such a plan.
+        lift_expert_caps: with a budget, when the plan under the default MoE expert caps
+            (``default_rules``) uses less than 90 % of it, plan again without those caps (the
+            method records it). False keeps them (the default target of a MoE model).
     Returns:
         The plan; with a budget, its tensor data fits ``bpw`` or ``size_bytes - overhead_bytes``.
     Raises:
@@ -264,6 +285,19 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
     """
     if bpw is not None and size_bytes is not None:
         raise ValueError("give at most one of bpw and size_bytes")
+    capped = [r for r in defaults if r.origin == EXPERT_CAP]
+    if lift_expert_caps and capped and (bpw is not None or size_bytes is not None):
+        args = dict(preset=preset, rules=rules, bpw=bpw, size_bytes=size_bytes, overhead_bytes=overhead_bytes,
+                    error_fn=error_fn, candidates=candidates, error_source=error_source, target=target,
+                    has_imatrix=has_imatrix, lift_expert_caps=False)
+        plan = make_plan(tensors, model, model_id, defaults=defaults, **args)
+        total = sum(t.n_elements for t in tensors)
+        limit = int(bpw * total / 8) if bpw is not None else size_bytes - overhead_bytes
+        if plan.size_bytes >= 0.9 * limit:
+            return plan
+        plan = make_plan(tensors, model, model_id, defaults=[r for r in defaults if r not in capped], **args)
+        plan.method += "; MoE expert caps lifted (the budget is larger than they allow)"
+        return plan
     budgeted = bpw is not None or size_bytes is not None
     if budgeted and preset is not None:
         raise ValueError("give a preset or a budget (bpw / size_bytes), not both")

@@ -28,6 +28,8 @@ class ModelInfo:
         n_head, n_head_kv: attention heads and KV heads (n_gqa = n_head / n_head_kv).
         n_expert: routed experts per MoE layer (0 for dense).
         tied_embeddings: the output head reuses ``token_embd.weight``.
+        expert_format: the format the source stores routed experts in when it is one of ours
+            (``"MXFP4"`` for gpt-oss checkpoints), else None.
     """
 
     n_layers: int
@@ -35,6 +37,7 @@ class ModelInfo:
     n_head_kv: int = 1
     n_expert: int = 0
     tied_embeddings: bool = False
+    expert_format: str | None = None
 
     @property
     def n_gqa(self) -> int:
