@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ..quant.formats import get_format
 from .report import REPORT_VERSION, write_text
+from .report_moe import experts_section
 
 log = logging.getLogger(__name__)
 
@@ -699,6 +700,7 @@ def build_report_page(report: dict, *, title: str | None = None, plan: dict | No
     p = _Page()
     for name, fn in (("summary", lambda: _summary(p, report)), ("weights", lambda: _weight_errors(p, report)),
                      ("activations", lambda: _activations(p, report)), ("super weights", lambda: _super_weights(p, report)),
+                     ("experts", lambda: experts_section(p, report)),
                      ("plans", lambda: _plans(p, report, plan, plan_label)),
                      ("kld", lambda: _predicted_vs_measured(p, report))):
         try:

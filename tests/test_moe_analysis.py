@@ -1,0 +1,273 @@
+"""Mixture-of-experts analysis, planning and the whole GGUF path on tiny random checkpoints.
+
+Oracles: transformers' own experts forward (our statistics-collecting forward must give the same
+outputs), the routing counts (every token goes to exactly top-k experts), the imatrix definition
+(diag of the per-expert second moment), llama.cpp (the quantized file must run and match
+transformers on the decoded weights).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_moe_gguf import _BASE, IDS, MOE, _llama_logits, _router_margin, _tiny_moe
+
+from dynaquant.analysis import experts as moe
+from dynaquant.analysis.calibration import CalibrationSpec
+from dynaquant.analysis.stats import collect_stats
+from dynaquant.quant.formats import get_format
+from dynaquant.quant.plan import TensorInfo
+from dynaquant.quant.planner import EXPERT_CAP, default_rules, make_plan
+from dynaquant.quant.presets import ModelInfo, requires_imatrix
+
+# cheap candidates for the tests' analyses (the i-quants' CPU encoders are slow): one per class
+CANDIDATES = ("IQ2_XXS", "Q2_K", "Q4_K", "Q8_0")
+
+
+def _model(case: str, seed: int = 0) -> torch.nn.Module:
+    import transformers
+
+    arch, cfg, _ = MOE[case]
+    cls = getattr(transformers, arch)
+    config = cls.config_class(**{**_BASE, **cfg})
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("case", list(MOE))
+def test_collecting_forward_matches_transformers(case):
+    model = _model(case)
+    ids = torch.randint(0, 320, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+
+    class Col:
+        fisher = False
+
+    found: dict = {}
+    undo = moe.install(model, found, Col())
+    assert found and all(moe.layout_of(model.get_submodule(n)) for n in found)
+    with torch.no_grad():
+        got = model(ids).logits
+    moe.uninstall(undo)
+    assert all("forward" not in model.get_submodule(n).__dict__ for n in found)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-4 * float(ref.abs().max()))
+    for name, st in found.items():
+        k = model.config.num_experts_per_tok
+        assert int(st.tokens.sum()) == k * ids.numel(), name  # every token reaches exactly top-k experts
+
+
+def test_expert_statistics():
+    model = _model("qwen2moe")
+    chunks = torch.randint(0, 320, (3, 32), generator=torch.Generator().manual_seed(2))
+    st = collect_stats(model, chunks, fisher_sequences=2, progress=False)
+    assert set(st.experts) == {f"model.layers.{i}.mlp.experts" for i in range(2)}
+    es = st.experts["model.layers.1.mlp.experts"]
+    E, H, I = 4, 256, 256
+    assert es.hessian_sum["gate_up"].shape == (E, H, H) and es.hessian_sum["down"].shape == (E, I, I)
+    assert int(es.tokens.sum()) == 2 * st.tokens and int(es.fisher_tokens.sum()) == 2 * st.fisher_tokens
+    for proj in moe.PROJS:
+        f = es.fisher_sum[proj]
+        assert f.shape == (E, H if proj == "down_proj" else I) and torch.isfinite(f).all() and (f > 0).all()
+    # the per-expert H really is the sum over the tokens routed to that expert: recompute expert 0's
+    mod = model.get_submodule("model.layers.1.mlp.experts")
+    xs = []
+    h = mod.register_forward_pre_hook(lambda m, a: xs.append((a[0].reshape(-1, H).clone(), a[1].reshape(a[0].numel() // H, -1))))
+    with torch.no_grad():
+        for i in range(3):
+            model(chunks[i : i + 1])
+    h.remove()
+    x0 = torch.cat([x[(idx == 0).any(-1)] for x, idx in xs])
+    torch.testing.assert_close(es.hessian_sum["gate_up"][0], x0.T @ x0, rtol=1e-4, atol=1e-3)
+    assert int(es.tokens[0]) == x0.shape[0]
+    im = st.to_imatrix()
+    sums, counts = im.sums["model.layers.1.mlp.experts.down_proj"], im.counts["model.layers.1.mlp.experts.down_proj"]
+    assert sums.shape == (E, I) and torch.equal(counts, es.tokens.cpu())
+    torch.testing.assert_close(im.mean("model.layers.1.mlp.experts.gate_proj")[0], torch.diagonal(x0.T @ x0) / x0.shape[0],
+                               rtol=1e-4, atol=1e-6)
+
+
+def _force_routing(model, experts=(0, 1)):
+    """Hooks every router so each token picks exactly ``experts`` (the others are never routed)."""
+    hooks = []
+    for name, mod in model.named_modules():
+        if name.endswith(".mlp.gate"):
+            def hook(_m, _a, out):
+                logits, weights, idx = out
+                idx = torch.tensor(experts).expand_as(idx).contiguous()
+                return logits, torch.full_like(weights, 1 / len(experts)), idx
+            hooks.append(mod.register_forward_hook(hook))
+    return hooks
+
+
+@pytest.fixture(scope="module")
+def analysed(tmp_path_factory):
+    """qwen2moe checkpoint + its analysis (cheap candidates)."""
+    import dynaquant
+
+    root = tmp_path_factory.mktemp("moe")
+    _tiny_moe(root / "ckpt", "qwen2moe")
+    spec = CalibrationSpec((), 6, 64)
+    res = dynaquant.analyze(root / "ckpt", root / "an", calibration=spec, candidates=CANDIDATES, super_weights=False,
+                            progress=False)
+    return root, res
+
+
+def test_analysis_report_has_routing_and_expert_errors(analysed):
+    root, res = analysed
+    r = res.report
+    rows = {x["layer"]: x for x in r["experts"]}
+    assert set(rows) == {0, 1}
+    for x in rows.values():
+        assert x["n_expert"] == 4 and sum(x["tokens"]) == 2 * r["calibration"]["tokens"]
+        assert abs(sum(x["frequency"]) - 2.0) < 1e-4
+    by = {t["name"]: t for t in r["tensors"]}
+    for i in (0, 1):
+        for proj in ("gate", "up", "down"):
+            t = by[f"blk.{i}.ffn_{proj}_exps.weight"]
+            assert t["experts"]["n_expert"] == 4 and set(t["errors"]) == set(CANDIDATES)
+            klds = [t["errors"][f]["kld_pred"] for f in ("IQ2_XXS", "Q2_K", "Q4_K", "Q8_0")]
+            assert all(np.isfinite(klds)) and klds == sorted(klds, reverse=True) and klds[-1] > 0
+            assert t["errors"]["Q4_K"]["size_bytes"] == 4 * 256 * get_format("Q4_K").row_bytes(256)
+    # the imatrix file holds llama.cpp's per-expert layout
+    from dynaquant.analysis.imatrix_io import load_imatrix
+
+    data = load_imatrix(root / "an" / "imatrix.gguf")
+    s, c = data.sums["blk.1.ffn_down_exps.weight"], data.counts["blk.1.ffn_down_exps.weight"]
+    assert tuple(s.shape) == (4, 256) and [int(v) for v in c] == rows[1]["tokens"]
+    # the HTML report draws the routing
+    from dynaquant.analysis.report_html import build_report_page
+
+    page = build_report_page(r)
+    assert "fig-routing" in page.figures
+
+
+def test_unrouted_experts_fall_back(tmp_path):
+    from dynaquant.analyze_pipeline import run_analysis
+    from dynaquant.checkpoint import load_model, load_tokenizer, resolve_source
+    from dynaquant.exporters import open_hf_source
+
+    _tiny_moe(tmp_path / "ckpt", "qwen2moe")
+    source = resolve_source(str(tmp_path / "ckpt"))
+    model = load_model(source)
+    hooks = _force_routing(model)
+    res = run_analysis(source, open_hf_source(source.path), model, load_tokenizer(source), CalibrationSpec((), 4, 32),
+                       candidates=("Q2_K", "Q8_0"), super_weights=False, progress=False)
+    for h in hooks:
+        h.remove()
+    assert [x["unrouted"] for x in res.report["experts"]] == [[2, 3], [2, 3]]
+    for t in res.report["tensors"]:
+        if "_exps" in t["name"]:
+            assert t["experts"]["fallback"] == [2, 3]
+            for err in t["errors"].values():
+                assert all(np.isfinite(v) for v in err.values()) and err["kld_pred"] > 0
+    # the fallback importance is small: an unrouted expert weighs less than a routed one
+    es = res.stats.experts["model.layers.1.mlp.experts"]
+    rw2, imp2, fb2 = es.row_weights("down_proj", 2, res.stats.tokens, res.stats.fisher_tokens)
+    rw0, _, fb0 = es.row_weights("down_proj", 0, res.stats.tokens, res.stats.fisher_tokens)
+    assert fb2 and not fb0 and float(rw2.fisher.sum()) < float(rw0.fisher.sum())
+    assert torch.isfinite(imp2).all() and (imp2 > 0).all()
+
+
+def _moe_tensors(n_layers=4, n_exp=8, h=256, i=256) -> list[TensorInfo]:
+    out = [TensorInfo("token_embd.weight", "model.embed_tokens.weight", (320, h))]
+    for b in range(n_layers):
+        for n, shape in (("attn_q", (h, h)), ("attn_k", (h // 2, h)), ("attn_v", (h // 2, h)), ("attn_output", (h, h)),
+                         ("ffn_gate_inp", (n_exp, h)), ("ffn_gate_exps", (n_exp, i, h)), ("ffn_up_exps", (n_exp, i, h)),
+                         ("ffn_down_exps", (n_exp, h, i)), ("ffn_gate_shexp", (i, h)), ("ffn_down_shexp", (h, i))):
+            out.append(TensorInfo(f"blk.{b}.{n}.weight", None, shape))
+        out.append(TensorInfo(f"blk.{b}.attn_norm.weight", None, (h,), False))
+    out.append(TensorInfo("output.weight", "lm_head.weight", (320, h)))
+    return out
+
+
+def test_moe_default_rules():
+    tensors = _moe_tensors()
+    info = ModelInfo(n_layers=4, n_head=4, n_head_kv=2, n_expert=8)
+    rules = default_rules(info)
+    plan = make_plan(tensors, info, bpw=2.6, defaults=rules, has_imatrix=True)
+    fmt = {e.name: e.format for e in plan.entries}
+    for b in range(4):
+        assert get_format(fmt[f"blk.{b}.ffn_gate_exps.weight"]).bpw <= get_format("IQ2_XXS").bpw
+        assert get_format(fmt[f"blk.{b}.ffn_down_exps.weight"]).bpw <= get_format("IQ2_XS").bpw
+        assert fmt[f"blk.{b}.ffn_gate_inp.weight"] == "F32"
+        assert get_format(fmt[f"blk.{b}.attn_q.weight"]).bpw >= get_format("Q5_K").bpw
+        assert get_format(fmt[f"blk.{b}.ffn_down_shexp.weight"]).bpw >= get_format("Q5_K").bpw
+    assert "lifted" not in plan.method
+    # without an imatrix the i-quants are out: Q2_K / Q3_K caps
+    plan = make_plan(tensors, info, bpw=3.6, defaults=default_rules(info, has_imatrix=False), has_imatrix=False)
+    fmt = {e.name: e.format for e in plan.entries}
+    assert fmt["blk.1.ffn_up_exps.weight"] == "Q2_K"
+    assert get_format(fmt["blk.1.ffn_down_exps.weight"]).bpw <= get_format("Q3_K").bpw
+    assert not any(requires_imatrix(n, f) for n, f in fmt.items())
+    # a budget far above the caps lifts them; the default target keeps them
+    big = make_plan(tensors, info, bpw=5.0, defaults=rules, has_imatrix=True)
+    assert "lifted" in big.method and big.bpw > 4.5
+    assert get_format({e.name: e.format for e in big.entries}["blk.1.ffn_up_exps.weight"]).bpw > 3
+    kept = make_plan(tensors, info, bpw=5.0, defaults=rules, has_imatrix=True, lift_expert_caps=False)
+    assert "lifted" not in kept.method and kept.bpw < 3.5
+    assert any(r.origin == EXPERT_CAP for r in rules)
+    # experts stored in MXFP4 (gpt-oss) stay MXFP4
+    mx = ModelInfo(n_layers=4, n_head=4, n_head_kv=2, n_expert=8, expert_format="MXFP4")
+    plan = make_plan(tensors, mx, bpw=5.0, defaults=default_rules(mx), has_imatrix=True)
+    assert all(e.format == "MXFP4" for e in plan.entries if "_exps" in e.name)
+    # dense models get none of it
+    assert not any(r.origin == EXPERT_CAP for r in default_rules(ModelInfo(n_layers=4)))
+
+
+def _decoded_model(ckpt, gguf_path):
+    """The transformers model of ``ckpt`` with every weight replaced by the GGUF file's decoded values."""
+    from gguf import GGUFReader
+
+    from dynaquant.checkpoint import load_model, resolve_source
+    from dynaquant.exporters import open_hf_source
+    from dynaquant.quant.codecs import dequantize
+
+    model = load_model(resolve_source(str(ckpt)))
+    src = {t.gguf_name: t for t in open_hf_source(ckpt).tensors()}
+    formats = {}
+    with torch.no_grad():
+        for rt in GGUFReader(gguf_path).tensors:
+            t = src[rt.name]
+            fmt = rt.tensor_type.name
+            formats[rt.name] = fmt
+            shape = tuple(int(n) for n in reversed(rt.shape.tolist()))
+            x = dequantize(np.array(rt.data).view(np.uint8).reshape(-1, get_format(fmt).row_bytes(shape[-1])),
+                           fmt).reshape(shape) if fmt not in ("F32", "F16") else torch.from_numpy(np.array(rt.data, np.float32)).reshape(shape)
+            stacked = moe.stacked_name(t.hf_name)
+            if stacked:
+                moe.expert_weight(model.get_submodule(stacked[0]), stacked[1]).copy_(x)
+            elif t.hf_name == "model.embed_tokens.weight":
+                model.get_input_embeddings().weight.copy_(x)
+            else:
+                model.get_parameter(t.hf_name).copy_(x)
+    return model, formats
+
+
+def test_dynamic_moe_gguf_runs_in_llama_cpp(analysed, tmp_path):
+    """The whole path: analysis report -> dynamic plan (experts ~2 bits) -> GGUF -> llama.cpp."""
+    pytest.importorskip("llama_cpp")
+    import dynaquant
+
+    root, res = analysed
+    out = tmp_path / "moe.gguf"
+    # the default target (the Q4_K_M mix's size) keeps the expert caps
+    q = dynaquant.quantize(root / "ckpt", output=out, report=root / "an" / "report.json", progress=False)
+    model, formats = _decoded_model(root / "ckpt", out)
+    for i in (0, 1):
+        assert formats[f"blk.{i}.ffn_up_exps.weight"] in ("IQ2_XXS", "Q2_K")
+        assert formats[f"blk.{i}.ffn_gate_inp.weight"] == "F32"
+    assert "lifted" not in q.plan.method
+    assert _router_margin(model, IDS) > 1e-2
+    with torch.no_grad():
+        ref = model(torch.tensor([IDS])).logits[0].numpy()
+    got = _llama_logits(out, IDS)
+    # llama.cpp quantizes activations to 8 bits for the K/i-quant dot products: a few % of the logit range
+    rel = np.sqrt(((got - ref) ** 2).mean()) / ref.std()
+    assert rel < 0.1, rel
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.8
