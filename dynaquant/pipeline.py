@@ -126,7 +126,7 @@ def model_info(ts: TensorSource) -> ModelInfo:
     else:
         n_head, n_head_kv = getattr(ts, "n_head", 1), getattr(ts, "n_head_kv", 1)
         cfg = getattr(ts, "config", {})
-        n_expert = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        n_expert = int(getattr(ts, "n_expert", 0) or cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
     return ModelInfo(n_layers=ts.n_layers, n_head=n_head, n_head_kv=n_head_kv, n_expert=n_expert,
                      tied_embeddings="output.weight" not in names)
 

@@ -89,6 +89,14 @@ _SPECIAL_REVERSE = {
 
 _SUFFIXES = (".weight", ".bias")
 
+# GGUF names of MoE router tensors, kept in F32 by llama.cpp's converter and llama-quantize
+ROUTER_SUFFIXES = ("ffn_gate_inp.weight", "ffn_gate_inp.bias", "ffn_gate_inp_shexp.weight")
+
+
+def is_router(gguf_name: str) -> bool:
+    """True for MoE router tensors (``ffn_gate_inp``, ``ffn_gate_inp_shexp``), which stay F32."""
+    return gguf_name.endswith(ROUTER_SUFFIXES)
+
 
 def gguf_arch(arch: str) -> gguf.MODEL_ARCH:
     """The gguf-py ``MODEL_ARCH`` of an architecture string (``"llama"``).

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from gguf import GGUFWriter
 
+from .gguf_names import is_router  # noqa: F401 - re-exported for the HF source
 from .gguf_source import SourceTensor
 
 logger = logging.getLogger(__name__)
@@ -35,10 +36,6 @@ _PER_EXPERT = re.compile(
 )
 # Mixtral's w1/w3/w2 are gate/up/down (MixtralBlockSparseTop2MLP: w2(act(w1 x) * w3 x))
 _PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
-
-# GGUF names of MoE router tensors llama.cpp keeps in F32 (the converter's and llama-quantize's rule)
-ROUTER_SUFFIXES = ("ffn_gate_inp.weight", "ffn_gate_inp.bias", "ffn_gate_inp_shexp.weight")
-
 
 def canonical_expert_name(layer: int, proj: str) -> str:
     """``model.layers.{layer}.mlp.experts.{proj}_proj.weight``, the hf_name of a stacked expert
@@ -143,16 +140,16 @@ def stack_per_expert(
     return stacks, used
 
 
-def is_router(gguf_name: str) -> bool:
-    """True for router tensors (``ffn_gate_inp``, ``ffn_gate_inp_shexp``), which stay F32."""
-    return gguf_name.endswith(ROUTER_SUFFIXES)
-
-
 def _first(hp: dict, keys: Iterable[str]):
     for k in keys:
         if hp.get(k) is not None:
             return hp[k]
     return None
+
+
+def expert_count(hp: dict) -> int:
+    """Routed experts per MoE layer of a config (0 for a dense model)."""
+    return int(_first(hp, ("num_local_experts", "num_experts", "n_routed_experts")) or 0)
 
 
 def add_moe_hparams(w: GGUFWriter, arch: str, hp: dict) -> None:

@@ -126,6 +126,9 @@ class HFCheckpointSource(TensorSource):
         self.n_layers = int(self.hparams["num_hidden_layers"])
         self.n_head = int(self.hparams["num_attention_heads"])
         self.n_head_kv = int(self.hparams.get("num_key_value_heads") or self.n_head)
+        if self.arch == "deepseek2":
+            self.n_head_kv = 1  # MLA runs as MQA in llama.cpp (deepseek2.attention.head_count_kv = 1)
+        self.n_expert = int(hf_moe.expert_count(self.hparams))
         self.tied = bool(self.hparams.get("tie_word_embeddings", False))
         self.rope = dict(self.hparams.get("rope_parameters") or self.hparams.get("rope_scaling") or {})
         self._files = self._tensor_files()
