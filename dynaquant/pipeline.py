@@ -127,7 +127,8 @@ def model_info(ts: TensorSource) -> ModelInfo:
     else:
         n_head, n_head_kv = getattr(ts, "n_head", 1), getattr(ts, "n_head_kv", 1)
         cfg = getattr(ts, "config", {})
-        n_expert = int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
+        n_expert = int(getattr(ts, "n_expert", 0) or cfg.get("num_local_experts") or cfg.get("num_experts")
+                       or cfg.get("n_routed_experts") or 0)
         qc = cfg.get("quantization_config") or {}
         if n_expert and str(qc.get("quant_method", "")).lower() == "mxfp4":
             expert_format = "MXFP4"  # gpt-oss: routed experts stored as OCP MXFP4

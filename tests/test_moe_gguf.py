@@ -50,6 +50,21 @@ MOE = {
     # llama arch: q/k permuted, w1/w3/w2 -> gate/up/down
     "mixtral": ("MixtralForCausalLM", dict(
         intermediate_size=512, num_local_experts=4, num_experts_per_tok=2, sliding_window=None), "llama"),
+    # MLA (kv_b_proj split into attn_k_b/attn_v_b), one leading dense block, a shared expert,
+    # sigmoid routing with e_score_correction_bias, routed_scaling_factor
+    "deepseek-v3": ("DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=4, intermediate_size=512, moe_intermediate_size=256, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+        q_lora_rank=256, kv_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+        routed_scaling_factor=2.5, norm_topk_prob=True), "deepseek2"),
+    # attention sinks, biases everywhere, sliding window on even layers, fused interleaved gate_up
+    # experts, clamped SwiGLU, YaRN as the config's default but with truncate=True: llama.cpp always
+    # rounds YaRN's correction range to whole dims (ggml_rope_yarn_corr_dims), gpt-oss's own
+    # truncate=False does not, which moves these logits by ~0.05 from the 4th token on
+    "gpt-oss": ("GptOssForCausalLM", dict(
+        intermediate_size=512, num_local_experts=4, num_experts_per_tok=2, head_dim=64, sliding_window=6,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": True}), "gpt-oss"),
 }
 
 
@@ -82,13 +97,20 @@ def _tiny_moe(folder, case: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = cls(config).eval()
     routers = tuple(n + "." for n in _router_names(model))
+    sigmoid_routed = case == "deepseek-v3"
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if not p.is_floating_point() or "rotary" in name:
+                continue
             if "norm" in name:
                 p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif name.startswith(routers):
+            elif name.endswith("e_score_correction_bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif name.startswith(routers) and not sigmoid_routed:
                 p.copy_(ROUTER_STD * torch.randn_like(p))
             else:
+                # sigmoid routers keep small weights (a saturated sigmoid ties at 1.0); their
+                # choices are separated by the random e_score_correction_bias instead
                 p.copy_(0.15 * torch.randn_like(p))
     model.save_pretrained(folder)
     _tiny_tokenizer(folder)
@@ -106,7 +128,9 @@ def _router_margin(model, ids: list[int]) -> float:
 
         def hook(m, args):
             x = args[0].reshape(-1, args[0].shape[-1])
-            logits = x @ m.weight.T + (m.bias if getattr(m, "bias", None) is not None else 0)
+            logits = x.float() @ m.weight.float().T + (m.bias if getattr(m, "bias", None) is not None else 0)
+            if getattr(m, "e_score_correction_bias", None) is not None:  # DeepSeek-V3: sigmoid + bias selects
+                logits = logits.sigmoid() + m.e_score_correction_bias
             top = logits.sort(-1, descending=True).values
             gaps.append(float((top[:, k - 1] - top[:, k]).min()))
 
@@ -144,12 +168,31 @@ def test_tiny_moe_runs_in_llama_cpp(case, tmp_path):
             assert gguf_to_hf_name(gguf_arch, src.n_layers, t.gguf_name) == t.hf_name
         # the stacked tensors are transformers' fused in-memory experts, split into gate and up
         gate_up = state[f"model.layers.{i}.mlp.experts.gate_up_proj"]
-        gate, up = gate_up.chunk(2, dim=1)
+        down = state[f"model.layers.{i}.mlp.experts.down_proj"]
+        if case == "gpt-oss":  # (E, H, 2I), gate/up interleaved; down (E, I, H)
+            gate, up = gate_up.transpose(1, 2)[:, 0::2], gate_up.transpose(1, 2)[:, 1::2]
+            down = down.transpose(1, 2)
+        else:  # (E, 2I, H), gate then up
+            gate, up = gate_up.chunk(2, dim=1)
         torch.testing.assert_close(src.read(by_name[f"blk.{i}.ffn_gate_exps.weight"]), gate, rtol=0, atol=0)
         torch.testing.assert_close(src.read(by_name[f"blk.{i}.ffn_up_exps.weight"]), up, rtol=0, atol=0)
-        torch.testing.assert_close(src.read(by_name[f"blk.{i}.ffn_down_exps.weight"]),
-                                   state[f"model.layers.{i}.mlp.experts.down_proj"], rtol=0, atol=0)
+        torch.testing.assert_close(src.read(by_name[f"blk.{i}.ffn_down_exps.weight"]), down, rtol=0, atol=0)
         assert not by_name[f"blk.{i}.ffn_gate_inp.weight"].quantizable
+    if case == "gpt-oss":
+        for i in moe_layers:
+            for proj, sl in (("gate", slice(0, None, 2)), ("up", slice(1, None, 2))):
+                b = by_name[f"blk.{i}.ffn_{proj}_exps.bias"]
+                assert b.shape == (n_exp, cfg["intermediate_size"]) and not b.quantizable
+                assert b.hf_name == f"model.layers.{i}.mlp.experts.{proj}_proj.bias"
+                torch.testing.assert_close(src.read(b), state[f"model.layers.{i}.mlp.experts.gate_up_proj_bias"][:, sl])
+            assert gguf_to_hf_name(gguf_arch, 2, f"blk.{i}.attn_sinks.weight") == by_name[f"blk.{i}.attn_sinks.weight"].hf_name
+    if case == "deepseek-v3":
+        assert "blk.0.ffn_gate.weight" in by_name and "blk.0.ffn_gate_exps.weight" not in by_name
+        kv_b = state["model.layers.1.self_attn.kv_b_proj.weight"].view(4, 128, 256)
+        torch.testing.assert_close(src.read(by_name["blk.1.attn_k_b.weight"]), kv_b[:, :64].transpose(1, 2))
+        torch.testing.assert_close(src.read(by_name["blk.1.attn_v_b.weight"]), kv_b[:, 64:])
+        for name in ("blk.1.exp_probs_b.bias", "blk.1.ffn_gate_shexp.weight", "blk.1.attn_kv_a_mqa.weight"):
+            assert gguf_to_hf_name(gguf_arch, 2, name) == by_name[name].hf_name, name
 
     out = tmp_path / "tiny-moe.gguf"
     plan = {t.gguf_name: get_format("F32") for t in src.tensors()}
@@ -162,6 +205,18 @@ def test_tiny_moe_runs_in_llama_cpp(case, tmp_path):
         assert f[f"{gguf_arch}.expert_feed_forward_length"].contents() == cfg["moe_intermediate_size"]
     if case == "qwen2moe":
         assert f["qwen2moe.expert_shared_feed_forward_length"].contents() == cfg["shared_expert_intermediate_size"]
+    if case == "deepseek-v3":
+        expect = {"leading_dense_block_count": 1, "expert_shared_count": 1, "expert_feed_forward_length": 256,
+                  "expert_gating_func": gguf.ExpertGatingFuncType.SIGMOID, "expert_weights_norm": True,
+                  "expert_weights_scale": 2.5, "attention.kv_lora_rank": 256, "attention.q_lora_rank": 256,
+                  "attention.head_count_kv": 1, "attention.key_length": 256 + 64, "attention.value_length": 256,
+                  "attention.key_length_mla": 128, "attention.value_length_mla": 64, "rope.dimension_count": 64,
+                  "expert_group_count": 1, "expert_group_used_count": 1}
+        assert {k: f[f"deepseek2.{k}"].contents() for k in expect} == expect
+    if case == "gpt-oss":
+        assert f["gpt-oss.attention.sliding_window"].contents() == cfg["sliding_window"]
+        assert f["gpt-oss.expert_feed_forward_length"].contents() == 512
+        assert f["gpt-oss.rope.scaling.type"].contents() == "yarn"
     del r
 
     assert _router_margin(model, IDS) > MIN_MARGIN

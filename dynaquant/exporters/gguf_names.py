@@ -23,6 +23,8 @@ HF_ARCH_TO_GGUF: dict[str, str] = {
     "Qwen2MoeForCausalLM": "qwen2moe",
     "Qwen3MoeForCausalLM": "qwen3moe",
     "MixtralForCausalLM": "llama",
+    "DeepseekV3ForCausalLM": "deepseek2",
+    "GptOssForCausalLM": "gpt-oss",
 }
 
 # Canonical transformers module names of the Llama family, global then per block
@@ -60,9 +62,40 @@ ARCH_HF_BLOCK_MODULES: dict[str, tuple[str, ...]] = {
         "model.layers.{bid}.mlp.shared_expert.down_proj",
         "model.layers.{bid}.mlp.shared_expert_gate",
     ),
+    "deepseek2": (
+        "model.layers.{bid}.self_attn.q_a_proj",
+        "model.layers.{bid}.self_attn.q_a_layernorm",
+        "model.layers.{bid}.self_attn.q_b_proj",
+        "model.layers.{bid}.self_attn.kv_a_proj_with_mqa",
+        "model.layers.{bid}.self_attn.kv_a_layernorm",
+        # attn_k_b/attn_v_b: the converter's names for the two halves of kv_b_proj
+        "model.layers.{bid}.self_attn.k_b_proj",
+        "model.layers.{bid}.self_attn.v_b_proj",
+        "model.layers.{bid}.mlp.shared_experts.gate_proj",
+        "model.layers.{bid}.mlp.shared_experts.up_proj",
+        "model.layers.{bid}.mlp.shared_experts.down_proj",
+        # exp_probs_b.bias <-> e_score_correction_bias (see _SPECIAL_REVERSE)
+    ),
+    "gpt-oss": (
+        "model.layers.{bid}.mlp.router",
+        "model.layers.{bid}.self_attn.sinks",
+    ),
+}
+# GGUF name suffix -> HF parameter suffix, where the HF parameter is not ``module.weight/bias``
+_SPECIAL_REVERSE = {
+    ".exp_probs_b.bias": ".mlp.gate.e_score_correction_bias",
+    ".attn_sinks.weight": ".self_attn.sinks",
 }
 
 _SUFFIXES = (".weight", ".bias")
+
+# GGUF names of MoE router tensors, kept in F32 by llama.cpp's converter and llama-quantize
+ROUTER_SUFFIXES = ("ffn_gate_inp.weight", "ffn_gate_inp.bias", "ffn_gate_inp_shexp.weight")
+
+
+def is_router(gguf_name: str) -> bool:
+    """True for MoE router tensors (``ffn_gate_inp``, ``ffn_gate_inp_shexp``), which stay F32."""
+    return gguf_name.endswith(ROUTER_SUFFIXES)
 
 
 def gguf_arch(arch: str) -> gguf.MODEL_ARCH:
@@ -128,6 +161,12 @@ def gguf_to_hf_name(arch: str, n_layers: int, gguf_name: str) -> str | None:
         ValueError: unknown architecture.
     """
     rev = _reverse_map(arch, n_layers)
+    for g_suffix, hf_suffix in _SPECIAL_REVERSE.items():
+        parts = gguf_name.split(".")
+        if gguf_name.endswith(g_suffix) and parts[0] == "blk" and int(parts[1]) < n_layers:
+            if hf_to_gguf_name(arch, n_layers, f"model.layers.{parts[1]}{hf_suffix}".replace("_bias", ".bias").replace(
+                    ".sinks", ".sinks.weight")) == gguf_name:
+                return f"model.layers.{parts[1]}{hf_suffix}"
     for suffix in _SUFFIXES:
         if gguf_name.endswith(suffix) and (hf := rev.get(gguf_name[: -len(suffix)])) is not None:
             return hf + suffix

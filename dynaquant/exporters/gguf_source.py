@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
-from .gguf_names import gguf_to_hf_name
+from .gguf_names import gguf_to_hf_name, is_router
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +35,12 @@ class SourceTensor:
         gguf_name: llama.cpp name, e.g. ``"blk.3.ffn_down.weight"``.
         hf_name: HF parameter name, e.g. ``"model.layers.3.mlp.down_proj.weight"``; None if
             unknown (``rope_freqs.weight``, or a GGUF of an unknown layout).
-        shape: torch order ``(rows, row_size)`` for matrices, ``(n,)`` for norms and biases;
-            the LAST axis is the GGUF row (``ne[0]``), the axis blocks run along.
-        quantizable: True for matmul weights of 2 or more dims (``token_embd`` and
-            ``output`` included); False for norms, biases and other 1-D tensors.
+        shape: torch order ``(rows, row_size)`` for matrices, ``(n_expert, rows, row_size)``
+            for stacked MoE experts, ``(n,)`` for norms and biases; the LAST axis is the GGUF
+            row (``ne[0]``), the axis blocks run along.
+        quantizable: True for matmul weights of 2 or more dims (``token_embd``, ``output``
+            and the stacked 3-D experts ``ffn_*_exps`` included); False for norms, biases,
+            other 1-D tensors and MoE routers (``ffn_gate_inp*``, F32 in llama.cpp).
     """
 
     gguf_name: str
@@ -160,7 +162,8 @@ class GGUFFileSource(TensorSource):
         for rt in self.reader.tensors:
             shape = tuple(int(n) for n in reversed(rt.shape.tolist()))
             hf = gguf_to_hf_name(self.arch, self.n_layers, rt.name) if self.n_layers else None
-            st = SourceTensor(rt.name, hf, shape, quantizable=len(shape) >= 2 and rt.name.endswith(".weight"))
+            quantizable = len(shape) >= 2 and rt.name.endswith(".weight") and not is_router(rt.name)
+            st = SourceTensor(rt.name, hf, shape, quantizable=quantizable)
             self._tensors.append(st)
             self._by_name[rt.name] = rt
         logger.info("%s: GGUF %s, %d blocks, %d tensors", self.path, self.arch, self.n_layers, len(self._tensors))

@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import re
 from hashlib import sha256
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ KNOWN_PRE_TOKENIZER_HASHES: dict[str, str] = {
 }
 
 _SKIPPED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -124,6 +126,9 @@ class HFCheckpointSource(TensorSource):
         self.n_layers = int(self.hparams["num_hidden_layers"])
         self.n_head = int(self.hparams["num_attention_heads"])
         self.n_head_kv = int(self.hparams.get("num_key_value_heads") or self.n_head)
+        if self.arch == "deepseek2":
+            self.n_head_kv = 1  # MLA runs as MQA in llama.cpp (deepseek2.attention.head_count_kv = 1)
+        self.n_expert = int(hf_moe.expert_count(self.hparams))
         self.tied = bool(self.hparams.get("tie_word_embeddings", False))
         self.rope = dict(self.hparams.get("rope_parameters") or self.hparams.get("rope_scaling") or {})
         self._files = self._tensor_files()
@@ -182,20 +187,26 @@ class HFCheckpointSource(TensorSource):
         tensors: list[tuple[tuple, SourceTensor]] = []
         hf_of: dict[str, str] = {}
         unmapped = []
-        stacks, used = hf_moe.stack_per_expert(shapes, self.n_layers, str(self.folder))
-        self._stacks = {s.tensor.gguf_name: s for s in stacks}
-        for s in stacks:
-            tensors.append((self._order_key(s.tensor.gguf_name), s.tensor))
-            hf_of[s.tensor.gguf_name] = s.tensor.hf_name
+        composites = hf_moe.composite_tensors(self.arch, shapes, self.hparams, self.n_layers, str(self.folder))
+        self._composites = {c.tensor.gguf_name: c for c in composites}
+        used = {name for c in composites for name in c.consumes}
+        for c in composites:
+            tensors.append((self._order_key(c.tensor.gguf_name), c.tensor))
+            hf_of[c.tensor.gguf_name] = c.tensor.hf_name
         for hf_name, shape in shapes.items():
             if hf_name in used:
                 continue
             if hf_name.endswith(_SKIPPED_TENSOR_SUFFIXES):
                 continue
+            if (m := _LAYER.match(hf_name)) and int(m.group(1)) >= self.n_layers:
+                # multi-token-prediction layers past num_hidden_layers (DeepSeek-V3): the
+                # converter skips them too
+                logger.debug("%s: skipping %s (layer >= num_hidden_layers)", self.folder, hf_name)
+                continue
             if hf_name.startswith("lm_head.") and self.tied:
                 logger.info("%s: tie_word_embeddings, not writing %s", self.folder, hf_name)
                 continue
-            gguf_name = hf_to_gguf_name(self.arch, self.n_layers, hf_name)
+            gguf_name = hf_to_gguf_name(self.arch, self.n_layers, hf_moe.lookup_name(hf_name))
             if gguf_name is None:
                 unmapped.append(hf_name)
                 continue
@@ -244,8 +255,8 @@ class HFCheckpointSource(TensorSource):
         """
         if t.gguf_name == "rope_freqs.weight" and t.hf_name is None:
             return self._llama3_rope_factors()
-        if (stack := self._stacks.get(t.gguf_name)) is not None:
-            return hf_moe.read_stack(stack, self._read_hf)
+        if (comp := self._composites.get(t.gguf_name)) is not None:
+            return comp.read(self._read_hf)
         hf_name = self._hf_of[t.gguf_name]
         x = self._read_hf(hf_name)
         if self.arch == "llama":
@@ -311,19 +322,26 @@ class HFCheckpointSource(TensorSource):
         if (n_ff := hp.get("intermediate_size")) is not None:
             w.add_feed_forward_length(int(n_ff))
         w.add_head_count(self.n_head)
-        w.add_head_count_kv(self.n_head_kv)
+        mla = self.arch == "deepseek2"  # MLA: head sizes and rope dims from hf_moe.add_deepseek2_hparams
+        if not mla:
+            w.add_head_count_kv(self.n_head_kv)
         rp = self.rope
         if (theta := rp.get("rope_theta", hp.get("rope_theta"))) is not None:
             w.add_rope_freq_base(float(theta))
         self._add_rope_scaling(w, rp)
         if (eps := hp.get("rms_norm_eps")) is not None:
             w.add_layer_norm_rms_eps(float(eps))
-        if (head_dim := hp.get("head_dim")) is not None:
+        if (head_dim := hp.get("head_dim")) is not None and not mla:
             w.add_key_length(int(head_dim))
             w.add_value_length(int(head_dim))
         w.add_vocab_size(int(hp["vocab_size"]))
-        w.add_rope_dimension_count(self._rope_dim())
+        if not mla:
+            w.add_rope_dimension_count(self._rope_dim())
         hf_moe.add_moe_hparams(w, self.arch, hp)
+        if mla:
+            hf_moe.add_deepseek2_hparams(w, hp, self.hf_arch)
+        elif self.arch == "gpt-oss":
+            hf_moe.add_gpt_oss_hparams(w, hp)
 
     def _add_rope_scaling(self, w: GGUFWriter, rp: dict[str, Any]) -> None:
         rope_type = rp.get("rope_type", rp.get("type"))
@@ -337,6 +355,9 @@ class HFCheckpointSource(TensorSource):
             w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
             w.add_rope_scaling_factor(float(factor))
             w.add_rope_scaling_orig_ctx_len(int(rp["original_max_position_embeddings"]))
+            if rp.get("truncate") is False:
+                logger.warning("%s: YaRN with truncate=False; llama.cpp always rounds the correction range to whole "
+                               "dims, so its RoPE differs slightly from transformers'", self.folder)
             if (v := rp.get("extrapolation_factor")) is not None:
                 w.add_rope_scaling_yarn_ext_factor(float(v))
             if (v := rp.get("attention_factor", rp.get("attn_factor"))) is not None:
@@ -498,8 +519,10 @@ def open_hf_source(folder: str | os.PathLike) -> HFCheckpointSource:
 
     Supported ``architectures``: LlamaForCausalLM, MistralForCausalLM and MixtralForCausalLM
     (GGUF ``llama``), Qwen2ForCausalLM (``qwen2``), Qwen3ForCausalLM (``qwen3``),
-    Qwen2MoeForCausalLM (``qwen2moe``), Qwen3MoeForCausalLM (``qwen3moe``); the mixture-of-experts
-    conversion (stacked experts, routers, ``expert_*`` keys) is :mod:`.hf_moe`'s.
+    Qwen2MoeForCausalLM (``qwen2moe``), Qwen3MoeForCausalLM (``qwen3moe``),
+    DeepseekV3ForCausalLM (``deepseek2``, MLA), GptOssForCausalLM (``gpt-oss``, unquantized
+    experts only); the mixture-of-experts conversion (stacked experts, routers, MLA, gpt-oss's
+    fused experts, the ``expert_*`` keys) is :mod:`.hf_moe`'s.
 
     Raises:
         ValueError: no config.json, an unsupported architecture (the message names the file

@@ -111,7 +111,13 @@ def _use_more_bits(i: int, n: int) -> bool:
 def _category(name: str) -> str:
     if ".attn_qkv." in name or ".attn_kv_b." in name:
         return "attn_v"  # llama.cpp's category_is_attn_v
-    for cat in ("attn_v", "attn_k", "attn_q", "attn_output", "ffn_down", "ffn_gate", "ffn_up"):
+    # llama.cpp's tensor_get_category: attention tensors by their exact "attn_v.weight" (so MLA's
+    # attn_v_b/attn_k_b/attn_q_a/attn_q_b are "other"), FFN tensors by substring (so the MoE
+    # ffn_*_exps/ffn_*_shexp count as ffn_*)
+    for cat in ("attn_v", "attn_k", "attn_q", "attn_output"):
+        if f".{cat}.weight" in name:
+            return cat
+    for cat in ("ffn_up", "ffn_gate", "ffn_down"):
         if f".{cat}" in name:
             return cat
     if name.startswith("token_embd"):
