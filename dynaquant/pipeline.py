@@ -34,7 +34,7 @@ from .exporters.gguf_writer import write_gguf
 from .quant.codecs import quantize as encode_tensor
 from .quant.formats import Format, get_format
 from .quant.plan import Plan, TensorInfo
-from .quant.planner import GGUF_CANDIDATES, default_rules, error_fn_from_report, make_plan
+from .quant.planner import GGUF_CANDIDATES, BudgetError, default_rules, error_fn_from_report, make_plan
 from .quant.presets import PRESETS, ModelInfo, requires_imatrix
 
 log = logging.getLogger(__name__)
@@ -218,7 +218,8 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
     Targets (at most one): ``preset`` (a llama.cpp mix, tensor by tensor as llama-quantize decides),
     ``bpw`` or ``size`` (a dynamic plan: every tensor's format chosen to minimise the KL divergence
     predicted by the analysis within the budget), or ``plan`` (used as is). None: a dynamic plan at the
-    file size of the ``Q4_K_M`` preset.
+    file size of the ``Q4_K_M`` preset (or the smallest size the default rules allow, if larger; for MoE
+    models the routed experts stay within the default rules' caps, ~2 bits, so the file comes out smaller).
 
     Args:
         model: HF checkpoint folder, hub id, ``.gguf`` file, or None for the embedded default.
@@ -288,8 +289,15 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         overhead = _overhead_bytes(ts, tensors, kv)
         if bpw is None and size is None:
             size = make_plan(tensors, info, preset="Q4_K_M").size_bytes + overhead
-        make_plan(tensors, info, rules=rules, bpw=bpw, size_bytes=size, overhead_bytes=overhead,
-                  has_imatrix=use_imatrix)  # fails fast
+        try:  # fails fast on an explicit target below what the rules need
+            make_plan(tensors, info, rules=rules, bpw=bpw, size_bytes=size, overhead_bytes=overhead,
+                      defaults=default_rules(info, (), use_imatrix) if default_rules_on else (),
+                      has_imatrix=use_imatrix, lift_expert_caps=explicit_target)
+        except BudgetError as e:
+            if explicit_target:
+                raise
+            log.info("the Q4_K_M mix's size is below what the default rules need; default target %d bytes", e.min_bytes)
+            size = e.min_bytes
     if loaded_plan is not None:
         loaded_plan.check_tensors(tensors, str(plan) if not isinstance(plan, Plan) else "plan")
         the_plan = loaded_plan
@@ -323,11 +331,17 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
     if dynamic:
         _check_report(report_d, tensors, report if not isinstance(report, dict) else "report")
         sw = [t["name"] for t in report_d["tensors"] if t.get("super_weight")]
-        the_plan = make_plan(tensors, info, source.model_id, rules=rules, bpw=bpw, size_bytes=size,
-                             overhead_bytes=overhead, error_fn=error_fn_from_report(report_d),
-                             candidates=[c for c in report_d["candidates"] if c in GGUF_CANDIDATES] or GGUF_CANDIDATES,
-                             defaults=default_rules(info, sw, use_imatrix) if default_rules_on else (),
-                             error_source="measured kld", has_imatrix=use_imatrix, lift_expert_caps=explicit_target)
+        args = dict(overhead_bytes=overhead, error_fn=error_fn_from_report(report_d),
+                    candidates=[c for c in report_d["candidates"] if c in GGUF_CANDIDATES] or GGUF_CANDIDATES,
+                    defaults=default_rules(info, sw, use_imatrix) if default_rules_on else (),
+                    error_source="measured kld", has_imatrix=use_imatrix, lift_expert_caps=explicit_target)
+        try:
+            the_plan = make_plan(tensors, info, source.model_id, rules=rules, bpw=bpw, size_bytes=size, **args)
+        except BudgetError as e:
+            if explicit_target:
+                raise
+            size = e.min_bytes  # the default target: the smallest the rules allow with the measured formats
+            the_plan = make_plan(tensors, info, source.model_id, rules=rules, size_bytes=size, **args)
     rounding = _GPTQRounding(hf_model, tokenizer, spec, stats, gptq_damp, device, progress, timings) if gptq else None
     if not evaluate:
         hf_model = None

@@ -384,13 +384,21 @@ def _units(free, candidates, error_fn, target, tie, has_imatrix=True) -> dict[st
 
 def _allocate(free, entries, limit, error_fn, candidates, overhead, total, bpw, error_source, predicted,
               target="gguf", tie=None, has_imatrix=True) -> None:
-    fixed = sum(e.size_bytes for e in entries.values())
     units = _units(free, candidates, error_fn, target, tie, has_imatrix)
+    for u, (members, opts) in list(units.items()):
+        if opts:
+            continue
+        for t, rule, label in members:
+            fits = [f for f in _bounded(candidates, rule, t.row_size, target) if get_format(f).fits(t.row_size)]
+            if not fits:
+                raise ValueError(f"tensor {t.name}: no candidate format fits rows of {t.row_size}")
+            # no finite predicted error (a tensor the analysis could not measure, e.g. MLA's attn_k_b / attn_v_b,
+            # which llama.cpp derives from kv_b_proj): kept high rather than guessed
+            fmt = "Q8_0" if "Q8_0" in fits else max(fits, key=lambda f: (get_format(f).bpw, f))
+            entries[t.name] = _entry(t, fmt, f"not measured: kept at {fmt}" + (f"; {label}" if rule is not None else ""))
+        del units[u]
+    fixed = sum(e.size_bytes for e in entries.values())
     options = {u: opts for u, (_, opts) in units.items()}
-    for members, opts in units.values():
-        if not opts:
-            t = members[0][0]
-            raise ValueError(f"tensor {t.name}: no candidate format fits rows of {t.row_size}")
     level = {u: 0 for u in units}
     used = fixed + sum(opts[0][0] for opts in options.values())
     if used > limit:
