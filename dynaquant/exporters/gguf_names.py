@@ -20,6 +20,9 @@ HF_ARCH_TO_GGUF: dict[str, str] = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # language model only (hf_vl.py); the vision tower goes to an mmproj GGUF (mmproj.py)
+    "Qwen2VLForConditionalGeneration": "qwen2vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2vl",
 }
 
 # Canonical transformers module names of the Llama family, global then per block

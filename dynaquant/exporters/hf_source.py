@@ -481,10 +481,15 @@ def open_hf_source(folder: str | os.PathLike) -> HFCheckpointSource:
     """Open a HF checkpoint folder (``config.json`` + ``*.safetensors``) as a tensor source.
 
     Supported ``architectures``: LlamaForCausalLM and MistralForCausalLM (GGUF ``llama``),
-    Qwen2ForCausalLM (``qwen2``), Qwen3ForCausalLM (``qwen3``).
+    Qwen2ForCausalLM (``qwen2``), Qwen3ForCausalLM (``qwen3``); the language model of
+    Qwen2VL/Qwen2_5_VLForConditionalGeneration (``qwen2vl``, :mod:`.hf_vl`).
 
     Raises:
         ValueError: no config.json, an unsupported architecture (the message names the file
             and the architecture), no safetensors files, or tensors with no GGUF name.
     """
+    from .hf_vl import is_vl_checkpoint, open_hf_vl_source  # hf_vl imports this module
+
+    if is_vl_checkpoint(folder):
+        return open_hf_vl_source(folder)
     return HFCheckpointSource(folder)
