@@ -56,14 +56,15 @@ def _tiny_tokenizer(folder: Path) -> None:
     }))
 
 
-def _tiny_vl_checkpoint(folder: Path, qwen25: bool = False) -> torch.nn.Module:
-    """A random Qwen2-VL (or Qwen2.5-VL) checkpoint with tokenizer and image processor config."""
+def _tiny_vl_checkpoint(folder: Path, qwen25: bool = False, tied: bool = False) -> torch.nn.Module:
+    """A random Qwen2-VL (or Qwen2.5-VL) checkpoint with tokenizer and image processor config
+    (``tied``: tie_word_embeddings, as Qwen2-VL-2B)."""
     import transformers
 
     text = dict(vocab_size=320, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
                 rope_parameters={"rope_type": "default", "mrope_section": [8, 12, 12], "rope_theta": 10000.0},
-                bos_token_id=None, eos_token_id=TOK["<|im_end|>"], tie_word_embeddings=False)
+                bos_token_id=None, eos_token_id=TOK["<|im_end|>"], tie_word_embeddings=tied)
     ids = dict(image_token_id=TOK["<|image_pad|>"], video_token_id=TOK["<|video_pad|>"],
                vision_start_token_id=TOK["<|vision_start|>"], vision_end_token_id=TOK["<|vision_end|>"])
     if qwen25:
@@ -75,7 +76,7 @@ def _tiny_vl_checkpoint(folder: Path, qwen25: bool = False) -> torch.nn.Module:
         cls = transformers.Qwen2VLForConditionalGeneration
         vision = dict(depth=2, embed_dim=64, hidden_size=256, num_heads=4, mlp_ratio=2, patch_size=14,
                       spatial_merge_size=2, temporal_patch_size=2, hidden_act="quick_gelu")
-    config = cls.config_class(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    config = cls.config_class(text_config=text, vision_config=vision, tie_word_embeddings=tied, **ids)
     config.architectures = [cls.__name__]
     torch.manual_seed(0)
     model = cls(config).eval()
@@ -354,3 +355,46 @@ def test_pipeline_quantize_writes_lm_and_mmproj(tmp_path):
     # rounding of a random model (weights 0.1 * N(0, 1), no structure to average it out)
     assert got.argmax() == ref.argmax()
     np.testing.assert_allclose(got, ref, atol=0.1 * np.abs(ref).max(), rtol=0)
+
+
+def test_vl_module_layout_and_tied_embeddings(tmp_path):
+    """A checkpoint stored under the transformers 5 module names (model.language_model.*,
+    model.visual.*) converts to the same tensors as the legacy layout; tied embeddings write no
+    output.weight and llama.cpp's text logits still match transformers'."""
+    pytest.importorskip("llama_cpp")
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    legacy = tmp_path / "legacy"
+    model = _tiny_vl_checkpoint(legacy, tied=True)
+    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    modern = tmp_path / "modern"
+    modern.mkdir()
+    for f in legacy.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, modern / f.name)
+    state = load_file(legacy / "model.safetensors")
+    assert "model.layers.0.self_attn.q_proj.weight" in state and "visual.blocks.0.attn.qkv.weight" in state
+    save_file({vl_param_name(k): v for k, v in state.items()}, modern / "model.safetensors", metadata={"format": "pt"})
+
+    a, b = open_hf_source(legacy), open_hf_source(modern)
+    assert a.tensors() == b.tensors()
+    assert "output.weight" not in {t.gguf_name for t in a.tensors()}
+    for t in a.tensors():
+        assert torch.equal(a.read(t), b.read(t)), t.gguf_name
+    ma, mb = open_mmproj_source(legacy), open_mmproj_source(modern)
+    assert ma.tensors() == mb.tensors()
+    for t in ma.tensors():
+        assert torch.equal(ma.read(t), mb.read(t)), t.gguf_name
+        assert t.hf_name.startswith("model.visual.") and model.get_parameter(t.hf_name) is not None
+
+    lm = tmp_path / "tied.gguf"
+    write_gguf(lm, b, {t.gguf_name: F32 for t in b.tensors()}, _f32, {}, file_type=gguf.LlamaFileType.ALL_F32,
+               progress=False)
+    ids = [TOK["<|im_start|>"], 40, 7, 266, 290, 99, 283, 5, 299, 12]
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([ids])).logits[0].numpy()
+    got = _llama_text_logits(lm, ids)
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+    np.testing.assert_allclose(got, ref, atol=2e-3 * np.abs(ref).max(), rtol=0)
