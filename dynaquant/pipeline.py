@@ -68,6 +68,8 @@ class QuantizeResult:
         time_s: wall time of the whole run (evaluation excluded).
         imatrix_chunks: calibration chunks behind the imatrix (0: none used).
         eval: quality against the source, when asked for.
+        mmproj: the vision GGUF written beside ``output`` for a vision-language checkpoint
+            (``mmproj-<output name>``, F16; llama.cpp's ``--mmproj``), else None.
     """
 
     output: Path
@@ -79,6 +81,7 @@ class QuantizeResult:
     eval: EvalResult | None = None
     timings_s: dict = field(default_factory=dict)
     gptq: dict | None = None
+    mmproj: Path | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -86,7 +89,7 @@ class QuantizeResult:
             "time_s": round(self.time_s, 2), "timings_s": {k: round(v, 2) for k, v in self.timings_s.items()},
             "imatrix_chunks": self.imatrix_chunks, "method": self.plan.method,
             "formats": self.plan.count_by_format(), "eval": self.eval.to_dict() if self.eval else None,
-            "gptq": self.gptq,
+            "gptq": self.gptq, **({"mmproj": str(self.mmproj)} if self.mmproj else {}),
         }
 
 
@@ -143,9 +146,11 @@ def imatrix_by_gguf_name(im: Imatrix, ts: TensorSource) -> dict[str, torch.Tenso
     embedding is tied (llama.cpp's imatrix does the same: the output matmul reads it).
     """
     names = {t.gguf_name for t in ts.tensors()}
+    # the source's own names first (a VL language model's modules are model.language_model.*)
+    by_module = {t.hf_name[: -len(".weight")]: t.gguf_name for t in ts.tensors() if t.hf_name and t.hf_name.endswith(".weight")}
     out: dict[str, torch.Tensor] = {}
     for hf in im.names():
-        g = hf_to_gguf_name(ts.arch, ts.n_layers, hf)
+        g = by_module.get(hf) or hf_to_gguf_name(ts.arch, ts.n_layers, hf)
         if g is None:
             continue
         g = g if g.endswith(".weight") else g + ".weight"
@@ -223,7 +228,8 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
 
     Args:
         model: HF checkpoint folder, hub id, ``.gguf`` file, or None for the embedded default.
-        output: the GGUF path; default ``<model>-<target>.gguf`` in the current folder.
+        output: the GGUF path; default ``<model>-<target>.gguf`` in the current folder. A vision-language
+            checkpoint also gets ``mmproj-<output name>`` beside it (``QuantizeResult.mmproj``).
         rules: ``'REGEX=FORMAT'`` (or ``>=``, ``<=``) matched against GGUF tensor names, first match wins,
             before the default rules (``planner.default_rules``; off with ``default_rules_on=False``).
         report: an analysis report (``report.json`` path or dict) for dynamic plans; without one, the
@@ -376,6 +382,10 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
     if size is not None and result.size_bytes > size:  # the overhead estimate is an upper bound; never expected
         output.unlink(missing_ok=True)
         raise RuntimeError(f"{output}: {result.size_bytes} bytes exceeds the target {size}; removed")
+    if getattr(ts, "has_vision", False):  # Qwen2-VL: the vision tower goes to its own clip GGUF
+        from .exporters.mmproj import mmproj_path_for, write_mmproj
+
+        result.mmproj = write_mmproj(source.path, mmproj_path_for(output), ftype="F16", progress=progress)
     if evaluate:
         result.eval = _evaluate_models(hf_model, load_model(resolve_source(output), device=device),
                                        tokenizer, eval_text, n_ctx, eval_chunks, progress)

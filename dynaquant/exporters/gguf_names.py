@@ -25,6 +25,9 @@ HF_ARCH_TO_GGUF: dict[str, str] = {
     "MixtralForCausalLM": "llama",
     "DeepseekV3ForCausalLM": "deepseek2",
     "GptOssForCausalLM": "gpt-oss",
+    # language model only (hf_vl.py); the vision tower goes to an mmproj GGUF (mmproj.py)
+    "Qwen2VLForConditionalGeneration": "qwen2vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2vl",
 }
 
 # Canonical transformers module names of the Llama family, global then per block

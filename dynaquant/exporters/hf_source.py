@@ -522,10 +522,15 @@ def open_hf_source(folder: str | os.PathLike) -> HFCheckpointSource:
     Qwen2MoeForCausalLM (``qwen2moe``), Qwen3MoeForCausalLM (``qwen3moe``),
     DeepseekV3ForCausalLM (``deepseek2``, MLA), GptOssForCausalLM (``gpt-oss``, unquantized
     experts only); the mixture-of-experts conversion (stacked experts, routers, MLA, gpt-oss's
-    fused experts, the ``expert_*`` keys) is :mod:`.hf_moe`'s.
+    fused experts, the ``expert_*`` keys) is :mod:`.hf_moe`'s; the language model of
+    Qwen2VL/Qwen2_5_VLForConditionalGeneration (``qwen2vl``, :mod:`.hf_vl`).
 
     Raises:
         ValueError: no config.json, an unsupported architecture (the message names the file
             and the architecture), no safetensors files, or tensors with no GGUF name.
     """
+    from .hf_vl import is_vl_checkpoint, open_hf_vl_source  # hf_vl imports this module
+
+    if is_vl_checkpoint(folder):
+        return open_hf_vl_source(folder)
     return HFCheckpointSource(folder)
