@@ -107,6 +107,8 @@ def identify_bpe_pre_tokenizer(tokenizer) -> str:
 class HFCheckpointSource(TensorSource):
     """A HF checkpoint folder as a tensor source (see :func:`open_hf_source`)."""
 
+    _composites: dict = {}  # GGUF name -> hf_moe composite (stacked experts, MLA splits); set by _index_tensors
+
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
         self.source_id = str(self.folder)
