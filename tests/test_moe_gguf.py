@@ -227,3 +227,150 @@ def test_tiny_moe_runs_in_llama_cpp(case, tmp_path):
                 np.abs(ref).max())
     assert (got.argmax(-1) == ref.argmax(-1)).all()
     np.testing.assert_allclose(got, ref, atol=2e-3 * np.abs(ref).max(), rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# quantized files
+
+
+def _hf_state(src, decoded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' state dict (Qwen2/3-MoE, DeepSeek-V3) from GGUF tensors (decoded, torch order):
+    stacked gate/up become the fused in-memory ``experts.gate_up_proj`` (E, 2I, H), gate first;
+    DeepSeek's attn_k_b/attn_v_b are joined back into ``kv_b_proj``."""
+    state = {}
+    for t in src.tensors():
+        if "_exps." in t.gguf_name or ".attn_k_b." in t.gguf_name or ".attn_v_b." in t.gguf_name:
+            continue
+        state[t.hf_name] = decoded[t.gguf_name]
+    for i in range(src.n_layers):
+        if f"blk.{i}.ffn_gate_exps.weight" in decoded:
+            gate, up = decoded[f"blk.{i}.ffn_gate_exps.weight"], decoded[f"blk.{i}.ffn_up_exps.weight"]
+            state[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
+            state[f"model.layers.{i}.mlp.experts.down_proj"] = decoded[f"blk.{i}.ffn_down_exps.weight"]
+        if f"blk.{i}.attn_k_b.weight" in decoded:
+            k_b, v_b = decoded[f"blk.{i}.attn_k_b.weight"], decoded[f"blk.{i}.attn_v_b.weight"]
+            kv_b = torch.cat([k_b.transpose(1, 2), v_b], dim=1)  # (n_head, nope + v, rank)
+            state[f"model.layers.{i}.self_attn.kv_b_proj.weight"] = kv_b.reshape(-1, kv_b.shape[-1])
+    return state
+
+
+def _decoded(path, src) -> dict[str, torch.Tensor]:
+    r = GGUFReader(path)
+    try:
+        return {rt.name: torch.from_numpy(gguf.quants.dequantize(rt.data, rt.tensor_type).reshape(
+            src.tensor(rt.name).shape).copy()) for rt in r.tensors}
+    finally:
+        del r
+
+
+# others' format -> (rel. RMS bound, min argmax agreement, min correlation); measured 0.014 / 1.0 / 0.9999
+# with F32 around the two 3-D tensors, 0.087 / 0.7 / 0.996 with Q8_0 everywhere: llama.cpp multiplies
+# quantized weights with 8-bit-quantized activations (Q8_0/Q8_K), and this random MoE (sharp routers)
+# amplifies that; a misplaced expert, row or block moves the logits by O(1) rel. RMS
+QUANT_BOUNDS = {"F32": (0.03, 1.0, 0.9995), "Q8_0": (0.15, 0.6, 0.99)}
+
+
+@pytest.mark.parametrize("others", list(QUANT_BOUNDS))
+def test_tiny_moe_quantized_3d_kquant_and_iquant(others, tmp_path):
+    """Qwen2-MoE with two stacked expert tensors in 256-block formats, Q2_K and IQ4_XS ((E, rows, row)
+    bytes), every other matmul weight in F32 or Q8_0: gguf-py decodes the file's bytes exactly as our
+    codecs do, and llama.cpp's logits match transformers' on the decoded weights."""
+    pytest.importorskip("llama_cpp")
+    from dynaquant.quant import dequantize, quantize
+
+    ckpt = tmp_path / "ckpt"
+    model = _tiny_moe(ckpt, "qwen2moe")
+    src = open_hf_source(ckpt)
+    special = {"blk.1.ffn_down_exps.weight": "Q2_K", "blk.0.ffn_gate_exps.weight": "IQ4_XS"}
+    plan = {t.gguf_name: get_format(special.get(t.gguf_name, others) if t.quantizable else "F32") for t in src.tensors()}
+    out = tmp_path / f"tiny-moe-{others}.gguf"
+    write_gguf(out, src, plan, encode, {}, file_type=gguf.LlamaFileType.MOSTLY_Q8_0, progress=False)
+
+    r = GGUFReader(out)
+    decoded = {}
+    for rt in r.tensors:
+        t, fmt = src.tensor(rt.name), plan[rt.name]
+        assert rt.tensor_type == fmt.ggml_type and tuple(reversed(rt.shape.tolist())) == t.shape, rt.name
+        theirs = torch.from_numpy(gguf.quants.dequantize(rt.data, rt.tensor_type).reshape(t.shape).copy())
+        if fmt.name != "F32":
+            ours = dequantize(np.ascontiguousarray(rt.data).reshape(*t.shape[:-1], -1), fmt)
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0, msg=rt.name)  # bit for bit
+            if rt.name in special:
+                # the 3-D bytes are the 2-D encoding of the (E * rows, row) matrix: nothing per expert is reordered
+                x = src.read(t)
+                flat = quantize(x.reshape(-1, x.shape[-1]), fmt).reshape(-1).numpy()
+                assert np.array_equal(np.ascontiguousarray(rt.data).reshape(-1).view(np.uint8), flat)
+        decoded[rt.name] = theirs
+    del r
+
+    missing = model.load_state_dict(_hf_state(src, decoded), strict=False).missing_keys
+    assert missing == []
+    # the decoded model's routing still has a clear margin (llama.cpp's 8-bit activations move
+    # the router's inputs, so ask for more than in the F32 test)
+    assert _router_margin(model, IDS) > 0.25
+    with torch.no_grad():
+        ref = model(torch.tensor([IDS])).logits[0].numpy()
+    got = _llama_logits(out, IDS)
+    rel_rms = float(np.sqrt(((got - ref) ** 2).mean() / (ref**2).mean()))
+    corr = np.corrcoef(got.ravel(), ref.ravel())[0, 1]
+    agree = (got.argmax(-1) == ref.argmax(-1)).mean()
+    logger.info("qwen2moe %s + Q2_K/IQ4_XS experts: rel. RMS %.4f, argmax agreement %.2f, correlation %.5f",
+                others, rel_rms, agree, corr)
+    max_rms, min_agree, min_corr = QUANT_BOUNDS[others]
+    assert rel_rms < max_rms and agree >= min_agree and corr > min_corr
+
+
+def test_quantize_pipeline_q4_k_m_on_moe(tmp_path):
+    """``dynaquant.quantize(<Qwen2-MoE folder>, preset="Q4_K_M")`` (calibration, imatrix, plan, 3-D
+    encoders) writes llama-quantize's Q4_K_M types and llama.cpp's logits match transformers' on
+    the file's decoded weights. (Qwen2-MoE: its softmax routers keep a clear margin after 4-bit
+    rounding; the sigmoid-routed DeepSeek-V3 tiny model gets near-ties there.)"""
+    pytest.importorskip("llama_cpp")
+    import dynaquant
+
+    ckpt = tmp_path / "ckpt"
+    model = _tiny_moe(ckpt, "qwen2moe")
+    res = dynaquant.quantize(str(ckpt), preset="Q4_K_M", output=tmp_path / "moe-q4_k_m.gguf",
+                             calibration_chunks=2, progress=False)
+    src = open_hf_source(ckpt)
+    r = GGUFReader(res.output)
+    types = {rt.name: rt.tensor_type.name for rt in r.tensors}
+    assert r.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q4_K_M
+    del r
+    # llama-quantize's Q4_K_M: ffn_down "use_more_bits" layers (here the last of 2) in Q6_K
+    assert types["blk.0.ffn_gate_exps.weight"] == "Q4_K" and types["blk.1.ffn_down_exps.weight"] == "Q6_K"
+    assert types["blk.1.ffn_gate_inp.weight"] == "F32" and types["blk.1.ffn_gate_inp_shexp.weight"] == "F32"
+    decoded = _decoded(res.output, src)
+    assert model.load_state_dict(_hf_state(src, decoded), strict=False).missing_keys == []
+    assert _router_margin(model, IDS) > 0.25
+    with torch.no_grad():
+        ref = model(torch.tensor([IDS])).logits[0].numpy()
+    got = _llama_logits(res.output, IDS)
+    rel_rms = float(np.sqrt(((got - ref) ** 2).mean() / (ref**2).mean()))
+    corr = np.corrcoef(got.ravel(), ref.ravel())[0, 1]
+    logger.info("qwen2moe Q4_K_M: rel. RMS %.4f, correlation %.5f", rel_rms, corr)
+    # as the Q8_0 file above: llama.cpp's 8-bit activations, no misplaced tensor
+    assert rel_rms < 0.15 and corr > 0.99
+
+
+@pytest.mark.parametrize("preset", ["Q4_K_M", "Q2_K", "IQ2_XS", "IQ3_M"])
+@pytest.mark.parametrize("case", ["qwen2moe", "deepseek-v3"])
+def test_moe_presets_match_llama_quantize(case, preset, tmp_path):
+    """Our preset plan for a MoE file, from the HF folder and from its F32 GGUF, equals the types
+    ``llama-quantize --dry-run`` picks (expert-aware ffn_down rules, F32 routers, MLA tensors)."""
+    from test_gguf_export import _llama_quantize, _llama_quantize_types
+
+    from dynaquant.exporters import open_gguf_source
+    from dynaquant.pipeline import model_info, tensor_infos
+    from dynaquant.quant.planner import make_plan
+
+    exe = _llama_quantize()
+    _tiny_moe(tmp_path / "ckpt", case)
+    hf = open_hf_source(tmp_path / "ckpt")
+    f32 = tmp_path / "f32.gguf"
+    write_gguf(f32, hf, {t.gguf_name: get_format("F32") for t in hf.tensors()}, encode, {}, file_type=0, progress=False)
+    theirs, _ = _llama_quantize_types(exe, f32, preset, None)
+    assert any("_exps" in n for n in theirs)
+    for src in (hf, open_gguf_source(f32)):
+        plan = make_plan(tensor_infos(src), model_info(src), preset=preset, has_imatrix=True)
+        assert {e.name: e.format for e in plan.entries if e.format != "F32"} == theirs
