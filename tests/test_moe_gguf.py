@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import logging
 
+import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import GGUFReader
 from test_gguf_export import _tiny_tokenizer, encode
 
-import gguf
-from dynaquant.exporters import open_hf_source, write_gguf
+from dynaquant.exporters import open_gguf_source, open_hf_source, write_gguf
 from dynaquant.exporters.gguf_names import gguf_to_hf_name, hf_to_gguf_name
 from dynaquant.quant import get_format
 
@@ -197,6 +197,14 @@ def test_tiny_moe_runs_in_llama_cpp(case, tmp_path):
     out = tmp_path / "tiny-moe.gguf"
     plan = {t.gguf_name: get_format("F32") for t in src.tensors()}
     write_gguf(out, src, plan, encode, {}, file_type=gguf.LlamaFileType.ALL_F32, progress=False)
+    # every hf_name is the transformers parameter name (stacked experts: the fused experts module's
+    # canonical names), and re-reading the GGUF file names every tensor the same way
+    params = set(state)
+    for t in src.tensors():
+        if "_exps." in t.gguf_name or ".attn_k_b." in t.gguf_name or ".attn_v_b." in t.gguf_name:
+            continue
+        assert t.hf_name in params, t.hf_name
+    assert {t.gguf_name: t.hf_name for t in open_gguf_source(out).tensors()} == {t.gguf_name: t.hf_name for t in src.tensors()}
     r = GGUFReader(out)
     f = r.fields
     assert f[f"{gguf_arch}.expert_count"].contents() == n_exp
@@ -293,7 +301,7 @@ def test_tiny_moe_quantized_3d_kquant_and_iquant(others, tmp_path):
         assert rt.tensor_type == fmt.ggml_type and tuple(reversed(rt.shape.tolist())) == t.shape, rt.name
         theirs = torch.from_numpy(gguf.quants.dequantize(rt.data, rt.tensor_type).reshape(t.shape).copy())
         if fmt.name != "F32":
-            ours = dequantize(np.ascontiguousarray(rt.data).reshape(*t.shape[:-1], -1), fmt)
+            ours = dequantize(np.array(rt.data).reshape(*t.shape[:-1], -1), fmt)
             torch.testing.assert_close(ours, theirs, rtol=0, atol=0, msg=rt.name)  # bit for bit
             if rt.name in special:
                 # the 3-D bytes are the 2-D encoding of the (E * rows, row) matrix: nothing per expert is reordered
@@ -360,7 +368,6 @@ def test_moe_presets_match_llama_quantize(case, preset, tmp_path):
     ``llama-quantize --dry-run`` picks (expert-aware ffn_down rules, F32 routers, MLA tensors)."""
     from test_gguf_export import _llama_quantize, _llama_quantize_types
 
-    from dynaquant.exporters import open_gguf_source
     from dynaquant.pipeline import model_info, tensor_infos
     from dynaquant.quant.planner import make_plan
 

@@ -17,6 +17,7 @@ and :meth:`StackedExperts.read` stacks the per-expert tensors, reading them one 
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Callable, Iterable
@@ -324,6 +325,12 @@ class FusedExperts(Composite):
         return _check(self.source, x, self.tensor.shape)
 
 
+def _add_fused(out: list[Composite], layer: int, proj: str, suffix: str, shape: tuple[int, ...], source: str) -> None:
+    hf = canonical_expert_name(layer, proj) if suffix == "weight" else f"model.layers.{layer}.mlp.experts.{proj}_proj.bias"
+    st = SourceTensor(stacked_gguf_name(layer, proj, suffix), hf, shape, suffix == "weight")
+    out.append(FusedExperts(st, source, proj))
+
+
 def _gpt_oss_composites(shapes: dict[str, tuple[int, ...]], n_layers: int, source_id: str) -> list[Composite]:
     out: list[Composite] = []
     for i in range(n_layers):
@@ -335,19 +342,16 @@ def _gpt_oss_composites(shapes: dict[str, tuple[int, ...]], n_layers: int, sourc
             continue
         e, h, i2 = shapes[pre + "gate_up_proj"]
         n_ff = i2 // 2
+        add = functools.partial(_add_fused, out, i)
         for proj in ("gate", "up"):
-            out.append(FusedExperts(SourceTensor(stacked_gguf_name(i, proj), canonical_expert_name(i, proj), (e, n_ff, h), True),
-                                    pre + "gate_up_proj", proj))
+            add(proj, "weight", (e, n_ff, h), pre + "gate_up_proj")
             if pre + "gate_up_proj_bias" in shapes:
-                out.append(FusedExperts(SourceTensor(stacked_gguf_name(i, proj, "bias"), f"{pre}{proj}_proj.bias", (e, n_ff), False),
-                                        pre + "gate_up_proj_bias", proj))
+                add(proj, "bias", (e, n_ff), pre + "gate_up_proj_bias")
         if pre + "down_proj" in shapes:
             e, n_ff_d, h = shapes[pre + "down_proj"]
-            out.append(FusedExperts(SourceTensor(stacked_gguf_name(i, "down"), canonical_expert_name(i, "down"), (e, h, n_ff_d), True),
-                                    pre + "down_proj", "down"))
+            add("down", "weight", (e, h, n_ff_d), pre + "down_proj")
         if pre + "down_proj_bias" in shapes:
-            out.append(FusedExperts(SourceTensor(stacked_gguf_name(i, "down", "bias"), f"{pre}down_proj.bias",
-                                                 shapes[pre + "down_proj_bias"], False), pre + "down_proj_bias", "down"))
+            add("down", "bias", shapes[pre + "down_proj_bias"], pre + "down_proj_bias")
     return out
 
 
@@ -389,6 +393,15 @@ def composite_tensors(arch: str, shapes: dict[str, tuple[int, ...]], hp: dict, n
     elif arch == "gpt-oss":
         out += _gpt_oss_composites(shapes, n_layers, source_id)
     return out
+
+
+def memory_name(hf_arch: str | None, hf_name: str) -> str:
+    """The parameter's name in the transformers model (``named_parameters``) where it differs from
+    the checkpoint's: Mixtral's ``block_sparse_moe.gate.weight`` (on disk) is
+    ``mlp.gate.weight`` in transformers 5. :class:`SourceTensor` ``hf_name`` uses this name."""
+    if hf_arch == "MixtralForCausalLM":
+        return hf_name.replace(".block_sparse_moe.", ".mlp.")
+    return hf_name
 
 
 def lookup_name(hf_name: str) -> str:

@@ -211,7 +211,7 @@ class HFCheckpointSource(TensorSource):
                 unmapped.append(hf_name)
                 continue
             quantizable = len(shape) >= 2 and gguf_name.endswith(".weight") and not hf_moe.is_router(gguf_name)
-            st = SourceTensor(gguf_name, hf_name, shape, quantizable=quantizable)
+            st = SourceTensor(gguf_name, hf_moe.memory_name(self.hf_arch, hf_name), shape, quantizable=quantizable)
             tensors.append((self._order_key(gguf_name), st))
             hf_of[gguf_name] = hf_name
         if unmapped:
