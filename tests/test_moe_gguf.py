@@ -381,3 +381,50 @@ def test_moe_presets_match_llama_quantize(case, preset, tmp_path):
     for src in (hf, open_gguf_source(f32)):
         plan = make_plan(tensor_infos(src), model_info(src), preset=preset, has_imatrix=True)
         assert {e.name: e.format for e in plan.entries if e.format != "F32"} == theirs
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "IQ4_XS", "Q2_K"])
+def test_stacked_weight_with_per_expert_imatrix_encodes_each_expert_alone(fmt):
+    """A (n_expert, rows, K) weight with a (n_expert, K) imatrix (llama.cpp's layout for ffn_*_exps)
+    gives the bytes of each expert quantized alone with its own importance row."""
+    from dynaquant.quant import quantize
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 5, 512, generator=g)
+    im = torch.rand(3, 512, generator=g) ** 4 * 100
+    im[1, :7] = 0  # unseen columns of one expert: floored within that expert
+    got = quantize(x, fmt, im)
+    assert got.shape[:2] == (3, 5)
+    for e in range(3):
+        assert torch.equal(got[e], quantize(x[e], fmt, im[e])), e
+    assert not torch.equal(got[0], quantize(x[0], fmt, im[1]))  # the rows do matter
+    assert torch.equal(quantize(x, fmt, im[0]), torch.stack([quantize(x[e], fmt, im[0]) for e in range(3)]))
+
+
+def test_quantize_pipeline_iquant_with_moe_imatrix_file(tmp_path):
+    """``dynaquant.quantize(<Mixtral folder>, preset="IQ2_XS", imatrix=<llama.cpp imatrix>)``: the
+    imatrix's (n_expert, K) expert entries reach the encoders (IQ2_XS needs one for every tensor
+    it is used on) and llama.cpp runs the file."""
+    pytest.importorskip("llama_cpp")
+    import dynaquant
+    from dynaquant.analysis.imatrix_io import save_imatrix_gguf
+
+    ckpt = tmp_path / "ckpt"
+    _tiny_moe(ckpt, "mixtral")
+    src = open_hf_source(ckpt)
+    g = torch.Generator().manual_seed(1)
+    entries = {}
+    for t in src.tensors():
+        if t.quantizable and t.gguf_name.startswith("blk."):
+            n_mat = t.shape[0] if len(t.shape) == 3 else None
+            sums = 100 * torch.rand(*(() if n_mat is None else (n_mat,)), t.shape[-1], generator=g) + 1
+            entries[t.gguf_name] = (sums, 100 if n_mat is None else torch.full((n_mat,), 100))
+    imatrix = save_imatrix_gguf(tmp_path / "imatrix.gguf", entries, datasets=["random"], chunk_count=1, chunk_size=100)
+    res = dynaquant.quantize(str(ckpt), preset="IQ2_XS", imatrix=imatrix, output=tmp_path / "moe-iq2_xs.gguf",
+                             progress=False)
+    r = GGUFReader(res.output)
+    types = {rt.name: rt.tensor_type.name for rt in r.tensors}
+    del r
+    assert types["blk.0.ffn_gate_exps.weight"] == "IQ2_XS" and types["blk.0.ffn_up_exps.weight"] == "IQ2_XS"
+    got = _llama_logits(res.output, IDS)
+    assert np.isfinite(got).all() and got.std() > 0.1

@@ -137,11 +137,26 @@ def _importance(imatrix: torch.Tensor | None, rows: int, k: int, device, dtype=t
     imatrix = torch.as_tensor(imatrix, dtype=dtype, device=device).reshape(-1)
     if imatrix.numel() != k:
         raise ValueError(f"imatrix has {imatrix.numel()} entries, the weight's rows have {k}")
+    return _floored(imatrix).expand(rows, k)
+
+
+def _floored(imatrix: torch.Tensor) -> torch.Tensor:
     if not torch.isfinite(imatrix).all() or (imatrix < 0).any():
         raise ValueError("imatrix must be finite and non-negative")
     # A column never seen in calibration (0) keeps a small weight so its values are not arbitrary.
-    floor = imatrix[imatrix > 0].min() * 1e-3 if (imatrix > 0).any() else torch.tensor(1.0, device=device)
-    return imatrix.clamp_min(floor).expand(rows, k)
+    floor = imatrix[imatrix > 0].min() * 1e-3 if (imatrix > 0).any() else torch.tensor(1.0, device=imatrix.device)
+    return imatrix.clamp_min(floor)
+
+
+def _expert_importance(imatrix, shape: torch.Size, device) -> torch.Tensor | None:
+    """(n_expert, K) floored importance when ``imatrix`` holds one row per expert of a stacked
+    ``(n_expert, rows, K)`` weight (llama.cpp's imatrix for ``ffn_*_exps``), else None."""
+    if imatrix is None or len(shape) != 3:
+        return None
+    im = torch.as_tensor(imatrix, dtype=torch.float32, device=device)
+    if im.numel() != shape[0] * shape[-1] or shape[0] == 1:
+        return None
+    return torch.stack([_floored(row) for row in im.reshape(shape[0], shape[-1])])
 
 
 def quantize(weight: torch.Tensor, fmt: str | Format, imatrix: torch.Tensor | None = None) -> torch.Tensor:
@@ -151,7 +166,10 @@ def quantize(weight: torch.Tensor, fmt: str | Format, imatrix: torch.Tensor | No
         weight: (..., K) float tensor on any device; K must be a multiple of the block size.
         fmt: format name or row.
         imatrix: optional (K,) per-column importance (E[x^2] of the layer's inputs); the
-            encoder minimises the importance-weighted squared error.
+            encoder minimises the importance-weighted squared error. For a stacked MoE weight
+            ``(n_expert, rows, K)`` it may also be ``(n_expert, K)`` (one row per expert, as
+            llama.cpp's imatrix stores ``ffn_*_exps``): each expert is then encoded with its own
+            row, exactly as if quantized alone.
     Returns:
         (..., K // block_size * type_size) uint8 tensor on the weight's device, the GGUF
         byte layout (as ``gguf.quants.quantize`` returns it); for the runtime formats the
@@ -171,9 +189,13 @@ def quantize(weight: torch.Tensor, fmt: str | Format, imatrix: torch.Tensor | No
     if fmt.kind == "float":  # plain conversion: no search, no importance
         blocks = codec.encode_blocks(x.reshape(-1, 1), x.reshape(-1, 1))
         return blocks.reshape(*shape[:-1], row_bytes)
+    per_expert = _expert_importance(imatrix, shape, x.device)
     for r0 in range(0, rows, step):
         xr = x[r0 : r0 + step]
-        wr = _importance(imatrix, xr.shape[0], k, x.device)
+        if per_expert is None:
+            wr = _importance(imatrix, xr.shape[0], k, x.device)
+        else:
+            wr = per_expert[torch.arange(r0, r0 + xr.shape[0], device=x.device) // shape[1]]
         blocks = codec.encode_blocks(xr.reshape(-1, fmt.block_size).contiguous(), wr.reshape(-1, fmt.block_size).contiguous())
         out[r0 : r0 + step] = blocks.reshape(xr.shape[0], row_bytes)
     return out.reshape(*shape[:-1], row_bytes)
