@@ -16,6 +16,7 @@ k-th and (k+1)-th choices of every token are at least ``MIN_MARGIN`` apart.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import gguf
@@ -428,3 +429,115 @@ def test_quantize_pipeline_iquant_with_moe_imatrix_file(tmp_path):
     assert types["blk.0.ffn_gate_exps.weight"] == "IQ2_XS" and types["blk.0.ffn_up_exps.weight"] == "IQ2_XS"
     got = _llama_logits(res.output, IDS)
     assert np.isfinite(got).all() and got.std() > 0.1
+
+
+# ---------------------------------------------------------------------------------------------
+# release-checkpoint storage: block-FP8 (DeepSeek-V3) and MXFP4 experts (gpt-oss)
+
+
+def _rewrite_checkpoint(folder, tensors: dict[str, torch.Tensor], drop: set[str], quantization_config: dict) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    state = {k: v for k, v in load_file(path).items() if k not in drop}
+    save_file({**state, **tensors}, path, metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "quantization_config": quantization_config}))
+
+
+def _f32_logits_match(src, model, tmp_path, margin: float = MIN_MARGIN) -> float:
+    out = tmp_path / "model-f32.gguf"
+    write_gguf(out, src, {t.gguf_name: get_format("F32") for t in src.tensors()}, encode, {}, file_type=0, progress=False)
+    assert _router_margin(model, IDS) > margin
+    with torch.no_grad():
+        ref = model(torch.tensor([IDS])).logits[0].numpy()
+    got = _llama_logits(out, IDS)
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+    np.testing.assert_allclose(got, ref, atol=2e-3 * np.abs(ref).max(), rtol=0)
+    return float(np.abs(got - ref).max())
+
+
+def test_block_fp8_deepseek_checkpoint(tmp_path):
+    """DeepSeek-V3 as released: every layer matmul weight in float8_e4m3fn with a weight_scale_inv per
+    128x128 block (kv_a_proj_with_mqa's 320 rows end in a partial block). The source lists no scale
+    tensor, reads weight * scale, and llama.cpp runs the F32 file like transformers on those values."""
+    pytest.importorskip("llama_cpp")
+    ckpt = tmp_path / "ckpt"
+    model = _tiny_moe(ckpt, "deepseek-v3")
+    fp8, deq = {}, {}
+    for name, w in model.state_dict().items():
+        if not (name.startswith("model.layers.") and name.endswith(".weight") and w.ndim == 2) or "norm" in name \
+                or name.endswith("mlp.gate.weight"):
+            continue
+        n, k = w.shape
+        blocks = torch.nn.functional.pad(w, (0, -k % 128, 0, -n % 128)).reshape(-(-n // 128), 128, -(-k // 128), 128)
+        scale = blocks.abs().amax(dim=(1, 3)) / 448.0  # e4m3's largest value
+        full = scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+        q = (w / full).to(torch.float8_e4m3fn)
+        fp8[name], fp8[name + "_scale_inv"] = q, scale
+        deq[name] = q.float() * full
+    assert "model.layers.1.self_attn.kv_a_proj_with_mqa.weight_scale_inv" in fp8
+    assert fp8["model.layers.1.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape == (3, 2)
+    # the in-memory experts are fused (not in the loop above); the checkpoint has them per expert
+    assert not [n for n in fp8 if ".mlp.experts." in n]
+    per_expert = {}
+    from safetensors import safe_open
+
+    with safe_open(ckpt / "model.safetensors", "pt") as f:
+        disk = {k: f.get_tensor(k) for k in f.keys() if ".mlp.experts." in k}  # noqa: SIM118
+    for name, w in disk.items():
+        n, k = w.shape
+        scale = w.reshape(n // 128, 128, k // 128, 128).abs().amax(dim=(1, 3)) / 448.0
+        full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        q = (w / full).to(torch.float8_e4m3fn)
+        per_expert[name], per_expert[name + "_scale_inv"] = q, scale
+        deq[name] = q.float() * full
+    _rewrite_checkpoint(ckpt, {**fp8, **per_expert, "model.layers.1.self_attn.kv_b_proj.activation_scale": torch.ones(())},
+                        set(), {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                "activation_scheme": "dynamic"})
+    src = open_hf_source(ckpt)
+    assert not [t for t in src.tensors() if "scale" in (t.hf_name or "")]
+    # reference: transformers on the dequantized values (experts fused as in memory)
+    state = {k: v for k, v in deq.items() if ".mlp.experts." not in k}
+    for i in range(1, 2):
+        pre = f"model.layers.{i}.mlp.experts."
+        stack = {p: torch.stack([deq[f"{pre}{e}.{p}_proj.weight"] for e in range(4)]) for p in ("gate", "up", "down")}
+        state[pre + "gate_up_proj"] = torch.cat([stack["gate"], stack["up"]], dim=1)
+        state[pre + "down_proj"] = stack["down"]
+        torch.testing.assert_close(src.read(src.tensor(f"blk.{i}.ffn_up_exps.weight")), stack["up"], rtol=0, atol=0)
+    assert model.load_state_dict(state, strict=False).unexpected_keys == []
+    torch.testing.assert_close(src.read(src.tensor("blk.1.attn_kv_a_mqa.weight")),
+                               deq["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"], rtol=0, atol=0)
+    logger.info("deepseek-v3 fp8: max |diff| %.2e", _f32_logits_match(src, model, tmp_path))
+
+
+def test_mxfp4_gpt_oss_checkpoint(tmp_path):
+    """gpt-oss as released: experts in MXFP4 (``*_blocks`` uint8 (E, rows, G, 16), ``*_scales`` E8M0);
+    our decoding equals transformers' ``convert_moe_packed_tensors`` and llama.cpp runs the F32 file
+    like transformers on those values."""
+    pytest.importorskip("llama_cpp")
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    ckpt = tmp_path / "ckpt"
+    model = _tiny_moe(ckpt, "gpt-oss")
+    g = torch.Generator().manual_seed(5)
+    packed, state = {}, {}
+    for i in range(2):
+        pre = f"model.layers.{i}.mlp.experts."
+        for proj, rows, k in (("gate_up_proj", 1024, 256), ("down_proj", 256, 512)):
+            blocks = torch.randint(0, 256, (4, rows, k // 32, 16), generator=g, dtype=torch.uint8)
+            scales = torch.randint(122, 126, (4, rows, k // 32), generator=g, dtype=torch.uint8)
+            packed[pre + proj + "_blocks"], packed[pre + proj + "_scales"] = blocks, scales
+            state[pre + proj] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # (E, K, rows)
+    drop = {f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")}
+    keep = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+    _rewrite_checkpoint(ckpt, packed, drop, {"quant_method": "mxfp4", "modules_to_not_convert": keep})
+    src = open_hf_source(ckpt)
+    for i in range(2):
+        gate_up = state[f"model.layers.{i}.mlp.experts.gate_up_proj"].transpose(1, 2)  # (E, 2I, H)
+        torch.testing.assert_close(src.read(src.tensor(f"blk.{i}.ffn_gate_exps.weight")), gate_up[:, 0::2], rtol=0, atol=0)
+        torch.testing.assert_close(src.read(src.tensor(f"blk.{i}.ffn_up_exps.weight")), gate_up[:, 1::2], rtol=0, atol=0)
+        torch.testing.assert_close(src.read(src.tensor(f"blk.{i}.ffn_down_exps.weight")),
+                                   state[f"model.layers.{i}.mlp.experts.down_proj"].transpose(1, 2), rtol=0, atol=0)
+    assert model.load_state_dict(state, strict=False).unexpected_keys == []
+    logger.info("gpt-oss mxfp4: max |diff| %.2e", _f32_logits_match(src, model, tmp_path))
