@@ -58,6 +58,16 @@ MOE = {
         num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
         q_lora_rank=256, kv_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
         routed_scaling_factor=2.5, norm_topk_prob=True), "deepseek2"),
+    # DeepSeek-V3's released RoPE: YaRN with mscale/mscale_all_dim (attention scale and the
+    # rope.scaling.yarn_log_multiplier key)
+    "deepseek-v3-yarn": ("DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=4, intermediate_size=512, moe_intermediate_size=256, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+        q_lora_rank=256, kv_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+        routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=4096 * 40,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096}), "deepseek2"),
     # attention sinks, biases everywhere, sliding window on even layers, fused interleaved gate_up
     # experts, clamped SwiGLU, YaRN as the config's default but with truncate=True: llama.cpp always
     # rounds YaRN's correction range to whole dims (ggml_rope_yarn_corr_dims), gpt-oss's own
@@ -98,7 +108,7 @@ def _tiny_moe(folder, case: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = cls(config).eval()
     routers = tuple(n + "." for n in _router_names(model))
-    sigmoid_routed = case == "deepseek-v3"
+    sigmoid_routed = case.startswith("deepseek-v3")
     with torch.no_grad():
         for name, p in [*model.named_parameters(), *model.named_buffers()]:
             if not p.is_floating_point() or "rotary" in name:
@@ -187,7 +197,7 @@ def test_tiny_moe_runs_in_llama_cpp(case, tmp_path):
                 assert b.hf_name == f"model.layers.{i}.mlp.experts.{proj}_proj.bias"
                 torch.testing.assert_close(src.read(b), state[f"model.layers.{i}.mlp.experts.gate_up_proj_bias"][:, sl])
             assert gguf_to_hf_name(gguf_arch, 2, f"blk.{i}.attn_sinks.weight") == by_name[f"blk.{i}.attn_sinks.weight"].hf_name
-    if case == "deepseek-v3":
+    if case.startswith("deepseek-v3"):
         assert "blk.0.ffn_gate.weight" in by_name and "blk.0.ffn_gate_exps.weight" not in by_name
         kv_b = state["model.layers.1.self_attn.kv_b_proj.weight"].view(4, 128, 256)
         torch.testing.assert_close(src.read(by_name["blk.1.attn_k_b.weight"]), kv_b[:, :64].transpose(1, 2))
@@ -214,7 +224,7 @@ def test_tiny_moe_runs_in_llama_cpp(case, tmp_path):
         assert f[f"{gguf_arch}.expert_feed_forward_length"].contents() == cfg["moe_intermediate_size"]
     if case == "qwen2moe":
         assert f["qwen2moe.expert_shared_feed_forward_length"].contents() == cfg["shared_expert_intermediate_size"]
-    if case == "deepseek-v3":
+    if case.startswith("deepseek-v3"):
         expect = {"leading_dense_block_count": 1, "expert_shared_count": 1, "expert_feed_forward_length": 256,
                   "expert_gating_func": gguf.ExpertGatingFuncType.SIGMOID, "expert_weights_norm": True,
                   "expert_weights_scale": 2.5, "attention.kv_lora_rank": 256, "attention.q_lora_rank": 256,
@@ -222,6 +232,9 @@ def test_tiny_moe_runs_in_llama_cpp(case, tmp_path):
                   "attention.key_length_mla": 128, "attention.value_length_mla": 64, "rope.dimension_count": 64,
                   "expert_group_count": 1, "expert_group_used_count": 1}
         assert {k: f[f"deepseek2.{k}"].contents() for k in expect} == expect
+        if case == "deepseek-v3-yarn":  # the converter writes 0.1 * mscale_all_dim; llama.cpp divides it back
+            assert f["deepseek2.rope.scaling.yarn_log_multiplier"].contents() == pytest.approx(0.1)
+            assert f["deepseek2.rope.scaling.type"].contents() == "yarn"
     if case == "gpt-oss":
         assert f["gpt-oss.attention.sliding_window"].contents() == cfg["sliding_window"]
         assert f["gpt-oss.expert_feed_forward_length"].contents() == 512
