@@ -12,7 +12,13 @@ tensor per projection: ``blk.{i}.ffn_{gate,up,down}_exps.weight`` of torch shape
 ``(n_expert, rows, row_size)`` (gate/up ``(E, I, H)``, down ``(E, H, I)``), expert ``e`` at
 index ``e``. Those :class:`SourceTensor` carry the canonical name of the in-memory experts
 module, ``model.layers.{i}.mlp.experts.{gate,up,down}_proj.weight``, for every architecture,
-and :meth:`StackedExperts.read` stacks the per-expert tensors, reading them one at a time.
+and :meth:`ExpertStack.read` stacks the per-expert tensors, reading them one at a time.
+
+Other GGUF tensors that are not a plain rename are :class:`Composite` too: DeepSeek's MLA
+``kv_b_proj`` split into ``attn_k_b``/``attn_v_b`` (:class:`KvBSplit`, ``conversion/deepseek.py``)
+and gpt-oss's fused, interleaved experts (:class:`FusedExperts`, ``conversion/gpt_oss.py``).
+Architecture keys: :func:`add_moe_hparams` (all), :func:`add_deepseek2_hparams`,
+:func:`add_gpt_oss_hparams`.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ _PER_EXPERT = re.compile(
 )
 # Mixtral's w1/w3/w2 are gate/up/down (MixtralBlockSparseTop2MLP: w2(act(w1 x) * w3 x))
 _PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+
 
 def canonical_expert_name(layer: int, proj: str) -> str:
     """``model.layers.{layer}.mlp.experts.{proj}_proj.weight``, the hf_name of a stacked expert
