@@ -4,8 +4,11 @@ The forward map (HF -> GGUF) is gguf-py's ``TensorNameMap``, the table llama.cpp
 ``convert_hf_to_gguf.py`` uses; nothing is retyped here. The reverse map (GGUF -> HF) needs
 one canonical HF name per GGUF tensor, which that table cannot give (it lists every alias
 of every architecture), so :data:`CANONICAL_HF_MODULES` names the transformers modules of
-the Llama family (Llama, Mistral, Qwen2, Qwen3) and the reverse map is built by running
-those names through the forward map, so both directions always agree.
+the Llama family (Llama, Mistral, Qwen2, Qwen3), the MoE experts and routers (stacked experts
+under the fused in-memory module's name, ``model.layers.{i}.mlp.experts.gate_proj``) and, in
+:data:`ARCH_HF_BLOCK_MODULES`, the modules one architecture adds (Qwen2-MoE's shared expert,
+DeepSeek's MLA, gpt-oss's router and sinks); the reverse map is built by running those names
+through the forward map, so both directions always agree.
 """
 
 from __future__ import annotations
@@ -84,10 +87,11 @@ ARCH_HF_BLOCK_MODULES: dict[str, tuple[str, ...]] = {
         "model.layers.{bid}.self_attn.sinks",
     ),
 }
-# GGUF name suffix -> HF parameter suffix, where the HF parameter is not ``module.weight/bias``
+# GGUF name suffix -> (HF parameter suffix, the name gguf-py's map knows for it), where the HF
+# parameter is not ``module.weight``/``module.bias`` (the converter renames these two)
 _SPECIAL_REVERSE = {
-    ".exp_probs_b.bias": ".mlp.gate.e_score_correction_bias",
-    ".attn_sinks.weight": ".self_attn.sinks",
+    ".exp_probs_b.bias": (".mlp.gate.e_score_correction_bias", ".mlp.gate.e_score_correction.bias"),
+    ".attn_sinks.weight": (".self_attn.sinks", ".self_attn.sinks.weight"),
 }
 
 _SUFFIXES = (".weight", ".bias")
@@ -164,11 +168,10 @@ def gguf_to_hf_name(arch: str, n_layers: int, gguf_name: str) -> str | None:
         ValueError: unknown architecture.
     """
     rev = _reverse_map(arch, n_layers)
-    for g_suffix, hf_suffix in _SPECIAL_REVERSE.items():
-        parts = gguf_name.split(".")
-        if gguf_name.endswith(g_suffix) and parts[0] == "blk" and int(parts[1]) < n_layers:
-            if hf_to_gguf_name(arch, n_layers, f"model.layers.{parts[1]}{hf_suffix}".replace("_bias", ".bias").replace(
-                    ".sinks", ".sinks.weight")) == gguf_name:
+    parts = gguf_name.split(".")
+    for g_suffix, (hf_suffix, lookup) in _SPECIAL_REVERSE.items():
+        if gguf_name.endswith(g_suffix) and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < n_layers:
+            if hf_to_gguf_name(arch, n_layers, f"model.layers.{parts[1]}{lookup}") == gguf_name:
                 return f"model.layers.{parts[1]}{hf_suffix}"
     for suffix in _SUFFIXES:
         if gguf_name.endswith(suffix) and (hf := rev.get(gguf_name[: -len(suffix)])) is not None:

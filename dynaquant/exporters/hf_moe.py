@@ -12,11 +12,18 @@ tensor per projection: ``blk.{i}.ffn_{gate,up,down}_exps.weight`` of torch shape
 ``(n_expert, rows, row_size)`` (gate/up ``(E, I, H)``, down ``(E, H, I)``), expert ``e`` at
 index ``e``. Those :class:`SourceTensor` carry the canonical name of the in-memory experts
 module, ``model.layers.{i}.mlp.experts.{gate,up,down}_proj.weight``, for every architecture,
-and :meth:`StackedExperts.read` stacks the per-expert tensors, reading them one at a time.
+and :meth:`ExpertStack.read` stacks the per-expert tensors, reading them one at a time.
+
+Other GGUF tensors that are not a plain rename are :class:`Composite` too: DeepSeek's MLA
+``kv_b_proj`` split into ``attn_k_b``/``attn_v_b`` (:class:`KvBSplit`, ``conversion/deepseek.py``)
+and gpt-oss's fused, interleaved experts (:class:`FusedExperts`, ``conversion/gpt_oss.py``).
+Architecture keys: :func:`add_moe_hparams` (all), :func:`add_deepseek2_hparams`,
+:func:`add_gpt_oss_hparams`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Callable, Iterable
@@ -27,6 +34,7 @@ from gguf import GGUFWriter
 
 from .gguf_names import is_router  # noqa: F401 - re-exported for the HF source
 from .gguf_source import SourceTensor
+from .hf_dequant import dequant_mxfp4
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +44,7 @@ _PER_EXPERT = re.compile(
 )
 # Mixtral's w1/w3/w2 are gate/up/down (MixtralBlockSparseTop2MLP: w2(act(w1 x) * w3 x))
 _PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+
 
 def canonical_expert_name(layer: int, proj: str) -> str:
     """``model.layers.{layer}.mlp.experts.{proj}_proj.weight``, the hf_name of a stacked expert
@@ -292,62 +301,84 @@ def add_deepseek2_hparams(w: GGUFWriter, hp: dict, hf_arch: str | None) -> None:
 @dataclass(frozen=True)
 class FusedExperts(Composite):
     """One of gpt-oss's fused expert tensors as llama.cpp's layout (the converter's
-    ``GptOssModel.modify_tensors``, unquantized path).
+    ``GptOssModel.modify_tensors`` and ``generate_extra_tensors``).
 
-    Checkpoint: ``mlp.experts.gate_up_proj`` ``(E, H, 2I)`` with gate and up in alternating
-    columns (gate at even, up at odd), ``gate_up_proj_bias`` ``(E, 2I)`` likewise,
-    ``down_proj`` ``(E, I, H)``, ``down_proj_bias`` ``(E, H)``. Weights are transposed to
-    ``(E, I, H)`` (gate/up) and ``(E, H, I)`` (down).
+    Checkpoint, unquantized: ``mlp.experts.gate_up_proj`` ``(E, H, 2I)`` with gate and up in
+    alternating columns (gate at even, up at odd), ``gate_up_proj_bias`` ``(E, 2I)`` likewise,
+    ``down_proj`` ``(E, I, H)``, ``down_proj_bias`` ``(E, H)``; weights are transposed to
+    ``(E, I, H)`` (gate/up) and ``(E, H, I)`` (down). MXFP4 (the release checkpoints):
+    ``gate_up_proj_blocks``/``_scales`` decode to ``(E, 2I, H)`` with gate and up in
+    alternating rows, ``down_proj_blocks``/``_scales`` to ``(E, H, I)``
+    (:func:`~dynaquant.exporters.hf_dequant.dequant_mxfp4`); nothing is transposed.
 
     Attributes:
         tensor: ``blk.{i}.ffn_{gate,up,down}_exps.{weight,bias}``.
-        source: the fused checkpoint tensor.
+        source: the fused checkpoint tensor (``*_blocks`` for MXFP4).
         part: ``"gate"``, ``"up"`` or ``"down"``.
+        scales: the MXFP4 ``*_scales`` tensor, or None for an unquantized source.
     """
 
     tensor: SourceTensor
     source: str
     part: str
+    scales: str | None = None
 
     @property
     def consumes(self) -> tuple[str, ...]:
-        return (self.source,)
+        return (self.source,) if self.scales is None else (self.source, self.scales)
 
     def read(self, read_hf: ReadHF) -> torch.Tensor:
-        x = read_hf(self.source)
-        if self.tensor.gguf_name.endswith(".weight"):
-            x = x.transpose(-1, -2)
-            if self.part != "down":
-                x = x[:, 0::2] if self.part == "gate" else x[:, 1::2]
-        elif self.part != "down":
-            x = x[..., 0::2] if self.part == "gate" else x[..., 1::2]
+        if self.scales is not None:
+            x = dequant_mxfp4(read_hf(self.source), read_hf(self.scales))  # (E, rows, K)
+        else:
+            x = read_hf(self.source)
+            if self.tensor.gguf_name.endswith(".weight"):
+                x = x.transpose(-1, -2)
+        # gate and up alternate along axis 1: rows of (E, 2I, H) weights, entries of (E, 2I) biases
+        if self.part == "gate":
+            x = x[:, 0::2]
+        elif self.part == "up":
+            x = x[:, 1::2]
         return _check(self.source, x, self.tensor.shape)
+
+
+def _add_fused(out: list[Composite], layer: int, proj: str, suffix: str, shape: tuple[int, ...], source: str,
+               scales: str | None = None) -> None:
+    hf = canonical_expert_name(layer, proj) if suffix == "weight" else f"model.layers.{layer}.mlp.experts.{proj}_proj.bias"
+    st = SourceTensor(stacked_gguf_name(layer, proj, suffix), hf, shape, suffix == "weight")
+    out.append(FusedExperts(st, source, proj, scales))
 
 
 def _gpt_oss_composites(shapes: dict[str, tuple[int, ...]], n_layers: int, source_id: str) -> list[Composite]:
     out: list[Composite] = []
     for i in range(n_layers):
         pre = f"model.layers.{i}.mlp.experts."
-        if pre + "gate_up_proj_blocks" in shapes or pre + "down_proj_blocks" in shapes:
-            raise ValueError(f"{source_id}: layer {i} experts are stored in MXFP4 (*_blocks/*_scales); only "
-                             "dequantized (bf16/f32) gpt-oss checkpoints are supported")
-        if pre + "gate_up_proj" not in shapes:
+        add = functools.partial(_add_fused, out, i)
+        if pre + "gate_up_proj_blocks" in shapes:  # MXFP4: (E, 2I, G, 16) -> (E, 2I, G * 32)
+            e, i2, g, _ = shapes[pre + "gate_up_proj_blocks"]
+            for proj in ("gate", "up"):
+                add(proj, "weight", (e, i2 // 2, g * 32), pre + "gate_up_proj_blocks", pre + "gate_up_proj_scales")
+        elif pre + "gate_up_proj" in shapes:
+            e, h, i2 = shapes[pre + "gate_up_proj"]
+            for proj in ("gate", "up"):
+                add(proj, "weight", (e, i2 // 2, h), pre + "gate_up_proj")
+        else:
             continue
-        e, h, i2 = shapes[pre + "gate_up_proj"]
-        n_ff = i2 // 2
-        for proj in ("gate", "up"):
-            out.append(FusedExperts(SourceTensor(stacked_gguf_name(i, proj), canonical_expert_name(i, proj), (e, n_ff, h), True),
-                                    pre + "gate_up_proj", proj))
-            if pre + "gate_up_proj_bias" in shapes:
-                out.append(FusedExperts(SourceTensor(stacked_gguf_name(i, proj, "bias"), f"{pre}{proj}_proj.bias", (e, n_ff), False),
-                                        pre + "gate_up_proj_bias", proj))
-        if pre + "down_proj" in shapes:
+        if pre + "gate_up_proj_bias" in shapes:
+            e, i2 = shapes[pre + "gate_up_proj_bias"]
+            for proj in ("gate", "up"):
+                add(proj, "bias", (e, i2 // 2), pre + "gate_up_proj_bias")
+        if pre + "down_proj_blocks" in shapes:  # MXFP4: (E, H, G, 16) -> (E, H, G * 32)
+            e, h, g, _ = shapes[pre + "down_proj_blocks"]
+            add("down", "weight", (e, h, g * 32), pre + "down_proj_blocks", pre + "down_proj_scales")
+        elif pre + "down_proj" in shapes:
             e, n_ff_d, h = shapes[pre + "down_proj"]
-            out.append(FusedExperts(SourceTensor(stacked_gguf_name(i, "down"), canonical_expert_name(i, "down"), (e, h, n_ff_d), True),
-                                    pre + "down_proj", "down"))
+            add("down", "weight", (e, h, n_ff_d), pre + "down_proj")
         if pre + "down_proj_bias" in shapes:
-            out.append(FusedExperts(SourceTensor(stacked_gguf_name(i, "down", "bias"), f"{pre}down_proj.bias",
-                                                 shapes[pre + "down_proj_bias"], False), pre + "down_proj_bias", "down"))
+            add("down", "bias", shapes[pre + "down_proj_bias"], pre + "down_proj_bias")
+        missing = [n for c in out for n in c.consumes if n not in shapes]
+        if missing:
+            raise ValueError(f"{source_id}: layer {i} gpt-oss experts lack {', '.join(missing)}")
     return out
 
 
@@ -389,6 +420,15 @@ def composite_tensors(arch: str, shapes: dict[str, tuple[int, ...]], hp: dict, n
     elif arch == "gpt-oss":
         out += _gpt_oss_composites(shapes, n_layers, source_id)
     return out
+
+
+def memory_name(hf_arch: str | None, hf_name: str) -> str:
+    """The parameter's name in the transformers model (``named_parameters``) where it differs from
+    the checkpoint's: Mixtral's ``block_sparse_moe.gate.weight`` (on disk) is
+    ``mlp.gate.weight`` in transformers 5. :class:`SourceTensor` ``hf_name`` uses this name."""
+    if hf_arch == "MixtralForCausalLM":
+        return hf_name.replace(".block_sparse_moe.", ".mlp.")
+    return hf_name
 
 
 def lookup_name(hf_name: str) -> str:

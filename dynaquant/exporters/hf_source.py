@@ -33,7 +33,7 @@ import torch
 from gguf import GGUFWriter, TokenType
 from safetensors import safe_open
 
-from . import hf_moe
+from . import hf_dequant, hf_moe
 from .gguf_names import HF_ARCH_TO_GGUF, hf_to_gguf_name
 from .gguf_source import SourceTensor, TensorSource
 
@@ -186,6 +186,7 @@ class HFCheckpointSource(TensorSource):
                 for name in names:
                     shapes[name] = tuple(int(n) for n in f.get_slice(name).get_shape())
 
+        shapes = self._fold_quantization_tensors(shapes)
         tensors: list[tuple[tuple, SourceTensor]] = []
         hf_of: dict[str, str] = {}
         unmapped = []
@@ -213,7 +214,7 @@ class HFCheckpointSource(TensorSource):
                 unmapped.append(hf_name)
                 continue
             quantizable = len(shape) >= 2 and gguf_name.endswith(".weight") and not hf_moe.is_router(gguf_name)
-            st = SourceTensor(gguf_name, hf_name, shape, quantizable=quantizable)
+            st = SourceTensor(gguf_name, hf_moe.memory_name(self.hf_arch, hf_name), shape, quantizable=quantizable)
             tensors.append((self._order_key(gguf_name), st))
             hf_of[gguf_name] = hf_name
         if unmapped:
@@ -270,10 +271,41 @@ class HFCheckpointSource(TensorSource):
             raise ValueError(f"{hf_name}: read shape {tuple(x.shape)}, expected {t.shape}")
         return x.contiguous()
 
+    def _fold_quantization_tensors(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """Drop the scale tensors of a block-FP8 checkpoint from the tensor list (they are read
+        with their weights, see :mod:`.hf_dequant`) and the unused activation scales.
+
+        Raises:
+            ValueError: FP8 scales in a checkpoint whose ``quantization_config`` is not ``fp8``.
+        """
+        qc = self.config.get("quantization_config") or {}
+        self._fp8_scale: dict[str, str] = {}
+        self._fp8_block = qc.get("weight_block_size")
+        out = {}
+        for name, shape in shapes.items():
+            if name.endswith(hf_dequant.FP8_SCALE_SUFFIX) and name[: -len(hf_dequant.FP8_SCALE_SUFFIX)] in shapes:
+                if qc.get("quant_method") != "fp8":
+                    raise ValueError(f"{self.folder / 'config.json'}: {name} found but quantization_config.quant_method "
+                                     f"is {qc.get('quant_method')!r}; only block-scaled 'fp8' scales are supported")
+                self._fp8_scale[name[: -len(hf_dequant.FP8_SCALE_SUFFIX)]] = name
+            elif not name.endswith(hf_dequant.UNUSED_SUFFIXES):
+                out[name] = shape
+        if self._fp8_scale:
+            logger.info("%s: %d FP8 weights (blocks %s), dequantized on reading", self.folder, len(self._fp8_scale),
+                        self._fp8_block)
+        return out
+
     def _read_hf(self, hf_name: str) -> torch.Tensor:
-        """One checkpoint tensor as stored, in float32."""
+        """One checkpoint tensor in float32 (block-FP8 weights dequantized); packed uint8 data
+        (MXFP4 blocks and scales) is returned as stored, for its reader to decode."""
         with safe_open(self._files[hf_name], framework="pt") as f:
-            return f.get_tensor(hf_name).to(torch.float32)
+            x = f.get_tensor(hf_name)
+        if x.dtype == torch.uint8:
+            return x
+        if (scale := self._fp8_scale.get(hf_name)) is not None:
+            with safe_open(self._files[scale], framework="pt") as f:
+                return hf_dequant.dequant_block_fp8(x, f.get_tensor(scale), self._fp8_block)
+        return x.to(torch.float32)
 
     def _llama3_rope_factors(self) -> torch.Tensor:
         # Llama 3.1 frequency-dependent RoPE scaling, as LlamaModel.generate_extra_tensors.
@@ -522,8 +554,9 @@ def open_hf_source(folder: str | os.PathLike) -> HFCheckpointSource:
     Supported ``architectures``: LlamaForCausalLM, MistralForCausalLM and MixtralForCausalLM
     (GGUF ``llama``), Qwen2ForCausalLM (``qwen2``), Qwen3ForCausalLM (``qwen3``),
     Qwen2MoeForCausalLM (``qwen2moe``), Qwen3MoeForCausalLM (``qwen3moe``),
-    DeepseekV3ForCausalLM (``deepseek2``, MLA), GptOssForCausalLM (``gpt-oss``, unquantized
-    experts only); the mixture-of-experts conversion (stacked experts, routers, MLA, gpt-oss's
+    DeepseekV3ForCausalLM (``deepseek2``, MLA), GptOssForCausalLM (``gpt-oss``); block-FP8
+    weights (DeepSeek-V3's release) and MXFP4 experts (gpt-oss's release) are dequantized on
+    reading (:mod:`.hf_dequant`); the mixture-of-experts conversion (stacked experts, routers, MLA, gpt-oss's
     fused experts, the ``expert_*`` keys) is :mod:`.hf_moe`'s; the language model of
     Qwen2VL/Qwen2_5_VLForConditionalGeneration (``qwen2vl``, :mod:`.hf_vl`).
 

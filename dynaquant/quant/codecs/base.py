@@ -137,11 +137,30 @@ def _importance(imatrix: torch.Tensor | None, rows: int, k: int, device, dtype=t
     imatrix = torch.as_tensor(imatrix, dtype=dtype, device=device).reshape(-1)
     if imatrix.numel() != k:
         raise ValueError(f"imatrix has {imatrix.numel()} entries, the weight's rows have {k}")
+    return _floored(imatrix).expand(rows, k)
+
+
+def _floored(imatrix: torch.Tensor) -> torch.Tensor:
     if not torch.isfinite(imatrix).all() or (imatrix < 0).any():
         raise ValueError("imatrix must be finite and non-negative")
     # A column never seen in calibration (0) keeps a small weight so its values are not arbitrary.
-    floor = imatrix[imatrix > 0].min() * 1e-3 if (imatrix > 0).any() else torch.tensor(1.0, device=device)
-    return imatrix.clamp_min(floor).expand(rows, k)
+    floor = imatrix[imatrix > 0].min() * 1e-3 if (imatrix > 0).any() else torch.tensor(1.0, device=imatrix.device)
+    return imatrix.clamp_min(floor)
+
+
+def _expert_importance(imatrix, shape: torch.Size, device) -> torch.Tensor | None:
+    """(n_expert, K) floored importance when ``imatrix`` holds one row per expert of a stacked
+    ``(n_expert, rows, K)`` weight (llama.cpp's imatrix for ``ffn_*_exps``), else None."""
+    if imatrix is None or len(shape) != 3:
+        return None
+    im = torch.as_tensor(imatrix, dtype=torch.float32, device=device)
+    if im.numel() != shape[0] * shape[-1] or shape[0] == 1:
+        return None
+    im = im.reshape(shape[0], shape[-1])
+    seen = im.sum(-1) > 0  # an expert calibration never routed to takes the mean of the others
+    if seen.any() and not seen.all():
+        im = torch.where(seen[:, None], im, im[seen].mean(0))
+    return torch.stack([_floored(row) for row in im])
 
 
 def quantize(weight: torch.Tensor, fmt: str | Format, imatrix: torch.Tensor | None = None) -> torch.Tensor:
@@ -163,8 +182,6 @@ def quantize(weight: torch.Tensor, fmt: str | Format, imatrix: torch.Tensor | No
         ValueError: K is not a multiple of the block size, or the imatrix does not fit.
     """
     fmt = fmt if isinstance(fmt, Format) else get_format(fmt)
-    if imatrix is not None and torch.as_tensor(imatrix).dim() == 2:
-        return _quantize_experts(weight, fmt, torch.as_tensor(imatrix))
     codec = get_codec(fmt.name)
     shape = weight.shape
     k = shape[-1]
@@ -176,21 +193,16 @@ def quantize(weight: torch.Tensor, fmt: str | Format, imatrix: torch.Tensor | No
     if fmt.kind == "float":  # plain conversion: no search, no importance
         blocks = codec.encode_blocks(x.reshape(-1, 1), x.reshape(-1, 1))
         return blocks.reshape(*shape[:-1], row_bytes)
+    per_expert = _expert_importance(imatrix, shape, x.device)
     for r0 in range(0, rows, step):
         xr = x[r0 : r0 + step]
-        wr = _importance(imatrix, xr.shape[0], k, x.device)
+        if per_expert is None:
+            wr = _importance(imatrix, xr.shape[0], k, x.device)
+        else:
+            wr = per_expert[torch.arange(r0, r0 + xr.shape[0], device=x.device) // shape[1]]
         blocks = codec.encode_blocks(xr.reshape(-1, fmt.block_size).contiguous(), wr.reshape(-1, fmt.block_size).contiguous())
         out[r0 : r0 + step] = blocks.reshape(xr.shape[0], row_bytes)
     return out.reshape(*shape[:-1], row_bytes)
-
-
-def _quantize_experts(weight: torch.Tensor, fmt: Format, imatrix: torch.Tensor) -> torch.Tensor:
-    if weight.dim() != 3 or imatrix.shape != (weight.shape[0], weight.shape[-1]):
-        raise ValueError(f"a per-expert imatrix {tuple(imatrix.shape)} needs a (n_expert, N, K) weight with the same "
-                         f"n_expert and K, got {tuple(weight.shape)}")
-    seen = imatrix.abs().sum(-1) > 0
-    fallback = imatrix[seen].mean(0) if seen.any() else None
-    return torch.stack([quantize(weight[e], fmt, imatrix[e] if seen[e] else fallback) for e in range(weight.shape[0])])
 
 
 def dequantize(data: torch.Tensor | np.ndarray, fmt: str | Format) -> torch.Tensor:
