@@ -259,7 +259,7 @@ def _decoded_model(ckpt, gguf_path):
     return model, formats
 
 
-@pytest.mark.parametrize("case", list(MOE))
+@pytest.mark.parametrize("case", [c for c in MOE if not c.endswith("-yarn")])  # one DeepSeek-V3 case suffices
 def test_dynamic_moe_gguf_runs_in_llama_cpp(case, tmp_path):
     """The whole path per architecture: analysis -> dynamic plan (routed experts at ~2 bits) -> GGUF -> llama.cpp,
     whose logits match transformers' on the decoded weights."""
@@ -273,7 +273,7 @@ def test_dynamic_moe_gguf_runs_in_llama_cpp(case, tmp_path):
     out = tmp_path / "moe.gguf"
     # the default target (the Q4_K_M mix's size) keeps the expert caps; MLA's attn_k_b/attn_v_b (derived from
     # kv_b_proj, not measured) are kept F32 here so the decoded model needs no inverse of that split
-    rules = ("attn_(k|v)_b=F32",) if case == "deepseek-v3" else ()
+    rules = ("attn_(k|v)_b=F32",) if case.startswith("deepseek") else ()
     q = dynaquant.quantize(tmp_path / "ckpt", output=out, report=tmp_path / "an" / "report.json", rules=rules,
                            progress=False)
     assert "lifted" not in q.plan.method
