@@ -8,6 +8,11 @@ source), every planned weight is encoded to its runtime format (:func:`dynaquant
 imatrix-weighted, super weights of the analysis kept exactly) and the checkpoint is written by
 :func:`dynaquant.exporters.safetensors_writer.write_safetensors`. A ``size`` budget counts the bytes of
 the safetensors shards.
+
+Mixture-of-experts models: the stacked expert tensors of the plan are read from the model's experts modules
+(:func:`dynaquant.runtime_moe.checkpoint_weights`), encoded expert by expert with each expert's own imatrix
+row (:func:`dynaquant.runtime_moe.encode_experts`; plain rounding, GPTQ does not apply to them, nor do
+super weights) and written per expert.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from .quant.plan import Plan, PlanEntry
 from .quant.planner import RUNTIME_CANDIDATES, default_rules, error_fn_from_report, make_plan
 from .quant.runtime import RuntimeWeight, from_records
 from .quant.runtime import encode as encode_runtime
+from .runtime_moe import checkpoint_weights, encode_experts
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +169,12 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
     kept: dict[str, list] = {}
     dev = torch.device(device)
 
-    def encode(e: PlanEntry, w: torch.Tensor) -> RuntimeWeight:
+    def encode(e: PlanEntry, w: torch.Tensor) -> RuntimeWeight | list[RuntimeWeight]:
         fmt = get_format(e.format)
+        if w.ndim == 3:  # stacked experts
+            imp = imat.get(e.name)
+            return [rw.to("cpu") for rw in encode_experts(w.to(dev, torch.float32), fmt.name,
+                                                           None if imp is None else imp.to(dev))]
         module = e.hf_name.removesuffix(".weight")
         imp = imat.get(e.name)
         sw = keep.get(module)
@@ -197,7 +207,7 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
             hf_model.generation_config.save_pretrained(str(folder))
 
     t2 = time.perf_counter()
-    written = write_safetensors(output, the_plan, hf_model.state_dict(), encode, config, ignore=ignore, super_weights=kept,
+    written = write_safetensors(output, the_plan, checkpoint_weights(hf_model), encode, config, ignore=ignore, super_weights=kept,
                                 extension={"source": source.model_id, "plan_method": the_plan.method,
                                            "bpw": round(the_plan.bpw, 4)},
                                 extra_files=extra_files, max_shard_bytes=max_shard_bytes, progress=progress)
