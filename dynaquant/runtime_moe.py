@@ -102,6 +102,39 @@ def checkpoint_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+# on-disk module names that transformers 5 renames when it loads a checkpoint (its conversion mapping):
+# Mixtral's ``block_sparse_moe`` is ``mlp`` in memory (experts and router alike)
+_ON_DISK_RENAMES: tuple[tuple[str, str], ...] = ((".block_sparse_moe.", ".mlp."),)
+
+
+def in_memory_plan(plan, weights: Mapping[str, torch.Tensor]):
+    """A copy of ``plan`` whose ``hf_name`` are the model's in-memory names (the keys of ``weights``,
+    :func:`checkpoint_weights`), where the tensor source gave on-disk names transformers renames on load
+    (Mixtral's router ``model.layers.N.block_sparse_moe.gate.weight`` -> ``model.layers.N.mlp.gate.weight``).
+    Names already in ``weights``, and names with no renamed match, are kept.
+
+    Args:
+        plan: a :class:`dynaquant.quant.plan.Plan`.
+    Returns:
+        A new Plan (entries copied); ``plan`` is not changed.
+    """
+    import copy
+    import dataclasses
+
+    entries = []
+    for e in plan.entries:
+        name = e.hf_name
+        if name and name not in weights:
+            for old, new in _ON_DISK_RENAMES:
+                if old in name and name.replace(old, new) in weights:
+                    name = name.replace(old, new)
+                    break
+        entries.append(dataclasses.replace(e, hf_name=name))
+    out = copy.copy(plan)
+    out.entries = entries
+    return out
+
+
 def encode_experts(weight: torch.Tensor, fmt: str, imatrix: torch.Tensor | None = None) -> list[RuntimeWeight]:
     """Quantize a stacked expert tensor expert by expert (:func:`dynaquant.quant.runtime.encode`).
 

@@ -38,7 +38,7 @@ from .quant.plan import Plan, PlanEntry
 from .quant.planner import RUNTIME_CANDIDATES, default_rules, error_fn_from_report, make_plan
 from .quant.runtime import RuntimeWeight, from_records
 from .quant.runtime import encode as encode_runtime
-from .runtime_moe import checkpoint_weights, encode_experts
+from .runtime_moe import checkpoint_weights, encode_experts, in_memory_plan
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,9 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
     config["dtype"] = "bfloat16"
     config.pop("torch_dtype", None)
     config["architectures"] = config.get("architectures") or [type(hf_model).__name__]  # vLLM picks the class by it
-    ignore = unquantized_linears(hf_model, the_plan)
+    weights = checkpoint_weights(hf_model)
+    write_plan = in_memory_plan(the_plan, weights)  # the source's on-disk names -> the model's (Mixtral's router)
+    ignore = unquantized_linears(hf_model, write_plan)
 
     def extra_files(folder: Path) -> None:
         tokenizer.save_pretrained(str(folder))
@@ -207,7 +209,7 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
             hf_model.generation_config.save_pretrained(str(folder))
 
     t2 = time.perf_counter()
-    written = write_safetensors(output, the_plan, checkpoint_weights(hf_model), encode, config, ignore=ignore, super_weights=kept,
+    written = write_safetensors(output, write_plan, weights, encode, config, ignore=ignore, super_weights=kept,
                                 extension={"source": source.model_id, "plan_method": the_plan.method,
                                            "bpw": round(the_plan.bpw, 4)},
                                 extra_files=extra_files, max_shard_bytes=max_shard_bytes, progress=progress)

@@ -199,8 +199,12 @@ def _publish(tmp: Path, output: Path) -> None:
 
 def _write_experts(name: str, stacked: tuple[str, str, str], w: torch.Tensor, entry: PlanEntry | None, encode,
                    add: Callable[[str, torch.Tensor], None], expert_formats: dict[str, str]) -> None:
-    """Write a stacked expert tensor per expert (module docstring): unplanned (gpt-oss biases) as they are,
-    float entries in their format, runtime entries through ``encode`` (E RuntimeWeights)."""
+    """Write a stacked expert tensor (weights (E, N, K), gpt-oss biases (E, N)) per expert (module docstring):
+    unplanned ones as they are, float entries in their format, runtime entries through ``encode`` (E RuntimeWeights).
+
+    Raises:
+        ValueError: a shape other than the plan's, or ``encode`` not giving one weight per expert in the format.
+    """
     module = name.rpartition(".")[0]
     kind = stacked[2]
     if entry is not None and tuple(w.shape) != tuple(entry.shape):
@@ -287,7 +291,7 @@ def write_safetensors(output: str | os.PathLike, plan: Plan, weights: Mapping[st
             w = weights[name]
             entry = by_hf.get(name)
             stacked = stacked_parts(name) if w.ndim >= 2 else None
-            if stacked is not None and (entry is None or len(entry.shape) == 3):
+            if stacked is not None and (entry is None or w.ndim == 3 or stacked[2] == "bias"):
                 _write_experts(name, stacked, w, entry, encode, add, expert_formats)
             elif entry is None:
                 if w.data_ptr() in planned_ptrs:

@@ -310,9 +310,12 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
         limit = int(bpw * total / 8) if bpw is not None else size_bytes - overhead_bytes
         if plan.size_bytes >= 0.9 * limit:
             return plan
-        plan = make_plan(tensors, model, model_id, defaults=[r for r in defaults if r not in capped], **args)
-        plan.method += "; MoE expert caps lifted (the budget is larger than they allow)"
-        return plan
+        try:
+            lifted = make_plan(tensors, model, model_id, defaults=[r for r in defaults if r not in capped], **args)
+        except BudgetError:  # without the caps other rules (first layers) bind the experts: keep the capped plan
+            return plan
+        lifted.method += "; MoE expert caps lifted (the budget is larger than they allow)"
+        return lifted
     budgeted = bpw is not None or size_bytes is not None
     if budgeted and preset is not None:
         raise ValueError("give a preset or a budget (bpw / size_bytes), not both")
