@@ -36,7 +36,6 @@ import re
 from collections.abc import Iterable, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .analysis.experts import PROJS, expert_weight, find_experts, layout_of

@@ -144,7 +144,8 @@ DIRECT = {
     "deepseek_v3": ("DeepseekV3ForCausalLM", dict(
         intermediate_size=512, moe_intermediate_size=256, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
         first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=128, kv_lora_rank=128, qk_rope_head_dim=32,
-        qk_nope_head_dim=64, v_head_dim=64, head_dim=32, rope_interleave=True)),
+        qk_nope_head_dim=64, v_head_dim=64, head_dim=32, rope_interleave=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "gpt_oss": ("GptOssForCausalLM", dict(
         intermediate_size=256, num_local_experts=4, num_experts_per_tok=2, head_dim=64, num_key_value_heads=2,
         sliding_window=16, layer_types=["sliding_attention", "full_attention"])),

@@ -167,8 +167,9 @@ def safetensors_overhead_bytes(tensors: Iterable[TensorInfo]) -> int:
         if t.quantizable and len(t.shape) in (2, 3):
             per = t.shape[0] if len(t.shape) == 3 else 1
             total += per * (5 * (_HEADER_BYTES_PER_TENSOR + name_len + 8) + 20 + 4 * (t.shape[-1] // 16))
-        else:
-            total += _HEADER_BYTES_PER_TENSOR + name_len
+        else:  # stacked expert biases (gpt-oss) are written per expert
+            per = t.shape[0] if len(t.shape) >= 2 and stacked_parts(t.hf_name or "") else 1
+            total += per * (_HEADER_BYTES_PER_TENSOR + name_len + 8)
     return total
 
 
