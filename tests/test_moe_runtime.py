@@ -129,6 +129,9 @@ def test_pipeline_quantizes_experts_and_loads(case, tmp_path):
         assert formats[f"blk.{i}.ffn_gate_exps.weight"] == formats[f"blk.{i}.ffn_up_exps.weight"]
     q = dynaquant.load(tmp_path / "q", device="cpu")
     _check(q, _reference(tmp_path / "src", q), tmp_path / "q", case)
+    with safe_open(str(tmp_path / "q" / "model.safetensors"), "pt") as f:  # routers stored F32, in-memory names
+        routers = [k for k in f.keys() if re.search(r"\.mlp\.gate\.weight$", k)]
+        assert len(routers) == 2 and all(f.get_tensor(k).dtype == torch.float32 for k in routers)
     total, _ = _tensor_bytes(tmp_path / "q", r".")
     bf16 = 2 * sum(p.numel() for p in _reference(tmp_path / "src", q).parameters())
     print(f"{case}: checkpoint {total} bytes, BF16 {bf16}")
