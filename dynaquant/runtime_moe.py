@@ -134,16 +134,19 @@ def in_memory_plan(plan, weights: Mapping[str, torch.Tensor]):
     return out
 
 
-def encode_experts(weight: torch.Tensor, fmt: str, imatrix: torch.Tensor | None = None) -> list[RuntimeWeight]:
-    """Quantize a stacked expert tensor expert by expert (:func:`dynaquant.quant.runtime.encode`).
+def encode_experts(weight: torch.Tensor, fmt: str, imatrix: torch.Tensor | None = None, *,
+                   device: str | torch.device | None = None) -> list[RuntimeWeight]:
+    """Quantize a stacked expert tensor expert by expert (:func:`dynaquant.quant.runtime.encode`), one expert
+    in float32 at a time.
 
     Args:
         weight: (E, N, K) float tensor, K a multiple of the format's group size.
         fmt: a runtime format name (one for all experts).
         imatrix: None, (K,) shared by all experts, or (E, K) per expert (llama.cpp's per-expert imatrix;
             an unrouted expert's all-zero row means plain rounding for it).
+        device: where the encoder runs (default: the weight's device).
     Returns:
-        E RuntimeWeights of shape (N, K), on the weight's device.
+        E RuntimeWeights of shape (N, K), on the CPU.
     Raises:
         ValueError: not 3-D, an imatrix of another shape, or what ``encode`` raises.
     """
@@ -152,12 +155,13 @@ def encode_experts(weight: torch.Tensor, fmt: str, imatrix: torch.Tensor | None 
     n_exp, _, k = weight.shape
     if imatrix is not None and tuple(imatrix.shape) not in ((k,), (n_exp, k)):
         raise ValueError(f"{fmt}: imatrix of shape {tuple(imatrix.shape)} for experts of shape {tuple(weight.shape)}")
+    dev = torch.device(device) if device is not None else weight.device
     out = []
     for e in range(n_exp):
         imp = imatrix if imatrix is None or imatrix.ndim == 1 else imatrix[e]
         if imp is not None and not bool((imp > 0).any()):
             imp = None
-        out.append(encode(weight[e], fmt, imp))
+        out.append(encode(weight[e].to(dev, torch.float32), fmt, None if imp is None else imp.to(dev)).to("cpu"))
     return out
 
 

@@ -172,9 +172,7 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
     def encode(e: PlanEntry, w: torch.Tensor) -> RuntimeWeight | list[RuntimeWeight]:
         fmt = get_format(e.format)
         if w.ndim == 3:  # stacked experts
-            imp = imat.get(e.name)
-            return [rw.to("cpu") for rw in encode_experts(w.to(dev, torch.float32), fmt.name,
-                                                           None if imp is None else imp.to(dev))]
+            return encode_experts(w, fmt.name, imat.get(e.name), device=dev)
         module = e.hf_name.removesuffix(".weight")
         imp = imat.get(e.name)
         sw = keep.get(module)
