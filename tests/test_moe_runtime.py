@@ -264,7 +264,8 @@ def _check_logits_only(q, ref):
 
 def test_expert_caps_find_runtime_candidates():
     """The default MoE caps are GGUF formats below every runtime format (IQ2_XXS, 2.06 bpw): the allocator
-    takes the cheapest runtime format that fits instead, gate and up together; a larger budget lifts them."""
+    takes the cheapest runtime format that fits instead, gate and up together; routers stay F32; a larger
+    budget lifts the caps where the plan without them fits."""
     info = ModelInfo(n_layers=2, n_expert=8)
     tensors = [TensorInfo("token_embd.weight", "model.embed_tokens.weight", (320, 256)),
                TensorInfo("output.weight", "lm_head.weight", (320, 256))]
@@ -273,7 +274,11 @@ def test_expert_caps_find_runtime_candidates():
                     TensorInfo(f"blk.{i}.ffn_gate_inp.weight", f"model.layers.{i}.mlp.gate.weight", (8, 256), False),
                     *(TensorInfo(f"blk.{i}.ffn_{p}_exps.weight", f"model.layers.{i}.mlp.experts.{p}_proj.weight",
                                  (8, 512, 256) if p != "down" else (8, 256, 512)) for p in ("gate", "up", "down"))]
-    low = make_plan(tensors, info, bpw=3.0, target="safetensors", defaults=default_rules(info)).formats()
+    # 3 bpw: the capped plan uses less than 90 % of it, but without the caps the first-layers rule (>= Q8_0)
+    # binds blk.0's experts and nothing fits: the capped plan stays
+    plan = make_plan(tensors, info, bpw=3.0, target="safetensors", defaults=default_rules(info))
+    assert "caps lifted" not in plan.method and plan.bpw < 0.9 * 3.0
+    low = plan.formats()
     assert low["blk.0.ffn_gate_exps.weight"] == low["blk.0.ffn_up_exps.weight"] == "INT2_G128"
     assert get_format(low["blk.1.ffn_down_exps.weight"]).bpw <= get_format("IQ2_XS").bpw
     assert low["blk.0.ffn_gate_inp.weight"] == "F32" and low["token_embd.weight"] == "BF16"
