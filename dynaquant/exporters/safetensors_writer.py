@@ -164,12 +164,12 @@ def safetensors_overhead_bytes(tensors: Iterable[TensorInfo]) -> int:
     total = 64
     for t in tensors:
         name_len = len(t.hf_name or t.name) + 24
+        per = t.shape[0] if len(t.shape) >= 2 and stacked_parts(t.hf_name or "") else 1  # written per expert
+        name_len += 8 if per > 1 else 0  # ".{e}" in the per-expert names
         if t.quantizable and len(t.shape) in (2, 3):
-            per = t.shape[0] if len(t.shape) == 3 else 1
-            total += per * (5 * (_HEADER_BYTES_PER_TENSOR + name_len + 8) + 20 + 4 * (t.shape[-1] // 16))
-        else:  # stacked expert biases (gpt-oss) are written per expert
-            per = t.shape[0] if len(t.shape) >= 2 and stacked_parts(t.hf_name or "") else 1
-            total += per * (_HEADER_BYTES_PER_TENSOR + name_len + 8)
+            total += per * (5 * (_HEADER_BYTES_PER_TENSOR + name_len) + 20 + 4 * (t.shape[-1] // 16))
+        else:
+            total += per * (_HEADER_BYTES_PER_TENSOR + name_len)
     return total
 
 
