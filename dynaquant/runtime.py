@@ -299,7 +299,8 @@ def _match(name: str, targets, module: nn.Module) -> bool:
 def module_formats(qc: dict, model: nn.Module) -> dict[str, str]:
     """Quantized linear module -> runtime format, from a ``quantization_config`` (compressed-tensors).
 
-    dynaquant's extension (``qc["dynaquant"]["formats"]``) when present, else each config group's
+    dynaquant's extension (``qc["dynaquant"]["formats"]``, and ``["expert_formats"]`` expanded to the per-expert
+    modules of ``model``'s :class:`~dynaquant.runtime_moe.DynaExperts`) when present, else each config group's
     ``targets`` (``re:`` regexes, names or class names) minus ``ignore``, as compressed-tensors matches them.
 
     Raises:
@@ -308,8 +309,12 @@ def module_formats(qc: dict, model: nn.Module) -> dict[str, str]:
     if qc.get("quant_method") != "compressed-tensors":
         raise ValueError(f"quant_method {qc.get('quant_method')!r}: dynaquant.load reads compressed-tensors checkpoints")
     ext = qc.get("dynaquant") or {}
-    if ext.get("formats"):
-        return {m: get_format(f).name for m, f in ext["formats"].items()}
+    if ext.get("formats") or ext.get("expert_formats"):
+        from .runtime_moe import expand_expert_formats
+
+        out = {m: get_format(f).name for m, f in (ext.get("formats") or {}).items()}
+        out.update({m: get_format(f).name for m, f in expand_expert_formats(ext.get("expert_formats") or {}, model).items()})
+        return out
     ignore = qc.get("ignore") or []
     groups = [(format_of_scheme(g), g.get("targets") or []) for g in (qc.get("config_groups") or {}).values()]
     out: dict[str, str] = {}
@@ -357,7 +362,8 @@ def load(path: str | os.PathLike, *, device: str | torch.device | None = None, d
         kernels: use ``dynaquant.kernels`` where it has a kernel (CUDA only); False: torch reference everywhere.
         fuse: with kernels, run q/k/v and gate/up as one call each (:func:`fuse_projections`).
     Returns:
-        The model in eval mode, quantized linear layers replaced by :class:`DynaLinear`; ``generate`` works.
+        The model in eval mode, quantized linear layers replaced by :class:`DynaLinear`, MoE experts modules
+        stored per expert by :class:`~dynaquant.runtime_moe.DynaExperts`; ``generate`` works.
     Raises:
         ValueError: not a checkpoint folder, not compressed-tensors, unsupported schemes, or tensors missing
             from / unexpected in the shards (named).
@@ -381,6 +387,14 @@ def load(path: str | os.PathLike, *, device: str | torch.device | None = None, d
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
         except TypeError:  # transformers < 4.56 names it torch_dtype
             model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype, trust_remote_code=trust_remote_code)
+    shards = _shards(folder)
+    keys: set[str] = set()
+    for shard in shards:
+        with safe_open(str(shard), "pt", device="cpu") as f:
+            keys.update(f.keys())
+    from .runtime_moe import replace_experts
+
+    moe = replace_experts(model, keys, dtype=dtype)
     formats = module_formats(qc, model) if qc else {}
     for name, fmt in formats.items():
         old = model.get_submodule(name)
@@ -392,7 +406,7 @@ def load(path: str | os.PathLike, *, device: str | torch.device | None = None, d
     expected = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
     loaded: set[str] = set()
     unexpected: list[str] = []
-    for shard in _shards(folder):
+    for shard in shards:
         with safe_open(str(shard), "pt", device="cpu") as f:
             for key in f.keys():
                 if key not in expected:
@@ -420,7 +434,8 @@ def load(path: str | os.PathLike, *, device: str | torch.device | None = None, d
     n_fused = fuse_projections(model) if kernels and fuse else 0
     if (folder / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(folder))
-    log.info("loaded %s: %d quantized linear layers, %d with kernels (%d fused groups)", folder, len(formats),
+    log.info("loaded %s: %d quantized linear layers (%d experts modules), %d with kernels (%d fused groups)", folder,
+             len(formats), len(moe),
              sum(isinstance(m, DynaLinear) and (m._op is not None or m._fused is not None) for m in model.modules()),
              n_fused)
     return model.eval()

@@ -8,6 +8,11 @@ source), every planned weight is encoded to its runtime format (:func:`dynaquant
 imatrix-weighted, super weights of the analysis kept exactly) and the checkpoint is written by
 :func:`dynaquant.exporters.safetensors_writer.write_safetensors`. A ``size`` budget counts the bytes of
 the safetensors shards.
+
+Mixture-of-experts models: the stacked expert tensors of the plan are read from the model's experts modules
+(:func:`dynaquant.runtime_moe.checkpoint_weights`), encoded expert by expert with each expert's own imatrix
+row (:func:`dynaquant.runtime_moe.encode_experts`; plain rounding, GPTQ does not apply to them, nor do
+super weights) and written per expert.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from .quant.plan import Plan, PlanEntry
 from .quant.planner import RUNTIME_CANDIDATES, default_rules, error_fn_from_report, make_plan
 from .quant.runtime import RuntimeWeight, from_records
 from .quant.runtime import encode as encode_runtime
+from .runtime_moe import checkpoint_weights, encode_experts, in_memory_plan
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +169,10 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
     kept: dict[str, list] = {}
     dev = torch.device(device)
 
-    def encode(e: PlanEntry, w: torch.Tensor) -> RuntimeWeight:
+    def encode(e: PlanEntry, w: torch.Tensor) -> RuntimeWeight | list[RuntimeWeight]:
         fmt = get_format(e.format)
+        if w.ndim == 3:  # stacked experts
+            return encode_experts(w, fmt.name, imat.get(e.name), device=dev)
         module = e.hf_name.removesuffix(".weight")
         imp = imat.get(e.name)
         sw = keep.get(module)
@@ -189,7 +197,9 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
     config["dtype"] = "bfloat16"
     config.pop("torch_dtype", None)
     config["architectures"] = config.get("architectures") or [type(hf_model).__name__]  # vLLM picks the class by it
-    ignore = unquantized_linears(hf_model, the_plan)
+    weights = checkpoint_weights(hf_model)
+    write_plan = in_memory_plan(the_plan, weights)  # the source's on-disk names -> the model's (Mixtral's router)
+    ignore = unquantized_linears(hf_model, write_plan)
 
     def extra_files(folder: Path) -> None:
         tokenizer.save_pretrained(str(folder))
@@ -197,7 +207,7 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
             hf_model.generation_config.save_pretrained(str(folder))
 
     t2 = time.perf_counter()
-    written = write_safetensors(output, the_plan, hf_model.state_dict(), encode, config, ignore=ignore, super_weights=kept,
+    written = write_safetensors(output, write_plan, weights, encode, config, ignore=ignore, super_weights=kept,
                                 extension={"source": source.model_id, "plan_method": the_plan.method,
                                            "bpw": round(the_plan.bpw, 4)},
                                 extra_files=extra_files, max_shard_bytes=max_shard_bytes, progress=progress)

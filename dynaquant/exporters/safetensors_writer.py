@@ -17,12 +17,20 @@ ignores unknown keys there)::
 
     {"version": 1,                      # of this extension
      "dynaquant_version": "0.1.0", "source": "<model id>", "plan_method": "allocation bpw<=4.5",
-     "formats": {"model.layers.0.self_attn.q_proj": "INT4_G64", ...},   # every quantized module
+     "formats": {"model.layers.0.self_attn.q_proj": "INT4_G64", ...},   # every quantized module but experts
+     "expert_formats": {"model.layers.1.mlp.experts.gate_proj": "INT2_G128", ...},  # MoE: all experts of
+                                        # the projection (model.layers.1.mlp.experts.{e}.gate_proj) in that format
      "super_weights": {"model.layers.2.mlp.down_proj": [[row, col, value], ...], ...}}
 
 ``super_weights`` are weights kept exactly (torch ``(out, in)`` indices, float32 values written
 over the decoded weight); loaders that ignore the extension (transformers' compressed-tensors
-path, vLLM) use the quantized value there instead. Everything is written into a temporary folder
+path, vLLM) use the quantized value there instead.
+
+Mixture-of-experts models: stacked expert tensors (``model.layers.N.mlp.experts.{gate,up,down}_proj.weight``
+(E, N, K), :func:`dynaquant.runtime_moe.checkpoint_weights`) are written per expert, as one linear module
+each (``model.layers.N.mlp.experts.{e}.gate_proj.weight_packed``, ...; BF16 ``.weight`` when kept
+unquantized; gpt-oss expert biases as ``.bias``), the layout of vLLM / llm-compressor MoE checkpoints
+(:mod:`dynaquant.runtime_moe`). Everything is written into a temporary folder
 beside the output, which replaces the output only when complete.
 """
 
@@ -43,6 +51,7 @@ import torch
 from ..quant.formats import get_format
 from ..quant.plan import Plan, PlanEntry, TensorInfo
 from ..quant.runtime import RuntimeWeight, compressed_tensors_scheme, to_compressed_tensors
+from ..runtime_moe import expert_targets, per_expert_module, stacked_parts
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +102,8 @@ def module_regexes(modules: Iterable[str]) -> list[str]:
 
 
 def compressed_tensors_config(formats: Mapping[str, str], ignore: Iterable[str] = (), *,
-                              super_weights: Mapping[str, list] | None = None, extension: Mapping | None = None) -> dict | None:
+                              super_weights: Mapping[str, list] | None = None, extension: Mapping | None = None,
+                              expert_formats: Mapping[str, str] | None = None) -> dict | None:
     """The ``quantization_config`` of a checkpoint (module docstring), or None when nothing is quantized.
 
     Args:
@@ -101,21 +111,30 @@ def compressed_tensors_config(formats: Mapping[str, str], ignore: Iterable[str] 
         ignore: linear modules left unquantized.
         super_weights: module -> ``[[row, col, value], ...]`` kept exactly.
         extension: more keys for the ``dynaquant`` extension (source, plan method, ...).
+        expert_formats: stacked expert module (``model.layers.1.mlp.experts.gate_proj``) -> the runtime format
+            of all its per-expert modules (``model.layers.1.mlp.experts.{e}.gate_proj``).
     """
-    if not formats:
+    expert_formats = dict(expert_formats or {})
+    if not formats and not expert_formats:
         return None
     groups: dict[str, list[str]] = {}
     for module, fmt in formats.items():
         groups.setdefault(get_format(fmt).name, []).append(module)
+    stacked: dict[str, list[str]] = {}
+    for module, fmt in expert_formats.items():
+        stacked.setdefault(get_format(fmt).name, []).append(module)
     config_groups = {}
-    for fmt in sorted(groups):
+    for fmt in sorted(set(groups) | set(stacked)):
         scheme = compressed_tensors_scheme(fmt)
-        config_groups[fmt] = {"targets": module_regexes(groups[fmt]), **scheme}
+        config_groups[fmt] = {"targets": module_regexes(groups.get(fmt, ())) + expert_targets(stacked.get(fmt, ())),
+                              **scheme}
     ct_formats = {g["format"] for g in config_groups.values()}
     from .. import __version__
 
     ext = {"version": EXTENSION_VERSION, "dynaquant_version": __version__, **dict(extension or {}),
            "formats": dict(formats), "super_weights": dict(super_weights or {})}
+    if expert_formats:
+        ext["expert_formats"] = expert_formats
     return {
         "config_groups": config_groups,
         "format": ct_formats.pop() if len(ct_formats) == 1 else "mixed-precision",
@@ -140,15 +159,17 @@ def unquantized_linears(model: torch.nn.Module, plan: Plan) -> list[str]:
 
 def safetensors_overhead_bytes(tensors: Iterable[TensorInfo]) -> int:
     """Upper bound of what the shards add to a plan's tensor data (``Plan.size_bytes``) for any formats:
-    headers (five tensors per quantizable tensor), ``weight_shape``, global scales and the int32 words
-    of zero points packed along the output axis."""
+    headers (five tensors per quantizable tensor, per expert for stacked experts), ``weight_shape``, global
+    scales and the int32 words of zero points packed along the output axis."""
     total = 64
     for t in tensors:
         name_len = len(t.hf_name or t.name) + 24
-        if t.quantizable and len(t.shape) == 2:
-            total += 5 * (_HEADER_BYTES_PER_TENSOR + name_len) + 20 + 4 * (t.shape[-1] // 16)
+        per = t.shape[0] if len(t.shape) >= 2 and stacked_parts(t.hf_name or "") else 1  # written per expert
+        name_len += 8 if per > 1 else 0  # ".{e}" in the per-expert names
+        if t.quantizable and len(t.shape) in (2, 3):
+            total += per * (5 * (_HEADER_BYTES_PER_TENSOR + name_len) + 20 + 4 * (t.shape[-1] // 16))
         else:
-            total += _HEADER_BYTES_PER_TENSOR + name_len
+            total += per * (_HEADER_BYTES_PER_TENSOR + name_len)
     return total
 
 
@@ -177,6 +198,35 @@ def _publish(tmp: Path, output: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _write_experts(name: str, stacked: tuple[str, str, str], w: torch.Tensor, entry: PlanEntry | None, encode,
+                   add: Callable[[str, torch.Tensor], None], expert_formats: dict[str, str]) -> None:
+    """Write a stacked expert tensor (weights (E, N, K), gpt-oss biases (E, N)) per expert (module docstring):
+    unplanned ones as they are, float entries in their format, runtime entries through ``encode`` (E RuntimeWeights).
+
+    Raises:
+        ValueError: a shape other than the plan's, or ``encode`` not giving one weight per expert in the format.
+    """
+    module = name.rpartition(".")[0]
+    kind = stacked[2]
+    if entry is not None and tuple(w.shape) != tuple(entry.shape):
+        raise ValueError(f"{name}: shape {list(w.shape)} in the model, {list(entry.shape)} in the plan")
+    if entry is None or entry.format in _FLOAT_DTYPES:
+        dt = _FLOAT_DTYPES[entry.format] if entry is not None else w.dtype
+        for e in range(w.shape[0]):
+            add(f"{per_expert_module(module, e)}.{kind}", w[e].to(dt))
+        return
+    rws = encode(entry, w)
+    if isinstance(rws, RuntimeWeight) or len(rws) != w.shape[0]:
+        raise ValueError(f"{name}: encode must return {w.shape[0]} RuntimeWeights (one per expert)")
+    for e, rw in enumerate(rws):
+        if rw.format != entry.format or tuple(rw.shape) != tuple(w.shape[1:]):
+            raise ValueError(f"{name}: expert {e} encoded as {rw.format} {list(rw.shape)}, planned as "
+                             f"{entry.format} {list(w.shape[1:])}")
+        for k, t in to_compressed_tensors(rw).items():
+            add(f"{per_expert_module(module, e)}.{k}", t)
+    expert_formats[module] = entry.format
+
+
 def write_safetensors(output: str | os.PathLike, plan: Plan, weights: Mapping[str, torch.Tensor],
                       encode: Callable[[PlanEntry, torch.Tensor], RuntimeWeight], config: dict, *,
                       ignore: Iterable[str] = (), super_weights: Mapping[str, list] | None = None,
@@ -189,7 +239,8 @@ def write_safetensors(output: str | os.PathLike, plan: Plan, weights: Mapping[st
         plan: a ``safetensors`` plan; entries are found in ``weights`` by ``hf_name``.
         weights: HF parameter name -> tensor (a model's ``state_dict()``), torch orientation. Names not
             in the plan are written as they are, except tied duplicates of a planned tensor.
-        encode: ``encode(entry, weight) -> RuntimeWeight`` for entries in a runtime format.
+        encode: ``encode(entry, weight) -> RuntimeWeight`` for entries in a runtime format; for stacked expert
+            entries (3-D, ``…experts.{gate,up,down}_proj.weight``) a list of E RuntimeWeights, one per expert.
         config: the model's ``config.json`` dict; ``quantization_config`` is set here.
         ignore: linear modules left unquantized (compressed-tensors' ``ignore``).
         super_weights: module -> ``[[row, col, value], ...]`` as stored in the extension.
@@ -222,6 +273,7 @@ def write_safetensors(output: str | os.PathLike, plan: Plan, weights: Mapping[st
         part: dict[str, torch.Tensor] = {}
         part_bytes = 0
         formats: dict[str, str] = {}
+        expert_formats: dict[str, str] = {}
 
         def flush():
             nonlocal part, part_bytes
@@ -239,7 +291,10 @@ def write_safetensors(output: str | os.PathLike, plan: Plan, weights: Mapping[st
         for name in tqdm(list(weights), desc="safetensors", disable=not progress, unit="tensor"):
             w = weights[name]
             entry = by_hf.get(name)
-            if entry is None:
+            stacked = stacked_parts(name) if w.ndim >= 2 else None
+            if stacked is not None and (entry is None or w.ndim == 3 or stacked[2] == "bias"):
+                _write_experts(name, stacked, w, entry, encode, add, expert_formats)
+            elif entry is None:
                 if w.data_ptr() in planned_ptrs:
                     continue  # a tied copy of a planned tensor (lm_head of a tied embedding)
                 log.info("%s: not in the plan, written as %s", name, w.dtype)
@@ -268,7 +323,8 @@ def write_safetensors(output: str | os.PathLike, plan: Plan, weights: Mapping[st
             index = {"metadata": {"total_size": size}, "weight_map": {k: names[v] for k, v in sorted(weight_map.items())}}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         cfg = dict(config)
-        qc = compressed_tensors_config(formats, ignore, super_weights=super_weights, extension=extension)
+        qc = compressed_tensors_config(formats, ignore, super_weights=super_weights, extension=extension,
+                                       expert_formats=expert_formats)
         if qc is not None:
             cfg["quantization_config"] = qc
         else:

@@ -10,10 +10,13 @@ Norms, biases and other 1-D tensors are stored as F32.
 
 Plans for the ``safetensors`` target choose among the runtime formats (``RUNTIME_CANDIDATES``);
 presets do not apply (they are llama.cpp mixes), so a budget is required. The token embedding and
-tensors that are not 2-D stay BF16 there (compressed-tensors and vLLM quantize linear layers), and
-the allocator gives the tensors vLLM fuses (``tie_groups``: a block's q/k/v, its gate/up) one format
-together, so the checkpoint loads in vLLM. Bound rules (``>=`` / ``<=``) compare bits per weight,
-so GGUF-named bounds (``attn_v>=Q8_0``: at least 8.5 bpw) apply on both targets.
+tensors that are not 2-D stay BF16 there (compressed-tensors and vLLM quantize linear layers), except
+stacked MoE experts (3-D ``ffn_{gate,up,down}_exps``: one format for all experts of the tensor, written
+as one linear module per expert), and the allocator gives the tensors vLLM fuses (``tie_groups``: a
+block's q/k/v, its gate/up, its gate/up experts) one format together, so the checkpoint loads in vLLM.
+Bound rules (``>=`` / ``<=``) compare bits per weight, so GGUF-named bounds (``attn_v>=Q8_0``: at
+least 8.5 bpw) apply on both targets; an upper bound below every candidate that fits (the MoE expert
+caps IQ2_XXS, 2.06 bpw, against INT2_G128, 2.125 bpw) allows the cheapest of them.
 
 The allocator (after exllamav3's ``optimize_model``): every free tensor starts at its
 cheapest candidate format; the upgrade with the largest predicted error reduction per
@@ -234,14 +237,26 @@ def _bounded(names: Sequence[str], rule: Rule | None, row: int, target: str = "g
             return [fmt.name]
         fits = [f for f in names if get_format(f).fits(row)]  # the rule's format is another target's: the best there is
         return [max(fits, key=lambda f: (get_format(f).bpw, f))] if fits else []
-    return [f for f in names if get_format(f).bpw <= bound + 1e-9]
+    out = [f for f in names if get_format(f).bpw <= bound + 1e-9]
+    if out or target == "gguf":
+        return out
+    fits = [f for f in names if get_format(f).fits(row)]  # the bound is another target's format: the closest
+    return [min(fits, key=lambda f: (get_format(f).bpw, f))] if fits else []
+
+
+def _stacked_experts(t: TensorInfo) -> bool:
+    """A stacked MoE expert tensor (E, N, K): ``blk.N.ffn_{gate,up,down}_exps.weight``."""
+    return len(t.shape) == 3 and re.search(r"\.ffn_(gate|up|down)_exps\.weight$", t.name) is not None
 
 
 def tie_groups(t: TensorInfo) -> str | None:
-    """The vLLM fused-module group of a tensor (``blk.3.attn_qkv``, ``blk.3.ffn_gate_up``), or None."""
-    m = re.match(r"^(blk\.\d+\.)(attn_q|attn_k|attn_v|ffn_gate|ffn_up)\.weight$", t.name)
+    """The vLLM fused-module group of a tensor (``blk.3.attn_qkv``, ``blk.3.ffn_gate_up``, ``blk.3.ffn_gate_up_exps``:
+    vLLM's fused MoE holds each expert's gate and up as one ``w13`` weight), or None."""
+    m = re.match(r"^(blk\.\d+\.)(attn_q|attn_k|attn_v|ffn_gate|ffn_up|ffn_gate_exps|ffn_up_exps)\.weight$", t.name)
     if m is None:
         return None
+    if m.group(2).endswith("_exps"):
+        return m.group(1) + "ffn_gate_up_exps"
     return m.group(1) + ("attn_qkv" if m.group(2).startswith("attn") else "ffn_gate_up")
 
 
@@ -295,9 +310,12 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
         limit = int(bpw * total / 8) if bpw is not None else size_bytes - overhead_bytes
         if plan.size_bytes >= 0.9 * limit:
             return plan
-        plan = make_plan(tensors, model, model_id, defaults=[r for r in defaults if r not in capped], **args)
-        plan.method += "; MoE expert caps lifted (the budget is larger than they allow)"
-        return plan
+        try:
+            lifted = make_plan(tensors, model, model_id, defaults=[r for r in defaults if r not in capped], **args)
+        except BudgetError:  # without the caps other rules (first layers) bind the experts: keep the capped plan
+            return plan
+        lifted.method += "; MoE expert caps lifted (the budget is larger than they allow)"
+        return lifted
     budgeted = bpw is not None or size_bytes is not None
     if budgeted and preset is not None:
         raise ValueError("give a preset or a budget (bpw / size_bytes), not both")
@@ -323,9 +341,9 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
         if not t.quantizable:
             entries[t.name] = PlanEntry(t.name, t.hf_name, tuple(t.shape), "F32", "F32", "not quantized (norm, bias or 1-D)")
             continue
-        if st and (t.name.startswith("token_embd.") or len(t.shape) != 2):
+        if st and (t.name.startswith("token_embd.") or (len(t.shape) != 2 and not _stacked_experts(t))):
             entries[t.name] = PlanEntry(t.name, t.hf_name, tuple(t.shape), "BF16", "BF16",
-                                        "kept BF16: the safetensors runtime quantizes 2-D linear weights only")
+                                        "kept BF16: the safetensors runtime quantizes linear weights and experts only")
             continue
         hit = next((r for r in all_rules if r.matches(t.name)), None)
         label = "" if hit is None else (f"rule {parsed.index(hit) + 1}: {hit}" if hit in parsed else f"{hit.origin} ({hit})")
