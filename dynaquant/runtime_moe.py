@@ -123,6 +123,16 @@ def in_memory_plan(plan, weights: Mapping[str, torch.Tensor]):
     entries = []
     for e in plan.entries:
         name = e.hf_name
+        mla = re.match(r"^(.*\.self_attn\.)(k|v)_b_proj\.weight$", name or "")
+        if mla and name not in weights and mla.group(1) + "kv_b_proj.weight" in weights:
+            # MLA's kv_b_proj, split into attn_k_b / attn_v_b for llama.cpp only: written whole, unquantized
+            # (the safetensors target keeps the 3-D split tensors BF16 anyway)
+            if mla.group(2) == "k":
+                kv = mla.group(1) + "kv_b_proj.weight"
+                entries.append(dataclasses.replace(e, name=e.name.replace("attn_k_b", "attn_kv_b"), hf_name=kv,
+                                                   shape=tuple(weights[kv].shape), format="BF16", requested="BF16",
+                                                   reason="MLA kv_b_proj (llama.cpp's attn_k_b/attn_v_b): kept BF16"))
+            continue
         if name and name not in weights:
             for old, new in _ON_DISK_RENAMES:
                 if old in name and name.replace(old, new) in weights:
