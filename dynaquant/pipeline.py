@@ -387,7 +387,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
 
         result.mmproj = write_mmproj(source.path, mmproj_path_for(output), ftype="F16", progress=progress)
     if evaluate:
-        result.eval = _evaluate_models(hf_model, load_model(resolve_source(output), device=device),
+        result.eval = _evaluate_models(hf_model, _quantized_model(output, source, ts, device),
                                        tokenizer, eval_text, n_ctx, eval_chunks, progress)
     return result
 
@@ -564,5 +564,17 @@ def evaluate(quantized: str | os.PathLike, reference: str | os.PathLike | None =
     if ref is None:
         raise ValueError(f"{quantized}: no dynaquant.source recorded; pass --reference")
     rsrc = resolve_source(ref)
-    return _evaluate_models(load_model(rsrc, device=device), load_model(qsrc, device=device), load_tokenizer(rsrc),
-                            text, n_ctx, chunks, progress)
+    return _evaluate_models(load_model(rsrc, device=device), _quantized_model(qsrc.path, rsrc, None, device),
+                            load_tokenizer(rsrc), text, n_ctx, chunks, progress)
+
+
+def _quantized_model(path, reference: ModelSource, ts: TensorSource | None, device):
+    """A GGUF file as a transformers model: transformers' GGUF loader for the dense Llama family, else
+    (MoE experts, MLA, VL language models) the reference's model with our decoded weights (``decoded.py``)."""
+    from .decoded import load_decoded, uses_own_decoder
+
+    if reference.kind == "hf":
+        ts = ts if ts is not None else open_tensor_source(reference)
+        if uses_own_decoder(ts):
+            return load_decoded(path, reference, ts, device=device)
+    return load_model(resolve_source(path), device=device)

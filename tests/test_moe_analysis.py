@@ -221,42 +221,15 @@ def test_moe_default_rules():
 
 
 def _decoded_model(ckpt, gguf_path):
-    """The transformers model of ``ckpt`` with every quantized weight replaced by the GGUF file's decoded
-    values (F32 tensors are the originals already); llama-arch q/k are un-permuted."""
+    """The transformers model of ``ckpt`` holding the GGUF file's decoded weights, and the file's types."""
     from gguf import GGUFReader
-    from test_gguf_export import _unpermute_qk
 
-    from dynaquant.checkpoint import load_model, resolve_source
+    from dynaquant.checkpoint import resolve_source
+    from dynaquant.decoded import load_decoded
     from dynaquant.exporters import open_hf_source
-    from dynaquant.quant.codecs import dequantize
 
-    model = load_model(resolve_source(str(ckpt)))
-    source = open_hf_source(ckpt)
-    src = {t.gguf_name: t for t in source.tensors()}
-    params = dict(model.named_parameters())
-    formats = {}
-    with torch.no_grad():
-        for rt in GGUFReader(gguf_path).tensors:
-            t, fmt = src[rt.name], rt.tensor_type.name
-            formats[rt.name] = fmt
-            if fmt == "F32":
-                continue
-            shape = tuple(int(n) for n in reversed(rt.shape.tolist()))
-            x = dequantize(np.array(rt.data).view(np.uint8).reshape(-1, get_format(fmt).row_bytes(shape[-1])),
-                           fmt).reshape(shape)
-            if source.arch == "llama" and rt.name.endswith(("attn_q.weight", "attn_k.weight")):
-                x = _unpermute_qk(x, source.n_head if "attn_q" in rt.name else source.n_head_kv)
-            stacked = moe.stacked_name(t.hf_name)
-            if stacked:
-                moe.expert_weight(model.get_submodule(stacked[0]), stacked[1]).copy_(x)
-            elif t.hf_name == "model.embed_tokens.weight":
-                model.get_input_embeddings().weight.copy_(x)
-            elif t.hf_name == "lm_head.weight":
-                model.get_output_embeddings().weight.copy_(x)
-            else:
-                assert t.hf_name in params, f"{rt.name} ({fmt}): no parameter {t.hf_name} to put it in"
-                params[t.hf_name].copy_(x)
-    return model, formats
+    formats = {rt.name: rt.tensor_type.name for rt in GGUFReader(gguf_path).tensors}
+    return load_decoded(gguf_path, resolve_source(str(ckpt)), open_hf_source(ckpt)), formats
 
 
 @pytest.mark.parametrize("case", [c for c in MOE if not c.endswith("-yarn")])  # one DeepSeek-V3 case suffices
@@ -271,9 +244,8 @@ def test_dynamic_moe_gguf_runs_in_llama_cpp(case, tmp_path):
                            candidates=CANDIDATES, super_weights=False, progress=False)
     assert an.report["experts"] and all(not x["unrouted"] or True for x in an.report["experts"])
     out = tmp_path / "moe.gguf"
-    # the default target (the Q4_K_M mix's size) keeps the expert caps; MLA's attn_k_b/attn_v_b (derived from
-    # kv_b_proj, not measured) are kept F32 here so the decoded model needs no inverse of that split
-    rules = ("attn_(k|v)_b=F32",) if case.startswith("deepseek") else ()
+    # the default target (the Q4_K_M mix's size) keeps the expert caps
+    rules = ()
     q = dynaquant.quantize(tmp_path / "ckpt", output=out, report=tmp_path / "an" / "report.json", rules=rules,
                            progress=False)
     assert "lifted" not in q.plan.method
@@ -313,3 +285,21 @@ def _activation_quantization_effect(model, ref: np.ndarray) -> float:
         for h in hooks:
             h.remove()
     return float(np.sqrt(((got - ref) ** 2).mean()) / ref.std())
+
+
+@pytest.mark.parametrize("case", ["qwen2moe", "deepseek-v3"])
+def test_eval_of_moe_gguf(case, tmp_path):
+    """``dynaquant eval`` on MoE GGUF files (transformers cannot load them: our decoder rebuilds the model). A
+    F16 file is the original to within F16 rounding; a mapping error (an expert, a transposed MLA half) would not
+    be; a 2-bit file is far from it."""
+    import dynaquant
+
+    _tiny_moe(tmp_path / "ckpt", case)
+    text = tmp_path / "eval.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. Quantization maps weights to fewer bits. " * 40)
+    kld = {}
+    for preset in ("F16", "Q2_K"):
+        out = tmp_path / f"{preset}.gguf"
+        dynaquant.quantize(tmp_path / "ckpt", output=out, preset=preset, use_imatrix=False, progress=False)
+        kld[preset] = dynaquant.evaluate(out, tmp_path / "ckpt", text=text, n_ctx=64, chunks=2, progress=False).kld_mean
+    assert 0 < kld["F16"] < 1e-3 and kld["Q2_K"] > 100 * kld["F16"], kld
