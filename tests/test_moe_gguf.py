@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFReader
-from test_gguf_export import _tiny_tokenizer, encode
+from test_gguf_export import _tiny_tokenizer, encode, smollm_gguf  # noqa: F401 (a fixture)
 
 from dynaquant.exporters import open_gguf_source, open_hf_source, write_gguf
 from dynaquant.exporters.gguf_names import gguf_to_hf_name, hf_to_gguf_name
@@ -97,13 +97,14 @@ def _router_names(model) -> list[str]:
     return [n for n, m in model.named_modules() if n.endswith((".mlp.gate", ".mlp.router"))]
 
 
-def _tiny_moe(folder, case: str, seed: int = 0) -> torch.nn.Module:
-    """A random checkpoint of MOE[case] saved with ``save_pretrained`` plus a tiny BPE tokenizer."""
+def _tiny_moe(folder, case: str, seed: int = 0, tokenizer=None, **overrides) -> torch.nn.Module:
+    """A random checkpoint of MOE[case] saved with ``save_pretrained`` plus a tiny BPE tokenizer (or
+    ``tokenizer``, a transformers tokenizer saved beside it; ``overrides`` change the config)."""
     import transformers
 
     arch, cfg, _ = MOE[case]
     cls = getattr(transformers, arch)
-    config = cls.config_class(**{**_BASE, **cfg})
+    config = cls.config_class(**{**_BASE, **cfg, **overrides})
     config.architectures = [arch]
     torch.manual_seed(seed)
     model = cls(config).eval()
@@ -124,7 +125,10 @@ def _tiny_moe(folder, case: str, seed: int = 0) -> torch.nn.Module:
                 # choices are separated by the random e_score_correction_bias instead
                 p.copy_(0.15 * torch.randn_like(p))
     model.save_pretrained(folder)
-    _tiny_tokenizer(folder)
+    if tokenizer is None:
+        _tiny_tokenizer(folder)
+    else:
+        tokenizer.save_pretrained(folder)
     return model
 
 
@@ -554,3 +558,42 @@ def test_mxfp4_gpt_oss_checkpoint(tmp_path):
                                    state[f"model.layers.{i}.mlp.experts.down_proj"].transpose(1, 2), rtol=0, atol=0)
     assert model.load_state_dict(state, strict=False).unexpected_keys == []
     logger.info("gpt-oss mxfp4: max |diff| %.2e", _f32_logits_match(src, model, tmp_path))
+
+
+@pytest.fixture(scope="module")
+def smollm_tokenizer(smollm_gguf):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm_gguf.parent, gguf_file=smollm_gguf.name)
+
+
+@pytest.mark.parametrize("case", [c for c in MOE if not c.endswith("-yarn")])
+def test_moe_with_smollm2_tokenizer_runs_in_llama_cpp(case, smollm_tokenizer, tmp_path):
+    """Each architecture with a tokenizer llama.cpp knows (SmolLM2's 49k BPE, pre-tokenizer ``smollm``):
+    llama.cpp tokenizes text as transformers does, and its logits on those tokens match."""
+    import llama_cpp
+
+    ckpt = tmp_path / "ckpt"
+    model = _tiny_moe(ckpt, case, tokenizer=smollm_tokenizer, vocab_size=len(smollm_tokenizer),
+                      bos_token_id=smollm_tokenizer.bos_token_id,
+                      eos_token_id=smollm_tokenizer.eos_token_id)
+    src = open_hf_source(ckpt)
+    out = tmp_path / "moe.gguf"
+    write_gguf(out, src, {t.gguf_name: get_format("F32") for t in src.tensors()}, encode, {},
+               file_type=gguf.LlamaFileType.ALL_F32, progress=False)
+    r = GGUFReader(out)
+    assert r.fields["tokenizer.ggml.pre"].contents() == "smollm"
+    del r
+    text = "Mixture-of-experts layers route each token to a few experts."
+    ids = smollm_tokenizer.encode(text, add_special_tokens=False)
+    llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, n_threads=1, verbose=False, vocab_only=True)
+    try:
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == ids
+    finally:
+        llm.close()
+    assert _router_margin(model, ids) > MIN_MARGIN
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    got = _llama_logits(out, ids)
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+    np.testing.assert_allclose(got, ref, atol=2e-3 * np.abs(ref).max(), rtol=0)
