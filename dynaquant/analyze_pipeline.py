@@ -388,8 +388,9 @@ def make_dynamic_plan(report: dict | str | os.PathLike, *, bpw: float | None = N
     sw = [t["name"] for t in rep["tensors"] if t.get("super_weight")]
     plan = make_plan(tensors, info, m.get("id", ""), rules=rules, bpw=bpw, size_bytes=size, overhead_bytes=overhead,
                      error_fn=error_fn_from_report(rep), candidates=candidates,
-                     defaults=default_rules(info, sw) if default_rules_on else (), error_source="measured kld",
-                     target=target, has_imatrix=True)  # the analysis had an imatrix; quantize refuses the plan without one
+                     defaults=default_rules(info, sw, target=target) if default_rules_on else (),
+                     error_source="measured kld", target=target,
+                     has_imatrix=True)  # the analysis had an imatrix; quantize refuses the plan without one
     if path is not None:
         plan.sources["report"] = str(path.resolve())
         if rep.get("imatrix"):

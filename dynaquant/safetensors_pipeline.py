@@ -122,7 +122,7 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
         report_d = load_report(p) if p.is_file() else None
     dynamic = loaded_plan is None
     overhead = safetensors_overhead_bytes(tensors)
-    defaults = default_rules(info) if default_rules_on else ()
+    defaults = default_rules(info, target="safetensors") if default_rules_on else ()
     if dynamic:
         if bpw is None and size is None:
             size = make_plan(tensors, info, preset="Q4_K_M").size_bytes + overhead
@@ -154,7 +154,7 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
         the_plan = make_plan(tensors, info, source.model_id, rules=rules, bpw=bpw, size_bytes=size, overhead_bytes=overhead,
                              error_fn=error_fn_from_report(report_d),
                              candidates=[c for c in report_d["candidates"] if get_format(c).allowed_in("safetensors")],
-                             defaults=default_rules(info, sw_tensors) if default_rules_on else (),
+                             defaults=default_rules(info, sw_tensors, target="safetensors") if default_rules_on else (),
                              error_source="measured kld", target="safetensors")
     else:
         the_plan = loaded_plan

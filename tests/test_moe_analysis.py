@@ -68,12 +68,12 @@ def test_expert_statistics():
     st = collect_stats(model, chunks, fisher_sequences=2, progress=False)
     assert set(st.experts) == {f"model.layers.{i}.mlp.experts" for i in range(2)}
     es = st.experts["model.layers.1.mlp.experts"]
-    E, H, I = 4, 256, 256
-    assert es.hessian_sum["gate_up"].shape == (E, H, H) and es.hessian_sum["down"].shape == (E, I, I)
+    E, H, inter = 4, 256, 256
+    assert es.hessian_sum["gate_up"].shape == (E, H, H) and es.hessian_sum["down"].shape == (E, inter, inter)
     assert int(es.tokens.sum()) == 2 * st.tokens and int(es.fisher_tokens.sum()) == 2 * st.fisher_tokens
     for proj in moe.PROJS:
         f = es.fisher_sum[proj]
-        assert f.shape == (E, H if proj == "down_proj" else I) and torch.isfinite(f).all() and (f > 0).all()
+        assert f.shape == (E, H if proj == "down_proj" else inter) and torch.isfinite(f).all() and (f > 0).all()
     # the per-expert H really is the sum over the tokens routed to that expert: recompute expert 0's
     mod = model.get_submodule("model.layers.1.mlp.experts")
     xs = []
@@ -87,7 +87,7 @@ def test_expert_statistics():
     assert int(es.tokens[0]) == x0.shape[0]
     im = st.to_imatrix()
     sums, counts = im.sums["model.layers.1.mlp.experts.down_proj"], im.counts["model.layers.1.mlp.experts.down_proj"]
-    assert sums.shape == (E, I) and torch.equal(counts, es.tokens.cpu())
+    assert sums.shape == (E, inter) and torch.equal(counts, es.tokens.cpu())
     torch.testing.assert_close(im.mean("model.layers.1.mlp.experts.gate_proj")[0], torch.diagonal(x0.T @ x0) / x0.shape[0],
                                rtol=1e-4, atol=1e-6)
 

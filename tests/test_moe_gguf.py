@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFReader
-from test_gguf_export import _tiny_tokenizer, encode, smollm_gguf  # noqa: F401 (a fixture)
+from test_gguf_export import _tiny_tokenizer, encode
 
 from dynaquant.exporters import open_gguf_source, open_hf_source, write_gguf
 from dynaquant.exporters.gguf_names import gguf_to_hf_name, hf_to_gguf_name
@@ -533,9 +533,49 @@ def test_mxfp4_gpt_oss_checkpoint(tmp_path):
     our decoding equals transformers' ``convert_moe_packed_tensors`` and llama.cpp runs the F32 file
     like transformers on those values."""
     pytest.importorskip("llama_cpp")
+    ckpt = tmp_path / "ckpt"
+    model, state = _mxfp4_gpt_oss(ckpt)
+    src = open_hf_source(ckpt)
+    for i in range(2):
+        gate_up = state[f"model.layers.{i}.mlp.experts.gate_up_proj"].transpose(1, 2)  # (E, 2I, H)
+        torch.testing.assert_close(src.read(src.tensor(f"blk.{i}.ffn_gate_exps.weight")), gate_up[:, 0::2], rtol=0, atol=0)
+        torch.testing.assert_close(src.read(src.tensor(f"blk.{i}.ffn_up_exps.weight")), gate_up[:, 1::2], rtol=0, atol=0)
+        torch.testing.assert_close(src.read(src.tensor(f"blk.{i}.ffn_down_exps.weight")),
+                                   state[f"model.layers.{i}.mlp.experts.down_proj"].transpose(1, 2), rtol=0, atol=0)
+    assert model.load_state_dict(state, strict=False).unexpected_keys == []
+    logger.info("gpt-oss mxfp4: max |diff| %.2e", _f32_logits_match(src, model, tmp_path))
+
+
+def test_mxfp4_experts_stay_mxfp4(tmp_path):
+    """The default rules keep gpt-oss's MXFP4 experts in MXFP4 (GGUF type MXFP4, our runtime's MXFP4_G32),
+    and re-encoding them (with any imatrix) gives back exactly the released values: no second rounding."""
+    from dynaquant.pipeline import model_info, tensor_infos
+    from dynaquant.quant.codecs import dequantize, quantize
+    from dynaquant.quant.planner import default_rules, make_plan
+
+    _mxfp4_gpt_oss(tmp_path / "ckpt")
+    src = open_hf_source(tmp_path / "ckpt")
+    info = model_info(src)
+    assert info.expert_format == "MXFP4"
+    for target, fmt, bpw in (("gguf", "MXFP4", 6.0), ("safetensors", "MXFP4_G32", 6.5)):
+        plan = make_plan(tensor_infos(src), info, bpw=bpw, defaults=default_rules(info, target=target), target=target,
+                         has_imatrix=True)
+        exps = [e for e in plan.entries if e.name.endswith("_exps.weight")]
+        assert len(exps) == 6 and all(e.format == fmt for e in exps), [(e.name, e.format) for e in exps]
+    g = torch.Generator().manual_seed(0)
+    for t in src.tensors():
+        if t.gguf_name.endswith("_exps.weight"):
+            w = src.read(t)
+            imp = torch.rand(w.shape[0], w.shape[-1], generator=g) + 0.01
+            for fmt in ("MXFP4", "MXFP4_G32"):
+                assert torch.equal(dequantize(quantize(w, fmt, imp), fmt).reshape(w.shape), w), (t.gguf_name, fmt)
+
+
+def _mxfp4_gpt_oss(ckpt):
+    """A tiny gpt-oss checkpoint whose experts are stored as released (MXFP4 blocks + E8M0 scales); returns
+    (the transformers model, its state with the experts' decoded values, as transformers' own converter gives)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    ckpt = tmp_path / "ckpt"
     model = _tiny_moe(ckpt, "gpt-oss")
     g = torch.Generator().manual_seed(5)
     packed, state = {}, {}
@@ -549,22 +589,21 @@ def test_mxfp4_gpt_oss_checkpoint(tmp_path):
     drop = {f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")}
     keep = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
     _rewrite_checkpoint(ckpt, packed, drop, {"quant_method": "mxfp4", "modules_to_not_convert": keep})
-    src = open_hf_source(ckpt)
-    for i in range(2):
-        gate_up = state[f"model.layers.{i}.mlp.experts.gate_up_proj"].transpose(1, 2)  # (E, 2I, H)
-        torch.testing.assert_close(src.read(src.tensor(f"blk.{i}.ffn_gate_exps.weight")), gate_up[:, 0::2], rtol=0, atol=0)
-        torch.testing.assert_close(src.read(src.tensor(f"blk.{i}.ffn_up_exps.weight")), gate_up[:, 1::2], rtol=0, atol=0)
-        torch.testing.assert_close(src.read(src.tensor(f"blk.{i}.ffn_down_exps.weight")),
-                                   state[f"model.layers.{i}.mlp.experts.down_proj"].transpose(1, 2), rtol=0, atol=0)
-    assert model.load_state_dict(state, strict=False).unexpected_keys == []
-    logger.info("gpt-oss mxfp4: max |diff| %.2e", _f32_logits_match(src, model, tmp_path))
+    return model, state
 
 
 @pytest.fixture(scope="module")
-def smollm_tokenizer(smollm_gguf):
+def smollm_tokenizer():
+    """SmolLM2's tokenizer, read from the embedded default model's GGUF by transformers."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(smollm_gguf.parent, gguf_file=smollm_gguf.name)
+    from dynaquant.checkpoint import SourceError, default_model_path
+
+    try:
+        path = default_model_path()
+    except SourceError as e:
+        pytest.skip(str(e))
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
 @pytest.mark.parametrize("case", [c for c in MOE if not c.endswith("-yarn")])

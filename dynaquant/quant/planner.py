@@ -112,7 +112,8 @@ class Rule:
 EXPERT_CAP = "default: MoE routed experts"
 
 
-def default_rules(model: ModelInfo, super_weight_tensors: Sequence[str] = (), has_imatrix: bool = True) -> list[Rule]:
+def default_rules(model: ModelInfo, super_weight_tensors: Sequence[str] = (), has_imatrix: bool = True,
+                  target: str = "gguf") -> list[Rule]:
     """The dynamic planner's default rules (after any user rule; each overridable by one).
 
     - tensors holding a confirmed super weight, and the first block(s): at least Q8_0
@@ -121,7 +122,8 @@ def default_rules(model: ModelInfo, super_weight_tensors: Sequence[str] = (), ha
     - MoE routers (``ffn_gate_inp``, Qwen2-MoE's shared-expert gate ``ffn_gate_inp_shexp``)
       unquantized (F32), shared experts at least Q5_K class.
     - MoE models (``model.n_expert > 0``), after Unsloth's dynamic quants (DeepSeek-R1 at 1.58 bits):
-      routed experts stored in MXFP4 (gpt-oss) stay MXFP4; otherwise routed gate/up experts at most
+      routed experts stored in MXFP4 (gpt-oss) stay MXFP4 (``MXFP4_G32`` for the ``safetensors``
+      ``target``: the same OCP MX layout, so re-encoding is exact); otherwise routed gate/up experts at most
       IQ2_XXS (2.06 bpw) and down experts at most IQ2_XS (2.31 bpw, one step higher: the allocator
       chooses from IQ1_S up to these by the measurements), or Q2_K / Q3_K without an imatrix (the
       i-quants need one); attention (MLA included) and dense FFN blocks at least Q5_K. The expert
@@ -133,7 +135,9 @@ def default_rules(model: ModelInfo, super_weight_tensors: Sequence[str] = (), ha
     rules.append(Rule(r"ffn_gate_inp(_shexp)?\.", "F32", "=", "default: MoE router"))
     if model.n_expert > 0:  # before the first-layers rule: routed experts are capped in every block
         if model.expert_format:
-            rules.append(Rule(r"_exps\.", model.expert_format, "=", "default: MoE experts kept in their stored format"))
+            fmt = {"MXFP4": "MXFP4_G32"}.get(model.expert_format, model.expert_format) if target == "safetensors" \
+                else model.expert_format
+            rules.append(Rule(r"_exps\.weight", fmt, "=", "default: MoE experts kept in their stored format"))
         rules.append(Rule(r"ffn_(gate|up)_exps\.", "IQ2_XXS" if has_imatrix else "Q2_K", "<=", EXPERT_CAP))
         rules.append(Rule(r"ffn_down_exps\.", "IQ2_XS" if has_imatrix else "Q3_K", "<=", EXPERT_CAP))
     first = max(1, model.n_layers // 32)
