@@ -119,7 +119,12 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
     all_chunks = calibration_chunks(tokenizer, replace(spec, n_sequences=spec.n_sequences + 2))
     held = all_chunks[-2:] if all_chunks.shape[0] > 2 else all_chunks[:1]
     chunks = all_chunks[:-2] if all_chunks.shape[0] > 2 else all_chunks
-    stats = collect_stats(model, chunks, fisher_sequences=fisher_sequences, progress=progress)
+    samples = chunks
+    if getattr(ts, "vision", False):  # a VL source: image + text batches first (hf_vl_full)
+        from .analysis.vl_calibration import vl_calibration_samples
+
+        samples = vl_calibration_samples(ts.folder, tokenizer, chunks, spec.images, spec.n_images)
+    stats = collect_stats(model, samples, fisher_sequences=fisher_sequences, progress=progress)
     timings["calibration_s"] = time.perf_counter() - t0
     info = model_info(ts)
     src_tensors = ts.tensors()
@@ -301,7 +306,7 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     source = resolve_source(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
-    ts = open_tensor_source(source)
+    ts = open_tensor_source(source, full_vl=True)
     for f in candidates:
         get_codec(f)  # KeyError (named) for an unknown format or one without a codec
     hf_model = load_model(source, dtype=getattr(torch, dtype), device=device or default_device())
