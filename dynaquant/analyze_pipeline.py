@@ -337,11 +337,14 @@ def save_imatrix(path: Path, im: Imatrix, ts: TensorSource, spec: CalibrationSpe
     from .analysis.imatrix_io import save_imatrix as write
     from .exporters.gguf_names import hf_to_gguf_name
 
+    # the source's own names first (a VL model's modules are model.language_model.* / vision tower / projector)
+    own = {t.hf_name.removesuffix(".weight"): t.gguf_name for t in ts.tensors() if t.hf_name and t.hf_name.endswith(".weight")}
+
     def name_map(module: str) -> str | None:
         if module == "lm_head":
             return "output.weight"  # also when tied: dynaquant reads it back for token_embd
-        g = hf_to_gguf_name(ts.arch, ts.n_layers, module)
-        if not g or not g.startswith("blk."):
+        g = own.get(module) or hf_to_gguf_name(ts.arch, ts.n_layers, module)
+        if not g or not g.startswith(("blk.", "v.", "mm.")):  # v./mm.: a VL model's vision tower and projector
             return None  # llama-imatrix records only the blocks' matmuls (and the output head)
         return g if g.endswith(".weight") else g + ".weight"
 

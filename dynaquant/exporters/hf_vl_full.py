@@ -56,7 +56,7 @@ VL_FULL_ARCHS: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "qwen2vl",
     "Qwen2_5_VLForConditionalGeneration": "qwen2vl",
     "LlavaForConditionalGeneration": "llama",
-    "MllamaForConditionalGeneration": "mllama",
+    "MllamaForConditionalGeneration": "llama",  # cross-attention layers named here (gguf-py has no mllama)
 }
 # VL architectures analysed, planned and run through safetensors only (no GGUF writer).
 SAFETENSORS_ONLY_ARCHS = ("LlavaForConditionalGeneration", "MllamaForConditionalGeneration")
@@ -198,7 +198,7 @@ class VLFullSource(TensorSource):
             layer, gate, proj, norm = m.groups()
             kind = f"{gate}_gate" if gate else f"{proj}.weight" if proj else f"{norm}_norm.weight"
             return f"blk.{layer}.cross_attn_{kind}"
-        return hf_to_gguf_name("qwen2vl" if self.arch == "qwen2vl" else "llama", self.n_layers, legacy)
+        return hf_to_gguf_name(self.arch, self.n_layers, legacy)
 
     def _index(self, model) -> tuple[list[SourceTensor], dict[str, tuple[str, Path]]]:
         files = self._files()
