@@ -1,6 +1,6 @@
 """Vision-language models through analysis, planning and the safetensors runtime.
 
-Qwen2-VL, LLaVA (CLIP vision tower + MLP projector + Llama) and Mllama (Llama 3.2 Vision: local and
+Qwen2-VL, Qwen2.5-VL (the builders of test_vl_gguf.py), LLaVA (CLIP vision tower + MLP projector + Llama) and Mllama (Llama 3.2 Vision: local and
 global ViT stacks, cross-attention text layers): tiny random checkpoints saved with ``save_pretrained``
 plus a tokenizer and processor configs; ``analyze`` with image + text calibration, a dynamic
 safetensors plan, ``dynaquant.load`` and image + text ``generate``.
@@ -29,7 +29,10 @@ from dynaquant.runtime import DynaLinear
 # a few cheap formats: INT8 for the vision floor, INT4 for the language model
 CANDIDATES = ("INT4_G32", "INT8_G128", "INT8_G32")
 VISION_FLOOR_BPW = get_format("INT8_G128").bpw
-ARCHS = ("qwen2vl", "llava", "mllama")
+ARCHS = ("qwen2vl", "qwen25vl", "llava", "mllama")
+# bits per weight of the plans: just above what the BF16 embeddings and the vision floor need in these
+# tiny models (Qwen2.5-VL's tower has 4 blocks), so the text model still goes below INT8
+BPW = {"qwen25vl": 8.9}
 
 
 def _tokenizer(folder: Path, special: list[str], cfg: dict) -> None:
@@ -105,10 +108,10 @@ def _tiny_mllama(folder: Path) -> None:
 
 def _build(arch: str, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    if arch == "qwen2vl":
+    if arch.startswith("qwen"):
         from test_vl_gguf import _tiny_vl_checkpoint
 
-        _tiny_vl_checkpoint(folder)
+        _tiny_vl_checkpoint(folder, qwen25=arch == "qwen25vl")
     elif arch == "llava":
         _tiny_llava(folder)
     else:
@@ -135,9 +138,9 @@ def quantized(checkpoints, tmp_path_factory):
         spec = CalibrationSpec(n_sequences=2, seq_len=48, images=images, n_images=2)
         res = dynaquant.analyze(folder, root / f"{arch}-analysis", calibration=spec, candidates=CANDIDATES,
                                 fisher_sequences=4, super_weights=False, device="cpu", progress=False)
-        q = dynaquant.quantize(folder, output=root / f"{arch}-q", bpw=8.6, report=res.report_path,
+        q = dynaquant.quantize(folder, output=root / f"{arch}-q", bpw=BPW.get(arch, 8.6), report=res.report_path,
                                target="safetensors", device="cpu", progress=False)
-        override = dynaquant.make_dynamic_plan(res.report_path, bpw=8.6, target="safetensors",
+        override = dynaquant.make_dynamic_plan(res.report_path, bpw=BPW.get(arch, 8.6), target="safetensors",
                                                rules=[r"v\.blk\.1\.=INT4_G32"])
         out[arch] = (res, q, override)
     return out
@@ -178,7 +181,7 @@ def test_full_source_names(checkpoints, arch):
     assert {"token_embd.weight", "blk.0.attn_q.weight", "blk.1.ffn_down.weight", "mm.0.weight"} <= set(names)
     assert {"v.blk.0.ffn_up.weight", "v.blk.1.ffn_down.weight"} <= set(names)
     assert names["v.blk.1.ffn_down.weight"].quantizable and names["mm.0.weight"].quantizable
-    if arch == "qwen2vl":
+    if arch.startswith("qwen"):
         assert "v.blk.0.attn_qkv.weight" in names and "mm.2.weight" in names  # the mmproj GGUF's names
     if arch == "llava":
         assert names["mm.2.weight"].hf_name == "model.multi_modal_projector.linear_2.weight"
@@ -266,7 +269,7 @@ def test_report_vision_figures(quantized):
         assert {"fig-vision-layer-kld_pred", "fig-vision-layer-output_rel"} <= set(page.figures), arch
         assert any(f.startswith("fig-vision-plan-") for f in page.figures) and "fig-layer-kld_pred" in page.figures
         vc = layer_error_curves(vision_report(res.report))
-        assert vc.layers == ([0, 1, 2] if arch == "mllama" else [0, 1])
+        assert vc.layers == {"mllama": [0, 1, 2], "qwen25vl": [0, 1, 2, 3]}.get(arch, [0, 1])
         assert "ffn_down" in vc.by_kind and all(k.startswith("v.") is False for k in vc.by_kind)
         text = layer_error_curves(res.report)
         assert text.layers == [0, 1]

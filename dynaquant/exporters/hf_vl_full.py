@@ -91,10 +91,11 @@ def refuse_gguf(folder: str | os.PathLike) -> None:
     """
     arch = vl_full_arch(folder)
     if arch in SAFETENSORS_ONLY_ARCHS:
+        why = ("the llama.cpp of llama-cpp-python has no Mllama support" if arch.startswith("Mllama")
+               else "LLaVA GGUF export (language model + CLIP mmproj) is not implemented")
         raise ValueError(
-            f"{Path(folder) / 'config.json'}: {arch} has no GGUF export in dynaquant (llama.cpp's converter path for "
-            "it is not implemented here); analyse it and quantize it with '--format safetensors' "
-            "(target='safetensors'), then run it with dynaquant.load")
+            f"{Path(folder) / 'config.json'}: {arch} has no GGUF export in dynaquant ({why}); quantize it with "
+            "'--format safetensors' (target='safetensors') and run it with dynaquant.load")
 
 
 def file_key_to_param(key: str) -> str:
