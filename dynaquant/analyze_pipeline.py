@@ -380,6 +380,8 @@ def make_dynamic_plan(report: dict | str | os.PathLike, *, bpw: float | None = N
     rep = report if isinstance(report, dict) else load_report(path)
     tensors = [TensorInfo(t["name"], t.get("hf_name"), tuple(t["shape"]), bool(t.get("quantizable", True)))
                for t in rep["tensors"]]
+    if target == "gguf":  # a VL report's vision tower / projector go to the mmproj file, not the planned GGUF
+        tensors = [t for t in tensors if not t.name.startswith(("v.", "mm."))]
     m = rep["model"]
     info = ModelInfo(n_layers=int(m["n_layers"]), tied_embeddings=bool(m.get("tied_embeddings")))
     overhead = int(m.get("gguf_overhead_bytes") or 0)
