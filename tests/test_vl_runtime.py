@@ -1,9 +1,10 @@
 """Vision-language models through analysis, planning and the safetensors runtime.
 
-Qwen2-VL, Qwen2.5-VL (the builders of test_vl_gguf.py), LLaVA (CLIP vision tower + MLP projector + Llama) and Mllama (Llama 3.2 Vision: local and
-global ViT stacks, cross-attention text layers): tiny random checkpoints saved with ``save_pretrained``
-plus a tokenizer and processor configs; ``analyze`` with image + text calibration, a dynamic
-safetensors plan, ``dynaquant.load`` and image + text ``generate``.
+Qwen2-VL, Qwen2.5-VL (the builders of test_vl_gguf.py), LLaVA (CLIP vision tower + MLP projector +
+Llama) and Mllama (Llama 3.2 Vision: local and global ViT stacks, cross-attention text layers): tiny
+random checkpoints saved with ``save_pretrained`` plus a tokenizer and processor configs; ``analyze``
+with image + text calibration, a dynamic safetensors plan, ``dynaquant.load`` and image + text
+``generate``.
 
 Oracles: transformers' own model holding the weights the checkpoint decodes to (the logits of an
 image + text prompt must match the DynaLinear model's to float32 rounding), the plan's formats
