@@ -61,26 +61,36 @@ _TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% for c in m['content'] %
              "{% else %}{{ c['text'] }}{% endif %}{% endfor %}\n{% endfor %}")
 
 
-def _tiny_llava(folder: Path) -> None:
+def _tiny_llava(folder: Path, siglip: bool = False) -> None:
     """LLaVA: CLIP vision tower (width 64, 2 layers, 28-pixel images of 2x2 patches), 2-layer MLP
-    projector, Llama text model (hidden 256, 2 layers); processor with a chat template."""
+    projector, Llama text model (hidden 256, 2 layers); processor with a chat template. ``siglip``: a
+    3-layer SigLIP tower (with its unused pooling head) whose second-to-last layer feeds the projector
+    (as LLaVA-1.5 / LLaVA-NeXT do), and a Mistral text model."""
     import transformers
 
     _tokenizer(folder, ["<unk>", "<s>", "</s>", "<image>", "<pad>"],
                {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"})
-    text = dict(model_type="llama", vocab_size=320, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
-    vision = dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, image_size=28, patch_size=14, projection_dim=64)
-    cfg = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=3, vision_feature_layer=-1,
-                                   vision_feature_select_strategy="default", projector_hidden_act="gelu")
+    text = dict(model_type="mistral" if siglip else "llama", vocab_size=320, hidden_size=256, intermediate_size=384,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                bos_token_id=1, eos_token_id=2)
+    vision = dict(model_type="siglip_vision_model" if siglip else "clip_vision_model", hidden_size=64,
+                  intermediate_size=128, num_hidden_layers=3 if siglip else 2, num_attention_heads=4, image_size=28,
+                  patch_size=14, **({} if siglip else {"projection_dim": 64}))
+    strategy = "full" if siglip else "default"
+    cfg = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=3,
+                                   vision_feature_layer=-2 if siglip else -1, vision_feature_select_strategy=strategy,
+                                   projector_hidden_act="gelu")
     cfg.architectures = ["LlavaForConditionalGeneration"]
     model = transformers.LlavaForConditionalGeneration(cfg).eval()
     _randomize(model)
     model.save_pretrained(folder)
-    ip = transformers.CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    if siglip:
+        ip = transformers.SiglipImageProcessor(size={"height": 28, "width": 28})
+    else:
+        ip = transformers.CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
     transformers.LlavaProcessor(image_processor=ip, tokenizer=transformers.AutoTokenizer.from_pretrained(folder),
-                                patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                patch_size=14, vision_feature_select_strategy=strategy,
+                                num_additional_image_tokens=0 if siglip else 1,
                                 chat_template=_TEMPLATE.replace("IMG", "<image>")).save_pretrained(folder)
 
 
@@ -257,6 +267,28 @@ def test_runtime_image_text(checkpoints, quantized, arch):
     assert g1.shape[1] == inputs["input_ids"].shape[1] + 4 and torch.equal(g1, g2)
     with torch.no_grad():  # text-only still runs
         assert model(input_ids=inputs["input_ids"][:, :3]).logits.shape[1] == 3
+
+
+def test_llava_siglip_unused_layers(tmp_path):
+    """SigLIP tower read at its second-to-last layer: the last layer and the pooling head are measured with
+    zero predicted KLD (no gradient reaches them), still kept at the vision floor; the head's
+    MultiheadAttention out_proj (weight read directly) stays unquantized; image + text generate works."""
+    folder = tmp_path / "siglip"
+    folder.mkdir()
+    _tiny_llava(folder, siglip=True)
+    names = {t.gguf_name: t for t in open_vl_full_source(folder).tensors()}
+    assert not names["v.head.attention.out_proj.weight"].quantizable and names["v.head.mlp.fc1.weight"].quantizable
+    res = dynaquant.analyze(folder, tmp_path / "an", calibration=CalibrationSpec(n_sequences=2, seq_len=48),
+                            candidates=CANDIDATES, fisher_sequences=4, super_weights=False, device="cpu", progress=False)
+    kld = {t["name"]: t["errors"]["INT4_G32"]["kld_pred"] for t in res.report["tensors"] if t["errors"]}
+    assert kld["v.blk.2.ffn_down.weight"] == 0 and kld["v.head.mlp.fc2.weight"] == 0
+    assert kld["v.blk.1.ffn_down.weight"] > 0 and kld["mm.0.weight"] > 0
+    q = dynaquant.quantize(folder, output=tmp_path / "q", bpw=8.7, report=res.report_path, target="safetensors",
+                           device="cpu", progress=False)
+    assert get_format(q.plan.formats()["v.blk.2.ffn_down.weight"]).bpw >= VISION_FLOOR_BPW
+    model = dynaquant.load(q.output, device="cpu")
+    inputs = _image_inputs(folder)
+    assert model.generate(**inputs, max_new_tokens=3, do_sample=False).shape[1] == inputs["input_ids"].shape[1] + 3
 
 
 def test_report_vision_figures(quantized):

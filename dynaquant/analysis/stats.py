@@ -169,7 +169,7 @@ class _Collector:
         def fn(_mod, inputs, out):
             x = inputs[0]
             st = self.st
-            if self.first_pass and name not in st.input_of:
+            if name not in st.input_of:  # first call (a vision module may first run after text-only sequences)
                 shared = self.last is not None and self.last[0] is x
                 st.input_of[name] = self.last[1] if shared else name
                 if shared:

@@ -30,8 +30,8 @@ Plan names (``SourceTensor.gguf_name``):
 
 ``SourceTensor.hf_name`` is the parameter name of the model transformers 5 loads
 (``model.get_parameter`` finds it); tensors are quantizable when their module is an ``nn.Linear``
-(plus the token embedding, as for text models), so the safetensors runtime can swap every planned
-weight for a DynaLinear.
+that the runtime can swap for a DynaLinear (not the ``out_proj`` of an ``nn.MultiheadAttention``, which
+reads the weight itself: SigLIP's pooling head), plus the token embedding, as for text models.
 """
 
 from __future__ import annotations
@@ -205,6 +205,8 @@ class VLFullSource(TensorSource):
         files = self._files()
         key_of = {file_key_to_param(k): (k, p) for k, p in files.items()}
         linear = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        # nn.MultiheadAttention (SigLIP's pooling head) reads its out_proj.weight directly: not swappable
+        linear -= {f"{n}.out_proj" for n, m in model.named_modules() if isinstance(m, torch.nn.MultiheadAttention)}
         qwen_map = _mmproj_map(8) if self.arch == "qwen2vl" else None
         out: list[tuple[tuple, SourceTensor]] = []
         unmapped, missing = [], []
