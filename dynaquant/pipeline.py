@@ -429,6 +429,8 @@ class _GPTQRounding:
         module = module_of(t.hf_name)
         if module is None or module not in self.fit.input_of or w.ndim != 2 or t.gguf_name.startswith("token_embd"):
             return None
+        if module not in self.check.input_of:  # a VL vision module: the held-out check is text only; plain rounding
+            return None
         if not supports_gptq(fmt):
             self.plain_only[fmt.name] = self.plain_only.get(fmt.name, 0) + 1
             return None

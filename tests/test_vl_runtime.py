@@ -291,6 +291,17 @@ def test_llava_siglip_unused_layers(tmp_path):
     assert model.generate(**inputs, max_new_tokens=3, do_sample=False).shape[1] == inputs["input_ids"].shape[1] + 3
 
 
+def test_gptq_text_model_vision_plain(checkpoints, quantized, tmp_path):
+    """--gptq on a VL checkpoint: the language model's tensors are GPTQ-rounded (text calibration), the
+    vision tower and projector, which text-only sequences never reach, are rounded plainly."""
+    res, q, _ = quantized["llava"]
+    g = dynaquant.quantize(checkpoints["llava"], output=tmp_path / "g", plan=q.plan, report=res.report_path,
+                           target="safetensors", device="cpu", progress=False, gptq=True, calibration_chunks=3, n_ctx=48)
+    n_text = sum(1 for e in q.plan.entries if e.name.startswith(("blk.", "output.")) and get_format(e.format).kind != "float")
+    assert g.gptq and sum(v["tensors"] for v in g.gptq.values()) == n_text
+    assert dynaquant.load(g.output, device="cpu")(**_image_inputs(checkpoints["llava"])).logits.isfinite().all()
+
+
 def test_report_vision_figures(quantized):
     """The HTML report has vision-tower error curves and heat maps; Mllama's cross-attention kinds show."""
     from dynaquant.analysis.report_html import build_report_page, layer_error_curves
