@@ -119,7 +119,12 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
     all_chunks = calibration_chunks(tokenizer, replace(spec, n_sequences=spec.n_sequences + 2))
     held = all_chunks[-2:] if all_chunks.shape[0] > 2 else all_chunks[:1]
     chunks = all_chunks[:-2] if all_chunks.shape[0] > 2 else all_chunks
-    stats = collect_stats(model, chunks, fisher_sequences=fisher_sequences, progress=progress)
+    samples = chunks
+    if getattr(ts, "vision", False):  # a VL source: image + text batches first (hf_vl_full)
+        from .analysis.vl_calibration import vl_calibration_samples
+
+        samples = vl_calibration_samples(ts.folder, tokenizer, chunks, spec.images, spec.n_images)
+    stats = collect_stats(model, samples, fisher_sequences=fisher_sequences, progress=progress)
     timings["calibration_s"] = time.perf_counter() - t0
     info = model_info(ts)
     src_tensors = ts.tensors()
@@ -301,7 +306,7 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     source = resolve_source(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
-    ts = open_tensor_source(source)
+    ts = open_tensor_source(source, full_vl=True)
     for f in candidates:
         get_codec(f)  # KeyError (named) for an unknown format or one without a codec
     hf_model = load_model(source, dtype=getattr(torch, dtype), device=device or default_device())
@@ -332,11 +337,14 @@ def save_imatrix(path: Path, im: Imatrix, ts: TensorSource, spec: CalibrationSpe
     from .analysis.imatrix_io import save_imatrix as write
     from .exporters.gguf_names import hf_to_gguf_name
 
+    # the source's own names first (a VL model's modules are model.language_model.* / vision tower / projector)
+    own = {t.hf_name.removesuffix(".weight"): t.gguf_name for t in ts.tensors() if t.hf_name and t.hf_name.endswith(".weight")}
+
     def name_map(module: str) -> str | None:
         if module == "lm_head":
             return "output.weight"  # also when tied: dynaquant reads it back for token_embd
-        g = hf_to_gguf_name(ts.arch, ts.n_layers, module)
-        if not g or not g.startswith("blk."):
+        g = own.get(module) or hf_to_gguf_name(ts.arch, ts.n_layers, module)
+        if not g or not g.startswith(("blk.", "v.", "mm.")):  # v./mm.: a VL model's vision tower and projector
             return None  # llama-imatrix records only the blocks' matmuls (and the output head)
         return g if g.endswith(".weight") else g + ".weight"
 
@@ -372,6 +380,8 @@ def make_dynamic_plan(report: dict | str | os.PathLike, *, bpw: float | None = N
     rep = report if isinstance(report, dict) else load_report(path)
     tensors = [TensorInfo(t["name"], t.get("hf_name"), tuple(t["shape"]), bool(t.get("quantizable", True)))
                for t in rep["tensors"]]
+    if target == "gguf":  # a VL report's vision tower / projector go to the mmproj file, not the planned GGUF
+        tensors = [t for t in tensors if not t.name.startswith(("v.", "mm."))]
     m = rep["model"]
     info = ModelInfo(n_layers=int(m["n_layers"]), tied_embeddings=bool(m.get("tied_embeddings")))
     overhead = int(m.get("gguf_overhead_bytes") or 0)

@@ -175,16 +175,16 @@ def _from_pretrained_kwargs(source: ModelSource) -> dict:
 def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """Load a transformers causal LM from a source, in ``dtype`` on ``device``, in eval mode.
 
-    A vision-language folder (Qwen2-VL / Qwen2.5-VL: ``exporters.hf_vl.VL_ARCHS``) loads with
+    A vision-language folder (Qwen2-VL / Qwen2.5-VL / LLaVA / Mllama: ``exporters.hf_vl_full.VL_FULL_ARCHS``) loads with
     ``AutoModelForImageTextToText``; called on token ids alone it is its language model.
     """
     from transformers import AutoModelForCausalLM
 
     kw = _from_pretrained_kwargs(source)
     if source.kind == "hf":
-        from .exporters.hf_vl import is_vl_checkpoint
+        from .exporters.hf_vl_full import vl_full_arch
 
-        if is_vl_checkpoint(source.path):
+        if vl_full_arch(source.path):
             from transformers import AutoModelForImageTextToText
 
             model = AutoModelForImageTextToText.from_pretrained(str(source.folder), dtype=dtype, **kw)

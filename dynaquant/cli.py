@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--gptq-damp", type=float, default=0.01, help="GPTQ damping, relative to mean diag(H) (default 0.01)")
     q.add_argument("--calibration", help="calibration text file (default: Python stdlib docstrings)")
     q.add_argument("--calibration-chunks", type=int, default=32, help="chunks of --ctx tokens (default 32)")
+    q.add_argument("--calibration-images", action="append", default=[], metavar="FILE|FOLDER",
+                   help="vision-language models: calibration images (repeatable; default: synthetic images)")
     q.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default 512)")
     q.add_argument("--no-imatrix", action="store_true", help="encode without an imatrix")
     q.add_argument("--eval", dest="evaluate", action="store_true",
@@ -68,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--calibration", action="append", default=[], metavar="FILE|hf:ID[:SPLIT[:COLUMN]]",
                    help="calibration text file or HF dataset (repeatable; default: Python stdlib docstrings)")
     a.add_argument("--sequences", type=int, default=64, help="calibration sequences (default 64)")
+    a.add_argument("--calibration-images", action="append", default=[], metavar="FILE|FOLDER",
+                   help="vision-language models: calibration images (repeatable; default: synthetic images)")
     a.add_argument("--ctx", type=int, default=512, help="tokens per sequence (default 512)")
     a.add_argument("--chat-template", action="store_true", help="wrap the text in the model's chat template")
     a.add_argument("--fisher-sequences", type=int, default=8, help="sequences with a backward pass (default 8)")
@@ -124,9 +128,15 @@ def _quantize(a, bare: bool) -> int:
     from . import quantize
 
     evaluate = (a.evaluate or bare) and not a.no_eval
+    calibration = a.calibration
+    if a.calibration_images:
+        from .analysis.calibration import CalibrationSpec
+
+        calibration = CalibrationSpec((a.calibration,) if a.calibration else (), a.calibration_chunks, a.ctx,
+                                      images=tuple(a.calibration_images))
     res = quantize(a.model, output=a.output, preset=a.preset, bpw=a.bpw, size=a.size, rules=a.rule, plan=a.plan,
                    report=a.report, imatrix=a.imatrix, default_rules_on=not a.no_default_rules,
-                   calibration=a.calibration, calibration_chunks=a.calibration_chunks, n_ctx=a.ctx,
+                   calibration=calibration, calibration_chunks=a.calibration_chunks, n_ctx=a.ctx,
                    use_imatrix=not a.no_imatrix, evaluate=evaluate, eval_text=a.text, eval_chunks=a.chunks,
                    allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code, device=a.device,
                    progress=not a.json, gptq=a.gptq, gptq_damp=a.gptq_damp, target=a.target)
@@ -162,7 +172,8 @@ def _analyze(a) -> int:
     from . import analyze
     from .analysis.calibration import CalibrationSpec
 
-    spec = CalibrationSpec(tuple(a.calibration), a.sequences, a.ctx, a.chat_template)
+    spec = CalibrationSpec(tuple(a.calibration), a.sequences, a.ctx, a.chat_template,
+                           images=tuple(a.calibration_images))
     kw = {}
     if a.formats:
         from .analyze_pipeline import expand_formats

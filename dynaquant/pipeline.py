@@ -97,11 +97,22 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def open_tensor_source(source: ModelSource) -> TensorSource:
-    """The exporter's tensor source for a model source (GGUF file or HF folder)."""
+def open_tensor_source(source: ModelSource, full_vl: bool = False) -> TensorSource:
+    """The exporter's tensor source for a model source (GGUF file or HF folder).
+
+    ``full_vl``: for a vision-language folder, every tensor (language model, vision tower, projector;
+    :mod:`.exporters.hf_vl_full`), as the analysis and the safetensors target use; otherwise what the GGUF
+    writer takes (Qwen2-VL's language model; LLaVA / Mllama refused, naming the file).
+    """
     if source.kind == "gguf":
         return open_gguf_source(source.path)
     from .exporters.hf_source import open_hf_source
+
+    if full_vl:
+        from .exporters.hf_vl_full import open_vl_full_source, vl_full_arch
+
+        if vl_full_arch(source.path):
+            return open_vl_full_source(source.path)
 
     return open_hf_source(source.path)
 
@@ -417,6 +428,8 @@ class _GPTQRounding:
 
         module = module_of(t.hf_name)
         if module is None or module not in self.fit.input_of or w.ndim != 2 or t.gguf_name.startswith("token_embd"):
+            return None
+        if module not in self.check.input_of:  # a VL vision module: the held-out check is text only; plain rounding
             return None
         if not supports_gptq(fmt):
             self.plain_only[fmt.name] = self.plain_only.get(fmt.name, 0) + 1

@@ -364,6 +364,8 @@ def load(path: str | os.PathLike, *, device: str | torch.device | None = None, d
     Returns:
         The model in eval mode, quantized linear layers replaced by :class:`DynaLinear`, MoE experts modules
         stored per expert by :class:`~dynaquant.runtime_moe.DynaExperts`; ``generate`` works.
+        A vision-language checkpoint (``exporters.hf_vl_full.VL_FULL_ARCHS``) loads with
+        ``AutoModelForImageTextToText`` (vision tower, projector and language model).
     Raises:
         ValueError: not a checkpoint folder, not compressed-tensors, unsupported schemes, or tensors missing
             from / unexpected in the shards (named).
@@ -382,11 +384,14 @@ def load(path: str | os.PathLike, *, device: str | torch.device | None = None, d
     config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
+    auto = AutoModelForCausalLM
+    if (raw.get("architectures") or [None])[0] in _vl_archs():
+        from transformers import AutoModelForImageTextToText as auto  # vision-language: the whole model
     with init_empty_weights():
         try:
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+            model = auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
         except TypeError:  # transformers < 4.56 names it torch_dtype
-            model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype, trust_remote_code=trust_remote_code)
+            model = auto.from_config(config, torch_dtype=dtype, trust_remote_code=trust_remote_code)
     shards = _shards(folder)
     keys: set[str] = set()
     for shard in shards:
@@ -439,6 +444,12 @@ def load(path: str | os.PathLike, *, device: str | torch.device | None = None, d
              sum(isinstance(m, DynaLinear) and (m._op is not None or m._fused is not None) for m in model.modules()),
              n_fused)
     return model.eval()
+
+
+def _vl_archs() -> dict:
+    from .exporters.hf_vl_full import VL_FULL_ARCHS
+
+    return VL_FULL_ARCHS
 
 
 def is_runtime_checkpoint(path: str | os.PathLike) -> bool:

@@ -105,7 +105,7 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
         raise ValueError("give at most one of bpw, size and plan")
     device = device or default_device()
     source = resolve_source(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
-    ts = open_tensor_source(source)
+    ts = open_tensor_source(source, full_vl=True)
     tensors = tensor_infos(ts)
     info = model_info(ts)
     spec = calibration if isinstance(calibration, CalibrationSpec) else CalibrationSpec(
@@ -203,6 +203,10 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
 
     def extra_files(folder: Path) -> None:
         tokenizer.save_pretrained(str(folder))
+        if getattr(ts, "vision", False):  # processor configs, chat template (VL models)
+            from .exporters.hf_vl_full import copy_processor_files
+
+            copy_processor_files(source.path, folder)
         if getattr(hf_model, "generation_config", None) is not None:
             hf_model.generation_config.save_pretrained(str(folder))
 

@@ -56,17 +56,23 @@ class CalibrationSpec:
         seq_len: tokens per sequence (llama-imatrix's ``-c``; default 512).
         chat_template: wrap the text in the tokenizer's chat template (consecutive paragraphs become
             user / assistant turns), for instruct models.
+        images: image files and/or folders for vision-language models (each image goes through the
+            processor with a piece of the text; :mod:`.vl_calibration`). Empty: ``n_images`` synthetic images.
+        n_images: synthetic images when ``images`` is empty (VL models only).
     """
 
     sources: tuple[str, ...] = ()
     n_sequences: int = 64
     seq_len: int = 512
     chat_template: bool = False
+    images: tuple[str, ...] = ()
+    n_images: int = 2
 
     @property
     def id(self) -> str:
         base = "+".join(self.sources) if self.sources else "stdlib-docstrings:calibration"
-        return base + (" (chat template)" if self.chat_template else "")
+        return base + (" (chat template)" if self.chat_template else "") + (
+            " + images " + "+".join(self.images) if self.images else "")
 
 
 def _dataset_text(source: str) -> str:

@@ -30,6 +30,7 @@ from pathlib import Path
 from ..quant.formats import get_format
 from .report import REPORT_VERSION, write_text
 from .report_moe import experts_section
+from .report_vl import is_vision_name, vision_section
 
 log = logging.getLogger(__name__)
 
@@ -571,7 +572,8 @@ def _weight_errors(p: _Page, r: dict) -> None:
                  f"the other panels show one tensor kind each. A curve that rises at a layer means that layer "
                  f"loses more from the same format. {hint}")
     outside = [t for t in r.get("tensors") or [] if isinstance(t, dict) and t.get("quantizable")
-               and isinstance(t.get("errors"), dict) and _split_name(str(t.get("name", "")))[0] is None]
+               and isinstance(t.get("errors"), dict) and _split_name(str(t.get("name", "")))[0] is None
+               and not is_vision_name(str(t.get("name", "")))]  # the vision section shows those
     if outside:
         fmts = _format_order(r, outside)
         p.h3("Tensors outside the blocks: predicted KLD (nats/token)")
@@ -645,7 +647,8 @@ def _plans(p: _Page, r: dict, plan: dict | None, plan_label: str | None) -> None
         p.note("Plans: none in the report.")
         return
     for i, (label, formats, q, meta) in enumerate(todo):
-        grid = plan_grid(formats if isinstance(formats, dict) else {}, q)
+        formats = {k: v for k, v in formats.items() if not is_vision_name(k)} if isinstance(formats, dict) else {}
+        grid = plan_grid(formats, q)  # vision tower / projector: the vision section's heat map
         if not grid.layers and not grid.other:
             p.note(f"Plan {label}: no tensors.")
             continue
@@ -701,6 +704,7 @@ def build_report_page(report: dict, *, title: str | None = None, plan: dict | No
     for name, fn in (("summary", lambda: _summary(p, report)), ("weights", lambda: _weight_errors(p, report)),
                      ("activations", lambda: _activations(p, report)), ("super weights", lambda: _super_weights(p, report)),
                      ("experts", lambda: experts_section(p, report)),
+                     ("vision", lambda: vision_section(p, report, plan)),
                      ("plans", lambda: _plans(p, report, plan, plan_label)),
                      ("kld", lambda: _predicted_vs_measured(p, report))):
         try:

@@ -169,7 +169,7 @@ class _Collector:
         def fn(_mod, inputs, out):
             x = inputs[0]
             st = self.st
-            if self.first_pass and name not in st.input_of:
+            if name not in st.input_of:  # first call (a vision module may first run after text-only sequences)
                 shared = self.last is not None and self.last[0] is x
                 st.input_of[name] = self.last[1] if shared else name
                 if shared:
@@ -226,13 +226,22 @@ class _Collector:
         return out
 
 
-def collect_stats(model, chunks: torch.Tensor, *, fisher_sequences: int = 16, seed: int = 0,
+def _batch(chunks, i: int, device) -> dict:
+    """Model inputs of calibration item ``i``: ``{"input_ids": (1, T)}`` from a token tensor, or a
+    processor's batch (a dict of tensors: images of a VL model) moved to ``device``."""
+    if isinstance(chunks, (list, tuple)):
+        return {k: v.to(device) for k, v in chunks[i].items()}
+    return {"input_ids": chunks[i : i + 1].to(device)}
+
+
+def collect_stats(model, chunks, *, fisher_sequences: int = 16, seed: int = 0,
                   progress: bool = True) -> ModelStats:
     """Run calibration sequences through a model once and collect activation statistics.
 
     Args:
         model: a transformers causal LM in eval mode (any device / dtype; statistics in float32/64).
-        chunks: (n, seq_len) int64 token ids.
+        chunks: (n, seq_len) int64 token ids, or a list of model-input dicts (``input_ids`` (1, T) int64
+            plus, for a vision-language model, the processor's image tensors; :mod:`.vl_calibration`).
         fisher_sequences: how many of the first sequences also get a backward pass for the Fisher
             diagonals (labels sampled from the model's own next-token distribution, fixed ``seed``).
         seed: label-sampling seed.
@@ -247,14 +256,19 @@ def collect_stats(model, chunks: torch.Tensor, *, fisher_sequences: int = 16, se
     req = {n: p.requires_grad for n, p in model.named_parameters()}
     for p in model.parameters():
         p.requires_grad_(False)
+    n_seq = len(chunks) if isinstance(chunks, (list, tuple)) else chunks.shape[0]
     try:
-        for i in tqdm(range(chunks.shape[0]), desc="calibration", disable=not progress, unit="seq"):
-            ids = chunks[i : i + 1].to(device)
+        for i in tqdm(range(n_seq), desc="calibration", disable=not progress, unit="seq"):
+            batch = _batch(chunks, i, device)
+            ids = batch["input_ids"]
             col.fisher = i < fisher_sequences
             col.last = None
             if col.fisher:
                 with torch.enable_grad():
-                    logits = model(ids, use_cache=False).logits[0].to(torch.float32)
+                    if batch.get("pixel_values") is not None and batch["pixel_values"].is_floating_point():
+                        # gradients reach the vision tower's linears through its input
+                        batch["pixel_values"] = batch["pixel_values"].detach().requires_grad_(True)
+                    logits = model(**batch, use_cache=False).logits[0].to(torch.float32)
                     logp = torch.log_softmax(logits, -1)
                     with torch.no_grad():
                         y = torch.multinomial(logp.exp(), 1, generator=gen)
@@ -263,7 +277,7 @@ def collect_stats(model, chunks: torch.Tensor, *, fisher_sequences: int = 16, se
                 st.fisher_tokens += ids.numel()
             else:
                 with torch.no_grad():
-                    model(ids, use_cache=False)
+                    model(**batch, use_cache=False)
             col.first_pass = False
             st.sequences += 1
             st.tokens += ids.numel()

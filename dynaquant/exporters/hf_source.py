@@ -565,7 +565,9 @@ def open_hf_source(folder: str | os.PathLike) -> HFCheckpointSource:
             and the architecture), no safetensors files, or tensors with no GGUF name.
     """
     from .hf_vl import is_vl_checkpoint, open_hf_vl_source  # hf_vl imports this module
+    from .hf_vl_full import refuse_gguf
 
+    refuse_gguf(folder)  # LLaVA / Mllama: safetensors target only (the message says so)
     if is_vl_checkpoint(folder):
         return open_hf_vl_source(folder)
     return HFCheckpointSource(folder)

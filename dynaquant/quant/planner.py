@@ -41,6 +41,7 @@ from .codecs import get_codec
 from .formats import FORMATS, RUNTIME_FORMATS, get_format, resolve_for_row
 from .plan import Plan, PlanEntry, TensorInfo
 from .presets import ModelInfo, preset_format, requires_imatrix
+from .vl_rules import cross_attention_rules, vision_rules
 
 ErrorFn = Callable[[TensorInfo, str], float]
 
@@ -116,6 +117,8 @@ def default_rules(model: ModelInfo, super_weight_tensors: Sequence[str] = (), ha
                   target: str = "gguf") -> list[Rule]:
     """The dynamic planner's default rules (after any user rule; each overridable by one).
 
+    - vision-language models: vision tower and projector at least the Q8_0 class, cross-attention at
+      the attention floor (:mod:`.vl_rules`);
     - tensors holding a confirmed super weight, and the first block(s): at least Q8_0
       (Yu et al. 2024; llama.cpp and Unsloth keep the first layers high too);
     - token embedding, output head and attention: "high", at least 4.5 bpw (Q4_0 / Q4_K class);
@@ -133,6 +136,7 @@ def default_rules(model: ModelInfo, super_weight_tensors: Sequence[str] = (), ha
     """
     rules = [Rule(re.escape(n), "Q8_0", ">=", "default: super weight") for n in super_weight_tensors]
     rules.append(Rule(r"ffn_gate_inp(_shexp)?\.", "F32", "=", "default: MoE router"))
+    rules += vision_rules()  # vision tower / projector floor (quant/vl_rules.py), before the attention rules
     if model.n_expert > 0:  # before the first-layers rule: routed experts are capped in every block
         if model.expert_format:
             fmt = {"MXFP4": "MXFP4_G32"}.get(model.expert_format, model.expert_format) if target == "safetensors" \
@@ -148,6 +152,7 @@ def default_rules(model: ModelInfo, super_weight_tensors: Sequence[str] = (), ha
         rules.append(Rule(r"\.ffn_(gate|up|down)\.", "Q5_K", ">=", "default: MoE dense FFN blocks"))
     rules.append(Rule(r"^(token_embd|output)\.", "Q4_0", ">=", "default: embeddings and output"))
     rules.append(Rule(r"\.attn_", "Q4_0", ">=", "default: attention"))
+    rules += cross_attention_rules()  # Mllama (quant/vl_rules.py)
     return rules
 
 
