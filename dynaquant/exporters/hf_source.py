@@ -107,7 +107,10 @@ def identify_bpe_pre_tokenizer(tokenizer) -> str:
 class HFCheckpointSource(TensorSource):
     """A HF checkpoint folder as a tensor source (see :func:`open_hf_source`)."""
 
-    _composites: dict = {}  # GGUF name -> hf_moe composite (stacked experts, MLA splits); set by _index_tensors
+    # set by _index_tensors; these class defaults serve subclasses that index their own tensors (hf_vl)
+    _composites: dict = {}  # GGUF name -> hf_moe composite (stacked experts, MLA splits)
+    _fp8_scale: dict = {}  # FP8 weight name -> its scale tensor's name
+    _fp8_block = None
 
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
