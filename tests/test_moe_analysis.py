@@ -186,6 +186,20 @@ def _moe_tensors(n_layers=4, n_exp=8, h=256, i=256) -> list[TensorInfo]:
     return out
 
 
+def test_moe_expert_caps_on_rows_no_2bit_format_fits():
+    """Hidden size 576 (SmolLM2 upcycled): no 256-block format takes the gate/up experts' rows, so the
+    2-bit caps fall back on the cheapest formats that do (as llama-quantize does) instead of failing."""
+    tensors = _moe_tensors(n_layers=2, n_exp=4, h=576, i=1536)
+    info = ModelInfo(n_layers=2, n_head=9, n_head_kv=3, n_expert=4)
+    plan = make_plan(tensors, info, bpw=4.6, defaults=default_rules(info), has_imatrix=True, lift_expert_caps=False)
+    fmt = {e.name: e.format for e in plan.entries}
+    for b in range(2):
+        gate = get_format(fmt[f"blk.{b}.ffn_gate_exps.weight"])  # the cheapest 32-block formats (MXFP4, Q4_0 ...)
+        assert gate.fits(576) and gate.bpw <= 4.5
+        assert get_format(fmt[f"blk.{b}.ffn_down_exps.weight"]).bpw <= get_format("IQ2_XS").bpw  # rows of 1536
+    assert all(get_format(f).fits(576) for n, f in fmt.items() if "down" not in n)
+
+
 def test_moe_default_rules():
     tensors = _moe_tensors()
     info = ModelInfo(n_layers=4, n_head=4, n_head_kv=2, n_expert=8)
