@@ -327,3 +327,23 @@ def _activation_quantization_effect(model, ref: np.ndarray) -> float:
         for h in hooks:
             h.remove()
     return float(np.sqrt(((got - ref) ** 2).mean()) / ref.std())
+
+
+def test_make_dynamic_plan_applies_the_moe_rules():
+    """make_dynamic_plan (``dynaquant plan``) plans a MoE report with the rules dynaquant.quantize uses:
+    the expert caps and MoE attention, from the report's n_expert (or, for older reports, the expert shapes)."""
+    from dynaquant import make_dynamic_plan
+
+    cands = ["IQ2_XXS", "IQ2_XS", "Q2_K", "Q4_K", "Q5_K", "Q8_0"]
+    tensors = []
+    for t in _moe_tensors():
+        errs = {c: {"kld_pred": t.n_elements * 2.0 ** (-2 * get_format(c).bpw)} for c in cands
+                if t.quantizable and get_format(c).fits(t.row_size)}
+        tensors.append({"name": t.name, "shape": list(t.shape), "quantizable": t.quantizable, "errors": errs})
+    for model in ({"n_layers": 4, "n_expert": 8}, {"n_layers": 4}):  # new reports, and older ones without n_expert
+        rep = {"model": {"id": "toy", "tied_embeddings": False, **model}, "candidates": cands, "tensors": tensors}
+        plan = make_dynamic_plan(rep, bpw=3.0)
+        fmt = {e.name: e.format for e in plan.entries}
+        assert get_format(fmt["blk.1.ffn_up_exps.weight"]).bpw <= get_format("IQ2_XXS").bpw
+        assert get_format(fmt["blk.1.ffn_down_exps.weight"]).bpw <= get_format("IQ2_XS").bpw
+        assert get_format(fmt["blk.1.attn_q.weight"]).bpw >= get_format("Q5_K").bpw
