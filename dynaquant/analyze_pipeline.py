@@ -179,7 +179,9 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
         "version": 1,
         "dynaquant_version": __version__,
         "model": {"id": source.model_id, "revision": _revision(source), "arch": ts.arch, "n_layers": ts.n_layers,
-                  "tied_embeddings": info.tied_embeddings, "n_parameters": sum(t.numel for t in src_tensors),
+                  "tied_embeddings": info.tied_embeddings, "n_head": info.n_head, "n_head_kv": info.n_head_kv,
+                  "n_expert": info.n_expert, "expert_format": info.expert_format,
+                  "n_parameters": sum(t.numel for t in src_tensors),
                   "gguf_overhead_bytes": overhead_bytes or None},
         "calibration": {"id": spec.id, "sources": list(spec.sources), "n_sequences": stats.sequences,
                         "seq_len": spec.seq_len, "tokens": stats.tokens, "chat_template": spec.chat_template,
@@ -383,7 +385,14 @@ def make_dynamic_plan(report: dict | str | os.PathLike, *, bpw: float | None = N
     if target == "gguf":  # a VL report's vision tower / projector go to the mmproj file, not the planned GGUF
         tensors = [t for t in tensors if not t.name.startswith(("v.", "mm."))]
     m = rep["model"]
-    info = ModelInfo(n_layers=int(m["n_layers"]), tied_embeddings=bool(m.get("tied_embeddings")))
+    # the MoE facts (older reports lack them: counted from the stacked expert tensors' shapes), so that the
+    # default rules here are those dynaquant.quantize applies (expert caps, MoE attention)
+    n_expert = m.get("n_expert")
+    if n_expert is None:
+        n_expert = max((t.shape[0] for t in tensors if len(t.shape) == 3 and "_exps." in t.name), default=0)
+    info = ModelInfo(n_layers=int(m["n_layers"]), n_head=int(m.get("n_head") or 1), n_head_kv=int(m.get("n_head_kv") or 1),
+                     n_expert=int(n_expert), tied_embeddings=bool(m.get("tied_embeddings")),
+                     expert_format=m.get("expert_format"))
     overhead = int(m.get("gguf_overhead_bytes") or 0)
     if target == "safetensors":
         from .exporters.safetensors_writer import safetensors_overhead_bytes

@@ -186,6 +186,20 @@ def _moe_tensors(n_layers=4, n_exp=8, h=256, i=256) -> list[TensorInfo]:
     return out
 
 
+def test_moe_expert_caps_on_rows_no_2bit_format_fits():
+    """Hidden size 576 (SmolLM2 upcycled): no 256-block format takes the gate/up experts' rows, so the
+    2-bit caps fall back on the cheapest formats that do (as llama-quantize does) instead of failing."""
+    tensors = _moe_tensors(n_layers=2, n_exp=4, h=576, i=1536)
+    info = ModelInfo(n_layers=2, n_head=9, n_head_kv=3, n_expert=4)
+    plan = make_plan(tensors, info, bpw=4.6, defaults=default_rules(info), has_imatrix=True, lift_expert_caps=False)
+    fmt = {e.name: e.format for e in plan.entries}
+    for b in range(2):
+        gate = get_format(fmt[f"blk.{b}.ffn_gate_exps.weight"])  # the cheapest 32-block formats (MXFP4, Q4_0 ...)
+        assert gate.fits(576) and gate.bpw <= 4.5
+        assert get_format(fmt[f"blk.{b}.ffn_down_exps.weight"]).bpw <= get_format("IQ2_XS").bpw  # rows of 1536
+    assert all(get_format(f).fits(576) for n, f in fmt.items() if "down" not in n)
+
+
 def test_moe_default_rules():
     tensors = _moe_tensors()
     info = ModelInfo(n_layers=4, n_head=4, n_head_kv=2, n_expert=8)
@@ -303,3 +317,23 @@ def test_eval_of_moe_gguf(case, tmp_path):
         dynaquant.quantize(tmp_path / "ckpt", output=out, preset=preset, use_imatrix=False, progress=False)
         kld[preset] = dynaquant.evaluate(out, tmp_path / "ckpt", text=text, n_ctx=64, chunks=2, progress=False).kld_mean
     assert 0 < kld["F16"] < 1e-3 and kld["Q2_K"] > 100 * kld["F16"], kld
+
+
+def test_make_dynamic_plan_applies_the_moe_rules():
+    """make_dynamic_plan (``dynaquant plan``) plans a MoE report with the rules dynaquant.quantize uses:
+    the expert caps and MoE attention, from the report's n_expert (or, for older reports, the expert shapes)."""
+    from dynaquant import make_dynamic_plan
+
+    cands = ["IQ2_XXS", "IQ2_XS", "Q2_K", "Q4_K", "Q5_K", "Q8_0"]
+    tensors = []
+    for t in _moe_tensors():
+        errs = {c: {"kld_pred": t.n_elements * 2.0 ** (-2 * get_format(c).bpw)} for c in cands
+                if t.quantizable and get_format(c).fits(t.row_size)}
+        tensors.append({"name": t.name, "shape": list(t.shape), "quantizable": t.quantizable, "errors": errs})
+    for model in ({"n_layers": 4, "n_expert": 8}, {"n_layers": 4}):  # new reports, and older ones without n_expert
+        rep = {"model": {"id": "toy", "tied_embeddings": False, **model}, "candidates": cands, "tensors": tensors}
+        plan = make_dynamic_plan(rep, bpw=3.0)
+        fmt = {e.name: e.format for e in plan.entries}
+        assert get_format(fmt["blk.1.ffn_up_exps.weight"]).bpw <= get_format("IQ2_XXS").bpw
+        assert get_format(fmt["blk.1.ffn_down_exps.weight"]).bpw <= get_format("IQ2_XS").bpw
+        assert get_format(fmt["blk.1.attn_q.weight"]).bpw >= get_format("Q5_K").bpw

@@ -247,8 +247,14 @@ def _bounded(names: Sequence[str], rule: Rule | None, row: int, target: str = "g
         fits = [f for f in names if get_format(f).fits(row)]  # the rule's format is another target's: the best there is
         return [max(fits, key=lambda f: (get_format(f).bpw, f))] if fits else []
     out = [f for f in names if get_format(f).bpw <= bound + 1e-9]
-    if out or target == "gguf":
-        return out
+    if target == "gguf":
+        if not out or any(get_format(f).fits(row) for f in out):
+            return out
+        # no format under the bound takes these rows (a 2-bit MoE expert cap on rows of 576: no 256-block
+        # format fits): the cheapest formats that do, as llama-quantize falls back
+        fits = [f for f in names if get_format(f).fits(row)]
+        low = min((get_format(f).bpw for f in fits), default=None)
+        return [f for f in fits if get_format(f).bpw <= low + 1e-9] if fits else out
     fits = [f for f in names if get_format(f).fits(row)]  # the bound is another target's format: the closest
     return [min(fits, key=lambda f: (get_format(f).bpw, f))] if fits else []
 
