@@ -129,9 +129,9 @@ def default_rules(model: ModelInfo, super_weight_tensors: Sequence[str] = (), ha
       ``target``: the same OCP MX layout, so re-encoding is exact); otherwise routed gate/up experts at most
       IQ2_XXS (2.06 bpw) and down experts at most IQ2_XS (2.31 bpw, one step higher: the allocator
       chooses from IQ1_S up to these by the measurements), or Q2_K / Q3_K without an imatrix (the
-      i-quants need one); attention (MLA included) and dense FFN blocks at least Q5_K. The expert
-      caps (origin :data:`EXPERT_CAP`) are lifted by ``make_plan`` when an explicit budget is larger
-      than they allow.
+      i-quants need one); attention (MLA included) and dense FFN blocks at least Q5_K. With an
+      explicit budget ``make_plan`` also plans without the expert caps (origin :data:`EXPERT_CAP`)
+      and keeps whichever plan has the lower predicted error.
     Norms, biases and 1-D tensors are never quantized (not rules: they are not candidates).
     """
     rules = [Rule(re.escape(n), "Q8_0", ">=", "default: super weight") for n in super_weight_tensors]
@@ -303,9 +303,9 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
             format llama.cpp refuses to write without one (``presets.requires_imatrix``: IQ3_XXS,
             IQ2_*, IQ1_*), and the presets decide as ``llama-quantize`` without ``--imatrix``.
             Presets and ``=`` rules are not checked here: ``quantize`` refuses such a plan.
-        lift_expert_caps: with a budget, when the plan under the default MoE expert caps
-            (``default_rules``) uses less than 90 % of it, plan again without those caps (the
-            method records it). False keeps them (the default target of a MoE model).
+        lift_expert_caps: with a budget, also plan without the default MoE expert caps
+            (``default_rules``) and keep that plan when its predicted error is lower (the method
+            records it). False keeps them (the default target of a MoE model).
     Returns:
         The plan; with a budget, its tensor data fits ``bpw`` or ``size_bytes - overhead_bytes``.
     Raises:
@@ -321,16 +321,20 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
                     error_fn=error_fn, candidates=candidates, error_source=error_source, target=target,
                     has_imatrix=has_imatrix, lift_expert_caps=False)
         plan = make_plan(tensors, model, model_id, defaults=defaults, **args)
-        total = sum(t.n_elements for t in tensors)
-        limit = int(bpw * total / 8) if bpw is not None else size_bytes - overhead_bytes
-        if plan.size_bytes >= 0.9 * limit:
-            return plan
         try:
             lifted = make_plan(tensors, model, model_id, defaults=[r for r in defaults if r not in capped], **args)
         except BudgetError:  # without the caps other rules (first layers) bind the experts: keep the capped plan
             return plan
-        lifted.method += "; MoE expert caps lifted (the budget is larger than they allow)"
-        return lifted
+        err, by = error_fn or prior_error(model), {t.name: t for t in tensors}
+
+        def predicted(p: Plan) -> float:
+            vals = (err(by[e.name], e.format) for e in p.entries if by[e.name].quantizable)
+            return sum(v for v in vals if math.isfinite(v))
+
+        if predicted(lifted) < predicted(plan):
+            lifted.method += "; MoE expert caps lifted (lower predicted error within the budget)"
+            return lifted
+        return plan
     budgeted = bpw is not None or size_bytes is not None
     if budgeted and preset is not None:
         raise ValueError("give a preset or a budget (bpw / size_bytes), not both")
