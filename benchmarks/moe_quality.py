@@ -253,21 +253,23 @@ def run_dynamic_plan(mix: str, args, size_limit: int) -> dict:
     return row
 
 
-def run_prior_plan(mix: str, folder: Path, model: Path, llama: Q.Llama, size_limit: int) -> dict:
+def run_prior_plan(mix: str, folder: Path, model: Path, llama: Q.Llama, size_limit: int, caps: bool = True) -> dict:
     """``prior-plan``: dynaquant's planner at ``size_limit`` with its default rules and *prior* error model
     (no analysis), written by ``llama-quantize --imatrix`` with one ``--tensor-type`` override per tensor.
     A stand-in for the dynamic row when dynaquant's encoders are too slow on the machine: the allocation is
     dynaquant's, the encoders llama.cpp's."""
     from dynaquant.checkpoint import resolve_source
     from dynaquant.pipeline import model_info, open_tensor_source, tensor_infos
-    from dynaquant.quant.planner import GGUF_CANDIDATES, default_rules, make_plan
+    from dynaquant.quant.planner import EXPERT_CAP, GGUF_CANDIDATES, default_rules, make_plan
 
-    row = _row("prior-plan", mix)
+    method = "prior-plan" if caps else "prior-plan-nocap"
+    row = _row(method, mix)
     ts = open_tensor_source(resolve_source(str(folder)))
     tensors, info = tensor_infos(ts), model_info(ts)
     overhead = Q.file_stats(model)["size_bytes"] - sum(int(t.n_bytes) for t in gguf.GGUFReader(str(model)).tensors)
+    defaults = [r for r in default_rules(info, [], True) if caps or r.origin != EXPERT_CAP]
     plan = make_plan(tensors, info, "upcycled", size_bytes=size_limit, overhead_bytes=overhead,
-                     candidates=list(GGUF_CANDIDATES), defaults=default_rules(info, [], True), has_imatrix=True)
+                     candidates=list(GGUF_CANDIDATES), defaults=defaults, has_imatrix=True)
     row.update({"size_limit": size_limit, "plan_size_bytes": plan.size_bytes, "plan_method": plan.method,
                 "formats": plan.count_by_format()})
     extra = []
@@ -278,13 +280,13 @@ def run_prior_plan(mix: str, folder: Path, model: Path, llama: Q.Llama, size_lim
             extra += ["--token-embedding-type", e.format.lower(), "--output-tensor-type", e.format.lower()]
         else:
             extra += ["--tensor-type", f"^{e.name.replace('.', chr(92) + '.')}$={e.format.lower()}"]
-    out = llama.work / f"prior-plan-{mix}.gguf"
-    dt, cpu = llama.quantize(model, mix, out, extra, label=f"prior-plan-{mix}")
+    out = llama.work / f"{method}-{mix}.gguf"
+    dt, cpu = llama.quantize(model, mix, out, extra, label=f"{method}-{mix}")
     row["quantize_time_s"], row["quantize_cpu_s"] = round(dt, 2), round(cpu, 2)
     row.update(Q.file_stats(out))
     row["types_by_kind"] = expert_types(out)
     row["fits"] = row["size_bytes"] <= size_limit
-    row.update(llama.kld(out, f"prior-plan-{mix}"))
+    row.update(llama.kld(out, f"{method}-{mix}"))
     return row
 
 
@@ -402,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     header["upcycled"]["imatrix"] = llama.make_imatrix(bf16, args.calibration, args.reuse)
     Q.write_json(args.out, header, rows)
 
-    jobs = [(m, mix) for m in ("llama.cpp", "hand", "prior-plan") if m in methods for mix in mixes]
+    jobs = [(m, mix) for m in ("llama.cpp", "hand", "prior-plan", "prior-plan-nocap") if m in methods for mix in mixes]
     if "dynamic" in methods:
         jobs += [("analysis", "-")] + [("dynamic-plan" if args.dynamic_plan_only else "dynamic", mix) for mix in mixes]
     done = {(r["method"], r["mix"]) for r in rows}
@@ -426,8 +428,8 @@ def main(argv: list[str] | None = None) -> int:
                     row = run_llama(mix, bf16, llama)
                 elif method == "hand":
                     row = run_hand(mix, bf16, llama, limit)
-                elif method == "prior-plan":
-                    row = run_prior_plan(mix, folder, bf16, llama, limit)
+                elif method.startswith("prior-plan"):
+                    row = run_prior_plan(mix, folder, bf16, llama, limit, caps=method == "prior-plan")
                 else:
                     if limit is None:
                         raise RuntimeError(f"no llama.cpp {mix} row to take the size from")
