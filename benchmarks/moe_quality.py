@@ -21,6 +21,10 @@ Methods, at the exact file size of each llama.cpp mix (``--mixes``):
 * ``dynamic``: ``dynaquant.quantize(folder, size=<llama.cpp file size>, report=<one analysis>)``.
 * ``hand``: ``llama-quantize --imatrix`` with ``--tensor-type`` overrides in the Unsloth spirit
   (routed experts lowest, attention / embeddings higher), sized to fit the llama.cpp file.
+* ``prior-plan``: dynaquant's planner (default rules, prior error model, no analysis) at that size, written
+  by ``llama-quantize`` with one override per tensor: dynaquant's allocation with llama.cpp's encoders,
+  for machines where the analysis and dynaquant's encoders take too long.
+* ``--dynamic-plan-only``: the measured dynamic plans from the analysis, not encoded.
 
 Measured by ``llama-perplexity --kl-divergence`` against the BF16 upcycled model's logits on the
 evaluation text (``quality.py``'s ``Llama`` class). JSON: ``benchmarks/out/moe-quality.json``.
@@ -53,9 +57,10 @@ import dynaquant  # noqa: E402
 
 DEFAULT_DITHERED = Q.DEFAULT_DITHERED
 DEFAULT_WORK = Path("/tmp/moebench")
-# formats measured by the analysis (a restricted set, to keep a CPU run short): the 32-block ones
-# every tensor can take (rows of 576) and the low 256-block ones only ffn_down_exps (rows of 1536) can
-CANDIDATES = ("IQ2_XXS", "IQ2_XS", "Q2_K", "Q3_K", "Q4_K", "MXFP4", "Q4_0", "IQ4_NL", "Q5_0", "Q8_0")
+# formats measured by the analysis (a restricted set, to keep a CPU run short): the 32-block ones every
+# tensor can take (rows of 576) and the K-quants only ffn_down_exps (rows of 1536) can; no i-quants: on a
+# small shared CPU dynaquant's lattice encoders (IQ2_*) are far too slow for this model (see the README)
+CANDIDATES = ("Q2_K", "Q3_K", "Q4_K", "MXFP4", "Q4_0", "IQ4_NL", "Q5_0", "Q8_0")
 
 log = logging.getLogger("moe_quality")
 
@@ -195,11 +200,13 @@ def run_analysis(folder: Path, args) -> dict:
 
     t0 = time.perf_counter()
     res = dynaquant.analyze(str(folder), args.work_dir / "analysis",
-                            calibration=CalibrationSpec((str(args.calibration),), args.chunks, args.n_ctx),
+                            calibration=CalibrationSpec((str(args.calibration),), args.analysis_chunks or args.chunks,
+                                                        args.n_ctx),
                             candidates=tuple(args.candidates), fisher_sequences=args.fisher_sequences,
-                            device="cpu", progress=False)
+                            device=args.device, progress=False)
     out = {"time_s": round(time.perf_counter() - t0, 2), "candidates": list(args.candidates),
-           "fisher_sequences": args.fisher_sequences, "device": "cpu", "loadavg_after": list(os.getloadavg()),
+           "fisher_sequences": args.fisher_sequences, "device": args.device,
+           "calibration_chunks": args.analysis_chunks or args.chunks, "n_ctx": args.n_ctx, "loadavg_after": list(os.getloadavg()),
            "timings_s": {k: round(v, 2) for k, v in res.report.get("timings_s", {}).items()}}
     (args.work_dir / "analysis" / "run.json").write_text(json.dumps(out, indent=1) + "\n")
     return out
@@ -210,7 +217,7 @@ def run_dynamic(mix: str, folder: Path, args, llama: Q.Llama, size_limit: int) -
     out = args.work_dir / f"dynamic-{mix}.gguf"
     t0 = time.perf_counter()
     res = dynaquant.quantize(str(folder), size=size_limit, report=args.work_dir / "analysis" / "report.json",
-                             output=out, device="cpu", progress=False, calibration=args.calibration,
+                             output=out, device=args.device, progress=False, calibration=args.calibration,
                              calibration_chunks=args.chunks, n_ctx=args.n_ctx)
     row["quantize_time_s"] = round(time.perf_counter() - t0, 2)
     row["size_limit"] = size_limit
@@ -223,6 +230,66 @@ def run_dynamic(mix: str, folder: Path, args, llama: Q.Llama, size_limit: int) -
     return row
 
 
+def run_dynamic_plan(mix: str, args, size_limit: int) -> dict:
+    """The dynamic plan at ``size_limit`` from the analysis report, not encoded (``--dynamic-plan-only``:
+    dynaquant's CPU encoders need far longer than llama-quantize for this model on a small machine)."""
+    row = _row("dynamic-plan", mix)
+    t0 = time.perf_counter()
+    plan = dynaquant.make_dynamic_plan(args.work_dir / "analysis" / "report.json", size=size_limit)
+    row["plan_time_s"] = round(time.perf_counter() - t0, 2)
+    row["size_limit"] = size_limit
+    row["plan_size_bytes"] = plan.size_bytes
+    row["plan_bpw"] = round(plan.bpw, 4)
+    row["kld_pred"] = plan.kld_pred
+    row["method_detail"] = plan.method
+    row["formats"] = plan.count_by_format()
+    kinds: dict[str, dict[str, int]] = {}
+    for e in plan.entries:
+        parts = e.name.split(".")
+        d = kinds.setdefault(parts[2] if e.name.startswith("blk.") else parts[0], {})
+        d[e.format] = d.get(e.format, 0) + 1
+    row["types_by_kind"] = dict(sorted(kinds.items()))
+    row["encoded"] = False
+    return row
+
+
+def run_prior_plan(mix: str, folder: Path, model: Path, llama: Q.Llama, size_limit: int, caps: bool = True) -> dict:
+    """``prior-plan``: dynaquant's planner at ``size_limit`` with its default rules and *prior* error model
+    (no analysis), written by ``llama-quantize --imatrix`` with one ``--tensor-type`` override per tensor.
+    A stand-in for the dynamic row when dynaquant's encoders are too slow on the machine: the allocation is
+    dynaquant's, the encoders llama.cpp's."""
+    from dynaquant.checkpoint import resolve_source
+    from dynaquant.pipeline import model_info, open_tensor_source, tensor_infos
+    from dynaquant.quant.planner import EXPERT_CAP, GGUF_CANDIDATES, default_rules, make_plan
+
+    method = "prior-plan" if caps else "prior-plan-nocap"
+    row = _row(method, mix)
+    ts = open_tensor_source(resolve_source(str(folder)))
+    tensors, info = tensor_infos(ts), model_info(ts)
+    overhead = Q.file_stats(model)["size_bytes"] - sum(int(t.n_bytes) for t in gguf.GGUFReader(str(model)).tensors)
+    defaults = [r for r in default_rules(info, [], True) if caps or r.origin != EXPERT_CAP]
+    plan = make_plan(tensors, info, "upcycled", size_bytes=size_limit, overhead_bytes=overhead,
+                     candidates=list(GGUF_CANDIDATES), defaults=defaults, has_imatrix=True)
+    row.update({"size_limit": size_limit, "plan_size_bytes": plan.size_bytes, "plan_method": plan.method,
+                "formats": plan.count_by_format()})
+    extra = []
+    for e in plan.entries:
+        if e.format == "F32":
+            continue
+        if e.name == "token_embd.weight":
+            extra += ["--token-embedding-type", e.format.lower(), "--output-tensor-type", e.format.lower()]
+        else:
+            extra += ["--tensor-type", f"^{e.name.replace('.', chr(92) + '.')}$={e.format.lower()}"]
+    out = llama.work / f"{method}-{mix}.gguf"
+    dt, cpu = llama.quantize(model, mix, out, extra, label=f"{method}-{mix}")
+    row["quantize_time_s"], row["quantize_cpu_s"] = round(dt, 2), round(cpu, 2)
+    row.update(Q.file_stats(out))
+    row["types_by_kind"] = expert_types(out)
+    row["fits"] = row["size_bytes"] <= size_limit
+    row.update(llama.kld(out, f"{method}-{mix}"))
+    return row
+
+
 def table(rows: list[dict]) -> str:
     cols = ("method", "mix", "MiB", "bpw", "KLD", "KLD p99", "PPL", "top1", "quant s")
     lines = [" ".join(f"{c:>10}" for c in cols)]
@@ -230,7 +297,7 @@ def table(rows: list[dict]) -> str:
         if "error" in r:
             lines.append(f"{r['method']:>10} {r['mix']:>10} ERROR: {r['error'].splitlines()[0][:90]}")
             continue
-        size = r["size_bytes"] / 2**20 if r.get("size_bytes") else None
+        size = (r.get("size_bytes") or r.get("plan_size_bytes") or 0) / 2**20 or None
         cells = (r["method"], r["mix"], Q._fmt(size, ".2f"), Q._fmt(r.get("bpw"), ".3f"), Q._fmt(r.get("kld_mean"), ".4f"),
                  Q._fmt(r.get("kld_p99"), ".3f"), Q._fmt(r.get("ppl"), ".2f"), Q._fmt(r.get("top1"), ".4f"),
                  Q._fmt(r.get("quantize_time_s"), ".1f"))
@@ -254,10 +321,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default="llama.cpp,hand,dynamic")
     p.add_argument("--candidates", default=",".join(CANDIDATES))
     p.add_argument("--fisher-sequences", type=int, default=4)
+    p.add_argument("--analysis-chunks", type=int, default=None, help="calibration chunks of the analysis (default --chunks)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--device", default="cpu", help="torch device for dynaquant (analysis, quantize)")
+    p.add_argument("--source", type=Path, default=None, help="GGUF to dither when --dense is missing (default: embedded)")
     p.add_argument("--reuse", action="store_true", help="reuse the upcycled model, base logits, imatrix, analysis")
     p.add_argument("--work-dir", type=Path, default=DEFAULT_WORK)
     p.add_argument("--out", type=Path, default=HERE / "out" / "moe-quality.json")
+    p.add_argument("--dynamic-plan-only", action="store_true",
+                   help="dynamic rows: the plan at each size from the analysis (predicted KLD), not encoded or measured")
     p.add_argument("--resume", action="store_true",
                    help="keep the rows of an existing --out (errors excepted) and run only the missing ones (implies --reuse)")
     p.add_argument("--print", dest="print_only", action="store_true")
@@ -284,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": Q.machine_info(), "versions": Q.versions(tools),
         "config": {"calibration": str(args.calibration), "eval_text": str(args.eval_text), "chunks": args.chunks,
                    "n_ctx": args.n_ctx, "mixes": mixes, "methods": methods, "llama_threads": args.threads,
-                   "analysis_device": "cpu",
+                   "dynaquant_device": args.device,
                    "bpw": "8 * tensor data bytes / weights, from the GGUF file (metadata excluded)",
                    "kld": "llama-perplexity --kl-divergence against the BF16 upcycled model's logits (kld_*, ppl, "
                           "top1 = 'Same top p')",
@@ -304,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = args.work_dir / "upcycled"
     bf16 = args.work_dir / "upcycled-bf16.gguf"
     if not args.dense.is_file():
-        Q.make_dithered(None, args.dense, progress=False)
+        Q.make_dithered(args.source, args.dense, progress=False)
     if not (args.reuse and (folder / "model.safetensors").is_file()):
         t0 = time.perf_counter()
         header["upcycled"] = make_upcycled(args.dense, folder, args.experts, args.top_k, args.noise, args.router_std)
@@ -314,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         header["upcycled"] = json.loads((folder / "upcycle.json").read_text())
     if not (args.reuse and bf16.is_file()):
         t0 = time.perf_counter()
-        dynaquant.quantize(str(folder), preset="BF16", output=bf16, device="cpu", progress=False, use_imatrix=False)
+        dynaquant.quantize(str(folder), preset="BF16", output=bf16, device=args.device, progress=False, use_imatrix=False)
         header["upcycled"]["bf16_gguf_time_s"] = round(time.perf_counter() - t0, 2)
     header["upcycled"]["bf16_gguf"] = Q.file_stats(bf16)
     Q.write_json(args.out, header, rows)
@@ -332,9 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     header["upcycled"]["imatrix"] = llama.make_imatrix(bf16, args.calibration, args.reuse)
     Q.write_json(args.out, header, rows)
 
-    jobs = [(m, mix) for m in ("llama.cpp", "hand") if m in methods for mix in mixes]
+    jobs = [(m, mix) for m in ("llama.cpp", "hand", "prior-plan", "prior-plan-nocap") if m in methods for mix in mixes]
     if "dynamic" in methods:
-        jobs += [("analysis", "-")] + [("dynamic", mix) for mix in mixes]
+        jobs += [("analysis", "-")] + [("dynamic-plan" if args.dynamic_plan_only else "dynamic", mix) for mix in mixes]
     done = {(r["method"], r["mix"]) for r in rows}
     jobs = [j for j in jobs if j not in done]
     signal.signal(signal.SIGTERM, Q._raise_interrupt)
@@ -356,10 +428,13 @@ def main(argv: list[str] | None = None) -> int:
                     row = run_llama(mix, bf16, llama)
                 elif method == "hand":
                     row = run_hand(mix, bf16, llama, limit)
+                elif method.startswith("prior-plan"):
+                    row = run_prior_plan(mix, folder, bf16, llama, limit, caps=method == "prior-plan")
                 else:
                     if limit is None:
                         raise RuntimeError(f"no llama.cpp {mix} row to take the size from")
-                    row = run_dynamic(mix, folder, args, llama, limit)
+                    row = (run_dynamic_plan(mix, args, limit) if method == "dynamic-plan"
+                           else run_dynamic(mix, folder, args, llama, limit))
             except Exception as e:  # one failing row must not lose the others
                 log.exception("%s %s failed", method, mix)
                 row = _row(method, mix)
