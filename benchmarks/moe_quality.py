@@ -39,7 +39,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
 import time
