@@ -166,31 +166,16 @@ def _row(method: str, mix: str) -> dict:
 
 
 def run_llama(mix: str, model: Path, llama: Q.Llama) -> dict:
-    row = _row("llama.cpp", mix)
-    out = llama.work / f"llama.cpp-{mix}.gguf"
-    dt, cpu = llama.quantize(model, mix, out)
-    row["quantize_time_s"], row["quantize_cpu_s"] = round(dt, 2), round(cpu, 2)
-    row.update(Q.file_stats(out))
-    row["types_by_kind"] = expert_types(out)
-    row.update(llama.kld(out, f"llama.cpp-{mix}"))
+    """quality.py's llama.cpp row, plus the GGML types per tensor kind of the file."""
+    row = Q.run_llama(mix, model, llama)
+    row["types_by_kind"] = expert_types(llama.work / f"llama.cpp-{mix}.gguf")
     return row
 
 
 def run_hand(mix: str, model: Path, llama: Q.Llama, size_limit: int | None) -> dict:
-    row = _row("hand", mix)
-    h = HAND[mix]
-    out = llama.work / f"hand-{mix}.gguf"
-    extra = ["--token-embedding-type", h["token_embd"], "--output-tensor-type", h["token_embd"]]
-    for tt in h["tensor_types"]:
-        extra += ["--tensor-type", tt]
-    dt, cpu = llama.quantize(model, mix, out, extra, label=f"hand-{mix}")
-    row["quantize_time_s"], row["quantize_cpu_s"] = round(dt, 2), round(cpu, 2)
-    row["overrides"] = extra
-    row.update(Q.file_stats(out))
-    row["types_by_kind"] = expert_types(out)
-    row["size_limit"] = size_limit
-    row["fits"] = size_limit is None or row["size_bytes"] <= size_limit
-    row.update(llama.kld(out, f"hand-{mix}"))
+    """quality.py's hand row with this benchmark's :data:`HAND` overrides, plus the types per tensor kind."""
+    row = Q.run_hand(mix, model, llama, size_limit, hand=HAND)
+    row["types_by_kind"] = expert_types(llama.work / f"hand-{mix}.gguf")
     return row
 
 

@@ -370,10 +370,11 @@ HAND = {
 }
 
 
-def run_hand(mix: str, dithered: Path, llama: Llama, size_limit: int | None) -> dict:
-    """llama-quantize --imatrix with the HAND overrides for a mix's size; the row notes whether it fits."""
+def run_hand(mix: str, dithered: Path, llama: Llama, size_limit: int | None, hand: dict | None = None) -> dict:
+    """llama-quantize --imatrix with the hand overrides for a mix's size (``hand``, default :data:`HAND`);
+    the row notes whether it fits."""
     row = _row("hand", mix)
-    h = HAND[mix]
+    h = (HAND if hand is None else hand)[mix]
     out = llama.work / f"hand-{mix}.gguf"
     extra = ["--token-embedding-type", h["token_embd"], "--output-tensor-type", h["token_embd"]]
     for tt in h["tensor_types"]:
