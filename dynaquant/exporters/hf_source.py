@@ -220,18 +220,23 @@ class HFCheckpointSource(TensorSource):
             st = SourceTensor(gguf_name, hf_moe.memory_name(self.hf_arch, hf_name), shape, quantizable=quantizable)
             tensors.append((self._order_key(gguf_name), st))
             hf_of[gguf_name] = hf_name
-        if unmapped:
-            raise ValueError(f"{self.folder}: tensors with no GGUF name for {self.arch}: {', '.join(sorted(unmapped)[:10])}")
-        names = {st.gguf_name for _, st in tensors}
-        if "token_embd.weight" not in names:
-            raise ValueError(f"{self.folder}: no token embedding (model.embed_tokens.weight)")
-        if not self.tied and "output.weight" not in names:
-            raise ValueError(f"{self.folder}: tie_word_embeddings is false but there is no lm_head.weight")
+        self._check_index(tensors, unmapped)
         if str(self.rope.get("rope_type", self.rope.get("type", ""))).lower() == "llama3":
             n = self._rope_dim() // 2
             tensors.append((self._order_key("rope_freqs.weight"), SourceTensor("rope_freqs.weight", None, (n,), False)))
         tensors.sort(key=lambda kt: kt[0])
         return [st for _, st in tensors], hf_of
+
+    def _check_index(self, tensors: list[tuple[tuple, SourceTensor]], unmapped: list[str], what: str = "tensors") -> None:
+        """Raise ValueError (naming the folder) for checkpoint tensors with no GGUF name, no token
+        embedding, or an untied model without lm_head.weight."""
+        if unmapped:
+            raise ValueError(f"{self.folder}: {what} with no GGUF name for {self.arch}: {', '.join(sorted(unmapped)[:10])}")
+        names = {st.gguf_name for _, st in tensors}
+        if "token_embd.weight" not in names:
+            raise ValueError(f"{self.folder}: no token embedding (model.embed_tokens.weight)")
+        if not self.tied and "output.weight" not in names:
+            raise ValueError(f"{self.folder}: tie_word_embeddings is false but there is no lm_head.weight")
 
     @staticmethod
     def _order_key(gguf_name: str) -> tuple:

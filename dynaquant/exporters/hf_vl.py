@@ -158,13 +158,7 @@ class HFQwen2VLSource(HFCheckpointSource):
                     st = SourceTensor(gguf_name, param, shape, quantizable=len(shape) >= 2 and gguf_name.endswith(".weight"))
                     tensors.append((self._order_key(gguf_name), st))
                     hf_of[gguf_name] = key  # the file's own name: read() opens it by this
-        if unmapped:
-            raise ValueError(f"{self.folder}: text tensors with no GGUF name for {self.arch}: {', '.join(sorted(unmapped)[:10])}")
-        names = {st.gguf_name for _, st in tensors}
-        if "token_embd.weight" not in names:
-            raise ValueError(f"{self.folder}: no token embedding (model.embed_tokens.weight)")
-        if not self.tied and "output.weight" not in names:
-            raise ValueError(f"{self.folder}: tie_word_embeddings is false but there is no lm_head.weight")
+        self._check_index(tensors, unmapped, what="text tensors")
         tensors.sort(key=lambda kt: kt[0])
         return [st for _, st in tensors], hf_of
 
