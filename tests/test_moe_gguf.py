@@ -210,8 +210,7 @@ def test_tiny_moe_runs_in_llama_cpp(case, tmp_path):
             assert gguf_to_hf_name(gguf_arch, 2, name) == by_name[name].hf_name, name
 
     out = tmp_path / "tiny-moe.gguf"
-    plan = {t.gguf_name: get_format("F32") for t in src.tensors()}
-    write_gguf(out, src, plan, encode, {}, file_type=gguf.LlamaFileType.ALL_F32, progress=False)
+    _write_f32(src, out)
     # every hf_name is the transformers parameter name (stacked experts: the fused experts module's
     # canonical names), and re-reading the GGUF file names every tensor the same way
     params = set(state)
@@ -245,14 +244,7 @@ def test_tiny_moe_runs_in_llama_cpp(case, tmp_path):
         assert f["gpt-oss.rope.scaling.type"].contents() == "yarn"
     del r
 
-    assert _router_margin(model, IDS) > MIN_MARGIN
-    with torch.no_grad():
-        ref = model(torch.tensor([IDS])).logits[0].numpy()
-    got = _llama_logits(out, IDS)
-    logger.info("%s: llama.cpp vs transformers max |diff| %.2e, max |logit| %.2f", case, np.abs(got - ref).max(),
-                np.abs(ref).max())
-    assert (got.argmax(-1) == ref.argmax(-1)).all()
-    np.testing.assert_allclose(got, ref, atol=2e-3 * np.abs(ref).max(), rtol=0)
+    logger.info("%s: llama.cpp vs transformers max |diff| %.2e, max |logit| %.2f", case, *_logits_match(out, model))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,7 +385,7 @@ def test_moe_presets_match_llama_quantize(case, preset, tmp_path):
     _tiny_moe(tmp_path / "ckpt", case)
     hf = open_hf_source(tmp_path / "ckpt")
     f32 = tmp_path / "f32.gguf"
-    write_gguf(f32, hf, {t.gguf_name: get_format("F32") for t in hf.tensors()}, encode, {}, file_type=0, progress=False)
+    _write_f32(hf, f32)
     theirs, _ = _llama_quantize_types(exe, f32, preset, None)
     assert any("_exps" in n for n in theirs)
     for src in (hf, open_gguf_source(f32)):
@@ -462,16 +454,28 @@ def _rewrite_checkpoint(folder, tensors: dict[str, torch.Tensor], drop: set[str]
     (folder / "config.json").write_text(json.dumps({**cfg, "quantization_config": quantization_config}))
 
 
-def _f32_logits_match(src, model, tmp_path, margin: float = MIN_MARGIN) -> float:
-    out = tmp_path / "model-f32.gguf"
-    write_gguf(out, src, {t.gguf_name: get_format("F32") for t in src.tensors()}, encode, {}, file_type=0, progress=False)
-    assert _router_margin(model, IDS) > margin
+def _write_f32(src, out) -> None:
+    """Every tensor of ``src`` as F32 in the GGUF file ``out``."""
+    write_gguf(out, src, {t.gguf_name: get_format("F32") for t in src.tensors()}, encode, {},
+               file_type=gguf.LlamaFileType.ALL_F32, progress=False)
+
+
+def _logits_match(out, model, ids: list[int] = IDS, margin: float = MIN_MARGIN) -> tuple[float, float]:
+    """Assert llama.cpp's logits of the GGUF ``out`` on ``ids`` match ``model``'s (argmax equal, within
+    2e-3 of the largest logit; routers at least ``margin`` apart); returns (max |diff|, max |logit|)."""
+    assert _router_margin(model, ids) > margin
     with torch.no_grad():
-        ref = model(torch.tensor([IDS])).logits[0].numpy()
-    got = _llama_logits(out, IDS)
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    got = _llama_logits(out, ids)
     assert (got.argmax(-1) == ref.argmax(-1)).all()
     np.testing.assert_allclose(got, ref, atol=2e-3 * np.abs(ref).max(), rtol=0)
-    return float(np.abs(got - ref).max())
+    return float(np.abs(got - ref).max()), float(np.abs(ref).max())
+
+
+def _f32_logits_match(src, model, tmp_path, margin: float = MIN_MARGIN) -> float:
+    out = tmp_path / "model-f32.gguf"
+    _write_f32(src, out)
+    return _logits_match(out, model, IDS, margin)[0]
 
 
 def test_block_fp8_deepseek_checkpoint(tmp_path):
@@ -618,8 +622,7 @@ def test_moe_with_smollm2_tokenizer_runs_in_llama_cpp(case, smollm_tokenizer, tm
                       eos_token_id=smollm_tokenizer.eos_token_id)
     src = open_hf_source(ckpt)
     out = tmp_path / "moe.gguf"
-    write_gguf(out, src, {t.gguf_name: get_format("F32") for t in src.tensors()}, encode, {},
-               file_type=gguf.LlamaFileType.ALL_F32, progress=False)
+    _write_f32(src, out)
     r = GGUFReader(out)
     assert r.fields["tokenizer.ggml.pre"].contents() == "smollm"
     del r
@@ -630,9 +633,4 @@ def test_moe_with_smollm2_tokenizer_runs_in_llama_cpp(case, smollm_tokenizer, tm
         assert llm.tokenize(text.encode(), add_bos=False, special=False) == ids
     finally:
         llm.close()
-    assert _router_margin(model, ids) > MIN_MARGIN
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0].numpy()
-    got = _llama_logits(out, ids)
-    assert (got.argmax(-1) == ref.argmax(-1)).all()
-    np.testing.assert_allclose(got, ref, atol=2e-3 * np.abs(ref).max(), rtol=0)
+    _logits_match(out, model, ids)
