@@ -38,7 +38,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from .analysis.experts import PROJS, expert_weight, find_experts, layout_of
+from .analysis.experts import PROJS, dispatch, expert_weight, find_experts, layout_of
 from .quant.runtime import RuntimeWeight, encode
 
 log = logging.getLogger(__name__)
@@ -274,26 +274,16 @@ class DynaExperts(nn.Module):
         Returns:
             (same shape as hidden_states) ``sum_j w[t, j] * expert_{idx[t, j]}(x_t)`` in the input's dtype.
         """
-        shape = hidden_states.shape
-        x_all = hidden_states.reshape(-1, shape[-1])
-        idx = top_k_index.reshape(x_all.shape[0], -1)
-        w = top_k_weights.reshape(x_all.shape[0], -1)
-        out = torch.zeros_like(x_all)
-        gpt = self.layout == "gpt-oss"
-        for e in torch.unique(idx).tolist():
-            if not 0 <= e < self.num_experts:
-                continue
-            tok, pos = torch.where(idx == e)
-            x = x_all[tok]
-            ex = self.expert(e)
-            gate, up = ex.gate_proj(x), ex.up_proj(x)
-            if gpt:
-                h = self._gate_fn(self, torch.stack((gate, up), dim=-1).flatten(-2))
-            else:
-                h = self.act_fn(gate) * up
-            y = ex.down_proj(h)
-            out.index_add_(0, tok, (y * w[tok, pos, None]).to(out.dtype))
-        return out.reshape(shape)
+        return dispatch(hidden_states, top_k_index, top_k_weights, self.num_experts, self._expert)
+
+    def _expert(self, e: int, x: torch.Tensor, _w: torch.Tensor) -> torch.Tensor:
+        ex = self.expert(e)
+        gate, up = ex.gate_proj(x), ex.up_proj(x)
+        if self.layout == "gpt-oss":
+            h = self._gate_fn(self, torch.stack((gate, up), dim=-1).flatten(-2))
+        else:
+            h = self.act_fn(gate) * up
+        return ex.down_proj(h)
 
 
 def replace_experts(model: nn.Module, checkpoint_keys: Iterable[str], *, dtype: torch.dtype | None = None) -> list[str]:

@@ -149,6 +149,33 @@ class ExpertStats:
         return RowWeights(fisher=None if g is None else g.float(), hessian=hf), torch.diagonal(hf).clone(), fallback
 
 
+def dispatch(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n_expert: int,
+             expert_fn) -> torch.Tensor:
+    """transformers' experts routing: ``out_t = sum_j w[t, j] * expert_{idx[t, j]}(x_t)``.
+
+    Args:
+        hidden_states: (T, H) tokens (any leading shape that flattens to T).
+        top_k_index: (T, k) int64 chosen experts; values outside ``0 .. n_expert-1`` (masked choices) are skipped.
+        top_k_weights: (T, k) routing weights.
+        expert_fn: ``(e, x (n, H), w (n,)) -> y (n, H)``, expert ``e`` on the n tokens routed to it (``w``: their
+            routing weights, for statistics; the weighting is done here).
+    Returns:
+        Same shape and dtype as ``hidden_states``.
+    """
+    shape = hidden_states.shape
+    x_all = hidden_states.reshape(-1, shape[-1])
+    idx = top_k_index.reshape(x_all.shape[0], -1)
+    w = top_k_weights.reshape(x_all.shape[0], -1)
+    out = torch.zeros_like(x_all)
+    for e in torch.unique(idx).tolist():
+        if not 0 <= e < n_expert:
+            continue
+        tok, pos = torch.where(idx == e)
+        y = expert_fn(e, x_all[tok], w[tok, pos])
+        out.index_add_(0, tok, (y * w[tok, pos, None]).to(out.dtype))
+    return out.reshape(shape)
+
+
 class _ExpertsForward:
     """The replacement forward of one experts module (equivalent output, statistics on the side)."""
 
@@ -172,36 +199,27 @@ class _ExpertsForward:
         return fn
 
     def __call__(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-        m, st = self.m, self.st
-        shape = hidden_states.shape
-        x_all = hidden_states.reshape(-1, shape[-1])
-        idx = top_k_index.reshape(x_all.shape[0], -1)
-        w = top_k_weights.reshape(x_all.shape[0], -1)
-        out = torch.zeros_like(x_all)
-        fisher = self.col.fisher
+        return dispatch(hidden_states, top_k_index, top_k_weights, self.st.n_expert, self._expert)
+
+    def _expert(self, e: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        m = self.m
         gpt = self.layout == "gpt-oss"
-        for e in range(st.n_expert):
-            tok, pos = torch.where(idx == e)
-            if tok.numel() == 0:
-                continue
-            x = x_all[tok]
-            if gpt:
-                gu = x @ m.gate_up_proj[e] + m.gate_up_proj_bias[e]
-                h = m._apply_gate(gu)
-            else:
-                gu = torch.nn.functional.linear(x, m.gate_up_proj[e])
-                gate, up = gu.chunk(2, dim=-1)
-                h = m.act_fn(gate) * up
-            y = h @ m.down_proj[e] + m.down_proj_bias[e] if gpt else torch.nn.functional.linear(h, m.down_proj[e])
-            if fisher and gu.requires_grad:
-                i = gu.shape[-1] // 2
-                gu.register_hook(self._grad_hook("gate_proj", e, tok.numel(), slice(0, None, 2) if gpt else slice(0, i)))
-                gu.register_hook(self._grad_hook("up_proj", e, tok.numel(), slice(1, None, 2) if gpt else slice(i, None)))
-                y.register_hook(self._grad_hook("down_proj", e, tok.numel()))
-            out.index_add_(0, tok, (y * w[tok, pos, None]).to(out.dtype))
-            with torch.no_grad():
-                self._accumulate(e, x, h, w[tok, pos])
-        return out.reshape(shape)
+        if gpt:
+            gu = x @ m.gate_up_proj[e] + m.gate_up_proj_bias[e]
+            h = m._apply_gate(gu)
+        else:
+            gu = torch.nn.functional.linear(x, m.gate_up_proj[e])
+            gate, up = gu.chunk(2, dim=-1)
+            h = m.act_fn(gate) * up
+        y = h @ m.down_proj[e] + m.down_proj_bias[e] if gpt else torch.nn.functional.linear(h, m.down_proj[e])
+        if self.col.fisher and gu.requires_grad:
+            i, n = gu.shape[-1] // 2, x.shape[0]
+            gu.register_hook(self._grad_hook("gate_proj", e, n, slice(0, None, 2) if gpt else slice(0, i)))
+            gu.register_hook(self._grad_hook("up_proj", e, n, slice(1, None, 2) if gpt else slice(i, None)))
+            y.register_hook(self._grad_hook("down_proj", e, n))
+        with torch.no_grad():
+            self._accumulate(e, x, h, w)
+        return y
 
     @torch.no_grad()
     def _accumulate(self, e: int, x: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> None:
