@@ -27,11 +27,6 @@ def uses_own_decoder(ts) -> bool:
         "_exps." in t.gguf_name or "_b.weight" in t.gguf_name for t in ts.tensors())
 
 
-def _unpermute_qk(x: torch.Tensor, n_head: int) -> torch.Tensor:
-    rows = x.shape[0]
-    return x.reshape(n_head, rows // n_head // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
-
-
 def load_decoded(gguf_path: str | os.PathLike, source, ts, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32):
     """The source's transformers model holding the GGUF file's decoded weights.
@@ -49,6 +44,7 @@ def load_decoded(gguf_path: str | os.PathLike, source, ts, *, device: str | torc
 
     from .analysis.experts import expert_weight, stacked_name
     from .checkpoint import load_model
+    from .exporters.hf_source import unpermute_qk
     from .quant.codecs import dequantize
     from .quant.formats import get_format
 
@@ -68,7 +64,7 @@ def load_decoded(gguf_path: str | os.PathLike, source, ts, *, device: str | torc
             raw = np.array(rt.data).view(np.uint8).reshape(-1, get_format(fmt).row_bytes(shape[-1]))
             x = dequantize(raw, fmt).reshape(shape)
             if ts.arch == "llama" and rt.name.endswith(("attn_q.weight", "attn_k.weight")):
-                x = _unpermute_qk(x, ts.n_head if "attn_q" in rt.name else ts.n_head_kv)
+                x = unpermute_qk(x, ts.n_head if "attn_q" in rt.name else ts.n_head_kv)
             mla = re.match(r"^(.*\.self_attn\.)(k|v)_b_proj\.weight$", t.hf_name or "")
             if (stacked := stacked_name(t.hf_name)) is not None:
                 expert_weight(model.get_submodule(stacked[0]), stacked[1]).copy_(x)

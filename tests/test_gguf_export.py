@@ -33,6 +33,7 @@ from dynaquant.exporters import (
     open_gguf_source,
     open_hf_source,
     permute_qk,
+    unpermute_qk,
     write_gguf,
 )
 from dynaquant.exporters.hf_source import PRE_TOKENIZER_CHECK_TEXT
@@ -131,6 +132,7 @@ def test_permute_qk_matches_definition():
     for n_head, head_dim, k in ((3, 64, 7), (2, 6, 5), (1, 2, 1)):
         x = torch.randn(n_head * head_dim, k, generator=g)
         y = permute_qk(x, n_head)
+        assert torch.equal(unpermute_qk(y, n_head), x)
         half = head_dim // 2
         for h in range(n_head):
             for i in range(half):
@@ -384,11 +386,6 @@ def _llama_logits(path, ids: list[int]) -> np.ndarray:
         llm.close()
 
 
-def _unpermute_qk(x: torch.Tensor, n_head: int) -> torch.Tensor:
-    rows = x.shape[0]
-    return x.reshape(n_head, rows // n_head // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
-
-
 def test_tiny_quantized_plan_runs_in_llama_cpp(tmp_path):
     """Block formats go through the writer's byte shapes: Q8_0/Q4_0/F16/F32 mixed in one file."""
     pytest.importorskip("llama_cpp")
@@ -483,9 +480,9 @@ def _logits_on_decoded_weights(out, src, model, plan, bound) -> tuple[np.ndarray
         rel_rmse = float((w - x).pow(2).mean().sqrt() / x.pow(2).mean().sqrt())
         assert rel_rmse < bound[rt.name], (rt.name, rel_rmse)
         if rt.name.endswith("attn_q.weight"):
-            w = _unpermute_qk(w, model.config.num_attention_heads)
+            w = unpermute_qk(w, model.config.num_attention_heads)
         elif rt.name.endswith("attn_k.weight"):
-            w = _unpermute_qk(w, model.config.num_key_value_heads)
+            w = unpermute_qk(w, model.config.num_key_value_heads)
         state[t.hf_name] = w
     del r
     missing = model.load_state_dict(state, strict=False).missing_keys

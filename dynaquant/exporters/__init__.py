@@ -9,7 +9,7 @@ checkpoint (run by ``dynaquant.load``).
 from .gguf_names import HF_ARCH_TO_GGUF, gguf_to_hf_name, hf_to_gguf_name
 from .gguf_source import GGUFFileSource, SourceTensor, TensorSource, open_gguf_source
 from .gguf_writer import kv_value_type, write_gguf
-from .hf_source import HFCheckpointSource, identify_bpe_pre_tokenizer, open_hf_source, permute_qk
+from .hf_source import HFCheckpointSource, identify_bpe_pre_tokenizer, open_hf_source, permute_qk, unpermute_qk
 from .safetensors_writer import SafetensorsResult, compressed_tensors_config, safetensors_overhead_bytes, write_safetensors
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "open_gguf_source",
     "open_hf_source",
     "permute_qk",
+    "unpermute_qk",
     "SafetensorsResult",
     "compressed_tensors_config",
     "safetensors_overhead_bytes",

@@ -556,6 +556,12 @@ def permute_qk(x: torch.Tensor, n_head: int) -> torch.Tensor:
     return x.reshape(n_head, 2, rows // n_head // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
 
+def unpermute_qk(x: torch.Tensor, n_head: int) -> torch.Tensor:
+    """The inverse of :func:`permute_qk` (llama.cpp's q/k row order back to HF's), same arguments."""
+    rows = x.shape[0]
+    return x.reshape(n_head, rows // n_head // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
 def open_hf_source(folder: str | os.PathLike) -> HFCheckpointSource:
     """Open a HF checkpoint folder (``config.json`` + ``*.safetensors``) as a tensor source.
 
