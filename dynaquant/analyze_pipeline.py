@@ -28,6 +28,7 @@ from .analysis.stats import ModelStats, collect_stats, module_of
 from .analysis.superweights import confirm, find_candidates
 from .checkpoint import ModelSource, load_model, load_tokenizer, resolve_source
 from .exporters.gguf_source import TensorSource
+from .preflight import Output, analysis_bytes_bound, check_budget, check_outputs, plan_json_bytes_bound
 from .quant.codecs import get_codec
 from .quant.formats import get_format
 from .quant.plan import Plan
@@ -290,6 +291,8 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
         AnalysisResult.
     Raises:
         checkpoint.SourceError / ValueError: the model or calibration source cannot be used (named).
+        errors.InputError: before any work (``preflight``): ``output_dir``'s files are inputs, are inside the
+            source checkpoint folder, cannot be written, or lack the free disk space they need.
         KeyError: a candidate format is unknown or has no codec registered.
     """
     from .pipeline import (
@@ -307,10 +310,15 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
     spec = calibration or CalibrationSpec()
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
+    outs = (Path(output_dir) / "report.json", Path(output_dir) / "imatrix.gguf") if output_dir is not None else ()
+    check_outputs([Output(p) for p in outs], inputs={"calibration text": spec}, source=model)
     source = resolve_source(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     ts = open_tensor_source(source, full_vl=True)
     for f in candidates:
         get_codec(f)  # KeyError (named) for an unknown format or one without a codec
+    if outs:  # with upper bounds of their bytes, before the model is loaded
+        sizes = analysis_bytes_bound(tensor_infos(ts), len(candidates))
+        check_outputs([Output(p, b) for p, b in zip(outs, sizes)], inputs={"calibration text": spec}, source=source)
     hf_model = load_model(source, dtype=getattr(torch, dtype), device=device or default_device())
     tokenizer = load_tokenizer(source)
     timings["load_s"] = time.perf_counter() - t0
@@ -364,11 +372,13 @@ def make_dynamic_plan(report: dict | str | os.PathLike, *, bpw: float | None = N
         rules: user rules (``REGEX=FORMAT``, ``REGEX>=FORMAT``, ``REGEX<=FORMAT``), before the default rules.
         target: ``gguf`` or ``safetensors`` (the report must have measured that target's formats: ``analyze
             --formats safetensors``; a safetensors ``size`` counts the safetensors shards' bytes).
-        output: write the plan JSON here (temporary file, then renamed).
+        output: write the plan JSON here (temporary file, then renamed); checked first (``preflight``): not the
+            report nor its imatrix, writable, room on the disk.
     Returns:
         The Plan (``sources`` names the report and the imatrix beside it).
     Raises:
-        ValueError: bad report, budget, rule or target; planner.BudgetError: budget below the fixed rules' minimum.
+        ValueError: bad report, budget, rule or target; planner.BudgetError: budget below the fixed rules' minimum;
+        errors.InputError: a non-finite or non-positive budget, or an output that fails the checks.
     """
     from .analysis.report import load_report
     from .quant.plan import TensorInfo
@@ -378,8 +388,15 @@ def make_dynamic_plan(report: dict | str | os.PathLike, *, bpw: float | None = N
         raise ValueError(f"unknown target {target!r} (known: gguf, safetensors)")
     if (bpw is None) == (size is None):
         raise ValueError("give exactly one of bpw and size")
+    check_budget(bpw, size)
     path = None if isinstance(report, dict) else Path(report)
+    if output is not None:
+        check_outputs([Output(Path(output))], inputs={"report": path})
     rep = report if isinstance(report, dict) else load_report(path)
+    if output is not None:
+        imatrix = path.parent / rep["imatrix"] if path is not None and rep.get("imatrix") else None
+        check_outputs([Output(Path(output), plan_json_bytes_bound(len(rep["tensors"])))],
+                      inputs={"report": path, "imatrix": imatrix})
     tensors = [TensorInfo(t["name"], t.get("hf_name"), tuple(t["shape"]), bool(t.get("quantizable", True)))
                for t in rep["tensors"]]
     if target == "gguf":  # a VL report's vision tower / projector go to the mmproj file, not the planned GGUF

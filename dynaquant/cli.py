@@ -1,24 +1,80 @@
-"""The ``dynaquant`` command: a thin shell over the public functions in ``dynaquant``."""
+"""The ``dynaquant`` command: a thin shell over the public functions in ``dynaquant``.
+
+Exit status (:func:`main`): 0 success; 2 bad input or environment, one line on stderr naming the file (or
+option) and the problem; 130 interrupted (Ctrl-C); 1 a bug in dynaquant (traceback and a request to report it).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import math
 import signal
 import sys
+import traceback
 
 log = logging.getLogger("dynaquant")
 
+EXIT_OK, EXIT_BUG, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+BUG_REPORT = ("this is a bug in dynaquant: please report it at the project's issue tracker, with the command line "
+              "and the traceback above")
+
 
 def _size(text: str) -> int:
-    units = {"K": 10**3, "M": 10**6, "G": 10**9, "KB": 10**3, "MB": 10**6, "GB": 10**9,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    """``80MB``, ``1.5GiB``, ``95000000`` -> bytes: a positive whole number below 2**63 (argparse type)."""
+    units = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "B": 1}
     t = text.strip().upper().replace("_", "")
-    for u in sorted(units, key=len, reverse=True):
-        if t.endswith(u):
-            return int(float(t[: -len(u)]) * units[u])
-    return int(t.rstrip("B"))
+    unit = next((u for u in sorted(units, key=len, reverse=True) if t.endswith(u)), "")
+    number = t[: len(t) - len(unit)].strip()
+    try:
+        value = int(number) * units.get(unit, 1) if number.isdigit() else float(number) * units.get(unit, 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a size (bytes, or with a unit: 80MB, 1.5GiB)") from None
+    if not math.isfinite(value) or not 1 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be at least 1 byte and below 2**63 bytes")
+    return int(value)
+
+
+def _bpw(text: str) -> float:
+    """Bits per weight: a finite number above 0 and at most 32 (F32, the widest format) (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a number") from None
+    if not math.isfinite(value) or not 0 < value <= 32:
+        raise argparse.ArgumentTypeError(f"{text!r}: bits per weight must be a finite number above 0 and at most 32 (F32)")
+    return value
+
+
+def _count(minimum: int):
+    """An argparse type: a whole number, at least ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be at least {minimum}")
+        return value
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    """A finite number, at least 0 (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number, at least 0")
+    return value
+
+
+_positive = _count(1)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
                         "(with --bpw, --size or --plan; no presets)")
     g = q.add_mutually_exclusive_group()
     g.add_argument("--preset", help="llama.cpp mix: Q8_0, Q6_K, Q5_K_M, Q4_K_M (default), Q3_K_M, Q2_K, ...")
-    g.add_argument("--bpw", type=float, help="average bits per weight over all tensor data, at most")
+    g.add_argument("--bpw", type=_bpw, help="average bits per weight over all tensor data, at most")
     g.add_argument("--size", type=_size, help="whole output file size, at most (bytes, or 80MB, 1.5GiB)")
     g.add_argument("--plan", help="plan.json to use as is")
     q.add_argument("--rule", action="append", default=[], metavar="REGEX=FORMAT",
@@ -44,21 +100,21 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--imatrix", help="imatrix file (llama.cpp GGUF or .dat) for the encoders")
     q.add_argument("--gptq", action="store_true",
                    help="error-compensating (GPTQ) rounding where it lowers the held-out layer-output error")
-    q.add_argument("--gptq-damp", type=float, default=0.01, help="GPTQ damping, relative to mean diag(H) (default 0.01)")
+    q.add_argument("--gptq-damp", type=_fraction, default=0.01, help="GPTQ damping, relative to mean diag(H) (default 0.01)")
     q.add_argument("--calibration", help="calibration text file (default: Python stdlib docstrings)")
-    q.add_argument("--calibration-chunks", type=int, default=32, help="chunks of --ctx tokens (default 32)")
+    q.add_argument("--calibration-chunks", type=_positive, default=32, help="chunks of --ctx tokens (default 32)")
     q.add_argument("--calibration-images", action="append", default=[], metavar="FILE|FOLDER",
                    help="vision-language models: calibration images (repeatable; default: synthetic images)")
-    q.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default 512)")
+    q.add_argument("--ctx", type=_positive, default=512, help="tokens per chunk (default 512)")
     q.add_argument("--no-imatrix", action="store_true", help="encode without an imatrix")
     q.add_argument("--eval", dest="evaluate", action="store_true",
                    help="measure KLD against the source afterwards (on by default with no arguments)")
     q.add_argument("--no-eval", action="store_true", help="never evaluate")
     q.add_argument("--text", help="evaluation text file (default: stdlib docstrings, not the calibration ones)")
-    q.add_argument("--chunks", type=int, default=16, help="evaluation chunks (default 16)")
+    q.add_argument("--chunks", type=_positive, default=16, help="evaluation chunks (default 16)")
     q.add_argument("-o", "--output", help="output .gguf, or folder with --format safetensors (default: named after "
                                            "the model and target, here)")
-    q.add_argument("--save-plan", help="also write the plan as JSON here")
+    q.add_argument("--save-plan", help="also write the plan as JSON here (as soon as it is made)")
     q.add_argument("--allow-pickle", action="store_true", help="read *.bin/*.pt weights (torch.load weights_only)")
     q.add_argument("--trust-remote-code", action="store_true")
     q.add_argument("--device", help="torch device (default: cuda if available)")
@@ -69,12 +125,12 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("-o", "--output", default="analysis", help="output folder (default: ./analysis)")
     a.add_argument("--calibration", action="append", default=[], metavar="FILE|hf:ID[:SPLIT[:COLUMN]]",
                    help="calibration text file or HF dataset (repeatable; default: Python stdlib docstrings)")
-    a.add_argument("--sequences", type=int, default=64, help="calibration sequences (default 64)")
+    a.add_argument("--sequences", type=_positive, default=64, help="calibration sequences (default 64)")
     a.add_argument("--calibration-images", action="append", default=[], metavar="FILE|FOLDER",
                    help="vision-language models: calibration images (repeatable; default: synthetic images)")
-    a.add_argument("--ctx", type=int, default=512, help="tokens per sequence (default 512)")
+    a.add_argument("--ctx", type=_positive, default=512, help="tokens per sequence (default 512)")
     a.add_argument("--chat-template", action="store_true", help="wrap the text in the model's chat template")
-    a.add_argument("--fisher-sequences", type=int, default=8, help="sequences with a backward pass (default 8)")
+    a.add_argument("--fisher-sequences", type=_count(0), default=8, help="sequences with a backward pass (default 8)")
     a.add_argument("--formats", help="comma-separated candidate formats; 'gguf' and 'safetensors' stand for each "
                                      "target's candidates (default: gguf)")
     a.add_argument("--sensitivity", metavar="FORMATS", help="also measure end-to-end KLD per block group in these formats")
@@ -89,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="a dynamic plan from an analysis report, within a budget")
     pl.add_argument("report", help="report.json written by dynaquant analyze")
     g = pl.add_mutually_exclusive_group(required=True)
-    g.add_argument("--bpw", type=float, help="average bits per weight over all tensor data, at most")
+    g.add_argument("--bpw", type=_bpw, help="average bits per weight over all tensor data, at most")
     g.add_argument("--size", type=_size, help="whole output file size, at most (bytes, or 80MB, 1.5GiB)")
     pl.add_argument("--target", default="gguf", choices=["gguf", "safetensors"])
     pl.add_argument("--rule", action="append", default=[], metavar="REGEX=FORMAT")
@@ -107,8 +163,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("quantized", help="GGUF file or safetensors checkpoint folder")
     e.add_argument("--reference", help="original model (default: the dynaquant.source recorded in the file)")
     e.add_argument("--text", help="evaluation text file (default: stdlib docstrings)")
-    e.add_argument("--ctx", type=int, default=512)
-    e.add_argument("--chunks", type=int, default=None, help="at most N chunks (default: all)")
+    e.add_argument("--ctx", type=_positive, default=512)
+    e.add_argument("--chunks", type=_positive, default=None, help="at most N chunks (default: all)")
     e.add_argument("--device")
     e.add_argument("--json", action="store_true")
 
@@ -139,11 +195,7 @@ def _quantize(a, bare: bool) -> int:
                    calibration=calibration, calibration_chunks=a.calibration_chunks, n_ctx=a.ctx,
                    use_imatrix=not a.no_imatrix, evaluate=evaluate, eval_text=a.text, eval_chunks=a.chunks,
                    allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code, device=a.device,
-                   progress=not a.json, gptq=a.gptq, gptq_damp=a.gptq_damp, target=a.target)
-    if a.save_plan:
-        from pathlib import Path
-
-        Path(a.save_plan).write_text(json.dumps(res.plan.to_dict(), indent=1))
+                   progress=not a.json, gptq=a.gptq, gptq_damp=a.gptq_damp, target=a.target, save_plan=a.save_plan)
     if a.json:
         print(json.dumps(res.to_dict(), indent=1))
         return 0
@@ -255,8 +307,29 @@ def _inspect(a) -> int:
     return 0
 
 
+def _error_message(exc: BaseException) -> str:
+    """One line for a bad-input error: the file (or option) and the problem."""
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])
+    if isinstance(exc, OSError) and exc.filename is not None:
+        where = f"{exc.filename}" + (f" -> {exc.filename2}" if exc.filename2 is not None else "")
+        return f"{where}: {exc.strerror or exc}"
+    text = str(exc) or type(exc).__name__
+    return " ".join(text.split()) if "\n" in text else text
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point. Returns the exit status: 0 on success, 2 on bad input, 1 on other failures."""
+    """Entry point. Returns the exit status:
+
+    - 0: success.
+    - 2: bad input or environment: an ``errors.InputError`` (``checkpoint.SourceError``, ...), any other
+      ``ValueError`` (``planner.BudgetError``, ...), a ``KeyError`` (an unknown format or preset), an ``OSError``
+      (unwritable folder, full disk, missing file, ...), or a bad option (argparse); one line on stderr,
+      ``dynaquant CMD: error: FILE: PROBLEM``, no traceback.
+    - 130: interrupted (Ctrl-C): one line, ``dynaquant CMD: interrupted``; temporary files are removed
+      (the writers' work folders unwind). SIGTERM unwinds the same way and exits 143.
+    - 1: anything else is a bug in dynaquant: the traceback, then one line asking to report it.
+    """
     argv = sys.argv[1:] if argv is None else argv
     a = _parser().parse_args(argv)
     # On SIGTERM, unwind normally so temporary output files are removed.
@@ -275,10 +348,16 @@ def main(argv: list[str] | None = None) -> int:
         if a.command == "report":
             return _report(a)
         return _inspect(a)
-    except (ValueError, KeyError, FileNotFoundError) as exc:
-        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"dynaquant {a.command}: error: {msg}", file=sys.stderr)
-        return 2
+    except (ValueError, KeyError, OSError) as exc:
+        print(f"dynaquant {a.command}: error: {_error_message(exc)}", file=sys.stderr)
+        return EXIT_INPUT
+    except KeyboardInterrupt:
+        print(f"dynaquant {a.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception:
+        traceback.print_exc()
+        print(f"dynaquant {a.command}: {BUG_REPORT}", file=sys.stderr)
+        return EXIT_BUG
 
 
 if __name__ == "__main__":

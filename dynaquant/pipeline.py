@@ -24,13 +24,14 @@ from .analysis.calibration import CalibrationSpec, tokenize_chunks
 from .analysis.calibration import calibration_chunks as calibration_ids
 from .analysis.evaluate import EvalResult, compare_models
 from .analysis.imatrix import Imatrix, compute_imatrix
-from .analysis.report import load_report
+from .analysis.report import load_report, write_json
 from .analysis.stats import collect_stats, module_of
 from .analysis.texts import default_eval_text, read_text
 from .checkpoint import ModelSource, load_model, load_tokenizer, resolve_source
 from .exporters.gguf_names import hf_to_gguf_name
 from .exporters.gguf_source import SourceTensor, TensorSource, open_gguf_source
 from .exporters.gguf_writer import write_gguf
+from .preflight import Output, check_budget, check_outputs, plan_json_bytes_bound, tensor_bytes_bound
 from .quant.codecs import quantize as encode_tensor
 from .quant.formats import Format, get_format
 from .quant.plan import Plan, TensorInfo
@@ -228,7 +229,8 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
              n_ctx: int = 512, use_imatrix: bool = True, default_rules_on: bool = True, evaluate: bool = False,
              eval_text: str | os.PathLike | None = None, eval_chunks: int = 16, allow_pickle: bool = False,
              trust_remote_code: bool = False, device: str | None = None, progress: bool = True,
-             gptq: bool = False, gptq_damp: float = 0.01, target: str = "gguf") -> QuantizeResult:
+             gptq: bool = False, gptq_damp: float = 0.01, target: str = "gguf",
+             save_plan: str | os.PathLike | None = None) -> QuantizeResult:
     """Quantize a model to a mixed-precision GGUF file (or, ``target="safetensors"``, a safetensors checkpoint).
 
     Targets (at most one): ``preset`` (a llama.cpp mix, tensor by tensor as llama-quantize decides),
@@ -259,11 +261,15 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         target: ``gguf``, or ``safetensors``: a compressed-tensors checkpoint folder in the runtime formats,
             planned by ``bpw`` / ``size`` / ``plan`` (no presets), run by ``dynaquant.load``
             (:func:`dynaquant.safetensors_pipeline.quantize_safetensors`).
+        save_plan: also write the plan as JSON here (atomically), as soon as it is made: before the encoding.
     Returns:
         QuantizeResult (``gptq`` says per format how many tensors took GPTQ and the mean error ratio,
         or ``plain_only`` for the vector-quantized formats).
     Raises:
         checkpoint.SourceError: the model cannot be found or read.
+        errors.InputError: before any work (``preflight``): a non-finite or non-positive ``bpw`` / ``size``;
+            an output (``output``, ``save_plan``) that is an input or inside the source checkpoint folder,
+            cannot be written, or lacks the free disk space its upper bound needs; later, a write that fails.
         planner.BudgetError: the target is below what the fixed rules need.
         ValueError: bad rules, plan, report, imatrix or options (messages name the culprit); a plan or
             preset with formats llama.cpp writes only with an imatrix (IQ3_XXS, IQ2_*, IQ1_*:
@@ -279,7 +285,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
             calibration=calibration, calibration_chunks=calibration_chunks, n_ctx=n_ctx, use_imatrix=use_imatrix,
             default_rules_on=default_rules_on, evaluate=evaluate, eval_text=eval_text, eval_chunks=eval_chunks,
             allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, device=device, progress=progress,
-            gptq=gptq, gptq_damp=gptq_damp)
+            gptq=gptq, gptq_damp=gptq_damp, save_plan=save_plan)
     if target != "gguf":
         raise ValueError(f"unknown target {target!r} (known: gguf, safetensors)")
     t0 = time.perf_counter()
@@ -288,6 +294,9 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         raise ValueError("give at most one of preset, bpw, size and plan")
     if preset is not None and preset.upper() not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known presets: {', '.join(PRESETS)}")
+    check_budget(bpw, size)
+    inputs = {"plan": plan, "report": report, "imatrix": imatrix, "calibration text": calibration, "evaluation text": eval_text}
+    check_outputs([Output(Path(p)) for p in (output, save_plan) if p is not None], inputs=inputs, source=model)
     device = device or default_device()
     source = resolve_source(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     ts = open_tensor_source(source)
@@ -326,6 +335,14 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
     needs_imatrix = use_imatrix and imat_path is None and (
         dynamic or any(get_format(e.format).kind != "float" for e in the_plan.entries))
     needs_analysis = dynamic and report_d is None
+    # the outputs, with upper bounds of their bytes, before any weights are read (preflight)
+    output = Path(output) if output is not None else Path.cwd() / f"{source.name}-{_target_label(None, preset, bpw, size)}.gguf"
+    bound = tensor_bytes_bound(tensors, overhead or _overhead_bytes(ts, tensors, {}) + 4096 + sum(len(str(r)) + 64 for r in rules),
+                               bpw=bpw, size=size, plan_bytes=None if dynamic else the_plan.size_bytes)
+    check_outputs([Output(output, bound)] + ([Output(Path(save_plan), plan_json_bytes_bound(len(tensors)))] if save_plan else []),
+                  inputs=inputs, source=source)
+    if save_plan is not None and not dynamic:
+        write_json(the_plan.to_dict(), save_plan)
     hf_model = load_model(source, device=device) if needs_imatrix or needs_analysis or evaluate or gptq else None
     tokenizer = load_tokenizer(source) if hf_model is not None else None
     timings["load_s"] = time.perf_counter() - t0
@@ -359,12 +376,11 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
                 raise
             size = e.min_bytes  # the default target: the smallest the rules allow with the measured formats
             the_plan = make_plan(tensors, info, source.model_id, rules=rules, size_bytes=size, **args)
+        if save_plan is not None:
+            write_json(the_plan.to_dict(), save_plan)
     rounding = _GPTQRounding(hf_model, tokenizer, spec, stats, gptq_damp, device, progress, timings) if gptq else None
     if not evaluate:
         hf_model = None
-    if output is None:
-        output = Path.cwd() / f"{source.name}-{_target_label(the_plan, preset, bpw, size)}.gguf"
-    output = Path(output)
     if im is not None:
         imat = imatrix_by_gguf_name(im, ts)
     elif imat_path is not None and use_imatrix:

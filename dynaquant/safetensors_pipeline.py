@@ -33,6 +33,7 @@ from .exporters.safetensors_writer import (
     unquantized_linears,
     write_safetensors,
 )
+from .preflight import Output, check_budget, check_outputs, plan_json_bytes_bound, side_files_bytes_bound, tensor_bytes_bound
 from .quant.formats import get_format
 from .quant.plan import Plan, PlanEntry
 from .quant.planner import RUNTIME_CANDIDATES, default_rules, error_fn_from_report, make_plan
@@ -64,7 +65,7 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
                          default_rules_on: bool = True, evaluate: bool = False, eval_text=None, eval_chunks: int = 16,
                          allow_pickle: bool = False, trust_remote_code: bool = False, device: str | None = None,
                          progress: bool = True, gptq: bool = False, gptq_damp: float = 0.01, keep_super_weights: bool = True,
-                         max_shard_bytes: int = DEFAULT_SHARD_BYTES):
+                         max_shard_bytes: int = DEFAULT_SHARD_BYTES, save_plan=None):
     """Quantize a model to a safetensors checkpoint in runtime formats (arguments as ``dynaquant.quantize``).
 
     Targets (at most one): ``bpw`` or ``size`` (a dynamic plan over ``RUNTIME_CANDIDATES``: the analysis
@@ -75,13 +76,15 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
     Args:
         keep_super_weights: keep the analysis' confirmed super weights exactly (config extension).
         max_shard_bytes: shard size of the checkpoint.
+        save_plan: also write the plan as JSON here (atomically), as soon as it is made: before the encoding.
     Returns:
         pipeline.QuantizeResult: ``output`` is the checkpoint folder, ``size_bytes`` its shards' bytes.
     Raises:
         checkpoint.SourceError, planner.BudgetError, ValueError: as ``dynaquant.quantize``; also a GGUF plan,
         or a report without runtime formats.
+        errors.InputError: as ``dynaquant.quantize`` (budget, outputs and free disk space checked before any work).
     """
-    from .analysis.report import load_report
+    from .analysis.report import load_report, write_json
     from .pipeline import (
         QuantizeResult,
         _check_report,
@@ -103,6 +106,10 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
     timings: dict[str, float] = {}
     if sum(x is not None for x in (bpw, size, plan)) > 1:
         raise ValueError("give at most one of bpw, size and plan")
+    check_budget(bpw, size)
+    inputs = {"plan": plan, "report": report, "imatrix": imatrix, "calibration text": calibration, "evaluation text": eval_text}
+    check_outputs(([Output(Path(output), folder=True)] if output is not None else [])
+                  + ([Output(Path(save_plan))] if save_plan is not None else []), inputs=inputs, source=model)
     device = device or default_device()
     source = resolve_source(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     ts = open_tensor_source(source, full_vl=True)
@@ -134,6 +141,15 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
     imat_path = _imatrix_path(imatrix, report, report_d, loaded_plan)
     needs_analysis = dynamic and report_d is None
     needs_imatrix = use_imatrix and imat_path is None and not needs_analysis
+    if output is None:
+        label = f"{bpw:g}bpw" if bpw is not None else (f"{size / 1e6:.0f}MB" if size is not None else "plan")
+        output = Path.cwd() / f"{source.name}-{label}-safetensors"
+    bound = tensor_bytes_bound(tensors, overhead, bpw=bpw, size=size, plan_bytes=None if dynamic else loaded_plan.size_bytes)
+    check_outputs([Output(Path(output), bound + side_files_bytes_bound(source, ts), folder=True)]
+                  + ([Output(Path(save_plan), plan_json_bytes_bound(len(tensors)))] if save_plan is not None else []),
+                  inputs=inputs, source=source)
+    if save_plan is not None and not dynamic:
+        write_json(loaded_plan.to_dict(), save_plan)
     hf_model = load_model(source, device=device)
     tokenizer = load_tokenizer(source)
     timings["load_s"] = time.perf_counter() - t0
@@ -156,6 +172,8 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
                              candidates=[c for c in report_d["candidates"] if get_format(c).allowed_in("safetensors")],
                              defaults=default_rules(info, sw_tensors, target="safetensors") if default_rules_on else (),
                              error_source="measured kld", target="safetensors")
+        if save_plan is not None:
+            write_json(the_plan.to_dict(), save_plan)
     else:
         the_plan = loaded_plan
     if not use_imatrix:
@@ -190,9 +208,6 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
             kept[module] = [[int(r), int(c), float(v)] for r, c, v in zip(*(t.tolist() for t in rw.super_weights))]
         return rw.to("cpu")
 
-    if output is None:
-        label = f"{bpw:g}bpw" if bpw is not None else (f"{size / 1e6:.0f}MB" if size is not None else "plan")
-        output = Path.cwd() / f"{source.name}-{label}-safetensors"
     config = hf_model.config.to_dict()
     config["dtype"] = "bfloat16"
     config.pop("torch_dtype", None)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import struct
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ import gguf
 import numpy as np
 import torch
 
+from ..workdir import run_workdir, writing
 from .imatrix import Imatrix
 
 logger = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ def save_imatrix_gguf(path: str | os.PathLike, entries: Mapping[str, Entry], *, 
 
     Same metadata keys, value types, tensor names, order, dtypes, shapes and alignment as
     ``IMatrixCollector::save_imatrix`` (module docstring); ``llama-quantize --imatrix`` reads it.
-    The file appears only when complete (written beside it, then renamed).
+    The file appears only when complete (written in a work folder beside it, then renamed).
 
     Args:
         path: output file (by convention ``*.gguf``).
@@ -158,6 +158,7 @@ def save_imatrix_gguf(path: str | os.PathLike, entries: Mapping[str, Entry], *, 
     Raises:
         ValueError: no entries, an entry of bad shape, negative or non-finite values, non-whole
             counts, no datasets, or chunk numbers outside uint32.
+        InputError: the file cannot be written (unwritable folder, full disk), naming ``path``.
     """
     path = Path(path)
     if not entries:
@@ -174,29 +175,32 @@ def save_imatrix_gguf(path: str | os.PathLike, entries: Mapping[str, Entry], *, 
     for name in sorted(entries, key=lambda s: s.encode()):  # llama-imatrix: std::sort of the names
         arrays[name] = _entry_arrays(name, *entries[name])
 
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")  # same folder: the rename is atomic
-    w = gguf.GGUFWriter(tmp, IMATRIX_TYPE)  # opens nothing until write_header_to_file
-    try:
-        # GGUFWriter always adds general.architecture; an imatrix file has none.
-        for kv in w.kv_data:
-            kv.pop(gguf.Keys.General.ARCHITECTURE, None)
-        w.add_type(IMATRIX_TYPE)
-        w.add_array(KEY_DATASETS, [str(d) for d in datasets])
-        w.add_uint32(KEY_CHUNK_COUNT, int(chunk_count))
-        w.add_uint32(KEY_CHUNK_SIZE, int(chunk_size))
-        for name, (s, c) in arrays.items():
-            n_mat = s.shape[0]
-            w.add_tensor(name + SUFFIX_SUMS, s if n_mat > 1 else s.reshape(-1))
-            w.add_tensor(name + SUFFIX_COUNTS, c.reshape(n_mat, 1) if n_mat > 1 else c)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+    with writing(path), run_workdir(path) as work:  # same folder: the rename is atomic
+        tmp = work / path.name
+        w = gguf.GGUFWriter(tmp, IMATRIX_TYPE)  # opens nothing until write_header_to_file
+        try:
+            # GGUFWriter always adds general.architecture; an imatrix file has none.
+            for kv in w.kv_data:
+                kv.pop(gguf.Keys.General.ARCHITECTURE, None)
+            w.add_type(IMATRIX_TYPE)
+            w.add_array(KEY_DATASETS, [str(d) for d in datasets])
+            w.add_uint32(KEY_CHUNK_COUNT, int(chunk_count))
+            w.add_uint32(KEY_CHUNK_SIZE, int(chunk_size))
+            for name, (s, c) in arrays.items():
+                n_mat = s.shape[0]
+                w.add_tensor(name + SUFFIX_SUMS, s if n_mat > 1 else s.reshape(-1))
+                w.add_tensor(name + SUFFIX_COUNTS, c.reshape(n_mat, 1) if n_mat > 1 else c)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+            w.close()
+        except BaseException:
+            try:
+                w.close()
+            except OSError:  # flushing fails again on a full disk
+                pass
+            raise
         os.replace(tmp, path)
-    except BaseException:
-        w.close()
-        tmp.unlink(missing_ok=True)
-        raise
     logger.info("wrote imatrix %s: %d entries, %d chunks of %d tokens", path, len(arrays), chunk_count, chunk_size)
     return path
 

@@ -27,8 +27,9 @@ import json
 import math
 import os
 import re
-import tempfile
 from pathlib import Path
+
+from ..workdir import run_workdir, writing
 
 REPORT_VERSION = 1
 _BLK = re.compile(r"^blk\.(\d+)\.(.+?)(?:\.weight|\.bias)?$")
@@ -96,21 +97,20 @@ def write_json(d: dict, path: str | os.PathLike) -> Path:
 
 
 def write_text(text: str, path: str | os.PathLike) -> Path:
-    """Write UTF-8 text through a temporary file in the same folder, renamed at the end (no partial output).
+    """Write UTF-8 text through a temporary file in the run's work folder beside ``path``
+    (:func:`dynaquant.workdir.run_workdir`), renamed at the end (no partial output).
 
-    The file is world-readable (0644) like any other output: ``mkstemp`` alone would leave it private.
+    The file is world-readable (0644) like any other output.
+
+    Raises:
+        InputError: the file cannot be written (unwritable folder, full disk), naming ``path``.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+    with writing(path), run_workdir(path) as work:
+        tmp = work / path.name
+        tmp.write_text(text, encoding="utf-8")
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
 
 

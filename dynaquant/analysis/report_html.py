@@ -767,8 +767,13 @@ def render_report_cli(report_json_path, out_html=None, plan_json=None) -> Path:
         FileNotFoundError: a file is missing.
         ValueError: a file is not JSON, the report's ``version`` is not 1, or the plan has no
             ``tensors`` list; the message names the file.
+        errors.InputError: the output is the report or the plan, or cannot be written.
     """
+    from ..preflight import Output, check_outputs
+
     rp = Path(report_json_path)
+    check_outputs([Output(Path(out_html) if out_html is not None else rp.with_name("report.html"))],
+                  inputs={"report": rp, "plan": plan_json})  # before reading: the page must not replace an input
     report = _read_json(rp, "a dynaquant report.json")
     if report.get("version") != REPORT_VERSION:
         raise ValueError(f"{rp}: not a dynaquant report.json version {REPORT_VERSION} "

@@ -10,9 +10,9 @@ stored with ``ne = [K, rows]`` (GGUFReader's ``shape`` lists ``ne``, row length 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from gguf import GGML_QUANT_VERSION, GGUFReader, GGUFValueType, GGUFWriter
 from tqdm import tqdm
 
 from ..quant.formats import Format
+from ..workdir import run_workdir, writing
 from .gguf_source import SourceTensor, TensorSource
 
 logger = logging.getLogger(__name__)
@@ -142,6 +143,40 @@ def _verify(path: Path, tensors: Sequence[SourceTensor], types: Mapping[str, For
         del reader
 
 
+def _write(writer: GGUFWriter, tmp: Path, path: Path, source: TensorSource, tensors: Sequence[SourceTensor],
+           types: Mapping[str, Format], encode: EncodeFn, file_type: int, progress: bool) -> int:
+    """Write ``tmp``, check it, rename it onto ``path``; the temporary file is removed on any error.
+
+    An OSError of the writing itself (not of ``source.read`` or ``encode``) becomes an InputError naming ``path``.
+    """
+    try:
+        with writing(path):
+            writer.write_header_to_file(tmp)
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+        total_bytes = 0
+        for t in tqdm(tensors, desc=f"writing {path.name}", unit="tensor", disable=not progress):
+            fmt = types[t.gguf_name]
+            data = _as_bytes(t, fmt, encode(t, source.read(t), fmt))
+            with writing(path):
+                writer.write_tensor_data(data)
+            total_bytes += data.nbytes
+            del data
+        with writing(path):
+            writer.close()
+        _verify(tmp, tensors, types, file_type)
+        with writing(path):
+            os.replace(tmp, path)
+    except BaseException:
+        try:
+            writer.close()
+        except OSError:  # flushing what is left fails again on a full disk
+            pass
+        tmp.unlink(missing_ok=True)
+        raise
+    return total_bytes
+
+
 def write_gguf(
     path: str | os.PathLike,
     source: TensorSource,
@@ -150,13 +185,15 @@ def write_gguf(
     extra_kv: Mapping[str, Any],
     file_type: int,
     progress: bool = True,
+    work_dir: str | os.PathLike | None = None,
 ) -> None:
     """Write a GGUF file from a source, one tensor at a time.
 
     Args:
-        path: output file; written to a temporary file in the same directory, read back with
-            ``GGUFReader`` (tensor count, names, types, shapes, file type checked) and renamed
-            onto ``path`` only then.
+        path: output file; written to a temporary file in the run's work folder beside it
+            (:func:`dynaquant.workdir.run_workdir`, which also removes the leftovers of killed
+            runs), read back with ``GGUFReader`` (tensor count, names, types, shapes, file type
+            checked) and renamed onto ``path`` only then.
         source: the model; its ``add_metadata`` writes every key but the ones below.
         types: GGUF name -> format, one entry for every source tensor (nothing else); each
             format must have a GGML type and fit the tensor's row length, and tensors that
@@ -172,11 +209,15 @@ def write_gguf(
         file_type: ``general.file_type`` (a ``gguf.LlamaFileType`` value), written as UINT32.
             ``general.quantization_version`` is written as gguf-py's ``GGML_QUANT_VERSION``.
         progress: show a tqdm bar over tensors.
+        work_dir: an existing work folder on ``path``'s file system to write the temporary file in
+            (kept); default: a fresh one beside ``path``, removed at the end.
     Raises:
         ValueError: the format map does not match the source, a format does not fit (or is
             not F32 for a non-quantizable tensor), an encoder returned the wrong number of
             bytes, an ``extra_kv`` key is reserved or its value has an unsupported type, or
             the file did not read back as written.
+        InputError: the file cannot be written (unwritable folder, full disk, file size limit):
+            names ``path`` and the system's reason; no partial file is left.
         Any error of ``source.read`` or ``encode`` propagates. On any error the temporary file
         is removed and ``path`` is left as it was (absent, or the previous file).
     """
@@ -201,25 +242,10 @@ def write_gguf(
         shape = _byte_shape(t, fmt)
         writer.add_tensor_info(t.gguf_name, shape, np.dtype(np.uint8), int(np.prod(shape, dtype=np.int64)), raw_dtype=fmt.ggml_type)
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # A hidden sibling, so the rename is atomic; created by the writer with the default mode.
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        writer.write_header_to_file(tmp)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        total_bytes = 0
-        for t in tqdm(tensors, desc=f"writing {path.name}", unit="tensor", disable=not progress):
-            fmt = types[t.gguf_name]
-            data = _as_bytes(t, fmt, encode(t, source.read(t), fmt))
-            writer.write_tensor_data(data)
-            total_bytes += data.nbytes
-            del data
-        writer.close()
-        _verify(tmp, tensors, types, int(file_type))
-        os.replace(tmp, path)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
+    with contextlib.ExitStack() as stack:
+        if work_dir is None:
+            with writing(path):
+                work_dir = stack.enter_context(run_workdir(path))
+        total_bytes = _write(writer, Path(work_dir) / path.name, path, source, tensors, types, encode, int(file_type),
+                             progress)
     logger.info("%s: wrote %d tensors, %.1f MiB of tensor data", path, len(tensors), total_bytes / 2**20)

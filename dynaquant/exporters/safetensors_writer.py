@@ -30,18 +30,18 @@ Mixture-of-experts models: stacked expert tensors (``model.layers.N.mlp.experts.
 (E, N, K), :func:`dynaquant.runtime_moe.checkpoint_weights`) are written per expert, as one linear module
 each (``model.layers.N.mlp.experts.{e}.gate_proj.weight_packed``, ...; BF16 ``.weight`` when kept
 unquantized; gpt-oss expert biases as ``.bias``), the layout of vLLM / llm-compressor MoE checkpoints
-(:mod:`dynaquant.runtime_moe`). Everything is written into a temporary folder
-beside the output, which replaces the output only when complete.
+(:mod:`dynaquant.runtime_moe`). Everything is written into a temporary folder in the run's work folder
+beside the output (:func:`dynaquant.workdir.run_workdir`), which replaces the output only when complete.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +52,7 @@ from ..quant.formats import get_format
 from ..quant.plan import Plan, PlanEntry, TensorInfo
 from ..quant.runtime import RuntimeWeight, compressed_tensors_scheme, to_compressed_tensors
 from ..runtime_moe import expert_targets, per_expert_module, stacked_parts
+from ..workdir import run_workdir, writing
 
 log = logging.getLogger(__name__)
 
@@ -183,19 +184,30 @@ def _prepare_output(output: Path) -> None:
             raise ValueError(f"{output}: a non-empty folder that is not a dynaquant checkpoint; not overwritten")
 
 
-def _publish(tmp: Path, output: Path) -> None:
+def _publish(tmp: Path, output: Path, work: Path) -> None:
+    """Move the complete folder ``tmp`` onto ``output``; an earlier checkpoint there goes into ``work`` (removed with it)."""
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp and safetensors create owner-only files
     for f in tmp.iterdir():
         os.chmod(f, 0o666 & ~umask)
-    old = None
     if output.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
-        os.replace(output, old / "x")
+        os.replace(output, work / "old")
     os.replace(tmp, output)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _writing_checkpoint(output: Path):
+    """:func:`dynaquant.workdir.writing` for a checkpoint: safetensors' own I/O errors (a full disk) also name ``output``."""
+    from safetensors import SafetensorError
+
+    with writing(output):
+        try:
+            yield
+        except SafetensorError as exc:
+            if "IoError" not in str(exc):
+                raise
+            raise OSError(None, str(exc)) from exc
 
 
 def _write_experts(name: str, stacked: tuple[str, str, str], w: torch.Tensor, entry: PlanEntry | None, encode,
@@ -231,7 +243,8 @@ def write_safetensors(output: str | os.PathLike, plan: Plan, weights: Mapping[st
                       encode: Callable[[PlanEntry, torch.Tensor], RuntimeWeight], config: dict, *,
                       ignore: Iterable[str] = (), super_weights: Mapping[str, list] | None = None,
                       extension: Mapping | None = None, extra_files: Callable[[Path], None] | None = None,
-                      max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True) -> SafetensorsResult:
+                      max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True,
+                      work_dir: str | os.PathLike | None = None) -> SafetensorsResult:
     """Write a plan's checkpoint (module docstring), one tensor at a time.
 
     Args:
@@ -247,15 +260,16 @@ def write_safetensors(output: str | os.PathLike, plan: Plan, weights: Mapping[st
         extension: more keys for the ``dynaquant`` config extension.
         extra_files: ``extra_files(folder)`` writes tokenizer / generation config files into the folder.
         max_shard_bytes: a shard is closed once its data reaches this size.
+        work_dir: an existing work folder on ``output``'s file system for the temporary folder (kept);
+            default: a fresh one beside ``output`` (:func:`dynaquant.workdir.run_workdir`), removed at the end.
     Returns:
         SafetensorsResult.
     Raises:
         ValueError: a non-safetensors plan, a planned tensor missing from ``weights`` or of another shape,
             or an output that exists and is not a dynaquant checkpoint folder.
+        InputError: the folder cannot be written (unwritable folder, full disk): names ``output``; nothing
+            partial is left and an earlier checkpoint there is kept.
     """
-    from safetensors.torch import save_file
-    from tqdm.auto import tqdm
-
     if plan.target != "safetensors":
         raise ValueError(f"plan target is {plan.target!r}; write_safetensors takes a safetensors plan")
     output = Path(output)
@@ -265,75 +279,97 @@ def write_safetensors(output: str | os.PathLike, plan: Plan, weights: Mapping[st
     if missing:
         raise ValueError(f"plan tensors without a source weight: {', '.join(missing[:5])}")
     planned_ptrs = {weights[h].data_ptr() for h in by_hf}
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
-    try:
-        shards: list[list[str]] = []
-        weight_map: dict[str, int] = {}
-        part: dict[str, torch.Tensor] = {}
-        part_bytes = 0
-        formats: dict[str, str] = {}
-        expert_formats: dict[str, str] = {}
+    with contextlib.ExitStack() as stack:
+        if work_dir is None:
+            with writing(output):
+                work_dir = stack.enter_context(run_workdir(output))
+        tmp = Path(work_dir) / output.name
+        try:
+            with _writing_checkpoint(output):
+                tmp.mkdir()
+                size, names, n_tensors = _write_folder(
+                    tmp, by_hf, planned_ptrs, weights, encode, config, ignore, super_weights, extension, extra_files,
+                    max_shard_bytes, progress)
+                _publish(tmp, output, Path(work_dir))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # also from an explicit work_dir, which is kept
+            raise
+    return SafetensorsResult(output, size, names, n_tensors)
 
-        def flush():
-            nonlocal part, part_bytes
-            if part:
-                save_file(part, str(tmp / f"part-{len(shards):05d}.safetensors"), metadata={"format": "pt"})
-                shards.append(list(part))
-                part, part_bytes = {}, 0
 
-        def add(name: str, t: torch.Tensor):
-            nonlocal part_bytes
-            part[name] = t.detach().to("cpu").contiguous()
-            weight_map[name] = len(shards)
-            part_bytes += part[name].numel() * part[name].element_size()
+def _write_folder(tmp: Path, by_hf: dict[str, PlanEntry], planned_ptrs: set[int], weights: Mapping[str, torch.Tensor],
+                  encode, config: dict, ignore, super_weights, extension, extra_files, max_shard_bytes: int,
+                  progress: bool) -> tuple[int, list[str], int]:
+    """Write the checkpoint's files into ``tmp`` (arguments as :func:`write_safetensors`).
 
-        for name in tqdm(list(weights), desc="safetensors", disable=not progress, unit="tensor"):
-            w = weights[name]
-            entry = by_hf.get(name)
-            stacked = stacked_parts(name) if w.ndim >= 2 else None
-            if stacked is not None and (entry is None or w.ndim == 3 or stacked[2] == "bias"):
-                _write_experts(name, stacked, w, entry, encode, add, expert_formats)
-            elif entry is None:
-                if w.data_ptr() in planned_ptrs:
-                    continue  # a tied copy of a planned tensor (lm_head of a tied embedding)
-                log.info("%s: not in the plan, written as %s", name, w.dtype)
-                add(name, w)
-            elif tuple(w.shape) != tuple(entry.shape):
-                raise ValueError(f"{name}: shape {list(w.shape)} in the model, {list(entry.shape)} in the plan")
-            elif entry.format in _FLOAT_DTYPES:
-                add(name, w.to(_FLOAT_DTYPES[entry.format]))
-            else:
-                module = name.removesuffix(".weight")
-                rw = encode(entry, w)
-                if rw.format != entry.format:
-                    raise ValueError(f"{name}: encoded as {rw.format}, planned as {entry.format}")
-                formats[module] = entry.format
-                for k, t in to_compressed_tensors(rw).items():
-                    add(f"{module}.{k}", t)
-            if part_bytes >= max_shard_bytes:
-                flush()
-        flush()
-        n = len(shards)
-        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        for i, fname in enumerate(names):
-            os.replace(tmp / f"part-{i:05d}.safetensors", tmp / fname)
-        size = sum((tmp / f).stat().st_size for f in names)
-        if n > 1:
-            index = {"metadata": {"total_size": size}, "weight_map": {k: names[v] for k, v in sorted(weight_map.items())}}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        cfg = dict(config)
-        qc = compressed_tensors_config(formats, ignore, super_weights=super_weights, extension=extension,
-                                       expert_formats=expert_formats)
-        if qc is not None:
-            cfg["quantization_config"] = qc
+    Returns:
+        (bytes of the shards, shard file names, tensors written).
+    """
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    shards: list[list[str]] = []
+    weight_map: dict[str, int] = {}
+    part: dict[str, torch.Tensor] = {}
+    part_bytes = 0
+    formats: dict[str, str] = {}
+    expert_formats: dict[str, str] = {}
+
+    def flush():
+        nonlocal part, part_bytes
+        if part:
+            save_file(part, str(tmp / f"part-{len(shards):05d}.safetensors"), metadata={"format": "pt"})
+            shards.append(list(part))
+            part, part_bytes = {}, 0
+
+    def add(name: str, t: torch.Tensor):
+        nonlocal part_bytes
+        part[name] = t.detach().to("cpu").contiguous()
+        weight_map[name] = len(shards)
+        part_bytes += part[name].numel() * part[name].element_size()
+
+    for name in tqdm(list(weights), desc="safetensors", disable=not progress, unit="tensor"):
+        w = weights[name]
+        entry = by_hf.get(name)
+        stacked = stacked_parts(name) if w.ndim >= 2 else None
+        if stacked is not None and (entry is None or w.ndim == 3 or stacked[2] == "bias"):
+            _write_experts(name, stacked, w, entry, encode, add, expert_formats)
+        elif entry is None:
+            if w.data_ptr() in planned_ptrs:
+                continue  # a tied copy of a planned tensor (lm_head of a tied embedding)
+            log.info("%s: not in the plan, written as %s", name, w.dtype)
+            add(name, w)
+        elif tuple(w.shape) != tuple(entry.shape):
+            raise ValueError(f"{name}: shape {list(w.shape)} in the model, {list(entry.shape)} in the plan")
+        elif entry.format in _FLOAT_DTYPES:
+            add(name, w.to(_FLOAT_DTYPES[entry.format]))
         else:
-            cfg.pop("quantization_config", None)
-        if extra_files is not None:
-            extra_files(tmp)
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
-        _publish(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return SafetensorsResult(output, size, names, len(weight_map))
+            module = name.removesuffix(".weight")
+            rw = encode(entry, w)
+            if rw.format != entry.format:
+                raise ValueError(f"{name}: encoded as {rw.format}, planned as {entry.format}")
+            formats[module] = entry.format
+            for k, t in to_compressed_tensors(rw).items():
+                add(f"{module}.{k}", t)
+        if part_bytes >= max_shard_bytes:
+            flush()
+    flush()
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for i, fname in enumerate(names):
+        os.replace(tmp / f"part-{i:05d}.safetensors", tmp / fname)
+    size = sum((tmp / f).stat().st_size for f in names)
+    if n > 1:
+        index = {"metadata": {"total_size": size}, "weight_map": {k: names[v] for k, v in sorted(weight_map.items())}}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    cfg = dict(config)
+    qc = compressed_tensors_config(formats, ignore, super_weights=super_weights, extension=extension,
+                                   expert_formats=expert_formats)
+    if qc is not None:
+        cfg["quantization_config"] = qc
+    else:
+        cfg.pop("quantization_config", None)
+    if extra_files is not None:
+        extra_files(tmp)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
+    return size, names, len(weight_map)
