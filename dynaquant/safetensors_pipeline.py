@@ -29,6 +29,7 @@ from .analysis.imatrix import compute_imatrix
 from .checkpoint import load_model, load_tokenizer, resolve_source
 from .exporters.safetensors_writer import (
     DEFAULT_SHARD_BYTES,
+    check_output_folder,
     safetensors_overhead_bytes,
     unquantized_linears,
     write_safetensors,
@@ -148,6 +149,7 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
     check_outputs([Output(Path(output), bound + side_files_bytes_bound(source, ts), folder=True)]
                   + ([Output(Path(save_plan), plan_json_bytes_bound(len(tensors)))] if save_plan is not None else []),
                   inputs=inputs, source=source)
+    check_output_folder(output)
     if save_plan is not None and not dynamic:
         write_json(loaded_plan.to_dict(), save_plan)
     hf_model = load_model(source, device=device)

@@ -215,6 +215,21 @@ def test_folder_output_holding_the_source_or_an_input_is_refused(tiny, tmp_path,
                  progress=False)
 
 
+def test_foreign_output_folder_is_refused_before_any_work(tiny, tmp_path, no_model_load):
+    from dynaquant import quantize
+
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not a dynaquant checkpoint; not overwritten"):
+        quantize(str(tiny[0]), output=tmp_path / "notes", target="safetensors", bpw=8.0, progress=False)
+    (tmp_path / "file.gguf").write_text("x")
+    with pytest.raises(InputError, match="is a folder; give a file name"):
+        quantize(str(tiny[1]), output=tmp_path / "notes", preset="Q8_0", progress=False)
+    with pytest.raises(InputError, match="is a file; give a folder"):
+        quantize(str(tiny[0]), output=tmp_path / "file.gguf", target="safetensors", bpw=8.0, progress=False)
+    assert [p.name for p in (tmp_path / "notes").iterdir()] == ["todo.txt"]
+
+
 @pytest.mark.parametrize("role, arg", [("plan", "plan"), ("report", "report"), ("imatrix", "imatrix"),
                                        ("calibration text", "calibration"), ("evaluation text", "eval_text")])
 @pytest.mark.parametrize("which", ["output", "save_plan"])

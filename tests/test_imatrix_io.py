@@ -5,6 +5,7 @@ Fixtures in tests/data were written by llama.cpp's ``llama-imatrix`` (commands i
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import gguf
@@ -20,6 +21,7 @@ from dynaquant.analysis.imatrix_io import (
     save_imatrix,
     save_imatrix_gguf,
 )
+from dynaquant.errors import InputError
 
 DATA = Path(__file__).parent / "data"
 GGUF_FIX = DATA / "imatrix_smollm2.gguf"
@@ -197,8 +199,9 @@ def test_writer_rejects_bad_entries_and_leaves_no_file(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", boom)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(InputError, match=f"^{re.escape(str(p))}: cannot write: disk full$") as e:  # names the file
         save_imatrix_gguf(p, {"a.weight": (torch.rand(4), 1)}, **kw)
+    assert isinstance(e.value.__cause__, OSError)
     assert list(tmp_path.iterdir()) == []  # neither the file nor its temporary
 
 

@@ -174,7 +174,14 @@ def safetensors_overhead_bytes(tensors: Iterable[TensorInfo]) -> int:
     return total
 
 
-def _prepare_output(output: Path) -> None:
+def check_output_folder(output: str | os.PathLike) -> None:
+    """Refuse an output that exists and is not a folder, or a non-empty folder that is not a dynaquant checkpoint
+    (which the writer would replace); the pipeline calls it before any work, the writer again.
+
+    Raises:
+        ValueError: naming the folder.
+    """
+    output = Path(output)
     if output.exists():
         if not output.is_dir():
             raise ValueError(f"{output}: exists and is not a folder")
@@ -273,7 +280,7 @@ def write_safetensors(output: str | os.PathLike, plan: Plan, weights: Mapping[st
     if plan.target != "safetensors":
         raise ValueError(f"plan target is {plan.target!r}; write_safetensors takes a safetensors plan")
     output = Path(output)
-    _prepare_output(output)
+    check_output_folder(output)
     by_hf = {e.hf_name: e for e in plan.entries if e.hf_name}
     missing = [e.name for e in plan.entries if not e.hf_name or e.hf_name not in weights]
     if missing:
