@@ -195,7 +195,7 @@ def _publish(tmp: Path, output: Path, work: Path) -> None:
     """Move the complete folder ``tmp`` onto ``output``; an earlier checkpoint there goes into ``work`` (removed with it)."""
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp and safetensors create owner-only files
+    os.chmod(tmp, 0o777 & ~umask)  # safetensors creates owner-only files
     for f in tmp.iterdir():
         os.chmod(f, 0o666 & ~umask)
     if output.exists():
