@@ -538,9 +538,9 @@ def _evaluate_models(reference, quantized, tokenizer, text, n_ctx, chunks, progr
 
 def source_of(path: str | os.PathLike) -> str | None:
     """The ``dynaquant.source`` recorded in a GGUF written by dynaquant, or None."""
-    reader = gguf.GGUFReader(str(path))
-    f = reader.fields.get("dynaquant.source")
-    return f.contents() if f is not None else None
+    from .readers import gguf_field, open_gguf
+
+    return gguf_field(open_gguf(path), path, "dynaquant.source", str)
 
 
 def evaluate(quantized: str | os.PathLike, reference: str | os.PathLike | None = None, *,
