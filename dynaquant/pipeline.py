@@ -573,7 +573,8 @@ def evaluate(quantized: str | os.PathLike, reference: str | os.PathLike | None =
         return _evaluate_models(load_model(rsrc, device=device), load(quantized, device=device, dtype=torch.float32),
                                 load_tokenizer(rsrc), text, n_ctx, chunks, progress)
     qsrc = resolve_source(quantized)
-    ref = reference if reference is not None else source_of(qsrc.path)
+    recorded = source_of(qsrc.path)  # reads the header: a damaged file is refused before any model loads
+    ref = reference if reference is not None else recorded
     if ref is None:
         raise ValueError(f"{quantized}: no dynaquant.source recorded; pass --reference")
     rsrc = resolve_source(ref)

@@ -37,8 +37,8 @@ class _Cursor:
 
     def need(self, n: int, what: str) -> None:
         if n < 0 or n > self.size - self.pos:
-            raise InputError(f"{self.path}: damaged or truncated GGUF file: {what} needs {n} bytes at offset {self.pos}, "
-                             f"the file has {self.size - self.pos} left")
+            raise InputError(f"{self.path}: damaged or truncated GGUF file: {what} ({n} bytes at offset {self.pos}) runs "
+                             f"past the end of the file ({self.size - self.pos} bytes left)")
 
     def unpack(self, fmt: str, what: str) -> int:
         n = struct.calcsize(fmt)
@@ -64,10 +64,10 @@ class _Cursor:
             itype = self.unpack("<I", f"{what} element type")
             count = self.unpack("<Q", f"{what} length")
             if itype in _SCALAR_BYTES:
-                self.need(count * _SCALAR_BYTES[itype], f"{what} ({count} elements)")
+                self.need(count * _SCALAR_BYTES[itype], f"{what}: {count} elements")
                 self.pos += count * _SCALAR_BYTES[itype]
             elif itype == _STRING:
-                self.need(count * 8, f"{what} ({count} strings)")  # each string has at least its 8-byte length
+                self.need(count * 8, f"{what}: {count} strings")  # each string has at least its 8-byte length
                 for i in range(count):
                     self.string(f"{what}[{i}]")
             else:  # llama.cpp reads no arrays of arrays either
@@ -108,21 +108,21 @@ def _check_layout(path: Path, buf) -> None:
         raise InputError(f"{path}: GGUF version {version} is not supported (2 or 3, little-endian)")
     n_tensors = cur.unpack("<Q", "the tensor count")
     n_kv = cur.unpack("<Q", "the key count")
-    cur.need(n_kv * 13, f"{n_kv} keys")  # smallest key/value: 8-byte key length, 1 key byte, 4-byte type
+    cur.need(n_kv * 13, f"the key count {n_kv}")  # smallest key/value: 8-byte key length, 1 key byte, 4-byte type
     alignment = gguf.GGUF_DEFAULT_ALIGNMENT
     for i in range(n_kv):
-        key = cur.string(f"key {i + 1}")
+        key = cur.string(f"key {i + 1}").decode("utf-8", errors="replace")
         vtype = cur.unpack("<I", f"the type of key {key!r}")
-        if key == b"general.alignment" and vtype == _UINT32:
+        if key == "general.alignment" and vtype == _UINT32:
             alignment = cur.unpack("<I", "general.alignment")
             if alignment == 0 or alignment & (alignment - 1):
                 raise InputError(f"{path}: damaged GGUF file: general.alignment {alignment} is not a power of two")
         else:
             cur.skip_value(vtype, f"the value of key {key!r}")
-    cur.need(n_tensors * 24, f"{n_tensors} tensor infos")  # name length, dimension count, type, offset
+    cur.need(n_tensors * 24, f"the tensor count {n_tensors}")  # name length, dimension count, type, offset
     extents = []
     for i in range(n_tensors):
-        name = cur.string(f"tensor {i + 1} name")
+        name = cur.string(f"tensor {i + 1} name").decode("utf-8", errors="replace")
         n_dims = cur.unpack("<I", f"tensor {name!r} dimension count")
         if not 1 <= n_dims <= _MAX_DIMS:
             raise InputError(f"{path}: damaged GGUF file: tensor {name!r} has {n_dims} dimensions (1 to {_MAX_DIMS})")
