@@ -82,7 +82,8 @@ def check_gguf_layout(path: str | os.PathLike) -> None:
 
     Checked: the magic, version 2 or 3, key/value and tensor counts that fit the bytes left, known value
     types, no nested arrays, ``general.alignment`` a power of two, 1 to 4 dimensions per tensor, a known GGML
-    type, a row length divisible by the type's block size, and each tensor's data inside the file.
+    type, dimensions and element counts within int64, a row length divisible by the type's block size, and
+    each tensor's data inside the file.
 
     Raises:
         InputError: naming the file and the first problem found (also for a missing or unreadable file).
@@ -139,6 +140,8 @@ def _check_layout(path: Path, buf) -> None:
         n_elements = 1
         for d in dims:
             n_elements *= d
+        if max(dims) >= 1 << 63 or n_elements >= 1 << 63:  # llama.cpp: int64 dimensions and element count
+            raise InputError(f"{path}: damaged GGUF file: tensor {name!r} has dimensions {dims}, past int64")
         extents.append((name, offset, n_elements // block * type_bytes))
     data_start = -(-cur.pos // alignment) * alignment
     for name, offset, n_bytes in extents:

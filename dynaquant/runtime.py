@@ -425,6 +425,9 @@ def load(path: str | os.PathLike, *, device: str | torch.device | None = None, d
                     continue
                 t = f.get_tensor(key)
                 mod = model.get_submodule(key.rpartition(".")[0])
+                old = getattr(mod, key.rpartition(".")[2])
+                if not isinstance(mod, DynaLinear) and tuple(t.shape) != tuple(old.shape):  # packed layouts differ
+                    raise InputError(f"{shard}: tensor {key} has shape {list(t.shape)}, the model expects {list(old.shape)}")
                 if t.is_floating_point() and not (isinstance(mod, DynaLinear) and key.rpartition(".")[2] != "bias"):
                     t = t.to(dtype)
                 _set_tensor(model, key, t.to(device))

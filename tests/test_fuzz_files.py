@@ -230,9 +230,11 @@ def _probe_hf_source(folder: Path) -> None:
 
 def test_fuzz_baseline_files_are_read(tiny):
     """The unmutated files pass every probe (so the fuzz tests below start from valid files)."""
+    runtime = _runtime_folder(tiny, tiny["root"] / "runtime", (tiny["ckpt"] / "model.safetensors").read_bytes())
     for probe, path in [(_probe_inspect, tiny["gguf"]), (_probe_gguf_source, tiny["gguf"]),
                         (_probe_imatrix, DATA / "imatrix_moe.gguf"), (_probe_imatrix, DATA / "imatrix_moe.dat"),
-                        (_probe_hf_source, tiny["ckpt"])]:
+                        (_probe_hf_source, tiny["ckpt"]),
+                        (_probe_runtime_load, runtime)]:
         assert _in_child(probe, path) == ("ok", ""), (probe.__name__, path)
 
 
@@ -282,7 +284,7 @@ HF_ACCEPT = ("input_error", "value_error")
 def _folder_with(tiny, tmp: Path, shard: bytes) -> Path:
     """A copy of the tiny checkpoint folder (small files linked) whose model.safetensors is ``shard``."""
     folder = tmp / "ckpt"
-    folder.mkdir()
+    folder.mkdir(parents=True)
     for f in tiny["ckpt"].iterdir():
         if f.name != "model.safetensors":
             os.symlink(f, folder / f.name)
@@ -325,6 +327,46 @@ def test_fuzz_safetensors_header_entries(tiny, tmp_path_factory, data):
     raw, _ = _valid(tiny["ckpt"] / "model.safetensors")
     folder = _folder_with(tiny, tmp_path_factory.mktemp("s"), data.draw(header_edits(raw)))
     _check(_probe_hf_source, folder, HF_ACCEPT)
+
+
+def _runtime_folder(tiny, tmp: Path, shard: bytes) -> Path:
+    """The tiny checkpoint as a compressed-tensors checkpoint with nothing quantized (what ``dynaquant.load``
+    reads: config, then every shard tensor), its model.safetensors replaced by ``shard``."""
+    folder = _folder_with(tiny, tmp, shard)
+    cfg = json.loads((tiny["ckpt"] / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {}}
+    (folder / "config.json").unlink()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def _probe_runtime_load(folder: Path) -> None:
+    from dynaquant import load
+    from dynaquant.runtime import is_runtime_checkpoint
+
+    assert is_runtime_checkpoint(folder)
+    model = load(folder, device="cpu", kernels=False)
+    ref = {k: tuple(v.shape) for k, v in _tiny_state_shapes(folder).items()}
+    got = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert got == ref, "loaded shapes differ from the model's"
+
+
+@functools.cache
+def _tiny_state_shapes(folder: Path) -> dict:
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(cfg).state_dict()
+
+
+@settings(FUZZ, max_examples=25)
+@given(data=st.data())
+def test_fuzz_runtime_load(tiny, tmp_path_factory, data):
+    raw, header = _valid(tiny["ckpt"] / "model.safetensors")
+    edit = data.draw(st.sampled_from([mutated(raw, header), header_edits(raw)]))
+    folder = _runtime_folder(tiny, tmp_path_factory.mktemp("r"), data.draw(edit))
+    _check(_probe_runtime_load, folder, HF_ACCEPT)
 
 
 def test_fuzz_harness_catches_hangs_and_huge_allocations(tmp_path):

@@ -141,6 +141,14 @@ def test_runtime_load_refuses_damaged_shard_and_index(tiny, tmp_path):
     assert is_runtime_checkpoint(folder)
     with pytest.raises(InputError, match="model.safetensors: not a valid safetensors file"):
         load(folder, device="cpu", kernels=False)
+    # a shard whose header swaps a tensor's dimensions (same bytes): was loaded as is, failing only when run
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + n])
+    header["model.embed_tokens.weight"]["shape"] = header["model.embed_tokens.weight"]["shape"][::-1]
+    body = json.dumps(header).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + n :])
+    with pytest.raises(InputError, match=r"model\.safetensors: tensor model\.embed_tokens\.weight has shape \[32, 320\]"):
+        load(folder, device="cpu", kernels=False)
     (folder / "model.safetensors.index.json").write_text("[1, 2]")
     with pytest.raises(InputError, match=r"model\.safetensors\.index\.json: not a safetensors index"):
         load(folder, device="cpu", kernels=False)
