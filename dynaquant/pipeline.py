@@ -570,8 +570,8 @@ def evaluate(quantized: str | os.PathLike, reference: str | os.PathLike | None =
         if ref is None:
             raise ValueError(f"{quantized}: no dynaquant source recorded; pass --reference")
         rsrc = resolve_source(ref)
-        return _evaluate_models(load_model(rsrc, device=device), load(quantized, device=device, dtype=torch.float32),
-                                load_tokenizer(rsrc), text, n_ctx, chunks, progress)
+        qmodel = load(quantized, device=device, dtype=torch.float32)  # first: a damaged checkpoint fails before the reference loads
+        return _evaluate_models(load_model(rsrc, device=device), qmodel, load_tokenizer(rsrc), text, n_ctx, chunks, progress)
     qsrc = resolve_source(quantized)
     recorded = source_of(qsrc.path)  # reads the header: a damaged file is refused before any model loads
     ref = reference if reference is not None else recorded

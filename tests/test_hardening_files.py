@@ -129,7 +129,7 @@ def test_missing_imatrix_exits_2_naming_it(tiny, tmp_path, capsys):
     assert line.startswith(f"dynaquant quantize: error: {missing}: "), line  # the file first, as every message
 
 
-def test_runtime_load_refuses_damaged_shard_and_index(tiny, tmp_path):
+def test_runtime_load_refuses_damaged_shard_and_index(tiny, tmp_path, capsys):
     from dynaquant import load
     from dynaquant.runtime import is_runtime_checkpoint
 
@@ -141,6 +141,8 @@ def test_runtime_load_refuses_damaged_shard_and_index(tiny, tmp_path):
     assert is_runtime_checkpoint(folder)
     with pytest.raises(InputError, match="model.safetensors: not a valid safetensors file"):
         load(folder, device="cpu", kernels=False)
+    _exit_2(capsys, ["eval", str(folder), "--reference", str(tiny["ckpt"]), "--device", "cpu"],
+            str(folder / "model.safetensors"), "not a valid safetensors file")
     # a shard whose header swaps a tensor's dimensions (same bytes): was loaded as is, failing only when run
     n = struct.unpack("<Q", raw[:8])[0]
     header = json.loads(raw[8 : 8 + n])
