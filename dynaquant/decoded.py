@@ -40,20 +40,19 @@ def load_decoded(gguf_path: str | os.PathLike, source, ts, *, device: str | torc
     Raises:
         ValueError: a GGUF tensor the source does not list, or whose HF counterpart the model lacks.
     """
-    from gguf import GGUFReader
-
     from .analysis.experts import expert_weight, stacked_name
     from .checkpoint import load_model
     from .exporters.hf_source import unpermute_qk
     from .quant.codecs import dequantize
     from .quant.formats import get_format
+    from .readers import open_gguf
 
     model = load_model(source, dtype=torch.float32, device="cpu")
     by_name = {t.gguf_name: t for t in ts.tensors()}
     params = dict(model.named_parameters())
     kv_parts: dict[str, dict[str, torch.Tensor]] = {}
     with torch.no_grad():
-        for rt in GGUFReader(gguf_path).tensors:
+        for rt in open_gguf(gguf_path).tensors:
             fmt = rt.tensor_type.name
             if fmt == "F32":
                 continue

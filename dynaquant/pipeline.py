@@ -554,9 +554,9 @@ def _evaluate_models(reference, quantized, tokenizer, text, n_ctx, chunks, progr
 
 def source_of(path: str | os.PathLike) -> str | None:
     """The ``dynaquant.source`` recorded in a GGUF written by dynaquant, or None."""
-    reader = gguf.GGUFReader(str(path))
-    f = reader.fields.get("dynaquant.source")
-    return f.contents() if f is not None else None
+    from .readers import gguf_field, open_gguf
+
+    return gguf_field(open_gguf(path), path, "dynaquant.source", str)
 
 
 def evaluate(quantized: str | os.PathLike, reference: str | os.PathLike | None = None, *,
@@ -586,10 +586,11 @@ def evaluate(quantized: str | os.PathLike, reference: str | os.PathLike | None =
         if ref is None:
             raise ValueError(f"{quantized}: no dynaquant source recorded; pass --reference")
         rsrc = resolve_source(ref)
-        return _evaluate_models(load_model(rsrc, device=device), load(quantized, device=device, dtype=torch.float32),
-                                load_tokenizer(rsrc), text, n_ctx, chunks, progress)
+        qmodel = load(quantized, device=device, dtype=torch.float32)  # first: a damaged checkpoint fails before the reference loads
+        return _evaluate_models(load_model(rsrc, device=device), qmodel, load_tokenizer(rsrc), text, n_ctx, chunks, progress)
     qsrc = resolve_source(quantized)
-    ref = reference if reference is not None else source_of(qsrc.path)
+    recorded = source_of(qsrc.path)  # reads the header: a damaged file is refused before any model loads
+    ref = reference if reference is not None else recorded
     if ref is None:
         raise ValueError(f"{quantized}: no dynaquant.source recorded; pass --reference")
     rsrc = resolve_source(ref)

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import InputError
 from .quant.formats import get_format
 from .quant.runtime import RuntimeWeight, decode, format_of_scheme, from_compressed_tensors, runtime_format
 
@@ -331,7 +332,11 @@ def module_formats(qc: dict, model: nn.Module) -> dict[str, str]:
 def _shards(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted({str(n) for n in weight_map.values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise InputError(f"{index}: not a safetensors index with a 'weight_map' object ({type(e).__name__}: {e})") from e
         return [folder / n for n in names]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -371,8 +376,9 @@ def load(path: str | os.PathLike, *, device: str | torch.device | None = None, d
             from / unexpected in the shards (named).
     """
     from accelerate import init_empty_weights
-    from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from .readers import open_safetensors
 
     folder = Path(path)
     if not (folder / "config.json").is_file():
@@ -395,7 +401,7 @@ def load(path: str | os.PathLike, *, device: str | torch.device | None = None, d
     shards = _shards(folder)
     keys: set[str] = set()
     for shard in shards:
-        with safe_open(str(shard), "pt", device="cpu") as f:
+        with open_safetensors(shard) as f:
             keys.update(f.keys())
     from .runtime_moe import replace_experts
 
@@ -412,13 +418,16 @@ def load(path: str | os.PathLike, *, device: str | torch.device | None = None, d
     loaded: set[str] = set()
     unexpected: list[str] = []
     for shard in shards:
-        with safe_open(str(shard), "pt", device="cpu") as f:
+        with open_safetensors(shard) as f:
             for key in f.keys():
                 if key not in expected:
                     unexpected.append(key)
                     continue
                 t = f.get_tensor(key)
                 mod = model.get_submodule(key.rpartition(".")[0])
+                old = getattr(mod, key.rpartition(".")[2])
+                if not isinstance(mod, DynaLinear) and tuple(t.shape) != tuple(old.shape):  # packed layouts differ
+                    raise InputError(f"{shard}: tensor {key} has shape {list(t.shape)}, the model expects {list(old.shape)}")
                 if t.is_floating_point() and not (isinstance(mod, DynaLinear) and key.rpartition(".")[2] != "bias"):
                     t = t.to(dtype)
                 _set_tensor(model, key, t.to(device))
@@ -458,7 +467,8 @@ def is_runtime_checkpoint(path: str | os.PathLike) -> bool:
     if not cfg.is_file():
         return False
     try:
-        qc = json.loads(cfg.read_text()).get("quantization_config") or {}
-    except (OSError, json.JSONDecodeError):
+        raw = json.loads(cfg.read_text())
+    except (OSError, ValueError):
         return False
-    return qc.get("quant_method") == "compressed-tensors"
+    qc = raw.get("quantization_config") if isinstance(raw, dict) else None
+    return isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors"

@@ -33,6 +33,8 @@ import gguf
 import numpy as np
 import torch
 
+from ..errors import InputError
+from ..readers import gguf_field, open_gguf
 from ..workdir import run_workdir, writing
 from .imatrix import Imatrix
 
@@ -266,70 +268,71 @@ def load_imatrix(path: str | os.PathLike, *, legacy_chunk_size: int | None = Non
         An :class:`ImatrixData`. Legacy expert entries are flat ``(n_expert * K,)``: the file does not
         record the split.
     Raises:
-        FileNotFoundError: no such file.
-        ValueError: naming the file, when it is a GGUF but not an imatrix (e.g. a model), has no
-            entries, a ``.in_sum2`` without its ``.counts`` (or the reverse), non-F32 tensors,
-            inconsistent shapes, or is truncated / not an imatrix at all.
+        InputError: naming the file, when it is missing or unreadable, a GGUF but not an imatrix (e.g. a
+            model), has no entries, a ``.in_sum2`` without its ``.counts`` (or the reverse), non-F32
+            tensors, inconsistent shapes or bad values, or is damaged, truncated or not an imatrix at all.
+        ValueError: ``legacy_chunk_size`` below 1.
     """
     path = Path(path)
-    with open(path, "rb") as f:
-        magic = f.read(4)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read imatrix file: {e.strerror or e}") from e
     if magic == _GGUF_MAGIC:
         return _load_gguf(path)
     return _load_legacy(path, legacy_chunk_size)
 
 
 def _load_gguf(path: Path) -> ImatrixData:
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # gguf-py raises ValueError, struct/IndexError, ... on damaged files
-        raise ValueError(f"{path}: not a readable GGUF file, truncated or damaged ({type(e).__name__}: {e})") from e
+    reader = open_gguf(path)
 
-    def value(key):
-        f = reader.fields.get(key)
-        return None if f is None else f.contents()
+    def value(key, kind):
+        return gguf_field(reader, path, key, kind)
 
-    gtype = value(gguf.Keys.General.TYPE)
+    gtype = value(gguf.Keys.General.TYPE, str)
     if gtype is not None and gtype != IMATRIX_TYPE:
-        raise ValueError(f"{path}: a GGUF of general.type {gtype!r}, not an imatrix")
+        raise InputError(f"{path}: a GGUF of general.type {gtype!r}, not an imatrix")
     pairs: dict[str, list] = {}
     for t in reader.tensors:
         for k, suffix in enumerate((SUFFIX_SUMS, SUFFIX_COUNTS)):
             if t.name.endswith(suffix) and len(t.name) > len(suffix):
                 pairs.setdefault(t.name[: -len(suffix)], [None, None])[k] = t
     if not pairs:
-        arch = value(gguf.Keys.General.ARCHITECTURE)
+        arch = value(gguf.Keys.General.ARCHITECTURE, str)
         what = f"a model GGUF (general.architecture {arch!r})" if arch is not None else "a GGUF without imatrix tensors"
-        raise ValueError(f"{path}: {what}, not an imatrix: no '*{SUFFIX_SUMS}' tensors")
+        raise InputError(f"{path}: {what}, not an imatrix: no '*{SUFFIX_SUMS}' tensors")
 
     out = ImatrixData(legacy=False)
-    datasets = value(KEY_DATASETS)
+    datasets = value(KEY_DATASETS, list)
     out.datasets = [str(d) for d in datasets] if isinstance(datasets, list) else []
-    out.chunk_count = int(value(KEY_CHUNK_COUNT) or 0)
-    out.chunk_size = int(value(KEY_CHUNK_SIZE) or 0)
+    out.chunk_count = int(value(KEY_CHUNK_COUNT, int) or 0)
+    out.chunk_size = int(value(KEY_CHUNK_SIZE, int) or 0)
     missing = [k for k in (KEY_DATASETS, KEY_CHUNK_COUNT, KEY_CHUNK_SIZE) if k not in reader.fields]
     if missing:  # llama-quantize refuses such a file ("missing imatrix metadata")
         logger.warning("%s: imatrix metadata missing: %s", path, ", ".join(missing))
 
     for name, (ts, tc) in pairs.items():
         if ts is None or tc is None:
-            raise ValueError(f"{path}: imatrix entry {name!r} has {'no' if ts is None else 'a'} {SUFFIX_SUMS} "
+            raise InputError(f"{path}: imatrix entry {name!r} has {'no' if ts is None else 'a'} {SUFFIX_SUMS} "
                              f"and {'no' if tc is None else 'a'} {SUFFIX_COUNTS} tensor")
         for t in (ts, tc):
             if t.tensor_type != gguf.GGMLQuantizationType.F32:
-                raise ValueError(f"{path}: {t.name} is {t.tensor_type.name}; imatrix tensors are F32")
+                raise InputError(f"{path}: {t.name} is {t.tensor_type.name}; imatrix tensors are F32")
             if t.data.size != int(t.n_elements):
-                raise ValueError(f"{path}: {t.name} runs past the end of the file (truncated?)")
+                raise InputError(f"{path}: {t.name} runs past the end of the file (truncated?)")
         n_mat, n_val = int(tc.n_elements), int(ts.n_elements)
         if n_mat < 1 or n_val % n_mat:
-            raise ValueError(f"{path}: imatrix entry {name!r}: {n_val} sums do not split into {n_mat} matrices")
+            raise InputError(f"{path}: imatrix entry {name!r}: {n_val} sums do not split into {n_mat} matrices")
         if int(ts.shape[0]) != n_val // n_mat or int(tc.shape[0]) != 1:
-            raise ValueError(f"{path}: imatrix entry {name!r}: shapes {list(map(int, ts.shape))} and "
+            raise InputError(f"{path}: imatrix entry {name!r}: shapes {list(map(int, ts.shape))} and "
                              f"{list(map(int, tc.shape))} are not [K, n_mat] and [1, n_mat]")
         s = torch.from_numpy(np.array(ts.data, dtype=np.float64).reshape(n_mat, n_val // n_mat))
         c = np.array(tc.data, dtype=np.float64).reshape(n_mat)
         if not np.all(np.isfinite(c)) or np.any(c < 0):
-            raise ValueError(f"{path}: imatrix entry {name!r}: bad counts {c.tolist()[:4]}")
+            raise InputError(f"{path}: imatrix entry {name!r}: bad counts {c.tolist()[:4]}")
+        if not torch.isfinite(s).all() or (s < 0).any():
+            raise InputError(f"{path}: imatrix entry {name!r}: sums of squares must be finite and >= 0")
         counts = torch.from_numpy(np.rint(c).astype(np.int64))  # llama.cpp: std::lround
         out.sums[name] = s[0] if n_mat == 1 else s
         out.counts[name] = counts[0] if n_mat == 1 else counts
@@ -349,7 +352,7 @@ class _Cursor:
 
     def take(self, n: int, what: str) -> bytes:
         if n < 0 or n > self.left():
-            raise ValueError(f"{self.path}: not a GGUF imatrix, and not a legacy imatrix (.dat) either: {what} "
+            raise InputError(f"{self.path}: not a GGUF imatrix, and not a legacy imatrix (.dat) either: {what} "
                              f"needs {n} bytes at offset {self.pos}, {self.left()} left (truncated?)")
         b = self.data[self.pos : self.pos + n]
         self.pos += n
@@ -364,7 +367,7 @@ def _load_legacy(path: Path, chunk_size: int | None) -> ImatrixData:
     n_entries = cur.i32("the entry count")
     # smallest entry: 4 (name length) + 1 (name) + 4 (ncall) + 4 (nval) + 4 (one value)
     if n_entries < 1 or n_entries * 17 > cur.left():
-        raise ValueError(f"{path}: not a GGUF imatrix, and not a legacy imatrix (.dat): entry count {n_entries} "
+        raise InputError(f"{path}: not a GGUF imatrix, and not a legacy imatrix (.dat): entry count {n_entries} "
                          f"does not fit its {len(cur.data)} bytes")
     out = ImatrixData(legacy=True)
     scale = 1 if chunk_size is None else int(chunk_size)
@@ -373,20 +376,20 @@ def _load_legacy(path: Path, chunk_size: int | None) -> ImatrixData:
     for i in range(n_entries):
         n = cur.i32(f"entry {i + 1} name length")
         if n < 1:
-            raise ValueError(f"{path}: legacy imatrix entry {i + 1} has name length {n}")
+            raise InputError(f"{path}: legacy imatrix entry {i + 1} has name length {n}")
         try:
             name = cur.take(n, f"entry {i + 1} name").decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not an imatrix: entry {i + 1} name is not UTF-8") from e
+            raise InputError(f"{path}: not an imatrix: entry {i + 1} name is not UTF-8") from e
         ncall = cur.i32(f"entry {name!r} ncall")
         nval = cur.i32(f"entry {name!r} value count")
         if nval < 1 or ncall < 0:
-            raise ValueError(f"{path}: legacy imatrix entry {name!r}: ncall={ncall}, nval={nval}")
+            raise InputError(f"{path}: legacy imatrix entry {name!r}: ncall={ncall}, nval={nval}")
         if name in out.sums:
-            raise ValueError(f"{path}: legacy imatrix entry {name!r} appears twice")
+            raise InputError(f"{path}: legacy imatrix entry {name!r} appears twice")
         vals = np.frombuffer(cur.take(4 * nval, f"entry {name!r} values"), dtype="<f4").astype(np.float64)
-        if not np.all(np.isfinite(vals)):
-            raise ValueError(f"{path}: legacy imatrix entry {name!r} has non-finite values")
+        if not np.all(np.isfinite(vals)) or np.any(vals < 0):
+            raise InputError(f"{path}: legacy imatrix entry {name!r} has non-finite or negative values")
         out.sums[name] = torch.from_numpy(vals * scale)
         out.counts[name] = torch.tensor(max(ncall, 1) * scale, dtype=torch.int64)
     if cur.left():  # optional trailer: chunk count, then dataset name (length-prefixed)
@@ -396,7 +399,7 @@ def _load_legacy(path: Path, chunk_size: int | None) -> ImatrixData:
             if n > 0:
                 out.datasets = [cur.take(n, "the dataset name").decode("utf-8", errors="replace")]
         if cur.left():
-            raise ValueError(f"{path}: legacy imatrix has {cur.left()} unexpected bytes after its trailer")
+            raise InputError(f"{path}: legacy imatrix has {cur.left()} unexpected bytes after its trailer")
     out.chunk_size = 0 if chunk_size is None else scale
     out.sums = {n: out.sums[n] for n in out.names()}
     out.counts = {n: out.counts[n] for n in out.names()}

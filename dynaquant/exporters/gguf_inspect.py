@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass
 
 import gguf
 
+from ..readers import gguf_field, open_gguf
+
 
 @dataclass
 class TensorSummary:
@@ -48,12 +50,10 @@ def inspect_gguf(path: str | os.PathLike) -> GGUFSummary:
     """Read a GGUF file's tensor table.
 
     Raises:
-        ValueError: not a readable GGUF file (the message names it).
+        InputError: a missing, unreadable or damaged GGUF file (the message names it; see
+            :func:`dynaquant.readers.open_gguf`).
     """
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: not a readable GGUF file: {exc}") from exc
+    reader = open_gguf(path)
     tensors = []
     for t in reader.tensors:
         shape = [int(x) for x in reversed(t.shape)]
@@ -71,10 +71,9 @@ def inspect_gguf(path: str | os.PathLike) -> GGUFSummary:
         types[t.type] = types.get(t.type, 0) + t.n_elements
     for lay in layers.values():
         lay["bpw"] = 8.0 * lay["size_bytes"] / max(lay["n_elements"], 1)
-    ft = reader.fields.get("general.file_type")
+    v = gguf_field(reader, path, "general.file_type", int)
     ft_name = ""
-    if ft is not None:
-        v = int(ft.contents())
+    if v is not None:
         try:
             ft_name = gguf.LlamaFileType(v).name
         except ValueError:

@@ -20,8 +20,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGUFValueType, GGUFWriter
 
+from ..errors import InputError
+from ..readers import gguf_field, open_gguf
 from .gguf_names import gguf_to_hf_name, is_router
 
 logger = logging.getLogger(__name__)
@@ -142,26 +144,24 @@ class GGUFFileSource(TensorSource):
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        if not self.path.is_file():
-            raise ValueError(f"{self.path}: no such GGUF file")
-        try:
-            self.reader = GGUFReader(self.path)
-        except Exception as e:  # the reader raises ValueError/struct errors on bad files
-            raise ValueError(f"{self.path}: not a readable GGUF file ({e})") from e
-        fields = self.reader.fields
-        if (f := fields.get(gguf.Keys.Split.LLM_KV_SPLIT_COUNT)) is not None and int(f.contents()) > 1:
-            raise ValueError(f"{self.path}: split GGUF files are not supported; merge them with llama-gguf-split first")
-        if (f := fields.get(gguf.Keys.General.ARCHITECTURE)) is None:
-            raise ValueError(f"{self.path}: no general.architecture key")
-        self.arch = str(f.contents())
-        block_count = fields.get(f"{self.arch}.block_count")
-        self.n_layers = int(block_count.contents()) if block_count is not None else 0
+        self.reader = open_gguf(self.path)
+        if (n_split := gguf_field(self.reader, self.path, gguf.Keys.Split.LLM_KV_SPLIT_COUNT, int)) is not None and n_split > 1:
+            raise InputError(f"{self.path}: split GGUF files are not supported; merge them with llama-gguf-split first")
+        if (arch := gguf_field(self.reader, self.path, gguf.Keys.General.ARCHITECTURE, str)) is None:
+            raise InputError(f"{self.path}: no general.architecture key")
+        self.arch = arch
+        self.n_layers = gguf_field(self.reader, self.path, f"{self.arch}.block_count", int) or 0
+        if not 0 <= self.n_layers <= len(self.reader.tensors):  # every block holds tensors: no bigger name maps
+            raise InputError(f"{self.path}: {self.arch}.block_count {self.n_layers} but {len(self.reader.tensors)} tensors")
         self.source_id = str(self.path)
         self._tensors: list[SourceTensor] = []
         self._by_name = {}
         for rt in self.reader.tensors:
             shape = tuple(int(n) for n in reversed(rt.shape.tolist()))
-            hf = gguf_to_hf_name(self.arch, self.n_layers, rt.name) if self.n_layers else None
+            try:
+                hf = gguf_to_hf_name(self.arch, self.n_layers, rt.name) if self.n_layers else None
+            except ValueError as e:  # an architecture gguf-py does not know
+                raise InputError(f"{self.path}: {e}") from e
             quantizable = len(shape) >= 2 and rt.name.endswith(".weight") and not is_router(rt.name)
             st = SourceTensor(rt.name, hf, shape, quantizable=quantizable)
             self._tensors.append(st)
@@ -218,7 +218,8 @@ def open_gguf_source(path: str | os.PathLike) -> GGUFFileSource:
     """Open a GGUF file as a tensor source (tensors in file order, metadata copied).
 
     Raises:
-        ValueError: the file is missing, unreadable, split into parts, or lacks
-            ``general.architecture``.
+        InputError: naming the file, when it is missing, unreadable, damaged (see
+            :func:`dynaquant.readers.open_gguf`), split into parts, lacks ``general.architecture``
+            or has a ``block_count`` larger than its tensor count.
     """
     return GGUFFileSource(path)

@@ -31,8 +31,8 @@ from typing import Any
 import gguf
 import torch
 from gguf import GGUFWriter, TokenType
-from safetensors import safe_open
 
+from ..readers import open_safetensors
 from . import hf_dequant, hf_moe
 from .gguf_names import HF_ARCH_TO_GGUF, hf_to_gguf_name
 from .gguf_source import SourceTensor, TensorSource
@@ -174,7 +174,7 @@ class HFCheckpointSource(TensorSource):
             raise ValueError(f"{self.folder}: no *.safetensors files (only safetensors checkpoints are supported)")
         files: dict[str, Path] = {}
         for p in paths:
-            with safe_open(p, framework="pt") as f:
+            with open_safetensors(p) as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open has keys(), no __iter__
                     files[name] = p
         return files
@@ -185,7 +185,7 @@ class HFCheckpointSource(TensorSource):
         for name, p in self._files.items():
             by_file.setdefault(p, []).append(name)
         for p, names in by_file.items():
-            with safe_open(p, framework="pt") as f:
+            with open_safetensors(p) as f:
                 for name in names:
                     shapes[name] = tuple(int(n) for n in f.get_slice(name).get_shape())
 
@@ -306,12 +306,12 @@ class HFCheckpointSource(TensorSource):
     def _read_hf(self, hf_name: str) -> torch.Tensor:
         """One checkpoint tensor in float32 (block-FP8 weights dequantized); packed uint8 data
         (MXFP4 blocks and scales) is returned as stored, for its reader to decode."""
-        with safe_open(self._files[hf_name], framework="pt") as f:
+        with open_safetensors(self._files[hf_name]) as f:
             x = f.get_tensor(hf_name)
         if x.dtype == torch.uint8:
             return x
         if (scale := self._fp8_scale.get(hf_name)) is not None:
-            with safe_open(self._files[scale], framework="pt") as f:
+            with open_safetensors(self._files[scale]) as f:
                 return hf_dequant.dequant_block_fp8(x, f.get_tensor(scale), self._fp8_block)
         return x.to(torch.float32)
 

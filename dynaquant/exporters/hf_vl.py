@@ -134,7 +134,7 @@ class HFQwen2VLSource(HFCheckpointSource):
             return dict(self.config)
 
     def _index_tensors(self) -> tuple[list[SourceTensor], dict[str, str]]:
-        from safetensors import safe_open
+        from ..readers import open_safetensors
 
         by_file: dict = {}
         for name, p in self._files.items():
@@ -143,7 +143,7 @@ class HFQwen2VLSource(HFCheckpointSource):
         hf_of: dict[str, str] = {}
         unmapped = []
         for p, names in by_file.items():
-            with safe_open(p, framework="pt") as f:
+            with open_safetensors(p) as f:
                 for key in names:
                     if key.endswith(_SKIPPED_TENSOR_SUFFIXES) or is_vision_tensor(key):
                         continue

@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
+from ..readers import open_safetensors
 from .gguf_names import hf_to_gguf_name
 from .gguf_source import SourceTensor, TensorSource
 from .hf_source import _read_json
@@ -187,7 +187,7 @@ class VLFullSource(TensorSource):
             return {k: self.folder / v for k, v in (_read_json(index).get("weight_map") or {}).items()}
         files: dict[str, Path] = {}
         for p in sorted(self.folder.glob("*.safetensors")):
-            with safe_open(str(p), framework="pt") as f:
+            with open_safetensors(str(p)) as f:
                 files.update({k: p for k in f.keys()})  # noqa: SIM118 - safe_open has keys(), no __iter__
         if not files:
             raise ValueError(f"{self.folder}: no *.safetensors files")
@@ -250,7 +250,7 @@ class VLFullSource(TensorSource):
         """One tensor as float32, torch orientation (no GGUF permutation: this source feeds the analysis and
         the safetensors writer). Raises KeyError for a tensor not in the files."""
         key, path = self._key_of[t.hf_name]
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(str(path)) as f:
             return f.get_tensor(key).to(torch.float32)
 
     def add_metadata(self, writer: Any) -> None:

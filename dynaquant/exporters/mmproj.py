@@ -34,9 +34,9 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGUFWriter
-from safetensors import safe_open
 
 from ..quant.formats import get_format
+from ..readers import open_safetensors
 from .gguf_source import SourceTensor, TensorSource
 from .gguf_writer import write_gguf
 from .hf_source import _read_json
@@ -137,7 +137,7 @@ class MmprojSource(TensorSource):
         for key, path in files.items():
             if not is_vision_tensor(key):
                 continue
-            with safe_open(path, framework="pt") as f:
+            with open_safetensors(path) as f:
                 shape = tuple(int(n) for n in f.get_slice(key).get_shape())
             gname = name_map.get_name(vl_legacy_name(key), try_suffixes=(".weight", ".bias"))
             if gname is None:
@@ -178,7 +178,7 @@ class MmprojSource(TensorSource):
             KeyError: not a tensor of this source.
         """
         key, part = self._read_of[t.gguf_name]
-        with safe_open(self.lm._files[key], framework="pt") as f:
+        with open_safetensors(self.lm._files[key]) as f:
             x = f.get_tensor(key).to(torch.float32)
         if part is not None and part[0] == "rows":
             x = x[part[1]:part[2]]

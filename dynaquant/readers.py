@@ -1,0 +1,217 @@
+"""The one place each binary file format a user gives us is opened: GGUF (:func:`open_gguf`) and safetensors
+(:func:`open_safetensors`).
+
+Both readers we build on trust the file: gguf-py's ``GGUFReader`` raises whatever numpy or ``struct`` raises
+on a damaged file (``IndexError``, ``KeyError``, ``UnicodeDecodeError``, ...) and loops over counts read from
+the file (an array length of 2^63 is a hang), and ``safetensors`` raises its own ``SafetensorError``. Here a
+GGUF file's header is first walked with every count and length checked against the bytes left in the file
+(:func:`check_gguf_layout`: GGUF v2/v3 as in llama.cpp ``docs/gguf.md`` and ``ggml/src/gguf.cpp``), so the
+reader then allocates no more than a small multiple of the file's size; whatever either reader still raises
+becomes :class:`~dynaquant.errors.InputError` naming the file, which the command line turns into exit 2.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import gguf
+
+from .errors import InputError
+
+# GGUFValueType -> bytes of one scalar (llama.cpp gguf.cpp GGUF_TYPE_SIZE); STRING (8) and ARRAY (9) have none.
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_MAX_DIMS = 4  # GGML_MAX_DIMS: llama.cpp refuses tensors of more dimensions
+
+
+class _Cursor:
+    """Little-endian reads from a GGUF header, each checked against the end of the file."""
+
+    def __init__(self, path: Path, buf):
+        self.path, self.buf, self.pos, self.size = path, buf, 0, len(buf)
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or n > self.size - self.pos:
+            raise InputError(f"{self.path}: damaged or truncated GGUF file: {what} ({n} bytes at offset {self.pos}) runs "
+                             f"past the end of the file ({self.size - self.pos} bytes left)")
+
+    def unpack(self, fmt: str, what: str) -> int:
+        n = struct.calcsize(fmt)
+        self.need(n, what)
+        (v,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += n
+        return v
+
+    def string(self, what: str) -> bytes:
+        n = self.unpack("<Q", f"{what} length")
+        self.need(n, what)
+        b = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        return b
+
+    def skip_value(self, vtype: int, what: str) -> None:
+        if vtype in _SCALAR_BYTES:
+            self.need(_SCALAR_BYTES[vtype], what)
+            self.pos += _SCALAR_BYTES[vtype]
+        elif vtype == _STRING:
+            self.string(what)
+        elif vtype == _ARRAY:
+            itype = self.unpack("<I", f"{what} element type")
+            count = self.unpack("<Q", f"{what} length")
+            if itype in _SCALAR_BYTES:
+                self.need(count * _SCALAR_BYTES[itype], f"{what}: {count} elements")
+                self.pos += count * _SCALAR_BYTES[itype]
+            elif itype == _STRING:
+                self.need(count * 8, f"{what}: {count} strings")  # each string has at least its 8-byte length
+                for i in range(count):
+                    self.string(f"{what}[{i}]")
+            else:  # llama.cpp reads no arrays of arrays either
+                raise InputError(f"{self.path}: damaged GGUF file: {what} is an array of value type {itype}")
+        else:
+            raise InputError(f"{self.path}: damaged GGUF file: {what} has unknown value type {vtype}")
+
+
+def check_gguf_layout(path: str | os.PathLike) -> None:
+    """Walk a GGUF file's header and tensor table, checking every count, length and tensor extent against the
+    file's size, before gguf-py (which trusts them) reads it.
+
+    Checked: the magic, version 2 or 3, key/value and tensor counts that fit the bytes left, known value
+    types, no nested arrays, ``general.alignment`` a power of two, 1 to 4 dimensions per tensor, a known GGML
+    type, dimensions and element counts within int64, a row length divisible by the type's block size, and
+    each tensor's data inside the file.
+
+    Raises:
+        InputError: naming the file and the first problem found (also for a missing or unreadable file).
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            if os.fstat(fh.fileno()).st_size < 24:
+                raise InputError(f"{path}: not a GGUF file ({os.fstat(fh.fileno()).st_size} bytes, shorter than a GGUF header)")
+            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                _check_layout(path, buf)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read GGUF file: {e.strerror or e}") from e
+
+
+def _check_layout(path: Path, buf) -> None:
+    cur = _Cursor(path, buf)
+    if bytes(buf[:4]) != b"GGUF":
+        raise InputError(f"{path}: not a GGUF file (no GGUF magic at its start)")
+    cur.pos = 4
+    version = cur.unpack("<I", "the version")
+    if version not in (2, 3):
+        raise InputError(f"{path}: GGUF version {version} is not supported (2 or 3, little-endian)")
+    n_tensors = cur.unpack("<Q", "the tensor count")
+    n_kv = cur.unpack("<Q", "the key count")
+    cur.need(n_kv * 13, f"the key count {n_kv}")  # smallest key/value: 8-byte key length, 1 key byte, 4-byte type
+    alignment = gguf.GGUF_DEFAULT_ALIGNMENT
+    for i in range(n_kv):
+        key = cur.string(f"key {i + 1}").decode("utf-8", errors="replace")
+        vtype = cur.unpack("<I", f"the type of key {key!r}")
+        if key == "general.alignment" and vtype == _UINT32:
+            alignment = cur.unpack("<I", "general.alignment")
+            if alignment == 0 or alignment & (alignment - 1):
+                raise InputError(f"{path}: damaged GGUF file: general.alignment {alignment} is not a power of two")
+        else:
+            cur.skip_value(vtype, f"the value of key {key!r}")
+    cur.need(n_tensors * 24, f"the tensor count {n_tensors}")  # name length, dimension count, type, offset
+    extents = []
+    for i in range(n_tensors):
+        name = cur.string(f"tensor {i + 1} name").decode("utf-8", errors="replace")
+        n_dims = cur.unpack("<I", f"tensor {name!r} dimension count")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise InputError(f"{path}: damaged GGUF file: tensor {name!r} has {n_dims} dimensions (1 to {_MAX_DIMS})")
+        dims = [cur.unpack("<Q", f"tensor {name!r} dimensions") for _ in range(n_dims)]
+        raw_type = cur.unpack("<I", f"tensor {name!r} type")
+        offset = cur.unpack("<Q", f"tensor {name!r} data offset")
+        try:
+            block, type_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(raw_type)]
+        except (ValueError, KeyError):
+            raise InputError(f"{path}: damaged GGUF file: tensor {name!r} has unknown GGML type {raw_type}") from None
+        if dims[0] % block:
+            raise InputError(f"{path}: damaged GGUF file: tensor {name!r} rows of {dims[0]} do not split into "
+                             f"blocks of {block}")
+        n_elements = 1
+        for d in dims:
+            n_elements *= d
+        if max(dims) >= 1 << 63 or n_elements >= 1 << 63:  # llama.cpp: int64 dimensions and element count
+            raise InputError(f"{path}: damaged GGUF file: tensor {name!r} has dimensions {dims}, past int64")
+        extents.append((name, offset, n_elements // block * type_bytes))
+    data_start = -(-cur.pos // alignment) * alignment
+    for name, offset, n_bytes in extents:
+        if data_start + offset + n_bytes > cur.size:
+            raise InputError(f"{path}: damaged or truncated GGUF file: tensor {name!r} ({n_bytes} bytes at offset "
+                             f"{data_start + offset}) runs past the end of the file ({cur.size} bytes)")
+
+
+def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
+    """Open a GGUF file with gguf-py's ``GGUFReader`` (memory-mapped), after :func:`check_gguf_layout`.
+
+    Raises:
+        InputError: the file is missing, unreadable, not a GGUF file, or damaged; the message names it.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such GGUF file")
+    check_gguf_layout(path)
+    try:
+        return gguf.GGUFReader(path)
+    except (MemoryError, RecursionError):
+        raise
+    except Exception as e:  # noqa: BLE001 - gguf-py raises KeyError, ValueError, UnicodeDecodeError, ... on damaged files
+        raise InputError(f"{path}: damaged GGUF file ({type(e).__name__}: {e})") from e
+
+
+def gguf_field(reader: gguf.GGUFReader, path: str | os.PathLike, key: str, kind: type):
+    """The value of one metadata key of a GGUF file opened with :func:`open_gguf`, or None when absent.
+
+    Args:
+        kind: ``int`` (any integer type), ``str`` (a string) or ``list`` (an array).
+    Raises:
+        InputError: the key holds another kind of value, or a string that is not UTF-8 (names the file and key).
+    """
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    main = f.types[0] if f.types else None
+    ints = {gguf.GGUFValueType.UINT8, gguf.GGUFValueType.INT8, gguf.GGUFValueType.UINT16, gguf.GGUFValueType.INT16,
+            gguf.GGUFValueType.UINT32, gguf.GGUFValueType.INT32, gguf.GGUFValueType.UINT64, gguf.GGUFValueType.INT64}
+    ok = {int: main in ints, str: main == gguf.GGUFValueType.STRING, list: main == gguf.GGUFValueType.ARRAY}[kind]
+    if not ok:
+        raise InputError(f"{path}: GGUF key {key} is {getattr(main, 'name', main)}, expected {kind.__name__}")
+    try:
+        return f.contents()
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: GGUF key {key} holds text that is not UTF-8") from e
+
+
+@contextmanager
+def open_safetensors(path: str | os.PathLike, device: str = "cpu") -> Iterator:
+    """``safetensors.safe_open(path, "pt", device)``, with the library's errors (a damaged header, invalid
+    JSON, offsets outside the file), while opening or while reading tensors inside the block, raised as
+    :class:`InputError` naming the file.
+
+    Yields:
+        The open handle (``keys()``, ``get_slice(name)``, ``get_tensor(name)``, ``metadata()``).
+    Raises:
+        InputError: the file is missing, unreadable or not a valid safetensors file.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(str(path), framework="pt", device=device)
+    except SafetensorError as e:
+        raise InputError(f"{path}: not a valid safetensors file ({e})") from e
+    except OSError as e:
+        raise InputError(f"{path}: cannot read safetensors file: {e.strerror or e}") from e
+    try:
+        with handle as f:
+            yield f
+    except SafetensorError as e:
+        raise InputError(f"{path}: damaged safetensors file ({e})") from e
