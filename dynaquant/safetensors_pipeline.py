@@ -196,6 +196,7 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
     config = hf_model.config.to_dict()
     config["dtype"] = "bfloat16"
     config.pop("torch_dtype", None)
+    config.pop("_name_or_path", None)  # the local path transformers loaded it from: never published
     config["architectures"] = config.get("architectures") or [type(hf_model).__name__]  # vLLM picks the class by it
     weights = checkpoint_weights(hf_model)
     write_plan = in_memory_plan(the_plan, weights)  # the source's on-disk names -> the model's (Mixtral's router)
