@@ -322,7 +322,8 @@ def test_eval_finds_a_local_source_only_locally_and_checks_its_hash(tiny, tmp_pa
         find_reference(rec, out, reference=other)
     assert find_reference(rec, out, reference=work / "models" / "tiny").sha256 == rec.sha256
     # older files (no kind, no hash) still resolve as before
-    assert find_reference(SourceRecord(str(work / "models" / "tiny")), moved / "q.gguf").path == (work / "models" / "tiny").resolve()
+    old = SourceRecord(str(work / "models" / "tiny"))
+    assert find_reference(old, moved / "q.gguf").path == (work / "models" / "tiny").resolve()
 
 
 def test_eval_cli_exit_2_for_a_missing_local_source(tiny, tmp_path, monkeypatch):
@@ -339,11 +340,10 @@ def test_eval_cli_exit_2_for_a_missing_local_source(tiny, tmp_path, monkeypatch)
 
 def test_safetensors_checkpoint_records_the_source(tiny, tmp_path, monkeypatch):
     """The safetensors target records the same label, kind and hash, and its files do not depend on the folder."""
+    import dynaquant
     from dynaquant.pipeline import model_info, open_tensor_source, tensor_infos
     from dynaquant.quant.planner import make_plan
     from dynaquant.safetensors_pipeline import recorded_source_of_checkpoint
-
-    import dynaquant
 
     ts = open_tensor_source(resolve_source(tiny))
     plan = make_plan(tensor_infos(ts), model_info(ts), "tiny", bpw=12.0, target="safetensors", rules=[r".*=INT8_G32"])

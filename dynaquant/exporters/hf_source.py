@@ -19,7 +19,6 @@ re-implemented for the Llama family and the MoE architectures of :mod:`.hf_moe`:
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
