@@ -400,7 +400,7 @@ def _folder_source(folder: Path, model_id: str, allow_pickle: bool, trust_remote
         )
     out = _pickle_to_safetensors(folder, pickles)
     source = ModelSource("hf", out, model_id, name, trust_remote_code, origin)
-    _CLEANUPS[id(source)] = weakref.finalize(source, _remove_tree, out, id(source))
+    _CLEANUPS[id(source)] = weakref.finalize(source, _remove_tree, out.parent, id(source))
     return source
 
 
@@ -433,14 +433,17 @@ def _remove_stale_copies() -> None:
 
 
 def _pickle_to_safetensors(folder: Path, pickles: list[Path]) -> Path:
-    """Copy a pickle checkpoint to a temporary safetensors folder (weights_only loading); the folder is
-    removed again if the copy fails."""
+    """Copy a pickle checkpoint to a temporary safetensors folder (weights_only loading), named as the
+    original (``<tmp>/dynaquant-st-<pid>-<random>/<folder name>``: metadata derived from the folder name, such
+    as GGUF ``general.name``, stays the same); removed again if the copy fails."""
     _remove_stale_copies()
-    out = Path(tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{os.getpid()}-"))
+    work = Path(tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{os.getpid()}-"))
+    out = work / folder.name
     try:
+        out.mkdir()
         _convert_pickles(folder, pickles, out)
     except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
         raise
     return out
 

@@ -409,12 +409,14 @@ def test_pickle_copy_removed_after_success_failure_and_interrupt(pickled, tmp_pa
     assert leftovers() == []
 
 
-def test_pickle_copy_removed_in_process_by_close_and_on_release(pickled):
+def test_pickle_copy_removed_in_process_by_close_and_on_release(pickled, tiny):
     import gc
 
     s = resolve_source(pickled, allow_pickle=True)
     path = s.path
     assert (path / "model.safetensors").is_file() and path != pickled
+    assert path.name == pickled.name  # metadata derived from the folder name (GGUF general.name) is the original's
+    assert s.sha256 == content_sha256(tiny)  # same config and tensor index as the safetensors original
     assert s.record().label == "tiny" and s.origin == "local"
     s.close()
     assert not path.exists()
