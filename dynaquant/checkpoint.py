@@ -117,20 +117,25 @@ class SourceRecord:
     sha256: str | None = None
 
 
-def find_reference(record: SourceRecord, quantized: str | os.PathLike, reference: str | os.PathLike | None = None
+def find_reference(record: SourceRecord | None, quantized: str | os.PathLike, reference: str | os.PathLike | None = None
                    ) -> ModelSource:
     """The original model of a quantized file (``dynaquant eval``'s reference).
 
-    ``reference`` given: that model, which must have the recorded hash. Else by the record's kind: a local
+    ``record``: what the file recorded (None: nothing). ``reference`` given: that model, which must have the
+    recorded hash. Else by the record's kind: a local
     source (``local``/``gguf``) is looked for as its label relative to the current folder, then to the
     quantized file's folder, never on the hub; ``default`` is the embedded default model; ``hub`` the hub id
     (or the local hub cache). A file without a recorded kind (older dynaquant) is looked for locally first,
     then resolved as before.
 
     Raises:
-        InputError: no such local model (naming the label and ``--reference``), or a model whose content hash
-            differs from the recorded one (naming the file expected).
+        InputError: nothing recorded and no ``reference``, no such local model (naming the label and
+            ``--reference``), or a model whose content hash differs from the recorded one (naming the model expected).
     """
+    if record is None:
+        if reference is None:
+            raise InputError(f"{quantized}: no dynaquant source recorded; pass --reference")
+        return resolve_source(reference)
     quantized = Path(quantized)
     expected = (f"'{record.label}'" + (f" ({record.kind}" if record.kind else "")
                 + (f", sha256 {record.sha256[:16]}...)" if record.sha256 else ")" if record.kind else ""))

@@ -28,7 +28,6 @@ from .analysis.report import load_report
 from .analysis.stats import collect_stats, module_of
 from .analysis.texts import default_eval_text, read_text
 from .checkpoint import ModelSource, SourceRecord, find_reference, load_model, load_tokenizer, resolve_source
-from .errors import InputError
 from .exporters.gguf_names import hf_to_gguf_name
 from .exporters.gguf_source import SourceTensor, TensorSource, open_gguf_source
 from .exporters.gguf_writer import write_gguf
@@ -582,21 +581,13 @@ def evaluate(quantized: str | os.PathLike, reference: str | os.PathLike | None =
         from .runtime import load
         from .safetensors_pipeline import recorded_source_of_checkpoint
 
-        rsrc = _reference(quantized, reference, recorded_source_of_checkpoint(quantized))
+        rsrc = find_reference(recorded_source_of_checkpoint(quantized), quantized, reference)
         return _evaluate_models(load_model(rsrc, device=device), load(quantized, device=device, dtype=torch.float32),
                                 load_tokenizer(rsrc), text, n_ctx, chunks, progress)
     qsrc = resolve_source(quantized)
-    rsrc = _reference(quantized, reference, recorded_source(qsrc.path))
+    rsrc = find_reference(recorded_source(qsrc.path), quantized, reference)
     return _evaluate_models(load_model(rsrc, device=device), _quantized_model(qsrc.path, rsrc, None, device),
                             load_tokenizer(rsrc), text, n_ctx, chunks, progress)
-
-
-def _reference(quantized, reference, record: SourceRecord | None) -> ModelSource:
-    if record is None:
-        if reference is None:
-            raise InputError(f"{quantized}: no dynaquant source recorded; pass --reference")
-        return resolve_source(reference)
-    return find_reference(record, quantized, reference)
 
 
 def _quantized_model(path, reference: ModelSource, ts: TensorSource | None, device):

@@ -321,6 +321,9 @@ def test_eval_finds_a_local_source_only_locally_and_checks_its_hash(tiny, tmp_pa
     with pytest.raises(InputError, match="not the model"):
         find_reference(rec, out, reference=other)
     assert find_reference(rec, out, reference=work / "models" / "tiny").sha256 == rec.sha256
+    # nothing recorded: --reference is needed
+    with pytest.raises(InputError, match=r"q\.gguf: no dynaquant source recorded; pass --reference"):
+        find_reference(None, out)
     # older files (no kind, no hash) still resolve as before
     old = SourceRecord(str(work / "models" / "tiny"))
     assert find_reference(old, moved / "q.gguf").path == (work / "models" / "tiny").resolve()
