@@ -358,7 +358,10 @@ def test_safetensors_checkpoint_records_the_source(tiny, tmp_path, monkeypatch):
         monkeypatch.chdir(root)
         outs.append(dynaquant.quantize("models/tiny", output=root / "ckpt", target="safetensors", use_imatrix=False,
                                        plan=tmp_path / "plan.json", progress=False, device="cpu").output)
-    assert recorded_source_of_checkpoint(outs[0]) == SourceRecord("models/tiny", "local", content_sha256(tiny))
+    rec = recorded_source_of_checkpoint(outs[0])
+    assert rec == SourceRecord("models/tiny", "local", content_sha256(tiny))
+    found = find_reference(rec, outs[0])  # what 'dynaquant eval CKPT' compares with: a local copy, hash checked
+    assert found.path in {(tmp_path / w / "models" / "tiny").resolve() for w in ("a", "b/deeper")}
     names = sorted(p.name for p in outs[0].iterdir())
     assert names == sorted(p.name for p in outs[1].iterdir())
     for n in names:
