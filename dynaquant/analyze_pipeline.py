@@ -124,7 +124,8 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
     if getattr(ts, "vision", False):  # a VL source: image + text batches first (hf_vl_full)
         from .analysis.vl_calibration import vl_calibration_samples
 
-        samples = vl_calibration_samples(ts.folder, tokenizer, chunks, spec.images, spec.n_images)
+        samples = vl_calibration_samples(ts.folder, tokenizer, chunks, spec.images, spec.n_images,
+                                         trust_remote_code=source.trust_remote_code)
     stats = collect_stats(model, samples, fisher_sequences=fisher_sequences, progress=progress)
     timings["calibration_s"] = time.perf_counter() - t0
     info = model_info(ts)

@@ -27,7 +27,7 @@ from .analysis.imatrix import Imatrix, compute_imatrix
 from .analysis.report import load_report, write_json
 from .analysis.stats import collect_stats, module_of
 from .analysis.texts import default_eval_text, read_text
-from .checkpoint import ModelSource, load_model, load_tokenizer, resolve_source
+from .checkpoint import ModelSource, SourceRecord, find_reference, load_model, load_tokenizer, resolve_source
 from .exporters.gguf_names import hf_to_gguf_name
 from .exporters.gguf_source import SourceTensor, TensorSource, open_gguf_source
 from .exporters.gguf_writer import write_gguf
@@ -113,9 +113,9 @@ def open_tensor_source(source: ModelSource, full_vl: bool = False) -> TensorSour
         from .exporters.hf_vl_full import open_vl_full_source, vl_full_arch
 
         if vl_full_arch(source.path):
-            return open_vl_full_source(source.path)
+            return open_vl_full_source(source.path, trust_remote_code=source.trust_remote_code)
 
-    return open_hf_source(source.path)
+    return open_hf_source(source.path, trust_remote_code=source.trust_remote_code)
 
 
 def tensor_infos(ts: TensorSource) -> list[TensorInfo]:
@@ -174,10 +174,13 @@ def imatrix_by_gguf_name(im: Imatrix, ts: TensorSource) -> dict[str, torch.Tenso
 
 
 def _extra_kv(source: ModelSource, plan: Plan, im: Imatrix | None) -> dict:
+    rec = source.record()  # a label, never a local path: the bytes do not depend on where the run happened
     kv = {
         "general.quantized_by": "dynaquant",
         "dynaquant.version": __version__,
-        "dynaquant.source": source.model_id,
+        "dynaquant.source": rec.label,
+        "dynaquant.source.kind": rec.kind,
+        "dynaquant.source.sha256": rec.sha256,
         "dynaquant.plan.method": plan.method,
         "dynaquant.plan.rules": list(plan.rules),
     }
@@ -553,10 +556,24 @@ def _evaluate_models(reference, quantized, tokenizer, text, n_ctx, chunks, progr
 
 
 def source_of(path: str | os.PathLike) -> str | None:
-    """The ``dynaquant.source`` recorded in a GGUF written by dynaquant, or None."""
+    """The ``dynaquant.source`` label recorded in a GGUF written by dynaquant, or None."""
+    rec = recorded_source(path)
+    return rec.label if rec is not None else None
+
+
+def recorded_source(path: str | os.PathLike) -> SourceRecord | None:
+    """The source recorded in a GGUF written by dynaquant (kind and hash None in older files), or None.
+
+    Raises:
+        InputError: the file is not a readable GGUF, or a key holds another kind of value (names the file).
+    """
     from .readers import gguf_field, open_gguf
 
-    return gguf_field(open_gguf(path), path, "dynaquant.source", str)
+    reader = open_gguf(path)
+    got = {k: gguf_field(reader, path, f"dynaquant.{k}", str) for k in ("source", "source.kind", "source.sha256")}
+    if got["source"] is None:
+        return None
+    return SourceRecord(got["source"], got["source.kind"], got["source.sha256"])
 
 
 def evaluate(quantized: str | os.PathLike, reference: str | os.PathLike | None = None, *,
@@ -569,31 +586,28 @@ def evaluate(quantized: str | os.PathLike, reference: str | os.PathLike | None =
 
     Args:
         quantized: a GGUF file, or a safetensors checkpoint folder (run by ``dynaquant.load``, float32).
-        reference: the original model (default: the ``dynaquant.source`` recorded in the file).
+        reference: the original model (default: the source recorded in the file, found as
+            :func:`checkpoint.find_reference` says: a local source never on the hub); it must have the
+            recorded content hash.
         text: evaluation text file (default: stdlib docstrings, disjoint from the calibration default).
         n_ctx: tokens per chunk; chunks: at most this many chunks (None: all).
     Raises:
-        ValueError: no reference given and none recorded in the file.
+        InputError: no reference given and none recorded in the file, the recorded local source not found, or
+            a reference whose content hash differs from the recorded one (naming the model expected).
     """
     device = device or default_device()
     from .runtime import is_runtime_checkpoint
 
     if is_runtime_checkpoint(quantized):
         from .runtime import load
-        from .safetensors_pipeline import source_of_checkpoint
+        from .safetensors_pipeline import recorded_source_of_checkpoint
 
-        ref = reference if reference is not None else source_of_checkpoint(quantized)
-        if ref is None:
-            raise ValueError(f"{quantized}: no dynaquant source recorded; pass --reference")
-        rsrc = resolve_source(ref)
         qmodel = load(quantized, device=device, dtype=torch.float32)  # first: a damaged checkpoint fails before the reference loads
+        rsrc = find_reference(recorded_source_of_checkpoint(quantized), quantized, reference)
         return _evaluate_models(load_model(rsrc, device=device), qmodel, load_tokenizer(rsrc), text, n_ctx, chunks, progress)
     qsrc = resolve_source(quantized)
-    recorded = source_of(qsrc.path)  # reads the header: a damaged file is refused before any model loads
-    ref = reference if reference is not None else recorded
-    if ref is None:
-        raise ValueError(f"{quantized}: no dynaquant.source recorded; pass --reference")
-    rsrc = resolve_source(ref)
+    # reads the header: a damaged file is refused before any model loads
+    rsrc = find_reference(recorded_source(qsrc.path), quantized, reference)
     return _evaluate_models(load_model(rsrc, device=device), _quantized_model(qsrc.path, rsrc, None, device),
                             load_tokenizer(rsrc), text, n_ctx, chunks, progress)
 

@@ -366,6 +366,7 @@ def load(path: str | os.PathLike, *, device: str | torch.device | None = None, d
         dtype: of activations and unquantized weights (default: bfloat16 on CUDA, float32 on CPU).
         kernels: use ``dynaquant.kernels`` where it has a kernel (CUDA only); False: torch reference everywhere.
         fuse: with kernels, run q/k/v and gate/up as one call each (:func:`fuse_projections`).
+        trust_remote_code: allow the checkpoint's own code (``auto_map``) in transformers' classes.
     Returns:
         The model in eval mode, quantized linear layers replaced by :class:`DynaLinear`, MoE experts modules
         stored per expert by :class:`~dynaquant.runtime_moe.DynaExperts`; ``generate`` works.
@@ -373,11 +374,13 @@ def load(path: str | os.PathLike, *, device: str | torch.device | None = None, d
         ``AutoModelForImageTextToText`` (vision tower, projector and language model).
     Raises:
         ValueError: not a checkpoint folder, not compressed-tensors, unsupported schemes, or tensors missing
-            from / unexpected in the shards (named).
+            from / unexpected in the shards (named); ``checkpoint.RemoteCodeError`` (one) when the checkpoint
+            needs its own code and ``trust_remote_code`` is off.
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+    from .checkpoint import from_config, from_pretrained, read_json_object
     from .readers import open_safetensors
 
     folder = Path(path)
@@ -385,9 +388,9 @@ def load(path: str | os.PathLike, *, device: str | torch.device | None = None, d
         raise ValueError(f"{folder}: no config.json (not a checkpoint folder)")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    raw = json.loads((folder / "config.json").read_text())
+    raw = read_json_object(folder / "config.json")
     qc = raw.get("quantization_config") or {}
-    config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    config = from_pretrained(AutoConfig, folder, trust_remote_code=trust_remote_code)
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
     auto = AutoModelForCausalLM
@@ -395,9 +398,9 @@ def load(path: str | os.PathLike, *, device: str | torch.device | None = None, d
         from transformers import AutoModelForImageTextToText as auto  # vision-language: the whole model
     with init_empty_weights():
         try:
-            model = auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+            model = from_config(auto, config, trust_remote_code=trust_remote_code, folder=folder, dtype=dtype)
         except TypeError:  # transformers < 4.56 names it torch_dtype
-            model = auto.from_config(config, torch_dtype=dtype, trust_remote_code=trust_remote_code)
+            model = from_config(auto, config, trust_remote_code=trust_remote_code, folder=folder, torch_dtype=dtype)
     shards = _shards(folder)
     keys: set[str] = set()
     for shard in shards:

@@ -26,7 +26,7 @@ import torch
 
 from .analysis.calibration import CalibrationSpec
 from .analysis.imatrix import compute_imatrix
-from .checkpoint import load_model, load_tokenizer, resolve_source
+from .checkpoint import SourceRecord, load_model, load_tokenizer, read_json_object, resolve_source
 from .exporters.safetensors_writer import (
     DEFAULT_SHARD_BYTES,
     check_output_folder,
@@ -213,6 +213,7 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
     config = hf_model.config.to_dict()
     config["dtype"] = "bfloat16"
     config.pop("torch_dtype", None)
+    config.pop("_name_or_path", None)  # the local path transformers loaded it from: never published
     config["architectures"] = config.get("architectures") or [type(hf_model).__name__]  # vLLM picks the class by it
     weights = checkpoint_weights(hf_model)
     write_plan = in_memory_plan(the_plan, weights)  # the source's on-disk names -> the model's (Mixtral's router)
@@ -229,7 +230,8 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
 
     t2 = time.perf_counter()
     written = write_safetensors(output, write_plan, weights, encode, config, ignore=ignore, super_weights=kept,
-                                extension={"source": source.model_id, "plan_method": the_plan.method,
+                                extension={"source": source.model_id, "source_kind": source.origin,
+                                           "source_sha256": source.sha256, "plan_method": the_plan.method,
                                            "bpw": round(the_plan.bpw, 4)},
                                 extra_files=extra_files, max_shard_bytes=max_shard_bytes, progress=progress)
     timings["quantize_s"] = time.perf_counter() - t2
@@ -247,9 +249,20 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
 
 
 def source_of_checkpoint(path: str | os.PathLike) -> str | None:
-    """The ``source`` recorded in a dynaquant safetensors checkpoint's config extension, or None."""
-    import json
+    """The ``source`` label recorded in a dynaquant safetensors checkpoint's config extension, or None."""
+    rec = recorded_source_of_checkpoint(path)
+    return rec.label if rec is not None else None
 
-    cfg = Path(path) / "config.json"
-    qc = json.loads(cfg.read_text()).get("quantization_config") or {}
-    return (qc.get("dynaquant") or {}).get("source")
+
+def recorded_source_of_checkpoint(path: str | os.PathLike) -> SourceRecord | None:
+    """The source recorded in a dynaquant safetensors checkpoint's config extension (``source``,
+    ``source_kind``, ``source_sha256``; the last two None in older checkpoints), or None.
+
+    Raises:
+        InputError: config.json cannot be read or is not a JSON object (named).
+    """
+    qc = read_json_object(Path(path) / "config.json").get("quantization_config") or {}
+    ext = qc.get("dynaquant") or {} if isinstance(qc, dict) else {}
+    if not isinstance(ext, dict) or not ext.get("source"):
+        return None
+    return SourceRecord(str(ext["source"]), ext.get("source_kind"), ext.get("source_sha256"))

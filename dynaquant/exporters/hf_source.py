@@ -19,7 +19,6 @@ re-implemented for the Llama family and the MoE architectures of :mod:`.hf_moe`:
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -32,6 +31,7 @@ import gguf
 import torch
 from gguf import GGUFWriter, TokenType
 
+from ..checkpoint import RemoteCodeError, from_pretrained, read_json_object
 from ..readers import open_safetensors
 from . import hf_dequant, hf_moe
 from .gguf_names import HF_ARCH_TO_GGUF, hf_to_gguf_name
@@ -69,8 +69,8 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    """A JSON object file (config, index, tokenizer); InputError naming the file if it is not one."""
+    return read_json_object(path)
 
 
 def _looks_special(token: str) -> bool:
@@ -111,9 +111,11 @@ class HFCheckpointSource(TensorSource):
     _composites: dict = {}  # GGUF name -> hf_moe composite (stacked experts, MLA splits)
     _fp8_scale: dict = {}  # FP8 weight name -> its scale tensor's name
     _fp8_block = None
+    trust_remote_code = False  # the user's --trust-remote-code, for transformers' config and tokenizer classes
 
-    def __init__(self, folder: str | os.PathLike):
+    def __init__(self, folder: str | os.PathLike, *, trust_remote_code: bool = False):
         self.folder = Path(folder)
+        self.trust_remote_code = trust_remote_code
         self.source_id = str(self.folder)
         config_path = self.folder / "config.json"
         if not config_path.is_file():
@@ -149,7 +151,9 @@ class HFCheckpointSource(TensorSource):
         try:
             from transformers import AutoConfig
 
-            hp = AutoConfig.from_pretrained(self.folder, trust_remote_code=False).to_dict()
+            hp = from_pretrained(AutoConfig, self.folder, trust_remote_code=self.trust_remote_code).to_dict()
+        except RemoteCodeError:
+            raise  # the checkpoint's own code is needed: never fall back silently
         except Exception as e:  # noqa: BLE001 - any failure falls back to the raw file
             logger.warning("%s: transformers could not load the config (%s); using config.json as is", self.folder, e)
             hp = dict(self.config)
@@ -480,6 +484,8 @@ class HFCheckpointSource(TensorSource):
     def _bpe_pre(self) -> str:
         try:
             tok = self._hf_tokenizer()
+        except RemoteCodeError:
+            raise  # the checkpoint's own tokenizer code is needed: never fall back silently
         except Exception as e:  # noqa: BLE001 - identification is best effort, as for unknown hashes
             logger.warning("%s: transformers cannot load the tokenizer (%s); writing tokenizer.ggml.pre='default'",
                            self.folder, e)
@@ -490,7 +496,7 @@ class HFCheckpointSource(TensorSource):
         if getattr(self, "_tok", None) is None:
             from transformers import AutoTokenizer
 
-            self._tok = AutoTokenizer.from_pretrained(self.folder)
+            self._tok = from_pretrained(AutoTokenizer, self.folder, trust_remote_code=self.trust_remote_code)
         return self._tok
 
     def _bpe_tokens(self, bpe: gguf.BpeVocab, vocab_size: int) -> tuple[list[str], list[int]]:
@@ -562,7 +568,7 @@ def unpermute_qk(x: torch.Tensor, n_head: int) -> torch.Tensor:
     return x.reshape(n_head, rows // n_head // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
 
-def open_hf_source(folder: str | os.PathLike) -> HFCheckpointSource:
+def open_hf_source(folder: str | os.PathLike, *, trust_remote_code: bool = False) -> HFCheckpointSource:
     """Open a HF checkpoint folder (``config.json`` + ``*.safetensors``) as a tensor source.
 
     Supported ``architectures``: LlamaForCausalLM, MistralForCausalLM and MixtralForCausalLM
@@ -574,14 +580,17 @@ def open_hf_source(folder: str | os.PathLike) -> HFCheckpointSource:
     fused experts, the ``expert_*`` keys) is :mod:`.hf_moe`'s; the language model of
     Qwen2VL/Qwen2_5_VLForConditionalGeneration (``qwen2vl``, :mod:`.hf_vl`).
 
+    ``trust_remote_code``: the user's flag, passed to transformers' config and tokenizer classes.
+
     Raises:
         ValueError: no config.json, an unsupported architecture (the message names the file
             and the architecture), no safetensors files, or tensors with no GGUF name.
+        checkpoint.RemoteCodeError: the config or tokenizer needs the checkpoint's own code and the flag is off.
     """
     from .hf_vl import is_vl_checkpoint, open_hf_vl_source  # hf_vl imports this module
     from .hf_vl_full import refuse_gguf
 
     refuse_gguf(folder)  # LLaVA / Mllama: safetensors target only (the message says so)
     if is_vl_checkpoint(folder):
-        return open_hf_vl_source(folder)
-    return HFCheckpointSource(folder)
+        return open_hf_vl_source(folder, trust_remote_code=trust_remote_code)
+    return HFCheckpointSource(folder, trust_remote_code=trust_remote_code)

@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint import RemoteCodeError, from_pretrained
 from .gguf_names import hf_to_gguf_name
 from .gguf_source import SourceTensor
 from .hf_source import _SKIPPED_TENSOR_SUFFIXES, HFCheckpointSource, _read_json
@@ -99,8 +100,8 @@ class HFQwen2VLSource(HFCheckpointSource):
             axis; they sum to ``head_dim / 2``).
     """
 
-    def __init__(self, folder: str | os.PathLike):
-        super().__init__(folder)
+    def __init__(self, folder: str | os.PathLike, *, trust_remote_code: bool = False):
+        super().__init__(folder, trust_remote_code=trust_remote_code)
         section = list(self.rope.get("mrope_section") or [])
         if not section:
             raise ValueError(f"{self.folder / 'config.json'}: no rope_parameters.mrope_section in the text config")
@@ -128,7 +129,9 @@ class HFQwen2VLSource(HFCheckpointSource):
         try:
             from transformers import AutoConfig
 
-            return AutoConfig.from_pretrained(self.folder, trust_remote_code=False).to_dict()
+            return from_pretrained(AutoConfig, self.folder, trust_remote_code=self.trust_remote_code).to_dict()
+        except RemoteCodeError:
+            raise  # the checkpoint's own code is needed: never fall back silently
         except Exception as e:  # noqa: BLE001 - any failure falls back to the raw file
             logger.warning("%s: transformers could not load the config (%s); using config.json as is", self.folder, e)
             return dict(self.config)
@@ -172,7 +175,7 @@ class HFQwen2VLSource(HFCheckpointSource):
         return any(is_vision_tensor(k) for k in self._files)
 
 
-def open_hf_vl_source(folder: str | os.PathLike) -> HFQwen2VLSource:
+def open_hf_vl_source(folder: str | os.PathLike, *, trust_remote_code: bool = False) -> HFQwen2VLSource:
     """Open the language model of a Qwen2-VL / Qwen2.5-VL checkpoint folder as a tensor source
     (GGUF architecture ``qwen2vl``; vision tensors left out, see :mod:`.mmproj`).
 
@@ -180,4 +183,4 @@ def open_hf_vl_source(folder: str | os.PathLike) -> HFQwen2VLSource:
         ValueError: no config.json, not a VL architecture of :data:`VL_ARCHS`, no safetensors,
             tensors with no GGUF name, or a missing/invalid ``mrope_section``.
     """
-    return HFQwen2VLSource(folder)
+    return HFQwen2VLSource(folder, trust_remote_code=trust_remote_code)

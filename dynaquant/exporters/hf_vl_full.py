@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from ..checkpoint import from_config, from_pretrained
 from ..readers import open_safetensors
 from .gguf_names import hf_to_gguf_name
 from .gguf_source import SourceTensor, TensorSource
@@ -158,25 +159,26 @@ class VLFullSource(TensorSource):
     vision = True
     n_expert = 0
 
-    def __init__(self, folder: str | os.PathLike):
+    def __init__(self, folder: str | os.PathLike, *, trust_remote_code: bool = False):
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForImageTextToText
 
         self.folder = Path(folder)
+        self.trust_remote_code = trust_remote_code
         self.source_id = str(self.folder)
         self.hf_arch = vl_full_arch(self.folder)
         if self.hf_arch is None:
             raise ValueError(f"{self.folder / 'config.json'}: not a vision-language architecture of {', '.join(VL_FULL_ARCHS)}")
         self.config = _read_json(self.folder / "config.json")
         self.arch = VL_FULL_ARCHS[self.hf_arch]
-        cfg = AutoConfig.from_pretrained(self.folder)
+        cfg = from_pretrained(AutoConfig, self.folder, trust_remote_code=trust_remote_code)
         text = cfg.get_text_config()
         self.n_layers = int(text.num_hidden_layers)
         self.n_head = int(text.num_attention_heads)
         self.n_head_kv = int(getattr(text, "num_key_value_heads", None) or self.n_head)
         self.tied = bool(getattr(text, "tie_word_embeddings", False) or getattr(cfg, "tie_word_embeddings", False))
         with init_empty_weights():
-            model = AutoModelForImageTextToText.from_config(cfg)
+            model = from_config(AutoModelForImageTextToText, cfg, trust_remote_code=trust_remote_code, folder=self.folder)
         self._tensors, self._key_of = self._index(model)
         logger.info("%s: %s, %d tensors (language model, vision tower, projector)", self.folder, self.hf_arch,
                     len(self._tensors))
@@ -258,13 +260,16 @@ class VLFullSource(TensorSource):
         writer.add_name(self.folder.name)
 
 
-def open_vl_full_source(folder: str | os.PathLike) -> VLFullSource:
+def open_vl_full_source(folder: str | os.PathLike, *, trust_remote_code: bool = False) -> VLFullSource:
     """Open every tensor of a Qwen2-VL / Qwen2.5-VL / LLaVA / Mllama folder (module docstring).
+
+    ``trust_remote_code``: the user's flag, passed to transformers' config and model classes.
 
     Raises:
         ValueError: not one of :data:`VL_FULL_ARCHS`, no safetensors, or parameters the files lack (named).
+        checkpoint.RemoteCodeError: the checkpoint needs its own code and the flag is off.
     """
-    return VLFullSource(folder)
+    return VLFullSource(folder, trust_remote_code=trust_remote_code)
 
 
 # Files of a VL checkpoint's processor, copied beside a quantized checkpoint (the tokenizer's own files

