@@ -28,6 +28,7 @@ from .analysis.stats import ModelStats, collect_stats, module_of
 from .analysis.superweights import confirm, find_candidates
 from .checkpoint import ModelSource, load_model, load_tokenizer, resolve_source
 from .exporters.gguf_source import TensorSource
+from .nonfinite import check_model_finite, source_names
 from .preflight import Output, analysis_bytes_bound, check_budget, check_outputs, plan_json_bytes_bound
 from .quant.codecs import get_codec
 from .quant.formats import get_format
@@ -274,7 +275,8 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
             calibration: CalibrationSpec | None = None, candidates: tuple[str, ...] = DEFAULT_CANDIDATES,
             fisher_sequences: int = 8, super_weights: bool = True, sensitivity_formats: tuple[str, ...] = (),
             validate_presets: tuple[str, ...] = (), device: str | None = None, dtype: str = "float32",
-            allow_pickle: bool = False, trust_remote_code: bool = False, progress: bool = True) -> AnalysisResult:
+            allow_pickle: bool = False, trust_remote_code: bool = False, progress: bool = True,
+            allow_nonfinite: bool = False) -> AnalysisResult:
     """Analyse a model: calibration statistics, per-tensor errors of every candidate format, super weights.
 
     Args:
@@ -288,6 +290,8 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
         sensitivity_formats: optional end-to-end sensitivity per block attention / MLP group in these formats.
         validate_presets: make dynamic plans at these llama.cpp presets' file sizes and measure their KLD.
         device: torch device (default CUDA when present); dtype: ``float32`` or ``bfloat16`` for the forward passes.
+        allow_nonfinite: NaN and Inf weights are refused (``InputError`` naming the tensor and its file) right after
+            the model is loaded; with this they are replaced as :mod:`dynaquant.nonfinite` documents.
     Returns:
         AnalysisResult.
     Raises:
@@ -321,6 +325,7 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
         sizes = analysis_bytes_bound(tensor_infos(ts), len(candidates))
         check_outputs([Output(p, b) for p, b in zip(outs, sizes)], inputs={"calibration text": spec}, source=source)
     hf_model = load_model(source, dtype=getattr(torch, dtype), device=device or default_device())
+    check_model_finite(hf_model, source_names(ts), str(source.path), allow_nonfinite)  # before any forward pass
     tokenizer = load_tokenizer(source)
     timings["load_s"] = time.perf_counter() - t0
     validate: tuple[tuple[str, int], ...] = ()

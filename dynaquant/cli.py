@@ -117,6 +117,9 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--save-plan", help="also write the plan as JSON here (as soon as it is made)")
     q.add_argument("--allow-pickle", action="store_true", help="read *.bin/*.pt weights (torch.load weights_only)")
     q.add_argument("--trust-remote-code", action="store_true")
+    q.add_argument("--allow-nonfinite", action="store_true",
+                   help="write NaN weights as 0 and +-Inf as +-the tensor's largest finite |value| "
+                        "(default: refuse them, naming the tensor)")
     q.add_argument("--device", help="torch device (default: cuda if available)")
     q.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -140,6 +143,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--device")
     a.add_argument("--allow-pickle", action="store_true")
     a.add_argument("--trust-remote-code", action="store_true")
+    a.add_argument("--allow-nonfinite", action="store_true",
+                   help="write NaN weights as 0 and +-Inf as +-the tensor's largest finite |value| "
+                        "(default: refuse them, naming the tensor)")
     a.add_argument("--json", action="store_true")
 
     pl = sub.add_parser("plan", help="a dynamic plan from an analysis report, within a budget")
@@ -195,7 +201,8 @@ def _quantize(a, bare: bool) -> int:
                    calibration=calibration, calibration_chunks=a.calibration_chunks, n_ctx=a.ctx,
                    use_imatrix=not a.no_imatrix, evaluate=evaluate, eval_text=a.text, eval_chunks=a.chunks,
                    allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code, device=a.device,
-                   progress=not a.json, gptq=a.gptq, gptq_damp=a.gptq_damp, target=a.target, save_plan=a.save_plan)
+                   progress=not a.json, gptq=a.gptq, gptq_damp=a.gptq_damp, target=a.target, save_plan=a.save_plan,
+                   allow_nonfinite=a.allow_nonfinite)
     if a.json:
         print(json.dumps(res.to_dict(), indent=1))
         return 0

@@ -31,6 +31,7 @@ from .checkpoint import ModelSource, SourceRecord, find_reference, load_model, l
 from .exporters.gguf_names import hf_to_gguf_name
 from .exporters.gguf_source import SourceTensor, TensorSource, open_gguf_source
 from .exporters.gguf_writer import write_gguf
+from .nonfinite import check_model_finite, source_names
 from .preflight import Output, check_budget, check_outputs, plan_json_bytes_bound, tensor_bytes_bound
 from .quant.codecs import quantize as encode_tensor
 from .quant.formats import Format, get_format
@@ -233,7 +234,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
              eval_text: str | os.PathLike | None = None, eval_chunks: int = 16, allow_pickle: bool = False,
              trust_remote_code: bool = False, device: str | None = None, progress: bool = True,
              gptq: bool = False, gptq_damp: float = 0.01, target: str = "gguf",
-             save_plan: str | os.PathLike | None = None) -> QuantizeResult:
+             save_plan: str | os.PathLike | None = None, allow_nonfinite: bool = False) -> QuantizeResult:
     """Quantize a model to a mixed-precision GGUF file (or, ``target="safetensors"``, a safetensors checkpoint).
 
     Targets (at most one): ``preset`` (a llama.cpp mix, tensor by tensor as llama-quantize decides),
@@ -265,6 +266,9 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
             planned by ``bpw`` / ``size`` / ``plan`` (no presets), run by ``dynaquant.load``
             (:func:`dynaquant.safetensors_pipeline.quantize_safetensors`).
         save_plan: also write the plan as JSON here (atomically), as soon as it is made: before the encoding.
+        allow_nonfinite: NaN and Inf weights are refused (``InputError`` naming the tensor and its file; a model
+            loaded for calibration is checked before its first forward pass); with this they are written as
+            :mod:`dynaquant.nonfinite` documents (NaN -> 0, +-Inf -> +-the tensor's largest finite |value|).
     Returns:
         QuantizeResult (``gptq`` says per format how many tensors took GPTQ and the mean error ratio,
         or ``plain_only`` for the vector-quantized formats).
@@ -288,7 +292,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
             calibration=calibration, calibration_chunks=calibration_chunks, n_ctx=n_ctx, use_imatrix=use_imatrix,
             default_rules_on=default_rules_on, evaluate=evaluate, eval_text=eval_text, eval_chunks=eval_chunks,
             allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, device=device, progress=progress,
-            gptq=gptq, gptq_damp=gptq_damp, save_plan=save_plan)
+            gptq=gptq, gptq_damp=gptq_damp, save_plan=save_plan, allow_nonfinite=allow_nonfinite)
     if target != "gguf":
         raise ValueError(f"unknown target {target!r} (known: gguf, safetensors)")
     t0 = time.perf_counter()
@@ -347,6 +351,8 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
     if save_plan is not None and not dynamic:
         write_json(the_plan.to_dict(), save_plan)
     hf_model = load_model(source, device=device) if needs_imatrix or needs_analysis or evaluate or gptq else None
+    if hf_model is not None:  # NaN/Inf: refused (or replaced) before any forward pass
+        check_model_finite(hf_model, source_names(ts), str(source.path), allow_nonfinite)
     tokenizer = load_tokenizer(source) if hf_model is not None else None
     timings["load_s"] = time.perf_counter() - t0
     im = None
@@ -405,7 +411,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
     t2 = time.perf_counter()
     write_gguf(output, ts, {e.name: get_format(e.format) for e in the_plan.entries}, encode,
                _extra_kv(source, the_plan, im), file_type_of(the_plan, preset if loaded_plan is None else None),
-               progress=progress)
+               progress=progress, allow_nonfinite=allow_nonfinite)
     timings["quantize_s"] = time.perf_counter() - t2
     result = QuantizeResult(output, the_plan, output.stat().st_size, the_plan.bpw, time.perf_counter() - t0,
                             im.chunks if im else 0, timings_s=timings, gptq=rounding.summary() if rounding else None)

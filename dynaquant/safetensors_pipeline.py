@@ -34,6 +34,7 @@ from .exporters.safetensors_writer import (
     unquantized_linears,
     write_safetensors,
 )
+from .nonfinite import check_model_finite, source_names
 from .preflight import Output, check_budget, check_outputs, plan_json_bytes_bound, side_files_bytes_bound, tensor_bytes_bound
 from .quant.formats import get_format
 from .quant.plan import Plan, PlanEntry
@@ -66,7 +67,7 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
                          default_rules_on: bool = True, evaluate: bool = False, eval_text=None, eval_chunks: int = 16,
                          allow_pickle: bool = False, trust_remote_code: bool = False, device: str | None = None,
                          progress: bool = True, gptq: bool = False, gptq_damp: float = 0.01, keep_super_weights: bool = True,
-                         max_shard_bytes: int = DEFAULT_SHARD_BYTES, save_plan=None):
+                         max_shard_bytes: int = DEFAULT_SHARD_BYTES, save_plan=None, allow_nonfinite: bool = False):
     """Quantize a model to a safetensors checkpoint in runtime formats (arguments as ``dynaquant.quantize``).
 
     Targets (at most one): ``bpw`` or ``size`` (a dynamic plan over ``RUNTIME_CANDIDATES``: the analysis
@@ -153,6 +154,7 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
     if save_plan is not None and not dynamic:
         write_json(loaded_plan.to_dict(), save_plan)
     hf_model = load_model(source, device=device)
+    check_model_finite(hf_model, source_names(ts), str(source.path), allow_nonfinite)  # before any forward pass
     tokenizer = load_tokenizer(source)
     timings["load_s"] = time.perf_counter() - t0
     im = stats = None

@@ -92,6 +92,10 @@ class TensorSource(ABC):
         adds it), ``general.file_type``, ``general.quantization_version`` and ``dynaquant.*``
         (the GGUF writer and the pipeline add those)."""
 
+    def file_of(self, t: SourceTensor) -> str:
+        """The file holding a tensor's data, for messages (default: the source itself)."""
+        return self.source_id
+
     def tensor(self, gguf_name: str) -> SourceTensor:
         """Look a tensor up by GGUF name.
 

@@ -22,6 +22,7 @@ import torch
 from gguf import GGML_QUANT_VERSION, GGUFReader, GGUFValueType, GGUFWriter
 from tqdm import tqdm
 
+from ..nonfinite import check_finite, tensor_label
 from ..quant.formats import Format
 from ..workdir import run_workdir, writing
 from .gguf_source import SourceTensor, TensorSource
@@ -144,7 +145,7 @@ def _verify(path: Path, tensors: Sequence[SourceTensor], types: Mapping[str, For
 
 
 def _write(writer: GGUFWriter, tmp: Path, path: Path, source: TensorSource, tensors: Sequence[SourceTensor],
-           types: Mapping[str, Format], encode: EncodeFn, file_type: int, progress: bool) -> int:
+           types: Mapping[str, Format], encode: EncodeFn, file_type: int, progress: bool, allow_nonfinite: bool) -> int:
     """Write ``tmp``, check it, rename it onto ``path``; the temporary file is removed on any error.
 
     An OSError of the writing itself (not of ``source.read`` or ``encode``) becomes an InputError naming ``path``.
@@ -157,7 +158,9 @@ def _write(writer: GGUFWriter, tmp: Path, path: Path, source: TensorSource, tens
         total_bytes = 0
         for t in tqdm(tensors, desc=f"writing {path.name}", unit="tensor", disable=not progress):
             fmt = types[t.gguf_name]
-            data = _as_bytes(t, fmt, encode(t, source.read(t), fmt))
+            w = check_finite(source.read(t), tensor_label(t.hf_name, t.gguf_name), source.file_of(t), allow_nonfinite)
+            data = _as_bytes(t, fmt, encode(t, w, fmt))
+            del w
             with writing(path):
                 writer.write_tensor_data(data)
             total_bytes += data.nbytes
@@ -186,6 +189,7 @@ def write_gguf(
     file_type: int,
     progress: bool = True,
     work_dir: str | os.PathLike | None = None,
+    allow_nonfinite: bool = False,
 ) -> None:
     """Write a GGUF file from a source, one tensor at a time.
 
@@ -211,7 +215,11 @@ def write_gguf(
         progress: show a tqdm bar over tensors.
         work_dir: an existing work folder on ``path``'s file system to write the temporary file in
             (kept); default: a fresh one beside ``path``, removed at the end.
+        allow_nonfinite: each tensor read is checked for NaN and Inf before it is encoded; by default one
+            raises ``InputError`` (naming the tensor and its file), with this the values are replaced as
+            :mod:`dynaquant.nonfinite` documents (NaN -> 0, +-Inf -> +-the tensor's largest finite |value|).
     Raises:
+        InputError: a tensor holds NaN or Inf values and not ``allow_nonfinite``.
         ValueError: the format map does not match the source, a format does not fit (or is
             not F32 for a non-quantizable tensor), an encoder returned the wrong number of
             bytes, an ``extra_kv`` key is reserved or its value has an unsupported type, or
@@ -247,5 +255,5 @@ def write_gguf(
             with writing(path):
                 work_dir = stack.enter_context(run_workdir(path))
         total_bytes = _write(writer, Path(work_dir) / path.name, path, source, tensors, types, encode, int(file_type),
-                             progress)
+                             progress, allow_nonfinite)
     logger.info("%s: wrote %d tensors, %.1f MiB of tensor data", path, len(tensors), total_bytes / 2**20)

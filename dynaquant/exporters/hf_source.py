@@ -283,6 +283,11 @@ class HFCheckpointSource(TensorSource):
             raise ValueError(f"{hf_name}: read shape {tuple(x.shape)}, expected {t.shape}")
         return x.contiguous()
 
+    def file_of(self, t: SourceTensor) -> str:
+        """The ``*.safetensors`` (or ``*.bin``) file holding the tensor, else the folder."""
+        f = getattr(self, "_files", {}).get(t.hf_name) if t.hf_name else None
+        return str(f) if f is not None else self.source_id
+
     def _fold_quantization_tensors(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
         """Drop the scale tensors of a block-FP8 checkpoint from the tensor list (they are read
         with their weights, see :mod:`.hf_dequant`) and the unused activation scales.
