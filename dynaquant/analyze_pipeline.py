@@ -27,6 +27,7 @@ from .analysis.sensitivity import ReferenceLogits, group_sensitivity, kld_with_w
 from .analysis.stats import ModelStats, collect_stats, module_of
 from .analysis.superweights import confirm, find_candidates
 from .checkpoint import ModelSource, load_model, load_tokenizer, resolve_source
+from .errors import InputError
 from .exporters.gguf_source import TensorSource
 from .nonfinite import check_model_finite, source_names
 from .preflight import Output, analysis_bytes_bound, check_budget, check_outputs, plan_json_bytes_bound
@@ -407,7 +408,9 @@ def make_dynamic_plan(report: dict | str | os.PathLike, *, bpw: float | None = N
                for t in rep["tensors"]]
     if target == "gguf":  # a VL report's vision tower / projector go to the mmproj file, not the planned GGUF
         tensors = [t for t in tensors if not t.name.startswith(("v.", "mm."))]
-    m = rep["model"]
+    m = rep.get("model")
+    if not isinstance(m, dict) or m.get("n_layers") is None:
+        raise InputError(f"{path or 'report'}: no model.n_layers in the report; re-run 'dynaquant analyze'")
     # the MoE facts (older reports lack them: counted from the stacked expert tensors' shapes), so that the
     # default rules here are those dynaquant.quantize applies (expert caps, MoE attention)
     n_expert = m.get("n_expert")

@@ -28,6 +28,7 @@ from .analysis.report import load_report, write_json
 from .analysis.stats import collect_stats, module_of
 from .analysis.texts import default_eval_text, read_text
 from .checkpoint import ModelSource, SourceRecord, find_reference, load_model, load_tokenizer, resolve_source
+from .errors import InputError
 from .exporters.gguf_names import hf_to_gguf_name
 from .exporters.gguf_source import SourceTensor, TensorSource, open_gguf_source
 from .exporters.gguf_writer import write_gguf
@@ -338,7 +339,8 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         the_plan = make_plan(tensors, info, source.model_id, preset=preset, rules=rules, has_imatrix=use_imatrix)
     if not use_imatrix and not dynamic:
         _check_imatrix_needs(the_plan, set())
-    imat_path = _imatrix_path(imatrix, report, report_d, loaded_plan)
+    imat_path = _imatrix_path(imatrix, report, report_d, loaded_plan,
+                              str(plan) if not isinstance(plan, Plan) else "plan", use_imatrix)
     needs_imatrix = use_imatrix and imat_path is None and (
         dynamic or any(get_format(e.format).kind != "float" for e in the_plan.entries))
     needs_analysis = dynamic and report_d is None
@@ -507,12 +509,23 @@ def _check_report(report: dict, tensors: list[TensorInfo], where) -> None:
                              f"{'missing' if t.name not in have else f'has shape {list(have[t.name])}'}")
 
 
-def _imatrix_path(imatrix, report, report_d, plan: Plan | None) -> Path | None:
-    """The imatrix file to use: given, named by the plan, or beside the report."""
+def _imatrix_path(imatrix, report, report_d, plan: Plan | None, plan_file: str = "plan",
+                  use_imatrix: bool = True) -> Path | None:
+    """The imatrix file to use: given, named by the plan, or beside the report.
+
+    Raises:
+        InputError: the plan names an imatrix that does not exist, no ``imatrix`` is given and ``use_imatrix``
+            (computing another one silently would give other bytes than the plan was made for).
+    """
     if imatrix is not None:
         return Path(imatrix)
-    if plan is not None and plan.sources.get("imatrix") and Path(plan.sources["imatrix"]).exists():
-        return Path(plan.sources["imatrix"])
+    if plan is not None and plan.sources.get("imatrix"):
+        named = Path(plan.sources["imatrix"])
+        if named.is_file():
+            return named
+        if use_imatrix:
+            raise InputError(f"{plan_file}: the imatrix the plan was made with, {named}, does not exist; give it (or "
+                             "another) with --imatrix, or quantize without one with --no-imatrix")
     if report_d is not None and report is not None and not isinstance(report, dict) and report_d.get("imatrix"):
         p = Path(report).parent / report_d["imatrix"]
         return p if p.exists() else None
@@ -545,13 +558,18 @@ def _target_label(plan: Plan, preset, bpw, size) -> str:
 
 
 def _load_plan(plan: Plan | str | os.PathLike) -> Plan:
+    """A plan object as is, or a plan.json read and validated (``Plan.from_dict``).
+
+    Raises:
+        InputError: unreadable, not UTF-8 or not JSON (names the file); quant.plan.PlanError: not a valid plan.
+    """
     if isinstance(plan, Plan):
         return plan
     p = Path(plan)
     try:
-        data = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{p}: cannot read plan: {exc}") from exc
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: JSON, UTF-8, or a 4300+ digit integer
+        raise InputError(f"{p}: cannot read plan: {exc}") from exc
     return Plan.from_dict(data, str(p))
 
 

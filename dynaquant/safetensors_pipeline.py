@@ -140,7 +140,7 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
         if report_d is not None and not [c for c in report_d["candidates"] if get_format(c).allowed_in("safetensors")]:
             raise ValueError(f"{report if not isinstance(report, dict) else 'report'}: the analysis measured no "
                              "safetensors formats; run 'dynaquant analyze --formats safetensors'")
-    imat_path = _imatrix_path(imatrix, report, report_d, loaded_plan)
+    imat_path = _imatrix_path(imatrix, report, report_d, loaded_plan, where, use_imatrix)
     needs_analysis = dynamic and report_d is None
     needs_imatrix = use_imatrix and imat_path is None and not needs_analysis
     if output is None:

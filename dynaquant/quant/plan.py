@@ -22,6 +22,86 @@ TARGETS = ("gguf", "safetensors")
 PLAN_VERSION = 1
 
 
+# A tensor of more elements than this is no real tensor (and would overflow the float bpw arithmetic).
+MAX_ELEMENTS = 2**53
+
+
+class PlanError(ValueError):
+    """A plan that cannot be used; the message names the plan file (or ``"plan"``) and the entry."""
+
+
+def _short(x, n: int = 60) -> str:
+    r = repr(x)
+    return r if len(r) <= n else r[: n - 3] + "..."
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _opt(d: dict, key: str, typ: type, default, source: str):
+    v = d.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, typ):
+        raise PlanError(f"{source}: {key!r} must be a {typ.__name__}, got {_short(v)}")
+    return v
+
+
+def _budget(d: dict, source: str) -> dict:
+    """``{}``, ``{"bpw": x}`` (finite, > 0) or ``{"size_bytes": n}`` (int > 0), as ``planner.make_plan`` records it."""
+    b = _opt(d, "budget", dict, {}, source)
+    if not b:
+        return {}
+    if len(b) != 1 or not set(b) <= {"bpw", "size_bytes"}:
+        raise PlanError(f"{source}: 'budget' must be {{}}, {{\"bpw\": X}} or {{\"size_bytes\": N}}, got {_short(b)}")
+    (k, v), = b.items()
+    ok = (_is_number(v) and math.isfinite(v) and v > 0) if k == "bpw" else (type(v) is int and v > 0)
+    if not ok:
+        raise PlanError(f"{source}: budget {k} must be a positive {'number' if k == 'bpw' else 'integer'}, got {_short(v)}")
+    return {k: v}
+
+
+def _entry_from_dict(t, i: int, target: str, source: str) -> PlanEntry:
+    if not isinstance(t, dict):
+        raise PlanError(f"{source}: tensor #{i} is not an object with name, format and shape: {_short(t)}")
+    lacking = [k for k in ("name", "format", "shape") if k not in t]
+    if lacking:
+        raise PlanError(f"{source}: tensor #{i} lacks {'/'.join(lacking)}")
+    name, fmt, shape = t["name"], t["format"], t["shape"]
+    if not isinstance(name, str) or not name:
+        raise PlanError(f"{source}: tensor #{i}: name must be a non-empty string, got {_short(name)}")
+    where = f"{source}: tensor {_short(name, 100) if len(name) > 100 else name}"
+    if not isinstance(fmt, str):
+        raise PlanError(f"{where}: format must be a format name (a string), got {_short(fmt)}")
+    if not isinstance(shape, list) or not 0 < len(shape) <= 8 or not all(type(x) is int and x > 0 for x in shape):
+        raise PlanError(f"{where}: shape must be a list of 1 to 8 positive integers, got {_short(shape)}")
+    if math.prod(shape) > MAX_ELEMENTS:
+        raise PlanError(f"{where}: shape {_short(shape)} has more than 2**53 elements")
+    if fmt.upper() not in FORMATS:
+        raise PlanError(f"{where}: unknown format {_short(fmt)}; known: {', '.join(FORMATS)}")
+    f = get_format(fmt)
+    if not f.allowed_in(target):
+        raise PlanError(f"{where}: {f.name} is a {f.target} format, not allowed in a {target} plan")
+    if not f.fits(shape[-1]):
+        raise PlanError(f"{where}: {f.name} needs rows that are a multiple of {f.block_size}, the tensor's rows have "
+                        f"{shape[-1]}")
+    hf_name = t.get("hf_name")
+    if hf_name is not None and not isinstance(hf_name, str):
+        raise PlanError(f"{where}: hf_name must be a string or null, got {_short(hf_name)}")
+    requested = t.get("requested", f.name)
+    if not isinstance(requested, str) or requested.upper() not in FORMATS:
+        raise PlanError(f"{where}: requested must be a format name, got {_short(requested)}")
+    reason = t.get("reason", "edited")
+    if not isinstance(reason, str):
+        raise PlanError(f"{where}: reason must be a string, got {_short(reason)}")
+    kld = t.get("kld_pred")
+    if kld is not None and not (_is_number(kld) and math.isfinite(kld) and kld >= 0):
+        raise PlanError(f"{where}: kld_pred must be a finite number >= 0 or null, got {_short(kld)}")
+    return PlanEntry(name, hf_name, tuple(shape), f.name, get_format(requested).name, reason,
+                     None if kld is None else float(kld))
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """What a planner knows about one tensor of the target file.
@@ -158,39 +238,64 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "plan") -> Plan:
-        """Build and validate a plan from its dict.
+        """Build and validate a plan from its dict (``to_dict``'s layout; ``version``, ``model``, ``method``,
+        ``rules``, ``budget``, ``sources`` and each entry's ``hf_name``, ``requested``, ``reason``,
+        ``kld_pred`` optional; the derived ``size_bytes``, ``bpw`` and ``kld_pred`` totals are recomputed).
 
         Raises:
-            ValueError: a missing field, an unknown target or format name, a format not allowed in the
-                target's files, or a format whose block size does not divide the tensor's rows; the
-                message names ``source`` and the tensor.
+            PlanError: ``source`` is not a plan object, a field has the wrong type, an entry lacks ``name``,
+                ``format`` or ``shape`` or has a non-positive dimension, a tensor appears twice, an unknown
+                target or format name, a format not allowed in the target's files, a format whose block size
+                does not divide the tensor's rows, a ``kld_pred`` that is negative or not finite, a bad
+                ``budget``, or entries whose tensor data exceeds the plan's own ``budget``; the message names
+                ``source`` and the entry.
         """
-        try:
-            target = d["target"]
-            tensors = d["tensors"]
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"{source}: not a plan (missing {exc})") from exc
-        if target not in TARGETS:
-            raise ValueError(f"{source}: unknown target {target!r} (known: {', '.join(TARGETS)})")
-        entries = []
+        if not isinstance(d, dict):
+            raise PlanError(f"{source}: not a plan (a JSON object with 'target' and 'tensors' expected, "
+                            f"got {type(d).__name__})")
+        missing = [k for k in ("target", "tensors") if k not in d]
+        if missing:
+            raise PlanError(f"{source}: not a plan (missing {', '.join(map(repr, missing))})")
+        version = d.get("version", PLAN_VERSION)
+        if type(version) is not int or version != PLAN_VERSION:
+            raise PlanError(f"{source}: plan version {_short(version)}, this dynaquant reads version {PLAN_VERSION}")
+        target, tensors = d["target"], d["tensors"]
+        if not isinstance(target, str) or target not in TARGETS:
+            raise PlanError(f"{source}: unknown target {_short(target)} (known: {', '.join(TARGETS)})")
+        if not isinstance(tensors, list):
+            raise PlanError(f"{source}: 'tensors' must be a list of entries, got {type(tensors).__name__}")
+        entries: list[PlanEntry] = []
+        seen: dict[str, int] = {}
         for i, t in enumerate(tensors):
-            try:
-                name, fmt = t["name"], t["format"]
-                shape = tuple(int(x) for x in t["shape"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"{source}: tensor #{i} lacks name/format/shape ({exc})") from exc
-            if fmt.upper() not in FORMATS:
-                raise ValueError(f"{source}: tensor {name}: unknown format {fmt!r}; known: {', '.join(FORMATS)}")
-            f = get_format(fmt)
-            if not f.allowed_in(target):
-                raise ValueError(f"{source}: tensor {name}: {f.name} is a {f.target} format, not allowed in a {target} plan")
-            if not f.fits(shape[-1]):
-                raise ValueError(f"{source}: tensor {name}: {f.name} needs rows that are a multiple of "
-                                 f"{f.block_size}, the tensor's rows have {shape[-1]}")
-            entries.append(PlanEntry(name, t.get("hf_name"), shape, f.name, t.get("requested", f.name),
-                                     t.get("reason", "edited"), t.get("kld_pred")))
-        return cls(target, d.get("model", ""), entries, d.get("method", "file"), list(d.get("rules", [])),
-                   dict(d.get("budget", {})), dict(d.get("sources", {})))
+            e = _entry_from_dict(t, i, target, source)
+            if e.name in seen:
+                raise PlanError(f"{source}: tensor {e.name} appears twice (tensors #{seen[e.name]} and #{i}); "
+                                "a plan gives each tensor one format")
+            seen[e.name] = i
+            entries.append(e)
+        model, method = _opt(d, "model", str, "", source), _opt(d, "method", str, "file", source)
+        rules = _opt(d, "rules", list, [], source)
+        if not all(isinstance(r, str) for r in rules):
+            raise PlanError(f"{source}: 'rules' must be a list of strings (REGEX=FORMAT)")
+        sources = _opt(d, "sources", dict, {}, source)
+        if not all(isinstance(v, str) for v in sources.values()):
+            raise PlanError(f"{source}: 'sources' values must be file paths (strings)")
+        plan = cls(target, model, entries, method, list(rules), _budget(d, source), dict(sources))
+        plan._check_budget(source)
+        return plan
+
+    def _check_budget(self, source: str) -> None:
+        """The entries' tensor data within the recorded budget, as the allocator made it: ``bpw`` bounds
+        ``size_bytes * 8 / n_elements``; ``size_bytes`` (the whole file) bounds the tensor data alone."""
+        size = self.size_bytes
+        if "bpw" in self.budget and size > self.budget["bpw"] * self.n_elements / 8:
+            limit = f"{self.budget['bpw']:g} bpw"
+        elif "size_bytes" in self.budget and size > self.budget["size_bytes"]:
+            limit = f"{self.budget['size_bytes']} bytes"
+        else:
+            return
+        raise PlanError(f"{source}: the entries need {size} bytes of tensor data ({self.bpw:.4f} bpw), above the "
+                        f"plan's own budget of {limit}; choose cheaper formats, or change or remove 'budget'")
 
     def check_tensors(self, tensors: list[TensorInfo], source: str = "plan") -> None:
         """Check the plan covers exactly these tensors with these shapes.
