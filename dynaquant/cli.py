@@ -242,7 +242,7 @@ def _analyze(a) -> int:
                   super_weights=not a.no_super_weights, sensitivity_formats=_names(a.sensitivity),
                   validate_presets=_names(a.validate),
                   device=a.device, dtype=a.dtype, allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code,
-                  progress=not a.json, **kw)
+                  progress=not a.json, allow_nonfinite=a.allow_nonfinite, **kw)
     rep = res.report
     if a.json:
         print(json.dumps({"report": str(res.report_path), "imatrix": str(res.imatrix_path),
