@@ -346,3 +346,20 @@ def test_malformed_reports_are_named(tmp_path, change, message):
     with pytest.raises(InputError) as info:
         load_report(p)
     assert str(info.value).startswith(f"{p}: ") and message in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("command", ["quantize", "analyze"])
+def test_cli_passes_allow_nonfinite(monkeypatch, capsys, command):
+    import dynaquant
+    from dynaquant.errors import InputError
+
+    seen = []
+
+    def fake(*a, **k):
+        seen.append(k["allow_nonfinite"])
+        raise InputError("stop here")
+
+    monkeypatch.setattr(dynaquant, command, fake)
+    assert _main(capsys, command, "some-model", "--no-eval" if command == "quantize" else "--no-super-weights")[0] == 2
+    assert _main(capsys, command, "some-model", "--allow-nonfinite")[0] == 2
+    assert seen == [False, True]
