@@ -66,7 +66,7 @@ def check_finite(w: torch.Tensor, tensor: str, file: str, allow_nonfinite: bool 
     what = (f"{file}: {tensor} has {n_bad} non-finite value{'s' if n_bad > 1 else ''} "
             f"({n_nan} NaN, {n_bad - n_nan} Inf), the first at {_first_position(bad)}")
     if not allow_nonfinite:
-        raise InputError(f"{what}; quantizing it would write a corrupt file. Fix the checkpoint, or {ALLOW_HINT}")
+        raise InputError(f"{what}; quantized or calibrated on, it gives corrupt results. Fix the checkpoint, or {ALLOW_HINT}")
     log.warning("%s; --allow-nonfinite: NaN -> 0, +-Inf -> +-the tensor's largest finite |value|", what)
     return replace_nonfinite(w)
 
