@@ -112,7 +112,8 @@ def llama_tools(bin_dir: Path | None) -> tuple[dict[str, Path] | None, str | Non
         return None, "no --llama-bin given"
     missing = [t for t in LLAMA_TOOLS if not os.access(bin_dir / t, os.X_OK)]
     if missing:
-        return None, f"{bin_dir}: missing {', '.join(missing)} (python tests/llama_tools.py --all builds them there)"
+        return None, (f"{bin_dir}: missing {', '.join(missing)} "
+                      f"(python tests/llama_tools.py --all builds them into {DEFAULT_LLAMA_BIN})")
     return {t: bin_dir / t for t in LLAMA_TOOLS}, None
 
 
