@@ -178,11 +178,12 @@ def _unpack_llama_cpp(sdist: Path, dest: Path, tool_dirs: list[str]) -> Path:
     folders) into ``dest``; returns ``dest`` (the layout of the sdist's ``vendor/llama.cpp``)."""
     keep = ("include/", "ggml/include/", "common/", *(f"tools/{t}/" for t in tool_dirs))
     with tarfile.open(sdist) as tar:
+        all_members = tar.getmembers()
+        prefix = all_members[0].name.split("/")[0] + "/vendor/llama.cpp/"  # the sdist's one top folder
         members = []
-        for m in tar.getmembers():
-            top, sep, rest = m.name.partition("/vendor/llama.cpp/")
-            if sep and "/" not in top and rest.startswith(keep):
-                m.name = rest
+        for m in all_members:
+            if m.name.startswith(prefix) and m.name[len(prefix):].startswith(keep):
+                m.name = m.name[len(prefix):]
                 members.append(m)
         kw = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
         tar.extractall(dest, members=members, **kw)

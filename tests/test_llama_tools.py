@@ -93,3 +93,45 @@ def test_built_llama_quantize_is_the_pinned_llama_cpp(tmp_path):
     m = re.search(r"version: .*commit (\w+)\)", r.stdout + r.stderr)
     assert m is not None, (r.stdout + r.stderr)[-2000:]
     assert m.group(1) == llama_tools.LLAMA_CPP_COMMIT
+
+
+@pytest.mark.parametrize("installed", [None, "0.3.16", "PIN"])
+def test_ensure_installed_installs_the_pin_from_the_sdist_only_when_needed(installed, tmp_path, monkeypatch):
+    """Another or no llama-cpp-python: the pin is installed from the sdist the tools are built from (one download);
+    the pinned version already installed: nothing is installed."""
+    pin = llama_tools.pinned_version()
+    monkeypatch.setattr(llama_tools, "_installed_version", lambda: pin if installed == "PIN" else installed)
+    ran = []
+    monkeypatch.setattr(llama_tools, "_run", lambda cmd, **kw: ran.append(cmd))
+    monkeypatch.setattr(llama_tools.importlib.metadata, "distribution", lambda name: name)
+    sdist = tmp_path / f"llama_cpp_python-{pin}.tar.gz"
+    assert llama_tools._ensure_installed(pin, sdist) == "llama-cpp-python"
+    if installed == "PIN":
+        assert ran == []
+    else:
+        assert ran == [[llama_tools.sys.executable, "-m", "pip", "install", str(sdist)]]
+
+
+def test_unpack_takes_only_llama_cpp_headers_common_and_the_tools(tmp_path):
+    """From the sdist, only vendor/llama.cpp's include/, ggml/include/, common/ and the asked tools' folders come
+    out, relative to llama.cpp's root; other folders and members outside vendor/llama.cpp stay in the archive."""
+    import io
+    import tarfile
+
+    top = "llama_cpp_python-9.9.9"
+    names = [f"{top}/vendor/llama.cpp/{n}" for n in (
+        "include/llama.h", "ggml/include/ggml.h", "common/common.h", "common/parsers/x.cpp", "tools/quantize/quantize.cpp",
+        "tools/perplexity/perplexity.cpp", "src/llama.cpp", "ggml/src/ggml.c", "include-not/x.h")]
+    names += [f"{top}/llama_cpp/llama.py", f"{top}/include/llama.h", "other/vendor/llama.cpp/common/evil.h"]
+    sdist = tmp_path / "s.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        for i, n in enumerate(names):
+            data = f"{i}\n".encode()
+            info = tarfile.TarInfo(n)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    dest = llama_tools._unpack_llama_cpp(sdist, tmp_path / "out", ["quantize"])
+    got = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
+    assert got == ["common/common.h", "common/parsers/x.cpp", "ggml/include/ggml.h", "include/llama.h",
+                   "tools/quantize/quantize.cpp"]
+    assert (dest / "include" / "llama.h").read_text() == "0\n"
