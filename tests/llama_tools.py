@@ -13,8 +13,8 @@ Build (a test prerequisite, once per machine and pinned version)::
 Nothing is compiled twice: the tools link the compiled libraries of the installed llama-cpp-python (its wheel
 carries libllama, libggml* and llama.cpp's common library, libllama-common), installing the pinned version first
 when another or none is installed (the same pip build the dev extra does; ``pip install -e ".[dev]"`` then finds
-it satisfied). Only each tool's own sources compile (CPU, ``-j2``), with llama.cpp's own CMake files for the tool
-and the headers of the same version's sdist. Binaries go to :func:`bin_dir`
+it satisfied). Only each tool's own sources compile (``-j2``; ~15 s for llama-quantize on 2 busy cores), with
+llama.cpp's own CMake files for the tool and the headers of the same version's sdist. Binaries go to :func:`bin_dir`
 (``~/.cache/dynaquant/llama.cpp-<version>/bin``, beside copies of those libraries in ``lib``, so the build
 survives a later reinstall of llama-cpp-python); a tool already there is not rebuilt.
 
@@ -133,14 +133,14 @@ def _installed_version() -> str | None:
         return None
 
 
-def _ensure_installed(version: str, sdist: Path) -> importlib.metadata.Distribution:
-    """The installed llama-cpp-python distribution, installing ``version`` from its ``sdist`` first when another
-    or none is installed (the same pip build the dev extra would do; the sdist is downloaded once for both)."""
+def _ensure_installed(version: str) -> importlib.metadata.Distribution:
+    """The installed llama-cpp-python distribution, installing ``version`` first when another or none is installed:
+    by requirement, as the dev extra does (same index link, so pip's wheel cache serves both and either later run)."""
     have = _installed_version()
     if have != version:
         log.info("llama-cpp-python %s installed, %s pinned: installing the pin (builds llama.cpp: ~10 min on 2 cores)",
                  have, version)
-        _run([sys.executable, "-m", "pip", "install", str(sdist)])
+        _run([sys.executable, "-m", "pip", "install", f"llama-cpp-python=={version}"])
         importlib.invalidate_caches()
     return importlib.metadata.distribution("llama-cpp-python")
 
@@ -166,7 +166,8 @@ def _wheel_libs(dist: importlib.metadata.Distribution) -> dict[str, list[Path]]:
 
 
 def _download_sdist(version: str, dest: Path) -> Path:
-    """The llama-cpp-python ``version`` sdist (pip's HTTP cache serves it again after the install)."""
+    """The llama-cpp-python ``version`` sdist: the sources of the installed libraries (pip's HTTP cache, where
+    enabled, serves it again after the install)."""
     _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python", "-q", "-d", str(dest),
           f"llama-cpp-python=={version}"])
     (sdist,) = dest.glob("llama_cpp_python-*.tar.gz")
@@ -209,8 +210,8 @@ def build(tools: tuple[str, ...] = TEST_TOOLS, jobs: int = 2) -> Path:
     lib_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="build-", dir=cache) as tmp:
         work = Path(tmp)
+        ((_, libs),) = _wheel_libs(_ensure_installed(version)).items()
         sdist = _download_sdist(version, work)
-        ((_, libs),) = _wheel_libs(_ensure_installed(version, sdist)).items()
         for p in libs:  # all of them (a GPU build's libggml needs its backends), under the wheel's names (copies:
             shutil.copy2(p, lib_dir / p.name)  # no symlinks in wheels), which are the names the binaries ask for
         src = _unpack_llama_cpp(sdist, work / "llama.cpp", [_TOOL_DIRS[t] for t in todo])

@@ -96,20 +96,19 @@ def test_built_llama_quantize_is_the_pinned_llama_cpp(tmp_path):
 
 
 @pytest.mark.parametrize("installed", [None, "0.3.16", "PIN"])
-def test_ensure_installed_installs_the_pin_from_the_sdist_only_when_needed(installed, tmp_path, monkeypatch):
-    """Another or no llama-cpp-python: the pin is installed from the sdist the tools are built from (one download);
-    the pinned version already installed: nothing is installed."""
+def test_ensure_installed_installs_the_pin_only_when_needed(installed, monkeypatch):
+    """Another or no llama-cpp-python: the pin is installed by requirement (as the dev extra would, so pip's wheel
+    cache serves both); the pinned version already installed: nothing is installed."""
     pin = llama_tools.pinned_version()
     monkeypatch.setattr(llama_tools, "_installed_version", lambda: pin if installed == "PIN" else installed)
     ran = []
     monkeypatch.setattr(llama_tools, "_run", lambda cmd, **kw: ran.append(cmd))
     monkeypatch.setattr(llama_tools.importlib.metadata, "distribution", lambda name: name)
-    sdist = tmp_path / f"llama_cpp_python-{pin}.tar.gz"
-    assert llama_tools._ensure_installed(pin, sdist) == "llama-cpp-python"
+    assert llama_tools._ensure_installed(pin) == "llama-cpp-python"
     if installed == "PIN":
         assert ran == []
     else:
-        assert ran == [[llama_tools.sys.executable, "-m", "pip", "install", str(sdist)]]
+        assert ran == [[llama_tools.sys.executable, "-m", "pip", "install", f"llama-cpp-python=={pin}"]]
 
 
 def test_unpack_takes_only_llama_cpp_headers_common_and_the_tools(tmp_path):
