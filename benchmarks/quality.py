@@ -20,7 +20,8 @@ A readable table is printed at the end. Without the llama.cpp tools (``--llama-b
 llama.cpp rows and the llama-perplexity figures are skipped and the header says why.
 
 Usage (CPU-heavy; be nice to neighbours):
-    nice python benchmarks/quality.py --llama-bin /path/to/llama.cpp/build/bin [--chunks 32] [--mixes Q4_K_M,Q2_K]
+    python tests/llama_tools.py --all   # once: the pinned llama.cpp's tools into the default --llama-bin
+    nice python benchmarks/quality.py [--llama-bin /path/to/llama.cpp/build/bin] [--chunks 32] [--mixes Q4_K_M,Q2_K]
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ import gguf
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent / "tests"))  # llama_tools: the pinned llama.cpp's tools
 
+import llama_tools  # noqa: E402
 from make_dithered import DEFAULT_OUT as DEFAULT_DITHERED  # noqa: E402
 from make_dithered import make_dithered  # noqa: E402
 
@@ -52,7 +55,7 @@ import dynaquant  # noqa: E402
 
 MIXES = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K")
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # ../shared/data beside the checkout
-DEFAULT_LLAMA_BIN = Path("/tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin")
+DEFAULT_LLAMA_BIN = llama_tools.bin_dir()  # built by `python tests/llama_tools.py --all`
 LLAMA_TOOLS = ("llama-quantize", "llama-perplexity", "llama-imatrix")
 
 log = logging.getLogger("quality")
@@ -109,7 +112,8 @@ def llama_tools(bin_dir: Path | None) -> tuple[dict[str, Path] | None, str | Non
         return None, "no --llama-bin given"
     missing = [t for t in LLAMA_TOOLS if not os.access(bin_dir / t, os.X_OK)]
     if missing:
-        return None, f"{bin_dir}: missing {', '.join(missing)}"
+        return None, (f"{bin_dir}: missing {', '.join(missing)} "
+                      f"(python tests/llama_tools.py --all builds them into {DEFAULT_LLAMA_BIN})")
     return {t: bin_dir / t for t in LLAMA_TOOLS}, None
 
 

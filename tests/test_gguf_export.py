@@ -608,14 +608,14 @@ def test_hf_folder_quantized_q8_0_greedy_matches_transformers(smollm_hf, tmp_pat
 
 
 def _llama_quantize() -> str:
-    """The llama-quantize binary: $LLAMA_QUANTIZE, else on PATH; skips the test when neither exists."""
-    import os
-    import shutil
+    """The llama-quantize binary (``llama_tools.find_tool``: $LLAMA_QUANTIZE, else the build of the pinned
+    llama.cpp, else PATH); skips the test when there is none."""
+    from llama_tools import find_tool
 
-    exe = os.environ.get("LLAMA_QUANTIZE") or shutil.which("llama-quantize")
-    if not exe or not Path(exe).is_file():
-        pytest.skip("llama-quantize not found (set LLAMA_QUANTIZE to the binary)")
-    return exe
+    exe = find_tool("llama-quantize")
+    if exe is None:
+        pytest.skip("llama-quantize not found (build it: python tests/llama_tools.py)")
+    return str(exe)
 
 
 @pytest.fixture(scope="module", params=["untied-gqa1", "tied-gqa4"])
