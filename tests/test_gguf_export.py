@@ -573,9 +573,19 @@ def test_unknown_pre_tokenizer_falls_back_to_default(caplog):
     assert "unknown BPE pre-tokenizer" in caplog.text
 
 
+GREEDY_TIE = 0.25  # nats: a near-tie between two tokens (see below)
+
+
 def test_hf_folder_quantized_q8_0_greedy_matches_transformers(smollm_hf, tmp_path):
     """The whole pipeline from a save_pretrained folder at Q8_0: llama.cpp's greedy output equals
-    transformers' on the same decoded weights (transformers' GGUF loader on our file)."""
+    transformers' on the same decoded weights (transformers' GGUF loader on our file), up to the first
+    step where both see a near-tie between the two tokens, and, fed transformers' continuation, llama.cpp
+    picks transformers' token at every step but such near-ties.
+
+    A near-tie is a logit gap below ``GREEDY_TIE`` in both implementations: llama.cpp's Q8_0 matmuls also
+    round the activations to 8 bits, so its logits differ from PyTorch's by up to ~0.9 here (measured), and
+    which of two tokens 0.05 apart wins depends on the CPU's SIMD path (an exact 12-token match held on
+    one CI machine and broke on another at a 0.050 / 0.044 gap)."""
     llama_cpp = pytest.importorskip("llama_cpp")
     from transformers import AutoTokenizer
 
@@ -594,13 +604,28 @@ def test_hf_folder_quantized_q8_0_greedy_matches_transformers(smollm_hf, tmp_pat
     model = load_model(resolve_source(res.output))
     with torch.no_grad():
         hf_new = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
-    llm = llama_cpp.Llama(model_path=str(res.output), n_ctx=128, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(res.output), n_ctx=128, verbose=False, logits_all=True)
     try:
         out = llm(tok.decode(ids), max_tokens=12, temperature=0.0)
         cpp_new = tok(out["choices"][0]["text"], add_special_tokens=False).input_ids
+        llm.reset()
+        llm.eval(ids + hf_new)  # teacher-forced on transformers' continuation
+        cpp_logits = np.array(llm.scores[: len(ids) + len(hf_new)], dtype=np.float64)
     finally:
         llm.close()
-    assert cpp_new[:12] == hf_new[: len(cpp_new[:12])] and len(cpp_new) >= 10, (tok.decode(cpp_new), tok.decode(hf_new))
+    with torch.no_grad():
+        hf_logits = model(torch.tensor([ids + hf_new])).logits[0].double().numpy()
+
+    def near_tie(pos: int, a: int, b: int) -> bool:
+        return all(abs(lg[pos, a] - lg[pos, b]) < GREEDY_TIE for lg in (hf_logits, cpp_logits))
+
+    assert len(cpp_new) >= 10, tok.decode(cpp_new)
+    k = next((i for i, (c, h) in enumerate(zip(cpp_new[:12], hf_new)) if c != h), None)
+    if k is not None:  # free-running outputs may part only at a near-tie
+        assert near_tie(len(ids) + k - 1, hf_new[k], cpp_new[k]), (k, tok.decode(cpp_new), tok.decode(hf_new))
+    for pos in range(len(ids) - 1, len(ids) + len(hf_new) - 1):
+        h, c = int(hf_logits[pos].argmax()), int(cpp_logits[pos].argmax())
+        assert h == c or near_tie(pos, h, c), (pos, h, c, tok.decode(hf_new))
 
 
 # ---------------------------------------------------------------------------------------------
