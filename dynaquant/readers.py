@@ -76,9 +76,10 @@ class _Cursor:
             raise InputError(f"{self.path}: damaged GGUF file: {what} has unknown value type {vtype}")
 
 
-def check_gguf_layout(path: str | os.PathLike) -> None:
+def check_gguf_layout(path: str | os.PathLike) -> int:
     """Walk a GGUF file's header and tensor table, checking every count, length and tensor extent against the
-    file's size, before gguf-py (which trusts them) reads it.
+    file's size, before gguf-py (which trusts them) reads it. Returns the offset of the tensor data (bytes of
+    header, metadata, tensor infos and alignment padding), without parsing any value.
 
     Checked: the magic, version 2 or 3, key/value and tensor counts that fit the bytes left, known value
     types, no nested arrays, ``general.alignment`` a power of two, 1 to 4 dimensions per tensor, a known GGML
@@ -94,12 +95,12 @@ def check_gguf_layout(path: str | os.PathLike) -> None:
             if os.fstat(fh.fileno()).st_size < 24:
                 raise InputError(f"{path}: not a GGUF file ({os.fstat(fh.fileno()).st_size} bytes, shorter than a GGUF header)")
             with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                _check_layout(path, buf)
+                return _check_layout(path, buf)
     except OSError as e:
         raise InputError(f"{path}: cannot read GGUF file: {e.strerror or e}") from e
 
 
-def _check_layout(path: Path, buf) -> None:
+def _check_layout(path: Path, buf) -> int:
     cur = _Cursor(path, buf)
     if bytes(buf[:4]) != b"GGUF":
         raise InputError(f"{path}: not a GGUF file (no GGUF magic at its start)")
@@ -148,6 +149,7 @@ def _check_layout(path: Path, buf) -> None:
         if data_start + offset + n_bytes > cur.size:
             raise InputError(f"{path}: damaged or truncated GGUF file: tensor {name!r} ({n_bytes} bytes at offset "
                              f"{data_start + offset}) runs past the end of the file ({cur.size} bytes)")
+    return data_start
 
 
 def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:

@@ -14,6 +14,7 @@ import struct
 from pathlib import Path, PurePath
 
 from .errors import InputError
+from .readers import check_gguf_layout
 
 
 def source_label(text: str) -> str:
@@ -51,79 +52,17 @@ def content_sha256(path: str | os.PathLike) -> str:
         h.update(json.dumps(sorted(index), separators=(",", ":")).encode())
     elif path.suffix == ".safetensors":
         h.update(json.dumps(sorted(_safetensors_index(path)), separators=(",", ":")).encode())
-    else:
+    else:  # the header walk checks every count against the file's size; values are skipped, not parsed
+        try:
+            n = check_gguf_layout(path)
+        except InputError as exc:
+            raise InputError(f"{path}: not a GGUF file whose header can be read ({str(exc).removeprefix(f'{path}: ')})") from exc
         try:
             with open(path, "rb") as fh:
-                n = _gguf_data_offset(fh, os.fstat(fh.fileno()).st_size)
-                fh.seek(0)
                 h.update(fh.read(n))
         except OSError as exc:
             raise InputError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
-        except (ValueError, struct.error) as exc:
-            raise InputError(f"{path}: not a GGUF file ({exc})") from exc
     return h.hexdigest()
-
-
-# GGUF value type -> size in bytes (fixed-size scalars); 8 is a string, 9 an array (GGUF spec, gguf-py GGUFValueType)
-_GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-
-def _gguf_data_offset(f, size: int) -> int:
-    """Offset of a GGUF file's tensor data (header, metadata and tensor infos walked, values skipped; gguf-py's
-    GGUFReader parses every value, seconds for a tokenizer's 50k strings)."""
-    def read(fmt: str):
-        raw = f.read(struct.calcsize("<" + fmt))
-        return struct.unpack("<" + fmt, raw)
-
-    def skip_string() -> None:
-        (n,) = read("Q")
-        if n > size:
-            raise ValueError(f"a string of {n} bytes at offset {f.tell()}")
-        f.seek(n, 1)
-
-    def skip_value(vtype: int) -> None:
-        if vtype in _GGUF_SCALAR:
-            f.seek(_GGUF_SCALAR[vtype], 1)
-        elif vtype == 8:
-            skip_string()
-        elif vtype == 9:
-            etype, count = read("IQ")
-            if count > size:
-                raise ValueError(f"an array of {count} values at offset {f.tell()}")
-            if etype in _GGUF_SCALAR:
-                f.seek(_GGUF_SCALAR[etype] * count, 1)
-            else:
-                for _ in range(count):
-                    skip_value(etype)
-        else:
-            raise ValueError(f"unknown value type {vtype} at offset {f.tell()}")
-
-    if f.read(4) != b"GGUF":
-        raise ValueError("no GGUF magic")
-    version, n_tensors, n_kv = read("IQQ")
-    if version not in (2, 3) or n_tensors > size or n_kv > size:
-        raise ValueError(f"version {version}, {n_tensors} tensors, {n_kv} keys")
-    alignment = 32
-    for _ in range(n_kv):
-        (n,) = read("Q")
-        if n > size:
-            raise ValueError(f"a key of {n} bytes")
-        key = f.read(n)
-        (vtype,) = read("I")
-        if key == b"general.alignment" and vtype == 4:
-            (alignment,) = read("I")
-        else:
-            skip_value(vtype)
-    for _ in range(n_tensors):
-        skip_string()
-        (n_dims,) = read("I")
-        if n_dims > 8:
-            raise ValueError(f"a tensor of {n_dims} dimensions")
-        f.seek(8 * n_dims + 4 + 8, 1)
-    end = f.tell()
-    if end > size or alignment <= 0:
-        raise ValueError(f"the header ends at {end}, past the end of the file ({size} bytes)")
-    return end + (-end) % alignment
 
 
 def _read_bytes(path: Path) -> bytes:
