@@ -68,11 +68,6 @@ _SKIPPED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    """A JSON object file (config, index, tokenizer); InputError naming the file if it is not one."""
-    return read_json_object(path)
-
-
 def _looks_special(token: str) -> bool:
     """llama.cpp's ``does_token_look_special`` heuristic for added tokens marked not special."""
     return (
@@ -120,7 +115,7 @@ class HFCheckpointSource(TensorSource):
         config_path = self.folder / "config.json"
         if not config_path.is_file():
             raise ValueError(f"{config_path}: no config.json in the checkpoint folder {self.folder}")
-        self.config = _read_json(config_path)
+        self.config = read_json_object(config_path)
         archs = self.config.get("architectures") or []
         self.hf_arch = archs[0] if archs else None
         if self.hf_arch not in HF_ARCH_TO_GGUF:
@@ -166,7 +161,7 @@ class HFCheckpointSource(TensorSource):
         """HF tensor name -> the safetensors file holding it."""
         index = self.folder / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = _read_json(index).get("weight_map") or {}
+            weight_map = read_json_object(index).get("weight_map") or {}
             files = {name: self.folder / fn for name, fn in weight_map.items()}
             missing = sorted({str(p) for p in files.values() if not p.is_file()})
             if missing:
@@ -428,7 +423,7 @@ class HFCheckpointSource(TensorSource):
     def _add_tokenizer(self, w: GGUFWriter) -> None:
         vocab_size = int(self.hparams["vocab_size"])
         tok_cfg_path = self.folder / "tokenizer_config.json"
-        tok_cfg = _read_json(tok_cfg_path) if tok_cfg_path.is_file() else {}
+        tok_cfg = read_json_object(tok_cfg_path) if tok_cfg_path.is_file() else {}
         if self.arch == "llama":
             add_prefix = tok_cfg.get("add_prefix_space")
             if add_prefix is None:
@@ -480,7 +475,7 @@ class HFCheckpointSource(TensorSource):
         tj_path = self.folder / "tokenizer.json"
         if not tj_path.is_file():
             return None
-        pre = _read_json(tj_path).get("pre_tokenizer") or {}
+        pre = read_json_object(tj_path).get("pre_tokenizer") or {}
         for p in pre.get("pretokenizers", [pre]):
             if p and p.get("type") == "ByteLevel" and "add_prefix_space" in p:
                 return bool(p["add_prefix_space"])
@@ -512,7 +507,7 @@ class HFCheckpointSource(TensorSource):
         added: dict[int, tuple[str, bool]] = {}
         tj_path = self.folder / "tokenizer.json"
         if tj_path.is_file():
-            for a in _read_json(tj_path).get("added_tokens") or []:
+            for a in read_json_object(tj_path).get("added_tokens") or []:
                 added[int(a["id"])] = (a["content"], bool(a.get("special", False)))
         tokens: list[str] = []
         types: list[int] = []

@@ -25,10 +25,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import RemoteCodeError, from_pretrained
+from ..checkpoint import RemoteCodeError, from_pretrained, read_json_object
 from .gguf_names import hf_to_gguf_name
 from .gguf_source import SourceTensor
-from .hf_source import _SKIPPED_TENSOR_SUFFIXES, HFCheckpointSource, _read_json
+from .hf_source import _SKIPPED_TENSOR_SUFFIXES, HFCheckpointSource
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def is_vl_checkpoint(folder: str | os.PathLike) -> bool:
     path = Path(folder) / "config.json"
     if not path.is_file():
         return False
-    archs = _read_json(path).get("architectures") or []
+    archs = read_json_object(path).get("architectures") or []
     return bool(archs) and archs[0] in VL_ARCHS
 
 

@@ -44,11 +44,10 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import from_config, from_pretrained
+from ..checkpoint import from_config, from_pretrained, read_json_object
 from ..readers import open_safetensors
 from .gguf_names import hf_to_gguf_name
 from .gguf_source import SourceTensor, TensorSource
-from .hf_source import _read_json
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +79,7 @@ def vl_full_arch(folder: str | os.PathLike) -> str | None:
     path = Path(folder) / "config.json"
     if not path.is_file():
         return None
-    archs = _read_json(path).get("architectures") or []
+    archs = read_json_object(path).get("architectures") or []
     return archs[0] if archs and archs[0] in VL_FULL_ARCHS else None
 
 
@@ -169,7 +168,7 @@ class VLFullSource(TensorSource):
         self.hf_arch = vl_full_arch(self.folder)
         if self.hf_arch is None:
             raise ValueError(f"{self.folder / 'config.json'}: not a vision-language architecture of {', '.join(VL_FULL_ARCHS)}")
-        self.config = _read_json(self.folder / "config.json")
+        self.config = read_json_object(self.folder / "config.json")
         self.arch = VL_FULL_ARCHS[self.hf_arch]
         cfg = from_pretrained(AutoConfig, self.folder, trust_remote_code=trust_remote_code)
         text = cfg.get_text_config()
@@ -186,7 +185,7 @@ class VLFullSource(TensorSource):
     def _files(self) -> dict[str, Path]:
         index = self.folder / "model.safetensors.index.json"
         if index.is_file():
-            return {k: self.folder / v for k, v in (_read_json(index).get("weight_map") or {}).items()}
+            return {k: self.folder / v for k, v in (read_json_object(index).get("weight_map") or {}).items()}
         files: dict[str, Path] = {}
         for p in sorted(self.folder.glob("*.safetensors")):
             with open_safetensors(str(p)) as f:

@@ -35,11 +35,11 @@ import numpy as np
 import torch
 from gguf import GGUFWriter
 
+from ..checkpoint import read_json_object
 from ..quant.formats import get_format
 from ..readers import open_safetensors
 from .gguf_source import SourceTensor, TensorSource
 from .gguf_writer import write_gguf
-from .hf_source import _read_json
 from .hf_vl import HFQwen2VLSource, is_vision_tensor, vl_legacy_name, vl_param_name
 
 logger = logging.getLogger(__name__)
@@ -94,10 +94,10 @@ class MmprojSource(TensorSource):
         cfg: dict[str, Any] = {}
         pre = self.folder / "preprocessor_config.json"
         if pre.is_file():
-            cfg.update(_read_json(pre))
+            cfg.update(read_json_object(pre))
         proc = self.folder / "processor_config.json"
         if proc.is_file():
-            p = _read_json(proc)
+            p = read_json_object(proc)
             cfg.update(p.get("image_processor") or {})
         if "image_mean" not in cfg or "image_std" not in cfg:
             raise ValueError(f"{self.folder}: no image_mean/image_std in preprocessor_config.json or "
