@@ -25,11 +25,11 @@ import numpy as np
 import torch
 
 from dynaquant.analysis.dither import dither
-from dynaquant.checkpoint import default_model_path
-from dynaquant.exporters import open_gguf_source, write_gguf
-from dynaquant.exporters.gguf_source import SourceTensor
+from dynaquant.exporters.gguf.writer import write_gguf
 from dynaquant.quant.codecs import quantize as encode_tensor
 from dynaquant.quant.formats import Format, get_format
+from dynaquant.sources.checkpoint import default_model_path
+from dynaquant.sources.gguf import SourceTensor, open_gguf_source
 
 GROUP_SIZE = 32
 DEFAULT_OUT = Path(__file__).resolve().parent / "out" / "smollm2-dithered-bf16.gguf"
@@ -42,7 +42,7 @@ def make_dithered(source: str | Path | None = None, out: str | Path = DEFAULT_OU
     """Write the dithered BF16 copy of ``source`` (default: the embedded SmolLM2 Q4_1 GGUF) to ``out``.
 
     Args:
-        source: a GGUF file; None for ``dynaquant.checkpoint.default_model_path()``.
+        source: a GGUF file; None for ``dynaquant.sources.checkpoint.default_model_path()``.
         out: output GGUF path (parent folders are created).
         group_size: dither group, the source format's block size (32 for Q4_1 and Q8_0).
     Returns:

@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     header: dict = {
         "row": "header", "benchmark": "quality", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine_info(), "versions": versions(tools),
-        "config": {"source": str(args.source or dynaquant.checkpoint.default_model_path()),
+        "config": {"source": str(args.source or dynaquant.sources.checkpoint.default_model_path()),
                    "dithered": str(args.dithered), "dither": "dynaquant.analysis.dither.dither(w, 32, seed=tensor index)",
                    "calibration": str(args.calibration), "eval_text": str(args.eval_text), "chunks": args.chunks,
                    "n_ctx": args.n_ctx, "mixes": mixes, "dynaquant_mixes": dq_mixes, "methods": sorted(methods),

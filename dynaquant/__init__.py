@@ -1,6 +1,6 @@
 """dynaquant: dynamic low-bit quantization of LLM checkpoints.
 
-Public API:
+Public API (the package's face; nothing inside the package imports it):
     quantize(model=None, *, output=None, preset=None, bpw=None, size=None, rules=(), plan=None, ...)
         -> QuantizeResult
     evaluate(quantized, reference=None, *, text=None, n_ctx=512, chunks=16) -> EvalResult
@@ -8,16 +8,18 @@ Public API:
     analyze(model=None, output_dir=None, *, calibration=None, ...) -> AnalysisResult
     make_dynamic_plan(report, *, bpw=None, size=None, rules=(), target="gguf", output=None) -> Plan
     load(path, *, device=None, dtype=None, kernels=True) -> transformers model (safetensors checkpoints)
-Subpackages: dynaquant.quant (formats, codecs, plans, runtime weights), dynaquant.analysis
-(calibration, imatrix, evaluation), dynaquant.exporters (GGUF, safetensors), dynaquant.kernels (Triton).
+
+The stages, one subpackage each (ARCHITECTURE.md): dynaquant.sources (checkpoint readers),
+dynaquant.analysis (calibration, errors, report), dynaquant.quant (formats, codecs, plans, planner),
+dynaquant.pipeline (the run: analyze, plan, quantize, evaluate), dynaquant.exporters (GGUF,
+safetensors), dynaquant.kernels (Triton), dynaquant.runtime (DynaLinear, DynaExperts, load).
 """
 
-__version__ = "0.1.0"
-
-from .analyze_pipeline import AnalysisResult, analyze, make_dynamic_plan  # noqa: E402
-from .exporters.gguf_inspect import inspect_gguf  # noqa: E402
-from .pipeline import QuantizeResult, evaluate, quantize  # noqa: E402
-from .runtime import load  # noqa: E402
+from dynaquant.exporters.gguf.inspect import inspect_gguf
+from dynaquant.pipeline.analyze import AnalysisResult, analyze, make_dynamic_plan
+from dynaquant.pipeline.quantize import QuantizeResult, evaluate, quantize
+from dynaquant.runtime.loader import load
+from dynaquant.version import __version__
 
 __all__ = ["AnalysisResult", "QuantizeResult", "analyze", "evaluate", "inspect_gguf", "load", "make_dynamic_plan", "quantize",
            "__version__"]

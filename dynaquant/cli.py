@@ -187,12 +187,12 @@ def _print_eval(ev) -> None:
 
 
 def _quantize(a, bare: bool) -> int:
-    from . import quantize
+    from dynaquant.pipeline.quantize import quantize
 
     evaluate = (a.evaluate or bare) and not a.no_eval
     calibration = a.calibration
     if a.calibration_images:
-        from .analysis.calibration import CalibrationSpec
+        from dynaquant.analysis.calibration import CalibrationSpec
 
         calibration = CalibrationSpec((a.calibration,) if a.calibration else (), a.calibration_chunks, a.ctx,
                                       images=tuple(a.calibration_images))
@@ -228,14 +228,14 @@ def _names(text: str | None) -> tuple[str, ...]:
 
 
 def _analyze(a) -> int:
-    from . import analyze
-    from .analysis.calibration import CalibrationSpec
+    from dynaquant.analysis.calibration import CalibrationSpec
+    from dynaquant.pipeline.analyze import analyze
 
     spec = CalibrationSpec(tuple(a.calibration), a.sequences, a.ctx, a.chat_template,
                            images=tuple(a.calibration_images))
     kw = {}
     if a.formats:
-        from .analyze_pipeline import expand_formats
+        from dynaquant.pipeline.analyze import expand_formats
 
         kw["candidates"] = expand_formats(a.formats)
     res = analyze(a.model, a.output, calibration=spec, fisher_sequences=a.fisher_sequences,
@@ -262,7 +262,7 @@ def _analyze(a) -> int:
 
 
 def _plan(a) -> int:
-    from . import make_dynamic_plan
+    from dynaquant.pipeline.analyze import make_dynamic_plan
 
     plan = make_dynamic_plan(a.report, bpw=a.bpw, size=a.size, rules=a.rule, target=a.target,
                              default_rules_on=not a.no_default_rules, output=a.output)
@@ -275,7 +275,7 @@ def _plan(a) -> int:
 
 
 def _report(a) -> int:
-    from .analysis.report_html import render_report_cli
+    from dynaquant.analysis.report.html import render_report_cli
 
     out = render_report_cli(a.report, a.output, a.plan)
     print(f"wrote {out}")
@@ -283,7 +283,7 @@ def _report(a) -> int:
 
 
 def _eval(a) -> int:
-    from . import evaluate
+    from dynaquant.pipeline.quantize import evaluate
 
     ev = evaluate(a.quantized, a.reference, text=a.text, n_ctx=a.ctx, chunks=a.chunks, device=a.device,
                   progress=not a.json)
@@ -296,7 +296,7 @@ def _eval(a) -> int:
 
 
 def _inspect(a) -> int:
-    from . import inspect_gguf
+    from dynaquant.exporters.gguf.inspect import inspect_gguf
 
     s = inspect_gguf(a.file)
     if a.json:

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import InputError
+from dynaquant.errors import InputError
 
 log = logging.getLogger(__name__)
 

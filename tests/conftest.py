@@ -39,21 +39,21 @@ def one_cpu_thread():
 
 @pytest.fixture(scope="session")
 def default_source():
-    from dynaquant.checkpoint import resolve_source
+    from dynaquant.sources.checkpoint import resolve_source
 
     return resolve_source(None)
 
 
 @pytest.fixture(scope="session")
 def default_model(default_source):
-    from dynaquant.checkpoint import load_model
+    from dynaquant.sources.checkpoint import load_model
 
     return load_model(default_source)
 
 
 @pytest.fixture(scope="session")
 def default_tokenizer(default_source):
-    from dynaquant.checkpoint import load_tokenizer
+    from dynaquant.sources.checkpoint import load_tokenizer
 
     return load_tokenizer(default_source)
 

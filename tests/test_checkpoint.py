@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from dynaquant.checkpoint import SourceError, resolve_source
+from dynaquant.sources.checkpoint import SourceError, resolve_source
 
 
 def _tiny_llama(folder, safe=True):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dynaquant.analysis.imatrix_io import load_imatrix
-from dynaquant.checkpoint import resolve_source
+from dynaquant.sources.checkpoint import resolve_source
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -121,7 +121,7 @@ def tiny256(tmp_path_factory):
     for it: Q4_0 (preset) with ``ffn_down`` in IQ3_XXS."""
     from test_gguf_export import _tiny_checkpoint
 
-    from dynaquant.pipeline import model_info, open_tensor_source, tensor_infos
+    from dynaquant.pipeline.quantize import model_info, open_tensor_source, tensor_infos
     from dynaquant.quant.planner import make_plan
 
     ckpt = tmp_path_factory.mktemp("tiny256") / "ckpt"

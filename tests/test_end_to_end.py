@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import dynaquant
-from dynaquant.checkpoint import load_model, resolve_source
+from dynaquant.sources.checkpoint import load_model, resolve_source
 
 llama_cpp = pytest.importorskip("llama_cpp")
 

@@ -38,9 +38,11 @@ from hypothesis import strategies as st  # noqa: E402
 
 from dynaquant.analysis.imatrix_io import load_imatrix  # noqa: E402
 from dynaquant.errors import InputError  # noqa: E402
-from dynaquant.exporters import open_gguf_source, open_hf_source, write_gguf  # noqa: E402
-from dynaquant.exporters.gguf_inspect import inspect_gguf  # noqa: E402
+from dynaquant.exporters.gguf.inspect import inspect_gguf  # noqa: E402
+from dynaquant.exporters.gguf.writer import write_gguf  # noqa: E402
 from dynaquant.quant import get_format, quantize  # noqa: E402
+from dynaquant.sources.gguf import open_gguf_source  # noqa: E402
+from dynaquant.sources.hf import open_hf_source  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 TIME_LIMIT_S = 10
@@ -342,7 +344,7 @@ def _runtime_folder(tiny, tmp: Path, shard: bytes) -> Path:
 
 def _probe_runtime_load(folder: Path) -> None:
     from dynaquant import load
-    from dynaquant.runtime import is_runtime_checkpoint
+    from dynaquant.runtime.loader import is_runtime_checkpoint
 
     assert is_runtime_checkpoint(folder)
     model = load(folder, device="cpu", kernels=False)

@@ -72,9 +72,9 @@ def seeds(tmp_path_factory):
     from test_gguf_export import _tiny_checkpoint
 
     from dynaquant import make_dynamic_plan
-    from dynaquant.exporters import open_hf_source
-    from dynaquant.pipeline import model_info, tensor_infos
+    from dynaquant.pipeline.quantize import model_info, tensor_infos
     from dynaquant.quant.formats import get_format
+    from dynaquant.sources.hf import open_hf_source
 
     root = tmp_path_factory.mktemp("fuzz")
     _tiny_checkpoint(root / "ckpt", "llama", hidden_size=256, intermediate_size=512)
@@ -156,7 +156,7 @@ def _file_bytes(data, seed: dict) -> bytes:
 @SETTINGS
 @given(data=st.data())
 def test_fuzz_plan_json(seeds, data):
-    from dynaquant.pipeline import _load_plan
+    from dynaquant.pipeline.quantize import _load_plan
     from dynaquant.quant.plan import Plan
 
     root, _, seed, tensors = seeds
@@ -185,7 +185,7 @@ def test_fuzz_plan_json(seeds, data):
 @given(data=st.data())
 def test_fuzz_report_json(seeds, data):
     from dynaquant import make_dynamic_plan
-    from dynaquant.analysis.report import load_report
+    from dynaquant.analysis.report.schema import load_report
     from dynaquant.quant.planner import BudgetError
 
     root, seed, _, _ = seeds

@@ -25,19 +25,11 @@ import pytest
 import torch
 from gguf import GGUFReader, GGUFValueType
 
-from dynaquant.exporters import (
-    gguf_to_hf_name,
-    hf_to_gguf_name,
-    identify_bpe_pre_tokenizer,
-    kv_value_type,
-    open_gguf_source,
-    open_hf_source,
-    permute_qk,
-    unpermute_qk,
-    write_gguf,
-)
-from dynaquant.exporters.hf_source import PRE_TOKENIZER_CHECK_TEXT
+from dynaquant.exporters.gguf.writer import kv_value_type, write_gguf
+from dynaquant.names import gguf_to_hf_name, hf_to_gguf_name
 from dynaquant.quant import get_format, quantize
+from dynaquant.sources.gguf import open_gguf_source
+from dynaquant.sources.hf import PRE_TOKENIZER_CHECK_TEXT, identify_bpe_pre_tokenizer, open_hf_source, permute_qk, unpermute_qk
 
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 F32 = get_format("F32")
@@ -354,7 +346,7 @@ def test_tiny_checkpoints_run_in_llama_cpp(case, tmp_path, caplog):
     assert torch.equal(q, permute_qk(q_hf, 4) if src.arch == "llama" else q_hf)
 
     out = tmp_path / "tiny.gguf"
-    with caplog.at_level(logging.WARNING, logger="dynaquant.exporters.hf_source"):
+    with caplog.at_level(logging.WARNING, logger="dynaquant.sources.hf"):
         write_gguf(out, src, all_f32(src), encode, {}, file_type=gguf.LlamaFileType.ALL_F32, progress=False)
     assert "unknown BPE pre-tokenizer" in caplog.text
     r = GGUFReader(out)
@@ -590,7 +582,7 @@ def test_hf_folder_quantized_q8_0_greedy_matches_transformers(smollm_hf, tmp_pat
     from transformers import AutoTokenizer
 
     import dynaquant
-    from dynaquant.checkpoint import load_model, resolve_source
+    from dynaquant.sources.checkpoint import load_model, resolve_source
 
     res = dynaquant.quantize(str(smollm_hf), preset="Q8_0", output=tmp_path / "hf-q8.gguf",
                              calibration_chunks=2, progress=False)
@@ -686,7 +678,7 @@ IQ_PRESETS = ["IQ4_XS", "IQ3_M", "IQ3_S", "IQ3_XS", "IQ3_XXS", "IQ2_M", "IQ2_S",
 def test_presets_match_llama_quantize(preset, has_imatrix, preset_model):
     """Every tensor's type in our preset plan is the one ``llama-quantize --dry-run`` picks for the same
     file, with and without an imatrix, and we refuse exactly when llama.cpp would (``requires_imatrix``)."""
-    from dynaquant.pipeline import model_info, tensor_infos
+    from dynaquant.pipeline.quantize import model_info, tensor_infos
     from dynaquant.quant.planner import make_plan
     from dynaquant.quant.presets import requires_imatrix
 

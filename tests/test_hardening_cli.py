@@ -22,7 +22,7 @@ import pytest
 
 from dynaquant import cli
 from dynaquant.errors import InputError
-from dynaquant.preflight import Output, check_outputs, tensor_bytes_bound
+from dynaquant.pipeline.preflight import Output, check_outputs, tensor_bytes_bound
 from dynaquant.workdir import WORK_SUFFIX, pid_alive, run_workdir, stale_entries
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,8 +33,8 @@ def tiny(tmp_path_factory) -> tuple[Path, Path]:
     """(a tiny Llama checkpoint folder, the same model as an F32 GGUF file)."""
     from test_gguf_export import _tiny_checkpoint, all_f32, encode
 
-    from dynaquant.exporters.gguf_writer import write_gguf
-    from dynaquant.exporters.hf_source import open_hf_source
+    from dynaquant.exporters.gguf.writer import write_gguf
+    from dynaquant.sources.hf import open_hf_source
 
     d = tmp_path_factory.mktemp("tiny")
     _tiny_checkpoint(d / "ckpt", "llama")
@@ -46,14 +46,14 @@ def tiny(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Fail the test if a pipeline loads a model (the checks must come first)."""
-    import dynaquant.analyze_pipeline
-    import dynaquant.pipeline
-    import dynaquant.safetensors_pipeline
+    import dynaquant.pipeline.analyze
+    import dynaquant.pipeline.quantize
+    import dynaquant.pipeline.safetensors
 
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the outputs were checked")
 
-    for mod in (dynaquant.pipeline, dynaquant.analyze_pipeline, dynaquant.safetensors_pipeline):
+    for mod in (dynaquant.pipeline.quantize, dynaquant.pipeline.analyze, dynaquant.pipeline.safetensors):
         monkeypatch.setattr(mod, "load_model", refuse)
 
 
@@ -107,21 +107,21 @@ def test_option_parser_keeps_good_numbers():
 @pytest.mark.parametrize("kw", [dict(bpw=float("inf")), dict(bpw=1e308), dict(bpw=float("nan")), dict(bpw=0.0),
                                 dict(bpw=-2.0), dict(size=0), dict(size=-1), dict(size=float("inf")), dict(size=1e400)])
 def test_library_refuses_unusable_budgets_before_any_work(kw, monkeypatch):
-    import dynaquant.analyze_pipeline
-    import dynaquant.pipeline
+    import dynaquant.pipeline.analyze
+    import dynaquant.pipeline.quantize
     from dynaquant import make_dynamic_plan, quantize
 
     def refuse(*a, **k):
         raise AssertionError("the source was opened before the budget was checked")
 
-    monkeypatch.setattr(dynaquant.pipeline, "resolve_source", refuse)
+    monkeypatch.setattr(dynaquant.pipeline.quantize, "resolve_source", refuse)
     name = next(iter(kw))
     with pytest.raises(ValueError, match=f"^{name}=") as e:
         quantize("anything", **kw)
     assert isinstance(e.value, InputError)
     with pytest.raises(ValueError, match=f"^{name}="):
         quantize("anything", target="safetensors", **kw)
-    monkeypatch.setattr(dynaquant.analyze_pipeline, "get_format", refuse)
+    monkeypatch.setattr(dynaquant.pipeline.analyze, "get_format", refuse)
     with pytest.raises(ValueError, match=f"^{name}="):
         make_dynamic_plan({"tensors": []}, **kw)
 
@@ -141,24 +141,24 @@ def test_library_refuses_unusable_budgets_before_any_work(kw, monkeypatch):
     (KeyboardInterrupt(), 130, "dynaquant inspect: interrupted"),
 ])
 def test_exit_status_and_one_line(exc, rc, line, monkeypatch, capsys):
-    import dynaquant
+    import dynaquant.exporters.gguf.inspect as gguf_inspect
 
     def boom(*a, **k):
         raise exc
 
-    monkeypatch.setattr(dynaquant, "inspect_gguf", boom)
+    monkeypatch.setattr(gguf_inspect, "inspect_gguf", boom)
     assert cli.main(["inspect", "m.gguf"]) == rc
     out = capsys.readouterr()
     assert out.err.splitlines() == [line] and out.out == ""
 
 
 def test_a_bug_exits_1_with_the_traceback_and_a_request_to_report_it(monkeypatch, capsys):
-    import dynaquant
+    import dynaquant.exporters.gguf.inspect as gguf_inspect
 
     def boom(*a, **k):
         raise RuntimeError("internal invariant broken")
 
-    monkeypatch.setattr(dynaquant, "inspect_gguf", boom)
+    monkeypatch.setattr(gguf_inspect, "inspect_gguf", boom)
     assert cli.main(["inspect", "m.gguf"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("Traceback") and "RuntimeError: internal invariant broken" in err
@@ -259,7 +259,7 @@ def test_save_plan_equal_to_the_output_is_refused(tiny, tmp_path, no_model_load)
 def test_analyze_plan_and_report_refuse_their_inputs_as_outputs(tiny, tmp_path, no_model_load):
     from dynaquant import analyze, make_dynamic_plan
     from dynaquant.analysis.calibration import CalibrationSpec
-    from dynaquant.analysis.report_html import render_report_cli
+    from dynaquant.analysis.report.html import render_report_cli
 
     rep = tmp_path / "report.json"
     rep.write_text("precious report")
@@ -280,14 +280,14 @@ def test_analyze_plan_and_report_refuse_their_inputs_as_outputs(tiny, tmp_path, 
 
 
 def test_plan_refuses_the_imatrix_beside_the_report(tmp_path, monkeypatch):
-    import dynaquant.analyze_pipeline
+    import dynaquant.pipeline.analyze
     from dynaquant import make_dynamic_plan
 
     rep = tmp_path / "report.json"
     rep.write_text("{}")
     (tmp_path / "imatrix.gguf").write_bytes(b"imatrix")
-    monkeypatch.setattr("dynaquant.analysis.report.load_report", lambda p: {"imatrix": "imatrix.gguf", "tensors": []})
-    monkeypatch.setattr(dynaquant.analyze_pipeline, "make_plan", lambda *a, **k: pytest.fail("planned"))
+    monkeypatch.setattr("dynaquant.analysis.report.schema.load_report", lambda p: {"imatrix": "imatrix.gguf", "tensors": []})
+    monkeypatch.setattr(dynaquant.pipeline.analyze, "make_plan", lambda *a, **k: pytest.fail("planned"))
     with pytest.raises(InputError, match="is the imatrix"):
         make_dynamic_plan(rep, bpw=4.0, output=tmp_path / "imatrix.gguf")
     assert (tmp_path / "imatrix.gguf").read_bytes() == b"imatrix"
@@ -354,17 +354,17 @@ def test_missing_disk_space_fails_before_any_work(tiny, tmp_path, monkeypatch, n
 
 @pytest.mark.parametrize("preset", ["F32", "Q8_0", "Q4_K_M"])
 def test_disk_bound_is_an_upper_bound(tiny, tmp_path, preset, monkeypatch):
-    import dynaquant.pipeline
+    import dynaquant.pipeline.quantize
     from dynaquant import quantize
 
     seen: list[Output] = []
-    real = dynaquant.pipeline.check_outputs
+    real = dynaquant.pipeline.quantize.check_outputs
 
     def spy(outputs, **kw):
         seen.extend(outputs)
         return real(outputs, **kw)
 
-    monkeypatch.setattr(dynaquant.pipeline, "check_outputs", spy)
+    monkeypatch.setattr(dynaquant.pipeline.quantize, "check_outputs", spy)
     res = quantize(str(tiny[1]), preset=preset, use_imatrix=False, output=tmp_path / "o.gguf", progress=False)
     bound = [o.max_bytes for o in seen if o.max_bytes is not None]
     assert len(bound) == 1 and res.size_bytes <= bound[0] <= res.size_bytes + 64 * 1024
@@ -389,7 +389,7 @@ def test_tensor_bytes_bound():
 @pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"), OSError("24576 requested and 16320 written")])
 def test_full_disk_mid_file_names_the_output_and_leaves_nothing(tiny, tmp_path, monkeypatch, error):
     from dynaquant import quantize
-    from dynaquant.exporters import gguf_writer
+    from dynaquant.exporters.gguf import writer as gguf_writer
 
     calls = []
     real = gguf_writer._Writer.write_tensor_data
@@ -413,7 +413,7 @@ def test_full_disk_in_the_safetensors_writer_names_the_output(tmp_path, monkeypa
     import torch
     from safetensors import SafetensorError
 
-    import dynaquant.exporters.safetensors_writer as sw
+    import dynaquant.exporters.safetensors.writer as sw
     from dynaquant.quant.plan import Plan, PlanEntry
 
     plan = Plan("safetensors", "m", [PlanEntry("blk.0.ffn_up.weight", "model.layers.0.mlp.up_proj.weight", (8, 32), "F16",
@@ -432,7 +432,7 @@ def test_full_disk_in_the_safetensors_writer_names_the_output(tmp_path, monkeypa
 def _cli_proc(args: list[str], cwd: Path, slow_s: float = 0.0, fsize: int | None = None, **kw) -> subprocess.Popen:
     """``python -m dynaquant.cli ARGS`` (each tensor's encoding slowed by ``slow_s``; file size limit ``fsize``)."""
     code = ("import sys, time\n"
-            "import dynaquant.pipeline as p\n"
+            "import dynaquant.pipeline.quantize as p\n"
             f"if {slow_s}:\n"
             "    real = p.encode_tensor\n"
             f"    p.encode_tensor = lambda *a, **k: (time.sleep({slow_s}), real(*a, **k))[1]\n"
@@ -531,7 +531,7 @@ def test_run_workdir_is_removed_on_success_error_and_interrupt(tmp_path):
 # --- --save-plan: atomic, and written before the encoding (defect 6) ---------------------------------------------
 
 def test_save_plan_is_written_before_the_encoding(tiny, tmp_path, monkeypatch):
-    import dynaquant.pipeline
+    import dynaquant.pipeline.quantize
     from dynaquant import quantize
 
     saved = tmp_path / "plan.json"
@@ -540,7 +540,7 @@ def test_save_plan_is_written_before_the_encoding(tiny, tmp_path, monkeypatch):
         assert json.loads(saved.read_text())["tensors"]  # complete, before the first tensor is encoded
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(dynaquant.pipeline, "write_gguf", stop)
+    monkeypatch.setattr(dynaquant.pipeline.quantize, "write_gguf", stop)
     with pytest.raises(KeyboardInterrupt):
         quantize(str(tiny[1]), preset="Q8_0", use_imatrix=False, output=tmp_path / "o.gguf", save_plan=saved, progress=False)
     d = json.loads(saved.read_text())

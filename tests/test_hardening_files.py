@@ -20,8 +20,9 @@ import pytest
 import dynaquant
 from dynaquant.cli import main
 from dynaquant.errors import InputError
-from dynaquant.exporters import open_hf_source, write_gguf
+from dynaquant.exporters.gguf.writer import write_gguf
 from dynaquant.quant import get_format, quantize
+from dynaquant.sources.hf import open_hf_source
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +132,7 @@ def test_missing_imatrix_exits_2_naming_it(tiny, tmp_path, capsys):
 
 def test_runtime_load_refuses_damaged_shard_and_index(tiny, tmp_path, capsys):
     from dynaquant import load
-    from dynaquant.runtime import is_runtime_checkpoint
+    from dynaquant.runtime.loader import is_runtime_checkpoint
 
     raw = (tiny["ckpt"] / "model.safetensors").read_bytes()
     folder = _folder_with_shard(tiny, tmp_path, raw[: len(raw) // 2])

@@ -63,7 +63,7 @@ def _dequantized(path) -> dict[str, np.ndarray]:
 
 def test_check_finite_names_counts_and_replaces():
     from dynaquant.errors import InputError
-    from dynaquant.nonfinite import check_finite, replace_nonfinite
+    from dynaquant.sources.nonfinite import check_finite, replace_nonfinite
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(5, 7, generator=g)
@@ -99,7 +99,7 @@ def test_nonfinite_weights_exit_2_on_preset_paths(ckpts, tmp_path, capsys, prese
 
 def test_nonfinite_weights_refused_before_the_imatrix_pass(ckpts, tmp_path, monkeypatch):
     """The preset path that calibrates checks the loaded model before its first forward pass."""
-    import dynaquant.pipeline as pipeline
+    import dynaquant.pipeline.quantize as pipeline
     from dynaquant.errors import InputError
 
     def no_forward(*a, **k):
@@ -134,7 +134,7 @@ def test_allow_nonfinite_writes_a_finite_file(ckpts, tmp_path, capsys, caplog, p
 
 
 def test_nonfinite_weights_exit_2_on_the_dynamic_path_before_calibration(ckpts, tmp_path, capsys, monkeypatch):
-    import dynaquant.analyze_pipeline as ap
+    import dynaquant.pipeline.analyze as ap
 
     def no_analysis(*a, **k):
         raise AssertionError("the analysis ran on a model with NaN weights")
@@ -166,9 +166,9 @@ def test_allow_nonfinite_on_the_dynamic_path(ckpts, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def q8_plan(ckpts):
     """The good checkpoint's Q8_0 preset plan as a JSON dict."""
-    from dynaquant.exporters import open_hf_source
-    from dynaquant.pipeline import model_info, tensor_infos
+    from dynaquant.pipeline.quantize import model_info, tensor_infos
     from dynaquant.quant.planner import make_plan
+    from dynaquant.sources.hf import open_hf_source
 
     ts = open_hf_source(ckpts[0])
     return make_plan(tensor_infos(ts), model_info(ts), "tiny", preset="Q8_0").to_dict()
@@ -231,7 +231,7 @@ MUTATIONS = {  # mutation -> what the message must say (besides the file name)
 
 @pytest.mark.parametrize("how", list(MUTATIONS))
 def test_bad_plan_entries_are_named(q8_plan, tmp_path, how):
-    from dynaquant.pipeline import _load_plan
+    from dynaquant.pipeline.quantize import _load_plan
 
     p = tmp_path / "plan.json"
     p.write_text(json.dumps(_mutate(q8_plan, how)))
@@ -305,7 +305,7 @@ def _report(**tensor_changes) -> dict:
 @pytest.mark.parametrize("field,value", [("kld_pred", -0.5), ("kld_pred", float("nan")), ("kld_pred", float("inf")),
                                          ("output_rel", -1.0), ("size_bytes", "big"), ("bpw", True)])
 def test_reports_with_negative_or_nan_errors_are_refused(tmp_path, capsys, field, value):
-    from dynaquant.analysis.report import load_report
+    from dynaquant.analysis.report.schema import load_report
     from dynaquant.errors import InputError
 
     p = tmp_path / "report.json"
@@ -336,7 +336,7 @@ def test_a_valid_report_still_plans(tmp_path, capsys):
     (lambda d: d.update(sensitivity=[{"group": "blk.0.ffn", "kld": -1.0}]), "sensitivity[0] (blk.0.ffn).kld is -1.0"),
 ])
 def test_malformed_reports_are_named(tmp_path, change, message):
-    from dynaquant.analysis.report import load_report
+    from dynaquant.analysis.report.schema import load_report
     from dynaquant.errors import InputError
 
     d = _report()
@@ -350,7 +350,8 @@ def test_malformed_reports_are_named(tmp_path, change, message):
 
 @pytest.mark.parametrize("command", ["quantize", "analyze"])
 def test_cli_passes_allow_nonfinite(monkeypatch, capsys, command):
-    import dynaquant
+    import importlib
+
     from dynaquant.errors import InputError
 
     seen = []
@@ -359,7 +360,8 @@ def test_cli_passes_allow_nonfinite(monkeypatch, capsys, command):
         seen.append(k["allow_nonfinite"])
         raise InputError("stop here")
 
-    monkeypatch.setattr(dynaquant, command, fake)
+    # the CLI calls the pipeline stage's function (it does not import the package's face)
+    monkeypatch.setattr(importlib.import_module(f"dynaquant.pipeline.{command}"), command, fake)
     assert _main(capsys, command, "some-model", "--no-eval" if command == "quantize" else "--no-super-weights")[0] == 2
     assert _main(capsys, command, "some-model", "--allow-nonfinite")[0] == 2
     assert seen == [False, True]

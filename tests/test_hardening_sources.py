@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dynaquant.checkpoint import (
+from dynaquant.errors import InputError
+from dynaquant.sources.checkpoint import (
     RemoteCodeError,
     SourceRecord,
     content_sha256,
@@ -24,7 +25,6 @@ from dynaquant.checkpoint import (
     resolve_source,
     source_label,
 )
-from dynaquant.errors import InputError
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dynaquant"
 REPO = PACKAGE.parent
@@ -97,7 +97,7 @@ def test_every_from_pretrained_goes_through_the_one_door():
     # and the door itself takes the flag as a required keyword (no default to forget)
     import inspect
 
-    from dynaquant import checkpoint
+    from dynaquant.sources import checkpoint
 
     for fn in (checkpoint.from_pretrained, checkpoint.from_config):
         p = inspect.signature(fn).parameters["trust_remote_code"]
@@ -159,7 +159,7 @@ def test_hostile_checkpoint_needs_the_flag_and_runs_nothing(hostile, tmp_path):
         assert str(evil) in last and "--trust-remote-code" in last and "configuration_evil.py" in last, (what, last)
     assert not (tmp_path / "out.gguf").exists() and not (tmp_path / "analysis" / "report.json").exists()
     with pytest.raises(RemoteCodeError, match="tokenization_evil.py"):
-        from dynaquant.checkpoint import load_tokenizer
+        from dynaquant.sources.checkpoint import load_tokenizer
 
         load_tokenizer(resolve_source(evil))
     assert not marker.exists()
@@ -190,7 +190,7 @@ def test_invalid_config_json_is_named(tiny, tmp_path, text, why):
     shutil.copytree(tiny, folder)
     cfg = folder / "config.json"
     cfg.write_bytes(text if isinstance(text, bytes) else text.encode())
-    from dynaquant.pipeline import open_tensor_source
+    from dynaquant.pipeline.quantize import open_tensor_source
 
     src = resolve_source(folder)
     for read in (lambda: read_config(src), lambda: open_tensor_source(src)):
@@ -289,7 +289,7 @@ def test_default_and_gguf_sources_are_labels(tmp_path):
 
 
 def test_eval_finds_a_local_source_only_locally_and_checks_its_hash(tiny, tmp_path, monkeypatch):
-    from dynaquant.pipeline import recorded_source
+    from dynaquant.pipeline.quantize import recorded_source
 
     work = tmp_path / "work"
     shutil.copytree(tiny, work / "models" / "tiny")
@@ -344,9 +344,9 @@ def test_eval_cli_exit_2_for_a_missing_local_source(tiny, tmp_path, monkeypatch)
 def test_safetensors_checkpoint_records_the_source(tiny, tmp_path, monkeypatch):
     """The safetensors target records the same label, kind and hash, and its files do not depend on the folder."""
     import dynaquant
-    from dynaquant.pipeline import model_info, open_tensor_source, tensor_infos
+    from dynaquant.pipeline.quantize import model_info, open_tensor_source, tensor_infos
+    from dynaquant.pipeline.safetensors import recorded_source_of_checkpoint
     from dynaquant.quant.planner import make_plan
-    from dynaquant.safetensors_pipeline import recorded_source_of_checkpoint
 
     ts = open_tensor_source(resolve_source(tiny))
     plan = make_plan(tensor_infos(ts), model_info(ts), "tiny", bpw=12.0, target="safetensors", rules=[r".*=INT8_G32"])
@@ -405,7 +405,7 @@ def test_pickle_copy_removed_after_success_failure_and_interrupt(pickled, tmp_pa
                TMPDIR=str(tmp))
     assert bad.returncode == 2 and "missing.json" in bad.stderr
     assert leftovers() == []
-    script = ("from dynaquant.checkpoint import resolve_source\n"
+    script = ("from dynaquant.sources.checkpoint import resolve_source\n"
               f"s = resolve_source({str(pickled)!r}, allow_pickle=True)\n"
               "assert list(s.path.glob('*.safetensors'))\n"
               "raise KeyboardInterrupt\n")

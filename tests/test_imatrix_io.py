@@ -276,7 +276,7 @@ def test_our_imatrix_agrees_with_llama_imatrix(default_model, default_tokenizer,
     """Same model, same text, same chunking: per-column E[x^2] of torch and llama.cpp agree."""
     from dynaquant.analysis.calibration import tokenize_chunks
     from dynaquant.analysis.imatrix import compute_imatrix
-    from dynaquant.exporters.gguf_names import hf_to_gguf_name
+    from dynaquant.names import hf_to_gguf_name
 
     chunks = tokenize_chunks(default_tokenizer, (DATA / "imatrix_calibration.txt").read_text(), 128, 2)
     im = compute_imatrix(default_model, chunks, "imatrix_calibration.txt", progress=False)

@@ -141,16 +141,16 @@ def test_analysis_report_has_routing_and_expert_errors(analysed):
     s, c = data.sums["blk.1.ffn_down_exps.weight"], data.counts["blk.1.ffn_down_exps.weight"]
     assert tuple(s.shape) == (4, 256) and [int(v) for v in c] == rows[1]["tokens"]
     # the HTML report draws the routing
-    from dynaquant.analysis.report_html import build_report_page
+    from dynaquant.analysis.report.html import build_report_page
 
     page = build_report_page(r)
     assert "fig-routing" in page.figures
 
 
 def test_unrouted_experts_fall_back(tmp_path):
-    from dynaquant.analyze_pipeline import run_analysis
-    from dynaquant.checkpoint import load_model, load_tokenizer, resolve_source
-    from dynaquant.exporters import open_hf_source
+    from dynaquant.pipeline.analyze import run_analysis
+    from dynaquant.sources.checkpoint import load_model, load_tokenizer, resolve_source
+    from dynaquant.sources.hf import open_hf_source
 
     _tiny_moe(tmp_path / "ckpt", "qwen2moe")
     source = resolve_source(str(tmp_path / "ckpt"))
@@ -238,9 +238,9 @@ def _decoded_model(ckpt, gguf_path):
     """The transformers model of ``ckpt`` holding the GGUF file's decoded weights, and the file's types."""
     from gguf import GGUFReader
 
-    from dynaquant.checkpoint import resolve_source
-    from dynaquant.decoded import load_decoded
-    from dynaquant.exporters import open_hf_source
+    from dynaquant.runtime.decoded import load_decoded
+    from dynaquant.sources.checkpoint import resolve_source
+    from dynaquant.sources.hf import open_hf_source
 
     formats = {rt.name: rt.tensor_type.name for rt in GGUFReader(gguf_path).tensors}
     return load_decoded(gguf_path, resolve_source(str(ckpt)), open_hf_source(ckpt)), formats

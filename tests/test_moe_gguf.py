@@ -26,9 +26,11 @@ import torch
 from gguf import GGUFReader
 from test_gguf_export import _tiny_tokenizer, encode
 
-from dynaquant.exporters import open_gguf_source, open_hf_source, write_gguf
-from dynaquant.exporters.gguf_names import gguf_to_hf_name, hf_to_gguf_name
+from dynaquant.exporters.gguf.writer import write_gguf
+from dynaquant.names import gguf_to_hf_name, hf_to_gguf_name
 from dynaquant.quant import get_format
+from dynaquant.sources.gguf import open_gguf_source
+from dynaquant.sources.hf import open_hf_source
 
 logger = logging.getLogger(__name__)
 
@@ -378,7 +380,7 @@ def test_moe_presets_match_llama_quantize(case, preset, tmp_path):
     ``llama-quantize --dry-run`` picks (expert-aware ffn_down rules, F32 routers, MLA tensors)."""
     from test_gguf_export import _llama_quantize, _llama_quantize_types
 
-    from dynaquant.pipeline import model_info, tensor_infos
+    from dynaquant.pipeline.quantize import model_info, tensor_infos
     from dynaquant.quant.planner import make_plan
 
     exe = _llama_quantize()
@@ -553,7 +555,7 @@ def test_mxfp4_gpt_oss_checkpoint(tmp_path):
 def test_mxfp4_experts_stay_mxfp4(tmp_path):
     """The default rules keep gpt-oss's MXFP4 experts in MXFP4 (GGUF type MXFP4, our runtime's MXFP4_G32),
     and re-encoding them (with any imatrix) gives back exactly the released values: no second rounding."""
-    from dynaquant.pipeline import model_info, tensor_infos
+    from dynaquant.pipeline.quantize import model_info, tensor_infos
     from dynaquant.quant.codecs import dequantize, quantize
     from dynaquant.quant.planner import default_rules, make_plan
 
@@ -601,7 +603,7 @@ def smollm_tokenizer():
     """SmolLM2's tokenizer, read from the embedded default model's GGUF by transformers."""
     from transformers import AutoTokenizer
 
-    from dynaquant.checkpoint import SourceError, default_model_path
+    from dynaquant.sources.checkpoint import SourceError, default_model_path
 
     try:
         path = default_model_path()

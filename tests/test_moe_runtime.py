@@ -5,7 +5,7 @@ DeepSeek-V3 (MLA, a dense first block, sigmoid group routing, a shared expert), 
 interleaved gate/up, clamped SwiGLU)), quantized through the real pipeline (``dynaquant.analyze`` on 4
 sequences of 64 tokens with a few runtime candidates, then ``dynaquant.quantize(target="safetensors",
 bpw=...)``); and gpt-oss once more through the planner and writer directly on the transformers model
-(:func:`dynaquant.runtime_moe.checkpoint_weights`, default rules, a per-expert imatrix with an unrouted expert).
+(:func:`dynaquant.runtime.moe.checkpoint_weights`, default rules, a per-expert imatrix with an unrouted expert).
 
 Oracle: the transformers model holding the weights ``dynaquant.load`` decoded (every quantized linear and
 expert, the BF16 / F32 tensors as stored), run in float32. The two differ only in summation order (each
@@ -25,17 +25,17 @@ from safetensors import safe_open
 from test_moe_gguf import IDS, MOE, ROUTER_STD, _router_margin, _router_names, _tiny_moe
 
 import dynaquant
-import dynaquant.runtime as rt
+import dynaquant.runtime.loader as rt
 from dynaquant.analysis.calibration import CalibrationSpec
 from dynaquant.analysis.experts import PROJS, expert_weight, find_experts
-from dynaquant.exporters.safetensors_writer import unquantized_linears, write_safetensors
+from dynaquant.exporters.safetensors.writer import unquantized_linears, write_safetensors
 from dynaquant.quant.formats import get_format
 from dynaquant.quant.plan import TensorInfo
 from dynaquant.quant.planner import default_rules, make_plan
 from dynaquant.quant.presets import ModelInfo
 from dynaquant.quant.runtime import encode
-from dynaquant.runtime import DynaLinear
-from dynaquant.runtime_moe import DynaExperts, checkpoint_weights, encode_experts
+from dynaquant.runtime.loader import DynaLinear
+from dynaquant.runtime.moe import DynaExperts, checkpoint_weights, encode_experts
 
 LOGIT_RTOL = 1e-5
 CANDIDATES = ("INT2_G128", "INT2_G64", "INT3_G128", "INT4_G128", "INT4_G32", "INT8_G128", "INT8_G32")

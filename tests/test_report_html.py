@@ -16,7 +16,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from dynaquant.analysis.report_html import (
+from dynaquant.analysis.report.html import (
     build_report_page,
     layer_error_curves,
     plan_grid,

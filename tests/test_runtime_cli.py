@@ -38,7 +38,7 @@ def _cli(*args):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, default_source, default_model):
-    from dynaquant.pipeline import model_info, open_tensor_source, tensor_infos
+    from dynaquant.pipeline.quantize import model_info, open_tensor_source, tensor_infos
 
     d = tmp_path_factory.mktemp("st")
     ts = open_tensor_source(default_source)
@@ -113,7 +113,7 @@ def test_transformers_loader_agrees(checkpoint, default_tokenizer):
     from transformers import AutoModelForCausalLM
 
     import dynaquant
-    from dynaquant.runtime import DynaLinear
+    from dynaquant.runtime.loader import DynaLinear
 
     folder = checkpoint[0]
     ids = default_tokenizer(PROMPT, return_tensors="pt").input_ids

@@ -19,12 +19,12 @@ import torch
 from test_plan import SMOL, smollm2_tensors
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-import dynaquant.runtime as rt
-from dynaquant.exporters.safetensors_writer import module_regexes, unquantized_linears, write_safetensors
+import dynaquant.runtime.loader as rt
+from dynaquant.exporters.safetensors.writer import module_regexes, unquantized_linears, write_safetensors
 from dynaquant.quant.plan import Plan, PlanEntry
 from dynaquant.quant.planner import BudgetError, Rule, default_rules, make_plan
 from dynaquant.quant.runtime import decode, encode
-from dynaquant.runtime import DynaLinear, load
+from dynaquant.runtime.loader import DynaLinear, load
 
 MIXED = ("INT4_G128", "INT3_G32_ASYM", "INT2_G64_ASYM", "INT8_G32", "MXFP4_G32", "NVFP4_G16", "INT4_G64_ASYM", "INT2_G32")
 
@@ -282,7 +282,7 @@ def _report(candidates):
 
 def test_dynamic_plan_for_safetensors_from_a_report(tmp_path):
     from dynaquant import make_dynamic_plan
-    from dynaquant.analyze_pipeline import expand_formats
+    from dynaquant.pipeline.analyze import expand_formats
 
     cands = expand_formats("Q4_K,safetensors")
     assert cands[0] == "Q4_K" and "INT4_G128" in cands and "NVFP4_G16" in cands

@@ -24,10 +24,11 @@ import pytest
 import torch
 from gguf import GGUFReader
 
-from dynaquant.exporters import open_hf_source, write_gguf
-from dynaquant.exporters.hf_vl import HFQwen2VLSource, vl_legacy_name, vl_param_name
-from dynaquant.exporters.mmproj import open_mmproj_source, write_mmproj
+from dynaquant.exporters.gguf.mmproj import open_mmproj_source, write_mmproj
+from dynaquant.exporters.gguf.writer import write_gguf
 from dynaquant.quant import get_format
+from dynaquant.sources.hf import open_hf_source
+from dynaquant.sources.hf_vl import HFQwen2VLSource, vl_legacy_name, vl_param_name
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
            "<|image_pad|>", "<|video_pad|>"]
@@ -320,7 +321,7 @@ def test_pipeline_quantize_writes_lm_and_mmproj(tmp_path):
     pytest.importorskip("llama_cpp")
     pytest.importorskip("llama_cpp.mtmd_cpp")
     from dynaquant.analysis.imatrix import Imatrix
-    from dynaquant.pipeline import imatrix_by_gguf_name, quantize
+    from dynaquant.pipeline.quantize import imatrix_by_gguf_name, quantize
 
     ckpt = tmp_path / "ckpt"
     model = _tiny_vl_checkpoint(ckpt)

@@ -23,9 +23,9 @@ import torch
 import dynaquant
 from dynaquant.analysis.calibration import CalibrationSpec
 from dynaquant.analysis.vl_calibration import _prompt, load_images, load_processor, synthetic_images
-from dynaquant.exporters.hf_vl_full import open_vl_full_source
 from dynaquant.quant.formats import get_format
-from dynaquant.runtime import DynaLinear
+from dynaquant.runtime.loader import DynaLinear
+from dynaquant.sources.hf_vl_full import open_vl_full_source
 
 # a few cheap formats: INT8 for the vision floor, INT4 for the language model
 CANDIDATES = ("INT4_G32", "INT8_G128", "INT8_G32")
@@ -304,8 +304,8 @@ def test_gptq_text_model_vision_plain(checkpoints, quantized, tmp_path):
 
 def test_report_vision_figures(quantized):
     """The HTML report has vision-tower error curves and heat maps; Mllama's cross-attention kinds show."""
-    from dynaquant.analysis.report_html import build_report_page, layer_error_curves
-    from dynaquant.analysis.report_vl import vision_report
+    from dynaquant.analysis.report.html import build_report_page, layer_error_curves
+    from dynaquant.analysis.report.vl import vision_report
 
     for arch in ARCHS:
         res, q, _ = quantized[arch]
@@ -330,7 +330,7 @@ def test_gguf_refused(checkpoints, arch, tmp_path):
 
 def test_qwen2vl_gguf_source_unchanged(checkpoints):
     """The GGUF path still lists only Qwen2-VL's language model."""
-    from dynaquant.exporters import open_hf_source
+    from dynaquant.sources.hf import open_hf_source
 
     names = [t.gguf_name for t in open_hf_source(checkpoints["qwen2vl"]).tensors()]
     assert names and not any(n.startswith(("v.", "mm.")) for n in names)

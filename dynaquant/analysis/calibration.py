@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .texts import default_calibration_text, read_text
+from dynaquant.analysis.texts import default_calibration_text, read_text
 
 
 def tokenize_chunks(tokenizer, text: str, n_ctx: int = 512, n_chunks: int | None = None,

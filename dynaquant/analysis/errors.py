@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..quant.codecs import dequantize, quantize
-from ..quant.formats import get_format
+from dynaquant.quant.codecs import dequantize, quantize
+from dynaquant.quant.formats import get_format
 
 
 @dataclass(frozen=True)

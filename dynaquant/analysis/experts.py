@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import RowWeights
+from dynaquant.analysis.errors import RowWeights
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 _STACKED = re.compile(r"^(.*\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -285,7 +285,7 @@ def measure_expert_errors(module: torch.nn.Module, proj: str, st: ExpertStats, f
     Returns:
         (format name -> :class:`.errors.TensorError` for the whole stack, experts that used a fallback).
     """
-    from .errors import TensorError, measure_errors
+    from dynaquant.analysis.errors import TensorError, measure_errors
 
     w = expert_weight(module, proj).detach()
     share = st.tokens.double().cpu().clamp_min(0.5)

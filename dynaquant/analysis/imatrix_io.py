@@ -33,10 +33,10 @@ import gguf
 import numpy as np
 import torch
 
-from ..errors import InputError
-from ..readers import gguf_field, open_gguf
-from ..workdir import run_workdir, writing
-from .imatrix import Imatrix
+from dynaquant.analysis.imatrix import Imatrix
+from dynaquant.errors import InputError
+from dynaquant.sources.readers import gguf_field, open_gguf
+from dynaquant.workdir import run_workdir, writing
 
 logger = logging.getLogger(__name__)
 

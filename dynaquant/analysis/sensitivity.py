@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable
 import torch
 from tqdm.auto import tqdm
 
-from ..quant.codecs import dequantize, quantize
-from ..quant.formats import get_format, resolve_for_row
+from dynaquant.quant.codecs import dequantize, quantize
+from dynaquant.quant.formats import get_format, resolve_for_row
 
 
 class ReferenceLogits:

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from . import experts as moe
-from .imatrix import Imatrix
+from dynaquant.analysis import experts as moe
+from dynaquant.analysis.imatrix import Imatrix
 
 
 @dataclass

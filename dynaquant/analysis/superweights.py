@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .stats import ModelStats
+from dynaquant.analysis.stats import ModelStats
 
 _DOWN = re.compile(r"^(?:.*\.)?layers\.(\d+)\.mlp\.down_proj$")
 

@@ -1,6 +1,6 @@
 """Image + text calibration for vision-language models.
 
-The analysis of a VL checkpoint (:class:`dynaquant.exporters.hf_vl_full.VLFullSource`) runs each
+The analysis of a VL checkpoint (:class:`dynaquant.sources.hf_vl_full.VLFullSource`) runs each
 image through the model's processor together with a piece of the text calibration (wrapped in the
 processor's chat template when it has one, else the image placeholder in front of the text), so the
 vision tower, the projector, the language model (and Mllama's cross-attention layers) all see
@@ -123,7 +123,7 @@ def load_processor(folder: str | os.PathLike, tokenizer=None, *, trust_remote_co
     """
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
-    from ..checkpoint import RemoteCodeError, from_pretrained
+    from dynaquant.sources.checkpoint import RemoteCodeError, from_pretrained
 
     trust = {"trust_remote_code": trust_remote_code}
     try:

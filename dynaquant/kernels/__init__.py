@@ -10,11 +10,11 @@ Public API (importing this package does not import Triton):
     choose_config(fmt, m, n, k, device_info(device)) -> LaunchConfig   cached launch tuning
 """
 
-from .formats import KernelFormat
-from .ops import dequantize, linear, uses_triton
-from .packing import PackedWeight, pack, unpack
-from .reference import dequantize_packed_ref, dequantize_ref, e2m1_to_float, e8m0_to_float, linear_ref
-from .tuning import DeviceInfo, LaunchConfig, choose_config, device_info, valid_config
+from dynaquant.kernels.formats import KernelFormat
+from dynaquant.kernels.ops import dequantize, linear, uses_triton
+from dynaquant.kernels.packing import PackedWeight, pack, unpack
+from dynaquant.kernels.reference import dequantize_packed_ref, dequantize_ref, e2m1_to_float, e8m0_to_float, linear_ref
+from dynaquant.kernels.tuning import DeviceInfo, LaunchConfig, choose_config, device_info, valid_config
 
 __all__ = ["KernelFormat", "PackedWeight", "LaunchConfig", "DeviceInfo", "pack", "unpack", "linear", "dequantize",
            "uses_triton", "dequantize_ref", "dequantize_packed_ref", "linear_ref", "e2m1_to_float", "e8m0_to_float",

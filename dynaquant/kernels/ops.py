@@ -13,9 +13,9 @@ import os
 
 import torch
 
-from .packing import PackedWeight
-from .reference import dequantize_packed_ref
-from .tuning import LaunchConfig, choose_config, device_info, valid_config
+from dynaquant.kernels.packing import PackedWeight
+from dynaquant.kernels.reference import dequantize_packed_ref
+from dynaquant.kernels.tuning import LaunchConfig, choose_config, device_info, valid_config
 
 __all__ = ["linear", "dequantize", "uses_triton"]
 
@@ -71,7 +71,7 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = No
     cfg = config if config is not None else choose_config(packed.fmt, m, n, k, device_info(x.device))
     if not valid_config(cfg, packed.fmt, m, n, k):
         raise ValueError(f"launch configuration {cfg} does not fit m={m}, n={n}, k={k} in {packed.fmt.name}")
-    from . import triton_linear
+    from dynaquant.kernels import triton_linear
 
     y = triton_linear.run_linear(x2, packed, bias, cfg)
     return _apply_super(y, x2, packed).reshape(*lead, n)
@@ -82,7 +82,7 @@ def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.bfloat16) -> tor
     probe = torch.empty(0, dtype=torch.bfloat16, device=packed.device)
     if not uses_triton(probe) or dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return dequantize_packed_ref(packed).to(dtype)
-    from . import triton_linear
+    from dynaquant.kernels import triton_linear
 
     w = triton_linear.dequantize(packed, dtype)
     if packed.super_weights is not None:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .formats import KernelFormat
-from .packing import PackedWeight, unpack
+from dynaquant.kernels.formats import KernelFormat
+from dynaquant.kernels.packing import PackedWeight, unpack
 
 __all__ = ["E2M1_VALUES", "e2m1_to_float", "e8m0_to_float", "dequantize_ref", "linear_ref", "dequantize_packed_ref"]
 

@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import KernelFormat
-from .packing import PackedWeight
-from .tuning import LaunchConfig
+from dynaquant.kernels.formats import KernelFormat
+from dynaquant.kernels.packing import PackedWeight
+from dynaquant.kernels.tuning import LaunchConfig
 
 KIND_INT, KIND_MX, KIND_NV = 0, 1, 2
 MAGIC = 150 << 23  # float32 bits of 2**23, passed at run time (see _int_field)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import KernelFormat
+from dynaquant.kernels.formats import KernelFormat
 
 __all__ = ["LaunchConfig", "DeviceInfo", "device_info", "choose_config", "valid_config", "gemv_candidates",
            "mm_candidates"]

@@ -48,8 +48,8 @@ from functools import cache
 
 import torch
 
-from .codecs.base import _importance, get_codec
-from .formats import Format, get_format
+from dynaquant.quant.codecs.base import _importance, get_codec
+from dynaquant.quant.formats import Format, get_format
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
-from .formats import FORMATS, get_format
+from dynaquant.quant.formats import FORMATS, get_format
 
 TARGETS = ("gguf", "safetensors")
 

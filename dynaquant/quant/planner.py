@@ -37,11 +37,11 @@ from functools import cache
 
 import torch
 
-from .codecs import get_codec
-from .formats import FORMATS, RUNTIME_FORMATS, get_format, resolve_for_row
-from .plan import Plan, PlanEntry, TensorInfo
-from .presets import ModelInfo, preset_format, requires_imatrix
-from .vl_rules import cross_attention_rules, vision_rules
+from dynaquant.quant.codecs import get_codec
+from dynaquant.quant.formats import FORMATS, RUNTIME_FORMATS, get_format, resolve_for_row
+from dynaquant.quant.plan import Plan, PlanEntry, TensorInfo
+from dynaquant.quant.presets import ModelInfo, preset_format, requires_imatrix
+from dynaquant.quant.vl_rules import cross_attention_rules, vision_rules
 
 ErrorFn = Callable[[TensorInfo, str], float]
 
@@ -167,7 +167,7 @@ class BudgetError(ValueError):
 @cache
 def gaussian_rel_mse(fmt: str) -> float:
     """Relative squared error of a format on i.i.d. Gaussian rows of 1536 (float, deterministic)."""
-    from .codecs import dequantize, quantize
+    from dynaquant.quant.codecs import dequantize, quantize
 
     f = get_format(fmt)
     if f.kind == "float":

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from gguf import LlamaFileType
 
-from .formats import get_format
-from .plan import TensorInfo
+from dynaquant.quant.formats import get_format
+from dynaquant.quant.plan import TensorInfo
 
 
 @dataclass(frozen=True)

@@ -40,10 +40,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .codecs import get_codec
-from .codecs.base import CHUNK_WEIGHTS, _importance
-from .codecs.runtime_fp4 import e2m1_values, nvfp4_global_scale, pack_pairs, unpack_pairs
-from .formats import Format, get_format
+from dynaquant.quant.codecs import get_codec
+from dynaquant.quant.codecs.base import CHUNK_WEIGHTS, _importance
+from dynaquant.quant.codecs.runtime_fp4 import e2m1_values, nvfp4_global_scale, pack_pairs, unpack_pairs
+from dynaquant.quant.formats import Format, get_format
 
 
 def runtime_format(fmt: str | Format) -> Format:
@@ -155,7 +155,7 @@ def encode(weight: torch.Tensor, fmt: str | Format, imatrix: torch.Tensor | None
             codes, _ = codec.round_to_grid(xb, params)
             records[r0 : r0 + step] = codec.pack(params, codes).reshape(-1, records.shape[1])
     else:
-        from .codecs import quantize
+        from dynaquant.quant.codecs import quantize
 
         records = quantize(x, f, imatrix)
     rw = from_records(records, f, (n, k))

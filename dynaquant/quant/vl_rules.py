@@ -1,4 +1,4 @@
-"""Default planner rules for vision-language models (names of :mod:`dynaquant.exporters.hf_vl_full`).
+"""Default planner rules for vision-language models (names of :mod:`dynaquant.sources.hf_vl_full`).
 
 - the vision tower (``v.*``) and the projector (``mm.*``): at least INT8_G128 (8.125 bpw), i.e. the Q8_0
   class: INT8 or BF16 on the safetensors target, Q8_0 or wider on GGUF. Vision encoders are small next
@@ -19,13 +19,13 @@ VISION_FLOOR = "INT8_G128"
 def vision_rules() -> list:
     """The vision tower / projector floor as :class:`dynaquant.quant.planner.Rule` objects; ``default_rules``
     puts it before the attention floor (first match wins, and ``\\.attn_`` matches ``v.blk.N.attn_q``)."""
-    from .planner import Rule
+    from dynaquant.quant.planner import Rule
 
     return [Rule(r"^(v|mm)\.", VISION_FLOOR, ">=", "default: vision tower and projector")]
 
 
 def cross_attention_rules() -> list:
     """Mllama's cross-attention floor (after the first-layers rule, so block 0 keeps its higher floor)."""
-    from .planner import Rule
+    from dynaquant.quant.planner import Rule
 
     return [Rule(r"\.cross_attn_(q|k|v|o)\.", "Q4_0", ">=", "default: cross-attention")]

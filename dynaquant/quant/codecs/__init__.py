@@ -4,8 +4,8 @@ Importing this package registers every codec. Public entry points:
 ``quantize(weight, fmt, imatrix)``, ``dequantize(data, fmt)``, ``get_codec(name)``.
 """
 
-from . import floats  # noqa: F401  (registers codecs)
-from .base import Codec, dequantize, get_codec, quantize, register, weighted_error
+from dynaquant.quant.codecs import floats  # noqa: F401  (registers codecs)
+from dynaquant.quant.codecs.base import Codec, dequantize, get_codec, quantize, register, weighted_error
 
 for _mod in ("legacy", "nonlinear", "kquants", "iq4", "iq3", "iq2", "iq1", "runtime_int", "runtime_fp4"):
     try:

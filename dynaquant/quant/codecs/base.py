@@ -12,7 +12,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ..formats import Format, get_format
+from dynaquant.quant.formats import Format, get_format
 
 
 class Codec:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Codec, register
+from dynaquant.quant.codecs.base import Codec, register
 
 
 class _FloatCodec(Codec):

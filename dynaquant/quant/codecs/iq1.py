@@ -61,8 +61,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _lattice as lat
-from .base import Codec, register
+from dynaquant.quant.codecs import _lattice as lat
+from dynaquant.quant.codecs.base import Codec, register
 
 QK_K = 256
 DELTA = 0.125  # IQ1S_DELTA == IQ1M_DELTA

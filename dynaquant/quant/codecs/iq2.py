@@ -85,8 +85,8 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from . import _lattice as lat
-from .base import Codec, register
+from dynaquant.quant.codecs import _lattice as lat
+from dynaquant.quant.codecs.base import Codec, register
 
 QK_K = 256
 GROUP = 8

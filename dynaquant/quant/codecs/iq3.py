@@ -51,8 +51,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import _kquant_search as kqs
-from .base import Codec, register
+from dynaquant.quant.codecs import _kquant_search as kqs
+from dynaquant.quant.codecs.base import Codec, register
 
 QK_K = 256
 _N_SUB = 8  # sub-blocks of 32

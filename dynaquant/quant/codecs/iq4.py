@@ -42,10 +42,10 @@ from functools import partial
 
 import torch
 
-from . import _kquant_search as kqs
-from ._blockfit import fit_scale, in_subchunks, scale_targets
-from .base import Codec, register
-from .nonlinear import IQ4_NL, KVALUES_IQ4NL
+from dynaquant.quant.codecs import _kquant_search as kqs
+from dynaquant.quant.codecs._blockfit import fit_scale, in_subchunks, scale_targets
+from dynaquant.quant.codecs.base import Codec, register
+from dynaquant.quant.codecs.nonlinear import IQ4_NL, KVALUES_IQ4NL
 
 QK_K = 256
 _N_SUB = 8

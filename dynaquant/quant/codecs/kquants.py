@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _kquant_search as kqs
-from .base import Codec, register
+from dynaquant.quant.codecs import _kquant_search as kqs
+from dynaquant.quant.codecs.base import Codec, register
 
 QK_K = 256
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._blockfit import (
+from dynaquant.quant.codecs._blockfit import (
     Grid,
     affine_codes,
     bytes_half,
@@ -40,7 +40,7 @@ from ._blockfit import (
     unpack_high_bits,
     unpack_nibbles,
 )
-from .base import Codec, register
+from dynaquant.quant.codecs.base import Codec, register
 
 
 def _targets(lo: float, hi: float, n: int) -> list[float]:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ._blockfit import (
+from dynaquant.quant.codecs._blockfit import (
     Grid,
     bytes_half,
     fit_pow2,
@@ -44,7 +44,7 @@ from ._blockfit import (
     scale_targets,
     unpack_nibbles,
 )
-from .base import Codec, register
+from dynaquant.quant.codecs.base import Codec, register
 
 KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 KVALUES_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)

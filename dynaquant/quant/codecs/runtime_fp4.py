@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from ._blockfit import Grid
-from .base import Codec, register
-from .nonlinear import _MX_CODES, _MX_LEVELS, KVALUES_MXFP4, MXFP4, e8m0_to_fp32_half
+from dynaquant.quant.codecs._blockfit import Grid
+from dynaquant.quant.codecs.base import Codec, register
+from dynaquant.quant.codecs.nonlinear import _MX_CODES, _MX_LEVELS, KVALUES_MXFP4, MXFP4, e8m0_to_fp32_half
 
 FP8_E4M3_MAX = 448.0
 FP4_MAX = 6.0

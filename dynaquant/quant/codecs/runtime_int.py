@@ -29,9 +29,19 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..formats import FORMATS
-from ._blockfit import Grid, _safe, _ulp_neighbours, bytes_half, fit_scale, half_bytes, in_subchunks, scale_codes, to_half
-from .base import Codec, register
+from dynaquant.quant.codecs._blockfit import (
+    Grid,
+    _safe,
+    _ulp_neighbours,
+    bytes_half,
+    fit_scale,
+    half_bytes,
+    in_subchunks,
+    scale_codes,
+    to_half,
+)
+from dynaquant.quant.codecs.base import Codec, register
+from dynaquant.quant.formats import FORMATS
 
 
 def _geo(level: float, lo: float, hi: float, n: int) -> list[float]:

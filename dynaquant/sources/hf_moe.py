@@ -1,4 +1,4 @@
-"""Mixture-of-experts conversion for :class:`~dynaquant.exporters.hf_source.HFCheckpointSource`.
+"""Mixture-of-experts conversion for :class:`~dynaquant.sources.hf.HFCheckpointSource`.
 
 Spec: llama.cpp's ``convert_hf_to_gguf.py`` (``conversion/qwen.py`` ``Qwen2MoeModel``/
 ``Qwen3MoeModel``, ``conversion/llama.py`` ``LlamaModel`` for Mixtral, ``conversion/base.py``
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import torch
 from gguf import GGUFWriter
 
-from .gguf_names import is_router  # noqa: F401 - re-exported for the HF source
-from .gguf_source import SourceTensor
-from .hf_dequant import dequant_mxfp4
+from dynaquant.names import is_router  # noqa: F401 - re-exported for the HF source
+from dynaquant.sources.gguf import SourceTensor
+from dynaquant.sources.release import dequant_mxfp4
 
 logger = logging.getLogger(__name__)
 
@@ -309,7 +309,7 @@ class FusedExperts(Composite):
     ``(E, I, H)`` (gate/up) and ``(E, H, I)`` (down). MXFP4 (the release checkpoints):
     ``gate_up_proj_blocks``/``_scales`` decode to ``(E, 2I, H)`` with gate and up in
     alternating rows, ``down_proj_blocks``/``_scales`` to ``(E, H, I)``
-    (:func:`~dynaquant.exporters.hf_dequant.dequant_mxfp4`); nothing is transposed.
+    (:func:`~dynaquant.sources.release.dequant_mxfp4`); nothing is transposed.
 
     Attributes:
         tensor: ``blk.{i}.ffn_{gate,up,down}_exps.{weight,bias}``.

@@ -15,7 +15,7 @@ write) or the transformers 5 module layout (``model.language_model.layers.N...``
 loaded transformers 5 model (``SourceTensor.hf_name``, what ``model.get_parameter`` finds) and
 :func:`vl_legacy_name` into the layout gguf-py's ``TensorNameMap`` knows.
 
-The vision tower and projector go to a separate ``clip`` GGUF: :mod:`dynaquant.exporters.mmproj`.
+The vision tower and projector go to a separate ``clip`` GGUF: :mod:`dynaquant.exporters.gguf.mmproj`.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import RemoteCodeError, from_pretrained, read_json_object
-from .gguf_names import hf_to_gguf_name
-from .gguf_source import SourceTensor
-from .hf_source import _SKIPPED_TENSOR_SUFFIXES, HFCheckpointSource
+from dynaquant.names import hf_to_gguf_name
+from dynaquant.sources.checkpoint import RemoteCodeError, from_pretrained, read_json_object
+from dynaquant.sources.gguf import SourceTensor
+from dynaquant.sources.hf import _SKIPPED_TENSOR_SUFFIXES, HFCheckpointSource
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class HFQwen2VLSource(HFCheckpointSource):
             return dict(self.config)
 
     def _index_tensors(self) -> tuple[list[SourceTensor], dict[str, str]]:
-        from ..readers import open_safetensors
+        from dynaquant.sources.readers import open_safetensors
 
         by_file: dict = {}
         for name, p in self._files.items():

@@ -31,11 +31,12 @@ import gguf
 import torch
 from gguf import GGUFWriter, TokenType
 
-from ..checkpoint import RemoteCodeError, from_pretrained, read_json_object
-from ..readers import open_safetensors
-from . import hf_dequant, hf_moe
-from .gguf_names import HF_ARCH_TO_GGUF, hf_to_gguf_name
-from .gguf_source import SourceTensor, TensorSource
+from dynaquant.names import HF_ARCH_TO_GGUF, hf_to_gguf_name
+from dynaquant.sources import hf_moe
+from dynaquant.sources import release as hf_dequant
+from dynaquant.sources.checkpoint import RemoteCodeError, from_pretrained, read_json_object
+from dynaquant.sources.gguf import SourceTensor, TensorSource
+from dynaquant.sources.readers import open_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -587,8 +588,8 @@ def open_hf_source(folder: str | os.PathLike, *, trust_remote_code: bool = False
             and the architecture), no safetensors files, or tensors with no GGUF name.
         checkpoint.RemoteCodeError: the config or tokenizer needs the checkpoint's own code and the flag is off.
     """
-    from .hf_vl import is_vl_checkpoint, open_hf_vl_source  # hf_vl imports this module
-    from .hf_vl_full import refuse_gguf
+    from dynaquant.sources.hf_vl import is_vl_checkpoint, open_hf_vl_source  # hf_vl imports this module
+    from dynaquant.sources.hf_vl_full import refuse_gguf
 
     refuse_gguf(folder)  # LLaVA / Mllama: safetensors target only (the message says so)
     if is_vl_checkpoint(folder):

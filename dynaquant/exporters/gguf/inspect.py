@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 
 import gguf
 
-from ..readers import gguf_field, open_gguf
+from dynaquant.sources.readers import gguf_field, open_gguf
 
 
 @dataclass
@@ -51,7 +51,7 @@ def inspect_gguf(path: str | os.PathLike) -> GGUFSummary:
 
     Raises:
         InputError: a missing, unreadable or damaged GGUF file (the message names it; see
-            :func:`dynaquant.readers.open_gguf`).
+            :func:`dynaquant.sources.readers.open_gguf`).
     """
     reader = open_gguf(path)
     tensors = []

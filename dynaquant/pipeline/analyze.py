@@ -1,7 +1,7 @@
 """The analysis pipeline: source -> calibration pass -> per-tensor errors -> report.json + imatrix.gguf.
 
 ``analyze`` is what ``dynaquant analyze`` runs; ``run_analysis`` is the same on an already
-loaded model (``quantize`` without a report calls it). See :mod:`dynaquant.analysis.report`
+loaded model (``quantize`` without a report calls it). See :mod:`dynaquant.analysis.report.schema`
 for the report's layout.
 """
 
@@ -17,24 +17,24 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import __version__
-from .analysis import experts
-from .analysis.calibration import CalibrationSpec, calibration_chunks
-from .analysis.errors import RowWeights, measure_errors
-from .analysis.imatrix import Imatrix
-from .analysis.report import activation_entry, save_report, tensor_group, tensor_kind, write_json
-from .analysis.sensitivity import ReferenceLogits, group_sensitivity, kld_with_weights
-from .analysis.stats import ModelStats, collect_stats, module_of
-from .analysis.superweights import confirm, find_candidates
-from .checkpoint import ModelSource, load_model, load_tokenizer, resolve_source
-from .errors import InputError
-from .exporters.gguf_source import TensorSource
-from .nonfinite import check_model_finite, source_names
-from .preflight import Output, analysis_bytes_bound, check_budget, check_outputs, plan_json_bytes_bound
-from .quant.codecs import get_codec
-from .quant.formats import get_format
-from .quant.plan import Plan
-from .quant.planner import GGUF_CANDIDATES, default_rules, error_fn_from_report, make_plan
+from dynaquant.analysis import experts
+from dynaquant.analysis.calibration import CalibrationSpec, calibration_chunks
+from dynaquant.analysis.errors import RowWeights, measure_errors
+from dynaquant.analysis.imatrix import Imatrix
+from dynaquant.analysis.report.schema import activation_entry, save_report, tensor_group, tensor_kind, write_json
+from dynaquant.analysis.sensitivity import ReferenceLogits, group_sensitivity, kld_with_weights
+from dynaquant.analysis.stats import ModelStats, collect_stats, module_of
+from dynaquant.analysis.superweights import confirm, find_candidates
+from dynaquant.errors import InputError
+from dynaquant.pipeline.preflight import Output, analysis_bytes_bound, check_budget, check_outputs, plan_json_bytes_bound
+from dynaquant.quant.codecs import get_codec
+from dynaquant.quant.formats import get_format
+from dynaquant.quant.plan import Plan
+from dynaquant.quant.planner import GGUF_CANDIDATES, default_rules, error_fn_from_report, make_plan
+from dynaquant.sources.checkpoint import ModelSource, load_model, load_tokenizer, resolve_source
+from dynaquant.sources.gguf import TensorSource
+from dynaquant.sources.nonfinite import check_model_finite, source_names
+from dynaquant.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def expand_formats(text: str) -> tuple[str, ...]:
     Raises:
         KeyError: an unknown format name.
     """
-    from .quant.planner import RUNTIME_CANDIDATES
+    from dynaquant.quant.planner import RUNTIME_CANDIDATES
 
     out: list[str] = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
@@ -114,7 +114,7 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
                  validate: tuple[tuple[str, int], ...] = (), overhead_bytes: int = 0,
                  progress: bool = True, timings: dict | None = None) -> AnalysisResult:
     """Analyse a loaded model (see ``analyze``); ``validate`` is (label, size_bytes) pairs of plans to check."""
-    from .pipeline import model_info, tensor_infos
+    from dynaquant.pipeline.quantize import model_info, tensor_infos
 
     timings = {} if timings is None else timings
     device = next(model.parameters()).device
@@ -124,7 +124,7 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
     chunks = all_chunks[:-2] if all_chunks.shape[0] > 2 else all_chunks
     samples = chunks
     if getattr(ts, "vision", False):  # a VL source: image + text batches first (hf_vl_full)
-        from .analysis.vl_calibration import vl_calibration_samples
+        from dynaquant.analysis.vl_calibration import vl_calibration_samples
 
         samples = vl_calibration_samples(ts.folder, tokenizer, chunks, spec.images, spec.n_images,
                                          trust_remote_code=source.trust_remote_code)
@@ -238,7 +238,7 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
 
 
 def _group_pred(group: str, fmt: str, src_tensors, pred: dict) -> float | None:
-    from .quant.formats import resolve_for_row
+    from dynaquant.quant.formats import resolve_for_row
 
     tot = 0.0
     for t in src_tensors:
@@ -292,7 +292,7 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
         validate_presets: make dynamic plans at these llama.cpp presets' file sizes and measure their KLD.
         device: torch device (default CUDA when present); dtype: ``float32`` or ``bfloat16`` for the forward passes.
         allow_nonfinite: NaN and Inf weights are refused (``InputError`` naming the tensor and its file) right after
-            the model is loaded; with this they are replaced as :mod:`dynaquant.nonfinite` documents.
+            the model is loaded; with this they are replaced as :mod:`dynaquant.sources.nonfinite` documents.
     Returns:
         AnalysisResult.
     Raises:
@@ -301,7 +301,7 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
             source checkpoint folder, cannot be written, or lack the free disk space they need.
         KeyError: a candidate format is unknown or has no codec registered.
     """
-    from .pipeline import (
+    from dynaquant.pipeline.quantize import (
         _empty_plan,
         _extra_kv,
         _overhead_bytes,
@@ -351,8 +351,8 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
 
 def save_imatrix(path: Path, im: Imatrix, ts: TensorSource, spec: CalibrationSpec) -> Path:
     """Write the imatrix in llama.cpp's GGUF imatrix format (``llama-quantize --imatrix`` reads it)."""
-    from .analysis.imatrix_io import save_imatrix as write
-    from .exporters.gguf_names import hf_to_gguf_name
+    from dynaquant.analysis.imatrix_io import save_imatrix as write
+    from dynaquant.names import hf_to_gguf_name
 
     # the source's own names first (a VL model's modules are model.language_model.* / vision tower / projector)
     own = {t.hf_name.removesuffix(".weight"): t.gguf_name for t in ts.tensors() if t.hf_name and t.hf_name.endswith(".weight")}
@@ -387,9 +387,9 @@ def make_dynamic_plan(report: dict | str | os.PathLike, *, bpw: float | None = N
         ValueError: bad report, budget, rule or target; planner.BudgetError: budget below the fixed rules' minimum;
         errors.InputError: a non-finite or non-positive budget, or an output that fails the checks.
     """
-    from .analysis.report import load_report
-    from .quant.plan import TensorInfo
-    from .quant.presets import ModelInfo
+    from dynaquant.analysis.report.schema import load_report
+    from dynaquant.quant.plan import TensorInfo
+    from dynaquant.quant.presets import ModelInfo
 
     if target not in ("gguf", "safetensors"):
         raise ValueError(f"unknown target {target!r} (known: gguf, safetensors)")
@@ -421,7 +421,7 @@ def make_dynamic_plan(report: dict | str | os.PathLike, *, bpw: float | None = N
                      expert_format=m.get("expert_format"))
     overhead = int(m.get("gguf_overhead_bytes") or 0)
     if target == "safetensors":
-        from .exporters.safetensors_writer import safetensors_overhead_bytes
+        from dynaquant.exporters.safetensors.writer import safetensors_overhead_bytes
 
         overhead = safetensors_overhead_bytes(tensors)
     if size is not None and not overhead:

@@ -22,10 +22,10 @@ import torch
 from gguf import GGML_QUANT_VERSION, GGUFReader, GGUFValueType, GGUFWriter
 from tqdm import tqdm
 
-from ..nonfinite import check_finite, tensor_label
-from ..quant.formats import Format
-from ..workdir import run_workdir, writing
-from .gguf_source import SourceTensor, TensorSource
+from dynaquant.quant.formats import Format
+from dynaquant.sources.gguf import SourceTensor, TensorSource
+from dynaquant.sources.nonfinite import check_finite, tensor_label
+from dynaquant.workdir import run_workdir, writing
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ def write_gguf(
             (kept); default: a fresh one beside ``path``, removed at the end.
         allow_nonfinite: each tensor read is checked for NaN and Inf before it is encoded; by default one
             raises ``InputError`` (naming the tensor and its file), with this the values are replaced as
-            :mod:`dynaquant.nonfinite` documents (NaN -> 0, +-Inf -> +-the tensor's largest finite |value|).
+            :mod:`dynaquant.sources.nonfinite` documents (NaN -> 0, +-Inf -> +-the tensor's largest finite |value|).
     Raises:
         InputError: a tensor holds NaN or Inf values and not ``allow_nonfinite``.
         ValueError: the format map does not match the source, a format does not fit (or is

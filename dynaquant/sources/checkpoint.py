@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import InputError
-from .source_identity import content_sha256, source_label
+from dynaquant.errors import InputError
+from dynaquant.sources.identity import content_sha256, source_label
 
 log = logging.getLogger(__name__)
 
@@ -418,7 +418,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
 
     kw = _from_pretrained_kwargs(source)
     if source.kind == "hf":
-        from .exporters.hf_vl_full import vl_full_arch
+        from dynaquant.sources.hf_vl_full import vl_full_arch
 
         if vl_full_arch(source.path):
             from transformers import AutoModelForImageTextToText

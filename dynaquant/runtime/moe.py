@@ -22,11 +22,11 @@ expects the old names; such a checkpoint needs the rename ``mlp.experts.{e}.gate
 
 :func:`dynaquant.load` replaces each experts module whose checkpoint holds per-expert tensors by a
 :class:`DynaExperts`: E children ``0 .. E-1``, each with ``gate_proj``, ``up_proj``, ``down_proj`` linear
-layers (:class:`~dynaquant.runtime.DynaLinear` where quantized, else ``nn.Linear``), and a forward with
+layers (:class:`~dynaquant.runtime.loader.DynaLinear` where quantized, else ``nn.Linear``), and a forward with
 transformers' signature ``forward(hidden_states, top_k_index, top_k_weights)`` and semantics (fused:
 ``down(act(gate x) * up x)``; gpt-oss: biases and the module's own ``_apply_gate`` on the interleaved
 gate/up output), so the model's own MoE block and router run unchanged. On CUDA each expert's gate and up run
-as one kernel call (:func:`dynaquant.runtime.fuse_projections` finds them as siblings).
+as one kernel call (:func:`dynaquant.runtime.loader.fuse_projections` finds them as siblings).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from .analysis.experts import PROJS, dispatch, expert_weight, find_experts, layout_of
-from .quant.runtime import RuntimeWeight, encode
+from dynaquant.analysis.experts import PROJS, dispatch, expert_weight, find_experts, layout_of
+from dynaquant.quant.runtime import RuntimeWeight, encode
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ def encode_experts(weight: torch.Tensor, fmt: str, imatrix: torch.Tensor | None 
 def expert_targets(stacked: Iterable[str]) -> list[str]:
     """``re:`` targets matching every expert of these stacked modules
     (``re:^model\\.layers\\.(?:1|2)\\.mlp\\.experts\\.\\d+\\.gate_proj$``), grouped by layer as
-    :func:`dynaquant.exporters.safetensors_writer.module_regexes` does."""
+    :func:`dynaquant.exporters.safetensors.writer.module_regexes` does."""
     groups: dict[tuple[str, str, str], list[str]] = {}
     out: list[str] = []
     for s in stacked:

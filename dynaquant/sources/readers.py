@@ -21,7 +21,7 @@ from pathlib import Path
 
 import gguf
 
-from .errors import InputError
+from dynaquant.errors import InputError
 
 # GGUFValueType -> bytes of one scalar (llama.cpp gguf.cpp GGUF_TYPE_SIZE); STRING (8) and ARRAY (9) have none.
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}

@@ -40,12 +40,12 @@ def load_decoded(gguf_path: str | os.PathLike, source, ts, *, device: str | torc
     Raises:
         ValueError: a GGUF tensor the source does not list, or whose HF counterpart the model lacks.
     """
-    from .analysis.experts import expert_weight, stacked_name
-    from .checkpoint import load_model
-    from .exporters.hf_source import unpermute_qk
-    from .quant.codecs import dequantize
-    from .quant.formats import get_format
-    from .readers import open_gguf
+    from dynaquant.analysis.experts import expert_weight, stacked_name
+    from dynaquant.quant.codecs import dequantize
+    from dynaquant.quant.formats import get_format
+    from dynaquant.sources.checkpoint import load_model
+    from dynaquant.sources.hf import unpermute_qk
+    from dynaquant.sources.readers import open_gguf
 
     model = load_model(source, dtype=torch.float32, device="cpu")
     by_name = {t.gguf_name: t for t in ts.tensors()}

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import InputError
-from .workdir import remove_stale
+from dynaquant.errors import InputError
+from dynaquant.workdir import remove_stale
 
 MAX_BPW = 32.0  # F32, the widest format: no budget above it changes a plan
 MAX_SIZE_BYTES = 2**63 - 1  # no file is larger (off_t)

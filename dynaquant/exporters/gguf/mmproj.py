@@ -35,12 +35,12 @@ import numpy as np
 import torch
 from gguf import GGUFWriter
 
-from ..checkpoint import read_json_object
-from ..quant.formats import get_format
-from ..readers import open_safetensors
-from .gguf_source import SourceTensor, TensorSource
-from .gguf_writer import write_gguf
-from .hf_vl import HFQwen2VLSource, is_vision_tensor, vl_legacy_name, vl_param_name
+from dynaquant.exporters.gguf.writer import write_gguf
+from dynaquant.quant.formats import get_format
+from dynaquant.sources.checkpoint import read_json_object
+from dynaquant.sources.gguf import SourceTensor, TensorSource
+from dynaquant.sources.hf_vl import HFQwen2VLSource, is_vision_tensor, vl_legacy_name, vl_param_name
+from dynaquant.sources.readers import open_safetensors
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ A :class:`TensorSource` lists a model's tensors under their llama.cpp names, rea
 at a time as float32 (so memory stays at one tensor), and writes the model's metadata
 (architecture hyper-parameters, tokenizer) into a ``gguf.GGUFWriter``. Two sources exist:
 :func:`open_gguf_source` here (re-quantizing a GGUF file) and
-:func:`dynaquant.exporters.hf_source.open_hf_source` (a HF checkpoint folder).
+:func:`dynaquant.sources.hf.open_hf_source` (a HF checkpoint folder).
 
 File format: GGUF v3 as read by gguf-py's ``GGUFReader`` (llama.cpp ``docs/gguf.md``).
 """
@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from gguf import GGUFValueType, GGUFWriter
 
-from ..errors import InputError
-from ..readers import gguf_field, open_gguf
-from .gguf_names import gguf_to_hf_name, is_router
+from dynaquant.errors import InputError
+from dynaquant.names import gguf_to_hf_name, is_router
+from dynaquant.sources.readers import gguf_field, open_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ def open_gguf_source(path: str | os.PathLike) -> GGUFFileSource:
 
     Raises:
         InputError: naming the file, when it is missing, unreadable, damaged (see
-            :func:`dynaquant.readers.open_gguf`), split into parts, lacks ``general.architecture``
+            :func:`dynaquant.sources.readers.open_gguf`), split into parts, lacks ``general.architecture``
             or has a ``block_count`` larger than its tensor count.
     """
     return GGUFFileSource(path)

@@ -44,10 +44,10 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import from_config, from_pretrained, read_json_object
-from ..readers import open_safetensors
-from .gguf_names import hf_to_gguf_name
-from .gguf_source import SourceTensor, TensorSource
+from dynaquant.names import hf_to_gguf_name
+from dynaquant.sources.checkpoint import from_config, from_pretrained, read_json_object
+from dynaquant.sources.gguf import SourceTensor, TensorSource
+from dynaquant.sources.readers import open_safetensors
 
 logger = logging.getLogger(__name__)
 

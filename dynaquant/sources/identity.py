@@ -13,8 +13,8 @@ import os
 import struct
 from pathlib import Path, PurePath
 
-from .errors import InputError
-from .readers import check_gguf_layout
+from dynaquant.errors import InputError
+from dynaquant.sources.readers import check_gguf_layout
 
 
 def source_label(text: str) -> str:

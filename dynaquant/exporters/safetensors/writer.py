@@ -30,10 +30,10 @@ over the decoded weight); loaders that ignore the extension (transformers' compr
 path, vLLM) use the quantized value there instead.
 
 Mixture-of-experts models: stacked expert tensors (``model.layers.N.mlp.experts.{gate,up,down}_proj.weight``
-(E, N, K), :func:`dynaquant.runtime_moe.checkpoint_weights`) are written per expert, as one linear module
+(E, N, K), :func:`dynaquant.runtime.moe.checkpoint_weights`) are written per expert, as one linear module
 each (``model.layers.N.mlp.experts.{e}.gate_proj.weight_packed``, ...; BF16 ``.weight`` when kept
 unquantized; gpt-oss expert biases as ``.bias``), the layout of vLLM / llm-compressor MoE checkpoints
-(:mod:`dynaquant.runtime_moe`). Everything is written into a temporary folder in the run's work folder
+(:mod:`dynaquant.runtime.moe`). Everything is written into a temporary folder in the run's work folder
 beside the output (:func:`dynaquant.workdir.run_workdir`), which replaces the output only when complete.
 """
 
@@ -51,11 +51,11 @@ from pathlib import Path
 
 import torch
 
-from ..quant.formats import get_format
-from ..quant.plan import Plan, PlanEntry, TensorInfo
-from ..quant.runtime import RuntimeWeight, compressed_tensors_scheme, to_compressed_tensors
-from ..runtime_moe import expert_targets, per_expert_module, stacked_parts
-from ..workdir import run_workdir, writing
+from dynaquant.quant.formats import get_format
+from dynaquant.quant.plan import Plan, PlanEntry, TensorInfo
+from dynaquant.quant.runtime import RuntimeWeight, compressed_tensors_scheme, to_compressed_tensors
+from dynaquant.runtime.moe import expert_targets, per_expert_module, stacked_parts
+from dynaquant.workdir import run_workdir, writing
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def compressed_tensors_config(formats: Mapping[str, str], ignore: Iterable[str] 
         config_groups[fmt] = {"targets": module_regexes(groups.get(fmt, ())) + expert_targets(stacked.get(fmt, ())),
                               **scheme}
     ct_formats = {g["format"] for g in config_groups.values()}
-    from .. import __version__
+    from dynaquant.version import __version__
 
     ext = {"version": EXTENSION_VERSION, "dynaquant_version": __version__, **dict(extension or {}),
            "formats": dict(formats), "super_weights": dict(super_weights or {})}

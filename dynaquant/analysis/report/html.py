@@ -27,10 +27,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..quant.formats import get_format
-from .report import REPORT_VERSION, write_text
-from .report_moe import experts_section
-from .report_vl import is_vision_name, vision_section
+from dynaquant.analysis.report.moe import experts_section
+from dynaquant.analysis.report.schema import REPORT_VERSION, write_text
+from dynaquant.analysis.report.vl import is_vision_name, vision_section
+from dynaquant.quant.formats import get_format
 
 log = logging.getLogger(__name__)
 
@@ -769,7 +769,7 @@ def render_report_cli(report_json_path, out_html=None, plan_json=None) -> Path:
             ``tensors`` list; the message names the file.
         errors.InputError: the output is the report or the plan, or cannot be written.
     """
-    from ..preflight import Output, check_outputs
+    from dynaquant.pipeline.preflight import Output, check_outputs
 
     rp = Path(report_json_path)
     check_outputs([Output(Path(out_html) if out_html is not None else rp.with_name("report.html"))],

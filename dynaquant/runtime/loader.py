@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import InputError
-from .quant.formats import get_format
-from .quant.runtime import RuntimeWeight, decode, format_of_scheme, from_compressed_tensors, runtime_format
+from dynaquant.errors import InputError
+from dynaquant.quant.formats import get_format
+from dynaquant.quant.runtime import RuntimeWeight, decode, format_of_scheme, from_compressed_tensors, runtime_format
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def kernel_op(fmt: str):
     """The kernel op for a runtime format (module docstring), or None: no kernels package (no Triton on
     this platform), or no kernel for the format."""
     try:
-        from . import kernels
+        from dynaquant import kernels
     except ImportError as exc:
         log.debug("dynaquant.kernels unavailable: %s", exc)
         return None
@@ -301,7 +301,7 @@ def module_formats(qc: dict, model: nn.Module) -> dict[str, str]:
     """Quantized linear module -> runtime format, from a ``quantization_config`` (compressed-tensors).
 
     dynaquant's extension (``qc["dynaquant"]["formats"]``, and ``["expert_formats"]`` expanded to the per-expert
-    modules of ``model``'s :class:`~dynaquant.runtime_moe.DynaExperts`) when present, else each config group's
+    modules of ``model``'s :class:`~dynaquant.runtime.moe.DynaExperts`) when present, else each config group's
     ``targets`` (``re:`` regexes, names or class names) minus ``ignore``, as compressed-tensors matches them.
 
     Raises:
@@ -311,7 +311,7 @@ def module_formats(qc: dict, model: nn.Module) -> dict[str, str]:
         raise ValueError(f"quant_method {qc.get('quant_method')!r}: dynaquant.load reads compressed-tensors checkpoints")
     ext = qc.get("dynaquant") or {}
     if ext.get("formats") or ext.get("expert_formats"):
-        from .runtime_moe import expand_expert_formats
+        from dynaquant.runtime.moe import expand_expert_formats
 
         out = {m: get_format(f).name for m, f in (ext.get("formats") or {}).items()}
         out.update({m: get_format(f).name for m, f in expand_expert_formats(ext.get("expert_formats") or {}, model).items()})
@@ -369,7 +369,7 @@ def load(path: str | os.PathLike, *, device: str | torch.device | None = None, d
         trust_remote_code: allow the checkpoint's own code (``auto_map``) in transformers' classes.
     Returns:
         The model in eval mode, quantized linear layers replaced by :class:`DynaLinear`, MoE experts modules
-        stored per expert by :class:`~dynaquant.runtime_moe.DynaExperts`; ``generate`` works.
+        stored per expert by :class:`~dynaquant.runtime.moe.DynaExperts`; ``generate`` works.
         A vision-language checkpoint (``exporters.hf_vl_full.VL_FULL_ARCHS``) loads with
         ``AutoModelForImageTextToText`` (vision tower, projector and language model).
     Raises:
@@ -380,8 +380,8 @@ def load(path: str | os.PathLike, *, device: str | torch.device | None = None, d
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from .checkpoint import from_config, from_pretrained, read_json_object
-    from .readers import open_safetensors
+    from dynaquant.sources.checkpoint import from_config, from_pretrained, read_json_object
+    from dynaquant.sources.readers import open_safetensors
 
     folder = Path(path)
     if not (folder / "config.json").is_file():
@@ -406,7 +406,7 @@ def load(path: str | os.PathLike, *, device: str | torch.device | None = None, d
     for shard in shards:
         with open_safetensors(shard) as f:
             keys.update(f.keys())
-    from .runtime_moe import replace_experts
+    from dynaquant.runtime.moe import replace_experts
 
     moe = replace_experts(model, keys, dtype=dtype)
     formats = module_formats(qc, model) if qc else {}
@@ -459,7 +459,7 @@ def load(path: str | os.PathLike, *, device: str | torch.device | None = None, d
 
 
 def _vl_archs() -> dict:
-    from .exporters.hf_vl_full import VL_FULL_ARCHS
+    from dynaquant.sources.hf_vl_full import VL_FULL_ARCHS
 
     return VL_FULL_ARCHS
 

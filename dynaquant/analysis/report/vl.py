@@ -3,7 +3,7 @@
 The text model's figures take the ``blk.N.*`` tensors (Mllama's cross-attention projections appear
 there as their own kinds, ``cross_attn_q`` ... ``cross_attn_o``). The vision tower's tensors
 (``v.blk.N.*``, Mllama's global stack ``v.global.blk.N.*``) and the projector (``mm.*``, names of
-:mod:`dynaquant.exporters.hf_vl_full`) get this section: per-layer error curves of the vision layers
+:mod:`dynaquant.sources.hf_vl_full`) get this section: per-layer error curves of the vision layers
 and the plan heat map of the vision layers plus the projector. Vision names are mapped onto the
 report_html layout: ``v.blk.N.attn_q.weight`` -> ``blk.N.attn_q.weight``; the global stack follows the
 local one (``v.global.blk.M.kind`` -> ``blk.{n_local + M}.global_kind``), so its rows stay apart.
@@ -52,7 +52,7 @@ def vision_report(report: dict) -> dict:
 
 def vision_section(p, report: dict, plan: dict | None = None) -> None:
     """Add the vision section to a report_html page ``p``; nothing when the report has no vision tensors."""
-    from .report_html import _fig_layer_errors, _fig_plan, _plan_from_json, layer_error_curves, plan_grid
+    from dynaquant.analysis.report.html import _fig_layer_errors, _fig_plan, _plan_from_json, layer_error_curves, plan_grid
 
     vr = vision_report(report)
     if not vr["tensors"]:

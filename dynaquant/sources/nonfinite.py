@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from .errors import InputError
+from dynaquant.errors import InputError
 
 log = logging.getLogger(__name__)
 

@@ -2,16 +2,16 @@
 
 ``dynaquant.quantize(..., target="safetensors")`` (``dynaquant quantize --format safetensors``) runs
 :func:`quantize_safetensors`. It shares the GGUF pipeline's steps (model source, calibration,
-analysis, plans, GPTQ rounding; :mod:`dynaquant.pipeline`) and differs in what it writes: the
+analysis, plans, GPTQ rounding; :mod:`dynaquant.pipeline.quantize`) and differs in what it writes: the
 source model is loaded with transformers (Hugging Face tensor names and orientation, whatever the
 source), every planned weight is encoded to its runtime format (:func:`dynaquant.quant.runtime.encode`,
 imatrix-weighted, super weights of the analysis kept exactly) and the checkpoint is written by
-:func:`dynaquant.exporters.safetensors_writer.write_safetensors`. A ``size`` budget counts the bytes of
+:func:`dynaquant.exporters.safetensors.writer.write_safetensors`. A ``size`` budget counts the bytes of
 the safetensors shards.
 
 Mixture-of-experts models: the stacked expert tensors of the plan are read from the model's experts modules
-(:func:`dynaquant.runtime_moe.checkpoint_weights`), encoded expert by expert with each expert's own imatrix
-row (:func:`dynaquant.runtime_moe.encode_experts`; plain rounding, GPTQ does not apply to them, nor do
+(:func:`dynaquant.runtime.moe.checkpoint_weights`), encoded expert by expert with each expert's own imatrix
+row (:func:`dynaquant.runtime.moe.encode_experts`; plain rounding, GPTQ does not apply to them, nor do
 super weights) and written per expert.
 """
 
@@ -24,24 +24,31 @@ from pathlib import Path
 
 import torch
 
-from .analysis.calibration import CalibrationSpec
-from .analysis.imatrix import compute_imatrix
-from .checkpoint import SourceRecord, load_model, load_tokenizer, read_json_object, resolve_source
-from .exporters.safetensors_writer import (
+from dynaquant.analysis.calibration import CalibrationSpec
+from dynaquant.analysis.imatrix import compute_imatrix
+from dynaquant.exporters.safetensors.writer import (
     DEFAULT_SHARD_BYTES,
     check_output_folder,
     safetensors_overhead_bytes,
     unquantized_linears,
     write_safetensors,
 )
-from .nonfinite import check_model_finite, source_names
-from .preflight import Output, check_budget, check_outputs, plan_json_bytes_bound, side_files_bytes_bound, tensor_bytes_bound
-from .quant.formats import get_format
-from .quant.plan import Plan, PlanEntry
-from .quant.planner import RUNTIME_CANDIDATES, default_rules, error_fn_from_report, make_plan
-from .quant.runtime import RuntimeWeight, from_records
-from .quant.runtime import encode as encode_runtime
-from .runtime_moe import checkpoint_weights, encode_experts, in_memory_plan
+from dynaquant.pipeline.preflight import (
+    Output,
+    check_budget,
+    check_outputs,
+    plan_json_bytes_bound,
+    side_files_bytes_bound,
+    tensor_bytes_bound,
+)
+from dynaquant.quant.formats import get_format
+from dynaquant.quant.plan import Plan, PlanEntry
+from dynaquant.quant.planner import RUNTIME_CANDIDATES, default_rules, error_fn_from_report, make_plan
+from dynaquant.quant.runtime import RuntimeWeight, from_records
+from dynaquant.quant.runtime import encode as encode_runtime
+from dynaquant.runtime.moe import checkpoint_weights, encode_experts, in_memory_plan
+from dynaquant.sources.checkpoint import SourceRecord, load_model, load_tokenizer, read_json_object, resolve_source
+from dynaquant.sources.nonfinite import check_model_finite, source_names
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +93,8 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
         or a report without runtime formats.
         errors.InputError: as ``dynaquant.quantize`` (budget, outputs and free disk space checked before any work).
     """
-    from .analysis.report import load_report, write_json
-    from .pipeline import (
+    from dynaquant.analysis.report.schema import load_report, write_json
+    from dynaquant.pipeline.quantize import (
         QuantizeResult,
         _check_report,
         _evaluate_models,
@@ -102,7 +109,7 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
         open_tensor_source,
         tensor_infos,
     )
-    from .runtime import load
+    from dynaquant.runtime.loader import load
 
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
@@ -159,7 +166,7 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
     timings["load_s"] = time.perf_counter() - t0
     im = stats = None
     if needs_analysis:
-        from .analyze_pipeline import run_analysis
+        from dynaquant.pipeline.analyze import run_analysis
 
         res = run_analysis(source, ts, hf_model, tokenizer, spec, candidates=RUNTIME_CANDIDATES, fisher_sequences=8,
                            progress=progress, timings=timings)
@@ -224,7 +231,7 @@ def quantize_safetensors(model=None, *, output=None, bpw=None, size=None, rules=
     def extra_files(folder: Path) -> None:
         tokenizer.save_pretrained(str(folder))
         if getattr(ts, "vision", False):  # processor configs, chat template (VL models)
-            from .exporters.hf_vl_full import copy_processor_files
+            from dynaquant.sources.hf_vl_full import copy_processor_files
 
             copy_processor_files(source.path, folder)
         if getattr(hf_model, "generation_config", None) is not None:

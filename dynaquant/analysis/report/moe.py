@@ -15,7 +15,7 @@ def fig_routing(rows: list[dict]):
     import numpy as np
     from matplotlib.colors import LogNorm
 
-    from .report_html import _new_figure
+    from dynaquant.analysis.report.html import _new_figure
 
     n_exp = max(int(r.get("n_expert") or len(r.get("frequency") or [])) for r in rows)
     grid = np.full((len(rows), n_exp), np.nan)

@@ -17,28 +17,27 @@ import gguf
 import numpy as np
 import torch
 
-from . import __version__
-
 # quantize()'s ``calibration_chunks`` argument (a count) shadows the function's name inside it.
-from .analysis.calibration import CalibrationSpec, tokenize_chunks
-from .analysis.calibration import calibration_chunks as calibration_ids
-from .analysis.evaluate import EvalResult, compare_models
-from .analysis.imatrix import Imatrix, compute_imatrix
-from .analysis.report import load_report, write_json
-from .analysis.stats import collect_stats, module_of
-from .analysis.texts import default_eval_text, read_text
-from .checkpoint import ModelSource, SourceRecord, find_reference, load_model, load_tokenizer, resolve_source
-from .errors import InputError
-from .exporters.gguf_names import hf_to_gguf_name
-from .exporters.gguf_source import SourceTensor, TensorSource, open_gguf_source
-from .exporters.gguf_writer import write_gguf
-from .nonfinite import check_model_finite, source_names
-from .preflight import Output, check_budget, check_outputs, plan_json_bytes_bound, tensor_bytes_bound
-from .quant.codecs import quantize as encode_tensor
-from .quant.formats import Format, get_format
-from .quant.plan import Plan, TensorInfo
-from .quant.planner import GGUF_CANDIDATES, BudgetError, default_rules, error_fn_from_report, make_plan
-from .quant.presets import PRESETS, ModelInfo, requires_imatrix
+from dynaquant.analysis.calibration import CalibrationSpec, tokenize_chunks
+from dynaquant.analysis.calibration import calibration_chunks as calibration_ids
+from dynaquant.analysis.evaluate import EvalResult, compare_models
+from dynaquant.analysis.imatrix import Imatrix, compute_imatrix
+from dynaquant.analysis.report.schema import load_report, write_json
+from dynaquant.analysis.stats import collect_stats, module_of
+from dynaquant.analysis.texts import default_eval_text, read_text
+from dynaquant.errors import InputError
+from dynaquant.exporters.gguf.writer import write_gguf
+from dynaquant.names import hf_to_gguf_name
+from dynaquant.pipeline.preflight import Output, check_budget, check_outputs, plan_json_bytes_bound, tensor_bytes_bound
+from dynaquant.quant.codecs import quantize as encode_tensor
+from dynaquant.quant.formats import Format, get_format
+from dynaquant.quant.plan import Plan, TensorInfo
+from dynaquant.quant.planner import GGUF_CANDIDATES, BudgetError, default_rules, error_fn_from_report, make_plan
+from dynaquant.quant.presets import PRESETS, ModelInfo, requires_imatrix
+from dynaquant.sources.checkpoint import ModelSource, SourceRecord, find_reference, load_model, load_tokenizer, resolve_source
+from dynaquant.sources.gguf import SourceTensor, TensorSource, open_gguf_source
+from dynaquant.sources.nonfinite import check_model_finite, source_names
+from dynaquant.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +108,10 @@ def open_tensor_source(source: ModelSource, full_vl: bool = False) -> TensorSour
     """
     if source.kind == "gguf":
         return open_gguf_source(source.path)
-    from .exporters.hf_source import open_hf_source
+    from dynaquant.sources.hf import open_hf_source
 
     if full_vl:
-        from .exporters.hf_vl_full import open_vl_full_source, vl_full_arch
+        from dynaquant.sources.hf_vl_full import open_vl_full_source, vl_full_arch
 
         if vl_full_arch(source.path):
             return open_vl_full_source(source.path, trust_remote_code=source.trust_remote_code)
@@ -265,11 +264,11 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
             (IQ3_XXS, IQ3_S, IQ2_*, IQ1_*) have no per-weight rounding: their tensors are rounded plainly.
         target: ``gguf``, or ``safetensors``: a compressed-tensors checkpoint folder in the runtime formats,
             planned by ``bpw`` / ``size`` / ``plan`` (no presets), run by ``dynaquant.load``
-            (:func:`dynaquant.safetensors_pipeline.quantize_safetensors`).
+            (:func:`dynaquant.pipeline.safetensors.quantize_safetensors`).
         save_plan: also write the plan as JSON here (atomically), as soon as it is made: before the encoding.
         allow_nonfinite: NaN and Inf weights are refused (``InputError`` naming the tensor and its file; a model
             loaded for calibration is checked before its first forward pass); with this they are written as
-            :mod:`dynaquant.nonfinite` documents (NaN -> 0, +-Inf -> +-the tensor's largest finite |value|).
+            :mod:`dynaquant.sources.nonfinite` documents (NaN -> 0, +-Inf -> +-the tensor's largest finite |value|).
     Returns:
         QuantizeResult (``gptq`` says per format how many tensors took GPTQ and the mean error ratio,
         or ``plain_only`` for the vector-quantized formats).
@@ -286,7 +285,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
     if target == "safetensors":
         if preset is not None:
             raise ValueError("presets are llama.cpp mixes; for the safetensors target give bpw, size or plan")
-        from .safetensors_pipeline import quantize_safetensors
+        from dynaquant.pipeline.safetensors import quantize_safetensors
 
         return quantize_safetensors(
             model, output=output, bpw=bpw, size=size, rules=rules, plan=plan, report=report, imatrix=imatrix,
@@ -360,7 +359,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
     im = None
     stats = None
     if needs_analysis:
-        from .analyze_pipeline import run_analysis
+        from dynaquant.pipeline.analyze import run_analysis
 
         res = run_analysis(source, ts, hf_model, tokenizer, spec, fisher_sequences=8, progress=progress, timings=timings)
         report_d, im, stats = res.report, res.imatrix, res.stats
@@ -421,7 +420,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         output.unlink(missing_ok=True)
         raise RuntimeError(f"{output}: {result.size_bytes} bytes exceeds the target {size}; removed")
     if getattr(ts, "has_vision", False):  # Qwen2-VL: the vision tower goes to its own clip GGUF
-        from .exporters.mmproj import mmproj_path_for, write_mmproj
+        from dynaquant.exporters.gguf.mmproj import mmproj_path_for, write_mmproj
 
         result.mmproj = write_mmproj(source.path, mmproj_path_for(output), ftype="F16", progress=progress)
     if evaluate:
@@ -450,8 +449,8 @@ class _GPTQRounding:
 
     def encode(self, t: SourceTensor, w: torch.Tensor, fmt: Format, imp) -> torch.Tensor | None:
         """GGUF bytes of one tensor, or None where GPTQ does not apply (the caller encodes plainly)."""
-        from .quant.codecs import dequantize
-        from .quant.gptq import gptq_round, output_error, supports_gptq
+        from dynaquant.quant.codecs import dequantize
+        from dynaquant.quant.gptq import gptq_round, output_error, supports_gptq
 
         module = module_of(t.hf_name)
         if module is None or module not in self.fit.input_of or w.ndim != 2 or t.gguf_name.startswith("token_embd"):
@@ -534,7 +533,7 @@ def _imatrix_path(imatrix, report, report_d, plan: Plan | None, plan_file: str =
 
 def _imatrix_from_file(path: Path, ts: TensorSource, info: ModelInfo) -> dict[str, torch.Tensor]:
     """GGUF name -> (K,) importance from an imatrix file; ``output.weight`` serves a tied ``token_embd``."""
-    from .analysis.imatrix_io import load_imatrix
+    from dynaquant.analysis.imatrix_io import load_imatrix
 
     means = load_imatrix(path).means()
     names = {t.gguf_name for t in ts.tensors()}
@@ -591,7 +590,7 @@ def recorded_source(path: str | os.PathLike) -> SourceRecord | None:
     Raises:
         InputError: the file is not a readable GGUF, or a key holds another kind of value (names the file).
     """
-    from .readers import gguf_field, open_gguf
+    from dynaquant.sources.readers import gguf_field, open_gguf
 
     reader = open_gguf(path)
     got = {k: gguf_field(reader, path, f"dynaquant.{k}", str) for k in ("source", "source.kind", "source.sha256")}
@@ -620,11 +619,11 @@ def evaluate(quantized: str | os.PathLike, reference: str | os.PathLike | None =
             a reference whose content hash differs from the recorded one (naming the model expected).
     """
     device = device or default_device()
-    from .runtime import is_runtime_checkpoint
+    from dynaquant.runtime.loader import is_runtime_checkpoint
 
     if is_runtime_checkpoint(quantized):
-        from .runtime import load
-        from .safetensors_pipeline import recorded_source_of_checkpoint
+        from dynaquant.pipeline.safetensors import recorded_source_of_checkpoint
+        from dynaquant.runtime.loader import load
 
         qmodel = load(quantized, device=device, dtype=torch.float32)  # first: a damaged checkpoint fails before the reference loads
         rsrc = find_reference(recorded_source_of_checkpoint(quantized), quantized, reference)
@@ -639,7 +638,7 @@ def evaluate(quantized: str | os.PathLike, reference: str | os.PathLike | None =
 def _quantized_model(path, reference: ModelSource, ts: TensorSource | None, device):
     """A GGUF file as a transformers model: transformers' GGUF loader for the dense Llama family, else
     (MoE experts, MLA, VL language models) the reference's model with our decoded weights (``decoded.py``)."""
-    from .decoded import load_decoded, uses_own_decoder
+    from dynaquant.runtime.decoded import load_decoded, uses_own_decoder
 
     if reference.kind == "hf":
         ts = ts if ts is not None else open_tensor_source(reference)

@@ -29,9 +29,9 @@ import os
 import re
 from pathlib import Path
 
-from ..errors import InputError
-from ..quant.formats import FORMATS
-from ..workdir import run_workdir, writing
+from dynaquant.errors import InputError
+from dynaquant.quant.formats import FORMATS
+from dynaquant.workdir import run_workdir, writing
 
 REPORT_VERSION = 1
 _BLK = re.compile(r"^blk\.(\d+)\.(.+?)(?:\.weight|\.bias)?$")

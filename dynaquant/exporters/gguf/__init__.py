@@ -1,0 +1,1 @@
+"""GGUF output: the file writer (``writer``), the mmproj writer (``mmproj``) and the summary reader (``inspect``)."""

@@ -1,0 +1,1 @@
+"""Safetensors output: the compressed-tensors checkpoint writer (``writer``) that ``dynaquant.load`` reads."""
