@@ -274,9 +274,33 @@ def _plan(a) -> int:
     return 0
 
 
-def _report(a) -> int:
-    from dynaquant.analysis.report.html import render_report_cli
+def render_report_cli(report_json_path, out_html=None, plan_json=None):
+    """Check that the page replaces neither input, then read ``report.json`` (and optionally ``plan.json``) and
+    write the HTML page (:func:`dynaquant.analysis.report.html.render_report_files`); returns its Path.
 
+    Args:
+        report_json_path: the report written by ``dynaquant analyze``.
+        out_html: output path (default: ``report.html`` beside the report).
+        plan_json: an optional plan file to draw as one more heat map.
+
+    Raises:
+        FileNotFoundError: a file is missing.
+        ValueError: a file is not JSON, the report's ``version`` is not 1, or the plan has no
+            ``tensors`` list; the message names the file.
+        errors.InputError: the output is the report or the plan, or cannot be written.
+    """
+    from pathlib import Path
+
+    from dynaquant.analysis.report.html import render_report_files
+    from dynaquant.pipeline.preflight import Output, check_outputs
+
+    rp = Path(report_json_path)
+    check_outputs([Output(Path(out_html) if out_html is not None else rp.with_name("report.html"))],
+                  inputs={"report": rp, "plan": plan_json})  # before reading: the page must not replace an input
+    return render_report_files(rp, out_html, plan_json)
+
+
+def _report(a) -> int:
     out = render_report_cli(a.report, a.output, a.plan)
     print(f"wrote {out}")
     return 0

@@ -20,10 +20,10 @@ from dynaquant.analysis.report.html import (
     build_report_page,
     layer_error_curves,
     plan_grid,
-    render_report_cli,
     render_report_html,
     sensitive_layers,
 )
+from dynaquant.cli import render_report_cli
 from dynaquant.quant.formats import get_format
 
 N_LAYERS = 5

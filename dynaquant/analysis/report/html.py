@@ -755,8 +755,10 @@ def _read_json(path: Path, what: str) -> dict:
     return d
 
 
-def render_report_cli(report_json_path, out_html=None, plan_json=None) -> Path:
+def render_report_files(report_json_path, out_html=None, plan_json=None) -> Path:
     """Read ``report.json`` (and optionally ``plan.json``) and write the HTML page.
+
+    The caller checks first that the page replaces neither input (``dynaquant.cli.render_report_cli``).
 
     Args:
         report_json_path: the report written by ``dynaquant analyze``.
@@ -767,13 +769,9 @@ def render_report_cli(report_json_path, out_html=None, plan_json=None) -> Path:
         FileNotFoundError: a file is missing.
         ValueError: a file is not JSON, the report's ``version`` is not 1, or the plan has no
             ``tensors`` list; the message names the file.
-        errors.InputError: the output is the report or the plan, or cannot be written.
+        errors.InputError: the output cannot be written.
     """
-    from dynaquant.pipeline.preflight import Output, check_outputs
-
     rp = Path(report_json_path)
-    check_outputs([Output(Path(out_html) if out_html is not None else rp.with_name("report.html"))],
-                  inputs={"report": rp, "plan": plan_json})  # before reading: the page must not replace an input
     report = _read_json(rp, "a dynaquant report.json")
     if report.get("version") != REPORT_VERSION:
         raise ValueError(f"{rp}: not a dynaquant report.json version {REPORT_VERSION} "
