@@ -45,7 +45,7 @@ from dynaquant.analysis.report.plots import (
     sensitive_layers,
     split_name,
 )
-from dynaquant.analysis.report.schema import REPORT_VERSION, write_text
+from dynaquant.analysis.report.schema import REPORT_VERSION, Report, write_text
 from dynaquant.analysis.report.vl import is_vision_name, vision_section
 
 log = logging.getLogger(__name__)
@@ -290,9 +290,15 @@ def _predicted_vs_measured(p: Page, r: dict) -> None:
              + (f"Rank correlation ρ = {rho:.2f} over {len(pts)} points." if rho is not None else ""))
 
 
-def build_report_page(report: dict, *, title: str | None = None, plan: dict | None = None,
+def build_report_page(report: Report | dict, *, title: str | None = None, plan: dict | None = None,
                       plan_label: str | None = None) -> ReportPage:
-    """Render the report into an HTML string (see ``render_report_html``), without writing it."""
+    """Render the report into an HTML string (see ``render_report_html``), without writing it.
+
+    The sections read the report's dict (``Report.to_dict()``): the page also draws partial and malformed
+    reports, which a checked :class:`Report` refuses, one section at a time.
+    """
+    if isinstance(report, Report):
+        report = report.to_dict()
     if not isinstance(report, dict):
         raise TypeError(f"report must be a dict (report.json contents), got {type(report).__name__}")
     model_id = (report.get("model") or {}).get("id") or "unknown model"
@@ -318,12 +324,12 @@ def build_report_page(report: dict, *, title: str | None = None, plan: dict | No
     return ReportPage(doc, p.figures, p.notes)
 
 
-def render_report_html(report: dict, path, *, title: str | None = None, plan: dict | None = None,
+def render_report_html(report: Report | dict, path, *, title: str | None = None, plan: dict | None = None,
                        plan_label: str | None = None) -> Path:
     """Write the report as one self-contained HTML page.
 
     Args:
-        report: a ``report.json`` dict (version 1). Missing or empty optional sections render a
+        report: a :class:`Report` or a ``report.json`` dict (version 1). Missing or empty optional sections render a
             "not measured" note.
         path: the HTML file to write; written to a temporary file beside it, then renamed.
         title: page title (default: "dynaquant layer-sensitivity report: <model id>").
@@ -334,7 +340,7 @@ def render_report_html(report: dict, path, *, title: str | None = None, plan: di
         The path written. The page's ``<meta name="dynaquant-figures">`` holds the number of plots.
 
     Raises:
-        TypeError: ``report`` is not a dict. OSError: the file cannot be written.
+        TypeError: ``report`` is neither a Report nor a dict. OSError: the file cannot be written.
     """
     page = build_report_page(report, title=title, plan=plan, plan_label=plan_label)
     path = write_text(page.html, path)
