@@ -275,19 +275,11 @@ def _plan(a) -> int:
 
 
 def render_report_cli(report_json_path, out_html=None, plan_json=None):
-    """Check that the page replaces neither input, then read ``report.json`` (and optionally ``plan.json``) and
-    write the HTML page (:func:`dynaquant.analysis.report.html.render_report_files`); returns its Path.
-
-    Args:
-        report_json_path: the report written by ``dynaquant analyze``.
-        out_html: output path (default: ``report.html`` beside the report).
-        plan_json: an optional plan file to draw as one more heat map.
+    """Check that the page (``out_html``, default ``report.html`` beside the report) replaces neither input, then
+    write it with :func:`dynaquant.analysis.report.html.render_report_files` (same arguments); returns its Path.
 
     Raises:
-        FileNotFoundError: a file is missing.
-        ValueError: a file is not JSON, the report's ``version`` is not 1, or the plan has no
-            ``tensors`` list; the message names the file.
-        errors.InputError: the output is the report or the plan, or cannot be written.
+        errors.InputError: the output is the report or the plan; and what ``render_report_files`` raises.
     """
     from pathlib import Path
 
