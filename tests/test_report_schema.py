@@ -104,6 +104,7 @@ def test_the_html_fixture_and_sparse_dicts_round_trip(tmp_path):
     assert r.to_dict() == sparse and list(r.to_dict()) == list(sparse)  # absent stays absent, null stays null
     assert r.model is None and r.activations == () and r.extra == {"model": None, "activations": [1, 2]}
     assert r.tensors[0].errors == {} and r.tensors[0].extra == {"mine": {"a": [1]}}
+    assert r.tensors[0].quantizable is True and r.tensors[0].hf_name is None  # absent: as the planner reads it
     built = Report(candidates=["Q4_0"], tensors=(schema.TensorEntry(name="x", shape=[2]),))
     d = built.to_dict()
     assert d["version"] == 1 and d["tensors"][0]["name"] == "x" and Report.from_dict(d).to_dict() == d

@@ -313,8 +313,9 @@ class TensorExperts(Record):
 class TensorEntry(Record):
     """``tensors[i]``: one tensor of the GGUF target, file order. ``name`` (GGUF), ``hf_name`` (or null), ``shape``
     (GGUF order reversed: torch (out, in)), ``n_elements``, ``layer`` (block or null), ``kind`` (:func:`tensor_kind`),
-    ``group`` (:func:`tensor_group`), ``quantizable``, ``super_weight`` (holds a confirmed one), ``errors`` (format ->
-    :class:`ErrorEntry`; empty when not measured), ``experts`` (:class:`TensorExperts`, MoE only)."""
+    ``group`` (:func:`tensor_group`), ``quantizable`` (true when absent, as the planner reads it), ``super_weight``
+    (holds a confirmed one), ``errors`` (format -> :class:`ErrorEntry`; empty when not measured), ``experts``
+    (:class:`TensorExperts`, MoE only)."""
 
     name: str = ""
     hf_name: str | None = None
@@ -323,7 +324,7 @@ class TensorEntry(Record):
     layer: int | None = None
     kind: str | None = None
     group: str | None = None
-    quantizable: bool | None = None
+    quantizable: bool | None = True
     super_weight: bool | None = None
     errors: dict[str, ErrorEntry] = _record_map(ErrorEntry)
     experts: TensorExperts | None = _record(TensorExperts)
