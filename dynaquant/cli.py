@@ -274,9 +274,25 @@ def _plan(a) -> int:
     return 0
 
 
-def _report(a) -> int:
-    from dynaquant.analysis.report.html import render_report_cli
+def render_report_cli(report_json_path, out_html=None, plan_json=None):
+    """Check that the page (``out_html``, default ``report.html`` beside the report) replaces neither input, then
+    write it with :func:`dynaquant.analysis.report.html.render_report_files` (same arguments); returns its Path.
 
+    Raises:
+        errors.InputError: the output is the report or the plan; and what ``render_report_files`` raises.
+    """
+    from pathlib import Path
+
+    from dynaquant.analysis.report.html import render_report_files
+    from dynaquant.pipeline.preflight import Output, check_outputs
+
+    rp = Path(report_json_path)
+    check_outputs([Output(Path(out_html) if out_html is not None else rp.with_name("report.html"))],
+                  inputs={"report": rp, "plan": plan_json})  # before reading: the page must not replace an input
+    return render_report_files(rp, out_html, plan_json)
+
+
+def _report(a) -> int:
     out = render_report_cli(a.report, a.output, a.plan)
     print(f"wrote {out}")
     return 0

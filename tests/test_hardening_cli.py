@@ -259,7 +259,7 @@ def test_save_plan_equal_to_the_output_is_refused(tiny, tmp_path, no_model_load)
 def test_analyze_plan_and_report_refuse_their_inputs_as_outputs(tiny, tmp_path, no_model_load):
     from dynaquant import analyze, make_dynamic_plan
     from dynaquant.analysis.calibration import CalibrationSpec
-    from dynaquant.analysis.report.html import render_report_cli
+    from dynaquant.cli import render_report_cli
 
     rep = tmp_path / "report.json"
     rep.write_text("precious report")

@@ -16,14 +16,9 @@ import subprocess
 import numpy as np
 import pytest
 
-from dynaquant.analysis.report.html import (
-    build_report_page,
-    layer_error_curves,
-    plan_grid,
-    render_report_cli,
-    render_report_html,
-    sensitive_layers,
-)
+from dynaquant.analysis.report.html import build_report_page, render_report_html
+from dynaquant.analysis.report.plots import layer_error_curves, plan_grid, sensitive_layers
+from dynaquant.cli import render_report_cli
 from dynaquant.quant.formats import get_format
 
 N_LAYERS = 5

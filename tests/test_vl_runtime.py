@@ -304,7 +304,8 @@ def test_gptq_text_model_vision_plain(checkpoints, quantized, tmp_path):
 
 def test_report_vision_figures(quantized):
     """The HTML report has vision-tower error curves and heat maps; Mllama's cross-attention kinds show."""
-    from dynaquant.analysis.report.html import build_report_page, layer_error_curves
+    from dynaquant.analysis.report.html import build_report_page
+    from dynaquant.analysis.report.plots import layer_error_curves
     from dynaquant.analysis.report.vl import vision_report
 
     for arch in ARCHS:

@@ -9,13 +9,13 @@ with the layer's pooled statistics, see :mod:`.experts`).
 
 from __future__ import annotations
 
+from dynaquant.analysis.report.plots import new_figure
+
 
 def fig_routing(rows: list[dict]):
     """Heat map (layers x experts) of routing shares; a matplotlib Figure."""
     import numpy as np
     from matplotlib.colors import LogNorm
-
-    from dynaquant.analysis.report.html import _new_figure
 
     n_exp = max(int(r.get("n_expert") or len(r.get("frequency") or [])) for r in rows)
     grid = np.full((len(rows), n_exp), np.nan)
@@ -23,7 +23,7 @@ def fig_routing(rows: list[dict]):
         f = [float(v) for v in r.get("frequency") or []]
         grid[i, : len(f)] = f
     positive = grid[np.isfinite(grid) & (grid > 0)]
-    fig = _new_figure(min(14.0, 4.5 + 0.12 * n_exp), min(10.0, 1.5 + 0.3 * len(rows)))
+    fig = new_figure(min(14.0, 4.5 + 0.12 * n_exp), min(10.0, 1.5 + 0.3 * len(rows)))
     ax = fig.add_subplot()
     shown = np.where(np.isfinite(grid) & (grid > 0), grid, np.nan)
     norm = LogNorm(vmin=positive.min(), vmax=positive.max()) if positive.size and positive.min() < positive.max() else None
@@ -40,7 +40,7 @@ def fig_routing(rows: list[dict]):
 
 
 def experts_section(p, r: dict) -> None:
-    """Add the section to a report page (``report_html._Page``); nothing for a dense model."""
+    """Add the section to a report page (``:class:`dynaquant.analysis.report.html.Page```); nothing for a dense model."""
     rows = [x for x in r.get("experts") or [] if isinstance(x, dict)]
     if not rows:
         return
