@@ -16,10 +16,9 @@ import torch
 
 from dynaquant.kernels.formats import KernelFormat
 from dynaquant.kernels.packing import PackedWeight, unpack
+from dynaquant.quant.formats import E2M1_VALUES
 
 __all__ = ["E2M1_VALUES", "e2m1_to_float", "e8m0_to_float", "dequantize_ref", "linear_ref", "dequantize_packed_ref"]
-
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:

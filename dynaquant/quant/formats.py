@@ -35,6 +35,11 @@ from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType
 
+# FP4 E2M1 (OCP Microscaling v1.0) code -> value: bit 3 the sign, then 2 exponent bits and 1
+# mantissa bit; codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6 and 8..15 their negatives (8 is -0.0).
+# The element type of MXFP4, MXFP4_G32 and NVFP4_G16; the one copy of the table.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
 
 @dataclass(frozen=True)
 class Format:
