@@ -16,9 +16,9 @@ import it.
 """
 
 from dynaquant.kernels.formats import KernelFormat
-from dynaquant.kernels.ops import dequantize, linear, uses_triton
+from dynaquant.kernels.ops import dequantize, dequantize_packed_ref, linear, linear_ref, uses_triton
 from dynaquant.kernels.packing import PackedWeight, pack, unpack
-from dynaquant.kernels.reference import dequantize_packed_ref, dequantize_ref, e2m1_to_float, e8m0_to_float, linear_ref
+from dynaquant.kernels.reference import dequantize_ref, e2m1_to_float, e8m0_to_float
 from dynaquant.kernels.tuning import DeviceInfo, LaunchConfig, choose_config, device_info, valid_config
 from dynaquant.quant.codecs import fastpaths
 
