@@ -225,3 +225,25 @@ def test_iq2_encoder_on_fused_path(interpreted, name):
     e_ours = float((im * (x - y) ** 2).sum())
     e_ref = float((im * (x - dequantize(ref, name)) ** 2).sum())
     assert e_ours <= e_ref * 1.001
+
+
+def test_backend_argument(monkeypatch):
+    """``backend`` chooses the implementation: "auto" is torch on CPU, "torch" always, an unknown name is refused;
+    "triton" with no fast path registered is an error, not a silent fallback."""
+    from dynaquant.quant.codecs import fastpaths, quantize
+
+    x = torch.zeros(3, 8)
+    assert lat.fast_path("lattice.nearest_codewords", x, "auto") is None
+    assert lat.fast_path("lattice.nearest_codewords", x, "torch") is None
+    assert lat.fast_path("lattice.nearest_codewords", x, "triton") is not None  # registered by dynaquant.kernels
+    with pytest.raises(ValueError, match="backend"):
+        lat.fast_path("lattice.nearest_codewords", x, "cuda")
+    with pytest.raises(ValueError, match="backend"):
+        quantize(torch.zeros(2, 256), "Q4_0", backend="fast")
+    with pytest.raises(KeyError):
+        fastpaths.register("lattice.no_such_search", lambda: None)
+    monkeypatch.setattr(fastpaths, "_LOADERS", {})  # nothing registered
+    monkeypatch.setattr(fastpaths, "_LOADED", {})
+    assert lat.fast_path("lattice.nearest_codewords", x, "auto") is None
+    with pytest.raises(RuntimeError, match="triton"):
+        lat.fast_path("lattice.nearest_codewords", x, "triton")
