@@ -51,6 +51,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 from quality import machine_info, versions  # noqa: E402
 
+import dynaquant.kernels  # noqa: E402,F401  (registers the Triton searches: ours_cuda runs them)
 from dynaquant.quant.codecs import dequantize, get_codec, quantize  # noqa: E402
 from dynaquant.quant.formats import get_format  # noqa: E402
 

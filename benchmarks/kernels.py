@@ -45,7 +45,7 @@ except ImportError:
     sys.path.insert(0, str(HERE.parent))
 
 from dynaquant.kernels import KernelFormat, PackedWeight, choose_config, device_info, linear, pack  # noqa: E402
-from dynaquant.kernels.reference import dequantize_packed_ref  # noqa: E402
+from dynaquant.kernels.ops import dequantize_packed_ref  # noqa: E402
 from dynaquant.kernels.tuning import gemv_candidates, mm_candidates, valid_config  # noqa: E402
 
 log = logging.getLogger("kernels")

@@ -23,6 +23,7 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"  # where the kernel runs (compiled or int
 
 pytest.importorskip("triton")
 
+import dynaquant.kernels  # noqa: E402,F401  (registers the kernels as the codecs' fast paths: backend="triton")
 from dynaquant.quant.codecs import _lattice as lat  # noqa: E402
 
 # (grid name, parity): IQ2_XXS/IQ2_XS carry the sign-parity flip; IQ2_S and IQ3_XXS (D = 4) do not.
@@ -82,14 +83,13 @@ def _check(cost, idx, ref_cost, ref_idx, x, w, grid, scale, odd):
 @pytest.mark.parametrize("name,parity", CASES)
 @pytest.mark.parametrize("t", [1, 3])
 @pytest.mark.parametrize("variant", ["rows", "tile"])
-def test_kernel_matches_reference(interpreted, name, parity, t, variant, monkeypatch):
-    monkeypatch.setenv("DYNAQUANT_LATTICE_KERNEL", variant)
+def test_kernel_matches_reference(interpreted, name, parity, t, variant):
     grid = lat.gguf_grid(name, DEVICE)
     n = 37  # not a multiple of the block of groups
     x, w, scale, odd = _inputs(n, grid.shape[1], t, DEVICE)
     odd = odd if parity else None
     sc = scale if t > 1 else scale[0]
-    cost, idx = interpreted.nearest_codewords(x, w, grid, sc, odd)
+    cost, idx = interpreted.nearest_codewords(x, w, grid, sc, odd, variant=variant)
     ref_cost, ref_idx = lat.nearest_codewords_torch(x, w, grid, sc, odd)
     assert cost.shape == sc.shape
     _check(cost, idx, ref_cost, ref_idx, x, w, grid, sc, odd)
@@ -119,11 +119,10 @@ def test_subset_min_costs_match_reference(interpreted, lead):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
-def test_rows_kernel_more_than_eight_scales(interpreted, monkeypatch):
-    monkeypatch.setenv("DYNAQUANT_LATTICE_KERNEL", "rows")
+def test_rows_kernel_more_than_eight_scales(interpreted):
     grid = lat.gguf_grid("IQ2_XXS", DEVICE)
     x, w, scale, odd = _inputs(40, 8, 10, DEVICE)
-    cost, idx = interpreted.nearest_codewords(x, w, grid, scale, odd)
+    cost, idx = interpreted.nearest_codewords(x, w, grid, scale, odd, variant="rows")
     ref_cost, ref_idx = lat.nearest_codewords_torch(x, w, grid, scale, odd)
     _check(cost, idx, ref_cost, ref_idx, x, w, grid, scale, odd)
 
@@ -148,18 +147,15 @@ def test_ternary_nearest_matches_iq1_search(interpreted):
 
 
 @pytest.mark.parametrize("name", ["IQ1_S", "IQ1_M"])
-def test_iq1_encoder_on_fused_path(interpreted, name, monkeypatch):
+def test_iq1_encoder_on_fused_path(interpreted, name):
     """IQ1 through the kernel (forced on CPU, interpreted) gives the same bytes as through torch."""
     from dynaquant.quant.codecs import quantize
 
     g = torch.Generator().manual_seed(6)
     x = (torch.randn(2, 256, generator=g) * 0.02).to(DEVICE)
     im = torch.exp(torch.randn(256, generator=g)).to(DEVICE)
-    with monkeypatch.context() as mp:
-        mp.setattr(lat, "fused", lambda t: False)
-        ref = quantize(x, name, im).cpu()
-    monkeypatch.setattr(lat, "fused", lambda t: True)
-    assert torch.equal(quantize(x, name, im).cpu(), ref)
+    ref = quantize(x, name, im, backend="torch").cpu()
+    assert torch.equal(quantize(x, name, im, backend="triton").cpu(), ref)
 
 
 def test_empty(interpreted):
@@ -195,23 +191,22 @@ def test_import_does_not_load_triton():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("name,parity", CASES + [("IQ1_S", False)])
 @pytest.mark.parametrize("variant", ["rows", "tile"])
-def test_cuda_matches_reference(name, parity, variant, monkeypatch):
+def test_cuda_matches_reference(name, parity, variant):
     from dynaquant.kernels.lattice_search import nearest_codewords
 
-    monkeypatch.setenv("DYNAQUANT_LATTICE_KERNEL", variant)
     grid = lat.gguf_grid(name, "cuda")
     n = 5003
     x, w, scale, odd = _inputs(n, grid.shape[1], 4, "cuda")
     if name == "IQ1_S":
         x = x - 0.01  # signed weights on a signed grid (no parity)
     odd = odd if parity else None
-    cost, idx = nearest_codewords(x, w, grid, scale, odd)
+    cost, idx = nearest_codewords(x, w, grid, scale, odd, variant=variant)
     ref_cost, ref_idx = lat.nearest_codewords_torch(x, w, grid, scale, odd)
     _check(cost, idx, ref_cost, ref_idx, x, w, grid, scale, odd)
 
 
 @pytest.mark.parametrize("name", ["IQ2_XXS", "IQ2_XS"])
-def test_iq2_encoder_on_fused_path(interpreted, name, monkeypatch):
+def test_iq2_encoder_on_fused_path(interpreted, name):
     """The IQ2 encoder through the kernel (forced on CPU, interpreted) gives valid bytes of
     the same quality as through the torch reference."""
     from gguf import GGMLQuantizationType
@@ -222,14 +217,33 @@ def test_iq2_encoder_on_fused_path(interpreted, name, monkeypatch):
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(3, 512, generator=g) * 0.02).to(DEVICE)
     im = torch.exp(torch.randn(512, generator=g)).to(DEVICE)
-    with monkeypatch.context() as m:
-        m.setattr(lat, "fused", lambda t: False)
-        ref = quantize(x, name, im).cpu()
-    monkeypatch.setattr(lat, "fused", lambda t: True)  # all three kernels
-    ours = quantize(x, name, im).cpu()
+    ref = quantize(x, name, im, backend="torch").cpu()
+    ours = quantize(x, name, im, backend="triton").cpu()  # all three kernels
     x, im = x.cpu(), im.cpu()
     y = dequantize(ours, name)
     assert torch.equal(y, torch.from_numpy(gguf_dequantize(ours.numpy(), GGMLQuantizationType[name])))
     e_ours = float((im * (x - y) ** 2).sum())
     e_ref = float((im * (x - dequantize(ref, name)) ** 2).sum())
     assert e_ours <= e_ref * 1.001
+
+
+def test_backend_argument(monkeypatch):
+    """``backend`` chooses the implementation: "auto" is torch on CPU, "torch" always, an unknown name is refused;
+    "triton" with no fast path registered is an error, not a silent fallback."""
+    from dynaquant.quant.codecs import fastpaths, quantize
+
+    x = torch.zeros(3, 8)
+    assert lat.fast_path("lattice.nearest_codewords", x, "auto") is None
+    assert lat.fast_path("lattice.nearest_codewords", x, "torch") is None
+    assert lat.fast_path("lattice.nearest_codewords", x, "triton") is not None  # registered by dynaquant.kernels
+    with pytest.raises(ValueError, match="backend"):
+        lat.fast_path("lattice.nearest_codewords", x, "cuda")
+    with pytest.raises(ValueError, match="backend"):
+        quantize(torch.zeros(2, 256), "Q4_0", backend="fast")
+    with pytest.raises(KeyError):
+        fastpaths.register("lattice.no_such_search", lambda: None)
+    monkeypatch.setattr(fastpaths, "_LOADERS", {})  # nothing registered
+    monkeypatch.setattr(fastpaths, "_LOADED", {})
+    assert lat.fast_path("lattice.nearest_codewords", x, "auto") is None
+    with pytest.raises(RuntimeError, match="triton"):
+        lat.fast_path("lattice.nearest_codewords", x, "triton")

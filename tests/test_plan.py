@@ -8,8 +8,9 @@ import pytest
 
 from dynaquant.quant.formats import FORMATS, get_format, resolve_for_row
 from dynaquant.quant.plan import Plan, TensorInfo
-from dynaquant.quant.planner import BudgetError, Rule, make_plan
+from dynaquant.quant.planner import BudgetError, make_plan
 from dynaquant.quant.presets import ModelInfo
+from dynaquant.quant.rules import Rule
 
 N_LAYERS = 30
 SMOL = ModelInfo(n_layers=N_LAYERS, n_head=9, n_head_kv=3, tied_embeddings=True)
@@ -230,7 +231,7 @@ def test_allocator_is_optimal_on_a_small_problem():
 
 
 def test_default_rules_keep_super_weights_first_layer_and_attention_high():
-    from dynaquant.quant.planner import default_rules
+    from dynaquant.quant.rules import default_rules
 
     ts = smollm2_tensors()
     err = lambda t, f: t.n_elements * 2.0 ** (-2 * get_format(f).bpw)  # noqa: E731

@@ -1,1 +1,3 @@
 """analysis"""
+
+import dynaquant.kernels  # noqa: F401  (registers the Triton lattice searches as the codecs' fast paths)

@@ -8,13 +8,35 @@ Public API (importing this package does not import Triton):
     dequantize_ref(codes, scales, zeros, fmt, *, global_scale=None) -> (N, K) float32
     linear_ref(x, packed, bias=None) -> y              torch reference of ``linear``
     choose_config(fmt, m, n, k, device_info(device)) -> LaunchConfig   cached launch tuning
+
+Importing this package also registers the fused lattice searches of :mod:`.lattice_search`
+(Triton, loaded on first use) as the fast paths of the i-quant codecs
+(:mod:`dynaquant.quant.codecs.fastpaths`); the layers that encode (pipeline, analysis, runtime)
+import it.
 """
 
 from dynaquant.kernels.formats import KernelFormat
-from dynaquant.kernels.ops import dequantize, linear, uses_triton
+from dynaquant.kernels.ops import dequantize, dequantize_packed_ref, linear, linear_ref, uses_triton
 from dynaquant.kernels.packing import PackedWeight, pack, unpack
-from dynaquant.kernels.reference import dequantize_packed_ref, dequantize_ref, e2m1_to_float, e8m0_to_float, linear_ref
+from dynaquant.kernels.reference import dequantize_ref, e2m1_to_float, e8m0_to_float
 from dynaquant.kernels.tuning import DeviceInfo, LaunchConfig, choose_config, device_info, valid_config
+from dynaquant.quant.codecs import fastpaths
+
+
+def _lattice_loader(attr: str):
+    """A loader of :mod:`.lattice_search`'s ``attr`` (imports Triton when called)."""
+
+    def load():
+        from dynaquant.kernels import lattice_search
+
+        return getattr(lattice_search, attr)
+
+    return load
+
+
+for _name, _attr in (("lattice.nearest_codewords", "nearest_codewords"), ("lattice.candidate_terms", "candidate_terms"),
+                     ("lattice.subset_min_costs", "subset_min_costs"), ("iq1.ternary_nearest", "ternary_nearest")):
+    fastpaths.register(_name, _lattice_loader(_attr))
 
 __all__ = ["KernelFormat", "PackedWeight", "LaunchConfig", "DeviceInfo", "pack", "unpack", "linear", "dequantize",
            "uses_triton", "dequantize_ref", "dequantize_packed_ref", "linear_ref", "e2m1_to_float", "e8m0_to_float",

@@ -2,19 +2,24 @@
 
 A :class:`KernelFormat` names what the kernels need to know of a runtime format
 (:mod:`dynaquant.quant.runtime`, the safetensors target's rows of :mod:`dynaquant.quant.formats`):
-the element kind, the code width, the group size and whether a zero point is stored. Names
-follow the format table: ``INT{b}_G{g}`` (symmetric), ``INT{b}_G{g}_ASYM``, ``MXFP4_G32`` and
-``NVFP4_G16``; :meth:`KernelFormat.parse` also takes them in lower case.
+the element kind, the code width, the group size and whether a zero point is stored, all read
+from the format's row (:meth:`KernelFormat.from_format`). :meth:`KernelFormat.parse` takes the
+table's names (``INT{b}_G{g}``, ``INT{b}_G{g}_ASYM``, ``MXFP4_G32``, ``NVFP4_G16``) in any case,
+and the aliases ``INT{b}_G{g}_SYM``, ``MXFP4`` and ``NVFP4_CT``.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+
+from dynaquant.quant.formats import Format, get_format
 
 INT_BITS = (2, 3, 4, 8)
 GROUP_SIZES = (16, 32, 64, 128)
-_INT_RE = re.compile(r"^INT(\d)_G(\d+)(_ASYM|_SYM)?$")
+# Names parse also takes, and the row each stands for (the GGUF MXFP4 row has the same values).
+_ALIASES = {"MXFP4": "MXFP4_G32", "NVFP4_CT": "NVFP4_G16"}
+# A runtime row's scale type -> the kernels' element kind.
+_KIND_OF_SCALE = {"fp16": "int", "e8m0": "mxfp4", "e4m3": "nvfp4"}
 
 
 @dataclass(frozen=True)
@@ -83,11 +88,24 @@ class KernelFormat:
         if not isinstance(name, str):
             raise ValueError(f"not a format: {fmt!r}")
         up = name.upper()
-        if up in ("MXFP4", "MXFP4_G32"):
-            return cls("mxfp4", 4, 32)
-        if up in ("NVFP4_G16", "NVFP4_CT"):
-            return cls("nvfp4", 4, 16)
-        m = _INT_RE.match(up)
-        if not m:
+        if up.startswith("INT") and up.endswith("_SYM"):  # INT4_G128_SYM: the symmetric row
+            up = up.removesuffix("_SYM")
+        try:
+            row = get_format(_ALIASES.get(up, up))
+        except KeyError:
+            row = None
+        if row is None or row.target != "safetensors":
             raise ValueError(f"not a runtime format name: {name!r} (expected INT{{b}}_G{{g}}[_ASYM], MXFP4_G32, NVFP4_G16)")
-        return cls("int", int(m.group(1)), int(m.group(2)), m.group(3) != "_ASYM")
+        return cls.from_format(row)
+
+    @classmethod
+    def from_format(cls, row: Format) -> KernelFormat:
+        """The KernelFormat of a runtime row of :mod:`dynaquant.quant.formats`: kind from its
+        ``scale_type``, ``bits``, ``group_size = block_size``, symmetric when ``zero_bits == 0``.
+
+        Raises:
+            ValueError: not a runtime (safetensors) row.
+        """
+        if row.target != "safetensors" or row.scale_type not in _KIND_OF_SCALE:
+            raise ValueError(f"{row.name} is not a runtime format")
+        return cls(_KIND_OF_SCALE[row.scale_type], row.bits, row.block_size, row.zero_bits == 0)

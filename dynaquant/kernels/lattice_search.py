@@ -18,12 +18,14 @@ argmin of ``S**2 C - 2 S B``. Nothing of size (groups, G) touches memory: a call
 - ``tile``: a (BLOCK_N, G) register tile of ``B``, ``C``, ``M`` per program, reduced across
   lanes once per scale (5x slower on an H100: the reductions dominate).
 
-``DYNAQUANT_LATTICE_KERNEL=tile`` selects the second. Measured on an H100 (2M groups, 8
+The ``variant`` argument (``"rows"`` or ``"tile"``) chooses; the codecs pass it down from
+``quantize(..., variant=...)``. Measured on an H100 (2M groups, 8
 scales, parity on): rows 2.1 ms (IQ2_XXS, G = 256) and 3.9 ms (IQ2_XS, G = 512); tile 12.0
 and 11.8 ms; torch reference 67 and 118 ms.
 
-Memory layout: ``x``, ``w`` (n, D) float32 row-major, ``grid`` (G, D) float32 row-major,
-scales (T, n) float32, ``odd`` (n,) int8.
+The kernels themselves, and the memory layout they read, are in
+:mod:`dynaquant.kernels.lattice_triton`; this module checks shapes, lays out the inputs and
+launches them.
 
 Two smaller kernels serve the search over a few candidate codewords per group:
 :func:`candidate_terms` (``B`` and ``C`` of each group's candidates, the flip penalty
@@ -35,8 +37,9 @@ included; reference :func:`dynaquant.quant.codecs._lattice.candidate_terms_torch
 candidate-list search, :func:`dynaquant.quant.codecs.iq1.nearest_points`, one group per lane,
 bit-identical indices).
 
-Importing this module imports Triton; :mod:`dynaquant.quant.codecs._lattice` imports it
-lazily, on CUDA tensors only.
+Importing this module imports Triton. :mod:`dynaquant.kernels` registers these functions into
+:mod:`dynaquant.quant.codecs.fastpaths` (loaded on first use) without importing it; the codecs
+run them on CUDA tensors (``backend="auto"``) or wherever ``backend="triton"`` says.
 """
 
 from __future__ import annotations
@@ -46,15 +49,23 @@ import os
 
 import torch
 import triton
-import triton.language as tl
+
+from dynaquant.kernels.lattice_triton import (
+    candidate_terms_kernel,
+    nearest_rows_kernel,
+    nearest_tile_kernel,
+    subset_min_kernel,
+    ternary_nearest_kernel,
+)
 
 __all__ = ["nearest_codewords", "candidate_terms", "subset_min_costs", "ternary_nearest"]
 
 # Two implementations of nearest_codewords: "rows" (one group per lane, the codebook walked
 # codeword by codeword, no cross-lane reduction; D = 4 or 8) and "tile" (a (BLOCK_N, G)
 # register tile of costs per program, reduced across lanes for each scale).
-# ``DYNAQUANT_LATTICE_KERNEL`` (rows / tile) overrides the default.
-_VARIANT = "rows"
+# ``variant`` chooses (None: the default).
+VARIANTS = ("rows", "tile")
+DEFAULT_VARIANT = "rows"
 # rows: groups per program and warps.
 _ROWS_BLOCK = 256
 _ROWS_WARPS = 4
@@ -63,266 +74,30 @@ _TILE = 4096
 _NUM_WARPS = 4
 
 
-@triton.jit
-def _nearest_kernel(
-    x_ptr,
-    w_ptr,
-    grid_ptr,
-    scale_ptr,
-    odd_ptr,
-    cost_ptr,
-    idx_ptr,
-    n,
-    G,
-    T: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    PARITY: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    rmask = rows < n
-    cols = tl.arange(0, BLOCK_G)
-    cmask = cols < G
-    b = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
-    c = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
-    m = tl.full((BLOCK_N, BLOCK_G), float("inf"), dtype=tl.float32)
-    for i in tl.static_range(D):
-        xi = tl.load(x_ptr + rows * D + i, mask=rmask, other=0.0)
-        wi = tl.load(w_ptr + rows * D + i, mask=rmask, other=0.0)
-        gi = tl.load(grid_ptr + cols * D + i, mask=cmask, other=0.0)
-        p = (wi * xi)[:, None] * gi[None, :]
-        b += p
-        c += wi[:, None] * (gi * gi)[None, :]
-        if PARITY:
-            m = tl.minimum(m, p)
-    if PARITY:
-        odd = tl.load(odd_ptr + rows, mask=rmask, other=0)
-        b = tl.where((odd != 0)[:, None], b - 2.0 * m, b)
-    sp = scale_ptr + rows
-    cp = cost_ptr + rows
-    ip = idx_ptr + rows
-    for _t in range(T):
-        s = tl.load(sp, mask=rmask, other=0.0)
-        e = (s * s)[:, None] * c - (2.0 * s)[:, None] * b
-        e = tl.where(cmask[None, :], e, float("inf"))
-        best, arg = tl.min(e, axis=1, return_indices=True)
-        tl.store(cp, best, mask=rmask)
-        tl.store(ip, arg.to(tl.int64), mask=rmask)
-        sp += n
-        cp += n
-        ip += n
-
-
-@triton.jit
-def _nearest_rows_kernel(
-    x_ptr,
-    w_ptr,
-    grid_ptr,
-    grid2_ptr,
-    scale_ptr,
-    odd_ptr,
-    cost_ptr,
-    idx_ptr,
-    n,
-    G: tl.constexpr,
-    T: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PARITY: tl.constexpr,
-):
-    # One group per lane (BLOCK_N groups a program), the codebook walked one codeword at a
-    # time with its D coordinates and squares as uniform scalar loads; T <= 8 running
-    # (min, argmin) pairs per group, so no cross-lane reduction. D is 4 or 8.
-    pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    rmask = rows < n
-    xp = x_ptr + rows * D
-    wp = w_ptr + rows * D
-    w0 = tl.load(wp + 0, mask=rmask, other=0.0)
-    a0 = w0 * tl.load(xp + 0, mask=rmask, other=0.0)
-    w1 = tl.load(wp + 1, mask=rmask, other=0.0)
-    a1 = w1 * tl.load(xp + 1, mask=rmask, other=0.0)
-    w2 = tl.load(wp + 2, mask=rmask, other=0.0)
-    a2 = w2 * tl.load(xp + 2, mask=rmask, other=0.0)
-    w3 = tl.load(wp + 3, mask=rmask, other=0.0)
-    a3 = w3 * tl.load(xp + 3, mask=rmask, other=0.0)
-    if D == 8:
-        w4 = tl.load(wp + 4, mask=rmask, other=0.0)
-        a4 = w4 * tl.load(xp + 4, mask=rmask, other=0.0)
-        w5 = tl.load(wp + 5, mask=rmask, other=0.0)
-        a5 = w5 * tl.load(xp + 5, mask=rmask, other=0.0)
-        w6 = tl.load(wp + 6, mask=rmask, other=0.0)
-        a6 = w6 * tl.load(xp + 6, mask=rmask, other=0.0)
-        w7 = tl.load(wp + 7, mask=rmask, other=0.0)
-        a7 = w7 * tl.load(xp + 7, mask=rmask, other=0.0)
-    if PARITY:
-        odd2 = tl.where(tl.load(odd_ptr + rows, mask=rmask, other=0) != 0, 2.0, 0.0)
-    s0 = tl.load(scale_ptr + 0 * n + rows, mask=rmask, other=0.0)
-    q0 = s0 * s0
-    r0 = 2.0 * s0
-    best0 = tl.full((BLOCK_N,), float("inf"), dtype=tl.float32)
-    arg0 = tl.zeros((BLOCK_N,), dtype=tl.int32)
-    if T > 1:
-        s1 = tl.load(scale_ptr + 1 * n + rows, mask=rmask, other=0.0)
-        q1 = s1 * s1
-        r1 = 2.0 * s1
-        best1 = tl.full((BLOCK_N,), float("inf"), dtype=tl.float32)
-        arg1 = tl.zeros((BLOCK_N,), dtype=tl.int32)
-    if T > 2:
-        s2 = tl.load(scale_ptr + 2 * n + rows, mask=rmask, other=0.0)
-        q2 = s2 * s2
-        r2 = 2.0 * s2
-        best2 = tl.full((BLOCK_N,), float("inf"), dtype=tl.float32)
-        arg2 = tl.zeros((BLOCK_N,), dtype=tl.int32)
-    if T > 3:
-        s3 = tl.load(scale_ptr + 3 * n + rows, mask=rmask, other=0.0)
-        q3 = s3 * s3
-        r3 = 2.0 * s3
-        best3 = tl.full((BLOCK_N,), float("inf"), dtype=tl.float32)
-        arg3 = tl.zeros((BLOCK_N,), dtype=tl.int32)
-    if T > 4:
-        s4 = tl.load(scale_ptr + 4 * n + rows, mask=rmask, other=0.0)
-        q4 = s4 * s4
-        r4 = 2.0 * s4
-        best4 = tl.full((BLOCK_N,), float("inf"), dtype=tl.float32)
-        arg4 = tl.zeros((BLOCK_N,), dtype=tl.int32)
-    if T > 5:
-        s5 = tl.load(scale_ptr + 5 * n + rows, mask=rmask, other=0.0)
-        q5 = s5 * s5
-        r5 = 2.0 * s5
-        best5 = tl.full((BLOCK_N,), float("inf"), dtype=tl.float32)
-        arg5 = tl.zeros((BLOCK_N,), dtype=tl.int32)
-    if T > 6:
-        s6 = tl.load(scale_ptr + 6 * n + rows, mask=rmask, other=0.0)
-        q6 = s6 * s6
-        r6 = 2.0 * s6
-        best6 = tl.full((BLOCK_N,), float("inf"), dtype=tl.float32)
-        arg6 = tl.zeros((BLOCK_N,), dtype=tl.int32)
-    if T > 7:
-        s7 = tl.load(scale_ptr + 7 * n + rows, mask=rmask, other=0.0)
-        q7 = s7 * s7
-        r7 = 2.0 * s7
-        best7 = tl.full((BLOCK_N,), float("inf"), dtype=tl.float32)
-        arg7 = tl.zeros((BLOCK_N,), dtype=tl.int32)
-    for g in range(G):
-        gp = grid_ptr + g * D
-        qp = grid2_ptr + g * D
-        p0 = a0 * tl.load(gp + 0)
-        c0 = w0 * tl.load(qp + 0)
-        p1 = a1 * tl.load(gp + 1)
-        c1 = w1 * tl.load(qp + 1)
-        p2 = a2 * tl.load(gp + 2)
-        c2 = w2 * tl.load(qp + 2)
-        p3 = a3 * tl.load(gp + 3)
-        c3 = w3 * tl.load(qp + 3)
-        if D == 8:
-            p4 = a4 * tl.load(gp + 4)
-            c4 = w4 * tl.load(qp + 4)
-            p5 = a5 * tl.load(gp + 5)
-            c5 = w5 * tl.load(qp + 5)
-            p6 = a6 * tl.load(gp + 6)
-            c6 = w6 * tl.load(qp + 6)
-            p7 = a7 * tl.load(gp + 7)
-            c7 = w7 * tl.load(qp + 7)
-        b = (p0 + p1) + (p2 + p3)
-        c = (c0 + c1) + (c2 + c3)
-        if PARITY:
-            m = tl.minimum(tl.minimum(p0, p1), tl.minimum(p2, p3))
-        if D == 8:
-            b = b + ((p4 + p5) + (p6 + p7))
-            c = c + ((c4 + c5) + (c6 + c7))
-            if PARITY:
-                m = tl.minimum(m, tl.minimum(tl.minimum(p4, p5), tl.minimum(p6, p7)))
-        if PARITY:
-            b = b - odd2 * m
-        e = q0 * c - r0 * b
-        u = e < best0
-        best0 = tl.where(u, e, best0)
-        arg0 = tl.where(u, g, arg0)
-        if T > 1:
-            e = q1 * c - r1 * b
-            u = e < best1
-            best1 = tl.where(u, e, best1)
-            arg1 = tl.where(u, g, arg1)
-        if T > 2:
-            e = q2 * c - r2 * b
-            u = e < best2
-            best2 = tl.where(u, e, best2)
-            arg2 = tl.where(u, g, arg2)
-        if T > 3:
-            e = q3 * c - r3 * b
-            u = e < best3
-            best3 = tl.where(u, e, best3)
-            arg3 = tl.where(u, g, arg3)
-        if T > 4:
-            e = q4 * c - r4 * b
-            u = e < best4
-            best4 = tl.where(u, e, best4)
-            arg4 = tl.where(u, g, arg4)
-        if T > 5:
-            e = q5 * c - r5 * b
-            u = e < best5
-            best5 = tl.where(u, e, best5)
-            arg5 = tl.where(u, g, arg5)
-        if T > 6:
-            e = q6 * c - r6 * b
-            u = e < best6
-            best6 = tl.where(u, e, best6)
-            arg6 = tl.where(u, g, arg6)
-        if T > 7:
-            e = q7 * c - r7 * b
-            u = e < best7
-            best7 = tl.where(u, e, best7)
-            arg7 = tl.where(u, g, arg7)
-    tl.store(cost_ptr + 0 * n + rows, best0, mask=rmask)
-    tl.store(idx_ptr + 0 * n + rows, arg0.to(tl.int64), mask=rmask)
-    if T > 1:
-        tl.store(cost_ptr + 1 * n + rows, best1, mask=rmask)
-        tl.store(idx_ptr + 1 * n + rows, arg1.to(tl.int64), mask=rmask)
-    if T > 2:
-        tl.store(cost_ptr + 2 * n + rows, best2, mask=rmask)
-        tl.store(idx_ptr + 2 * n + rows, arg2.to(tl.int64), mask=rmask)
-    if T > 3:
-        tl.store(cost_ptr + 3 * n + rows, best3, mask=rmask)
-        tl.store(idx_ptr + 3 * n + rows, arg3.to(tl.int64), mask=rmask)
-    if T > 4:
-        tl.store(cost_ptr + 4 * n + rows, best4, mask=rmask)
-        tl.store(idx_ptr + 4 * n + rows, arg4.to(tl.int64), mask=rmask)
-    if T > 5:
-        tl.store(cost_ptr + 5 * n + rows, best5, mask=rmask)
-        tl.store(idx_ptr + 5 * n + rows, arg5.to(tl.int64), mask=rmask)
-    if T > 6:
-        tl.store(cost_ptr + 6 * n + rows, best6, mask=rmask)
-        tl.store(idx_ptr + 6 * n + rows, arg6.to(tl.int64), mask=rmask)
-    if T > 7:
-        tl.store(cost_ptr + 7 * n + rows, best7, mask=rmask)
-        tl.store(idx_ptr + 7 * n + rows, arg7.to(tl.int64), mask=rmask)
-
-
 def nearest_codewords(
     x: torch.Tensor,
     w: torch.Tensor,
     grid: torch.Tensor,
     scale: torch.Tensor,
     odd: torch.Tensor | None = None,
+    *,
+    variant: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Best codeword of each group over the whole codebook, for a batch of scales (fused).
 
-    Args:
-        x: (n, D) float32 group weights (sign-folded, >= 0, where ``odd`` is given).
-        w: (n, D) float32 importance, >= 0.
-        grid: (G, D) float32 codebook (entries > 0 where ``odd`` is given).
-        scale: (..., n) float32 scale of each group (>= 0); leading axes are candidate scales.
-        odd: optional (n,) bool: groups whose sign pattern must flip one element (their cost
-            gets ``4 S min_i w_i x_i g_i``).
-    Returns:
-        (cost, idx): (..., n) float32 ``min_g S**2 C_g - 2 S B_g (+ 4 S M_g)`` (the error less
-        ``sum(w x**2)``) and (..., n) int64 its argmin (the lowest index among exact ties).
+    Arguments and result as the torch reference
+    :func:`dynaquant.quant.codecs._lattice.nearest_codewords_torch` (x, w (n, D) float32, grid
+    (G, D) float32, scale (..., n) float32, odd optional (n,) bool -> cost (..., n) float32,
+    idx (..., n) int64; among exact ties the lowest index). ``variant``: ``"rows"`` or
+    ``"tile"`` (module docstring; None: :data:`DEFAULT_VARIANT`); ``"rows"`` needs D = 4 or 8
+    and falls back to ``"tile"`` otherwise.
+
     Raises:
-        ValueError: shapes disagree.
+        ValueError: shapes disagree, or an unknown variant.
     """
+    variant = DEFAULT_VARIANT if variant is None else variant
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
     if x.ndim != 2 or w.shape != x.shape or grid.ndim != 2 or grid.shape[1] != x.shape[1] or scale.shape[-1:] != x.shape[:1]:
         raise ValueError(
             f"shapes disagree: x {tuple(x.shape)}, w {tuple(w.shape)}, grid {tuple(grid.shape)}, scale {tuple(scale.shape)}"
@@ -345,13 +120,12 @@ def nearest_codewords(
             raise ValueError(f"odd must be ({n},), got {tuple(odd.shape)}")
     else:
         oc = xc  # unused (PARITY False)
-    variant = os.environ.get("DYNAQUANT_LATTICE_KERNEL", _VARIANT)
     if variant == "rows" and d in (4, 8):
         g2 = gc * gc
         block_n = max(32, min(_ROWS_BLOCK, triton.next_power_of_2(n)))
         for t0 in range(0, t, 8):
             t1 = min(t, t0 + 8)
-            _nearest_rows_kernel[(triton.cdiv(n, block_n),)](
+            nearest_rows_kernel[(triton.cdiv(n, block_n),)](
                 xc,
                 wc,
                 gc,
@@ -371,7 +145,7 @@ def nearest_codewords(
     else:
         block_g = triton.next_power_of_2(g)
         block_n = max(1, min(_TILE // block_g, triton.next_power_of_2(n)))
-        _nearest_kernel[(triton.cdiv(n, block_n),)](
+        nearest_tile_kernel[(triton.cdiv(n, block_n),)](
             xc,
             wc,
             gc,
@@ -391,63 +165,14 @@ def nearest_codewords(
     return cost.reshape(*lead, n), idx.reshape(*lead, n)
 
 
-@triton.jit
-def _candidate_terms_kernel(
-    x_ptr,
-    w_ptr,
-    grid_ptr,
-    idx_ptr,
-    odd_ptr,
-    b_ptr,
-    c_ptr,
-    n,
-    K,
-    D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PARITY: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    rmask = rows < n
-    ks = tl.arange(0, BLOCK_K)
-    mask = rmask[:, None] & (ks < K)[None, :]
-    off = rows[:, None] * K + ks[None, :]
-    cand = tl.load(idx_ptr + off, mask=mask, other=0)
-    b = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    c = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    m = tl.full((BLOCK_N, BLOCK_K), float("inf"), dtype=tl.float32)
-    for i in tl.static_range(D):
-        xi = tl.load(x_ptr + rows * D + i, mask=rmask, other=0.0)
-        wi = tl.load(w_ptr + rows * D + i, mask=rmask, other=0.0)
-        gi = tl.load(grid_ptr + cand * D + i, mask=mask, other=0.0)
-        p = (wi * xi)[:, None] * gi
-        b += p
-        c += wi[:, None] * (gi * gi)
-        if PARITY:
-            m = tl.minimum(m, p)
-    if PARITY:
-        odd = tl.load(odd_ptr + rows, mask=rmask, other=0)
-        b = tl.where((odd != 0)[:, None], b - 2.0 * m, b)
-    tl.store(b_ptr + off, b, mask=mask)
-    tl.store(c_ptr + off, c, mask=mask)
-
-
 def candidate_terms(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    grid: torch.Tensor,
-    idx: torch.Tensor,
-    odd: torch.Tensor | None = None,
+    x: torch.Tensor, w: torch.Tensor, grid: torch.Tensor, idx: torch.Tensor, odd: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``B`` and ``C`` of a few candidate codewords per group, the parity flip included (fused).
 
-    Args:
-        x, w, grid, odd: as :func:`nearest_codewords`.
-        idx: (n, K) int64 codeword indices.
-    Returns:
-        (b, c), each (n, K) float32: ``b = sum_i w x g_i`` lowered by ``2 min_i w_i x_i g_i``
-        on the ``odd`` groups, ``c = sum_i w g_i**2``, for ``g = grid[idx[r, k]]``.
+    Arguments and result as the torch reference
+    :func:`dynaquant.quant.codecs._lattice.candidate_terms_torch` (idx (n, K) int64 -> b, c
+    (n, K) float32).
     """
     n, d = x.shape
     k = idx.shape[1]
@@ -461,43 +186,16 @@ def candidate_terms(
     oc = odd.to(torch.int8).contiguous() if odd is not None else xc
     block_k = triton.next_power_of_2(k)
     block_n = max(1, min(1024 // block_k, triton.next_power_of_2(n)))
-    _candidate_terms_kernel[(triton.cdiv(n, block_n),)](
+    candidate_terms_kernel[(triton.cdiv(n, block_n),)](
         xc, wc, gc, ic, oc, b, c, n, k, D=d, BLOCK_N=block_n, BLOCK_K=block_k, PARITY=odd is not None, num_warps=4
     )
     return b, c
 
 
-@triton.jit
-def _subset_min_kernel(b_ptr, c_ptr, scale_ptr, cost_ptr, n, K, T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    rmask = rows < n
-    ks = tl.arange(0, BLOCK_K)
-    kmask = (ks < K)[None, :]
-    mask = rmask[:, None] & kmask
-    off = rows[:, None] * K + ks[None, :]
-    b = tl.load(b_ptr + off, mask=mask, other=0.0)
-    c = tl.load(c_ptr + off, mask=mask, other=0.0)
-    sp = scale_ptr + rows
-    cp = cost_ptr + rows
-    for _t in range(T):
-        s = tl.load(sp, mask=rmask, other=0.0)
-        e = (s * s)[:, None] * c - (2.0 * s)[:, None] * b
-        e = tl.where(kmask, e, float("inf"))
-        tl.store(cp, tl.min(e, axis=1), mask=rmask)
-        sp += n
-        cp += n
-
-
 def subset_min_costs(b: torch.Tensor, c: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``min_k S**2 c_k - 2 S b_k`` of each group for a batch of scales (fused).
-
-    Args:
-        b, c: (n, K) float32 terms of each group's candidates (:func:`candidate_terms`).
-        scale: (..., n) float32 scales (>= 0); leading axes are a batch of candidate scales.
-    Returns:
-        (..., n) float32 the minimum over the K candidates.
-    """
+    """``min_k S**2 c_k - 2 S b_k`` of each group for a batch of scales (fused): as the torch
+    reference :func:`dynaquant.quant.codecs._lattice.subset_min_costs_torch` ((n, K), (n, K),
+    (..., n) float32 -> (..., n) float32), without the (..., n, K) temporary."""
     n, k = b.shape
     lead = scale.shape[:-1]
     t = math.prod(lead)
@@ -507,107 +205,10 @@ def subset_min_costs(b: torch.Tensor, c: torch.Tensor, scale: torch.Tensor) -> t
     sc = scale.reshape(t, n).to(torch.float32).contiguous()
     block_k = triton.next_power_of_2(k)
     block_n = max(1, min(1024 // block_k, triton.next_power_of_2(n)))
-    _subset_min_kernel[(triton.cdiv(n, block_n),)](
+    subset_min_kernel[(triton.cdiv(n, block_n),)](
         b.contiguous(), c.contiguous(), sc, cost, n, k, T=t, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4
     )
     return cost.reshape(*lead, n)
-
-
-@triton.jit
-def _ternary_step(cp, k, cnt, best, best_idx, w0, w1, w2, w3, w4, w5, w6, w7, a0, a1, a2, a3, a4, a5, a6, a7):
-    """Candidate ``k`` of each lane's list: its cost, kept where strictly lower."""
-    valid = k < cnt
-    code = tl.load(cp + k, mask=valid, other=0)
-    # level cost of digit v (level v - 1): w - a (v = 0), 0 (v = 1), w + a (v = 2)
-    d = (code >> 11) & 3
-    c0 = tl.where(d == 2, w0 + a0, tl.where(d == 0, w0 - a0, 0.0))
-    d = (code >> 13) & 3
-    c1 = tl.where(d == 2, w1 + a1, tl.where(d == 0, w1 - a1, 0.0))
-    d = (code >> 15) & 3
-    c2 = tl.where(d == 2, w2 + a2, tl.where(d == 0, w2 - a2, 0.0))
-    d = (code >> 17) & 3
-    c3 = tl.where(d == 2, w3 + a3, tl.where(d == 0, w3 - a3, 0.0))
-    d = (code >> 19) & 3
-    c4 = tl.where(d == 2, w4 + a4, tl.where(d == 0, w4 - a4, 0.0))
-    d = (code >> 21) & 3
-    c5 = tl.where(d == 2, w5 + a5, tl.where(d == 0, w5 - a5, 0.0))
-    d = (code >> 23) & 3
-    c6 = tl.where(d == 2, w6 + a6, tl.where(d == 0, w6 - a6, 0.0))
-    d = (code >> 25) & 3
-    c7 = tl.where(d == 2, w7 + a7, tl.where(d == 0, w7 - a7, 0.0))
-    cost = (((c3 + c2) + c1) + c0) + (((c7 + c6) + c5) + c4)
-    upd = valid & (cost < best)
-    return tl.where(upd, cost, best), tl.where(upd, code & 2047, best_idx)
-
-
-@triton.jit
-def _ternary_nearest_kernel(
-    x_ptr,
-    w_ptr,
-    t_ptr,
-    sign_ptr,
-    grid_of_ptr,
-    count_ptr,
-    code_ptr,
-    idx_ptr,
-    n,
-    delta,
-    KP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DYNAMIC: tl.constexpr,
-):
-    # One group per lane: the free ternary rounding's pattern id, then its candidate list
-    # (each entry: grid index | 2-bit digits << 11). Level costs and their sum are formed in
-    # the reference's order, so costs and argmins equal it bit for bit.
-    pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    rmask = rows < n
-    t = tl.load(t_ptr + rows, mask=rmask, other=1.0)
-    ts = tl.where(t > 0, t, 1.0)
-    sd = tl.load(sign_ptr + rows, mask=rmask, other=1.0) * delta
-    xp = x_ptr + rows * 8
-    wp = w_ptr + rows * 8
-    w0 = tl.load(wp + 0, mask=rmask, other=0.0)
-    w1 = tl.load(wp + 1, mask=rmask, other=0.0)
-    w2 = tl.load(wp + 2, mask=rmask, other=0.0)
-    w3 = tl.load(wp + 3, mask=rmask, other=0.0)
-    w4 = tl.load(wp + 4, mask=rmask, other=0.0)
-    w5 = tl.load(wp + 5, mask=rmask, other=0.0)
-    w6 = tl.load(wp + 6, mask=rmask, other=0.0)
-    w7 = tl.load(wp + 7, mask=rmask, other=0.0)
-    a0 = 2 * w0 * (sd - tl.load(xp + 0, mask=rmask, other=0.0) / ts)
-    a1 = 2 * w1 * (sd - tl.load(xp + 1, mask=rmask, other=0.0) / ts)
-    a2 = 2 * w2 * (sd - tl.load(xp + 2, mask=rmask, other=0.0) / ts)
-    a3 = 2 * w3 * (sd - tl.load(xp + 3, mask=rmask, other=0.0) / ts)
-    a4 = 2 * w4 * (sd - tl.load(xp + 4, mask=rmask, other=0.0) / ts)
-    a5 = 2 * w5 * (sd - tl.load(xp + 5, mask=rmask, other=0.0) / ts)
-    a6 = 2 * w6 * (sd - tl.load(xp + 6, mask=rmask, other=0.0) / ts)
-    a7 = 2 * w7 * (sd - tl.load(xp + 7, mask=rmask, other=0.0) / ts)
-    p = (
-        ((a0 < -w0).to(tl.int32) - (a0 > w0).to(tl.int32) + 1)
-        + ((a1 < -w1).to(tl.int32) - (a1 > w1).to(tl.int32) + 1) * 3
-        + ((a2 < -w2).to(tl.int32) - (a2 > w2).to(tl.int32) + 1) * 9
-        + ((a3 < -w3).to(tl.int32) - (a3 > w3).to(tl.int32) + 1) * 27
-        + ((a4 < -w4).to(tl.int32) - (a4 > w4).to(tl.int32) + 1) * 81
-        + ((a5 < -w5).to(tl.int32) - (a5 > w5).to(tl.int32) + 1) * 243
-        + ((a6 < -w6).to(tl.int32) - (a6 > w6).to(tl.int32) + 1) * 729
-        + ((a7 < -w7).to(tl.int32) - (a7 > w7).to(tl.int32) + 1) * 2187
-    )
-    best_idx = tl.load(grid_of_ptr + p, mask=rmask, other=0)
-    cnt = tl.where(best_idx < 0, tl.load(count_ptr + p, mask=rmask, other=0), 0)
-    best = tl.full((BLOCK_N,), float("inf"), dtype=tl.float32)
-    cp = code_ptr + p.to(tl.int64) * KP
-    if DYNAMIC:  # stop at the block's longest list (the interpreter needs a constant bound)
-        for k in range(tl.max(cnt, axis=0)):
-            best, best_idx = _ternary_step(
-                cp, k, cnt, best, best_idx, w0, w1, w2, w3, w4, w5, w6, w7, a0, a1, a2, a3, a4, a5, a6, a7
-            )
-    else:
-        for k in range(KP):
-            best, best_idx = _ternary_step(
-                cp, k, cnt, best, best_idx, w0, w1, w2, w3, w4, w5, w6, w7, a0, a1, a2, a3, a4, a5, a6, a7
-            )
-    tl.store(idx_ptr + rows, best_idx.to(tl.int64), mask=rmask)
 
 
 def ternary_nearest(
@@ -641,7 +242,7 @@ def ternary_nearest(
     if m == 0:
         return idx
     block_n = max(32, min(256, triton.next_power_of_2(m)))
-    _ternary_nearest_kernel[(triton.cdiv(m, block_n),)](
+    ternary_nearest_kernel[(triton.cdiv(m, block_n),)](
         x.to(torch.float32).contiguous(),
         w.to(torch.float32).contiguous(),
         t.to(torch.float32).contiguous(),

@@ -4,7 +4,8 @@ On CUDA tensors (bf16/fp16 activations) these run the Triton kernels of
 :mod:`dynaquant.kernels.triton_linear` (imported on first use); with ``TRITON_INTERPRET=1`` the same
 kernels run on CPU tensors in Triton's interpreter (the tests do this). Anywhere else (CPU without
 the interpreter, float32 activations, no Triton) they compute the same thing in torch from the
-reference dequantization.
+reference dequantization. :func:`linear_ref` and :func:`dequantize_packed_ref` are the torch
+references of the packed layout, beside the fast paths.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import os
 
 import torch
 
-from dynaquant.kernels.packing import PackedWeight
-from dynaquant.kernels.reference import dequantize_packed_ref
+from dynaquant.kernels.packing import PackedWeight, unpack
+from dynaquant.kernels.reference import dequantize_ref
 from dynaquant.kernels.tuning import LaunchConfig, choose_config, device_info, valid_config
 
-__all__ = ["linear", "dequantize", "uses_triton"]
+__all__ = ["linear", "dequantize", "uses_triton", "dequantize_packed_ref", "linear_ref"]
 
 
 def uses_triton(x: torch.Tensor) -> bool:
@@ -89,3 +90,31 @@ def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.bfloat16) -> tor
         rows, cols, delta = packed.super_weights
         w[rows, cols] = (w[rows, cols].to(torch.float32) + delta).to(dtype)
     return w
+
+
+def dequantize_packed_ref(packed: PackedWeight) -> torch.Tensor:
+    """The full-precision weight (N, K) float32 of a PackedWeight, super weights restored."""
+    codes, scales, zeros = unpack(packed)
+    w = dequantize_ref(codes, scales, zeros, packed.fmt, global_scale=packed.global_scale)
+    if packed.super_weights is not None:
+        rows, cols, delta = packed.super_weights
+        w[rows, cols] += delta
+    return w
+
+
+def linear_ref(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference for :func:`dynaquant.kernels.linear`: ``y = x @ dequant(W).T + bias``.
+
+    Computed in float32 from the packed layout (so it also checks :func:`~dynaquant.kernels.pack`).
+
+    Args:
+        x: (..., K) float16 / bfloat16 / float32 activations.
+        packed: the weight; bias: (N,) or None.
+    Returns:
+        (..., N) in x's dtype.
+    """
+    w = dequantize_packed_ref(packed).to(x.device)
+    y = x.to(torch.float32) @ w.t()
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from dynaquant.kernels.formats import KernelFormat
+from dynaquant.kernels.reference import dequantize_ref
 
 __all__ = ["PackedWeight", "pack", "unpack", "pack_bits", "unpack_bits"]
 
@@ -183,8 +184,6 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, 
         sc = sc.view(torch.uint8)
     sw = None
     if super_weights is not None:
-        from dynaquant.kernels.reference import dequantize_ref
-
         rows, cols, vals = (torch.as_tensor(t).reshape(-1) for t in super_weights)
         rows, cols, vals = rows.long().to(dev), cols.long().to(dev), vals.float().to(dev)
         if rows.numel():

@@ -1,4 +1,5 @@
-"""Torch references for the kernels: dequantization of the unpacked contract and ``linear_ref``.
+"""Torch reference of the kernels' dequantization, on the unpacked contract (``dequantize_ref``);
+the packed-weight references ``dequantize_packed_ref`` and ``linear_ref`` are in :mod:`.ops`.
 
 The decoding rules are those of :mod:`dynaquant.quant.runtime` (in float32)::
 
@@ -15,11 +16,9 @@ from __future__ import annotations
 import torch
 
 from dynaquant.kernels.formats import KernelFormat
-from dynaquant.kernels.packing import PackedWeight, unpack
+from dynaquant.quant.formats import E2M1_VALUES
 
-__all__ = ["E2M1_VALUES", "e2m1_to_float", "e8m0_to_float", "dequantize_ref", "linear_ref", "dequantize_packed_ref"]
-
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+__all__ = ["E2M1_VALUES", "e2m1_to_float", "e8m0_to_float", "dequantize_ref"]
 
 
 def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
@@ -66,31 +65,3 @@ def dequantize_ref(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
         s = s / torch.as_tensor(global_scale, dtype=torch.float32, device=s.device).reshape(())
         w = e2m1_to_float(codes).reshape(n, k // g, g) * s.reshape(n, k // g, 1)
     return w.reshape(n, k)
-
-
-def dequantize_packed_ref(packed: PackedWeight) -> torch.Tensor:
-    """The full-precision weight (N, K) float32 of a PackedWeight, super weights restored."""
-    codes, scales, zeros = unpack(packed)
-    w = dequantize_ref(codes, scales, zeros, packed.fmt, global_scale=packed.global_scale)
-    if packed.super_weights is not None:
-        rows, cols, delta = packed.super_weights
-        w[rows, cols] += delta
-    return w
-
-
-def linear_ref(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference for :func:`dynaquant.kernels.linear`: ``y = x @ dequant(W).T + bias``.
-
-    Computed in float32 from the packed layout (so it also checks :func:`~dynaquant.kernels.pack`).
-
-    Args:
-        x: (..., K) float16 / bfloat16 / float32 activations.
-        packed: the weight; bias: (N,) or None.
-    Returns:
-        (..., N) in x's dtype.
-    """
-    w = dequantize_packed_ref(packed).to(x.device)
-    y = x.to(torch.float32) @ w.t()
-    if bias is not None:
-        y = y + bias.to(torch.float32)
-    return y.to(x.dtype)

@@ -35,6 +35,11 @@ from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType
 
+# FP4 E2M1 (OCP Microscaling v1.0) code -> value: bit 3 the sign, then 2 exponent bits and 1
+# mantissa bit; codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6 and 8..15 their negatives (8 is -0.0).
+# The element type of MXFP4, MXFP4_G32 and NVFP4_G16; the one copy of the table.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
 
 @dataclass(frozen=True)
 class Format:
@@ -56,6 +61,9 @@ class Format:
             ``any`` (plain floats).
         bits, scale_bits, zero_bits: runtime rows only: bits per code, per group scale and per
             group zero point (0 when symmetric) in the safetensors file.
+        scale_type: runtime rows only: the group scale's number format, ``fp16`` (the ``INT``
+            rows), ``e8m0`` (``MXFP4_G32``: a power of two) or ``e4m3`` (``NVFP4_G16``, beside
+            one float32 global scale per tensor); ``""`` elsewhere.
     """
 
     name: str
@@ -68,6 +76,7 @@ class Format:
     bits: int = 0
     scale_bits: int = 0
     zero_bits: int = 0
+    scale_type: str = ""
 
     @property
     def block_bits(self) -> int:
@@ -143,11 +152,11 @@ FORMATS: dict[str, Format] = {
         Format("NVFP4", 64, 36, "nonlinear", _T.NVFP4, "F16"),
         *(
             Format(f"INT{b}_G{g}{sfx}", g, g + 2 + (sfx != ""), "int", None,
-                   f"INT{b}_G{g // 2}{sfx}" if g > 32 else "BF16", "safetensors", b, 16, b if sfx else 0)
+                   f"INT{b}_G{g // 2}{sfx}" if g > 32 else "BF16", "safetensors", b, 16, b if sfx else 0, "fp16")
             for b in (2, 3, 4, 8) for g in (128, 64, 32) for sfx in ("", "_ASYM")
         ),
-        Format("MXFP4_G32", 32, 17, "fp4", None, "BF16", "safetensors", 4, 8),
-        Format("NVFP4_G16", 16, 13, "fp4", None, "BF16", "safetensors", 4, 8),
+        Format("MXFP4_G32", 32, 17, "fp4", None, "BF16", "safetensors", 4, 8, 0, "e8m0"),
+        Format("NVFP4_G16", 16, 13, "fp4", None, "BF16", "safetensors", 4, 8, 0, "e4m3"),
     )
 }
 

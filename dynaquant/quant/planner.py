@@ -32,16 +32,15 @@ import heapq
 import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import cache
 
 import torch
 
 from dynaquant.quant.codecs import get_codec
-from dynaquant.quant.formats import FORMATS, RUNTIME_FORMATS, get_format, resolve_for_row
+from dynaquant.quant.formats import RUNTIME_FORMATS, get_format, resolve_for_row
 from dynaquant.quant.plan import Plan, PlanEntry, TensorInfo
 from dynaquant.quant.presets import ModelInfo, preset_format, requires_imatrix
-from dynaquant.quant.vl_rules import cross_attention_rules, vision_rules
+from dynaquant.quant.rules import EXPERT_CAP, Rule, default_rules  # noqa: F401  (default_rules: its callers import it here)
 
 ErrorFn = Callable[[TensorInfo, str], float]
 
@@ -67,93 +66,6 @@ GGUF_CANDIDATES = _registered((
 ))
 # Formats the allocator may choose for safetensors tensors: every runtime format, cheapest first.
 RUNTIME_CANDIDATES = tuple(sorted(RUNTIME_FORMATS, key=lambda f: (get_format(f).bpw, f)))
-
-
-@dataclass(frozen=True)
-class Rule:
-    """A rule on tensors whose GGUF name matches ``pattern`` (``re.search``).
-
-    ``op`` is ``"="`` (the tensor gets ``format``, as ``llama-quantize --tensor-type``), ``">="``
-    (with a budget, the allocator only considers formats with at least ``format``'s bits per
-    weight; without one, the tensor gets ``format`` unless another rule fixes it) or ``"<="``
-    (at most ``format``'s bits per weight).
-    """
-
-    pattern: str
-    format: str
-    op: str = "="
-    origin: str = "user"
-
-    @classmethod
-    def parse(cls, text: str, origin: str = "user") -> Rule:
-        """Parse ``'REGEX=FORMAT'``, ``'REGEX>=FORMAT'`` or ``'REGEX<=FORMAT'``.
-
-        Raises:
-            ValueError: no operator, an invalid regex, or an unknown format (named in the message).
-        """
-        m = re.match(r"^(.*?)(>=|<=|=)([A-Za-z0-9_]+)$", text)
-        if not m or not m.group(1):
-            raise ValueError(f"rule {text!r}: expected REGEX=FORMAT (or REGEX>=FORMAT, REGEX<=FORMAT), e.g. 'ffn_down=Q6_K'")
-        pattern, op, fmt = m.groups()
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ValueError(f"rule {text!r}: invalid regex: {exc}") from exc
-        if fmt.upper() not in FORMATS:
-            raise ValueError(f"rule {text!r}: unknown format {fmt!r}; known: {', '.join(FORMATS)}")
-        return cls(pattern, fmt.upper(), op, origin)
-
-    def matches(self, name: str) -> bool:
-        return re.search(self.pattern, name) is not None
-
-    def __str__(self) -> str:
-        return f"{self.pattern}{self.op}{self.format}"
-
-
-EXPERT_CAP = "default: MoE routed experts"
-
-
-def default_rules(model: ModelInfo, super_weight_tensors: Sequence[str] = (), has_imatrix: bool = True,
-                  target: str = "gguf") -> list[Rule]:
-    """The dynamic planner's default rules (after any user rule; each overridable by one).
-
-    - vision-language models: vision tower and projector at least the Q8_0 class, cross-attention at
-      the attention floor (:mod:`.vl_rules`);
-    - tensors holding a confirmed super weight, and the first block(s): at least Q8_0
-      (Yu et al. 2024; llama.cpp and Unsloth keep the first layers high too);
-    - token embedding, output head and attention: "high", at least 4.5 bpw (Q4_0 / Q4_K class);
-    - MoE routers (``ffn_gate_inp``, Qwen2-MoE's shared-expert gate ``ffn_gate_inp_shexp``)
-      unquantized (F32), shared experts at least Q5_K class.
-    - MoE models (``model.n_expert > 0``), after Unsloth's dynamic quants (DeepSeek-R1 at 1.58 bits):
-      routed experts stored in MXFP4 (gpt-oss) stay MXFP4 (``MXFP4_G32`` for the ``safetensors``
-      ``target``: the same OCP MX layout, so re-encoding is exact); otherwise routed gate/up experts at most
-      IQ2_XXS (2.06 bpw) and down experts at most IQ2_XS (2.31 bpw, one step higher: the allocator
-      chooses from IQ1_S up to these by the measurements), or Q2_K / Q3_K without an imatrix (the
-      i-quants need one); attention (MLA included) and dense FFN blocks at least Q5_K. With an
-      explicit budget ``make_plan`` also plans without the expert caps (origin :data:`EXPERT_CAP`)
-      and keeps whichever plan has the lower predicted error.
-    Norms, biases and 1-D tensors are never quantized (not rules: they are not candidates).
-    """
-    rules = [Rule(re.escape(n), "Q8_0", ">=", "default: super weight") for n in super_weight_tensors]
-    rules.append(Rule(r"ffn_gate_inp(_shexp)?\.", "F32", "=", "default: MoE router"))
-    rules += vision_rules()  # vision tower / projector floor (quant/vl_rules.py), before the attention rules
-    if model.n_expert > 0:  # before the first-layers rule: routed experts are capped in every block
-        if model.expert_format:
-            fmt = {"MXFP4": "MXFP4_G32"}.get(model.expert_format, model.expert_format) if target == "safetensors" \
-                else model.expert_format
-            rules.append(Rule(r"_exps\.weight", fmt, "=", "default: MoE experts kept in their stored format"))
-        rules.append(Rule(r"ffn_(gate|up)_exps\.", "IQ2_XXS" if has_imatrix else "Q2_K", "<=", EXPERT_CAP))
-        rules.append(Rule(r"ffn_down_exps\.", "IQ2_XS" if has_imatrix else "Q3_K", "<=", EXPERT_CAP))
-    first = max(1, model.n_layers // 32)
-    rules.append(Rule(r"^blk\.(" + "|".join(str(i) for i in range(first)) + r")\.", "Q8_0", ">=", "default: first layers"))
-    rules.append(Rule(r"_shexp\.", "Q5_K", ">=", "default: shared experts"))
-    if model.n_expert > 0:
-        rules.append(Rule(r"\.attn_", "Q5_K", ">=", "default: MoE attention"))
-        rules.append(Rule(r"\.ffn_(gate|up|down)\.", "Q5_K", ">=", "default: MoE dense FFN blocks"))
-    rules.append(Rule(r"^(token_embd|output)\.", "Q4_0", ">=", "default: embeddings and output"))
-    rules.append(Rule(r"\.attn_", "Q4_0", ">=", "default: attention"))
-    rules += cross_attention_rules()  # Mllama (quant/vl_rules.py)
-    return rules
 
 
 class BudgetError(ValueError):

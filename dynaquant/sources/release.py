@@ -21,8 +21,7 @@ import math
 
 import torch
 
-# FP4 E2M1 code -> value (sign bit 3, then exponent 2 bits, mantissa 1 bit)
-FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+from dynaquant.quant.formats import E2M1_VALUES
 
 FP8_SCALE_SUFFIX = "_scale_inv"
 # tensors a quantized checkpoint carries that llama.cpp does not use
@@ -70,7 +69,7 @@ def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
                          f"{scales.dtype} do not match (want uint8 (..., G, 16) and (..., G))")
-    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32)
     out = torch.empty(*blocks.shape[:-1], 32, dtype=torch.float32)
     out[..., 0::2] = lut[(blocks & 0x0F).long()]
     out[..., 1::2] = lut[(blocks >> 4).long()]

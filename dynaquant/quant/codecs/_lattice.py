@@ -25,21 +25,25 @@ lowered by ``2 min_i w_i |x_i| g_i``.
 All functions are pure torch on the inputs' device, batched over groups; callers bound
 memory by calling them on slices of groups (:func:`group_chunk`). Private to the codecs.
 
-:func:`nearest_codewords`, :func:`candidate_terms` and :func:`subset_min_costs` run fused
-Triton kernels (:mod:`dynaquant.kernels.lattice_search`, imported on first use) on CUDA
-tensors when Triton imports (:func:`fused`; ``DYNAQUANT_LATTICE_TRITON=0`` turns them off),
-else their torch references ``*_torch`` of the same signatures. The kernels keep no
-(groups, G) or (scales, groups, K) temporaries, so on CUDA the codecs need no slicing.
+:func:`nearest_codewords`, :func:`candidate_terms` and :func:`subset_min_costs` run a fast path
+registered in :mod:`dynaquant.quant.codecs.fastpaths` (the fused Triton kernels of
+:mod:`dynaquant.kernels`, registered when that package is imported) or their torch references
+``*_torch`` of the same signatures; the ``backend`` argument chooses (:func:`fast_path`):
+``"auto"`` (default) the fast path on CUDA tensors when one is registered and loads, ``"torch"``
+the reference, ``"triton"`` the fast path on any device (RuntimeError when there is none). The
+kernels keep no (groups, G) or (scales, groups, K) temporaries, so on CUDA the codecs need no
+slicing.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from functools import cache
 
 import numpy as np
 import torch
+
+from dynaquant.quant.codecs import fastpaths
 
 # Elements of one (groups, G) float32 tensor a codec should hold at a time: small on CPU
 # (cache), large on GPUs (few, big kernels; 512 MiB a tensor).
@@ -175,7 +179,7 @@ def nearest_codewords_torch(
     """Best codeword of each group over the whole codebook, for a batch of scales (torch).
 
     The reference of the fused Triton kernel
-    :func:`dynaquant.kernels.lattice_search.nearest_codewords` (same signature): the
+    fast path ``lattice.nearest_codewords`` (:mod:`.fastpaths`; same signature): the
     parity penalty of the ``odd`` groups from :func:`flip_penalty`, the costs from
     :func:`full_costs`, on slices of groups and batches of scales that keep each (T, groups,
     G) temporary within the device's budget.
@@ -211,26 +215,34 @@ def nearest_codewords_torch(
     return cost.reshape(*lead, n), idx.reshape(*lead, n)
 
 
-_TRITON: list[bool] = []
+def fast_path(name: str, x: torch.Tensor, backend: str = "auto"):
+    """The registered fast implementation of search ``name`` (:mod:`.fastpaths`) to run on
+    ``x``'s device, or None for the torch reference.
+
+    Args:
+        name: a search of :data:`dynaquant.quant.codecs.fastpaths.NAMES`.
+        x: a tensor the search takes (its device decides under ``"auto"``).
+        backend: ``"auto"`` (the fast path on CUDA tensors when one is registered and loads,
+            else None), ``"torch"`` (None) or ``"triton"`` (the fast path on any device; on CPU
+            it needs ``TRITON_INTERPRET=1``).
+    Raises:
+        ValueError: an unknown backend.
+        RuntimeError: ``"triton"`` and no fast path is registered (import
+            :mod:`dynaquant.kernels`) or it does not load (no Triton).
+    """
+    if backend not in fastpaths.BACKENDS:
+        raise ValueError(f"backend must be one of {fastpaths.BACKENDS}, got {backend!r}")
+    if backend == "torch" or (backend == "auto" and not x.is_cuda):
+        return None
+    fn = fastpaths.lookup(name)
+    if fn is None and backend == "triton":
+        raise RuntimeError(f"backend='triton': no fast {name} is registered or it does not load (import dynaquant.kernels; Triton)")
+    return fn
 
 
-def triton_enabled() -> bool:
-    """Whether CUDA tensors take the fused Triton search: Triton imports and
-    ``DYNAQUANT_LATTICE_TRITON`` is not ``0`` (checked once; imports Triton)."""
-    if not _TRITON:
-        ok = os.environ.get("DYNAQUANT_LATTICE_TRITON", "1") != "0"
-        if ok:
-            try:
-                from dynaquant.kernels import lattice_search  # noqa: F401
-            except Exception:  # no Triton, or no usable backend
-                ok = False
-        _TRITON.append(ok)
-    return _TRITON[0]
-
-
-def fused(x: torch.Tensor) -> bool:
-    """Whether :func:`nearest_codewords` runs the Triton kernel for groups on ``x``'s device."""
-    return x.is_cuda and triton_enabled()
+def fused(x: torch.Tensor, backend: str = "auto") -> bool:
+    """Whether :func:`nearest_codewords` runs a fast path (:func:`fast_path`) for groups on ``x``'s device."""
+    return fast_path("lattice.nearest_codewords", x, backend) is not None
 
 
 def nearest_codewords(
@@ -239,15 +251,16 @@ def nearest_codewords(
     grid: torch.Tensor,
     scale: torch.Tensor,
     odd: torch.Tensor | None = None,
+    backend: str = "auto",
+    variant: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`nearest_codewords_torch`, by the fused Triton kernel
-    (:func:`dynaquant.kernels.lattice_search.nearest_codewords`) on CUDA tensors when
-    :func:`triton_enabled`; the two agree up to float32 rounding (equal indices except
-    near-exact ties)."""
-    if fused(x):
-        from dynaquant.kernels.lattice_search import nearest_codewords as kernel
-
-        return kernel(x, w, grid, scale, odd)
+    """:func:`nearest_codewords_torch`, or its fast path (the fused Triton kernel) as
+    ``backend`` chooses (:func:`fast_path`); the two agree up to float32 rounding (equal
+    indices except near-exact ties). ``variant``: the kernel's implementation (``"rows"`` or
+    ``"tile"``; None: its default), unused by the reference."""
+    kernel = fast_path("lattice.nearest_codewords", x, backend)
+    if kernel is not None:
+        return kernel(x, w, grid, scale, odd, variant=variant)
     return nearest_codewords_torch(x, w, grid, scale, odd)
 
 
@@ -260,7 +273,7 @@ def candidate_terms_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`subset_terms` with the parity flip: ``B`` lowered by ``2 min_i w_i x_i g_i`` on
     the ``odd`` groups (:func:`subset_penalty`). Reference of
-    :func:`dynaquant.kernels.lattice_search.candidate_terms` (same signature).
+    fast path ``lattice.candidate_terms`` (same signature).
 
     Args:
         x, w: (n, D) float32 (``x`` sign-folded, >= 0, where ``odd`` is given); grid: (G, D);
@@ -282,11 +295,11 @@ def candidate_terms(
     grid: torch.Tensor,
     idx: torch.Tensor,
     odd: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`candidate_terms_torch`, by a Triton kernel on CUDA tensors (:func:`fused`)."""
-    if fused(x):
-        from dynaquant.kernels.lattice_search import candidate_terms as kernel
-
+    """:func:`candidate_terms_torch`, or its fast path (a Triton kernel) as ``backend`` chooses (:func:`fast_path`)."""
+    kernel = fast_path("lattice.candidate_terms", x, backend)
+    if kernel is not None:
         return kernel(x, w, grid, idx, odd)
     return candidate_terms_torch(x, w, grid, idx, odd)
 
@@ -294,16 +307,15 @@ def candidate_terms(
 def subset_min_costs_torch(b: torch.Tensor, c: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``min_k S**2 c_k - 2 S b_k`` per group for a batch of scales: (n, K), (n, K), (..., n)
     float32 -> (..., n) float32 (:func:`scaled_costs` without the argmin). Reference of
-    :func:`dynaquant.kernels.lattice_search.subset_min_costs` (same signature)."""
+    fast path ``lattice.subset_min_costs`` (same signature)."""
     return scaled_costs(b, c, scale, False)[0]
 
 
-def subset_min_costs(b: torch.Tensor, c: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """:func:`subset_min_costs_torch`, by a Triton kernel on CUDA tensors (:func:`fused`): the
-    (..., n, K) temporary is never written."""
-    if fused(b):
-        from dynaquant.kernels.lattice_search import subset_min_costs as kernel
-
+def subset_min_costs(b: torch.Tensor, c: torch.Tensor, scale: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """:func:`subset_min_costs_torch`, or its fast path (a Triton kernel, which never writes the
+    (..., n, K) temporary) as ``backend`` chooses (:func:`fast_path`)."""
+    kernel = fast_path("lattice.subset_min_costs", b, backend)
+    if kernel is not None:
         return kernel(b, c, scale)
     return subset_min_costs_torch(b, c, scale)
 

@@ -12,6 +12,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from dynaquant.quant.codecs.fastpaths import BACKENDS
 from dynaquant.quant.formats import Format, get_format
 
 
@@ -19,10 +20,14 @@ class Codec:
     """Encode/decode pair for one format.
 
     Subclasses set ``format_name`` and implement ``encode_blocks``/``decode_blocks``.
-    Both run on whatever device their inputs are on.
+    Both run on whatever device their inputs are on. A codec whose search has fast paths
+    (:mod:`dynaquant.quant.codecs.fastpaths`) sets ``fast_paths`` and its ``encode_blocks``
+    takes the keywords ``backend`` (``"auto"``, ``"torch"``, ``"triton"``) and ``variant``
+    (the kernel's implementation, None for its default), which :func:`quantize` passes on.
     """
 
     format_name: ClassVar[str]
+    fast_paths: ClassVar[bool] = False
 
     @property
     def format(self) -> Format:
@@ -163,7 +168,14 @@ def _expert_importance(imatrix, shape: torch.Size, device) -> torch.Tensor | Non
     return torch.stack([_floored(row) for row in im])
 
 
-def quantize(weight: torch.Tensor, fmt: str | Format, imatrix: torch.Tensor | None = None) -> torch.Tensor:
+def quantize(
+    weight: torch.Tensor,
+    fmt: str | Format,
+    imatrix: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+    variant: str | None = None,
+) -> torch.Tensor:
     """Quantize a 2-D weight (or any tensor, by its last axis) to a format's bytes.
 
     Args:
@@ -174,15 +186,26 @@ def quantize(weight: torch.Tensor, fmt: str | Format, imatrix: torch.Tensor | No
             weight (n_expert, N, K), an (n_expert, K) imatrix gives each expert its own (the
             llama.cpp imatrix layout); an expert whose row is all zero (never routed to in
             calibration) gets the mean of the others.
+        backend: how a codec with fast paths (``Codec.fast_paths``: the lattice i-quants) runs
+            its search: ``"auto"`` (default: the fast path registered by :mod:`dynaquant.kernels`
+            on CUDA tensors, else torch), ``"torch"``, or ``"triton"`` (the fast path on any
+            device); other codecs ignore it (:func:`dynaquant.quant.codecs._lattice.fast_path`).
+        variant: the fused nearest-codeword kernel's implementation, ``"rows"`` or ``"tile"``
+            (None: ``"rows"``); only the IQ2 codecs' fast path uses it.
     Returns:
         (..., K // block_size * type_size) uint8 tensor on the weight's device, the GGUF
         byte layout (as ``gguf.quants.quantize`` returns it); for the runtime formats the
         reference codec's block records (see :mod:`dynaquant.quant.runtime`).
     Raises:
-        ValueError: K is not a multiple of the block size, or the imatrix does not fit.
+        ValueError: K is not a multiple of the block size, the imatrix does not fit, or an
+            unknown backend.
+        RuntimeError: ``backend="triton"`` for a codec with fast paths and none is registered.
     """
     fmt = fmt if isinstance(fmt, Format) else get_format(fmt)
     codec = get_codec(fmt.name)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    opts = {"backend": backend, "variant": variant} if codec.fast_paths else {}
     shape = weight.shape
     k = shape[-1]
     row_bytes = fmt.record_bytes(k)  # the codecs' records (= the GGUF row for GGUF formats)
@@ -200,7 +223,8 @@ def quantize(weight: torch.Tensor, fmt: str | Format, imatrix: torch.Tensor | No
             wr = _importance(imatrix, xr.shape[0], k, x.device)
         else:
             wr = per_expert[torch.arange(r0, r0 + xr.shape[0], device=x.device) // shape[1]]
-        blocks = codec.encode_blocks(xr.reshape(-1, fmt.block_size).contiguous(), wr.reshape(-1, fmt.block_size).contiguous())
+        xb, wb = xr.reshape(-1, fmt.block_size).contiguous(), wr.reshape(-1, fmt.block_size).contiguous()
+        blocks = codec.encode_blocks(xb, wb, **opts)
         out[r0 : r0 + step] = blocks.reshape(xr.shape[0], row_bytes)
     return out.reshape(*shape[:-1], row_bytes)
 

@@ -43,7 +43,7 @@ The search per super-block (:func:`_encode`):
 4. the all-zero block (``d = 0``) where it is better.
 
 On CUDA (with Triton) :func:`nearest_points` runs as one kernel
-(:func:`dynaquant.kernels.lattice_search.ternary_nearest`, the same search and the same
+(fast path ``iq1.ternary_nearest``, the same search and the same
 indices bit for bit); IQ1_S then encodes at 0.54 G weights/s on an H100 (4096 x 14336, 11-12x
 llama.cpp's 16-thread ``ggml_quantize_chunk``, 45-48 M/s; 0.16 G/s torch-only).
 
@@ -148,7 +148,7 @@ _KERNEL_TABLES: dict[str, tuple[torch.Tensor, ...]] = {}
 
 def _kernel_tables(device: torch.device) -> tuple[torch.Tensor, ...]:
     """Per device, the tables of the fused search
-    (:func:`dynaquant.kernels.lattice_search.ternary_nearest`): grid_of (6561,) int32,
+    (fast path ``iq1.ternary_nearest``): grid_of (6561,) int32,
     count (6561,) int32, codes (6561, K) int32 = candidate index | its 2-bit digits
     (level + 1) << 11 + 2 i."""
     key = str(device)
@@ -196,7 +196,9 @@ def _best_candidate(a: torch.Tensor, w: torch.Tensor, pid: torch.Tensor, k: int,
     return cand[pid, cost.argmin(1)]
 
 
-def nearest_points(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, sign: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def nearest_points(
+    x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, sign: torch.Tensor, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Best grid point of each group of 8 for a given scale and delta sign (exact).
 
     Args:
@@ -204,14 +206,15 @@ def nearest_points(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, sign: torc
         w: (m, 8) float32 importance, >= 0.
         t: (m,) float32 scale ``dl`` (>= 0; 0 decodes to zeros).
         sign: (m,) float32, +1 or -1: the delta is ``sign * DELTA``.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``: whether the fast path
+            ``iq1.ternary_nearest`` runs (:func:`._lattice.fast_path`; same indices, bit for bit).
     Returns:
         (idx, err): (m,) int64 grid index minimising ``sum w (x - t (g + sign DELTA))**2``
         and (m,) float32 that error, computed on the float32 values the decoder gives.
     """
     grid, grid_of, cand, pow3, count, cand_lh = _tables(x.device)
-    if lat.fused(x):  # the same search in one Triton kernel (same indices, bit for bit)
-        from dynaquant.kernels.lattice_search import ternary_nearest
-
+    ternary_nearest = lat.fast_path("iq1.ternary_nearest", x, backend)
+    if ternary_nearest is not None:  # the same search in one Triton kernel (same indices, bit for bit)
         idx = ternary_nearest(x, w, t, sign, *_kernel_tables(x.device), DELTA)
         y = t[:, None] * (grid[idx] + (sign * DELTA)[:, None])
         return idx, (w * (x - y) ** 2).sum(1)
@@ -240,13 +243,14 @@ def nearest_points(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, sign: torc
 # --------------------------------------------------------------------------- search
 
 
-def _search(xg: torch.Tensor, wg: torch.Tensor, t: torch.Tensor, per_group: bool):
+def _search(xg: torch.Tensor, wg: torch.Tensor, t: torch.Tensor, per_group: bool, backend: str = "auto"):
     """Nearest points of every group for both delta signs at ``T`` trial sub-block scales.
 
     Args:
         xg, wg: (n, S, G, 8) float32 weights and importance (S sub-blocks of G groups).
         t: (n, S, T) float32 trial sub-block scales ``dl``.
         per_group: the delta sign is chosen per group (IQ1_M), else per sub-block (IQ1_S).
+        backend: as :func:`nearest_points`.
     Returns:
         (idx, neg, err): (n, S, T, G) int64 grid indices, (n, S, T, G) bool (delta is
         negative), (n, S, T) float32 sub-block error of each trial.
@@ -257,15 +261,15 @@ def _search(xg: torch.Tensor, wg: torch.Tensor, t: torch.Tensor, per_group: bool
     wf = wg.unsqueeze(2).expand(*shape, 8).reshape(-1, 8)
     tf = t.unsqueeze(3).expand(shape).reshape(-1)
     m = tf.numel()
-    if lat.fused(xf):  # one kernel per sign, no concatenated copies
+    if lat.fast_path("iq1.ternary_nearest", xf, backend) is not None:  # one kernel per sign, no concatenated copies
         ones = torch.ones(m, device=xg.device)
-        ip, ep = nearest_points(xf, wf, tf, ones)
-        im, em = nearest_points(xf, wf, tf, -ones)
+        ip, ep = nearest_points(xf, wf, tf, ones, backend)
+        im, em = nearest_points(xf, wf, tf, -ones, backend)
         ip, im, ep, em = ip.view(shape), im.view(shape), ep.view(shape), em.view(shape)
     else:
         sign = torch.ones(2 * m, device=xg.device)
         sign[m:] = -1
-        i2, e2 = nearest_points(torch.cat([xf, xf]), torch.cat([wf, wf]), torch.cat([tf, tf]), sign)
+        i2, e2 = nearest_points(torch.cat([xf, xf]), torch.cat([wf, wf]), torch.cat([tf, tf]), sign, backend)
         ip, im, ep, em = i2[:m].view(shape), i2[m:].view(shape), e2[:m].view(shape), e2[m:].view(shape)
     neg = em < ep if per_group else (em.sum(3) < ep.sum(3)).unsqueeze(3).expand(shape)
     return torch.where(neg, im, ip), neg, torch.where(neg, em, ep).sum(3)
@@ -300,15 +304,15 @@ def _to_half(v: torch.Tensor) -> torch.Tensor:
     return v.clamp(-65504.0, 65504.0).to(torch.float16).to(torch.float32)
 
 
-def _codes_at(xg, wg, d, st, per_group):
+def _codes_at(xg, wg, d, st, per_group, backend):
     """Best codes of each sub-block for the stored super-block scale ``d``.
 
     Each sub-block tries the T scale codes ``st`` (n, S, T) int64 in 0..7 (ties go to the
     earlier one), both delta signs, and its nearest points, all in one search. ``d``: (n,)
-    float32 (a float16 value). Returns [s, idx, neg, err] with err (n, S) float32 exactly
-    as decoded.
+    float32 (a float16 value); ``backend`` as :func:`nearest_points`. Returns [s, idx, neg,
+    err] with err (n, S) float32 exactly as decoded.
     """
-    idx, neg, err = _search(xg, wg, d[:, None, None] * (2 * st + 1).to(torch.float32), per_group)
+    idx, neg, err = _search(xg, wg, d[:, None, None] * (2 * st + 1).to(torch.float32), per_group, backend)
     best = err.argmin(2, keepdim=True)  # (n, S, 1)
     pick = best.unsqueeze(3).expand(*best.shape, idx.shape[3])
     return [
@@ -332,9 +336,9 @@ _EXACT_D = 1
 _NEGATIVE_D = False
 
 
-def _encode(x: torch.Tensor, w: torch.Tensor, sub: int, per_group: bool):
+def _encode(x: torch.Tensor, w: torch.Tensor, sub: int, per_group: bool, backend: str = "auto"):
     """Search the codes of (n, 256) super-blocks with sub-blocks of ``sub`` weights
-    (module docstring, steps 1-4).
+    (module docstring, steps 1-4; ``backend`` as :func:`nearest_points`).
 
     Returns (d, s, idx, neg, err): d (n,) float32 (float16 values), s (n, S) int64 scale
     codes, idx (n, S, G) int64 grid indices, neg (n, S, G) bool negative deltas, err (n,)
@@ -369,7 +373,7 @@ def _encode(x: torch.Tensor, w: torch.Tensor, sub: int, per_group: bool):
         # each sub-block's nearest code and the next one on the other side of its free scale
         up = best_t >= d[:, None] * (2 * s0 + 1).to(torch.float32)
         st = torch.stack([s0, (s0 + torch.where(up, 1, -1)).clamp(0, 7)], 2)
-        cur = [d, *_codes_at(xg, wg, d, st, per_group)]
+        cur = [d, *_codes_at(xg, wg, d, st, per_group, backend)]
         best = cur if best is None else _pick(best, cur)
 
     # 3. least-squares refit of d given the codes
@@ -378,7 +382,7 @@ def _encode(x: torch.Tensor, w: torch.Tensor, sub: int, per_group: bool):
     num = (wg * xg * q).sum((1, 2, 3))
     den = (wg * q * q).sum((1, 2, 3)).clamp_min(1e-30)
     d = _to_half(num / den)
-    best = _pick(best, [d, *_codes_at(xg, wg, d, s.unsqueeze(2), per_group)])
+    best = _pick(best, [d, *_codes_at(xg, wg, d, s.unsqueeze(2), per_group, backend)])
 
     # 4. the zero block where it is better
     d, s, idx, neg, err = best
@@ -388,13 +392,13 @@ def _encode(x: torch.Tensor, w: torch.Tensor, sub: int, per_group: bool):
     return d, s, idx, neg, torch.where(zero, (w * x * x).sum(1), err)
 
 
-def _encode_both(x: torch.Tensor, w: torch.Tensor, sub: int, per_group: bool):
+def _encode_both(x: torch.Tensor, w: torch.Tensor, sub: int, per_group: bool, backend: str = "auto"):
     """:func:`_encode`, and where ``_NEGATIVE_D`` is set also on ``-x`` with ``d`` negated
     (the grid is not symmetric, so ``d < 0`` reaches the negated grid); the better per block."""
-    d, s, idx, neg, err = _encode(x, w, sub, per_group)
+    d, s, idx, neg, err = _encode(x, w, sub, per_group, backend)
     if not _NEGATIVE_D:
         return d, s, idx, neg
-    d2, s2, idx2, neg2, err2 = _encode(-x, w, sub, per_group)
+    d2, s2, idx2, neg2, err2 = _encode(-x, w, sub, per_group, backend)
     b = err2 < err
     return (
         torch.where(b, -d2, d),
@@ -466,12 +470,15 @@ class IQ1_S(Codec):
     """
 
     format_name = "IQ1_S"
+    fast_paths = True
 
-    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor, *, backend: str = "auto", variant: str | None = None) -> torch.Tensor:
+        """Encode (n, 256) blocks (class docstring); ``backend`` as :func:`nearest_points`,
+        ``variant`` unused (one kernel)."""
         _check(x, w)
         x = x.to(torch.float32).contiguous()
         w = _default_importance(x, w.to(torch.float32))
-        d, s, idx, neg = _encode_both(x, w, 32, per_group=False)
+        d, s, idx, neg = _encode_both(x, w, 32, per_group=False, backend=backend)
         n = x.shape[0]
         qs = (idx & 255).reshape(n, 32).to(torch.uint8)
         shifts = torch.tensor([0, 3, 6, 9], device=x.device)
@@ -508,12 +515,15 @@ class IQ1_M(Codec):
     """
 
     format_name = "IQ1_M"
+    fast_paths = True
 
-    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor, *, backend: str = "auto", variant: str | None = None) -> torch.Tensor:
+        """Encode (n, 256) blocks (class docstring); ``backend`` as :func:`nearest_points`,
+        ``variant`` unused (one kernel)."""
         _check(x, w)
         x = x.to(torch.float32).contiguous()
         w = _default_importance(x, w.to(torch.float32))
-        d, s, idx, neg = _encode_both(x, w, 16, per_group=True)
+        d, s, idx, neg = _encode_both(x, w, 16, per_group=True, backend=backend)
         n = x.shape[0]
         qs = (idx & 255).reshape(n, 32).to(torch.uint8)
         nib = (idx >> 8) | (neg.to(torch.int64) << 3)  # (n, 16, 2)

@@ -160,6 +160,7 @@ class _IQ2(Codec):
     grid_name: ClassVar[str]
     sub_len: ClassVar[int]  # weights per sub-block scale
     parity: ClassVar[bool]  # the 8th sign bit is the parity of the other 7
+    fast_paths = True
     # search knobs (module docstring)
     t_candidates: ClassVar[tuple[float, ...]] = _T_CANDIDATES
     n_refine: ClassVar[int] = 2
@@ -181,7 +182,11 @@ class _IQ2(Codec):
 
     # ------------------------------------------------------------------ public
 
-    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor, *, backend: str = "auto", variant: str | None = None) -> torch.Tensor:
+        """Encode (n, 256) blocks (class docstring); ``backend`` and ``variant`` choose how the
+        codeword searches run (:func:`._lattice.fast_path`, :func:`._lattice.nearest_codewords`):
+        the default runs the fused Triton kernels on CUDA when :mod:`dynaquant.kernels` has
+        registered them, else the torch reference."""
         if x.ndim != 2 or x.shape[1] != QK_K or w.shape != x.shape:
             raise ValueError(
                 f"{self.format_name}: expected x and w of shape (n_blocks, 256), got {tuple(x.shape)} and {tuple(w.shape)}"
@@ -193,8 +198,10 @@ class _IQ2(Codec):
         grid = lat.gguf_grid(self.grid_name, x.device)
         # The fused search (CUDA + Triton) holds no (groups, G) tensor: the largest temporaries
         # are (candidates x groups x 8), so the chunk the caller passes is one slice.
-        step = max(1, x.shape[0]) if lat.fused(x) else lat.group_chunk(N_GROUPS, grid.shape[0], x.device)
-        out = [self._pack(*self._search(x[i : i + step], w[i : i + step], grid)) for i in range(0, x.shape[0], step)]
+        step = max(1, x.shape[0]) if lat.fused(x, backend) else lat.group_chunk(N_GROUPS, grid.shape[0], x.device)
+        out = [
+            self._pack(*self._search(x[i : i + step], w[i : i + step], grid, backend, variant)) for i in range(0, x.shape[0], step)
+        ]
         if not out:
             return torch.empty(0, self.format.type_size, dtype=torch.uint8, device=x.device)
         return torch.cat(out, dim=0)
@@ -223,8 +230,9 @@ class _IQ2(Codec):
 
     # ------------------------------------------------------------------ search
 
-    def _search(self, x: torch.Tensor, w: torch.Tensor, grid: torch.Tensor):
-        """Best (d16, s, idx, sign pattern) of (n, 256) blocks; see the module docstring.
+    def _search(self, x: torch.Tensor, w: torch.Tensor, grid: torch.Tensor, backend: str = "auto", variant: str | None = None):
+        """Best (d16, s, idx, sign pattern) of (n, 256) blocks; see the module docstring
+        (``backend``, ``variant``: as :meth:`encode_blocks`).
 
         Returns d16 (n,) float16, s (n, n_sub) int64, idx (n, 32) int64, patterns (n, 32) int64.
         """
@@ -246,7 +254,7 @@ class _IQ2(Codec):
 
         def sub_cost(scale_sub: torch.Tensor, bb: torch.Tensor, cc: torch.Tensor, want_idx: bool = False):
             if not want_idx:
-                return sub_sum(lat.subset_min_costs(bb, cc, scale_sub.repeat_interleave(gps))), None
+                return sub_sum(lat.subset_min_costs(bb, cc, scale_sub.repeat_interleave(gps), backend)), None
             cost, idx = lat.scaled_costs(bb, cc, scale_sub.repeat_interleave(gps), want_idx)
             return sub_sum(cost), idx
 
@@ -260,7 +268,7 @@ class _IQ2(Codec):
         # ``exhaustive``, every codeword is a candidate).
         best_s, best_c = torch.zeros_like(amax), torch.zeros_like(amax)
         sc = amax[None, :] / torch.tensor(self.coarse_t, device=x.device)[:, None]  # (T, sub-blocks)
-        cost, picks = lat.nearest_codewords(a, wg, grid, sc.repeat_interleave(gps, dim=1), odd)  # (T, groups)
+        cost, picks = lat.nearest_codewords(a, wg, grid, sc.repeat_interleave(gps, dim=1), odd, backend, variant)  # (T, groups)
         cost = sub_sum_batched(cost)
         pick = cost.argmin(dim=0, keepdim=True)
         best_s, best_c = keep_better(sc.gather(0, pick)[0], cost.gather(0, pick)[0], best_s, best_c)
@@ -271,10 +279,10 @@ class _IQ2(Codec):
             if rows.numel():
                 bk[rows] -= 2.0 * lat.flip_penalty(wa[rows], grid)
         else:  # (groups, K) terms of the candidates, the parity flip in bk
-            bk, ck = lat.candidate_terms(a, wg, grid, cand, odd)
+            bk, ck = lat.candidate_terms(a, wg, grid, cand, odd, backend)
         # all fine t at once: (T, sub-blocks)
         sc = amax[None, :] / torch.tensor(self.t_candidates, device=x.device)[:, None]
-        cost = sub_sum_batched(lat.subset_min_costs(bk, ck, sc.repeat_interleave(gps, dim=1)))
+        cost = sub_sum_batched(lat.subset_min_costs(bk, ck, sc.repeat_interleave(gps, dim=1), backend))
         pick = cost.argmin(dim=0, keepdim=True)
         best_s, best_c = keep_better(sc.gather(0, pick)[0], cost.gather(0, pick)[0], best_s, best_c)
         for _ in range(self.n_refine):
@@ -294,7 +302,7 @@ class _IQ2(Codec):
             s = (torch.floor((8.0 * cont / safe - 1.0) * 0.5).to(torch.int64) + offsets).clamp(0, 15)  # (O, F, n, n_sub)
             scale = _sub_scale(d, s)  # (O, F, n, n_sub)
             per_group = scale.reshape(*scale.shape[:2], -1).repeat_interleave(gps, dim=2)
-            cost = sub_sum_batched(lat.subset_min_costs(bk, ck, per_group))
+            cost = sub_sum_batched(lat.subset_min_costs(bk, ck, per_group, backend))
             cost = cost.view(s.shape)
             sub_best, o = cost.min(dim=0)  # (F, n, n_sub)
             return sub_best.sum(dim=2), d[..., 0], s.gather(0, o[None])[0]
@@ -328,7 +336,8 @@ class _IQ2(Codec):
         _, blk_d, blk_s = keep_block(*try_d(near), blk)
 
         # 3. final codewords (whole codebook) and signs under the stored scales.
-        _, idx = lat.nearest_codewords(a, wg, grid, _sub_scale(blk_d[:, None], blk_s).reshape(-1).repeat_interleave(gps), odd)
+        scale = _sub_scale(blk_d[:, None], blk_s).reshape(-1).repeat_interleave(gps)
+        _, idx = lat.nearest_codewords(a, wg, grid, scale, odd, backend, variant)
         if self.parity:
             flip = (wa * grid[idx]).argmin(dim=1)
             neg = neg ^ (odd[:, None] & (torch.arange(GROUP, device=x.device) == flip[:, None]))

@@ -45,9 +45,11 @@ from dynaquant.quant.codecs._blockfit import (
     unpack_nibbles,
 )
 from dynaquant.quant.codecs.base import Codec, register
+from dynaquant.quant.formats import E2M1_VALUES
 
 KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-KVALUES_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+# llama.cpp's kvalues_mxfp4: the E2M1 values doubled, as int8 (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, ...).
+KVALUES_MXFP4 = tuple(int(2 * v) for v in E2M1_VALUES)
 
 
 def _lut(values, device) -> torch.Tensor:
