@@ -62,7 +62,7 @@ def default_tokenizer(default_source):
 def default_imatrix(default_model, default_tokenizer):
     """Imatrix of the default model on 8 chunks of 512 tokens of the default calibration text."""
     from dynaquant.analysis.calibration import tokenize_chunks
-    from dynaquant.analysis.imatrix import compute_imatrix
+    from dynaquant.analysis.stats import compute_imatrix
     from dynaquant.analysis.texts import default_calibration_text
 
     chunks = tokenize_chunks(default_tokenizer, default_calibration_text(), 512, 8)

@@ -9,9 +9,8 @@ import torch
 
 from dynaquant.analysis.calibration import CalibrationSpec, calibration_chunks, tokenize_chunks
 from dynaquant.analysis.errors import RowWeights, measure_errors, sample_rows
-from dynaquant.analysis.imatrix import compute_imatrix
 from dynaquant.analysis.sensitivity import ReferenceLogits, kld_with_weights
-from dynaquant.analysis.stats import collect_stats
+from dynaquant.analysis.stats import collect_stats, compute_imatrix
 from dynaquant.analysis.superweights import confirm, find_candidates
 from dynaquant.analysis.texts import default_calibration_text
 

@@ -275,7 +275,7 @@ def test_load_rejects_inconsistent_gguf(tmp_path):
 def test_our_imatrix_agrees_with_llama_imatrix(default_model, default_tokenizer, fix_gguf, default_source):
     """Same model, same text, same chunking: per-column E[x^2] of torch and llama.cpp agree."""
     from dynaquant.analysis.calibration import tokenize_chunks
-    from dynaquant.analysis.imatrix import compute_imatrix
+    from dynaquant.analysis.stats import compute_imatrix
     from dynaquant.names import hf_to_gguf_name
 
     chunks = tokenize_chunks(default_tokenizer, (DATA / "imatrix_calibration.txt").read_text(), 128, 2)

@@ -29,15 +29,18 @@ class ReferenceLogits:
     def __init__(self, model, chunks: torch.Tensor):
         self.chunks = chunks
         self.device = next(model.parameters()).device
-        self.logp = [torch.log_softmax(model(c.to(self.device)[None], use_cache=False).logits[0].float(), -1).cpu()
-                     for c in chunks]
+        self.logp = [self._logp(model, c) for c in chunks]
+
+    def _logp(self, model, c: torch.Tensor) -> torch.Tensor:
+        """(T, vocab) float32 log-probabilities of ``model`` on one (T,) chunk, on CPU."""
+        return torch.log_softmax(model(c.to(self.device)[None], use_cache=False).logits[0].float(), -1).cpu()
 
     @torch.no_grad()
     def kld(self, model) -> float:
         """Mean KL(reference || model) per token (nats) over all positions of the chunks."""
         tot, n = 0.0, 0
         for c, lp in zip(self.chunks, self.logp):
-            lq = torch.log_softmax(model(c.to(self.device)[None], use_cache=False).logits[0].float(), -1).cpu()
+            lq = self._logp(model, c)
             tot += float((lp.exp() * (lp - lq)).sum(-1).clamp_min(0).sum())
             n += lp.shape[0]
         return tot / n

@@ -1,6 +1,10 @@
-"""One calibration pass that collects every activation statistic the analysis needs.
+"""The one calibration collector: a single pass over the calibration sequences gathers what is asked.
 
-For each distinct input of the model's ``nn.Linear`` layers (q/k/v projections read one
+What to gather is a :class:`Collect`. :func:`compute_imatrix` asks for the imatrix alone (as llama.cpp's
+``llama-imatrix`` accumulates it: per module the sum of x^2 per input column and the rows seen, no (K, K)
+matrix); :func:`collect_stats` asks for everything the analysis needs:
+
+for each distinct input of the model's ``nn.Linear`` layers (q/k/v projections read one
 input, gate/up another; detected by tensor identity on the first sequence):
 
 - the second-moment matrix ``H = sum_t x_t x_t^T`` (K, K), from which the imatrix
@@ -14,7 +18,8 @@ and, on the first ``fisher_sequences`` sequences, the empirical Fisher diagonal 
 ``sum_t g_t**2`` with ``g_t = d log p(y) / d out_t`` for labels ``y`` *sampled from the model*
 (so ``1/2 dW^T F dW`` estimates the KL divergence a weight change ``dW`` adds; Kunstner et al.
 2019 on true vs empirical Fisher). The token embedding gets the same Fisher on its output and
-the token counts of the calibration text.
+the token counts of the calibration text. MoE experts modules get routing counts and per-expert statistics
+(:mod:`.experts`).
 """
 
 from __future__ import annotations
@@ -96,6 +101,8 @@ class ModelStats:
         sequences, tokens: calibration sequences and tokens seen; fisher_sequences: with gradients.
         fisher_tokens: tokens with gradients.
         experts: experts module name -> per-expert statistics (MoE models; :mod:`.experts`).
+        imatrix: llama-imatrix's own accumulation (sums on CPU), when :attr:`Collect.imatrix` asked for it;
+            else None (:meth:`to_imatrix` derives one from H instead).
     """
 
     inputs: dict[str, InputStats] = field(default_factory=dict)
@@ -108,6 +115,7 @@ class ModelStats:
     fisher_sequences: int = 0
     fisher_tokens: int = 0
     experts: dict[str, moe.ExpertStats] = field(default_factory=dict)
+    imatrix: Imatrix | None = None
 
     def input(self, module: str) -> InputStats:
         """The InputStats of a module's input. Raises KeyError for an unknown module."""
@@ -139,8 +147,31 @@ def module_of(param_name: str | None) -> str | None:
     return param_name[: -len(".weight")] if param_name and param_name.endswith(".weight") else None
 
 
-def _linear_modules(model) -> dict[str, torch.nn.Linear]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+@dataclass(frozen=True)
+class Collect:
+    """What one calibration pass gathers; each part costs time and memory only when asked.
+
+    Attributes:
+        imatrix: llama-imatrix's accumulation for every ``nn.Linear`` (:attr:`ModelStats.imatrix`): per module and
+            forward pass the float32 sum over rows of x^2 per input column, added into a (K,) float64 sum, and the
+            rows seen. No (K, K) matrix.
+        hessian: for every distinct linear input H (K, K) float32 and the activation statistics
+            (:class:`InputStats`); for every linear output max |y| (:class:`OutputStats`); the token counts.
+        experts: routing counts and per-expert H of every MoE experts module (:mod:`.experts`); the experts
+            modules then run a per-expert loop whose outputs equal transformers' up to rounding, so the other
+            statistics of a MoE model differ in the last bits from those of a pass without it.
+        fisher_sequences: the first this many sequences also get a backward pass for the Fisher diagonals
+            (labels sampled from the model's own next-token distribution); needs ``hessian``.
+    """
+
+    imatrix: bool = False
+    hessian: bool = True
+    experts: bool = True
+    fisher_sequences: int = 0
+
+    def __post_init__(self):
+        if self.fisher_sequences > 0 and not self.hessian:
+            raise ValueError("the Fisher diagonals are kept with the activation statistics: Collect(hessian=True)")
 
 
 def _token_quant_err(x: torch.Tensor, levels: int) -> float:
@@ -148,17 +179,26 @@ def _token_quant_err(x: torch.Tensor, levels: int) -> float:
     return float(((torch.round(x / s) * s - x) ** 2).sum())
 
 
+def _grad_sq_sum(g: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """((N,) float64 sum over tokens of the squared gradient ``g`` (..., N), tokens)."""
+    g = g.detach().reshape(-1, g.shape[-1]).to(torch.float64)
+    return (g * g).sum(0), g.shape[0]
+
+
 class _Collector:
-    def __init__(self, model, st: ModelStats):
-        self.st = st
-        self.fisher = False
+    """The forward hooks (and MoE experts forwards) that fill one ModelStats as ``what`` asks."""
+
+    def __init__(self, model, st: ModelStats, what: Collect):
+        self.st, self.what = st, what
+        self.fisher = False  # True while a Fisher sequence runs (read by the experts forwards too)
         self.last: tuple[torch.Tensor, str] | None = None
-        self.first_pass = True
-        self.handles = [m.register_forward_hook(self._hook(n)) for n, m in _linear_modules(model).items()]
-        emb = model.get_input_embeddings()
-        st.token_counts = torch.zeros(emb.weight.shape[0], dtype=torch.int64)
-        self.handles.append(emb.register_forward_hook(self._embed_hook))
-        self.experts_undo = moe.install(model, st.experts, self)
+        linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        self.handles = [m.register_forward_hook(self._hook(n)) for n, m in linears.items()]
+        if what.hessian:
+            emb = model.get_input_embeddings()
+            st.token_counts = torch.zeros(emb.weight.shape[0], dtype=torch.int64)
+            self.handles.append(emb.register_forward_hook(self._embed_hook))
+        self.experts_undo = moe.install(model, st.experts, self) if what.experts else []
 
     def remove(self):
         for h in self.handles:
@@ -168,6 +208,10 @@ class _Collector:
     def _hook(self, name):
         def fn(_mod, inputs, out):
             x = inputs[0]
+            if self.what.imatrix:
+                self._accumulate_imatrix(name, x.detach())
+            if not self.what.hessian:
+                return
             st = self.st
             if name not in st.input_of:  # first call (a vision module may first run after text-only sequences)
                 shared = self.last is not None and self.last[0] is x
@@ -180,6 +224,17 @@ class _Collector:
                 self._accumulate_input(name, x.detach())
             self._accumulate_output(name, out)
         return fn
+
+    @torch.no_grad()
+    def _accumulate_imatrix(self, name, x):
+        im = self.st.imatrix
+        x = x.reshape(-1, x.shape[-1]).to(torch.float32)
+        s = (x * x).sum(0).to(torch.float64)
+        if name in im.sums:
+            im.sums[name] += s
+        else:
+            im.sums[name] = s
+        im.counts[name] = im.counts.get(name, 0) + x.shape[0]
 
     @torch.no_grad()
     def _accumulate_input(self, name, x):
@@ -205,10 +260,9 @@ class _Collector:
             o.absmax = torch.maximum(o.absmax, y.abs().amax(0))
         if self.fisher and out.requires_grad:
             def grad_hook(g, o=o):
-                g = g.detach().reshape(-1, g.shape[-1]).to(torch.float64)
-                s = (g * g).sum(0)
+                s, n = _grad_sq_sum(g)
                 o.fisher_sum = s if o.fisher_sum is None else o.fisher_sum + s
-                o.fisher_tokens += g.shape[0]
+                o.fisher_tokens += n
             out.register_hook(grad_hook)
 
     def _embed_hook(self, _mod, inputs, out):
@@ -219,49 +273,53 @@ class _Collector:
         out = out.detach().requires_grad_(True)
 
         def grad_hook(g):
-            g = g.detach().reshape(-1, g.shape[-1]).to(torch.float64)
-            s = (g * g).sum(0)
+            s, _ = _grad_sq_sum(g)
             st.embed_fisher_sum = s if st.embed_fisher_sum is None else st.embed_fisher_sum + s
         out.register_hook(grad_hook)
         return out
 
 
-def _batch(chunks, i: int, device) -> dict:
-    """Model inputs of calibration item ``i``: ``{"input_ids": (1, T)}`` from a token tensor, or a
-    processor's batch (a dict of tensors: images of a VL model) moved to ``device``."""
+def _batch(chunks, i: int, n: int, device) -> dict:
+    """Model inputs of calibration items ``i .. i+n-1``: ``{"input_ids": (n, T)}`` from a token tensor, or a
+    processor's batch (a dict of tensors: images of a VL model; ``n`` is 1) moved to ``device``."""
     if isinstance(chunks, (list, tuple)):
         return {k: v.to(device) for k, v in chunks[i].items()}
-    return {"input_ids": chunks[i : i + 1].to(device)}
+    return {"input_ids": chunks[i : i + n].to(device)}
 
 
-def collect_stats(model, chunks, *, fisher_sequences: int = 16, seed: int = 0,
-                  progress: bool = True) -> ModelStats:
-    """Run calibration sequences through a model once and collect activation statistics.
+def collect(model, chunks, what: Collect = Collect(), *, seed: int = 0, progress: bool = True,
+            batch_size: int = 1) -> ModelStats:
+    """Run calibration sequences through a model once and gather what ``what`` asks for.
 
     Args:
         model: a transformers causal LM in eval mode (any device / dtype; statistics in float32/64).
         chunks: (n, seq_len) int64 token ids, or a list of model-input dicts (``input_ids`` (1, T) int64
             plus, for a vision-language model, the processor's image tensors; :mod:`.vl_calibration`).
-        fisher_sequences: how many of the first sequences also get a backward pass for the Fisher
-            diagonals (labels sampled from the model's own next-token distribution, fixed ``seed``).
-        seed: label-sampling seed.
+        what: the statistics to gather.
+        seed: label-sampling seed of the Fisher sequences.
         progress: show a progress bar.
+        batch_size: sequences per forward pass (token tensors without Fisher sequences only).
     Returns:
-        ModelStats (tensors on the model's device; ``token_counts`` on CPU).
+        ModelStats (tensors on the model's device; ``token_counts`` and the imatrix sums on CPU).
+    Raises:
+        ValueError: ``batch_size`` > 1 with Fisher sequences or model-input dicts.
     """
-    st = ModelStats()
+    if batch_size > 1 and (what.fisher_sequences > 0 or isinstance(chunks, (list, tuple))):
+        raise ValueError("batch_size > 1 needs token-id chunks and no Fisher sequences")
+    st = ModelStats(imatrix=Imatrix() if what.imatrix else None)
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
-    col = _Collector(model, st)
+    col = _Collector(model, st, what)
     req = {n: p.requires_grad for n, p in model.named_parameters()}
     for p in model.parameters():
         p.requires_grad_(False)
     n_seq = len(chunks) if isinstance(chunks, (list, tuple)) else chunks.shape[0]
+    desc, unit = ("calibration", "seq") if what.hessian or what.experts else ("imatrix", "chunk")
     try:
-        for i in tqdm(range(n_seq), desc="calibration", disable=not progress, unit="seq"):
-            batch = _batch(chunks, i, device)
+        for i in tqdm(range(0, n_seq, batch_size), desc=desc, disable=not progress, unit=unit):
+            batch = _batch(chunks, i, batch_size, device)
             ids = batch["input_ids"]
-            col.fisher = i < fisher_sequences
+            col.fisher = i < what.fisher_sequences
             col.last = None
             if col.fisher:
                 with torch.enable_grad():
@@ -278,11 +336,51 @@ def collect_stats(model, chunks, *, fisher_sequences: int = 16, seed: int = 0,
             else:
                 with torch.no_grad():
                     model(**batch, use_cache=False)
-            col.first_pass = False
-            st.sequences += 1
+            st.sequences += ids.shape[0]
             st.tokens += ids.numel()
+            if st.imatrix is not None:
+                st.imatrix.chunks += ids.shape[0]
     finally:
         col.remove()
         for n, p in model.named_parameters():
             p.requires_grad_(req[n])
+    if st.imatrix is not None:
+        st.imatrix.sums = {k: v.cpu() for k, v in st.imatrix.sums.items()}
     return st
+
+
+def collect_stats(model, chunks, *, fisher_sequences: int = 16, seed: int = 0,
+                  progress: bool = True) -> ModelStats:
+    """Run calibration sequences through a model once and collect the activation statistics the analysis needs:
+    H and activation statistics, output maxima, token counts, MoE experts, Fisher diagonals (:func:`collect`).
+
+    Args:
+        model, chunks, seed, progress: as :func:`collect`.
+        fisher_sequences: how many of the first sequences also get a backward pass for the Fisher diagonals.
+    Returns:
+        ModelStats (tensors on the model's device; ``token_counts`` on CPU).
+    """
+    return collect(model, chunks, Collect(fisher_sequences=fisher_sequences), seed=seed, progress=progress)
+
+
+def compute_imatrix(model, chunks: torch.Tensor, dataset: str = "", progress: bool = True,
+                    batch_size: int = 1) -> Imatrix:
+    """Run calibration chunks through a model and collect the imatrix of every nn.Linear, as llama-imatrix does.
+
+    Only the imatrix is gathered (no H, no MoE experts forward: :func:`collect` with ``Collect(imatrix=True,
+    hessian=False, experts=False)``).
+
+    Args:
+        model: a transformers causal LM (any device / dtype; sums kept in float64).
+        chunks: (n, n_ctx) int64 token ids (see ``tokenize_chunks``).
+        dataset: recorded in the result.
+        progress: show a progress bar.
+        batch_size: chunks per forward pass.
+    Returns:
+        An Imatrix keyed by module name, sums on CPU; the lm_head is included (llama.cpp collects
+        ``output.weight``, or ``token_embd.weight`` when the embedding is tied).
+    """
+    what = Collect(imatrix=True, hessian=False, experts=False)
+    im = collect(model, chunks, what, progress=progress, batch_size=batch_size).imatrix
+    im.dataset = dataset
+    return im

@@ -21,9 +21,9 @@ import torch
 from dynaquant.analysis.calibration import CalibrationSpec, tokenize_chunks
 from dynaquant.analysis.calibration import calibration_chunks as calibration_ids
 from dynaquant.analysis.evaluate import EvalResult, compare_models
-from dynaquant.analysis.imatrix import Imatrix, compute_imatrix
+from dynaquant.analysis.imatrix import Imatrix
 from dynaquant.analysis.report.schema import load_report, write_json
-from dynaquant.analysis.stats import collect_stats, module_of
+from dynaquant.analysis.stats import collect_stats, compute_imatrix, module_of
 from dynaquant.analysis.texts import default_eval_text, read_text
 from dynaquant.errors import InputError
 from dynaquant.exporters.gguf.writer import write_gguf

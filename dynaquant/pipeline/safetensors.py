@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from dynaquant.analysis.calibration import CalibrationSpec
-from dynaquant.analysis.imatrix import compute_imatrix
+from dynaquant.analysis.stats import compute_imatrix
 from dynaquant.exporters.safetensors.writer import (
     DEFAULT_SHARD_BYTES,
     check_output_folder,
