@@ -32,6 +32,7 @@ from dynaquant.quant.formats import get_format
 from dynaquant.quant.plan import Plan
 from dynaquant.quant.planner import GGUF_CANDIDATES, default_rules, error_fn_from_report, make_plan
 from dynaquant.sources.checkpoint import ModelSource, load_model, load_tokenizer, resolve_source
+from dynaquant.sources.experts import stacked_name
 from dynaquant.sources.gguf import TensorSource
 from dynaquant.sources.nonfinite import check_model_finite, source_names
 from dynaquant.version import __version__
@@ -150,7 +151,7 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
         e = {"name": t.gguf_name, "hf_name": t.hf_name, "shape": list(t.shape), "n_elements": t.numel,
              "layer": _layer(t.gguf_name), "kind": tensor_kind(t.gguf_name), "group": tensor_group(t.gguf_name),
              "quantizable": t.quantizable, "super_weight": t.gguf_name in sw_tensors, "errors": {}}
-        stacked = experts.stacked_name(t.hf_name)
+        stacked = stacked_name(t.hf_name)
         if t.quantizable and stacked and stacked[0] in stats.experts:
             mod = model.get_submodule(stacked[0])
             errs, fallback = experts.measure_expert_errors(mod, stacked[1], stats.experts[stacked[0]], list(candidates),
