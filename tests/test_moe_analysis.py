@@ -151,7 +151,7 @@ def test_analysis_report_has_routing_and_expert_errors(analysed):
 def test_unrouted_experts_fall_back(tmp_path):
     from dynaquant.pipeline.analyze import run_analysis
     from dynaquant.sources.checkpoint import load_model, load_tokenizer, resolve_source
-    from dynaquant.sources.hf import open_hf_source
+    from dynaquant.sources.open import open_hf_source
 
     _tiny_moe(tmp_path / "ckpt", "qwen2moe")
     source = resolve_source(str(tmp_path / "ckpt"))
@@ -241,7 +241,7 @@ def _decoded_model(ckpt, gguf_path):
 
     from dynaquant.runtime.decoded import load_decoded
     from dynaquant.sources.checkpoint import resolve_source
-    from dynaquant.sources.hf import open_hf_source
+    from dynaquant.sources.open import open_hf_source
 
     formats = {rt.name: rt.tensor_type.name for rt in GGUFReader(gguf_path).tensors}
     return load_decoded(gguf_path, resolve_source(str(ckpt)), open_hf_source(ckpt)), formats
