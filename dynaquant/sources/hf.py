@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 from hashlib import sha256
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ import gguf
 import torch
 from gguf import GGUFWriter, TokenType
 
-from dynaquant.names import HF_ARCH_TO_GGUF, hf_to_gguf_name
+from dynaquant.names import HF_ARCH_TO_GGUF, TensorName, hf_to_gguf_name
 from dynaquant.sources import hf_moe
 from dynaquant.sources import release as hf_dequant
 from dynaquant.sources.checkpoint import RemoteCodeError, from_pretrained
@@ -67,7 +66,6 @@ KNOWN_PRE_TOKENIZER_HASHES: dict[str, str] = {
 
 # HF checkpoint tensors with no GGUF counterpart, left out of every HF source (recomputed by the model)
 SKIPPED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _looks_special(token: str) -> bool:
@@ -205,7 +203,8 @@ class HFCheckpointSource(TensorSource):
                 continue
             if hf_name.endswith(SKIPPED_TENSOR_SUFFIXES):
                 continue
-            if (m := _LAYER.match(hf_name)) and int(m.group(1)) >= self.n_layers:
+            if hf_name.startswith("model.layers.") and (block := TensorName.from_hf(hf_name).block) is not None \
+                    and block >= self.n_layers:
                 # multi-token-prediction layers past num_hidden_layers (DeepSeek-V3): the
                 # converter skips them too
                 logger.debug("%s: skipping %s (layer >= num_hidden_layers)", self.folder, hf_name)
