@@ -15,13 +15,19 @@ from test_vl_gguf import _tiny_vl_checkpoint
 
 from dynaquant.analysis.report.html import _split_name
 from dynaquant.analysis.report.schema import tensor_group, tensor_kind
+from dynaquant.analysis.superweights import down_proj_layer
+from dynaquant.exporters.gguf.inspect import inspect_gguf
 from dynaquant.names import TensorName
+from dynaquant.pipeline.analyze import _layer, _layer_of_module
 from dynaquant.quant.plan import TensorInfo
+from dynaquant.quant.planner import tie_groups
 
 EDGE = ["blk.3.", "blk.3..weight", "blk.3.x.weight.weight", "blk.03.attn_q.bias", "blk.3", ".weight", ".bias", "x.bias",
         "v.blk.2.attn_q.weight", "v.global.blk.1.ffn_up.bias", "v.blk.2.", "v.patch_embd.weight", "mm.0.weight", "mm.2.bias",
         "token_embd.weight", "output_norm.weight", "rope_freqs.weight", "blk.1.exp_probs_b.bias", "blk.10.ffn_gate_inp.weight",
-        "model.layers.5.weight", "model.layers.12.mlp.experts.3.down_proj.weight", "lm_head.weight", ""]
+        "model.layers.5.weight", "layers.2.mlp.down_proj", "model.visual.blocks.3.mlp.down_proj", "a.layers.7.mlp.down_proj",
+        "model.vision_tower.encoder.layers.1.mlp.down_proj", "model.layers.3.",
+        "model.layers.12.mlp.experts.3.down_proj.weight", "lm_head.weight", ""]
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +146,58 @@ def test_hf_source_layer(names):
     for n in names[1]:
         new = TensorName.from_hf(n).block if n.startswith("model.layers.") else None
         assert new == _old_hf_layer(n), n
+
+
+def _old_layer_of_module(name: str) -> int | None:
+    m = re.search(r"\.layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def _old_down_layer(name: str) -> int | None:
+    m = re.compile(r"^(?:.*\.)?layers\.(\d+)\.mlp\.down_proj$").match(name)
+    return int(m.group(1)) if m else None
+
+
+def _old_tie_group(name: str) -> str | None:
+    m = re.match(r"^(blk\.\d+\.)(attn_q|attn_k|attn_v|ffn_gate|ffn_up|ffn_gate_exps|ffn_up_exps)\.weight$", name)
+    if m is None:
+        return None
+    if m.group(2).endswith("_exps"):
+        return m.group(1) + "ffn_gate_up_exps"
+    return m.group(1) + ("attn_qkv" if m.group(2).startswith("attn") else "ffn_gate_up")
+
+
+def _modules(hf_names: list[str]) -> list[str]:
+    out = list(hf_names)
+    for n in hf_names:
+        parts = n.split(".")
+        out += [".".join(parts[:i]) for i in range(1, len(parts))]
+    return sorted(set(out))
+
+
+def test_analyze_layers(names):
+    gg, hf = names
+    for n in gg:
+        if n.startswith("blk.") and n.count(".") >= 2 and n.split(".")[1].isdigit():  # old _layer: int of the 2nd field
+            assert _layer(n) == int(n.split(".")[1]), n
+        elif not n.startswith("blk."):
+            assert _layer(n) is None, n
+    for n in _modules(hf):
+        assert _layer_of_module(n) == _old_layer_of_module(n), n
+
+
+def test_superweight_down_proj_layer(names):
+    for n in _modules(names[1]):
+        assert down_proj_layer(n) == _old_down_layer(n), n
+
+
+def test_planner_tie_groups(names):
+    for n in names[0]:
+        assert tie_groups(TensorInfo(n, None, (4, 4))) == _old_tie_group(n), n
+
+
+def test_inspect_gguf_layers():
+    from dynaquant.sources.checkpoint import default_model_path
+
+    s = inspect_gguf(default_model_path())
+    assert sorted(s.layers) == sorted({_old_inspect_key(t.name) for t in s.tensors})

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,6 +25,7 @@ from dynaquant.analysis.sensitivity import ReferenceLogits, group_sensitivity, k
 from dynaquant.analysis.stats import ModelStats, collect_stats, module_of
 from dynaquant.analysis.superweights import confirm, find_candidates
 from dynaquant.errors import InputError
+from dynaquant.names import TensorName
 from dynaquant.pipeline.preflight import Output, analysis_bytes_bound, check_budget, check_outputs, plan_json_bytes_bound
 from dynaquant.quant.codecs import get_codec
 from dynaquant.quant.formats import get_format
@@ -254,14 +254,13 @@ def _group_pred(group: str, fmt: str, src_tensors, pred: dict) -> float | None:
 
 
 def _layer_of_module(name: str) -> int | None:
-    m = re.search(r"\.layers\.(\d+)\.", name)
-    return int(m.group(1)) if m else None
+    prefix = TensorName.from_hf(name).prefix.split(".")  # [..., "layers", N] after at least one module
+    return int(prefix[-1]) if len(prefix) > 2 and prefix[-2] == "layers" else None
 
 
 def _layer(name: str) -> int | None:
-    if name.startswith("blk."):
-        return int(name.split(".")[1])
-    return None
+    tn = TensorName.from_gguf(name)
+    return tn.block if tn.tower == "text" else None
 
 
 def _revision(source: ModelSource) -> str | None:
