@@ -12,6 +12,7 @@ import re
 import pytest
 from test_moe_gguf import MOE, _tiny_moe
 from test_vl_gguf import _tiny_vl_checkpoint
+from test_vl_runtime import _build
 
 from dynaquant.analysis.report.html import _split_name
 from dynaquant.analysis.report.schema import tensor_group, tensor_kind
@@ -21,6 +22,7 @@ from dynaquant.names import TensorName
 from dynaquant.pipeline.analyze import _layer, _layer_of_module
 from dynaquant.quant.plan import TensorInfo
 from dynaquant.quant.planner import tie_groups
+from dynaquant.sources.hf_vl_full import vision_plan_name
 
 EDGE = ["blk.3.", "blk.3..weight", "blk.3.x.weight.weight", "blk.03.attn_q.bias", "blk.3", ".weight", ".bias", "x.bias",
         "v.blk.2.attn_q.weight", "v.global.blk.1.ffn_up.bias", "v.blk.2.", "v.patch_embd.weight", "mm.0.weight", "mm.2.bias",
@@ -51,6 +53,9 @@ def names(tmp_path_factory) -> tuple[list[str], list[str]]:
     _tiny_vl_checkpoint(vl)
     folders.append(vl)
     sources += [open_hf_source(vl), open_vl_full_source(vl)]
+    for arch in ("llava", "mllama"):
+        folders.append(_build(arch, tmp_path_factory.mktemp(arch)))
+        sources.append(open_vl_full_source(folders[-1]))
     for src in sources:
         for t in src.tensors():
             gg.append(t.gguf_name)
@@ -201,3 +206,29 @@ def test_inspect_gguf_layers():
 
     s = inspect_gguf(default_model_path())
     assert sorted(s.layers) == sorted({_old_inspect_key(t.name) for t in s.tensors})
+
+
+def _old_vision_plan_name_layer(rest: str):
+    """The layer branch of hf_vl_full.vision_plan_name before TensorName (None: not a layer parameter)."""
+    m = re.compile(r"^(?:(global_transformer)\.|[\w.]*?)(?:layers|blocks)\.(\d+)\.(.+)$").match(rest)
+    if not m:
+        return None
+    from dynaquant.sources.hf_vl_full import _VISION_LEAF
+
+    leaf, _, suffix = m.group(3).rpartition(".")
+    stack = "v.global.blk" if m.group(1) else "v.blk"
+    if not leaf:
+        return f"{stack}.{m.group(2)}.{_VISION_LEAF.get(suffix, suffix)}"
+    return f"{stack}.{m.group(2)}.{_VISION_LEAF.get(leaf, leaf.replace('.', '_'))}.{suffix}"
+
+
+def test_vision_plan_name(names):
+    prefixes = ("model.visual.", "model.vision_tower.", "model.vision_model.")
+    params = [n for n in names[1] if n.startswith(prefixes) and not n.startswith("model.visual.merger.")]
+    params += ["model.vision_model.global_transformer.layers.3.gate_attn",
+               "model.vision_model.global_transformer.x.layers.1.y.weight", "model.vision_tower.encoder.layers.03.mlp.fc2.weight"]
+    assert any("global_transformer" in n for n in params) and any("vision_tower" in n for n in params)
+    for p in params:
+        rest = p[len(next(x for x in prefixes if p.startswith(x))):]
+        old = _old_vision_plan_name_layer(rest)
+        assert vision_plan_name(p) == (old if old is not None else "v." + rest), p

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from dynaquant.names import hf_to_gguf_name
+from dynaquant.names import TensorName, hf_to_gguf_name
 from dynaquant.sources.checkpoint import from_config, from_pretrained
 from dynaquant.sources.gguf import SourceTensor, TensorSource
 from dynaquant.sources.readers import open_safetensors, read_json_object
@@ -56,7 +56,6 @@ logger = logging.getLogger(__name__)
 _VISION_PREFIXES = ("model.visual.", "model.vision_tower.", "model.vision_model.")
 _PROJECTOR_PREFIX = "model.multi_modal_projector"
 _CROSS = re.compile(r"^model\.layers\.(\d+)\.cross_attn(?:_(attn|mlp)_gate|\.(q|k|v|o)_proj\.weight|\.(q|k)_norm\.weight)$")
-_VISION_LAYER = re.compile(r"^(?:(global_transformer)\.|[\w.]*?)(?:layers|blocks)\.(\d+)\.(.+)$")
 _VISION_LEAF = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.out_proj": "attn_out", "self_attn.o_proj": "attn_out", "attn.qkv": "attn_qkv", "attn.proj": "attn_out",
@@ -122,13 +121,14 @@ def vision_plan_name(param: str, qwen_map=None) -> str:
             return g
     prefix = next(p for p in _VISION_PREFIXES if param.startswith(p))
     rest = param[len(prefix):]
-    m = _VISION_LAYER.match(rest)
-    if m:
-        leaf, _, suffix = m.group(3).rpartition(".")
-        stack = "v.global.blk" if m.group(1) else "v.blk"
+    tn = TensorName.from_hf(rest)
+    if tn.block is not None and tn.leaf:
+        leaf, _, suffix = tn.leaf.rpartition(".")
+        *stack_path, _, block = tn.prefix.split(".")  # the block index as written
+        stack = "v.global.blk" if stack_path == ["global_transformer"] else "v.blk"
         if not leaf:  # a bare parameter of the layer (Mllama's gate_attn / gate_ffn)
-            return f"{stack}.{m.group(2)}.{_VISION_LEAF.get(suffix, suffix)}"
-        return f"{stack}.{m.group(2)}.{_VISION_LEAF.get(leaf, leaf.replace('.', '_'))}.{suffix}"
+            return f"{stack}.{block}.{_VISION_LEAF.get(suffix, suffix)}"
+        return f"{stack}.{block}.{_VISION_LEAF.get(leaf, leaf.replace('.', '_'))}.{suffix}"
     return "v." + rest
 
 
