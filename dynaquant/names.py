@@ -1,5 +1,8 @@
 """Tensor names between Hugging Face checkpoints and GGUF (llama.cpp) files.
 
+:class:`TensorName` is the one parser of what a name says (block, kind, expert, tower); the maps below
+translate names.
+
 The forward map (HF -> GGUF) is gguf-py's ``TensorNameMap``, the table llama.cpp's
 ``convert_hf_to_gguf.py`` uses; nothing is retyped here. The reverse map (GGUF -> HF) needs
 one canonical HF name per GGUF tensor, which that table cannot give (it lists every alias
@@ -13,6 +16,8 @@ through the forward map, so both directions always agree.
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from functools import lru_cache
 
 import gguf
@@ -177,3 +182,106 @@ def gguf_to_hf_name(arch: str, n_layers: int, gguf_name: str) -> str | None:
         if gguf_name.endswith(suffix) and (hf := rev.get(gguf_name[: -len(suffix)])) is not None:
             return hf + suffix
     return rev.get(gguf_name)
+
+
+_GGUF_BLOCK = re.compile(r"(v\.(global\.)?)?blk\.(\d+)\.")
+_HF_VISION = ("visual.", "vision_tower.", "vision_model.")
+_HF_PROJECTOR = ("multi_modal_projector.", "visual.merger.")
+# HF leaf module -> GGUF base name (the Llama family, MoE experts, routers, shared experts)
+_HF_KINDS = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+    "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps", "mlp.experts.down_proj": "ffn_down_exps",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+_HF_GLOBAL_KINDS = {"model.embed_tokens": "token_embd", "lm_head": "output", "model.norm": "output_norm"}
+
+
+def _split_suffix(name: str, keep_one: bool = True) -> tuple[str, str]:
+    for suffix in _SUFFIXES:
+        if name.endswith(suffix) and (len(name) > len(suffix) or not keep_one):
+            return name[: -len(suffix)], suffix[1:]
+    return name, ""
+
+
+@dataclass(frozen=True)
+class TensorName:
+    """What a tensor's name says, for GGUF (llama.cpp) and Hugging Face names alike.
+
+    GGUF (:meth:`from_gguf`)::
+
+        blk.3.ffn_down.weight       -> tower "text",      block 3,    kind "ffn_down"
+        blk.3.ffn_down_exps.weight  -> tower "text",      block 3,    kind "ffn_down_exps" (experts stacked)
+        v.blk.2.attn_q.weight       -> tower "vision",    block 2,    kind "attn_q"
+        v.global.blk.1.ffn_up.bias  -> tower "vision",    block 1,    kind "ffn_up", global_stack True
+        token_embd.weight           -> tower "text",      block None, kind "token_embd"
+        mm.0.weight                 -> tower "projector", block None, kind "mm.0"
+
+    Hugging Face (:meth:`from_hf`)::
+
+        model.layers.3.mlp.down_proj.weight            -> "text",   block 3, kind "ffn_down"
+        model.layers.3.mlp.experts.5.down_proj.weight  -> "text",   block 3, kind "ffn_down_exps", expert 5
+        model.visual.blocks.2.attn.qkv.weight          -> "vision", block 2, kind None (no table entry)
+        lm_head.weight                                 -> "text",   block None, kind "output"
+
+    Attributes:
+        name: the name parsed.
+        tower: ``"text"``, ``"vision"`` (vision tower) or ``"projector"`` (multimodal projector).
+        block: the transformer block index (``blk.N`` / ``layers.N`` / ``blocks.N``), None outside the blocks.
+        kind: the GGUF base name: in a block the name after ``blk.N.`` less ``.weight``/``.bias``; outside,
+            the whole name less that suffix; from HF names the GGUF base name of the module (None when unknown).
+        expert: the expert index of a per-expert HF tensor (``experts.5.``), else None (GGUF stacks experts).
+        suffix: ``"weight"``, ``"bias"`` or ``""``.
+        prefix: the block prefix as written (``"blk.3"``, ``"v.global.blk.1"``, ``"model.layers.3"``), else ``""``.
+        leaf: the rest of the name after the block prefix and its dot (the whole name outside the blocks).
+        global_stack: Mllama's global vision stack (``v.global.blk.N``).
+    """
+
+    name: str
+    tower: str
+    block: int | None
+    kind: str | None
+    expert: int | None = None
+    suffix: str = ""
+    prefix: str = ""
+    leaf: str = ""
+    global_stack: bool = False
+
+    @classmethod
+    def from_gguf(cls, name: str) -> TensorName:
+        """Parse a GGUF tensor name (any string: names outside the patterns get block None)."""
+        m = _GGUF_BLOCK.match(name)
+        if m:
+            leaf = name[m.end():]
+            kind, suffix = _split_suffix(leaf)
+            tower = "vision" if m.group(1) else "text"
+            return cls(name, tower, int(m.group(3)), kind, None, suffix, name[: m.end() - 1], leaf, bool(m.group(2)))
+        kind, suffix = _split_suffix(name, keep_one=False)
+        tower = "projector" if name.startswith("mm.") else "vision" if name.startswith("v.") else "text"
+        return cls(name, tower, None, kind, None, suffix, "", name)
+
+    @classmethod
+    def from_hf(cls, name: str) -> TensorName:
+        """Parse a Hugging Face parameter or module name (transformers 4 or 5 layout; any string)."""
+        path = name.removeprefix("model.")
+        tower = ("projector" if path.startswith(_HF_PROJECTOR) else "vision" if path.startswith(_HF_VISION)
+                 else "text")
+        stem, suffix = _split_suffix(name)
+        parts = name.split(".")
+        block = expert = None
+        prefix, leaf = "", name
+        for i in range(len(parts) - 2):
+            if parts[i] in ("layers", "blocks") and re.fullmatch(r"\d+", parts[i + 1]):
+                block = int(parts[i + 1])
+                prefix = ".".join(parts[: i + 2])
+                leaf = name[len(prefix) + 1:]
+                break
+        rest = leaf.removesuffix("." + suffix) if suffix else leaf
+        if (m := re.match(r"^(.*\.experts)\.(\d+)\.(.+)$", rest)) is not None:
+            expert, rest = int(m.group(2)), f"{m.group(1)}.{m.group(3)}"
+        kind = _HF_KINDS.get(rest) if block is not None else _HF_GLOBAL_KINDS.get(stem)
+        return cls(name, tower, block, kind if tower == "text" else None, expert, suffix, prefix, leaf)

@@ -42,7 +42,7 @@ from dynaquant.exporters.gguf.inspect import inspect_gguf  # noqa: E402
 from dynaquant.exporters.gguf.writer import write_gguf  # noqa: E402
 from dynaquant.quant import get_format, quantize  # noqa: E402
 from dynaquant.sources.gguf import open_gguf_source  # noqa: E402
-from dynaquant.sources.hf import open_hf_source  # noqa: E402
+from dynaquant.sources.open import open_hf_source  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 TIME_LIMIT_S = 10

@@ -74,7 +74,7 @@ def seeds(tmp_path_factory):
     from dynaquant import make_dynamic_plan
     from dynaquant.pipeline.quantize import model_info, tensor_infos
     from dynaquant.quant.formats import get_format
-    from dynaquant.sources.hf import open_hf_source
+    from dynaquant.sources.open import open_hf_source
 
     root = tmp_path_factory.mktemp("fuzz")
     _tiny_checkpoint(root / "ckpt", "llama", hidden_size=256, intermediate_size=512)

@@ -29,7 +29,8 @@ from dynaquant.exporters.gguf.writer import kv_value_type, write_gguf
 from dynaquant.names import gguf_to_hf_name, hf_to_gguf_name
 from dynaquant.quant import get_format, quantize
 from dynaquant.sources.gguf import open_gguf_source
-from dynaquant.sources.hf import PRE_TOKENIZER_CHECK_TEXT, identify_bpe_pre_tokenizer, open_hf_source, permute_qk, unpermute_qk
+from dynaquant.sources.hf import PRE_TOKENIZER_CHECK_TEXT, identify_bpe_pre_tokenizer, permute_qk, unpermute_qk
+from dynaquant.sources.open import open_hf_source
 
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 F32 = get_format("F32")

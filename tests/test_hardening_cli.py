@@ -34,7 +34,7 @@ def tiny(tmp_path_factory) -> tuple[Path, Path]:
     from test_gguf_export import _tiny_checkpoint, all_f32, encode
 
     from dynaquant.exporters.gguf.writer import write_gguf
-    from dynaquant.sources.hf import open_hf_source
+    from dynaquant.sources.open import open_hf_source
 
     d = tmp_path_factory.mktemp("tiny")
     _tiny_checkpoint(d / "ckpt", "llama")

@@ -22,7 +22,7 @@ from dynaquant.cli import main
 from dynaquant.errors import InputError
 from dynaquant.exporters.gguf.writer import write_gguf
 from dynaquant.quant import get_format, quantize
-from dynaquant.sources.hf import open_hf_source
+from dynaquant.sources.open import open_hf_source
 
 
 @pytest.fixture(scope="module")

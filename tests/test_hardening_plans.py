@@ -168,7 +168,7 @@ def q8_plan(ckpts):
     """The good checkpoint's Q8_0 preset plan as a JSON dict."""
     from dynaquant.pipeline.quantize import model_info, tensor_infos
     from dynaquant.quant.planner import make_plan
-    from dynaquant.sources.hf import open_hf_source
+    from dynaquant.sources.open import open_hf_source
 
     ts = open_hf_source(ckpts[0])
     return make_plan(tensor_infos(ts), model_info(ts), "tiny", preset="Q8_0").to_dict()

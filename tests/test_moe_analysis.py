@@ -20,6 +20,7 @@ from dynaquant.quant.formats import get_format
 from dynaquant.quant.plan import TensorInfo
 from dynaquant.quant.planner import EXPERT_CAP, default_rules, make_plan
 from dynaquant.quant.presets import ModelInfo, requires_imatrix
+from dynaquant.sources.experts import PROJS, layout_of
 
 # cheap candidates for the tests' analyses (the i-quants' CPU encoders are slow): one per class
 CANDIDATES = ("IQ2_XXS", "Q2_K", "Q4_K", "Q8_0")
@@ -51,7 +52,7 @@ def test_collecting_forward_matches_transformers(case):
 
     found: dict = {}
     undo = moe.install(model, found, Col())
-    assert found and all(moe.layout_of(model.get_submodule(n)) for n in found)
+    assert found and all(layout_of(model.get_submodule(n)) for n in found)
     with torch.no_grad():
         got = model(ids).logits
     moe.uninstall(undo)
@@ -71,7 +72,7 @@ def test_expert_statistics():
     E, H, inter = 4, 256, 256
     assert es.hessian_sum["gate_up"].shape == (E, H, H) and es.hessian_sum["down"].shape == (E, inter, inter)
     assert int(es.tokens.sum()) == 2 * st.tokens and int(es.fisher_tokens.sum()) == 2 * st.fisher_tokens
-    for proj in moe.PROJS:
+    for proj in PROJS:
         f = es.fisher_sum[proj]
         assert f.shape == (E, H if proj == "down_proj" else inter) and torch.isfinite(f).all() and (f > 0).all()
     # the per-expert H really is the sum over the tokens routed to that expert: recompute expert 0's
@@ -150,7 +151,7 @@ def test_analysis_report_has_routing_and_expert_errors(analysed):
 def test_unrouted_experts_fall_back(tmp_path):
     from dynaquant.pipeline.analyze import run_analysis
     from dynaquant.sources.checkpoint import load_model, load_tokenizer, resolve_source
-    from dynaquant.sources.hf import open_hf_source
+    from dynaquant.sources.open import open_hf_source
 
     _tiny_moe(tmp_path / "ckpt", "qwen2moe")
     source = resolve_source(str(tmp_path / "ckpt"))
@@ -240,7 +241,7 @@ def _decoded_model(ckpt, gguf_path):
 
     from dynaquant.runtime.decoded import load_decoded
     from dynaquant.sources.checkpoint import resolve_source
-    from dynaquant.sources.hf import open_hf_source
+    from dynaquant.sources.open import open_hf_source
 
     formats = {rt.name: rt.tensor_type.name for rt in GGUFReader(gguf_path).tensors}
     return load_decoded(gguf_path, resolve_source(str(ckpt)), open_hf_source(ckpt)), formats

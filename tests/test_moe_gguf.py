@@ -30,7 +30,7 @@ from dynaquant.exporters.gguf.writer import write_gguf
 from dynaquant.names import gguf_to_hf_name, hf_to_gguf_name
 from dynaquant.quant import get_format
 from dynaquant.sources.gguf import open_gguf_source
-from dynaquant.sources.hf import open_hf_source
+from dynaquant.sources.open import open_hf_source
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,6 @@ from test_moe_gguf import IDS, MOE, ROUTER_STD, _router_margin, _router_names, _
 import dynaquant
 import dynaquant.runtime.loader as rt
 from dynaquant.analysis.calibration import CalibrationSpec
-from dynaquant.analysis.experts import PROJS, expert_weight, find_experts
 from dynaquant.exporters.safetensors.writer import unquantized_linears, write_safetensors
 from dynaquant.quant.formats import get_format
 from dynaquant.quant.plan import TensorInfo
@@ -36,6 +35,7 @@ from dynaquant.quant.presets import ModelInfo
 from dynaquant.quant.runtime import encode
 from dynaquant.runtime.loader import DynaLinear
 from dynaquant.runtime.moe import DynaExperts, checkpoint_weights, encode_experts
+from dynaquant.sources.experts import PROJS, expert_weight, find_experts
 
 LOGIT_RTOL = 1e-5
 CANDIDATES = ("INT2_G128", "INT2_G64", "INT3_G128", "INT4_G128", "INT4_G32", "INT8_G128", "INT8_G32")

@@ -27,8 +27,8 @@ from gguf import GGUFReader
 from dynaquant.exporters.gguf.mmproj import open_mmproj_source, write_mmproj
 from dynaquant.exporters.gguf.writer import write_gguf
 from dynaquant.quant import get_format
-from dynaquant.sources.hf import open_hf_source
 from dynaquant.sources.hf_vl import HFQwen2VLSource, vl_legacy_name, vl_param_name
+from dynaquant.sources.open import open_hf_source
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
            "<|image_pad|>", "<|video_pad|>"]

@@ -331,7 +331,7 @@ def test_gguf_refused(checkpoints, arch, tmp_path):
 
 def test_qwen2vl_gguf_source_unchanged(checkpoints):
     """The GGUF path still lists only Qwen2-VL's language model."""
-    from dynaquant.sources.hf import open_hf_source
+    from dynaquant.sources.open import open_hf_source
 
     names = [t.gguf_name for t in open_hf_source(checkpoints["qwen2vl"]).tensors()]
     assert names and not any(n.startswith(("v.", "mm.")) for n in names)

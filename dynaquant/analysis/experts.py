@@ -1,13 +1,7 @@
 """Per-expert calibration statistics of mixture-of-experts layers.
 
-transformers (>= 5) holds a MoE layer's routed experts as fused 3-D parameters of one experts
-module (``model.layers.N.mlp.experts``) and runs them in one call, so there is no ``nn.Linear``
-per expert to hook. Two layouts exist:
-
-- ``fused`` (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V3): ``gate_up_proj`` (E, 2I, H) with the
-  gate rows first, ``down_proj`` (E, H, I), ``act_fn``; ``y = down(act(gate x) * up x)``;
-- ``gpt-oss``: ``gate_up_proj`` (E, H, 2I) with gate/up columns interleaved, ``down_proj``
-  (E, I, H), biases, and the module's own ``_apply_gate`` (clamped SwiGLU).
+transformers (>= 5) runs a MoE layer's routed experts in one call of one experts module (layouts:
+:mod:`dynaquant.sources.experts`), so there is no ``nn.Linear`` per expert to hook.
 
 During calibration :func:`install` replaces each experts module's ``forward`` with an equivalent
 per-expert loop that also accumulates, per expert ``e``:
@@ -20,64 +14,19 @@ per-expert loop that also accumulates, per expert ``e``:
   expert's gate, up and down outputs (before the routing weight), as for linear layers.
 
 The GGUF tensors ``ffn_{gate,up,down}_exps`` stack the experts as (E, rows, row_size): see
-:func:`expert_weight`. An expert calibration never routes to gets the layer's pooled statistics
-and an add-half smoothed frequency (:meth:`ExpertStats.row_weights`), so its errors are finite,
-its importance small but not zero; the report flags it.
+:func:`dynaquant.sources.experts.expert_weight`. An expert calibration never routes to gets the
+layer's pooled statistics and an add-half smoothed frequency (:meth:`ExpertStats.row_weights`), so
+its errors are finite, its importance small but not zero; the report flags it.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import torch
 
 from dynaquant.analysis.errors import RowWeights
-
-PROJS = ("gate_proj", "up_proj", "down_proj")
-_STACKED = re.compile(r"^(.*\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-def stacked_name(hf_name: str | None) -> tuple[str, str] | None:
-    """``"model.layers.3.mlp.experts.down_proj.weight"`` -> (experts module, ``"down_proj"``), else None."""
-    m = _STACKED.match(hf_name or "")
-    return (m.group(1), m.group(2)) if m else None
-
-
-def layout_of(module: torch.nn.Module) -> str | None:
-    """``"fused"``, ``"gpt-oss"`` or None (not a transformers experts module)."""
-    gu, dn = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not isinstance(gu, torch.nn.Parameter) or not isinstance(dn, torch.nn.Parameter) or gu.dim() != 3:
-        return None
-    if hasattr(module, "_apply_gate") and getattr(module, "gate_up_proj_bias", None) is not None:
-        return "gpt-oss"
-    return "fused" if hasattr(module, "act_fn") else None
-
-
-def find_experts(model) -> dict[str, torch.nn.Module]:
-    """Experts modules of a transformers model by name (empty for a dense model)."""
-    return {n: m for n, m in model.named_modules() if layout_of(m) is not None}
-
-
-def expert_weight(module: torch.nn.Module, proj: str) -> torch.Tensor:
-    """One projection of all experts as GGUF stacks them.
-
-    Args:
-        module: an experts module (see :func:`layout_of`).
-        proj: ``gate_proj``, ``up_proj`` or ``down_proj``.
-    Returns:
-        A view (E, N, K): gate/up (E, I, H), down (E, H, I) (torch orientation, rows = outputs).
-    """
-    gu, dn = module.gate_up_proj, module.down_proj
-    if layout_of(module) == "gpt-oss":
-        if proj == "down_proj":
-            return dn.transpose(1, 2)
-        start = 0 if proj == "gate_proj" else 1
-        return gu[..., start::2].transpose(1, 2)
-    if proj == "down_proj":
-        return dn
-    i = gu.shape[1] // 2
-    return gu[:, :i] if proj == "gate_proj" else gu[:, i:]
+from dynaquant.sources.experts import dispatch, expert_weight, find_experts, layout_of
 
 
 @dataclass
@@ -147,33 +96,6 @@ class ExpertStats:
             g = (fs.sum(0) / ft.sum().clamp_min(1)) * share
         hf = h.float()
         return RowWeights(fisher=None if g is None else g.float(), hessian=hf), torch.diagonal(hf).clone(), fallback
-
-
-def dispatch(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n_expert: int,
-             expert_fn) -> torch.Tensor:
-    """transformers' experts routing: ``out_t = sum_j w[t, j] * expert_{idx[t, j]}(x_t)``.
-
-    Args:
-        hidden_states: (T, H) tokens (any leading shape that flattens to T).
-        top_k_index: (T, k) int64 chosen experts; values outside ``0 .. n_expert-1`` (masked choices) are skipped.
-        top_k_weights: (T, k) routing weights.
-        expert_fn: ``(e, x (n, H), w (n,)) -> y (n, H)``, expert ``e`` on the n tokens routed to it (``w``: their
-            routing weights, for statistics; the weighting is done here).
-    Returns:
-        Same shape and dtype as ``hidden_states``.
-    """
-    shape = hidden_states.shape
-    x_all = hidden_states.reshape(-1, shape[-1])
-    idx = top_k_index.reshape(x_all.shape[0], -1)
-    w = top_k_weights.reshape(x_all.shape[0], -1)
-    out = torch.zeros_like(x_all)
-    for e in torch.unique(idx).tolist():
-        if not 0 <= e < n_expert:
-            continue
-        tok, pos = torch.where(idx == e)
-        y = expert_fn(e, x_all[tok], w[tok, pos])
-        out.index_add_(0, tok, (y * w[tok, pos, None]).to(out.dtype))
-    return out.reshape(shape)
 
 
 class _ExpertsForward:

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from dynaquant.analysis import experts as moe
 from dynaquant.analysis.imatrix import Imatrix
+from dynaquant.sources.experts import PROJS
 
 
 @dataclass
@@ -137,7 +138,7 @@ class ModelStats:
             im.sums[mod] = torch.diagonal(s.hessian_sum).to(torch.float64).cpu()
             im.counts[mod] = s.tokens
         for name, es in self.experts.items():
-            for proj in moe.PROJS:
+            for proj in PROJS:
                 im.sums[f"{name}.{proj}"], im.counts[f"{name}.{proj}"] = es.imatrix(proj)
         return im
 

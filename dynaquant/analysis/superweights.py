@@ -14,14 +14,22 @@ then restored.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass
 
 import torch
 
 from dynaquant.analysis.stats import ModelStats
+from dynaquant.names import TensorName
 
-_DOWN = re.compile(r"^(?:.*\.)?layers\.(\d+)\.mlp\.down_proj$")
+
+def down_proj_layer(module: str) -> int | None:
+    """Block index of a text or vision MLP down projection module (``model.layers.3.mlp.down_proj`` -> 3,
+    ``model.vision_tower.encoder.layers.1.mlp.down_proj`` -> 1), None for other modules (also
+    those under ``blocks.N``)."""
+    tn = TensorName.from_hf(module)
+    if tn.block is None or tn.leaf != "mlp.down_proj" or tn.prefix.split(".")[-2] != "layers":
+        return None
+    return tn.block
 
 
 @dataclass
@@ -67,8 +75,8 @@ def find_candidates(model, stats: ModelStats, *, spike_ratio: float = 50.0, max_
     mods = dict(model.named_modules())
     out = []
     for name, o in stats.outputs.items():
-        m = _DOWN.match(name)
-        if not m or name not in stats.input_of:
+        layer = down_proj_layer(name)
+        if layer is None or name not in stats.input_of:
             continue
         ratio = float(o.absmax.max() / o.absmax.median().clamp_min(1e-12))
         if ratio < spike_ratio:
@@ -76,7 +84,7 @@ def find_candidates(model, stats: ModelStats, *, spike_ratio: float = 50.0, max_
         inp = stats.input(name).absmax
         r, c = int(o.absmax.argmax()), int(inp.argmax())
         w = mods[name].weight.detach()
-        out.append(SuperWeight(int(m.group(1)), name, r, c, float(w[r, c]), float(inp[c]), float(o.absmax[r]), ratio))
+        out.append(SuperWeight(layer, name, r, c, float(w[r, c]), float(inp[c]), float(o.absmax[r]), ratio))
     out.sort(key=lambda s: -s.spike_ratio)
     return out[:max_candidates]
 

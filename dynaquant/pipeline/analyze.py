@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,12 +25,14 @@ from dynaquant.analysis.sensitivity import ReferenceLogits, group_sensitivity, k
 from dynaquant.analysis.stats import ModelStats, collect_stats, module_of
 from dynaquant.analysis.superweights import confirm, find_candidates
 from dynaquant.errors import InputError
+from dynaquant.names import TensorName
 from dynaquant.pipeline.preflight import Output, analysis_bytes_bound, check_budget, check_outputs, plan_json_bytes_bound
 from dynaquant.quant.codecs import get_codec
 from dynaquant.quant.formats import get_format
 from dynaquant.quant.plan import Plan
 from dynaquant.quant.planner import GGUF_CANDIDATES, default_rules, error_fn_from_report, make_plan
 from dynaquant.sources.checkpoint import ModelSource, load_model, load_tokenizer, resolve_source
+from dynaquant.sources.experts import stacked_name
 from dynaquant.sources.gguf import TensorSource
 from dynaquant.sources.nonfinite import check_model_finite, source_names
 from dynaquant.version import __version__
@@ -150,7 +151,7 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
         e = {"name": t.gguf_name, "hf_name": t.hf_name, "shape": list(t.shape), "n_elements": t.numel,
              "layer": _layer(t.gguf_name), "kind": tensor_kind(t.gguf_name), "group": tensor_group(t.gguf_name),
              "quantizable": t.quantizable, "super_weight": t.gguf_name in sw_tensors, "errors": {}}
-        stacked = experts.stacked_name(t.hf_name)
+        stacked = stacked_name(t.hf_name)
         if t.quantizable and stacked and stacked[0] in stats.experts:
             mod = model.get_submodule(stacked[0])
             errs, fallback = experts.measure_expert_errors(mod, stacked[1], stats.experts[stacked[0]], list(candidates),
@@ -253,14 +254,13 @@ def _group_pred(group: str, fmt: str, src_tensors, pred: dict) -> float | None:
 
 
 def _layer_of_module(name: str) -> int | None:
-    m = re.search(r"\.layers\.(\d+)\.", name)
-    return int(m.group(1)) if m else None
+    prefix = TensorName.from_hf(name).prefix.split(".")  # [..., "layers", N] after at least one module
+    return int(prefix[-1]) if len(prefix) > 2 and prefix[-2] == "layers" else None
 
 
 def _layer(name: str) -> int | None:
-    if name.startswith("blk."):
-        return int(name.split(".")[1])
-    return None
+    tn = TensorName.from_gguf(name)
+    return tn.block if tn.tower == "text" else None
 
 
 def _revision(source: ModelSource) -> str | None:

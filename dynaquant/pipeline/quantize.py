@@ -108,7 +108,7 @@ def open_tensor_source(source: ModelSource, full_vl: bool = False) -> TensorSour
     """
     if source.kind == "gguf":
         return open_gguf_source(source.path)
-    from dynaquant.sources.hf import open_hf_source
+    from dynaquant.sources.open import open_hf_source
 
     if full_vl:
         from dynaquant.sources.hf_vl_full import open_vl_full_source, vl_full_arch

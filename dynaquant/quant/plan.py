@@ -12,9 +12,9 @@ Plans convert to and from JSON-ready dicts (human-editable) and are validated on
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass, field
 
+from dynaquant.names import TensorName
 from dynaquant.quant.formats import FORMATS, get_format
 
 TARGETS = ("gguf", "safetensors")
@@ -129,8 +129,8 @@ class TensorInfo:
     @property
     def layer(self) -> int | None:
         """Block index parsed from ``blk.N.``, or None for tensors outside the blocks."""
-        m = re.match(r"blk\.(\d+)\.", self.name)
-        return int(m.group(1)) if m else None
+        tn = TensorName.from_gguf(self.name)
+        return tn.block if tn.tower == "text" else None
 
 
 @dataclass

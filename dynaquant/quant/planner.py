@@ -36,6 +36,7 @@ from functools import cache
 
 import torch
 
+from dynaquant.names import TensorName
 from dynaquant.quant.codecs import get_codec
 from dynaquant.quant.formats import RUNTIME_FORMATS, get_format, resolve_for_row
 from dynaquant.quant.plan import Plan, PlanEntry, TensorInfo
@@ -179,12 +180,13 @@ def _stacked_experts(t: TensorInfo) -> bool:
 def tie_groups(t: TensorInfo) -> str | None:
     """The vLLM fused-module group of a tensor (``blk.3.attn_qkv``, ``blk.3.ffn_gate_up``, ``blk.3.ffn_gate_up_exps``:
     vLLM's fused MoE holds each expert's gate and up as one ``w13`` weight), or None."""
-    m = re.match(r"^(blk\.\d+\.)(attn_q|attn_k|attn_v|ffn_gate|ffn_up|ffn_gate_exps|ffn_up_exps)\.weight$", t.name)
-    if m is None:
+    tn = TensorName.from_gguf(t.name)
+    tied = ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up", "ffn_gate_exps", "ffn_up_exps")
+    if tn.tower != "text" or tn.block is None or tn.suffix != "weight" or tn.kind not in tied:
         return None
-    if m.group(2).endswith("_exps"):
-        return m.group(1) + "ffn_gate_up_exps"
-    return m.group(1) + ("attn_qkv" if m.group(2).startswith("attn") else "ffn_gate_up")
+    if tn.kind.endswith("_exps"):
+        return f"{tn.prefix}.ffn_gate_up_exps"
+    return f"{tn.prefix}." + ("attn_qkv" if tn.kind.startswith("attn") else "ffn_gate_up")
 
 
 def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "", *, preset: str | None = None,

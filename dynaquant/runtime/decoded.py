@@ -40,10 +40,10 @@ def load_decoded(gguf_path: str | os.PathLike, source, ts, *, device: str | torc
     Raises:
         ValueError: a GGUF tensor the source does not list, or whose HF counterpart the model lacks.
     """
-    from dynaquant.analysis.experts import expert_weight, stacked_name
     from dynaquant.quant.codecs import dequantize
     from dynaquant.quant.formats import get_format
     from dynaquant.sources.checkpoint import load_model
+    from dynaquant.sources.experts import expert_weight, stacked_name
     from dynaquant.sources.hf import unpermute_qk
     from dynaquant.sources.readers import open_gguf
 

@@ -38,8 +38,8 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from dynaquant.analysis.experts import PROJS, dispatch, expert_weight, find_experts, layout_of
 from dynaquant.quant.runtime import RuntimeWeight, encode
+from dynaquant.sources.experts import PROJS, dispatch, expert_weight, find_experts, layout_of
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def checkpoint_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     replaced by stacked views per projection (no copies).
 
     For experts module ``m`` (any layout): ``m.{gate,up,down}_proj.weight`` (E, N, K) (gate/up (E, I, H),
-    down (E, H, I); :func:`dynaquant.analysis.experts.expert_weight`) and, for gpt-oss,
+    down (E, H, I); :func:`dynaquant.sources.experts.expert_weight`) and, for gpt-oss,
     ``m.{gate,up}_proj.bias`` (E, I) (the interleaved ``gate_up_proj_bias`` split) and ``m.down_proj.bias``
     (E, H). A dense model's ``state_dict`` is returned unchanged.
     """

@@ -37,6 +37,8 @@ import torch
 
 from dynaquant.errors import InputError
 from dynaquant.sources.identity import content_sha256, source_label
+from dynaquant.sources.readers import read_json_object
+from dynaquant.sources.vl_archs import vl_full_arch
 
 log = logging.getLogger(__name__)
 
@@ -166,26 +168,6 @@ def find_reference(record: SourceRecord | None, quantized: str | os.PathLike, re
 
 # id(ModelSource) -> the finalizer removing its temporary folder
 _CLEANUPS: dict[int, weakref.finalize] = {}
-
-
-def read_json_object(path: str | os.PathLike) -> dict:
-    """A JSON file that must hold an object (``config.json``, ``tokenizer_config.json``, an index ...).
-
-    Raises:
-        InputError: the file cannot be read, is not JSON, or is not an object (the message names it).
-    """
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise InputError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise InputError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from exc
-    if not isinstance(data, dict):
-        raise InputError(f"{path}: not a JSON object (a {type(data).__name__} at the top level)")
-    return data
 
 
 def default_model_path() -> Path:
@@ -408,7 +390,7 @@ def _from_pretrained_kwargs(source: ModelSource) -> dict:
 def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """Load a transformers causal LM from a source, in ``dtype`` on ``device``, in eval mode.
 
-    A vision-language folder (Qwen2-VL / Qwen2.5-VL / LLaVA / Mllama: ``exporters.hf_vl_full.VL_FULL_ARCHS``) loads with
+    A vision-language folder (Qwen2-VL / Qwen2.5-VL / LLaVA / Mllama: ``sources.vl_archs.VL_FULL_ARCHS``) loads with
     ``AutoModelForImageTextToText``; called on token ids alone it is its language model.
 
     Raises:
@@ -418,8 +400,6 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
 
     kw = _from_pretrained_kwargs(source)
     if source.kind == "hf":
-        from dynaquant.sources.hf_vl_full import vl_full_arch
-
         if vl_full_arch(source.path):
             from transformers import AutoModelForImageTextToText
 

@@ -4,7 +4,7 @@ A :class:`TensorSource` lists a model's tensors under their llama.cpp names, rea
 at a time as float32 (so memory stays at one tensor), and writes the model's metadata
 (architecture hyper-parameters, tokenizer) into a ``gguf.GGUFWriter``. Two sources exist:
 :func:`open_gguf_source` here (re-quantizing a GGUF file) and
-:func:`dynaquant.sources.hf.open_hf_source` (a HF checkpoint folder).
+:func:`dynaquant.sources.open.open_hf_source` (a HF checkpoint folder).
 
 File format: GGUF v3 as read by gguf-py's ``GGUFReader`` (llama.cpp ``docs/gguf.md``).
 """

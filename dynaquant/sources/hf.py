@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 from hashlib import sha256
 from pathlib import Path
 from typing import Any
@@ -31,12 +30,12 @@ import gguf
 import torch
 from gguf import GGUFWriter, TokenType
 
-from dynaquant.names import HF_ARCH_TO_GGUF, hf_to_gguf_name
+from dynaquant.names import HF_ARCH_TO_GGUF, TensorName, hf_to_gguf_name
 from dynaquant.sources import hf_moe
 from dynaquant.sources import release as hf_dequant
-from dynaquant.sources.checkpoint import RemoteCodeError, from_pretrained, read_json_object
+from dynaquant.sources.checkpoint import RemoteCodeError, from_pretrained
 from dynaquant.sources.gguf import SourceTensor, TensorSource
-from dynaquant.sources.readers import open_safetensors
+from dynaquant.sources.readers import open_safetensors, read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +64,8 @@ KNOWN_PRE_TOKENIZER_HASHES: dict[str, str] = {
     "0fe1cf6eda062318a1af7270f3331a85c539a01778ff948e24388e949c5282f4": "gpt-2",
 }
 
-_SKIPPED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# HF checkpoint tensors with no GGUF counterpart, left out of every HF source (recomputed by the model)
+SKIPPED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def _looks_special(token: str) -> bool:
@@ -101,7 +100,7 @@ def identify_bpe_pre_tokenizer(tokenizer) -> str:
 
 
 class HFCheckpointSource(TensorSource):
-    """A HF checkpoint folder as a tensor source (see :func:`open_hf_source`)."""
+    """A HF checkpoint folder as a tensor source (see :func:`.open.open_hf_source`)."""
 
     # set by _index_tensors; these class defaults serve subclasses that index their own tensors (hf_vl)
     _composites: dict = {}  # GGUF name -> hf_moe composite (stacked experts, MLA splits)
@@ -202,9 +201,10 @@ class HFCheckpointSource(TensorSource):
         for hf_name, shape in shapes.items():
             if hf_name in used:
                 continue
-            if hf_name.endswith(_SKIPPED_TENSOR_SUFFIXES):
+            if hf_name.endswith(SKIPPED_TENSOR_SUFFIXES):
                 continue
-            if (m := _LAYER.match(hf_name)) and int(m.group(1)) >= self.n_layers:
+            if hf_name.startswith("model.layers.") and (block := TensorName.from_hf(hf_name).block) is not None \
+                    and block >= self.n_layers:
                 # multi-token-prediction layers past num_hidden_layers (DeepSeek-V3): the
                 # converter skips them too
                 logger.debug("%s: skipping %s (layer >= num_hidden_layers)", self.folder, hf_name)
@@ -567,31 +567,3 @@ def unpermute_qk(x: torch.Tensor, n_head: int) -> torch.Tensor:
     """The inverse of :func:`permute_qk` (llama.cpp's q/k row order back to HF's), same arguments."""
     rows = x.shape[0]
     return x.reshape(n_head, rows // n_head // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
-
-
-def open_hf_source(folder: str | os.PathLike, *, trust_remote_code: bool = False) -> HFCheckpointSource:
-    """Open a HF checkpoint folder (``config.json`` + ``*.safetensors``) as a tensor source.
-
-    Supported ``architectures``: LlamaForCausalLM, MistralForCausalLM and MixtralForCausalLM
-    (GGUF ``llama``), Qwen2ForCausalLM (``qwen2``), Qwen3ForCausalLM (``qwen3``),
-    Qwen2MoeForCausalLM (``qwen2moe``), Qwen3MoeForCausalLM (``qwen3moe``),
-    DeepseekV3ForCausalLM (``deepseek2``, MLA), GptOssForCausalLM (``gpt-oss``); block-FP8
-    weights (DeepSeek-V3's release) and MXFP4 experts (gpt-oss's release) are dequantized on
-    reading (:mod:`.hf_dequant`); the mixture-of-experts conversion (stacked experts, routers, MLA, gpt-oss's
-    fused experts, the ``expert_*`` keys) is :mod:`.hf_moe`'s; the language model of
-    Qwen2VL/Qwen2_5_VLForConditionalGeneration (``qwen2vl``, :mod:`.hf_vl`).
-
-    ``trust_remote_code``: the user's flag, passed to transformers' config and tokenizer classes.
-
-    Raises:
-        ValueError: no config.json, an unsupported architecture (the message names the file
-            and the architecture), no safetensors files, or tensors with no GGUF name.
-        checkpoint.RemoteCodeError: the config or tokenizer needs the checkpoint's own code and the flag is off.
-    """
-    from dynaquant.sources.hf_vl import is_vl_checkpoint, open_hf_vl_source  # hf_vl imports this module
-    from dynaquant.sources.hf_vl_full import refuse_gguf
-
-    refuse_gguf(folder)  # LLaVA / Mllama: safetensors target only (the message says so)
-    if is_vl_checkpoint(folder):
-        return open_hf_vl_source(folder, trust_remote_code=trust_remote_code)
-    return HFCheckpointSource(folder, trust_remote_code=trust_remote_code)

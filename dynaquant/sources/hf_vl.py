@@ -22,33 +22,14 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 from dynaquant.names import hf_to_gguf_name
-from dynaquant.sources.checkpoint import RemoteCodeError, from_pretrained, read_json_object
+from dynaquant.sources.checkpoint import RemoteCodeError, from_pretrained
 from dynaquant.sources.gguf import SourceTensor
-from dynaquant.sources.hf import _SKIPPED_TENSOR_SUFFIXES, HFCheckpointSource
+from dynaquant.sources.hf import SKIPPED_TENSOR_SUFFIXES, HFCheckpointSource
 
 logger = logging.getLogger(__name__)
-
-# HF ``architectures[0]`` of the vision-language checkpoints this module converts -> GGUF
-# architecture of their language model.
-VL_ARCHS: dict[str, str] = {
-    "Qwen2VLForConditionalGeneration": "qwen2vl",
-    "Qwen2_5_VLForConditionalGeneration": "qwen2vl",
-}
-
-
-def is_vl_checkpoint(folder: str | os.PathLike) -> bool:
-    """True when ``folder/config.json`` names an architecture of :data:`VL_ARCHS` (False when
-    there is no config.json: the caller's own checks report that)."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        return False
-    archs = read_json_object(path).get("architectures") or []
-    return bool(archs) and archs[0] in VL_ARCHS
-
 
 def vl_param_name(name: str) -> str:
     """The transformers 5 parameter name of a Qwen2-VL checkpoint tensor.
@@ -148,7 +129,7 @@ class HFQwen2VLSource(HFCheckpointSource):
         for p, names in by_file.items():
             with open_safetensors(p) as f:
                 for key in names:
-                    if key.endswith(_SKIPPED_TENSOR_SUFFIXES) or is_vision_tensor(key):
+                    if key.endswith(SKIPPED_TENSOR_SUFFIXES) or is_vision_tensor(key):
                         continue
                     param = vl_param_name(key)
                     if param.startswith("lm_head.") and self.tied:
@@ -180,7 +161,7 @@ def open_hf_vl_source(folder: str | os.PathLike, *, trust_remote_code: bool = Fa
     (GGUF architecture ``qwen2vl``; vision tensors left out, see :mod:`.mmproj`).
 
     Raises:
-        ValueError: no config.json, not a VL architecture of :data:`VL_ARCHS`, no safetensors,
+        ValueError: no config.json, not a VL architecture of :data:`.vl_archs.VL_ARCHS`, no safetensors,
             tensors with no GGUF name, or a missing/invalid ``mrope_section``.
     """
     return HFQwen2VLSource(folder, trust_remote_code=trust_remote_code)

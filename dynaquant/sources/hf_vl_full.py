@@ -1,7 +1,7 @@
 """Every tensor of a vision-language checkpoint (language model, vision tower, projector) as a tensor
 source, for the analysis and the safetensors target.
 
-Architectures (transformers 5 modelling code, :data:`VL_FULL_ARCHS`):
+Architectures (transformers 5 modelling code, :data:`.vl_archs.VL_FULL_ARCHS`):
 
 - ``Qwen2VLForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration``: Qwen2 text model,
   ViT (``model.visual.blocks.N``) and patch merger (``model.visual.merger``);
@@ -44,27 +44,18 @@ from typing import Any
 
 import torch
 
-from dynaquant.names import hf_to_gguf_name
-from dynaquant.sources.checkpoint import from_config, from_pretrained, read_json_object
+from dynaquant.names import TensorName, hf_to_gguf_name
+from dynaquant.sources.checkpoint import from_config, from_pretrained
 from dynaquant.sources.gguf import SourceTensor, TensorSource
-from dynaquant.sources.readers import open_safetensors
+from dynaquant.sources.readers import open_safetensors, read_json_object
+from dynaquant.sources.vl_archs import SAFETENSORS_ONLY_ARCHS, VL_FULL_ARCHS, vl_full_arch
 
 logger = logging.getLogger(__name__)
 
 # HF architectures[0] -> GGUF-style architecture used for the text model's names.
-VL_FULL_ARCHS: dict[str, str] = {
-    "Qwen2VLForConditionalGeneration": "qwen2vl",
-    "Qwen2_5_VLForConditionalGeneration": "qwen2vl",
-    "LlavaForConditionalGeneration": "llama",
-    "MllamaForConditionalGeneration": "llama",  # cross-attention layers named here (gguf-py has no mllama)
-}
-# VL architectures analysed, planned and run through safetensors only (no GGUF writer).
-SAFETENSORS_ONLY_ARCHS = ("LlavaForConditionalGeneration", "MllamaForConditionalGeneration")
-
 _VISION_PREFIXES = ("model.visual.", "model.vision_tower.", "model.vision_model.")
 _PROJECTOR_PREFIX = "model.multi_modal_projector"
 _CROSS = re.compile(r"^model\.layers\.(\d+)\.cross_attn(?:_(attn|mlp)_gate|\.(q|k|v|o)_proj\.weight|\.(q|k)_norm\.weight)$")
-_VISION_LAYER = re.compile(r"^(?:(global_transformer)\.|[\w.]*?)(?:layers|blocks)\.(\d+)\.(.+)$")
 _VISION_LEAF = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.out_proj": "attn_out", "self_attn.o_proj": "attn_out", "attn.qkv": "attn_qkv", "attn.proj": "attn_out",
@@ -72,15 +63,6 @@ _VISION_LEAF = {
     "mlp.down_proj": "ffn_down", "layer_norm1": "ln1", "layer_norm2": "ln2", "norm1": "ln1", "norm2": "ln2",
     "input_layernorm": "ln1", "post_attention_layernorm": "ln2", "gate_attn": "attn_gate", "gate_ffn": "ffn_gate_scalar",
 }
-
-
-def vl_full_arch(folder: str | os.PathLike) -> str | None:
-    """``architectures[0]`` of ``folder/config.json`` when it is one of :data:`VL_FULL_ARCHS`, else None."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        return None
-    archs = read_json_object(path).get("architectures") or []
-    return archs[0] if archs and archs[0] in VL_FULL_ARCHS else None
 
 
 def refuse_gguf(folder: str | os.PathLike) -> None:
@@ -139,13 +121,14 @@ def vision_plan_name(param: str, qwen_map=None) -> str:
             return g
     prefix = next(p for p in _VISION_PREFIXES if param.startswith(p))
     rest = param[len(prefix):]
-    m = _VISION_LAYER.match(rest)
-    if m:
-        leaf, _, suffix = m.group(3).rpartition(".")
-        stack = "v.global.blk" if m.group(1) else "v.blk"
+    tn = TensorName.from_hf(rest)
+    if tn.block is not None and tn.leaf:
+        leaf, _, suffix = tn.leaf.rpartition(".")
+        *stack_path, _, block = tn.prefix.split(".")  # the block index as written
+        stack = "v.global.blk" if stack_path == ["global_transformer"] else "v.blk"
         if not leaf:  # a bare parameter of the layer (Mllama's gate_attn / gate_ffn)
-            return f"{stack}.{m.group(2)}.{_VISION_LEAF.get(suffix, suffix)}"
-        return f"{stack}.{m.group(2)}.{_VISION_LEAF.get(leaf, leaf.replace('.', '_'))}.{suffix}"
+            return f"{stack}.{block}.{_VISION_LEAF.get(suffix, suffix)}"
+        return f"{stack}.{block}.{_VISION_LEAF.get(leaf, leaf.replace('.', '_'))}.{suffix}"
     return "v." + rest
 
 

@@ -1,5 +1,5 @@
-"""The one place each binary file format a user gives us is opened: GGUF (:func:`open_gguf`) and safetensors
-(:func:`open_safetensors`).
+"""The one place each file format a user gives us is opened: GGUF (:func:`open_gguf`), safetensors
+(:func:`open_safetensors`) and JSON objects (:func:`read_json_object`: ``config.json``, tokenizer files, indexes).
 
 Both readers we build on trust the file: gguf-py's ``GGUFReader`` raises whatever numpy or ``struct`` raises
 on a damaged file (``IndexError``, ``KeyError``, ``UnicodeDecodeError``, ...) and loops over counts read from
@@ -12,6 +12,7 @@ becomes :class:`~dynaquant.errors.InputError` naming the file, which the command
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import struct
@@ -217,3 +218,23 @@ def open_safetensors(path: str | os.PathLike, device: str = "cpu") -> Iterator:
             yield f
     except SafetensorError as e:
         raise InputError(f"{path}: damaged safetensors file ({e})") from e
+
+
+def read_json_object(path: str | os.PathLike) -> dict:
+    """A JSON file that must hold an object (``config.json``, ``tokenizer_config.json``, an index ...).
+
+    Raises:
+        InputError: the file cannot be read, is not JSON, or is not an object (the message names it).
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise InputError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from exc
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: not a JSON object (a {type(data).__name__} at the top level)")
+    return data

@@ -15,11 +15,11 @@ import math
 import re
 from dataclasses import dataclass
 
+from dynaquant.names import TensorName
 from dynaquant.quant.formats import get_format
 
 KIND_ORDER = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
               "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_inp")
-_BLK = re.compile(r"^blk\.(\d+)\.(.+?)(?:\.weight)?$")
 _DPI = 96
 _NAN = float("nan")
 
@@ -95,9 +95,9 @@ def format_bpw(name: str) -> float:
 
 def split_name(name: str) -> tuple[int | None, str]:
     """``blk.3.ffn_down.weight`` -> (3, "ffn_down"); ``token_embd.weight`` -> (None, "token_embd")."""
-    m = _BLK.match(name)
-    if m:
-        return int(m.group(1)), m.group(2)
+    tn = TensorName.from_gguf(name)
+    if tn.tower == "text" and tn.block is not None and tn.leaf:
+        return tn.block, tn.kind + (".bias" if tn.suffix == "bias" else "")
     return None, re.sub(r"\.weight$", "", name)
 
 

@@ -54,19 +54,19 @@ from typing import Any
 
 from dynaquant.analysis.report.validate import check_report
 from dynaquant.errors import InputError
+from dynaquant.names import TensorName
 from dynaquant.workdir import run_workdir, writing
 
 SCHEMA_VERSION = 1
 REPORT_VERSION = SCHEMA_VERSION  # the name the pipeline imports
-_BLK = re.compile(r"^blk\.(\d+)\.(.+?)(?:\.weight|\.bias)?$")
 
 
 def tensor_kind(name: str) -> str:
     """``blk.3.ffn_down.weight`` -> ``ffn_down``; ``token_embd.weight`` -> ``token_embd``."""
-    m = _BLK.match(name)
-    if m:
-        return m.group(2)
-    return re.sub(r"\.(weight|bias)$", "", name)
+    tn = TensorName.from_gguf(name)
+    if tn.block is None or (tn.tower == "text" and tn.leaf):
+        return tn.kind
+    return re.sub(r"\.(weight|bias)$", "", name)  # vision blocks keep their whole name
 
 
 def tensor_group(name: str) -> str:

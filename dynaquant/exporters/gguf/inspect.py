@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import asdict, dataclass
 
 import gguf
 
+from dynaquant.names import TensorName
 from dynaquant.sources.readers import gguf_field, open_gguf
 
 
@@ -62,8 +62,8 @@ def inspect_gguf(path: str | os.PathLike) -> GGUFSummary:
     layers: dict[str, dict] = {}
     types: dict[str, int] = {}
     for t in tensors:
-        m = re.match(r"(blk\.\d+)\.", t.name)
-        key = m.group(1) if m else "other"
+        tn = TensorName.from_gguf(t.name)
+        key = tn.prefix if tn.tower == "text" and tn.block is not None else "other"
         lay = layers.setdefault(key, {"size_bytes": 0, "n_elements": 0, "types": {}})
         lay["size_bytes"] += t.size_bytes
         lay["n_elements"] += t.n_elements
