@@ -195,11 +195,8 @@ def file_type_of(plan: Plan, preset: str | None) -> int:
 class GGUFTarget:
     """A GGUF file (:func:`dynaquant.exporters.gguf.writer.write_gguf`), tensors read from the tensor source."""
 
-    name = "gguf"
-    full_vl = False
-    folder_output = False
+    name, full_vl, folder_output, needs_model = "gguf", False, False, False
     analysis_candidates = DEFAULT_CANDIDATES
-    needs_model = False
 
     def overhead_bytes(self, source, ts, tensors, cfg) -> int:
         return gguf_planning_overhead(source, ts, tensors, cfg.use_imatrix)
@@ -286,11 +283,8 @@ class SafetensorsTarget:
     Confirmed super weights of the report are kept exactly (``keep_super_weights``).
     """
 
-    name = "safetensors"
-    full_vl = True
-    folder_output = True
+    name, full_vl, folder_output, needs_model = "safetensors", True, True, True
     analysis_candidates = RUNTIME_CANDIDATES
-    needs_model = True
 
     def overhead_bytes(self, source, ts, tensors, cfg) -> int:
         return safetensors_overhead_bytes(tensors)
