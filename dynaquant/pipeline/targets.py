@@ -10,7 +10,7 @@ size budget must leave, the output's default name, how MoE expert stacks and sup
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -84,7 +84,6 @@ class RunState:
     report: dict | None = None
     model: Any = None
     tokenizer: Any = None
-    extra: dict = field(default_factory=dict)
 
 
 class Target(Protocol):
