@@ -242,7 +242,7 @@ def run_prior_plan(mix: str, folder: Path, model: Path, llama: Q.Llama, size_lim
     (no analysis), written by ``llama-quantize --imatrix`` with one ``--tensor-type`` override per tensor.
     A stand-in for the dynamic row when dynaquant's encoders are too slow on the machine: the allocation is
     dynaquant's, the encoders llama.cpp's."""
-    from dynaquant.pipeline.quantize import model_info, open_tensor_source, tensor_infos
+    from dynaquant.pipeline.source import model_info, open_tensor_source, tensor_infos
     from dynaquant.quant.planner import EXPERT_CAP, GGUF_CANDIDATES, default_rules, make_plan
     from dynaquant.sources.checkpoint import resolve_source
 

@@ -16,8 +16,10 @@ safetensors), dynaquant.kernels (Triton), dynaquant.runtime (DynaLinear, DynaExp
 """
 
 from dynaquant.exporters.gguf.inspect import inspect_gguf
-from dynaquant.pipeline.analyze import AnalysisResult, analyze, make_dynamic_plan
-from dynaquant.pipeline.quantize import QuantizeResult, evaluate, quantize
+from dynaquant.pipeline.analyze import AnalysisResult, analyze
+from dynaquant.pipeline.evaluate import evaluate
+from dynaquant.pipeline.plan import make_dynamic_plan
+from dynaquant.pipeline.quantize import QuantizeResult, quantize
 from dynaquant.runtime.loader import load
 from dynaquant.version import __version__
 

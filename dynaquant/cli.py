@@ -14,6 +14,8 @@ import signal
 import sys
 import traceback
 
+import dynaquant.config as config
+
 log = logging.getLogger("dynaquant")
 
 EXIT_OK, EXIT_BUG, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -100,18 +102,20 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--imatrix", help="imatrix file (llama.cpp GGUF or .dat) for the encoders")
     q.add_argument("--gptq", action="store_true",
                    help="error-compensating (GPTQ) rounding where it lowers the held-out layer-output error")
-    q.add_argument("--gptq-damp", type=_fraction, default=0.01, help="GPTQ damping, relative to mean diag(H) (default 0.01)")
+    q.add_argument("--gptq-damp", type=_fraction, default=config.GPTQ_DAMP,
+                   help=f"GPTQ damping, relative to mean diag(H) (default {config.GPTQ_DAMP})")
     q.add_argument("--calibration", help="calibration text file (default: Python stdlib docstrings)")
-    q.add_argument("--calibration-chunks", type=_positive, default=32, help="chunks of --ctx tokens (default 32)")
+    q.add_argument("--calibration-chunks", type=_positive, default=config.CALIBRATION_CHUNKS,
+                   help=f"chunks of --ctx tokens (default {config.CALIBRATION_CHUNKS})")
     q.add_argument("--calibration-images", action="append", default=[], metavar="FILE|FOLDER",
                    help="vision-language models: calibration images (repeatable; default: synthetic images)")
-    q.add_argument("--ctx", type=_positive, default=512, help="tokens per chunk (default 512)")
+    q.add_argument("--ctx", type=_positive, default=config.N_CTX, help=f"tokens per chunk (default {config.N_CTX})")
     q.add_argument("--no-imatrix", action="store_true", help="encode without an imatrix")
     q.add_argument("--eval", dest="evaluate", action="store_true",
                    help="measure KLD against the source afterwards (on by default with no arguments)")
     q.add_argument("--no-eval", action="store_true", help="never evaluate")
     q.add_argument("--text", help="evaluation text file (default: stdlib docstrings, not the calibration ones)")
-    q.add_argument("--chunks", type=_positive, default=16, help="evaluation chunks (default 16)")
+    q.add_argument("--chunks", type=_positive, default=config.EVAL_CHUNKS, help=f"evaluation chunks (default {config.EVAL_CHUNKS})")
     q.add_argument("-o", "--output", help="output .gguf, or folder with --format safetensors (default: named after "
                                            "the model and target, here)")
     q.add_argument("--save-plan", help="also write the plan as JSON here (as soon as it is made)")
@@ -131,9 +135,10 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--sequences", type=_positive, default=64, help="calibration sequences (default 64)")
     a.add_argument("--calibration-images", action="append", default=[], metavar="FILE|FOLDER",
                    help="vision-language models: calibration images (repeatable; default: synthetic images)")
-    a.add_argument("--ctx", type=_positive, default=512, help="tokens per sequence (default 512)")
+    a.add_argument("--ctx", type=_positive, default=config.N_CTX, help=f"tokens per sequence (default {config.N_CTX})")
     a.add_argument("--chat-template", action="store_true", help="wrap the text in the model's chat template")
-    a.add_argument("--fisher-sequences", type=_count(0), default=8, help="sequences with a backward pass (default 8)")
+    a.add_argument("--fisher-sequences", type=_count(0), default=config.FISHER_SEQUENCES,
+                   help=f"sequences with a backward pass (default {config.FISHER_SEQUENCES})")
     a.add_argument("--formats", help="comma-separated candidate formats; 'gguf' and 'safetensors' stand for each "
                                      "target's candidates (default: gguf)")
     a.add_argument("--sensitivity", metavar="FORMATS", help="also measure end-to-end KLD per block group in these formats")
@@ -169,7 +174,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("quantized", help="GGUF file or safetensors checkpoint folder")
     e.add_argument("--reference", help="original model (default: the dynaquant.source recorded in the file)")
     e.add_argument("--text", help="evaluation text file (default: stdlib docstrings)")
-    e.add_argument("--ctx", type=_positive, default=512)
+    e.add_argument("--ctx", type=_positive, default=config.N_CTX)
     e.add_argument("--chunks", type=_positive, default=None, help="at most N chunks (default: all)")
     e.add_argument("--device")
     e.add_argument("--json", action="store_true")
@@ -187,7 +192,8 @@ def _print_eval(ev) -> None:
 
 
 def _quantize(a, bare: bool) -> int:
-    from dynaquant.pipeline.quantize import quantize
+    from dynaquant.config import QuantizeConfig
+    from dynaquant.pipeline.quantize import run_quantize
 
     evaluate = (a.evaluate or bare) and not a.no_eval
     calibration = a.calibration
@@ -196,13 +202,14 @@ def _quantize(a, bare: bool) -> int:
 
         calibration = CalibrationSpec((a.calibration,) if a.calibration else (), a.calibration_chunks, a.ctx,
                                       images=tuple(a.calibration_images))
-    res = quantize(a.model, output=a.output, preset=a.preset, bpw=a.bpw, size=a.size, rules=a.rule, plan=a.plan,
-                   report=a.report, imatrix=a.imatrix, default_rules_on=not a.no_default_rules,
-                   calibration=calibration, calibration_chunks=a.calibration_chunks, n_ctx=a.ctx,
-                   use_imatrix=not a.no_imatrix, evaluate=evaluate, eval_text=a.text, eval_chunks=a.chunks,
-                   allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code, device=a.device,
-                   progress=not a.json, gptq=a.gptq, gptq_damp=a.gptq_damp, target=a.target, save_plan=a.save_plan,
-                   allow_nonfinite=a.allow_nonfinite)
+    cfg = QuantizeConfig(output=a.output, preset=a.preset, bpw=a.bpw, size=a.size, rules=a.rule, plan=a.plan,
+                         report=a.report, imatrix=a.imatrix, default_rules_on=not a.no_default_rules,
+                         calibration=calibration, calibration_chunks=a.calibration_chunks, n_ctx=a.ctx,
+                         use_imatrix=not a.no_imatrix, evaluate=evaluate, eval_text=a.text, eval_chunks=a.chunks,
+                         allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code, device=a.device,
+                         progress=not a.json, gptq=a.gptq, gptq_damp=a.gptq_damp, target=a.target, save_plan=a.save_plan,
+                         allow_nonfinite=a.allow_nonfinite)
+    res = run_quantize(a.model, cfg)
     if a.json:
         print(json.dumps(res.to_dict(), indent=1))
         return 0
@@ -229,7 +236,8 @@ def _names(text: str | None) -> tuple[str, ...]:
 
 def _analyze(a) -> int:
     from dynaquant.analysis.calibration import CalibrationSpec
-    from dynaquant.pipeline.analyze import analyze
+    from dynaquant.config import AnalyzeConfig
+    from dynaquant.pipeline.analyze import run_analyze
 
     spec = CalibrationSpec(tuple(a.calibration), a.sequences, a.ctx, a.chat_template,
                            images=tuple(a.calibration_images))
@@ -238,11 +246,11 @@ def _analyze(a) -> int:
         from dynaquant.pipeline.analyze import expand_formats
 
         kw["candidates"] = expand_formats(a.formats)
-    res = analyze(a.model, a.output, calibration=spec, fisher_sequences=a.fisher_sequences,
-                  super_weights=not a.no_super_weights, sensitivity_formats=_names(a.sensitivity),
-                  validate_presets=_names(a.validate),
-                  device=a.device, dtype=a.dtype, allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code,
-                  progress=not a.json, allow_nonfinite=a.allow_nonfinite, **kw)
+    cfg = AnalyzeConfig(calibration=spec, fisher_sequences=a.fisher_sequences, super_weights=not a.no_super_weights,
+                        sensitivity_formats=_names(a.sensitivity), validate_presets=_names(a.validate), device=a.device,
+                        dtype=a.dtype, allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code,
+                        progress=not a.json, allow_nonfinite=a.allow_nonfinite, **kw)
+    res = run_analyze(a.model, a.output, cfg)
     rep = res.report
     if a.json:
         print(json.dumps({"report": str(res.report_path), "imatrix": str(res.imatrix_path),
@@ -262,7 +270,7 @@ def _analyze(a) -> int:
 
 
 def _plan(a) -> int:
-    from dynaquant.pipeline.analyze import make_dynamic_plan
+    from dynaquant.pipeline.plan import make_dynamic_plan
 
     plan = make_dynamic_plan(a.report, bpw=a.bpw, size=a.size, rules=a.rule, target=a.target,
                              default_rules_on=not a.no_default_rules, output=a.output)
@@ -299,7 +307,7 @@ def _report(a) -> int:
 
 
 def _eval(a) -> int:
-    from dynaquant.pipeline.quantize import evaluate
+    from dynaquant.pipeline.evaluate import evaluate
 
     ev = evaluate(a.quantized, a.reference, text=a.text, n_ctx=a.ctx, chunks=a.chunks, device=a.device,
                   progress=not a.json)

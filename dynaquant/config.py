@@ -1,1 +1,120 @@
-"""Run configuration: the frozen dataclasses both the CLI and the Python API build (filled in by the pipeline work)."""
+"""Run configuration: the frozen dataclasses both the CLI and the Python API build, the one place for the defaults.
+
+``dynaquant.analyze(...)`` and ``dynaquant.quantize(...)`` keep their keyword signatures and build these; the CLI
+builds them from its options; the stage functions (:func:`dynaquant.pipeline.analyze.run_analyze`,
+:func:`dynaquant.pipeline.quantize.run_quantize`) take them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from dynaquant.analysis.calibration import CalibrationSpec
+from dynaquant.exporters.safetensors.writer import DEFAULT_SHARD_BYTES
+from dynaquant.quant.formats import get_format
+from dynaquant.quant.plan import Plan
+from dynaquant.quant.planner import GGUF_CANDIDATES
+
+# Formats measured for every tensor by default: the allocator's GGUF candidates (those with a codec), by size.
+DEFAULT_CANDIDATES = tuple(sorted(GGUF_CANDIDATES, key=lambda f: (get_format(f).bpw, f)))
+
+CALIBRATION_CHUNKS = 32  # calibration sequences of a quantize run (the analysis' own default: CalibrationSpec's)
+N_CTX = 512  # tokens per calibration / evaluation sequence
+EVAL_CHUNKS = 16  # evaluation chunks
+GPTQ_DAMP = 0.01  # GPTQ's damping, a fraction of the mean Hessian diagonal
+FISHER_SEQUENCES = 8  # sequences that also get a backward pass (Fisher diagonals) in an analysis
+TARGETS = ("gguf", "safetensors")
+
+PathLike = str | os.PathLike
+
+
+@dataclass(frozen=True)
+class AnalyzeConfig:
+    """What ``dynaquant analyze`` does (arguments of :func:`dynaquant.pipeline.analyze.analyze`, same meaning).
+
+    Attributes:
+        calibration: what to calibrate on (None: ``CalibrationSpec()``, 64 sequences of 512 tokens of the default).
+        candidates: format names measured for every tensor.
+        fisher_sequences: sequences that also get a backward pass (>= 0).
+        super_weights: detect and confirm super weights.
+        sensitivity_formats: end-to-end sensitivity per block group in these formats.
+        validate_presets: llama.cpp presets whose file sizes get a dynamic plan and a measured KLD.
+        device: torch device (None: CUDA when present); dtype: ``float32``, ``bfloat16`` or ``float16``.
+        allow_pickle, trust_remote_code: as :func:`dynaquant.sources.checkpoint.resolve_source`.
+        progress: progress bars. allow_nonfinite: replace NaN / Inf weights instead of refusing them.
+    """
+
+    calibration: CalibrationSpec | None = None
+    candidates: tuple[str, ...] = DEFAULT_CANDIDATES
+    fisher_sequences: int = FISHER_SEQUENCES
+    super_weights: bool = True
+    sensitivity_formats: tuple[str, ...] = ()
+    validate_presets: tuple[str, ...] = ()
+    device: str | None = None
+    dtype: str = "float32"
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+    progress: bool = True
+    allow_nonfinite: bool = False
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    """What ``dynaquant quantize`` does (arguments of :func:`dynaquant.pipeline.quantize.quantize`, same meaning).
+
+    Attributes:
+        output: the GGUF file or checkpoint folder (None: named after the model and the target in the cwd).
+        preset / bpw / size / plan: the target size or mix (at most one; None: the ``Q4_K_M`` preset's size).
+        rules: ``REGEX=FORMAT`` (``>=``, ``<=``) user rules, first match wins, before the default rules.
+        report: an analysis report (path or dict); imatrix: an imatrix file.
+        calibration: a text file or CalibrationSpec; calibration_chunks sequences of n_ctx tokens.
+        use_imatrix, default_rules_on: as their names say.
+        evaluate, eval_text, eval_chunks: measure KLD / perplexity / top-1 at the end.
+        gptq, gptq_damp: error-compensating rounding and its damping.
+        target: ``gguf`` or ``safetensors``.
+        save_plan: also write the plan JSON here.
+        keep_super_weights, max_shard_bytes: safetensors only (super weights kept exactly; shard size).
+        fisher_sequences: Fisher sequences of the analysis run here when no report is given.
+    """
+
+    output: PathLike | None = None
+    preset: str | None = None
+    bpw: float | None = None
+    size: int | None = None
+    rules: tuple[str, ...] = ()
+    plan: Plan | PathLike | None = None
+    report: dict | PathLike | None = None
+    imatrix: PathLike | None = None
+    calibration: PathLike | CalibrationSpec | None = None
+    calibration_chunks: int = CALIBRATION_CHUNKS
+    n_ctx: int = N_CTX
+    use_imatrix: bool = True
+    default_rules_on: bool = True
+    evaluate: bool = False
+    eval_text: PathLike | None = None
+    eval_chunks: int = EVAL_CHUNKS
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+    device: str | None = None
+    progress: bool = True
+    gptq: bool = False
+    gptq_damp: float = GPTQ_DAMP
+    target: str = "gguf"
+    save_plan: PathLike | None = None
+    allow_nonfinite: bool = False
+    keep_super_weights: bool = True
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES
+    fisher_sequences: int = FISHER_SEQUENCES
+
+    @property
+    def explicit_target(self) -> bool:
+        """A size was asked for (``bpw`` or ``size``), not the default one."""
+        return self.bpw is not None or self.size is not None
+
+    def spec(self) -> CalibrationSpec:
+        """The calibration spec: ``calibration`` if it is one, else ``calibration_chunks`` x ``n_ctx`` of the file / default."""
+        if isinstance(self.calibration, CalibrationSpec):
+            return self.calibration
+        return CalibrationSpec((str(self.calibration),) if self.calibration is not None else (), self.calibration_chunks,
+                               self.n_ctx)

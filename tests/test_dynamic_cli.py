@@ -121,7 +121,7 @@ def tiny256(tmp_path_factory):
     for it: Q4_0 (preset) with ``ffn_down`` in IQ3_XXS."""
     from test_gguf_export import _tiny_checkpoint
 
-    from dynaquant.pipeline.quantize import model_info, open_tensor_source, tensor_infos
+    from dynaquant.pipeline.source import model_info, open_tensor_source, tensor_infos
     from dynaquant.quant.planner import make_plan
 
     ckpt = tmp_path_factory.mktemp("tiny256") / "ckpt"

@@ -72,7 +72,7 @@ def seeds(tmp_path_factory):
     from test_gguf_export import _tiny_checkpoint
 
     from dynaquant import make_dynamic_plan
-    from dynaquant.pipeline.quantize import model_info, tensor_infos
+    from dynaquant.pipeline.source import model_info, tensor_infos
     from dynaquant.quant.formats import get_format
     from dynaquant.sources.open import open_hf_source
 
@@ -156,7 +156,7 @@ def _file_bytes(data, seed: dict) -> bytes:
 @SETTINGS
 @given(data=st.data())
 def test_fuzz_plan_json(seeds, data):
-    from dynaquant.pipeline.quantize import _load_plan
+    from dynaquant.pipeline.plan import load_plan as _load_plan
     from dynaquant.quant.plan import Plan
 
     root, _, seed, tensors = seeds

@@ -679,7 +679,7 @@ IQ_PRESETS = ["IQ4_XS", "IQ3_M", "IQ3_S", "IQ3_XS", "IQ3_XXS", "IQ2_M", "IQ2_S",
 def test_presets_match_llama_quantize(preset, has_imatrix, preset_model):
     """Every tensor's type in our preset plan is the one ``llama-quantize --dry-run`` picks for the same
     file, with and without an imatrix, and we refuse exactly when llama.cpp would (``requires_imatrix``)."""
-    from dynaquant.pipeline.quantize import model_info, tensor_infos
+    from dynaquant.pipeline.source import model_info, tensor_infos
     from dynaquant.quant.planner import make_plan
     from dynaquant.quant.presets import requires_imatrix
 

@@ -47,13 +47,13 @@ def tiny(tmp_path_factory) -> tuple[Path, Path]:
 def no_model_load(monkeypatch):
     """Fail the test if a pipeline loads a model (the checks must come first)."""
     import dynaquant.pipeline.analyze
+    import dynaquant.pipeline.evaluate
     import dynaquant.pipeline.quantize
-    import dynaquant.pipeline.safetensors
 
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the outputs were checked")
 
-    for mod in (dynaquant.pipeline.quantize, dynaquant.pipeline.analyze, dynaquant.pipeline.safetensors):
+    for mod in (dynaquant.pipeline.quantize, dynaquant.pipeline.analyze, dynaquant.pipeline.evaluate):
         monkeypatch.setattr(mod, "load_model", refuse)
 
 
@@ -107,7 +107,7 @@ def test_option_parser_keeps_good_numbers():
 @pytest.mark.parametrize("kw", [dict(bpw=float("inf")), dict(bpw=1e308), dict(bpw=float("nan")), dict(bpw=0.0),
                                 dict(bpw=-2.0), dict(size=0), dict(size=-1), dict(size=float("inf")), dict(size=1e400)])
 def test_library_refuses_unusable_budgets_before_any_work(kw, monkeypatch):
-    import dynaquant.pipeline.analyze
+    import dynaquant.pipeline.plan
     import dynaquant.pipeline.quantize
     from dynaquant import make_dynamic_plan, quantize
 
@@ -121,7 +121,7 @@ def test_library_refuses_unusable_budgets_before_any_work(kw, monkeypatch):
     assert isinstance(e.value, InputError)
     with pytest.raises(ValueError, match=f"^{name}="):
         quantize("anything", target="safetensors", **kw)
-    monkeypatch.setattr(dynaquant.pipeline.analyze, "get_format", refuse)
+    monkeypatch.setattr(dynaquant.pipeline.plan, "get_format", refuse)
     with pytest.raises(ValueError, match=f"^{name}="):
         make_dynamic_plan({"tensors": []}, **kw)
 
@@ -280,14 +280,14 @@ def test_analyze_plan_and_report_refuse_their_inputs_as_outputs(tiny, tmp_path, 
 
 
 def test_plan_refuses_the_imatrix_beside_the_report(tmp_path, monkeypatch):
-    import dynaquant.pipeline.analyze
+    import dynaquant.pipeline.plan
     from dynaquant import make_dynamic_plan
 
     rep = tmp_path / "report.json"
     rep.write_text("{}")
     (tmp_path / "imatrix.gguf").write_bytes(b"imatrix")
     monkeypatch.setattr("dynaquant.analysis.report.schema.load_report", lambda p: {"imatrix": "imatrix.gguf", "tensors": []})
-    monkeypatch.setattr(dynaquant.pipeline.analyze, "make_plan", lambda *a, **k: pytest.fail("planned"))
+    monkeypatch.setattr(dynaquant.pipeline.plan, "make_plan", lambda *a, **k: pytest.fail("planned"))
     with pytest.raises(InputError, match="is the imatrix"):
         make_dynamic_plan(rep, bpw=4.0, output=tmp_path / "imatrix.gguf")
     assert (tmp_path / "imatrix.gguf").read_bytes() == b"imatrix"
@@ -432,7 +432,7 @@ def test_full_disk_in_the_safetensors_writer_names_the_output(tmp_path, monkeypa
 def _cli_proc(args: list[str], cwd: Path, slow_s: float = 0.0, fsize: int | None = None, **kw) -> subprocess.Popen:
     """``python -m dynaquant.cli ARGS`` (each tensor's encoding slowed by ``slow_s``; file size limit ``fsize``)."""
     code = ("import sys, time\n"
-            "import dynaquant.pipeline.quantize as p\n"
+            "import dynaquant.pipeline.targets as p\n"
             f"if {slow_s}:\n"
             "    real = p.encode_tensor\n"
             f"    p.encode_tensor = lambda *a, **k: (time.sleep({slow_s}), real(*a, **k))[1]\n"
@@ -531,7 +531,7 @@ def test_run_workdir_is_removed_on_success_error_and_interrupt(tmp_path):
 # --- --save-plan: atomic, and written before the encoding (defect 6) ---------------------------------------------
 
 def test_save_plan_is_written_before_the_encoding(tiny, tmp_path, monkeypatch):
-    import dynaquant.pipeline.quantize
+    import dynaquant.pipeline.targets
     from dynaquant import quantize
 
     saved = tmp_path / "plan.json"
@@ -540,7 +540,7 @@ def test_save_plan_is_written_before_the_encoding(tiny, tmp_path, monkeypatch):
         assert json.loads(saved.read_text())["tensors"]  # complete, before the first tensor is encoded
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(dynaquant.pipeline.quantize, "write_gguf", stop)
+    monkeypatch.setattr(dynaquant.pipeline.targets, "write_gguf", stop)
     with pytest.raises(KeyboardInterrupt):
         quantize(str(tiny[1]), preset="Q8_0", use_imatrix=False, output=tmp_path / "o.gguf", save_plan=saved, progress=False)
     d = json.loads(saved.read_text())

@@ -166,7 +166,7 @@ def test_allow_nonfinite_on_the_dynamic_path(ckpts, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def q8_plan(ckpts):
     """The good checkpoint's Q8_0 preset plan as a JSON dict."""
-    from dynaquant.pipeline.quantize import model_info, tensor_infos
+    from dynaquant.pipeline.source import model_info, tensor_infos
     from dynaquant.quant.planner import make_plan
     from dynaquant.sources.open import open_hf_source
 
@@ -231,7 +231,7 @@ MUTATIONS = {  # mutation -> what the message must say (besides the file name)
 
 @pytest.mark.parametrize("how", list(MUTATIONS))
 def test_bad_plan_entries_are_named(q8_plan, tmp_path, how):
-    from dynaquant.pipeline.quantize import _load_plan
+    from dynaquant.pipeline.plan import load_plan as _load_plan
 
     p = tmp_path / "plan.json"
     p.write_text(json.dumps(_mutate(q8_plan, how)))
@@ -357,11 +357,11 @@ def test_cli_passes_allow_nonfinite(monkeypatch, capsys, command):
     seen = []
 
     def fake(*a, **k):
-        seen.append(k["allow_nonfinite"])
+        seen.append(a[-1].allow_nonfinite)  # the stage's config
         raise InputError("stop here")
 
-    # the CLI calls the pipeline stage's function (it does not import the package's face)
-    monkeypatch.setattr(importlib.import_module(f"dynaquant.pipeline.{command}"), command, fake)
+    # the CLI calls the pipeline stage's function with the config it built (it does not import the package's face)
+    monkeypatch.setattr(importlib.import_module(f"dynaquant.pipeline.{command}"), f"run_{command}", fake)
     assert _main(capsys, command, "some-model", "--no-eval" if command == "quantize" else "--no-super-weights")[0] == 2
     assert _main(capsys, command, "some-model", "--allow-nonfinite")[0] == 2
     assert seen == [False, True]

@@ -190,7 +190,7 @@ def test_invalid_config_json_is_named(tiny, tmp_path, text, why):
     shutil.copytree(tiny, folder)
     cfg = folder / "config.json"
     cfg.write_bytes(text if isinstance(text, bytes) else text.encode())
-    from dynaquant.pipeline.quantize import open_tensor_source
+    from dynaquant.pipeline.source import open_tensor_source
 
     src = resolve_source(folder)
     for read in (lambda: read_config(src), lambda: open_tensor_source(src)):
@@ -289,7 +289,7 @@ def test_default_and_gguf_sources_are_labels(tmp_path):
 
 
 def test_eval_finds_a_local_source_only_locally_and_checks_its_hash(tiny, tmp_path, monkeypatch):
-    from dynaquant.pipeline.quantize import recorded_source
+    from dynaquant.pipeline.evaluate import recorded_source
 
     work = tmp_path / "work"
     shutil.copytree(tiny, work / "models" / "tiny")
@@ -344,8 +344,8 @@ def test_eval_cli_exit_2_for_a_missing_local_source(tiny, tmp_path, monkeypatch)
 def test_safetensors_checkpoint_records_the_source(tiny, tmp_path, monkeypatch):
     """The safetensors target records the same label, kind and hash, and its files do not depend on the folder."""
     import dynaquant
-    from dynaquant.pipeline.quantize import model_info, open_tensor_source, tensor_infos
-    from dynaquant.pipeline.safetensors import recorded_source_of_checkpoint
+    from dynaquant.pipeline.evaluate import recorded_source_of_checkpoint
+    from dynaquant.pipeline.source import model_info, open_tensor_source, tensor_infos
     from dynaquant.quant.planner import make_plan
 
     ts = open_tensor_source(resolve_source(tiny))

@@ -380,7 +380,7 @@ def test_moe_presets_match_llama_quantize(case, preset, tmp_path):
     ``llama-quantize --dry-run`` picks (expert-aware ffn_down rules, F32 routers, MLA tensors)."""
     from test_gguf_export import _llama_quantize, _llama_quantize_types
 
-    from dynaquant.pipeline.quantize import model_info, tensor_infos
+    from dynaquant.pipeline.source import model_info, tensor_infos
     from dynaquant.quant.planner import make_plan
 
     exe = _llama_quantize()
@@ -555,7 +555,7 @@ def test_mxfp4_gpt_oss_checkpoint(tmp_path):
 def test_mxfp4_experts_stay_mxfp4(tmp_path):
     """The default rules keep gpt-oss's MXFP4 experts in MXFP4 (GGUF type MXFP4, our runtime's MXFP4_G32),
     and re-encoding them (with any imatrix) gives back exactly the released values: no second rounding."""
-    from dynaquant.pipeline.quantize import model_info, tensor_infos
+    from dynaquant.pipeline.source import model_info, tensor_infos
     from dynaquant.quant.codecs import dequantize, quantize
     from dynaquant.quant.planner import default_rules, make_plan
 

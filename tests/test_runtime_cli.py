@@ -38,7 +38,7 @@ def _cli(*args):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, default_source, default_model):
-    from dynaquant.pipeline.quantize import model_info, open_tensor_source, tensor_infos
+    from dynaquant.pipeline.source import model_info, open_tensor_source, tensor_infos
 
     d = tmp_path_factory.mktemp("st")
     ts = open_tensor_source(default_source)

@@ -321,7 +321,8 @@ def test_pipeline_quantize_writes_lm_and_mmproj(tmp_path):
     pytest.importorskip("llama_cpp")
     pytest.importorskip("llama_cpp.mtmd_cpp")
     from dynaquant.analysis.imatrix import Imatrix
-    from dynaquant.pipeline.quantize import imatrix_by_gguf_name, quantize
+    from dynaquant.pipeline.quantize import quantize
+    from dynaquant.pipeline.source import imatrix_by_gguf_name
 
     ckpt = tmp_path / "ckpt"
     model = _tiny_vl_checkpoint(ckpt)

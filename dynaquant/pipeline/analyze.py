@@ -20,17 +20,18 @@ from dynaquant.analysis import experts
 from dynaquant.analysis.calibration import CalibrationSpec, calibration_chunks
 from dynaquant.analysis.errors import RowWeights, measure_errors
 from dynaquant.analysis.imatrix import Imatrix
-from dynaquant.analysis.report.schema import activation_entry, save_report, tensor_group, tensor_kind, write_json
+from dynaquant.analysis.report.schema import activation_entry, save_report, tensor_group, tensor_kind
 from dynaquant.analysis.sensitivity import ReferenceLogits, group_sensitivity, kld_with_weights
 from dynaquant.analysis.stats import ModelStats, collect_stats, module_of
 from dynaquant.analysis.superweights import confirm, find_candidates
-from dynaquant.errors import InputError
+from dynaquant.config import DEFAULT_CANDIDATES, FISHER_SEQUENCES, AnalyzeConfig
 from dynaquant.names import TensorName
-from dynaquant.pipeline.preflight import Output, analysis_bytes_bound, check_budget, check_outputs, plan_json_bytes_bound
+from dynaquant.pipeline.preflight import Output, analysis_bytes_bound, check_outputs
+from dynaquant.pipeline.source import default_device, model_info, open_tensor_source, tensor_infos
+from dynaquant.pipeline.targets import gguf_planning_overhead
 from dynaquant.quant.codecs import get_codec
 from dynaquant.quant.formats import get_format
-from dynaquant.quant.plan import Plan
-from dynaquant.quant.planner import GGUF_CANDIDATES, default_rules, error_fn_from_report, make_plan
+from dynaquant.quant.planner import default_rules, error_fn_from_report, make_plan
 from dynaquant.sources.checkpoint import ModelSource, load_model, load_tokenizer, resolve_source
 from dynaquant.sources.experts import stacked_name
 from dynaquant.sources.gguf import TensorSource
@@ -39,8 +40,6 @@ from dynaquant.version import __version__
 
 log = logging.getLogger(__name__)
 
-# Formats measured for every tensor by default: the allocator's GGUF candidates (those with a codec).
-DEFAULT_CANDIDATES = tuple(sorted(GGUF_CANDIDATES, key=lambda f: (get_format(f).bpw, f)))
 
 
 def expand_formats(text: str) -> tuple[str, ...]:
@@ -115,8 +114,6 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
                  validate: tuple[tuple[str, int], ...] = (), overhead_bytes: int = 0,
                  progress: bool = True, timings: dict | None = None) -> AnalysisResult:
     """Analyse a loaded model (see ``analyze``); ``validate`` is (label, size_bytes) pairs of plans to check."""
-    from dynaquant.pipeline.quantize import model_info, tensor_infos
-
     timings = {} if timings is None else timings
     device = next(model.parameters()).device
     t0 = time.perf_counter()
@@ -274,7 +271,7 @@ def _revision(source: ModelSource) -> str | None:
 
 def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLike | None = None, *,
             calibration: CalibrationSpec | None = None, candidates: tuple[str, ...] = DEFAULT_CANDIDATES,
-            fisher_sequences: int = 8, super_weights: bool = True, sensitivity_formats: tuple[str, ...] = (),
+            fisher_sequences: int = FISHER_SEQUENCES, super_weights: bool = True, sensitivity_formats: tuple[str, ...] = (),
             validate_presets: tuple[str, ...] = (), device: str | None = None, dtype: str = "float32",
             allow_pickle: bool = False, trust_remote_code: bool = False, progress: bool = True,
             allow_nonfinite: bool = False) -> AnalysisResult:
@@ -301,44 +298,40 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
             source checkpoint folder, cannot be written, or lack the free disk space they need.
         KeyError: a candidate format is unknown or has no codec registered.
     """
-    from dynaquant.pipeline.quantize import (
-        _empty_plan,
-        _extra_kv,
-        _overhead_bytes,
-        default_device,
-        model_info,
-        open_tensor_source,
-        tensor_infos,
-    )
+    return run_analyze(model, output_dir, AnalyzeConfig(
+        calibration=calibration, candidates=candidates, fisher_sequences=fisher_sequences, super_weights=super_weights,
+        sensitivity_formats=sensitivity_formats, validate_presets=validate_presets, device=device, dtype=dtype,
+        allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, progress=progress, allow_nonfinite=allow_nonfinite))
 
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype {dtype!r}: use float32, bfloat16 or float16")
-    spec = calibration or CalibrationSpec()
+
+def run_analyze(model: str | os.PathLike | None, output_dir: str | os.PathLike | None, cfg: AnalyzeConfig) -> AnalysisResult:
+    """Analyse ``model`` as ``cfg`` says, writing into ``output_dir`` (:func:`analyze`: result and errors)."""
+    if cfg.dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype {cfg.dtype!r}: use float32, bfloat16 or float16")
+    spec = cfg.calibration or CalibrationSpec()
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     outs = (Path(output_dir) / "report.json", Path(output_dir) / "imatrix.gguf") if output_dir is not None else ()
     check_outputs([Output(p) for p in outs], inputs={"calibration text": spec}, source=model)
-    source = resolve_source(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    source = resolve_source(model, allow_pickle=cfg.allow_pickle, trust_remote_code=cfg.trust_remote_code)
     ts = open_tensor_source(source, full_vl=True)
-    for f in candidates:
+    for f in cfg.candidates:
         get_codec(f)  # KeyError (named) for an unknown format or one without a codec
     if outs:  # with upper bounds of their bytes, before the model is loaded
-        sizes = analysis_bytes_bound(tensor_infos(ts), len(candidates))
+        sizes = analysis_bytes_bound(tensor_infos(ts), len(cfg.candidates))
         check_outputs([Output(p, b) for p, b in zip(outs, sizes)], inputs={"calibration text": spec}, source=source)
-    hf_model = load_model(source, dtype=getattr(torch, dtype), device=device or default_device())
-    check_model_finite(hf_model, source_names(ts), str(source.path), allow_nonfinite)  # before any forward pass
+    hf_model = load_model(source, dtype=getattr(torch, cfg.dtype), device=cfg.device or default_device())
+    check_model_finite(hf_model, source_names(ts), str(source.path), cfg.allow_nonfinite)  # before any forward pass
     tokenizer = load_tokenizer(source)
     timings["load_s"] = time.perf_counter() - t0
-    validate: tuple[tuple[str, int], ...] = ()
     tensors = tensor_infos(ts)
-    kv = _extra_kv(source, _empty_plan(), Imatrix(dataset=" " * 64))  # as quantize() estimates it
-    overhead = _overhead_bytes(ts, tensors, kv)
-    if validate_presets:
-        validate = tuple((f"{p} size", make_plan(tensors, model_info(ts), preset=p, has_imatrix=True).size_bytes + overhead)
-                         for p in validate_presets)
-    res = run_analysis(source, ts, hf_model, tokenizer, spec, candidates=candidates, fisher_sequences=fisher_sequences,
-                       super_weights=super_weights, sensitivity_formats=sensitivity_formats, validate=validate,
-                       overhead_bytes=overhead, progress=progress, timings=timings)
+    overhead = gguf_planning_overhead(source, ts, tensors, use_imatrix=True)  # as quantize() estimates it
+    validate = tuple((f"{p} size", make_plan(tensors, model_info(ts), preset=p, has_imatrix=True).size_bytes + overhead)
+                     for p in cfg.validate_presets)
+    res = run_analysis(source, ts, hf_model, tokenizer, spec, candidates=cfg.candidates,
+                       fisher_sequences=cfg.fisher_sequences, super_weights=cfg.super_weights,
+                       sensitivity_formats=cfg.sensitivity_formats, validate=validate, overhead_bytes=overhead,
+                       progress=cfg.progress, timings=timings)
     timings["total_s"] = time.perf_counter() - t0
     if output_dir is not None:
         out = Path(output_dir)
@@ -366,80 +359,3 @@ def save_imatrix(path: Path, im: Imatrix, ts: TensorSource, spec: CalibrationSpe
         return g if g.endswith(".weight") else g + ".weight"
 
     return write(path, im, name_map, chunk_size=spec.seq_len)
-
-
-def make_dynamic_plan(report: dict | str | os.PathLike, *, bpw: float | None = None, size: int | None = None,
-                      rules: tuple[str, ...] | list[str] = (), target: str = "gguf", default_rules_on: bool = True,
-                      output: str | os.PathLike | None = None) -> Plan:
-    """A dynamic plan from an analysis report: minimise the predicted KL divergence within a budget.
-
-    Args:
-        report: ``report.json`` path (or its dict).
-        bpw / size: the budget (exactly one): average bits per weight of the tensor data, or whole-file bytes.
-        rules: user rules (``REGEX=FORMAT``, ``REGEX>=FORMAT``, ``REGEX<=FORMAT``), before the default rules.
-        target: ``gguf`` or ``safetensors`` (the report must have measured that target's formats: ``analyze
-            --formats safetensors``; a safetensors ``size`` counts the safetensors shards' bytes).
-        output: write the plan JSON here (temporary file, then renamed); checked first (``preflight``): not the
-            report nor its imatrix, writable, room on the disk.
-    Returns:
-        The Plan (``sources`` names the report and the imatrix beside it).
-    Raises:
-        ValueError: bad report, budget, rule or target; planner.BudgetError: budget below the fixed rules' minimum;
-        errors.InputError: a non-finite or non-positive budget, or an output that fails the checks.
-    """
-    from dynaquant.analysis.report.schema import load_report
-    from dynaquant.quant.plan import TensorInfo
-    from dynaquant.quant.presets import ModelInfo
-
-    if target not in ("gguf", "safetensors"):
-        raise ValueError(f"unknown target {target!r} (known: gguf, safetensors)")
-    if (bpw is None) == (size is None):
-        raise ValueError("give exactly one of bpw and size")
-    check_budget(bpw, size)
-    path = None if isinstance(report, dict) else Path(report)
-    if output is not None:
-        check_outputs([Output(Path(output))], inputs={"report": path})
-    rep = report if isinstance(report, dict) else load_report(path)
-    if output is not None:
-        imatrix = path.parent / rep["imatrix"] if path is not None and rep.get("imatrix") else None
-        check_outputs([Output(Path(output), plan_json_bytes_bound(len(rep["tensors"])))],
-                      inputs={"report": path, "imatrix": imatrix})
-    tensors = [TensorInfo(t["name"], t.get("hf_name"), tuple(t["shape"]), bool(t.get("quantizable", True)))
-               for t in rep["tensors"]]
-    if target == "gguf":  # a VL report's vision tower / projector go to the mmproj file, not the planned GGUF
-        tensors = [t for t in tensors if not t.name.startswith(("v.", "mm."))]
-    m = rep.get("model")
-    if not isinstance(m, dict) or m.get("n_layers") is None:
-        raise InputError(f"{path or 'report'}: no model.n_layers in the report; re-run 'dynaquant analyze'")
-    # the MoE facts (older reports lack them: counted from the stacked expert tensors' shapes), so that the
-    # default rules here are those dynaquant.quantize applies (expert caps, MoE attention)
-    n_expert = m.get("n_expert")
-    if n_expert is None:
-        n_expert = max((t.shape[0] for t in tensors if len(t.shape) == 3 and "_exps." in t.name), default=0)
-    info = ModelInfo(n_layers=int(m["n_layers"]), n_head=int(m.get("n_head") or 1), n_head_kv=int(m.get("n_head_kv") or 1),
-                     n_expert=int(n_expert), tied_embeddings=bool(m.get("tied_embeddings")),
-                     expert_format=m.get("expert_format"))
-    overhead = int(m.get("gguf_overhead_bytes") or 0)
-    if target == "safetensors":
-        from dynaquant.exporters.safetensors.writer import safetensors_overhead_bytes
-
-        overhead = safetensors_overhead_bytes(tensors)
-    if size is not None and not overhead:
-        raise ValueError(f"{path or 'report'}: no gguf_overhead_bytes in the report; plan with --bpw")
-    candidates = [c for c in rep["candidates"] if get_format(c).allowed_in(target)]
-    if not candidates:
-        raise ValueError(f"{path or 'report'}: the analysis measured no {target} formats; "
-                         f"run 'dynaquant analyze --formats {target}'")
-    sw = [t["name"] for t in rep["tensors"] if t.get("super_weight")]
-    plan = make_plan(tensors, info, m.get("id", ""), rules=rules, bpw=bpw, size_bytes=size, overhead_bytes=overhead,
-                     error_fn=error_fn_from_report(rep), candidates=candidates,
-                     defaults=default_rules(info, sw, target=target) if default_rules_on else (),
-                     error_source="measured kld", target=target,
-                     has_imatrix=True)  # the analysis had an imatrix; quantize refuses the plan without one
-    if path is not None:
-        plan.sources["report"] = str(path.resolve())
-        if rep.get("imatrix"):
-            plan.sources["imatrix"] = str((path.parent / rep["imatrix"]).resolve())
-    if output is not None:
-        write_json(plan.to_dict(), output)
-    return plan

@@ -43,29 +43,8 @@ from dynaquant.sources.experts import PROJS, dispatch, expert_weight, find_exper
 
 log = logging.getLogger(__name__)
 
-# a stacked expert tensor of the checkpoint weights (:func:`checkpoint_weights`): (experts module, proj, kind)
-_STACKED = re.compile(r"^(.*\.experts)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
 # a per-expert linear module of the checkpoint: (experts module, expert, proj)
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
-
-
-def stacked_parts(name: str) -> tuple[str, str, str] | None:
-    """``"model.layers.3.mlp.experts.down_proj.weight"`` -> ``("model.layers.3.mlp.experts", "down_proj",
-    "weight")``; None for any other name."""
-    m = _STACKED.match(name)
-    return (m.group(1), m.group(2), m.group(3)) if m else None
-
-
-def per_expert_module(stacked_module: str, e: int) -> str:
-    """``"model.layers.3.mlp.experts.down_proj"``, 5 -> ``"model.layers.3.mlp.experts.5.down_proj"``.
-
-    Raises:
-        ValueError: not a stacked expert module name.
-    """
-    head, dot, proj = stacked_module.rpartition(".")
-    if not dot or proj not in PROJS or not head.endswith(".experts"):
-        raise ValueError(f"{stacked_module}: not a stacked expert module (…experts.gate_proj/up_proj/down_proj)")
-    return f"{head}.{e}.{proj}"
 
 
 def checkpoint_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -172,25 +151,6 @@ def encode_experts(weight: torch.Tensor, fmt: str, imatrix: torch.Tensor | None 
         if imp is not None and not bool((imp > 0).any()):
             imp = None
         out.append(encode(weight[e].to(dev, torch.float32), fmt, None if imp is None else imp.to(dev)).to("cpu"))
-    return out
-
-
-def expert_targets(stacked: Iterable[str]) -> list[str]:
-    """``re:`` targets matching every expert of these stacked modules
-    (``re:^model\\.layers\\.(?:1|2)\\.mlp\\.experts\\.\\d+\\.gate_proj$``), grouped by layer as
-    :func:`dynaquant.exporters.safetensors.writer.module_regexes` does."""
-    groups: dict[tuple[str, str, str], list[str]] = {}
-    out: list[str] = []
-    for s in stacked:
-        head, _, proj = s.rpartition(".")
-        m = re.match(r"^(.*?\.)(\d+)(\..*)$", head)
-        if m is None:
-            out.append(f"re:^{re.escape(head)}\\.\\d+\\.{proj}$")
-            continue
-        groups.setdefault((m.group(1), m.group(3), proj), []).append(m.group(2))
-    for (prefix, tail, proj), nums in groups.items():
-        alt = "|".join(sorted(set(nums), key=int))
-        out.append(f"re:^{re.escape(prefix)}(?:{alt}){re.escape(tail)}\\.\\d+\\.{proj}$")
     return out
 
 

@@ -11,6 +11,7 @@ stored with ``ne = [K, rows]`` (GGUFReader's ``shape`` lists ``ne``, row length 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_VERSION, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGML_QUANT_VERSION, GGUFReader, GGUFValueType, GGUFWriter, WriterState
 from tqdm import tqdm
 
 from dynaquant.quant.formats import Format
@@ -40,6 +41,23 @@ class _Writer(GGUFWriter):
             head = self._pack("I", vtype) if add_vtype else b""
             return head + self._pack("I", sub_type) + self._pack("Q", 0)
         return super()._pack_val(val, vtype, add_vtype, sub_type)
+
+
+def header_bytes(writer: GGUFWriter) -> int:
+    """Bytes of the header, key-value data and tensor infos ``writer`` holds, as ``write_header_to_file``,
+    ``write_kv_data_to_file`` and ``write_ti_data_to_file`` would write them, counted in memory (no file).
+
+    ``writer`` must be a fresh one (created without a path, nothing written); it is used up by this call.
+    """
+    buf = io.BytesIO()
+    writer.fout = [buf]
+    writer.state = WriterState.EMPTY
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.fout = None
+    writer.state = WriterState.NO_FILE
+    return buf.getbuffer().nbytes
 
 
 def kv_value_type(key: str, value: Any) -> tuple[Any, GGUFValueType, GGUFValueType | None]:

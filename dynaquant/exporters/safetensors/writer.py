@@ -30,7 +30,7 @@ over the decoded weight); loaders that ignore the extension (transformers' compr
 path, vLLM) use the quantized value there instead.
 
 Mixture-of-experts models: stacked expert tensors (``model.layers.N.mlp.experts.{gate,up,down}_proj.weight``
-(E, N, K), :func:`dynaquant.runtime.moe.checkpoint_weights`) are written per expert, as one linear module
+(E, N, K), the runtime's ``checkpoint_weights``) are written per expert, as one linear module
 each (``model.layers.N.mlp.experts.{e}.gate_proj.weight_packed``, ...; BF16 ``.weight`` when kept
 unquantized; gpt-oss expert biases as ``.bias``), the layout of vLLM / llm-compressor MoE checkpoints
 (:mod:`dynaquant.runtime.moe`). Everything is written into a temporary folder in the run's work folder
@@ -54,7 +54,6 @@ import torch
 from dynaquant.quant.formats import get_format
 from dynaquant.quant.plan import Plan, PlanEntry, TensorInfo
 from dynaquant.quant.runtime import RuntimeWeight, compressed_tensors_scheme, to_compressed_tensors
-from dynaquant.runtime.moe import expert_targets, per_expert_module, stacked_parts
 from dynaquant.workdir import run_workdir, writing
 
 log = logging.getLogger(__name__)
@@ -81,6 +80,50 @@ class SafetensorsResult:
     size_bytes: int
     shards: list[str]
     n_tensors: int
+
+
+# the projections of an experts module (analysis.experts.PROJS; the writer's own copy: exporters import no analysis)
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+# a stacked expert tensor of the checkpoint weights (:func:`checkpoint_weights`): (experts module, proj, kind)
+_STACKED = re.compile(r"^(.*\.experts)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
+
+
+def stacked_parts(name: str) -> tuple[str, str, str] | None:
+    """``"model.layers.3.mlp.experts.down_proj.weight"`` -> ``("model.layers.3.mlp.experts", "down_proj",
+    "weight")``; None for any other name."""
+    m = _STACKED.match(name)
+    return (m.group(1), m.group(2), m.group(3)) if m else None
+
+
+def per_expert_module(stacked_module: str, e: int) -> str:
+    """``"model.layers.3.mlp.experts.down_proj"``, 5 -> ``"model.layers.3.mlp.experts.5.down_proj"``.
+
+    Raises:
+        ValueError: not a stacked expert module name.
+    """
+    head, dot, proj = stacked_module.rpartition(".")
+    if not dot or proj not in EXPERT_PROJS or not head.endswith(".experts"):
+        raise ValueError(f"{stacked_module}: not a stacked expert module (…experts.gate_proj/up_proj/down_proj)")
+    return f"{head}.{e}.{proj}"
+
+
+def expert_targets(stacked: Iterable[str]) -> list[str]:
+    """``re:`` targets matching every expert of these stacked modules
+    (``re:^model\\.layers\\.(?:1|2)\\.mlp\\.experts\\.\\d+\\.gate_proj$``), grouped by layer as
+    :func:`module_regexes` does."""
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    out: list[str] = []
+    for s in stacked:
+        head, _, proj = s.rpartition(".")
+        m = re.match(r"^(.*?\.)(\d+)(\..*)$", head)
+        if m is None:
+            out.append(f"re:^{re.escape(head)}\\.\\d+\\.{proj}$")
+            continue
+        groups.setdefault((m.group(1), m.group(3), proj), []).append(m.group(2))
+    for (prefix, tail, proj), nums in groups.items():
+        alt = "|".join(sorted(set(nums), key=int))
+        out.append(f"re:^{re.escape(prefix)}(?:{alt}){re.escape(tail)}\\.\\d+\\.{proj}$")
+    return out
 
 
 def module_regexes(modules: Iterable[str]) -> list[str]:

@@ -1,0 +1,145 @@
+"""The evaluate stage: a quantized GGUF file or safetensors checkpoint against its source (KLD, perplexity, top-1).
+
+``evaluate`` is what ``dynaquant eval`` runs; ``quantize(..., evaluate=True)`` ends with the same measurement.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from dynaquant.analysis.calibration import tokenize_chunks
+from dynaquant.analysis.evaluate import EvalResult, compare_models
+from dynaquant.analysis.texts import default_eval_text, read_text
+from dynaquant.config import QuantizeConfig
+from dynaquant.pipeline.source import default_device, open_tensor_source
+from dynaquant.sources.checkpoint import (
+    ModelSource,
+    SourceRecord,
+    find_reference,
+    load_model,
+    load_tokenizer,
+    read_json_object,
+    resolve_source,
+)
+from dynaquant.sources.gguf import TensorSource
+from dynaquant.sources.nonfinite import check_model_finite, source_names
+
+
+def evaluate_models(reference, quantized, tokenizer, text, n_ctx, chunks, progress) -> EvalResult:
+    """KLD, perplexity and top-1 agreement of ``quantized`` against ``reference`` (two transformers models) on
+    ``chunks`` chunks of ``n_ctx`` tokens of ``text`` (a file, or None: the default evaluation text)."""
+    body, text_id = read_text(text, default_eval_text)
+    ids = tokenize_chunks(tokenizer, body, n_ctx, chunks)
+    return compare_models(reference, quantized, ids, text_id, progress=progress)
+
+
+def evaluate_written(path: Path, source: ModelSource, ts: TensorSource, tokenizer, cfg: QuantizeConfig, device: str, *,
+                     checkpoint: bool) -> EvalResult:
+    """A quantize run's evaluation of what it wrote (``path``: a GGUF file, or with ``checkpoint`` a safetensors
+    folder) against its source, loaded again here (NaN / Inf replaced as in the run when ``cfg.allow_nonfinite``).
+
+    Raises:
+        InputError: the source holds NaN or Inf weights and not ``cfg.allow_nonfinite``.
+    """
+    reference = load_model(source, device=device)
+    check_model_finite(reference, source_names(ts), str(source.path), cfg.allow_nonfinite)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(source)
+    if checkpoint:
+        from dynaquant.runtime.loader import load
+
+        quantized = load(path, device=device, dtype=torch.float32)
+    else:
+        quantized = quantized_model(path, source, ts, device)
+    return evaluate_models(reference, quantized, tokenizer, cfg.eval_text, cfg.n_ctx, cfg.eval_chunks, cfg.progress)
+
+
+def source_of(path: str | os.PathLike) -> str | None:
+    """The ``dynaquant.source`` label recorded in a GGUF written by dynaquant, or None."""
+    rec = recorded_source(path)
+    return rec.label if rec is not None else None
+
+
+def recorded_source(path: str | os.PathLike) -> SourceRecord | None:
+    """The source recorded in a GGUF written by dynaquant (kind and hash None in older files), or None.
+
+    Raises:
+        InputError: the file is not a readable GGUF, or a key holds another kind of value (names the file).
+    """
+    from dynaquant.sources.readers import gguf_field, open_gguf
+
+    reader = open_gguf(path)
+    got = {k: gguf_field(reader, path, f"dynaquant.{k}", str) for k in ("source", "source.kind", "source.sha256")}
+    if got["source"] is None:
+        return None
+    return SourceRecord(got["source"], got["source.kind"], got["source.sha256"])
+
+
+def evaluate(quantized: str | os.PathLike, reference: str | os.PathLike | None = None, *,
+             text: str | os.PathLike | None = None, n_ctx: int = 512, chunks: int | None = 16,
+             device: str | None = None, progress: bool = True) -> EvalResult:
+    """Mean KLD, perplexity and top-1 agreement of a quantized GGUF (or safetensors checkpoint) against its original.
+
+    Computed in PyTorch on the decoded weights, scoring tokens as ``llama-perplexity
+    --kl-divergence`` does (see ``analysis.evaluate``).
+
+    Args:
+        quantized: a GGUF file, or a safetensors checkpoint folder (run by ``dynaquant.load``, float32).
+        reference: the original model (default: the source recorded in the file, found as
+            :func:`checkpoint.find_reference` says: a local source never on the hub); it must have the
+            recorded content hash.
+        text: evaluation text file (default: stdlib docstrings, disjoint from the calibration default).
+        n_ctx: tokens per chunk; chunks: at most this many chunks (None: all).
+    Raises:
+        InputError: no reference given and none recorded in the file, the recorded local source not found, or
+            a reference whose content hash differs from the recorded one (naming the model expected).
+    """
+    device = device or default_device()
+    from dynaquant.runtime.loader import is_runtime_checkpoint
+
+    if is_runtime_checkpoint(quantized):
+        from dynaquant.runtime.loader import load
+
+        qmodel = load(quantized, device=device, dtype=torch.float32)  # first: a damaged checkpoint fails before the reference loads
+        rsrc = find_reference(recorded_source_of_checkpoint(quantized), quantized, reference)
+        return evaluate_models(load_model(rsrc, device=device), qmodel, load_tokenizer(rsrc), text, n_ctx, chunks, progress)
+    qsrc = resolve_source(quantized)
+    # reads the header: a damaged file is refused before any model loads
+    rsrc = find_reference(recorded_source(qsrc.path), quantized, reference)
+    return evaluate_models(load_model(rsrc, device=device), quantized_model(qsrc.path, rsrc, None, device),
+                            load_tokenizer(rsrc), text, n_ctx, chunks, progress)
+
+
+def quantized_model(path, reference: ModelSource, ts: TensorSource | None, device):
+    """A GGUF file as a transformers model: transformers' GGUF loader for the dense Llama family, else
+    (MoE experts, MLA, VL language models) the reference's model with our decoded weights (``decoded.py``)."""
+    from dynaquant.runtime.decoded import load_decoded, uses_own_decoder
+
+    if reference.kind == "hf":
+        ts = ts if ts is not None else open_tensor_source(reference)
+        if uses_own_decoder(ts):
+            return load_decoded(path, reference, ts, device=device)
+    return load_model(resolve_source(path), device=device)
+
+
+def source_of_checkpoint(path: str | os.PathLike) -> str | None:
+    """The ``source`` label recorded in a dynaquant safetensors checkpoint's config extension, or None."""
+    rec = recorded_source_of_checkpoint(path)
+    return rec.label if rec is not None else None
+
+
+def recorded_source_of_checkpoint(path: str | os.PathLike) -> SourceRecord | None:
+    """The source recorded in a dynaquant safetensors checkpoint's config extension (``source``,
+    ``source_kind``, ``source_sha256``; the last two None in older checkpoints), or None.
+
+    Raises:
+        InputError: config.json cannot be read or is not a JSON object (named).
+    """
+    qc = read_json_object(Path(path) / "config.json").get("quantization_config") or {}
+    ext = qc.get("dynaquant") or {} if isinstance(qc, dict) else {}
+    if not isinstance(ext, dict) or not ext.get("source"):
+        return None
+    return SourceRecord(str(ext["source"]), ext.get("source_kind"), ext.get("source_sha256"))

@@ -1,0 +1,70 @@
+"""GPTQ rounding in the tensor loop: per tensor, the rounding (GPTQ or plain) with the lower layer-output error on two
+held-out calibration sequences (Frantar et al. 2022; :mod:`dynaquant.quant.gptq`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+
+from dynaquant.analysis.calibration import CalibrationSpec
+from dynaquant.analysis.calibration import calibration_chunks as calibration_ids
+from dynaquant.analysis.stats import collect_stats, module_of
+from dynaquant.quant.codecs import dequantize
+from dynaquant.quant.codecs import quantize as encode_tensor
+from dynaquant.quant.formats import Format
+from dynaquant.quant.gptq import gptq_round, output_error, supports_gptq
+
+
+class GPTQRounding:
+    """GPTQ rounding per tensor, kept where it lowers the layer-output error on held-out calibration inputs."""
+
+    def __init__(self, model, tokenizer, spec: CalibrationSpec, stats, damp: float, device, progress: bool,
+                 timings: dict):
+        t0 = time.perf_counter()
+        chunks = calibration_ids(tokenizer, replace(spec, n_sequences=spec.n_sequences + 2))
+        if chunks.shape[0] < 3:
+            raise ValueError(f"GPTQ needs at least 3 calibration sequences of {spec.seq_len} tokens; the text gives "
+                             f"{chunks.shape[0]}")
+        self.fit = stats if stats is not None else collect_stats(model, chunks[:-2], fisher_sequences=0, progress=progress)
+        self.check = collect_stats(model, chunks[-2:], fisher_sequences=0, progress=False)
+        self.damp, self.device = damp, device
+        self.ratios: dict[str, list[float]] = {}
+        self.used: dict[str, int] = {}
+        self.plain_only: dict[str, int] = {}  # vector-quantized formats: no per-weight rounding, encoded plainly
+        timings["gptq_stats_s"] = time.perf_counter() - t0
+
+    def encode(self, t, w: torch.Tensor, fmt: Format, imp) -> torch.Tensor | None:
+        """GGUF bytes of one tensor, or None where GPTQ does not apply (the caller encodes plainly)."""
+        module = module_of(t.hf_name)
+        if module is None or module not in self.fit.input_of or w.ndim != 2 or t.gguf_name.startswith("token_embd"):
+            return None
+        if module not in self.check.input_of:  # a VL vision module: the held-out check is text only; plain rounding
+            return None
+        if not supports_gptq(fmt):
+            self.plain_only[fmt.name] = self.plain_only.get(fmt.name, 0) + 1
+            return None
+        h_fit = self.fit.input(module).hessian.to(self.device)
+        h_check = self.check.input(module).hessian.to(self.device)
+        plain = encode_tensor(w, fmt, imp)
+        g = gptq_round(w, fmt, h_fit, imp, damp=self.damp)
+        e_plain = output_error(w, dequantize(plain, fmt).to(w.device), h_check)
+        e_gptq = output_error(w, g.decoded.to(w.device), h_check)
+        self.ratios.setdefault(fmt.name, []).append(e_gptq / e_plain if e_plain > 0 else 1.0)
+        if e_gptq < e_plain:
+            self.used[fmt.name] = self.used.get(fmt.name, 0) + 1
+            return g.data
+        return plain
+
+    def summary(self) -> dict:
+        """Per format: tensors tried, tensors that took GPTQ, mean held-out output-error ratio GPTQ / plain.
+
+        Vector-quantized formats (no per-weight rounding) appear with ``gptq`` 0, ``mean_ratio`` None
+        and ``plain_only`` True: all their tensors were encoded plainly.
+        """
+        out = {f: {"tensors": len(r), "gptq": self.used.get(f, 0), "mean_ratio": round(sum(r) / len(r), 4)}
+               for f, r in self.ratios.items()}
+        for f, n in self.plain_only.items():
+            out[f] = {"tensors": n, "gptq": 0, "mean_ratio": None, "plain_only": True}
+        return out

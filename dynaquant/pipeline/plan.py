@@ -1,0 +1,276 @@
+"""The plan stage: analysis report (or preset, or a given plan.json) -> plan, made once per run.
+
+``make_dynamic_plan`` is what ``dynaquant plan`` runs. ``plan_before_model`` and ``plan_from_report`` are the two
+halves of a quantize run's planning: the checks that need no model (a given plan, a preset, the budget against the
+rules) and the dynamic plan once the report is there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from dynaquant.analysis.report import schema
+from dynaquant.analysis.report.schema import write_json
+from dynaquant.config import QuantizeConfig
+from dynaquant.errors import InputError
+from dynaquant.exporters.safetensors.writer import safetensors_overhead_bytes
+from dynaquant.pipeline.preflight import Output, check_budget, check_outputs, plan_json_bytes_bound
+from dynaquant.pipeline.targets import Target
+from dynaquant.quant.formats import get_format
+from dynaquant.quant.plan import Plan, TensorInfo
+from dynaquant.quant.planner import BudgetError, default_rules, error_fn_from_report, make_plan
+from dynaquant.quant.presets import ModelInfo, requires_imatrix
+
+log = logging.getLogger(__name__)
+
+
+def load_plan(plan: Plan | str | os.PathLike) -> Plan:
+    """A plan object as is, or a plan.json read and validated (``Plan.from_dict``).
+
+    Raises:
+        InputError: unreadable, not UTF-8 or not JSON (names the file); quant.plan.PlanError: not a valid plan.
+    """
+    if isinstance(plan, Plan):
+        return plan
+    p = Path(plan)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: JSON, UTF-8, or a 4300+ digit integer
+        raise InputError(f"{p}: cannot read plan: {exc}") from exc
+    return Plan.from_dict(data, str(p))
+
+
+def check_imatrix_needs(plan: Plan, have: set[str]) -> None:
+    """Refuse, as ``llama-quantize`` does, tensors planned in a format that needs an imatrix
+    (``presets.requires_imatrix``) when the imatrix used has no entry for them.
+
+    Raises:
+        ValueError: names the first such tensors and their formats.
+    """
+    bad = [f"{e.name} ({e.format})" for e in plan.entries if requires_imatrix(e.name, e.format) and e.name not in have]
+    if bad:
+        why = "no imatrix is used" if not have else "the imatrix has no entry for them"
+        raise ValueError(f"{len(bad)} tensor(s) are planned in formats that need an imatrix (IQ3_XXS, IQ2_*, IQ1_*; "
+                         f"llama-quantize refuses them too) but {why}: {', '.join(bad[:5])}"
+                         + (" ..." if len(bad) > 5 else "") + "; give an imatrix (or calibration) or choose other formats")
+
+
+def check_report(report: dict, tensors: list[TensorInfo], where) -> None:
+    """Refuse a report that does not match the model (a quantizable tensor missing or of another shape).
+
+    Raises:
+        ValueError: naming ``where`` and the tensor.
+    """
+    have = {t["name"]: tuple(t["shape"]) for t in report["tensors"]}
+    for t in tensors:
+        if t.quantizable and have.get(t.name) != tuple(t.shape):
+            raise ValueError(f"{where}: the report does not match the model: tensor {t.name} "
+                             f"{'missing' if t.name not in have else f'has shape {list(have[t.name])}'}")
+
+
+def imatrix_path(imatrix, report, report_d, plan: Plan | None, plan_file: str = "plan",
+                  use_imatrix: bool = True) -> Path | None:
+    """The imatrix file to use: given, named by the plan, or beside the report.
+
+    Raises:
+        InputError: the plan names an imatrix that does not exist, no ``imatrix`` is given and ``use_imatrix``
+            (computing another one silently would give other bytes than the plan was made for).
+    """
+    if imatrix is not None:
+        return Path(imatrix)
+    if plan is not None and plan.sources.get("imatrix"):
+        named = Path(plan.sources["imatrix"])
+        if named.is_file():
+            return named
+        if use_imatrix:
+            raise InputError(f"{plan_file}: the imatrix the plan was made with, {named}, does not exist; give it (or "
+                             "another) with --imatrix, or quantize without one with --no-imatrix")
+    if report_d is not None and report is not None and not isinstance(report, dict) and report_d.get("imatrix"):
+        p = Path(report).parent / report_d["imatrix"]
+        return p if p.exists() else None
+    return None
+
+
+def make_dynamic_plan(report: dict | str | os.PathLike, *, bpw: float | None = None, size: int | None = None,
+                      rules: tuple[str, ...] | list[str] = (), target: str = "gguf", default_rules_on: bool = True,
+                      output: str | os.PathLike | None = None) -> Plan:
+    """A dynamic plan from an analysis report: minimise the predicted KL divergence within a budget.
+
+    Args:
+        report: ``report.json`` path (or its dict).
+        bpw / size: the budget (exactly one): average bits per weight of the tensor data, or whole-file bytes.
+        rules: user rules (``REGEX=FORMAT``, ``REGEX>=FORMAT``, ``REGEX<=FORMAT``), before the default rules.
+        target: ``gguf`` or ``safetensors`` (the report must have measured that target's formats: ``analyze
+            --formats safetensors``; a safetensors ``size`` counts the safetensors shards' bytes).
+        output: write the plan JSON here (temporary file, then renamed); checked first (``preflight``): not the
+            report nor its imatrix, writable, room on the disk.
+    Returns:
+        The Plan (``sources`` names the report and the imatrix beside it).
+    Raises:
+        ValueError: bad report, budget, rule or target; planner.BudgetError: budget below the fixed rules' minimum;
+        errors.InputError: a non-finite or non-positive budget, or an output that fails the checks.
+    """
+    if target not in ("gguf", "safetensors"):
+        raise ValueError(f"unknown target {target!r} (known: gguf, safetensors)")
+    if (bpw is None) == (size is None):
+        raise ValueError("give exactly one of bpw and size")
+    check_budget(bpw, size)
+    path = None if isinstance(report, dict) else Path(report)
+    if output is not None:
+        check_outputs([Output(Path(output))], inputs={"report": path})
+    rep = report if isinstance(report, dict) else schema.load_report(path)
+    if output is not None:
+        imatrix = path.parent / rep["imatrix"] if path is not None and rep.get("imatrix") else None
+        check_outputs([Output(Path(output), plan_json_bytes_bound(len(rep["tensors"])))],
+                      inputs={"report": path, "imatrix": imatrix})
+    tensors = [TensorInfo(t["name"], t.get("hf_name"), tuple(t["shape"]), bool(t.get("quantizable", True)))
+               for t in rep["tensors"]]
+    if target == "gguf":  # a VL report's vision tower / projector go to the mmproj file, not the planned GGUF
+        tensors = [t for t in tensors if not t.name.startswith(("v.", "mm."))]
+    m = rep.get("model")
+    if not isinstance(m, dict) or m.get("n_layers") is None:
+        raise InputError(f"{path or 'report'}: no model.n_layers in the report; re-run 'dynaquant analyze'")
+    # the MoE facts (older reports lack them: counted from the stacked expert tensors' shapes), so that the
+    # default rules here are those dynaquant.quantize applies (expert caps, MoE attention)
+    n_expert = m.get("n_expert")
+    if n_expert is None:
+        n_expert = max((t.shape[0] for t in tensors if len(t.shape) == 3 and "_exps." in t.name), default=0)
+    info = ModelInfo(n_layers=int(m["n_layers"]), n_head=int(m.get("n_head") or 1), n_head_kv=int(m.get("n_head_kv") or 1),
+                     n_expert=int(n_expert), tied_embeddings=bool(m.get("tied_embeddings")),
+                     expert_format=m.get("expert_format"))
+    overhead = int(m.get("gguf_overhead_bytes") or 0)
+    if target == "safetensors":
+        overhead = safetensors_overhead_bytes(tensors)
+    if size is not None and not overhead:
+        raise ValueError(f"{path or 'report'}: no gguf_overhead_bytes in the report; plan with --bpw")
+    candidates = [c for c in rep["candidates"] if get_format(c).allowed_in(target)]
+    if not candidates:
+        raise ValueError(f"{path or 'report'}: the analysis measured no {target} formats; "
+                         f"run 'dynaquant analyze --formats {target}'")
+    sw = [t["name"] for t in rep["tensors"] if t.get("super_weight")]
+    plan = make_plan(tensors, info, m.get("id", ""), rules=rules, bpw=bpw, size_bytes=size, overhead_bytes=overhead,
+                     error_fn=error_fn_from_report(rep), candidates=candidates,
+                     defaults=default_rules(info, sw, target=target) if default_rules_on else (),
+                     error_source="measured kld", target=target,
+                     has_imatrix=True)  # the analysis had an imatrix; quantize refuses the plan without one
+    if path is not None:
+        plan.sources["report"] = str(path.resolve())
+        if rep.get("imatrix"):
+            plan.sources["imatrix"] = str((path.parent / rep["imatrix"]).resolve())
+    if output is not None:
+        write_json(plan.to_dict(), output)
+    return plan
+
+
+@dataclass
+class PlanStart:
+    """A quantize run's planning before any model is loaded.
+
+    Attributes:
+        loaded: the plan given (``plan``), or None.
+        plan: the plan when it is known now (given, a preset's, or a dynamic one made from a report given up front),
+            else None (made from the report of the analysis this run does: :func:`plan_from_report`).
+        dynamic: the plan is (or will be) a dynamic one.
+        report: the analysis report (dict) given, or None.
+        size: the size budget in bytes (the default target's, when none was given), or None (``bpw`` or no budget).
+        overhead: the container's bytes beside the tensor data the dynamic plan is made for (0: not dynamic).
+        where: how the given plan is named in messages.
+    """
+
+    loaded: Plan | None
+    plan: Plan | None
+    dynamic: bool
+    report: dict | None
+    size: int | None
+    overhead: int
+    where: str
+
+
+def plan_before_model(cfg: QuantizeConfig, target: Target, source, ts, tensors: list[TensorInfo], info: ModelInfo) -> PlanStart:
+    """Everything of the plan that needs no model: a given plan read and checked, a preset's plan, the default size,
+    the budget checked against the rules (or the whole dynamic plan, when a report is given with a budget).
+
+    Raises:
+        InputError, quant.plan.PlanError: an unreadable or invalid plan.json. planner.BudgetError: the budget is below
+        what the rules need. ValueError: a plan of another target or model, a report without the target's formats
+        or of another model, a plan needing an imatrix that is not used.
+    """
+    where = str(cfg.plan) if cfg.plan is not None and not isinstance(cfg.plan, Plan) else "plan"
+    loaded = load_plan(cfg.plan) if cfg.plan is not None else None
+    if loaded is not None:
+        if target.name == "safetensors" and loaded.target != "safetensors":
+            raise ValueError(f"{where}: a {loaded.target} plan; make one with 'dynaquant plan --target safetensors'")
+        loaded.check_tensors(tensors, where)
+    report = schema.load_report(cfg.report) if cfg.report is not None and not isinstance(cfg.report, dict) else cfg.report
+    if report is None and loaded is not None and target.name == "safetensors" and loaded.sources.get("report"):
+        p = Path(loaded.sources["report"])  # the super weights the plan's analysis found
+        report = schema.load_report(p) if p.is_file() else None
+    dynamic = loaded is None and cfg.preset is None
+    start = PlanStart(loaded, loaded, dynamic, report, cfg.size, 0, where)
+    if dynamic:
+        start.overhead = target.overhead_bytes(source, ts, tensors, cfg)
+        if cfg.bpw is None and cfg.size is None:
+            start.size = make_plan(tensors, info, preset="Q4_K_M").size_bytes + start.overhead
+        if report is not None and cfg.explicit_target:  # the plan itself, once (it fails as the check below would)
+            try:
+                start.plan, start.size = plan_from_report(cfg, target, start, tensors, info, source.model_id)
+            except ValueError:
+                _check_budget(cfg, target, tensors, info, start)  # its error first, as before this shortcut
+                raise
+        else:
+            start.size = _check_budget(cfg, target, tensors, info, start)
+            _check_candidates(cfg, target, info, report)
+    elif cfg.preset is not None:
+        start.plan = make_plan(tensors, info, source.model_id, preset=cfg.preset, rules=cfg.rules, has_imatrix=cfg.use_imatrix)
+    if not cfg.use_imatrix and not dynamic:
+        check_imatrix_needs(start.plan, set())
+    return start
+
+
+def _check_budget(cfg: QuantizeConfig, target: Target, tensors, info, start: PlanStart) -> int | None:
+    """The budget against the rules alone (no report): fails fast, before any model is loaded, on an explicit budget
+    below what the rules need; the default target drops to the rules' minimum (GGUF). Returns the size budget."""
+    try:
+        make_plan(tensors, info, rules=cfg.rules, bpw=cfg.bpw, size_bytes=start.size, overhead_bytes=start.overhead,
+                  **target.plan_options(info, (), None, cfg))
+    except BudgetError as e:
+        if cfg.explicit_target or target.name != "gguf":
+            raise
+        log.info("the Q4_K_M mix's size is below what the default rules need; default target %d bytes", e.min_bytes)
+        return e.min_bytes
+    return start.size
+
+
+def _check_candidates(cfg: QuantizeConfig, target: Target, info: ModelInfo, report: dict | None) -> None:
+    if report is not None and not target.plan_options(info, (), report, cfg)["candidates"]:
+        raise ValueError(f"{cfg.report if not isinstance(cfg.report, dict) else 'report'}: the analysis measured no "
+                         f"{target.name} formats; run 'dynaquant analyze --formats {target.name}'")
+
+
+def plan_from_report(cfg: QuantizeConfig, target: Target, start: PlanStart, tensors: list[TensorInfo], info: ModelInfo,
+                     model_id: str) -> tuple[Plan, int | None]:
+    """The dynamic plan from the analysis report (``start.report``): the measured errors of the target's formats.
+
+    Returns:
+        (plan, size budget used): the default target (GGUF) drops to the smallest size the rules allow with the
+        measured formats when its size is below it.
+    Raises:
+        ValueError: the report does not match the model or measured none of the target's formats.
+        planner.BudgetError: an explicit budget below what the rules need.
+    """
+    report = start.report
+    _check_candidates(cfg, target, info, report)
+    check_report(report, tensors, cfg.report if cfg.report is not None and not isinstance(cfg.report, dict) else "report")
+    sw = [t["name"] for t in report["tensors"] if t.get("super_weight")]
+    args = dict(overhead_bytes=start.overhead, error_fn=error_fn_from_report(report), **target.plan_options(info, sw, report, cfg))
+    try:
+        return make_plan(tensors, info, model_id, rules=cfg.rules, bpw=cfg.bpw, size_bytes=start.size, **args), start.size
+    except BudgetError as e:
+        if cfg.explicit_target or target.name != "gguf":
+            raise
+        # the default target: the smallest the rules allow with the measured formats
+        return make_plan(tensors, info, model_id, rules=cfg.rules, size_bytes=e.min_bytes, **args), e.min_bytes

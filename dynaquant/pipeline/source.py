@@ -1,0 +1,108 @@
+"""Source facts the stages share: the tensor source of a model, its tensors, the planner's model facts, and the
+imatrix re-keyed to the source's GGUF names. Nothing here loads a model or reads tensor data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dynaquant.analysis.imatrix import Imatrix
+from dynaquant.names import hf_to_gguf_name
+from dynaquant.quant.plan import TensorInfo
+from dynaquant.quant.presets import ModelInfo
+from dynaquant.sources.checkpoint import ModelSource
+from dynaquant.sources.gguf import TensorSource, open_gguf_source
+
+
+def default_device() -> str:
+    """``cuda`` when a CUDA device is present, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def open_tensor_source(source: ModelSource, full_vl: bool = False) -> TensorSource:
+    """The exporter's tensor source for a model source (GGUF file or HF folder).
+
+    ``full_vl``: for a vision-language folder, every tensor (language model, vision tower, projector;
+    :mod:`.exporters.hf_vl_full`), as the analysis and the safetensors target use; otherwise what the GGUF
+    writer takes (Qwen2-VL's language model; LLaVA / Mllama refused, naming the file).
+    """
+    if source.kind == "gguf":
+        return open_gguf_source(source.path)
+    from dynaquant.sources.open import open_hf_source
+
+    if full_vl:
+        from dynaquant.sources.hf_vl_full import open_vl_full_source
+        from dynaquant.sources.vl_archs import vl_full_arch
+
+        if vl_full_arch(source.path):
+            return open_vl_full_source(source.path, trust_remote_code=source.trust_remote_code)
+
+    return open_hf_source(source.path, trust_remote_code=source.trust_remote_code)
+
+
+def tensor_infos(ts: TensorSource) -> list[TensorInfo]:
+    """The planner's view of every source tensor: GGUF name, HF name, shape, quantizable."""
+    return [TensorInfo(t.gguf_name, t.hf_name, tuple(t.shape), t.quantizable) for t in ts.tensors()]
+
+
+def _gguf_int(reader, key: str) -> int | None:
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    v = f.contents()
+    return int(max(v)) if isinstance(v, list) else int(v)
+
+
+def model_info(ts: TensorSource) -> ModelInfo:
+    """Model facts for the planner, from the source's metadata (no model is loaded)."""
+    names = {t.gguf_name for t in ts.tensors()}
+    reader = getattr(ts, "reader", None)
+    expert_format = None
+    if reader is not None:
+        n_head = _gguf_int(reader, f"{ts.arch}.attention.head_count") or 1
+        n_head_kv = _gguf_int(reader, f"{ts.arch}.attention.head_count_kv") or n_head
+        n_expert = _gguf_int(reader, f"{ts.arch}.expert_count") or 0
+    else:
+        n_head, n_head_kv = getattr(ts, "n_head", 1), getattr(ts, "n_head_kv", 1)
+        cfg = getattr(ts, "config", {})
+        n_expert = int(getattr(ts, "n_expert", 0) or cfg.get("num_local_experts") or cfg.get("num_experts")
+                       or cfg.get("n_routed_experts") or 0)
+        qc = cfg.get("quantization_config") or {}
+        if n_expert and str(qc.get("quant_method", "")).lower() == "mxfp4":
+            expert_format = "MXFP4"  # gpt-oss: routed experts stored as OCP MXFP4
+    return ModelInfo(n_layers=ts.n_layers, n_head=n_head, n_head_kv=n_head_kv, n_expert=n_expert,
+                     tied_embeddings="output.weight" not in names, expert_format=expert_format)
+
+
+def imatrix_by_gguf_name(im: Imatrix, ts: TensorSource) -> dict[str, torch.Tensor]:
+    """Re-key an imatrix from HF module names to GGUF tensor names ((K,) float32 each).
+
+    The lm_head's statistics go to ``output.weight``, or to ``token_embd.weight`` when the
+    embedding is tied (llama.cpp's imatrix does the same: the output matmul reads it).
+    """
+    names = {t.gguf_name for t in ts.tensors()}
+    # the source's own names first (a VL language model's modules are model.language_model.*)
+    by_module = {t.hf_name[: -len(".weight")]: t.gguf_name for t in ts.tensors() if t.hf_name and t.hf_name.endswith(".weight")}
+    out: dict[str, torch.Tensor] = {}
+    for hf in im.names():
+        g = by_module.get(hf) or hf_to_gguf_name(ts.arch, ts.n_layers, hf)
+        if g is None:
+            continue
+        g = g if g.endswith(".weight") else g + ".weight"
+        if g == "output.weight" and g not in names:
+            g = "token_embd.weight"
+        if g in names:
+            out[g] = im.mean(hf)
+    return out
+
+
+def imatrix_from_file(path: Path, ts: TensorSource, info: ModelInfo) -> dict[str, torch.Tensor]:
+    """GGUF name -> (K,) importance from an imatrix file; ``output.weight`` serves a tied ``token_embd``."""
+    from dynaquant.analysis.imatrix_io import load_imatrix
+
+    means = load_imatrix(path).means()
+    names = {t.gguf_name for t in ts.tensors()}
+    if info.tied_embeddings and "output.weight" in means:
+        means["token_embd.weight"] = means.pop("output.weight")
+    return {k: v for k, v in means.items() if k in names}

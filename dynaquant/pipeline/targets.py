@@ -1,0 +1,386 @@
+"""Where a quantize run writes: the Target protocol and its two implementations.
+
+A target is told the run (:class:`RunState`: the plan, the source, the importance weights, the GPTQ rounding),
+encodes each planned tensor in its container's layout and writes the output atomically (a temporary file or folder
+in the run's work folder, renamed onto the output when complete: :mod:`dynaquant.exporters`). What differs between
+targets is said here and only here: the formats a plan may use, the default rules' options, the overhead bytes a
+size budget must leave, the output's default name, how MoE expert stacks and super weights are encoded.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import gguf
+import numpy as np
+import torch
+
+from dynaquant.analysis.imatrix import Imatrix
+from dynaquant.config import DEFAULT_CANDIDATES, QuantizeConfig
+from dynaquant.exporters.gguf.writer import header_bytes, write_gguf
+from dynaquant.exporters.safetensors.writer import (
+    check_output_folder,
+    safetensors_overhead_bytes,
+    unquantized_linears,
+    write_safetensors,
+)
+from dynaquant.pipeline.gptq import GPTQRounding
+from dynaquant.pipeline.preflight import Output, side_files_bytes_bound
+from dynaquant.quant.codecs import quantize as encode_tensor
+from dynaquant.quant.formats import Format, get_format
+from dynaquant.quant.plan import Plan, PlanEntry, TensorInfo
+from dynaquant.quant.planner import GGUF_CANDIDATES, RUNTIME_CANDIDATES, default_rules
+from dynaquant.quant.presets import PRESETS, ModelInfo
+from dynaquant.quant.runtime import RuntimeWeight, from_records
+from dynaquant.quant.runtime import encode as encode_runtime
+from dynaquant.runtime.moe import checkpoint_weights, encode_experts, in_memory_plan
+from dynaquant.sources.checkpoint import ModelSource
+from dynaquant.sources.gguf import SourceTensor, TensorSource
+from dynaquant.version import __version__
+
+# llama.cpp file type that best describes a file whose bulk is in a format.
+_FILE_TYPE_OF_FORMAT = {
+    "F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16, "BF16": gguf.LlamaFileType.MOSTLY_BF16,
+    "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
+    "Q5_K": gguf.LlamaFileType.MOSTLY_Q5_K_M, "Q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
+    "Q5_0": gguf.LlamaFileType.MOSTLY_Q5_0, "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+    "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+    "IQ4_NL": gguf.LlamaFileType.MOSTLY_IQ4_NL, "MXFP4": gguf.LlamaFileType.MOSTLY_MXFP4_MOE,
+    "Q3_K": gguf.LlamaFileType.MOSTLY_Q3_K_M, "Q2_K": gguf.LlamaFileType.MOSTLY_Q2_K,
+    "IQ4_XS": gguf.LlamaFileType.MOSTLY_IQ4_XS, "NVFP4": gguf.LlamaFileType.MOSTLY_NVFP4,
+    "IQ3_S": gguf.LlamaFileType.MOSTLY_IQ3_S, "IQ3_XXS": gguf.LlamaFileType.MOSTLY_IQ3_XXS,
+    "IQ2_S": gguf.LlamaFileType.MOSTLY_IQ2_M, "IQ2_XS": gguf.LlamaFileType.MOSTLY_IQ2_XS,
+    "IQ2_XXS": gguf.LlamaFileType.MOSTLY_IQ2_XXS, "IQ1_M": gguf.LlamaFileType.MOSTLY_IQ1_M,
+    "IQ1_S": gguf.LlamaFileType.MOSTLY_IQ1_S,
+}
+
+
+@dataclass
+class RunState:
+    """What a target writes from: the run's source, plan and encoders.
+
+    Attributes:
+        cfg: the run's configuration. source, ts: the model and its tensor source.
+        plan: the plan. loaded_plan: the plan was given (not made from a preset or a report here).
+        im: the imatrix computed in this run (HF module names), or None.
+        imat: GGUF tensor name -> (K,) float32 importance for the encoders (empty: plain error).
+        rounding: GPTQ rounding, or None. device: torch device of the encoding.
+        report: the analysis report (dict) when one was used, else None.
+        model, tokenizer: the loaded transformers model and tokenizer (None when not loaded).
+    """
+
+    cfg: QuantizeConfig
+    source: ModelSource
+    ts: TensorSource
+    plan: Plan
+    loaded_plan: bool
+    im: Imatrix | None
+    imat: dict[str, torch.Tensor]
+    rounding: GPTQRounding | None
+    device: torch.device
+    report: dict | None = None
+    model: Any = None
+    tokenizer: Any = None
+
+
+class Target(Protocol):
+    """One output container (GGUF file, safetensors checkpoint folder).
+
+    Attributes:
+        name: ``gguf`` or ``safetensors`` (``Plan.target`` of its plans).
+        full_vl: a vision-language source is read whole (vision tower and projector too).
+        folder_output: the output is a folder.
+        analysis_candidates: formats the analysis run here measures.
+        needs_model: the write reads a loaded transformers model (not only the tensor source).
+    """
+
+    name: str
+    full_vl: bool
+    folder_output: bool
+    analysis_candidates: tuple[str, ...]
+    needs_model: bool
+
+    def overhead_bytes(self, source: ModelSource, ts: TensorSource, tensors: list[TensorInfo], cfg: QuantizeConfig) -> int:
+        """Bytes the container adds to the tensor data (an upper bound), for a size budget."""
+
+    def bound_overhead(self, ts: TensorSource, tensors: list[TensorInfo], rules) -> int:
+        """The overhead's upper bound for the preflight when no dynamic plan is made (a preset or a given plan)."""
+
+    def plan_options(self, info: ModelInfo, super_weights: list[str], report: dict | None, cfg: QuantizeConfig) -> dict:
+        """``make_plan`` keyword arguments of this target (candidates, default rules, target); ``report`` None:
+        the fail-fast check before any analysis."""
+
+    def default_output(self, source: ModelSource, cfg: QuantizeConfig, size: int | None) -> Path:
+        """The output's path when none is given."""
+
+    def output(self, path: Path, bound: int | None, source: ModelSource, ts: TensorSource) -> Output:
+        """The output's preflight check, with ``bound`` the tensor bytes' upper bound."""
+
+    def check_output(self, path: Path) -> None:
+        """Refuse an output the writer would not replace (a non-empty folder that is not a dynaquant checkpoint).
+
+        Raises:
+            ValueError: naming the output.
+        """
+
+    def write(self, run: RunState, path: Path) -> tuple[Path, int]:
+        """Encode every planned tensor and write the output atomically; (path written, bytes counted for the budget)."""
+
+    def discard(self, path: Path) -> None:
+        """Remove a written output (over budget)."""
+
+    def extras(self, run: RunState, path: Path) -> Path | None:
+        """Files written beside the output (a vision GGUF), or None."""
+
+
+def gguf_overhead_bytes(ts: TensorSource, tensors: list[TensorInfo], extra_kv: dict) -> int:
+    """Bytes a GGUF file adds to its tensor data: header, metadata, tensor infos, alignment (upper bound).
+
+    Counted in memory on the header gguf-py writes for ``ts``'s metadata, ``extra_kv`` (strings with 64 spare
+    characters, numbers as UINT32) and an F32 tensor info per tensor, plus 32 alignment bytes per tensor and one more.
+    """
+    w = gguf.GGUFWriter(None, ts.arch)
+    ts.add_metadata(w)
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_K_M))
+    for k, v in extra_kv.items():
+        if isinstance(v, list):
+            if v:
+                w.add_array(k, v)
+        elif isinstance(v, str):
+            w.add_string(k, v + " " * 64)  # room for longer values
+        else:
+            w.add_uint32(k, 0)
+    for t in tensors:
+        w.add_tensor_info(t.name, list(t.shape), np.dtype(np.float32), 4, raw_dtype=gguf.GGMLQuantizationType.F32)
+    return header_bytes(w) + 32 * (len(tensors) + 1)
+
+
+def gguf_extra_kv(source: ModelSource, plan: Plan | None, im: Imatrix | None) -> dict:
+    """The ``dynaquant.*`` keys of a GGUF file (``plan`` None: an empty plan, for the overhead estimate)."""
+    rec = source.record()  # a label, never a local path: the bytes do not depend on where the run happened
+    kv = {
+        "general.quantized_by": "dynaquant",
+        "dynaquant.version": __version__,
+        "dynaquant.source": rec.label,
+        "dynaquant.source.kind": rec.kind,
+        "dynaquant.source.sha256": rec.sha256,
+        "dynaquant.plan.method": plan.method if plan is not None else "allocation size<=000000000000",
+        "dynaquant.plan.rules": list(plan.rules) if plan is not None else [],
+    }
+    if im is not None:
+        kv["dynaquant.imatrix.dataset"] = im.dataset
+        kv["dynaquant.imatrix.chunks"] = im.chunks
+    return kv
+
+
+def gguf_planning_overhead(source: ModelSource, ts: TensorSource, tensors: list[TensorInfo], use_imatrix: bool) -> int:
+    """The overhead a dynamic GGUF plan is made with (an empty plan's keys; a 64-character imatrix dataset)."""
+    kv = gguf_extra_kv(source, None, Imatrix(dataset=" " * 64, chunks=0) if use_imatrix else None)
+    return gguf_overhead_bytes(ts, tensors, kv)
+
+
+def file_type_of(plan: Plan, preset: str | None) -> int:
+    """``general.file_type`` for a plan: the preset's, else the format holding most quantized weights."""
+    if preset:
+        return int(PRESETS[preset.upper()][1])
+    counts = {f: n for f, n in plan.count_by_format().items() if f != "F32"} or {"F32": 1}
+    bulk = max(sorted(counts), key=lambda f: counts[f])
+    return int(_FILE_TYPE_OF_FORMAT.get(bulk, gguf.LlamaFileType.GUESSED))
+
+
+class GGUFTarget:
+    """A GGUF file (:func:`dynaquant.exporters.gguf.writer.write_gguf`), tensors read from the tensor source."""
+
+    name, full_vl, folder_output, needs_model = "gguf", False, False, False
+    analysis_candidates = DEFAULT_CANDIDATES
+
+    def overhead_bytes(self, source, ts, tensors, cfg) -> int:
+        return gguf_planning_overhead(source, ts, tensors, cfg.use_imatrix)
+
+    def bound_overhead(self, ts: TensorSource, tensors: list[TensorInfo], rules) -> int:
+        """The overhead's upper bound for a preset or given plan (no dynamic overhead was computed)."""
+        return gguf_overhead_bytes(ts, tensors, {}) + 4096 + sum(len(str(r)) + 64 for r in rules)
+
+    def plan_options(self, info, super_weights, report, cfg) -> dict:
+        opts = dict(defaults=default_rules(info, super_weights, cfg.use_imatrix) if cfg.default_rules_on else (),
+                    has_imatrix=cfg.use_imatrix, lift_expert_caps=cfg.explicit_target)
+        if report is not None:
+            opts.update(candidates=[c for c in report["candidates"] if c in GGUF_CANDIDATES] or GGUF_CANDIDATES,
+                        error_source="measured kld")
+        return opts
+
+    def default_output(self, source, cfg, size) -> Path:
+        if cfg.preset:
+            label = cfg.preset.upper()
+        elif cfg.bpw is not None:
+            label = f"{cfg.bpw:g}bpw"
+        elif size is not None:
+            label = f"dynamic-{size / 1e6:.0f}MB"
+        else:
+            label = "plan"
+        return Path.cwd() / f"{source.name}-{label}.gguf"
+
+    def output(self, path, bound, source, ts) -> Output:
+        return Output(path, bound)
+
+    def check_output(self, path: Path) -> None:
+        pass
+
+    def write(self, run: RunState, path: Path) -> tuple[Path, int]:
+        def encode(t: SourceTensor, w: torch.Tensor, fmt: Format) -> np.ndarray:
+            imp = run.imat.get(t.gguf_name) if fmt.kind != "float" else None
+            if run.rounding is not None and fmt.kind != "float":
+                q = run.rounding.encode(t, w.to(run.device), fmt, imp)
+                if q is not None:
+                    return q.cpu().numpy()
+            return encode_tensor(w.to(run.device), fmt, imp).cpu().numpy()
+
+        cfg = run.cfg
+        write_gguf(path, run.ts, {e.name: get_format(e.format) for e in run.plan.entries}, encode,
+                   gguf_extra_kv(run.source, run.plan, run.im), file_type_of(run.plan, None if run.loaded_plan else cfg.preset),
+                   progress=cfg.progress, allow_nonfinite=cfg.allow_nonfinite)
+        return path, path.stat().st_size
+
+    def discard(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+
+    def extras(self, run: RunState, path: Path) -> Path | None:
+        """The vision GGUF beside ``path`` for a Qwen2-VL source (llama.cpp's ``--mmproj``), else None."""
+        if not getattr(run.ts, "has_vision", False):
+            return None
+        from dynaquant.exporters.gguf.mmproj import mmproj_path_for, write_mmproj
+
+        return write_mmproj(run.source.path, mmproj_path_for(path), ftype="F16", progress=run.cfg.progress)
+
+
+def super_weights_of(report: dict | None) -> dict[str, list[tuple[int, int]]]:
+    """HF module -> [(row, col)] of the report's confirmed super weights."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for s in (report or {}).get("super_weights", []):
+        if s.get("confirmed") and s.get("module"):
+            out.setdefault(s["module"], []).append((int(s["row"]), int(s["column"])))
+    return out
+
+
+class _EntryNames:
+    """The names ``GPTQRounding.encode`` reads from a source tensor, of a plan entry."""
+
+    def __init__(self, e: PlanEntry):
+        self.gguf_name, self.hf_name = e.name, e.hf_name
+
+
+class SafetensorsTarget:
+    """A compressed-tensors checkpoint folder in the runtime formats
+    (:func:`dynaquant.exporters.safetensors.writer.write_safetensors`), tensors read from the loaded model.
+
+    Mixture-of-experts models: stacked expert tensors are read from the model's experts modules
+    (:func:`dynaquant.runtime.moe.checkpoint_weights`), encoded expert by expert with each expert's own imatrix row
+    (:func:`dynaquant.runtime.moe.encode_experts`; plain rounding, no GPTQ, no super weights) and written per expert.
+    Confirmed super weights of the report are kept exactly (``keep_super_weights``).
+    """
+
+    name, full_vl, folder_output, needs_model = "safetensors", True, True, True
+    analysis_candidates = RUNTIME_CANDIDATES
+
+    def overhead_bytes(self, source, ts, tensors, cfg) -> int:
+        return safetensors_overhead_bytes(tensors)
+
+    def bound_overhead(self, ts: TensorSource, tensors: list[TensorInfo], rules) -> int:
+        return safetensors_overhead_bytes(tensors)
+
+    def plan_options(self, info, super_weights, report, cfg) -> dict:
+        opts = dict(defaults=default_rules(info, super_weights, target="safetensors") if cfg.default_rules_on else (),
+                    target="safetensors")
+        if report is not None:
+            opts.update(candidates=[c for c in report["candidates"] if get_format(c).allowed_in("safetensors")],
+                        error_source="measured kld")
+        return opts
+
+    def default_output(self, source, cfg, size) -> Path:
+        label = f"{cfg.bpw:g}bpw" if cfg.bpw is not None else (f"{size / 1e6:.0f}MB" if size is not None else "plan")
+        return Path.cwd() / f"{source.name}-{label}-safetensors"
+
+    def output(self, path, bound, source, ts) -> Output:
+        return Output(path, bound + side_files_bytes_bound(source, ts), folder=True)
+
+    def check_output(self, path: Path) -> None:
+        check_output_folder(path)
+
+    def write(self, run: RunState, path: Path) -> tuple[Path, int]:
+        keep = super_weights_of(run.report) if run.cfg.keep_super_weights else {}
+        kept: dict[str, list] = {}
+        model, cfg = run.model, run.cfg
+
+        def encode(e: PlanEntry, w: torch.Tensor) -> RuntimeWeight | list[RuntimeWeight]:
+            fmt = get_format(e.format)
+            if w.ndim == 3:  # stacked experts
+                return encode_experts(w, fmt.name, run.imat.get(e.name), device=run.device)
+            module = e.hf_name.removesuffix(".weight")
+            rw = self._encode(run, e, w, fmt, keep.get(module))
+            if rw.super_weights is not None:
+                kept[module] = [[int(r), int(c), float(v)] for r, c, v in zip(*(t.tolist() for t in rw.super_weights))]
+            return rw.to("cpu")
+
+        config = model.config.to_dict()
+        config["dtype"] = "bfloat16"
+        config.pop("torch_dtype", None)
+        config.pop("_name_or_path", None)  # the local path transformers loaded it from: never published
+        config["architectures"] = config.get("architectures") or [type(model).__name__]  # vLLM picks the class by it
+        weights = checkpoint_weights(model)
+        write_plan = in_memory_plan(run.plan, weights)  # the source's on-disk names -> the model's (Mixtral's router)
+        written = write_safetensors(path, write_plan, weights, encode, config, ignore=unquantized_linears(model, write_plan),
+                                    super_weights=kept, extension={
+                                        "source": run.source.model_id, "source_kind": run.source.origin,
+                                        "source_sha256": run.source.sha256, "plan_method": run.plan.method,
+                                        "bpw": round(run.plan.bpw, 4)},
+                                    extra_files=lambda folder: self._extra_files(run, folder),
+                                    max_shard_bytes=cfg.max_shard_bytes, progress=cfg.progress)
+        return written.path, written.size_bytes
+
+    @staticmethod
+    def _encode(run: RunState, e: PlanEntry, w: torch.Tensor, fmt: Format, sw) -> RuntimeWeight:
+        """One planned 2-D weight in its runtime format: GPTQ where it helps, else plain; super weights ``sw`` kept."""
+        imp = run.imat.get(e.name)
+        if run.rounding is not None and fmt.name != "NVFP4_G16":  # NVFP4's global scale is per tensor: plain rounding
+            q = run.rounding.encode(_EntryNames(e), w.to(run.device, torch.float32), fmt, imp)
+            if q is not None:
+                rw = from_records(q, fmt, tuple(w.shape))
+                if sw:
+                    r, c = zip(*sw)
+                    rw.super_weights = (torch.tensor(r), torch.tensor(c), w.detach()[list(r), list(c)].float().cpu())
+                return rw
+        return encode_runtime(w.to(run.device, torch.float32), fmt, imp, super_weights=tuple(zip(*sw)) if sw else None)
+
+    @staticmethod
+    def _extra_files(run: RunState, folder: Path) -> None:
+        run.tokenizer.save_pretrained(str(folder))
+        if getattr(run.ts, "vision", False):  # processor configs, chat template (VL models)
+            from dynaquant.sources.hf_vl_full import copy_processor_files
+
+            copy_processor_files(run.source.path, folder)
+        if getattr(run.model, "generation_config", None) is not None:
+            run.model.generation_config.save_pretrained(str(folder))
+
+    def discard(self, path: Path) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+    def extras(self, run: RunState, path: Path) -> Path | None:
+        return None
+
+
+TARGETS: dict[str, type] = {"gguf": GGUFTarget, "safetensors": SafetensorsTarget}
+
+
+def target_of(name: str) -> Target:
+    """The target named ``gguf`` or ``safetensors``.
+
+    Raises:
+        ValueError: another name.
+    """
+    if name not in TARGETS:
+        raise ValueError(f"unknown target {name!r} (known: gguf, safetensors)")
+    return TARGETS[name]()
+

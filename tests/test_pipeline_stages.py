@@ -1,0 +1,100 @@
+"""The quantize pipeline's stages: the plan made once per run, the GGUF overhead counted in memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+
+import gguf
+import numpy as np
+import pytest
+
+from dynaquant.analysis.imatrix import Imatrix
+from dynaquant.pipeline.source import open_tensor_source, tensor_infos
+from dynaquant.pipeline.targets import gguf_extra_kv, gguf_overhead_bytes
+from dynaquant.quant.plan import Plan
+from dynaquant.sources.checkpoint import resolve_source
+
+
+def _overhead_bytes_in_a_file(ts, tensors, extra_kv: dict) -> int:
+    """The estimate as it was computed before (a header written to a temporary file): the reference."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "h.gguf")
+        w = gguf.GGUFWriter(path, ts.arch)
+        ts.add_metadata(w)
+        w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_K_M))
+        for k, v in extra_kv.items():
+            if isinstance(v, list):
+                if v:
+                    w.add_array(k, v)
+            elif isinstance(v, str):
+                w.add_string(k, v + " " * 64)
+            else:
+                w.add_uint32(k, 0)
+        for t in tensors:
+            w.add_tensor_info(t.name, list(t.shape), np.dtype(np.float32), 4, raw_dtype=gguf.GGMLQuantizationType.F32)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        w.close()
+        header = os.path.getsize(path)
+    return header + 32 * (len(tensors) + 1)
+
+
+def test_gguf_overhead_counted_in_memory_is_the_temp_file_number():
+    source = resolve_source(None)  # the default model
+    ts = open_tensor_source(source)
+    tensors = tensor_infos(ts)
+    empty = Plan("gguf", "", [], "allocation size<=000000000000")  # the empty plan the estimate used
+    for im in (Imatrix(dataset=" " * 64, chunks=0), None):
+        kv = gguf_extra_kv(source, None, im)
+        assert kv == gguf_extra_kv(source, empty, im)
+        assert gguf_overhead_bytes(ts, tensors, kv) == _overhead_bytes_in_a_file(ts, tensors, kv)
+    assert gguf_overhead_bytes(ts, tensors, {}) == _overhead_bytes_in_a_file(ts, tensors, {})
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from test_gguf_export import _tiny_checkpoint
+
+    d = tmp_path_factory.mktemp("tiny")
+    _tiny_checkpoint(d / "ckpt", "llama")
+    return d / "ckpt"
+
+
+def _plans_made(monkeypatch, args: list[str]) -> int:
+    """How many times ``make_plan`` runs in ``dynaquant ARGS``."""
+    import dynaquant.pipeline.analyze
+    import dynaquant.pipeline.plan
+    from dynaquant.cli import main
+
+    calls = []
+    real = dynaquant.pipeline.plan.make_plan
+
+    def counting(*a, **k):
+        calls.append(k.get("preset") or k.get("bpw") or k.get("size_bytes"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(dynaquant.pipeline.plan, "make_plan", counting)
+    monkeypatch.setattr(dynaquant.pipeline.analyze, "make_plan", counting)
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        assert main([str(a) for a in args]) == 0
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    return len(calls)
+
+
+def test_the_plan_is_made_once_per_run(tiny, tmp_path, monkeypatch):
+    small = ["--no-eval", "--calibration-chunks", "2", "--ctx", "64", "--device", "cpu", "--json"]
+    # the default target: the Q4_K_M mix's size, the rules' check before the model loads, the plan from the analysis
+    assert _plans_made(monkeypatch, ["quantize", tiny, "-o", tmp_path / "a.gguf", *small]) == 3
+    # an explicit budget: the rules' check before the model loads, the plan from the analysis
+    assert _plans_made(monkeypatch, ["quantize", tiny, "--format", "safetensors", "--bpw", "8", "-o", tmp_path / "st",
+                                     *small]) == 2
+    # a report given with a budget: the plan itself, before the model loads, once
+    assert _plans_made(monkeypatch, ["analyze", tiny, "-o", tmp_path / "an", "--sequences", "2", "--ctx", "64",
+                                     "--device", "cpu", "--json", "--no-super-weights"]) == 0
+    assert _plans_made(monkeypatch, ["quantize", tiny, "--report", tmp_path / "an" / "report.json", "--bpw", "8",
+                                     "-o", tmp_path / "b.gguf", *small]) == 1
