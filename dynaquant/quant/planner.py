@@ -250,6 +250,67 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
             return lifted
         return plan
     budgeted = bpw is not None or size_bytes is not None
+    preset, parsed, entries, free, candidates = _decide(tensors, model, preset, rules, budgeted, candidates, defaults,
+                                                        target, has_imatrix)
+    method = f"preset {preset.upper()}" if preset else ""
+    budget: dict = {}
+    if budgeted:
+        total = sum(t.n_elements for t in tensors)
+        if bpw is not None:
+            limit, budget, method = int(bpw * total / 8), {"bpw": bpw}, f"allocation bpw<={bpw}"
+        else:
+            limit, budget, method = size_bytes - overhead_bytes, {"size_bytes": size_bytes}, f"allocation size<={size_bytes}"
+        _allocate(free, entries, limit, error_fn or prior_error(model), candidates, overhead_bytes, total, bpw, error_source,
+                  predicted=error_fn is not None, target=target, tie=tie_groups if target == "safetensors" else None,
+                  has_imatrix=has_imatrix)
+    ordered = [entries[t.name] for t in tensors]
+    if error_fn is not None:  # measured errors: every quantized entry records its prediction
+        for t, e in zip(tensors, ordered):
+            if t.quantizable and e.kld_pred is None:
+                v = error_fn(t, e.format)
+                e.kld_pred = v if math.isfinite(v) else None
+    return Plan(target, model_id, ordered, method, [str(r) for r in parsed], budget)
+
+
+def min_plan_bytes(tensors: Sequence[TensorInfo], model: ModelInfo, *, rules: Sequence[Rule | str] = (),
+                   bpw: float | None = None, size_bytes: int | None = None, overhead_bytes: int = 0,
+                   error_fn: ErrorFn | None = None, candidates: Sequence[str] | None = None, defaults: Sequence[Rule] = (),
+                   target: str = "gguf", has_imatrix: bool = False, **_ignored) -> int:
+    """The smallest whole-file size (bytes, ``overhead_bytes`` included) a budgeted ``make_plan`` with these arguments
+    can have: the fixed rules' and unquantized tensors' bytes plus each free tensor's (or tie group's) cheapest
+    allowed format with a finite ``error_fn`` error. Exactly ``BudgetError.min_bytes``; no allocation is run.
+
+    Args:
+        as ``make_plan`` (its other keyword arguments, ``error_source``, ``lift_expert_caps``, are ignored: a budget
+        below the capped plan's minimum fails there first); ``bpw`` / ``size_bytes``: also check that budget.
+    Raises:
+        BudgetError: ``bpw`` or ``size_bytes`` is below the minimum (the message ``make_plan`` gives).
+        ValueError: as ``make_plan`` for a bad rule, candidate or target.
+    """
+    if bpw is not None and size_bytes is not None:
+        raise ValueError("give at most one of bpw and size_bytes")
+    _, _, entries, free, candidates = _decide(tensors, model, None, rules, True, candidates, defaults, target, has_imatrix)
+    _, used = _cheapest(free, entries, candidates, error_fn or prior_error(model), target,
+                        tie_groups if target == "safetensors" else None, has_imatrix)
+    if bpw is not None or size_bytes is not None:
+        total = sum(t.n_elements for t in tensors)
+        _check_limit(used, int(bpw * total / 8) if bpw is not None else size_bytes - overhead_bytes, overhead_bytes, total, bpw)
+    return used + overhead_bytes
+
+
+def preset_size_bytes(tensors: Sequence[TensorInfo], model: ModelInfo, preset: str = "Q4_K_M") -> int:
+    """The tensor data bytes of a preset mix without rules or imatrix (``make_plan(..., preset=preset).size_bytes``).
+
+    Raises:
+        KeyError / ValueError: an unknown preset.
+    """
+    _, _, entries, _, _ = _decide(tensors, model, preset, (), False, None, (), "gguf", False)
+    return sum(entries[t.name].size_bytes for t in tensors)
+
+
+def _decide(tensors, model, preset, rules, budgeted, candidates, defaults, target, has_imatrix):
+    """The choices before any allocation: (preset, parsed user rules, fixed entries by name, free tensors
+    [(tensor, bound rule, label)], candidates)."""
     if budgeted and preset is not None:
         raise ValueError("give a preset or a budget (bpw / size_bytes), not both")
     st = target == "safetensors"
@@ -290,24 +351,7 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
             entries[t.name] = _entry(t, fmt, why)
         else:
             free.append((t, hit, label))
-    method = f"preset {preset.upper()}" if preset else ""
-    budget: dict = {}
-    if budgeted:
-        total = sum(t.n_elements for t in tensors)
-        if bpw is not None:
-            limit, budget, method = int(bpw * total / 8), {"bpw": bpw}, f"allocation bpw<={bpw}"
-        else:
-            limit, budget, method = size_bytes - overhead_bytes, {"size_bytes": size_bytes}, f"allocation size<={size_bytes}"
-        _allocate(free, entries, limit, error_fn or prior_error(model), candidates, overhead_bytes, total, bpw, error_source,
-                  predicted=error_fn is not None, target=target, tie=tie_groups if st else None,
-                  has_imatrix=has_imatrix)
-    ordered = [entries[t.name] for t in tensors]
-    if error_fn is not None:  # measured errors: every quantized entry records its prediction
-        for t, e in zip(tensors, ordered):
-            if t.quantizable and e.kld_pred is None:
-                v = error_fn(t, e.format)
-                e.kld_pred = v if math.isfinite(v) else None
-    return Plan(target, model_id, ordered, method, [str(r) for r in parsed], budget)
+    return preset, parsed, entries, free, candidates
 
 
 def _units(free, candidates, error_fn, target, tie, has_imatrix=True) -> dict[str, tuple[list, list[tuple[int, float, str]]]]:
@@ -333,8 +377,9 @@ def _units(free, candidates, error_fn, target, tie, has_imatrix=True) -> dict[st
     return units
 
 
-def _allocate(free, entries, limit, error_fn, candidates, overhead, total, bpw, error_source, predicted,
-              target="gguf", tie=None, has_imatrix=True) -> None:
+def _cheapest(free, entries, candidates, error_fn, target, tie, has_imatrix) -> tuple[dict, int]:
+    """The allocation units with options (tensors no format can be measured for are fixed in ``entries``), and the
+    tensor bytes with every unit at its cheapest option."""
     units = _units(free, candidates, error_fn, target, tie, has_imatrix)
     for u, (members, opts) in list(units.items()):
         if opts:
@@ -348,14 +393,22 @@ def _allocate(free, entries, limit, error_fn, candidates, overhead, total, bpw, 
             fmt = "Q8_0" if "Q8_0" in fits else max(fits, key=lambda f: (get_format(f).bpw, f))
             entries[t.name] = _entry(t, fmt, f"not measured: kept at {fmt}" + (f"; {label}" if rule is not None else ""))
         del units[u]
-    fixed = sum(e.size_bytes for e in entries.values())
-    options = {u: opts for u, (_, opts) in units.items()}
-    level = {u: 0 for u in units}
-    used = fixed + sum(opts[0][0] for opts in options.values())
+    return units, sum(e.size_bytes for e in entries.values()) + sum(opts[0][0] for _, opts in units.values())
+
+
+def _check_limit(used: int, limit: int, overhead: int, total: int, bpw: float | None) -> None:
     if used > limit:
         unit = f"{8 * used / total:.4f} bpw" if bpw is not None else f"{used + overhead} bytes"
         raise BudgetError(f"the target is too small: the fixed rules and the cheapest formats need at least {unit} "
                           f"({used + overhead} bytes with metadata)", used + overhead)
+
+
+def _allocate(free, entries, limit, error_fn, candidates, overhead, total, bpw, error_source, predicted,
+              target="gguf", tie=None, has_imatrix=True) -> None:
+    units, used = _cheapest(free, entries, candidates, error_fn, target, tie, has_imatrix)
+    _check_limit(used, limit, overhead, total, bpw)
+    options = {u: opts for u, (_, opts) in units.items()}
+    level = {u: 0 for u in units}
 
     def push(heap, name):
         opts, i = options[name], level[name]
