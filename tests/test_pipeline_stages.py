@@ -88,11 +88,12 @@ def _plans_made(monkeypatch, args: list[str]) -> int:
 
 def test_the_plan_is_made_once_per_run(tiny, tmp_path, monkeypatch):
     small = ["--no-eval", "--calibration-chunks", "2", "--ctx", "64", "--device", "cpu", "--json"]
-    # the default target: the Q4_K_M mix's size, the rules' check before the model loads, the plan from the analysis
-    assert _plans_made(monkeypatch, ["quantize", tiny, "-o", tmp_path / "a.gguf", *small]) == 3
-    # an explicit budget: the rules' check before the model loads, the plan from the analysis
+    # the default target: the Q4_K_M mix's size and the rules' check before the model loads are sizes, not plans
+    # (planner.preset_size_bytes, planner.min_plan_bytes); the plan from the analysis, once
+    assert _plans_made(monkeypatch, ["quantize", tiny, "-o", tmp_path / "a.gguf", *small]) == 1
+    # an explicit budget: the rules' check before the model loads (min_plan_bytes), the plan from the analysis
     assert _plans_made(monkeypatch, ["quantize", tiny, "--format", "safetensors", "--bpw", "8", "-o", tmp_path / "st",
-                                     *small]) == 2
+                                     *small]) == 1
     # a report given with a budget: the plan itself, before the model loads, once
     assert _plans_made(monkeypatch, ["analyze", tiny, "-o", tmp_path / "an", "--sequences", "2", "--ctx", "64",
                                      "--device", "cpu", "--json", "--no-super-weights"]) == 0

@@ -246,3 +246,63 @@ def test_default_rules_keep_super_weights_first_layer_and_attention_high():
     plan = make_plan(ts, SMOL, size_bytes=80_000_000, error_fn=err, error_source="toy", rules=[r"blk\.11\.ffn_down=Q4_K"],
                      defaults=default_rules(SMOL, ["blk.11.ffn_down.weight"]))
     assert plan.formats()["blk.11.ffn_down.weight"] == "Q4_K"
+
+
+def _old_default_target(ts, m, rules, size, error_fn, cands, defaults):
+    """The default target's plan as made before min_plan_bytes: a plan, and on BudgetError a second at its min_bytes."""
+    try:
+        return make_plan(ts, m, rules=rules, size_bytes=size, overhead_bytes=1000, error_fn=error_fn, candidates=cands,
+                         defaults=defaults, error_source="toy", has_imatrix=True, lift_expert_caps=False), size
+    except BudgetError as e:
+        return make_plan(ts, m, rules=rules, size_bytes=e.min_bytes, overhead_bytes=1000, error_fn=error_fn,
+                         candidates=cands, defaults=defaults, error_source="toy", has_imatrix=True,
+                         lift_expert_caps=False), e.min_bytes
+
+
+@pytest.mark.parametrize("rules", [(), ("ffn_down=Q8_0",), ("attn_.*>=Q6_K", "token_embd=F16")])
+@pytest.mark.parametrize("target", ["gguf", "safetensors"])
+def test_min_plan_bytes_is_the_budget_errors_minimum_and_plans_the_same(rules, target):
+    from dynaquant.quant.planner import default_rules, min_plan_bytes, preset_size_bytes
+
+    ts, m = smollm2_tensors(), SMOL
+    if target == "safetensors":
+        rules = tuple(r for r in rules if "=F16" not in r and "=Q8_0" not in r)
+    measured = {"Q2_K", "Q4_K", "Q6_K", "Q8_0", "INT4_G128", "INT8_G32", "FP8"}
+
+    def err(t, f):
+        return _toy_error(t, f) if f in measured else float("inf")
+
+    for error_fn in (None, err):
+        kw = dict(rules=rules, overhead_bytes=1000, error_fn=error_fn, target=target, error_source="toy",
+                  defaults=default_rules(m, ["blk.3.ffn_down.weight"], target=target), has_imatrix=True)
+        least = min_plan_bytes(ts, m, **kw)
+        for budget in ({"bpw": 1.0}, {"size_bytes": least - 1}, {"size_bytes": 10**6}):
+            with pytest.raises(BudgetError) as old:
+                make_plan(ts, m, **budget, **kw)
+            with pytest.raises(BudgetError) as new:
+                min_plan_bytes(ts, m, **budget, **kw)
+            assert (str(new.value), new.value.min_bytes) == (str(old.value), old.value.min_bytes)
+            assert least == old.value.min_bytes
+        for budget in ({"size_bytes": least}, {"size_bytes": least + 5_000_000}, {"bpw": 20.0}):
+            assert min_plan_bytes(ts, m, **budget, **kw) == least  # fits: no error
+            make_plan(ts, m, **budget, **kw)
+    assert preset_size_bytes(ts, m, "Q4_K_M") == make_plan(ts, m, preset="Q4_K_M").size_bytes
+    assert preset_size_bytes(ts, m, "Q2_K") == make_plan(ts, m, preset="Q2_K").size_bytes
+
+
+@pytest.mark.parametrize("rules", [(), ("ffn_down=Q8_0",), ("attn_.*>=Q6_K",)])
+def test_default_target_plan_once_equals_the_retry(rules):
+    """pipeline.plan's default target: max(size, min_plan_bytes) then one plan == the plan-then-retry of before."""
+    from dynaquant.quant.planner import default_rules, min_plan_bytes
+
+    ts, m = smollm2_tensors(), SMOL
+    cands = ["Q2_K", "Q3_K", "Q4_K", "Q6_K", "Q8_0"]
+    defaults = default_rules(m, ["blk.5.ffn_down.weight"])
+    least = min_plan_bytes(ts, m, rules=rules, overhead_bytes=1000, error_fn=_toy_error, candidates=cands,
+                           defaults=defaults, has_imatrix=True)
+    for size in (10**6, least - 1, least, least + 1, 60_000_000, 200_000_000):
+        old, old_size = _old_default_target(ts, m, rules, size, _toy_error, cands, defaults)
+        new_size = max(size, least)
+        new = make_plan(ts, m, rules=rules, size_bytes=new_size, overhead_bytes=1000, error_fn=_toy_error,
+                        candidates=cands, defaults=defaults, error_source="toy", has_imatrix=True, lift_expert_caps=False)
+        assert (new.to_dict(), new_size) == (old.to_dict(), old_size)

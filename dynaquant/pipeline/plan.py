@@ -22,7 +22,7 @@ from dynaquant.pipeline.preflight import Output, check_budget, check_outputs, pl
 from dynaquant.pipeline.targets import Target
 from dynaquant.quant.formats import get_format
 from dynaquant.quant.plan import Plan, TensorInfo
-from dynaquant.quant.planner import BudgetError, default_rules, error_fn_from_report, make_plan
+from dynaquant.quant.planner import default_rules, error_fn_from_report, make_plan, min_plan_bytes, preset_size_bytes
 from dynaquant.quant.presets import ModelInfo, requires_imatrix
 
 log = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ def plan_before_model(cfg: QuantizeConfig, target: Target, source, ts, tensors: 
     if dynamic:
         start.overhead = target.overhead_bytes(source, ts, tensors, cfg)
         if cfg.bpw is None and cfg.size is None:
-            start.size = make_plan(tensors, info, preset="Q4_K_M").size_bytes + start.overhead
+            start.size = preset_size_bytes(tensors, info, "Q4_K_M") + start.overhead
         if report is not None and cfg.explicit_target:  # the plan itself, once (it fails as the check below would)
             try:
                 start.plan, start.size = plan_from_report(cfg, target, start, tensors, info, source.model_id)
@@ -234,14 +234,14 @@ def plan_before_model(cfg: QuantizeConfig, target: Target, source, ts, tensors: 
 def _check_budget(cfg: QuantizeConfig, target: Target, tensors, info, start: PlanStart) -> int | None:
     """The budget against the rules alone (no report): fails fast, before any model is loaded, on an explicit budget
     below what the rules need; the default target drops to the rules' minimum (GGUF). Returns the size budget."""
-    try:
-        make_plan(tensors, info, rules=cfg.rules, bpw=cfg.bpw, size_bytes=start.size, overhead_bytes=start.overhead,
-                  **target.plan_options(info, (), None, cfg))
-    except BudgetError as e:
-        if cfg.explicit_target or target.name != "gguf":
-            raise
-        log.info("the Q4_K_M mix's size is below what the default rules need; default target %d bytes", e.min_bytes)
-        return e.min_bytes
+    args = dict(rules=cfg.rules, overhead_bytes=start.overhead, **target.plan_options(info, (), None, cfg))
+    if cfg.explicit_target or target.name != "gguf":
+        min_plan_bytes(tensors, info, bpw=cfg.bpw, size_bytes=start.size, **args)  # BudgetError as make_plan's
+        return start.size
+    least = min_plan_bytes(tensors, info, **args)
+    if least > start.size:
+        log.info("the Q4_K_M mix's size is below what the default rules need; default target %d bytes", least)
+        return least
     return start.size
 
 
@@ -267,10 +267,7 @@ def plan_from_report(cfg: QuantizeConfig, target: Target, start: PlanStart, tens
     check_report(report, tensors, cfg.report if cfg.report is not None and not isinstance(cfg.report, dict) else "report")
     sw = [t["name"] for t in report["tensors"] if t.get("super_weight")]
     args = dict(overhead_bytes=start.overhead, error_fn=error_fn_from_report(report), **target.plan_options(info, sw, report, cfg))
-    try:
-        return make_plan(tensors, info, model_id, rules=cfg.rules, bpw=cfg.bpw, size_bytes=start.size, **args), start.size
-    except BudgetError as e:
-        if cfg.explicit_target or target.name != "gguf":
-            raise
-        # the default target: the smallest the rules allow with the measured formats
-        return make_plan(tensors, info, model_id, rules=cfg.rules, size_bytes=e.min_bytes, **args), e.min_bytes
+    size = start.size
+    if not cfg.explicit_target and target.name == "gguf":  # at least the smallest the rules allow with the measured formats
+        size = max(size, min_plan_bytes(tensors, info, rules=cfg.rules, **args))
+    return make_plan(tensors, info, model_id, rules=cfg.rules, bpw=cfg.bpw, size_bytes=size, **args), size
