@@ -136,8 +136,8 @@ def test_calibration_sources(tmp_path, default_tokenizer):
 
 def test_group_sensitivity_and_planner_correction(stats, default_model, default_tokenizer):
     from dynaquant.analysis.sensitivity import group_sensitivity
+    from dynaquant.pipeline.plan import error_fn_from_report
     from dynaquant.quant.plan import TensorInfo
-    from dynaquant.quant.planner import error_fn_from_report
 
     held = tokenize_chunks(default_tokenizer, default_calibration_text(), 128, 6)[5:]
     ref = ReferenceLogits(default_model, held)

@@ -286,7 +286,9 @@ def test_plan_refuses_the_imatrix_beside_the_report(tmp_path, monkeypatch):
     rep = tmp_path / "report.json"
     rep.write_text("{}")
     (tmp_path / "imatrix.gguf").write_bytes(b"imatrix")
-    monkeypatch.setattr("dynaquant.analysis.report.schema.load_report", lambda p: {"imatrix": "imatrix.gguf", "tensors": []})
+    from dynaquant.analysis.report.schema import Report
+
+    monkeypatch.setattr(Report, "load", staticmethod(lambda p: Report.typed({"imatrix": "imatrix.gguf", "tensors": []})))
     monkeypatch.setattr(dynaquant.pipeline.plan, "make_plan", lambda *a, **k: pytest.fail("planned"))
     with pytest.raises(InputError, match="is the imatrix"):
         make_dynamic_plan(rep, bpw=4.0, output=tmp_path / "imatrix.gguf")

@@ -26,12 +26,13 @@ from dynaquant.analysis.stats import ModelStats, collect_stats, module_of
 from dynaquant.analysis.superweights import confirm, find_candidates
 from dynaquant.config import DEFAULT_CANDIDATES, FISHER_SEQUENCES, AnalyzeConfig
 from dynaquant.names import TensorName
+from dynaquant.pipeline.plan import error_fn_from_report
 from dynaquant.pipeline.preflight import Output, analysis_bytes_bound, check_outputs
 from dynaquant.pipeline.source import default_device, model_info, open_tensor_source, tensor_infos
 from dynaquant.pipeline.targets import gguf_planning_overhead
 from dynaquant.quant.codecs import get_codec
 from dynaquant.quant.formats import get_format
-from dynaquant.quant.planner import default_rules, error_fn_from_report, make_plan
+from dynaquant.quant.planner import default_rules, make_plan
 from dynaquant.sources.checkpoint import ModelSource, load_model, load_tokenizer, resolve_source
 from dynaquant.sources.experts import stacked_name
 from dynaquant.sources.gguf import TensorSource

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from dynaquant.analysis.report import schema
-from dynaquant.analysis.report.schema import write_json
+from dynaquant.analysis.report.schema import Report, write_json
 from dynaquant.config import QuantizeConfig
 from dynaquant.errors import InputError
 from dynaquant.exporters.safetensors.writer import safetensors_overhead_bytes
@@ -22,7 +23,7 @@ from dynaquant.pipeline.preflight import Output, check_budget, check_outputs, pl
 from dynaquant.pipeline.targets import Target
 from dynaquant.quant.formats import get_format
 from dynaquant.quant.plan import Plan, TensorInfo
-from dynaquant.quant.planner import default_rules, error_fn_from_report, make_plan, min_plan_bytes, preset_size_bytes
+from dynaquant.quant.planner import ErrorFn, default_rules, make_plan, min_plan_bytes, preset_size_bytes
 from dynaquant.quant.presets import ModelInfo, requires_imatrix
 
 log = logging.getLogger(__name__)
@@ -59,17 +60,50 @@ def check_imatrix_needs(plan: Plan, have: set[str]) -> None:
                          + (" ..." if len(bad) > 5 else "") + "; give an imatrix (or calibration) or choose other formats")
 
 
-def check_report(report: dict, tensors: list[TensorInfo], where) -> None:
+def check_report(report: Report, tensors: list[TensorInfo], where) -> None:
     """Refuse a report that does not match the model (a quantizable tensor missing or of another shape).
 
     Raises:
         ValueError: naming ``where`` and the tensor.
     """
-    have = {t["name"]: tuple(t["shape"]) for t in report["tensors"]}
+    have = {t.name: tuple(t.shape) for t in report.tensors}
     for t in tensors:
         if t.quantizable and have.get(t.name) != tuple(t.shape):
             raise ValueError(f"{where}: the report does not match the model: tensor {t.name} "
                              f"{'missing' if t.name not in have else f'has shape {list(have[t.name])}'}")
+
+
+def super_weight_tensors(report: Report) -> list[str]:
+    """The GGUF names of the report's tensors holding a super weight, in report order."""
+    return [t.name for t in report.tensors if t.super_weight]
+
+
+def error_fn_from_report(report: Report | dict, use_sensitivity: bool = True) -> ErrorFn:
+    """The allocator's error function from an analysis report (a dict is typed as is: ``Report.typed``).
+
+    The predicted KL divergence ``kld_pred`` of each tensor in each measured format; formats not
+    measured for a tensor are infinite (never chosen). With end-to-end sensitivity rows in the
+    report, each block's attention / MLP predictions are scaled by the geometric mean over the
+    measured formats of measured / predicted KL divergence for that group.
+    """
+    rep = Report.typed(report) if isinstance(report, dict) else report
+    errs = {t.name: t.errors for t in rep.tensors}
+    scale: dict[str, float] = {}
+    if use_sensitivity and rep.sensitivity:
+        logs: dict[str, list[float]] = {}
+        for r in rep.sensitivity:
+            if r.kld and r.kld_pred and r.kld > 0 and r.kld_pred > 0:
+                logs.setdefault(r.group, []).append(math.log(r.kld / r.kld_pred))
+        scale = {g: math.exp(sum(v) / len(v)) for g, v in logs.items()}
+
+    def fn(t: TensorInfo, fmt: str) -> float:
+        e = errs.get(t.name, {}).get(fmt)
+        if e is None or e.kld_pred is None:
+            return math.inf
+        group = f"blk.{t.layer}.{'attn' if '.attn_' in t.name else 'ffn'}" if t.layer is not None else ""
+        return float(e.kld_pred) * scale.get(group, 1.0)
+
+    return fn
 
 
 def imatrix_path(imatrix, report, report_d, plan: Plan | None, plan_file: str = "plan",
@@ -101,7 +135,7 @@ def make_dynamic_plan(report: dict | str | os.PathLike, *, bpw: float | None = N
     """A dynamic plan from an analysis report: minimise the predicted KL divergence within a budget.
 
     Args:
-        report: ``report.json`` path (or its dict).
+        report: ``report.json`` path (read with ``Report.load``), or its dict (typed as is: ``Report.typed``).
         bpw / size: the budget (exactly one): average bits per weight of the tensor data, or whole-file bytes.
         rules: user rules (``REGEX=FORMAT``, ``REGEX>=FORMAT``, ``REGEX<=FORMAT``), before the default rules.
         target: ``gguf`` or ``safetensors`` (the report must have measured that target's formats: ``analyze
@@ -122,45 +156,43 @@ def make_dynamic_plan(report: dict | str | os.PathLike, *, bpw: float | None = N
     path = None if isinstance(report, dict) else Path(report)
     if output is not None:
         check_outputs([Output(Path(output))], inputs={"report": path})
-    rep = report if isinstance(report, dict) else schema.load_report(path)
+    rep = Report.typed(report) if isinstance(report, dict) else Report.load(path)
     if output is not None:
-        imatrix = path.parent / rep["imatrix"] if path is not None and rep.get("imatrix") else None
-        check_outputs([Output(Path(output), plan_json_bytes_bound(len(rep["tensors"])))],
+        imatrix = path.parent / rep.imatrix if path is not None and rep.imatrix else None
+        check_outputs([Output(Path(output), plan_json_bytes_bound(len(rep.tensors)))],
                       inputs={"report": path, "imatrix": imatrix})
-    tensors = [TensorInfo(t["name"], t.get("hf_name"), tuple(t["shape"]), bool(t.get("quantizable", True)))
-               for t in rep["tensors"]]
+    tensors = [TensorInfo(t.name, t.hf_name, tuple(t.shape), bool(t.quantizable)) for t in rep.tensors]
     if target == "gguf":  # a VL report's vision tower / projector go to the mmproj file, not the planned GGUF
         tensors = [t for t in tensors if not t.name.startswith(("v.", "mm."))]
-    m = rep.get("model")
-    if not isinstance(m, dict) or m.get("n_layers") is None:
+    m = rep.model
+    if m is None or m.n_layers is None:
         raise InputError(f"{path or 'report'}: no model.n_layers in the report; re-run 'dynaquant analyze'")
     # the MoE facts (older reports lack them: counted from the stacked expert tensors' shapes), so that the
     # default rules here are those dynaquant.quantize applies (expert caps, MoE attention)
-    n_expert = m.get("n_expert")
+    n_expert = m.n_expert
     if n_expert is None:
         n_expert = max((t.shape[0] for t in tensors if len(t.shape) == 3 and "_exps." in t.name), default=0)
-    info = ModelInfo(n_layers=int(m["n_layers"]), n_head=int(m.get("n_head") or 1), n_head_kv=int(m.get("n_head_kv") or 1),
-                     n_expert=int(n_expert), tied_embeddings=bool(m.get("tied_embeddings")),
-                     expert_format=m.get("expert_format"))
-    overhead = int(m.get("gguf_overhead_bytes") or 0)
+    info = ModelInfo(n_layers=int(m.n_layers), n_head=int(m.n_head or 1), n_head_kv=int(m.n_head_kv or 1),
+                     n_expert=int(n_expert), tied_embeddings=bool(m.tied_embeddings), expert_format=m.expert_format)
+    overhead = int(m.gguf_overhead_bytes or 0)
     if target == "safetensors":
         overhead = safetensors_overhead_bytes(tensors)
     if size is not None and not overhead:
         raise ValueError(f"{path or 'report'}: no gguf_overhead_bytes in the report; plan with --bpw")
-    candidates = [c for c in rep["candidates"] if get_format(c).allowed_in(target)]
+    candidates = [c for c in rep.candidates if get_format(c).allowed_in(target)]
     if not candidates:
         raise ValueError(f"{path or 'report'}: the analysis measured no {target} formats; "
                          f"run 'dynaquant analyze --formats {target}'")
-    sw = [t["name"] for t in rep["tensors"] if t.get("super_weight")]
-    plan = make_plan(tensors, info, m.get("id", ""), rules=rules, bpw=bpw, size_bytes=size, overhead_bytes=overhead,
+    model_id = m.id if m.present is None or "id" in m.present else ""
+    plan = make_plan(tensors, info, model_id, rules=rules, bpw=bpw, size_bytes=size, overhead_bytes=overhead,
                      error_fn=error_fn_from_report(rep), candidates=candidates,
-                     defaults=default_rules(info, sw, target=target) if default_rules_on else (),
+                     defaults=default_rules(info, super_weight_tensors(rep), target=target) if default_rules_on else (),
                      error_source="measured kld", target=target,
                      has_imatrix=True)  # the analysis had an imatrix; quantize refuses the plan without one
     if path is not None:
         plan.sources["report"] = str(path.resolve())
-        if rep.get("imatrix"):
-            plan.sources["imatrix"] = str((path.parent / rep["imatrix"]).resolve())
+        if rep.imatrix:
+            plan.sources["imatrix"] = str((path.parent / rep.imatrix).resolve())
     if output is not None:
         write_json(plan.to_dict(), output)
     return plan
@@ -264,9 +296,10 @@ def plan_from_report(cfg: QuantizeConfig, target: Target, start: PlanStart, tens
     """
     report = start.report
     _check_candidates(cfg, target, info, report)
-    check_report(report, tensors, cfg.report if cfg.report is not None and not isinstance(cfg.report, dict) else "report")
-    sw = [t["name"] for t in report["tensors"] if t.get("super_weight")]
-    args = dict(overhead_bytes=start.overhead, error_fn=error_fn_from_report(report), **target.plan_options(info, sw, report, cfg))
+    rep = Report.typed(report)  # the run's report dict: loaded and checked, or the analysis's own
+    check_report(rep, tensors, cfg.report if cfg.report is not None and not isinstance(cfg.report, dict) else "report")
+    args = dict(overhead_bytes=start.overhead, error_fn=error_fn_from_report(rep),
+                **target.plan_options(info, super_weight_tensors(rep), report, cfg))
     size = start.size
     if not cfg.explicit_target and target.name == "gguf":  # at least the smallest the rules allow with the measured formats
         size = max(size, min_plan_bytes(tensors, info, rules=cfg.rules, **args))

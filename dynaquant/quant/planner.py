@@ -441,29 +441,3 @@ def _allocate(free, entries, limit, error_fn, candidates, overhead, total, bpw, 
             entry.kld_pred = error_fn(t, fmt) if predicted else None
             entries[t.name] = entry
 
-
-def error_fn_from_report(report: dict, use_sensitivity: bool = True) -> ErrorFn:
-    """The allocator's error function from an analysis report (``report.json`` as a dict).
-
-    The predicted KL divergence ``kld_pred`` of each tensor in each measured format; formats not
-    measured for a tensor are infinite (never chosen). With end-to-end sensitivity rows in the
-    report, each block's attention / MLP predictions are scaled by the geometric mean over the
-    measured formats of measured / predicted KL divergence for that group.
-    """
-    errs = {t["name"]: t.get("errors", {}) for t in report["tensors"]}
-    scale: dict[str, float] = {}
-    if use_sensitivity and report.get("sensitivity"):
-        logs: dict[str, list[float]] = {}
-        for r in report["sensitivity"]:
-            if r.get("kld") and r.get("kld_pred") and r["kld"] > 0 and r["kld_pred"] > 0:
-                logs.setdefault(r["group"], []).append(math.log(r["kld"] / r["kld_pred"]))
-        scale = {g: math.exp(sum(v) / len(v)) for g, v in logs.items()}
-
-    def fn(t: TensorInfo, fmt: str) -> float:
-        e = errs.get(t.name, {}).get(fmt)
-        if e is None or e.get("kld_pred") is None:
-            return math.inf
-        group = f"blk.{t.layer}.{'attn' if '.attn_' in t.name else 'ffn'}" if t.layer is not None else ""
-        return float(e["kld_pred"]) * scale.get(group, 1.0)
-
-    return fn

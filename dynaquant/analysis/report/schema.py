@@ -452,6 +452,12 @@ class Report(Record):
         return super().from_dict.__func__(cls, d)
 
     @classmethod
+    def typed(cls, d: dict) -> Report:
+        """Type a report dict without the checks of :meth:`from_dict`: one this process built (``analyze``'s, before
+        it is saved), one already checked (:func:`load_report`), or one an API caller passed as is."""
+        return Record.from_dict.__func__(cls, d)
+
+    @classmethod
     def load(cls, path: str | os.PathLike) -> Report:
         """Read, check and type a report.json. Raises InputError as :func:`load_report` does."""
         p = Path(path)
