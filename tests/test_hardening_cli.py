@@ -542,7 +542,7 @@ def test_save_plan_is_written_before_the_encoding(tiny, tmp_path, monkeypatch):
         assert json.loads(saved.read_text())["tensors"]  # complete, before the first tensor is encoded
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(dynaquant.pipeline.targets, "write_gguf", stop)
+    monkeypatch.setattr(dynaquant.pipeline.targets, "GGUFFileWriter", stop)
     with pytest.raises(KeyboardInterrupt):
         quantize(str(tiny[1]), preset="Q8_0", use_imatrix=False, output=tmp_path / "o.gguf", save_plan=saved, progress=False)
     d = json.loads(saved.read_text())

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from dynaquant.analysis.calibration import CalibrationSpec
 from dynaquant.analysis.calibration import calibration_chunks as calibration_ids
@@ -194,7 +195,7 @@ def run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig) -> Quanti
                    hf_model if target.needs_model else None, tokenizer)
     hf_model = None  # the source model is not kept for the evaluation: it is loaded again at the end
     t2 = time.perf_counter()
-    path, nbytes = target.write(run, output)
+    path, nbytes = write_output(run, target, output)
     timings["quantize_s"] = time.perf_counter() - t2
     result = QuantizeResult(path, plan, nbytes, plan.bpw, time.perf_counter() - t0, im.chunks if im else 0,
                             timings_s=timings, gptq=rounding.summary() if rounding else None)
@@ -206,6 +207,27 @@ def run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig) -> Quanti
         run.model = None
         result.eval = evaluate_written(path, source, ts, tokenizer, cfg, device, checkpoint=target.name == "safetensors")
     return result
+
+
+def write_output(run: RunState, target: Target, path: Path) -> tuple[Path, int]:
+    """The one tensor loop: each planned tensor read, GPTQ-rounded where asked, encoded and handed to ``target``,
+    which writes ``path`` atomically; (path written, bytes counted for the budget).
+
+    Raises:
+        Any error of the reading, encoding or writing; the target's partial output is removed first
+        (``path`` is left as it was).
+    """
+    target.begin(run, path)
+    try:
+        for t in tqdm(target.tensors(), desc=target.progress_label(), unit="tensor", disable=not run.cfg.progress):
+            w = target.read(t)
+            rounded = target.gptq_round(t, w) if run.rounding is not None else None
+            target.add(t, target.encode(t, w, rounded))
+            del w, rounded
+        return target.finish()
+    except BaseException:
+        target.abort()
+        raise
 
 
 def _check_options(cfg: QuantizeConfig) -> Target:

@@ -20,17 +20,17 @@ import torch
 
 from dynaquant.analysis.imatrix import Imatrix
 from dynaquant.config import DEFAULT_CANDIDATES, QuantizeConfig
-from dynaquant.exporters.gguf.writer import header_bytes, write_gguf
+from dynaquant.exporters.gguf.writer import GGUFFileWriter, header_bytes
 from dynaquant.exporters.safetensors.writer import (
+    SafetensorsFolderWriter,
     check_output_folder,
     safetensors_overhead_bytes,
     unquantized_linears,
-    write_safetensors,
 )
 from dynaquant.pipeline.gptq import GPTQRounding
 from dynaquant.pipeline.preflight import Output, side_files_bytes_bound
 from dynaquant.quant.codecs import quantize as encode_tensor
-from dynaquant.quant.formats import Format, get_format
+from dynaquant.quant.formats import get_format
 from dynaquant.quant.plan import Plan, PlanEntry, TensorInfo
 from dynaquant.quant.planner import GGUF_CANDIDATES, RUNTIME_CANDIDATES, default_rules
 from dynaquant.quant.presets import PRESETS, ModelInfo
@@ -39,6 +39,7 @@ from dynaquant.quant.runtime import encode as encode_runtime
 from dynaquant.runtime.moe import checkpoint_weights, encode_experts, in_memory_plan
 from dynaquant.sources.checkpoint import ModelSource
 from dynaquant.sources.gguf import SourceTensor, TensorSource
+from dynaquant.sources.nonfinite import check_finite, tensor_label
 from dynaquant.version import __version__
 
 # llama.cpp file type that best describes a file whose bulk is in a format.
@@ -126,8 +127,32 @@ class Target(Protocol):
             ValueError: naming the output.
         """
 
-    def write(self, run: RunState, path: Path) -> tuple[Path, int]:
-        """Encode every planned tensor and write the output atomically; (path written, bytes counted for the budget)."""
+    def progress_label(self) -> str:
+        """The progress bar's label."""
+
+    def begin(self, run: RunState, path: Path) -> None:
+        """Start writing ``path`` for ``run`` (header or folder in the run's work folder; nothing at ``path`` yet)."""
+
+    def tensors(self) -> list:
+        """The tensors :meth:`add` takes, in order (GGUF: the source's; safetensors: the model's weight names)."""
+
+    def read(self, t) -> torch.Tensor:
+        """Tensor ``t``'s weight (GGUF: float32 from the source, NaN/Inf checked; safetensors: the model's)."""
+
+    def gptq_round(self, t, w: torch.Tensor) -> Any | None:
+        """``t`` GPTQ-rounded in its planned format when the run asked for GPTQ and it beats plain rounding, else None."""
+
+    def encode(self, t, w: torch.Tensor, rounded: Any | None) -> Any:
+        """``t``'s encoding for :meth:`add`: ``rounded`` when given, else plain rounding (as is when not encoded)."""
+
+    def add(self, t, encoded: Any) -> None:
+        """Write tensor ``t``'s encoding (the next in :meth:`tensors`' order)."""
+
+    def finish(self) -> tuple[Path, int]:
+        """Complete the output and move it onto its path atomically; (path written, bytes counted for the budget)."""
+
+    def abort(self) -> None:
+        """Remove what :meth:`begin` and :meth:`add` wrote (the output's path is left as it was)."""
 
     def discard(self, path: Path) -> None:
         """Remove a written output (over budget)."""
@@ -192,7 +217,7 @@ def file_type_of(plan: Plan, preset: str | None) -> int:
 
 
 class GGUFTarget:
-    """A GGUF file (:func:`dynaquant.exporters.gguf.writer.write_gguf`), tensors read from the tensor source."""
+    """A GGUF file (:class:`dynaquant.exporters.gguf.writer.GGUFFileWriter`), tensors read from the tensor source."""
 
     name, full_vl, folder_output, needs_model = "gguf", False, False, False
     analysis_candidates = DEFAULT_CANDIDATES
@@ -229,20 +254,48 @@ class GGUFTarget:
     def check_output(self, path: Path) -> None:
         pass
 
-    def write(self, run: RunState, path: Path) -> tuple[Path, int]:
-        def encode(t: SourceTensor, w: torch.Tensor, fmt: Format) -> np.ndarray:
-            imp = run.imat.get(t.gguf_name) if fmt.kind != "float" else None
-            if run.rounding is not None and fmt.kind != "float":
-                q = run.rounding.encode(t, w.to(run.device), fmt, imp)
-                if q is not None:
-                    return q.cpu().numpy()
-            return encode_tensor(w.to(run.device), fmt, imp).cpu().numpy()
+    def begin(self, run: RunState, path: Path) -> None:
+        self.run, cfg = run, run.cfg
+        self.types = {e.name: get_format(e.format) for e in run.plan.entries}
+        self.writer = GGUFFileWriter(path, run.ts, self.types, gguf_extra_kv(run.source, run.plan, run.im),
+                                     file_type_of(run.plan, None if run.loaded_plan else cfg.preset))
 
-        cfg = run.cfg
-        write_gguf(path, run.ts, {e.name: get_format(e.format) for e in run.plan.entries}, encode,
-                   gguf_extra_kv(run.source, run.plan, run.im), file_type_of(run.plan, None if run.loaded_plan else cfg.preset),
-                   progress=cfg.progress, allow_nonfinite=cfg.allow_nonfinite)
+    def progress_label(self) -> str:
+        return f"writing {self.writer.path.name}"
+
+    def tensors(self) -> list[SourceTensor]:
+        return self.writer.tensors
+
+    def read(self, t: SourceTensor) -> torch.Tensor:
+        ts = self.run.ts
+        return check_finite(ts.read(t), tensor_label(t.hf_name, t.gguf_name), ts.file_of(t), self.run.cfg.allow_nonfinite)
+
+    def gptq_round(self, t: SourceTensor, w: torch.Tensor) -> np.ndarray | None:
+        run, fmt = self.run, self.types[t.gguf_name]
+        if run.rounding is None or fmt.kind == "float":
+            return None
+        q = run.rounding.encode(t, w.to(run.device), fmt, run.imat.get(t.gguf_name))
+        return q.cpu().numpy() if q is not None else None
+
+    def encode(self, t: SourceTensor, w: torch.Tensor, rounded: np.ndarray | None) -> np.ndarray:
+        if rounded is not None:
+            return rounded
+        run, fmt = self.run, self.types[t.gguf_name]
+        imp = run.imat.get(t.gguf_name) if fmt.kind != "float" else None
+        return encode_tensor(w.to(run.device), fmt, imp).cpu().numpy()
+
+    def add(self, t: SourceTensor, encoded: np.ndarray) -> None:
+        self.writer.add(t, encoded)
+
+    def finish(self) -> tuple[Path, int]:
+        self.writer.finish()
+        path = self.writer.path
         return path, path.stat().st_size
+
+    def abort(self) -> None:
+        writer = getattr(self, "writer", None)
+        if writer is not None:
+            writer.abort()
 
     def discard(self, path: Path) -> None:
         path.unlink(missing_ok=True)
@@ -274,7 +327,7 @@ class _EntryNames:
 
 class SafetensorsTarget:
     """A compressed-tensors checkpoint folder in the runtime formats
-    (:func:`dynaquant.exporters.safetensors.writer.write_safetensors`), tensors read from the loaded model.
+    (:class:`dynaquant.exporters.safetensors.writer.SafetensorsFolderWriter`), tensors read from the loaded model.
 
     Mixture-of-experts models: stacked expert tensors are read from the model's experts modules
     (:func:`dynaquant.runtime.moe.checkpoint_weights`), encoded expert by expert with each expert's own imatrix row
@@ -309,50 +362,75 @@ class SafetensorsTarget:
     def check_output(self, path: Path) -> None:
         check_output_folder(path)
 
-    def write(self, run: RunState, path: Path) -> tuple[Path, int]:
-        keep = super_weights_of(run.report) if run.cfg.keep_super_weights else {}
-        kept: dict[str, list] = {}
-        model, cfg = run.model, run.cfg
-
-        def encode(e: PlanEntry, w: torch.Tensor) -> RuntimeWeight | list[RuntimeWeight]:
-            fmt = get_format(e.format)
-            if w.ndim == 3:  # stacked experts
-                return encode_experts(w, fmt.name, run.imat.get(e.name), device=run.device)
-            module = e.hf_name.removesuffix(".weight")
-            rw = self._encode(run, e, w, fmt, keep.get(module))
-            if rw.super_weights is not None:
-                kept[module] = [[int(r), int(c), float(v)] for r, c, v in zip(*(t.tolist() for t in rw.super_weights))]
-            return rw.to("cpu")
-
+    def begin(self, run: RunState, path: Path) -> None:
+        self.run, model = run, run.model
+        self.keep = super_weights_of(run.report) if run.cfg.keep_super_weights else {}
+        self.kept: dict[str, list] = {}
         config = model.config.to_dict()
         config["dtype"] = "bfloat16"
         config.pop("torch_dtype", None)
         config.pop("_name_or_path", None)  # the local path transformers loaded it from: never published
         config["architectures"] = config.get("architectures") or [type(model).__name__]  # vLLM picks the class by it
+        self.config = config
         weights = checkpoint_weights(model)
         write_plan = in_memory_plan(run.plan, weights)  # the source's on-disk names -> the model's (Mixtral's router)
-        written = write_safetensors(path, write_plan, weights, encode, config, ignore=unquantized_linears(model, write_plan),
-                                    super_weights=kept, extension={
-                                        "source": run.source.model_id, "source_kind": run.source.origin,
-                                        "source_sha256": run.source.sha256, "plan_method": run.plan.method,
-                                        "bpw": round(run.plan.bpw, 4)},
-                                    extra_files=lambda folder: self._extra_files(run, folder),
-                                    max_shard_bytes=cfg.max_shard_bytes, progress=cfg.progress)
+        self.ignore = unquantized_linears(model, write_plan)
+        self.writer = SafetensorsFolderWriter(path, write_plan, weights, max_shard_bytes=run.cfg.max_shard_bytes)
+
+    def progress_label(self) -> str:
+        return "safetensors"
+
+    def tensors(self) -> list[str]:
+        return list(self.writer.weights)
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.writer.weights[name]
+
+    def gptq_round(self, name: str, w: torch.Tensor) -> Any | None:
+        """GPTQ records of a planned 2-D runtime weight (NVFP4's global scale is per tensor: plain rounding), or None."""
+        run, e = self.run, self.writer.to_encode(name, w)
+        if run.rounding is None or e is None or w.ndim == 3 or get_format(e.format).name == "NVFP4_G16":
+            return None
+        return run.rounding.encode(_EntryNames(e), w.to(run.device, torch.float32), get_format(e.format), run.imat.get(e.name))
+
+    def encode(self, name: str, w: torch.Tensor, rounded: Any | None) -> RuntimeWeight | list[RuntimeWeight] | None:
+        """The runtime encoding of a planned weight (stacked experts: one per expert), None for any other weight;
+        confirmed super weights of the report kept exactly."""
+        run, e = self.run, self.writer.to_encode(name, w)
+        if e is None:
+            return None
+        fmt = get_format(e.format)
+        if w.ndim == 3:  # stacked experts
+            return encode_experts(w, fmt.name, run.imat.get(e.name), device=run.device)
+        module = e.hf_name.removesuffix(".weight")
+        sw = self.keep.get(module)
+        if rounded is not None:
+            rw = from_records(rounded, fmt, tuple(w.shape))
+            if sw:
+                r, c = zip(*sw)
+                rw.super_weights = (torch.tensor(r), torch.tensor(c), w.detach()[list(r), list(c)].float().cpu())
+        else:
+            rw = encode_runtime(w.to(run.device, torch.float32), fmt, run.imat.get(e.name),
+                                super_weights=tuple(zip(*sw)) if sw else None)
+        if rw.super_weights is not None:
+            self.kept[module] = [[int(r), int(c), float(v)] for r, c, v in zip(*(t.tolist() for t in rw.super_weights))]
+        return rw.to("cpu")
+
+    def add(self, name: str, encoded: RuntimeWeight | list[RuntimeWeight] | None) -> None:
+        self.writer.add(name, self.writer.weights[name], encoded)
+
+    def finish(self) -> tuple[Path, int]:
+        run = self.run
+        written = self.writer.finish(self.config, ignore=self.ignore, super_weights=self.kept, extension={
+            "source": run.source.model_id, "source_kind": run.source.origin, "source_sha256": run.source.sha256,
+            "plan_method": run.plan.method, "bpw": round(run.plan.bpw, 4)},
+            extra_files=lambda folder: self._extra_files(run, folder))
         return written.path, written.size_bytes
 
-    @staticmethod
-    def _encode(run: RunState, e: PlanEntry, w: torch.Tensor, fmt: Format, sw) -> RuntimeWeight:
-        """One planned 2-D weight in its runtime format: GPTQ where it helps, else plain; super weights ``sw`` kept."""
-        imp = run.imat.get(e.name)
-        if run.rounding is not None and fmt.name != "NVFP4_G16":  # NVFP4's global scale is per tensor: plain rounding
-            q = run.rounding.encode(_EntryNames(e), w.to(run.device, torch.float32), fmt, imp)
-            if q is not None:
-                rw = from_records(q, fmt, tuple(w.shape))
-                if sw:
-                    r, c = zip(*sw)
-                    rw.super_weights = (torch.tensor(r), torch.tensor(c), w.detach()[list(r), list(c)].float().cpu())
-                return rw
-        return encode_runtime(w.to(run.device, torch.float32), fmt, imp, super_weights=tuple(zip(*sw)) if sw else None)
+    def abort(self) -> None:
+        writer = getattr(self, "writer", None)
+        if writer is not None:
+            writer.abort()
 
     @staticmethod
     def _extra_files(run: RunState, folder: Path) -> None:

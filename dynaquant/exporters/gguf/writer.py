@@ -162,40 +162,97 @@ def _verify(path: Path, tensors: Sequence[SourceTensor], types: Mapping[str, For
         del reader
 
 
-def _write(writer: GGUFWriter, tmp: Path, path: Path, source: TensorSource, tensors: Sequence[SourceTensor],
-           types: Mapping[str, Format], encode: EncodeFn, file_type: int, progress: bool, allow_nonfinite: bool) -> int:
-    """Write ``tmp``, check it, rename it onto ``path``; the temporary file is removed on any error.
+class GGUFFileWriter:
+    """An incremental GGUF file writer: the header at once, then :meth:`add` per tensor in the source's order, then
+    :meth:`finish` (or :meth:`abort` on an error). :func:`write_gguf` documents the arguments and the errors.
 
-    An OSError of the writing itself (not of ``source.read`` or ``encode``) becomes an InputError naming ``path``.
+    The constructor checks the format map, declares every tensor (name, GGML type, byte shape) and writes header,
+    key/values and tensor infos into a temporary file in the run's work folder; :meth:`finish` reads it back
+    and renames it onto ``path``; :meth:`abort` removes it (``path`` is left as it was). An OSError of the writing
+    itself becomes an InputError naming ``path``.
+
+    Attributes:
+        path: the output file. tensors: the source's tensors, in the order :meth:`add` takes them.
+        types: GGUF name -> format. total_bytes: tensor bytes added so far.
     """
-    try:
-        with writing(path):
-            writer.write_header_to_file(tmp)
-            writer.write_kv_data_to_file()
-            writer.write_ti_data_to_file()
-        total_bytes = 0
-        for t in tqdm(tensors, desc=f"writing {path.name}", unit="tensor", disable=not progress):
+
+    def __init__(self, path: str | os.PathLike, source: TensorSource, types: Mapping[str, Format],
+                 extra_kv: Mapping[str, Any], file_type: int, work_dir: str | os.PathLike | None = None):
+        self.path = Path(path)
+        self.tensors = source.tensors()
+        self.types = types
+        self.file_type = int(file_type)
+        self.total_bytes = 0
+        _check_plan(source, self.tensors, types)
+        reserved = {"general.architecture", "general.file_type", "general.alignment"} & set(extra_kv)
+        if reserved:
+            raise ValueError(f"extra_kv may not set {', '.join(sorted(reserved))} (the writer owns them)")
+        typed_kv = {k: kv_value_type(k, v) for k, v in extra_kv.items()}
+
+        writer = _Writer(None, source.arch)
+        source.add_metadata(writer)
+        kv = writer.kv_data[0]
+        writer.add_uint32("general.file_type", self.file_type)
+        writer.add_uint32("general.quantization_version", GGML_QUANT_VERSION)
+        for key, (value, vtype, sub) in typed_kv.items():
+            kv.pop(key, None)
+            writer.add_key_value(key, value, vtype, sub_type=sub)
+        for t in self.tensors:
             fmt = types[t.gguf_name]
-            w = check_finite(source.read(t), tensor_label(t.hf_name, t.gguf_name), source.file_of(t), allow_nonfinite)
-            data = _as_bytes(t, fmt, encode(t, w, fmt))
-            del w
-            with writing(path):
-                writer.write_tensor_data(data)
-            total_bytes += data.nbytes
-            del data
-        with writing(path):
-            writer.close()
-        _verify(tmp, tensors, types, file_type)
-        with writing(path):
-            os.replace(tmp, path)
-    except BaseException:
+            shape = _byte_shape(t, fmt)
+            writer.add_tensor_info(t.gguf_name, shape, np.dtype(np.uint8), int(np.prod(shape, dtype=np.int64)),
+                                   raw_dtype=fmt.ggml_type)
+        self._writer = writer
+        self._stack = contextlib.ExitStack()
         try:
-            writer.close()
+            if work_dir is None:
+                with writing(self.path):
+                    work_dir = self._stack.enter_context(run_workdir(self.path))
+            self.tmp = Path(work_dir) / self.path.name
+            with writing(self.path):
+                writer.write_header_to_file(self.tmp)
+                writer.write_kv_data_to_file()
+                writer.write_ti_data_to_file()
+        except BaseException:
+            self.abort()
+            raise
+
+    def add(self, t: SourceTensor, data: Any) -> None:
+        """Write the next tensor's bytes (``data``: the format's GGUF layout, uint8 ``(..., row_bytes)`` or any dtype
+        whose raw bytes are that layout), aligned as the header says.
+
+        Raises:
+            ValueError: ``data`` has the wrong number of bytes. InputError: the file cannot be written.
+        """
+        data = _as_bytes(t, self.types[t.gguf_name], data)
+        with writing(self.path):
+            self._writer.write_tensor_data(data)
+        self.total_bytes += data.nbytes
+
+    def finish(self) -> None:
+        """Close the file, read it back (tensor count, names, types, shapes, file type) and rename it onto ``path``.
+
+        Raises:
+            ValueError: the file did not read back as written. InputError: it cannot be written.
+        """
+        with writing(self.path):
+            self._writer.close()
+        _verify(self.tmp, self.tensors, self.types, self.file_type)
+        with writing(self.path):
+            os.replace(self.tmp, self.path)
+        self._stack.close()
+        logger.info("%s: wrote %d tensors, %.1f MiB of tensor data", self.path, len(self.tensors), self.total_bytes / 2**20)
+
+    def abort(self) -> None:
+        """Remove the temporary file (and the work folder made here); ``path`` is left as it was."""
+        try:
+            self._writer.close()
         except OSError:  # flushing what is left fails again on a full disk
             pass
-        tmp.unlink(missing_ok=True)
-        raise
-    return total_bytes
+        tmp = getattr(self, "tmp", None)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        self._stack.close()
 
 
 def write_gguf(
@@ -247,31 +304,14 @@ def write_gguf(
         Any error of ``source.read`` or ``encode`` propagates. On any error the temporary file
         is removed and ``path`` is left as it was (absent, or the previous file).
     """
-    path = Path(path)
-    tensors = source.tensors()
-    _check_plan(source, tensors, types)
-    reserved = {"general.architecture", "general.file_type", "general.alignment"} & set(extra_kv)
-    if reserved:
-        raise ValueError(f"extra_kv may not set {', '.join(sorted(reserved))} (the writer owns them)")
-    typed_kv = {k: kv_value_type(k, v) for k, v in extra_kv.items()}
-
-    writer = _Writer(None, source.arch)
-    source.add_metadata(writer)
-    kv = writer.kv_data[0]
-    writer.add_uint32("general.file_type", int(file_type))
-    writer.add_uint32("general.quantization_version", GGML_QUANT_VERSION)
-    for key, (value, vtype, sub) in typed_kv.items():
-        kv.pop(key, None)
-        writer.add_key_value(key, value, vtype, sub_type=sub)
-    for t in tensors:
-        fmt = types[t.gguf_name]
-        shape = _byte_shape(t, fmt)
-        writer.add_tensor_info(t.gguf_name, shape, np.dtype(np.uint8), int(np.prod(shape, dtype=np.int64)), raw_dtype=fmt.ggml_type)
-
-    with contextlib.ExitStack() as stack:
-        if work_dir is None:
-            with writing(path):
-                work_dir = stack.enter_context(run_workdir(path))
-        total_bytes = _write(writer, Path(work_dir) / path.name, path, source, tensors, types, encode, int(file_type),
-                             progress, allow_nonfinite)
-    logger.info("%s: wrote %d tensors, %.1f MiB of tensor data", path, len(tensors), total_bytes / 2**20)
+    out = GGUFFileWriter(path, source, types, extra_kv, file_type, work_dir)
+    try:
+        for t in tqdm(out.tensors, desc=f"writing {out.path.name}", unit="tensor", disable=not progress):
+            fmt = types[t.gguf_name]
+            w = check_finite(source.read(t), tensor_label(t.hf_name, t.gguf_name), source.file_of(t), allow_nonfinite)
+            out.add(t, encode(t, w, fmt))
+            del w
+        out.finish()
+    except BaseException:
+        out.abort()
+        raise

@@ -292,6 +292,145 @@ def _write_experts(name: str, stacked: tuple[str, str, str], w: torch.Tensor, en
     expert_formats[module] = entry.format
 
 
+class SafetensorsFolderWriter:
+    """An incremental checkpoint folder writer: :meth:`add` per model weight (shards filled as weights come), then
+    :meth:`finish` (index, ``config.json``, extra files, the atomic folder rename) or :meth:`abort` on an error.
+    :func:`write_safetensors` documents the arguments and the errors.
+
+    Attributes:
+        output: the checkpoint folder. tmp: the temporary folder written. weights: the weights :meth:`add` takes.
+    """
+
+    def __init__(self, output: str | os.PathLike, plan: Plan, weights: Mapping[str, torch.Tensor], *,
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, work_dir: str | os.PathLike | None = None):
+        if plan.target != "safetensors":
+            raise ValueError(f"plan target is {plan.target!r}; write_safetensors takes a safetensors plan")
+        self.output = output = Path(output)
+        check_output_folder(output)
+        self.by_hf = {e.hf_name: e for e in plan.entries if e.hf_name}
+        missing = [e.name for e in plan.entries if not e.hf_name or e.hf_name not in weights]
+        if missing:
+            raise ValueError(f"plan tensors without a source weight: {', '.join(missing[:5])}")
+        self.weights = weights
+        self.planned_ptrs = {weights[h].data_ptr() for h in self.by_hf}
+        self.max_shard_bytes = max_shard_bytes
+        self.shards: list[list[str]] = []
+        self.weight_map: dict[str, int] = {}
+        self.part: dict[str, torch.Tensor] = {}
+        self.part_bytes = 0
+        self.formats: dict[str, str] = {}
+        self.expert_formats: dict[str, str] = {}
+        self._stack = contextlib.ExitStack()
+        self.tmp: Path | None = None
+        try:
+            if work_dir is None:
+                with writing(output):
+                    work_dir = self._stack.enter_context(run_workdir(output))
+            self.work_dir = Path(work_dir)
+            with _writing_checkpoint(output):
+                tmp = self.work_dir / output.name
+                tmp.mkdir()
+                self.tmp = tmp
+        except BaseException:
+            self.abort()
+            raise
+
+    def to_encode(self, name: str, w: torch.Tensor) -> PlanEntry | None:
+        """The plan entry of model weight ``name`` when :meth:`add` takes it encoded (a runtime format: a RuntimeWeight,
+        stacked experts a list of E), else None (:meth:`add` takes it as it is).
+
+        Raises:
+            ValueError: the weight's shape is not the plan's.
+        """
+        entry = self.by_hf.get(name)
+        if entry is not None and tuple(w.shape) != tuple(entry.shape):
+            raise ValueError(f"{name}: shape {list(w.shape)} in the model, {list(entry.shape)} in the plan")
+        return entry if entry is not None and entry.format not in _FLOAT_DTYPES else None
+
+    def add(self, name: str, w: torch.Tensor, encoded: RuntimeWeight | list[RuntimeWeight] | None = None) -> None:
+        """Add model weight ``name`` (``encoded``: its encoding when :meth:`to_encode` gives an entry); a shard is
+        written once its data reaches ``max_shard_bytes``.
+
+        Raises:
+            ValueError: an encoding in another format or shape than planned. InputError: the folder cannot be written.
+        """
+        with _writing_checkpoint(self.output):
+            self._add(name, w, encoded)
+            if self.part_bytes >= self.max_shard_bytes:
+                self._flush()
+
+    def _add(self, name: str, w: torch.Tensor, encoded) -> None:
+        entry = self.by_hf.get(name)
+        stacked = stacked_parts(name) if w.ndim >= 2 else None
+        if stacked is not None and (entry is None or w.ndim == 3 or stacked[2] == "bias"):
+            _write_experts(name, stacked, w, entry, lambda e, x: encoded, self._put, self.expert_formats)
+        elif entry is None:
+            if w.data_ptr() in self.planned_ptrs:
+                return  # a tied copy of a planned tensor (lm_head of a tied embedding)
+            log.info("%s: not in the plan, written as %s", name, w.dtype)
+            self._put(name, w)
+        elif tuple(w.shape) != tuple(entry.shape):
+            raise ValueError(f"{name}: shape {list(w.shape)} in the model, {list(entry.shape)} in the plan")
+        elif entry.format in _FLOAT_DTYPES:
+            self._put(name, w.to(_FLOAT_DTYPES[entry.format]))
+        else:
+            module = name.removesuffix(".weight")
+            if encoded.format != entry.format:
+                raise ValueError(f"{name}: encoded as {encoded.format}, planned as {entry.format}")
+            self.formats[module] = entry.format
+            for k, t in to_compressed_tensors(encoded).items():
+                self._put(f"{module}.{k}", t)
+
+    def _put(self, name: str, t: torch.Tensor) -> None:
+        self.part[name] = t = t.detach().to("cpu").contiguous()
+        self.weight_map[name] = len(self.shards)
+        self.part_bytes += t.numel() * t.element_size()
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if self.part:
+            save_file(self.part, str(self.tmp / f"part-{len(self.shards):05d}.safetensors"), metadata={"format": "pt"})
+            self.shards.append(list(self.part))
+            self.part, self.part_bytes = {}, 0
+
+    def finish(self, config: dict, *, ignore: Iterable[str] = (), super_weights: Mapping[str, list] | None = None,
+               extension: Mapping | None = None, extra_files: Callable[[Path], None] | None = None) -> SafetensorsResult:
+        """Write the last shard, the index, ``config.json`` (``config`` with the ``quantization_config``) and the extra
+        files, then move the folder onto ``output`` (an earlier checkpoint there is removed)."""
+        tmp, output = self.tmp, self.output
+        with _writing_checkpoint(output):
+            self._flush()
+            n = len(self.shards)
+            names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+            for i, fname in enumerate(names):
+                os.replace(tmp / f"part-{i:05d}.safetensors", tmp / fname)
+            size = sum((tmp / f).stat().st_size for f in names)
+            if n > 1:
+                index = {"metadata": {"total_size": size},
+                         "weight_map": {k: names[v] for k, v in sorted(self.weight_map.items())}}
+                (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+            cfg = dict(config)
+            qc = compressed_tensors_config(self.formats, ignore, super_weights=super_weights, extension=extension,
+                                           expert_formats=self.expert_formats)
+            if qc is not None:
+                cfg["quantization_config"] = qc
+            else:
+                cfg.pop("quantization_config", None)
+            if extra_files is not None:
+                extra_files(tmp)
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
+            _publish(tmp, output, self.work_dir)
+        self._stack.close()
+        return SafetensorsResult(output, size, names, len(self.weight_map))
+
+    def abort(self) -> None:
+        """Remove the temporary folder (and the work folder made here); an earlier checkpoint at ``output`` is kept."""
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)  # also from an explicit work_dir, which is kept
+        self._stack.close()
+
+
 def write_safetensors(output: str | os.PathLike, plan: Plan, weights: Mapping[str, torch.Tensor],
                       encode: Callable[[PlanEntry, torch.Tensor], RuntimeWeight], config: dict, *,
                       ignore: Iterable[str] = (), super_weights: Mapping[str, list] | None = None,
@@ -323,106 +462,16 @@ def write_safetensors(output: str | os.PathLike, plan: Plan, weights: Mapping[st
         InputError: the folder cannot be written (unwritable folder, full disk): names ``output``; nothing
             partial is left and an earlier checkpoint there is kept.
     """
-    if plan.target != "safetensors":
-        raise ValueError(f"plan target is {plan.target!r}; write_safetensors takes a safetensors plan")
-    output = Path(output)
-    check_output_folder(output)
-    by_hf = {e.hf_name: e for e in plan.entries if e.hf_name}
-    missing = [e.name for e in plan.entries if not e.hf_name or e.hf_name not in weights]
-    if missing:
-        raise ValueError(f"plan tensors without a source weight: {', '.join(missing[:5])}")
-    planned_ptrs = {weights[h].data_ptr() for h in by_hf}
-    with contextlib.ExitStack() as stack:
-        if work_dir is None:
-            with writing(output):
-                work_dir = stack.enter_context(run_workdir(output))
-        tmp = Path(work_dir) / output.name
-        try:
-            with _writing_checkpoint(output):
-                tmp.mkdir()
-                size, names, n_tensors = _write_folder(
-                    tmp, by_hf, planned_ptrs, weights, encode, config, ignore, super_weights, extension, extra_files,
-                    max_shard_bytes, progress)
-                _publish(tmp, output, Path(work_dir))
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)  # also from an explicit work_dir, which is kept
-            raise
-    return SafetensorsResult(output, size, names, n_tensors)
-
-
-def _write_folder(tmp: Path, by_hf: dict[str, PlanEntry], planned_ptrs: set[int], weights: Mapping[str, torch.Tensor],
-                  encode, config: dict, ignore, super_weights, extension, extra_files, max_shard_bytes: int,
-                  progress: bool) -> tuple[int, list[str], int]:
-    """Write the checkpoint's files into ``tmp`` (arguments as :func:`write_safetensors`).
-
-    Returns:
-        (bytes of the shards, shard file names, tensors written).
-    """
-    from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    shards: list[list[str]] = []
-    weight_map: dict[str, int] = {}
-    part: dict[str, torch.Tensor] = {}
-    part_bytes = 0
-    formats: dict[str, str] = {}
-    expert_formats: dict[str, str] = {}
-
-    def flush():
-        nonlocal part, part_bytes
-        if part:
-            save_file(part, str(tmp / f"part-{len(shards):05d}.safetensors"), metadata={"format": "pt"})
-            shards.append(list(part))
-            part, part_bytes = {}, 0
-
-    def add(name: str, t: torch.Tensor):
-        nonlocal part_bytes
-        part[name] = t.detach().to("cpu").contiguous()
-        weight_map[name] = len(shards)
-        part_bytes += part[name].numel() * part[name].element_size()
-
-    for name in tqdm(list(weights), desc="safetensors", disable=not progress, unit="tensor"):
-        w = weights[name]
-        entry = by_hf.get(name)
-        stacked = stacked_parts(name) if w.ndim >= 2 else None
-        if stacked is not None and (entry is None or w.ndim == 3 or stacked[2] == "bias"):
-            _write_experts(name, stacked, w, entry, encode, add, expert_formats)
-        elif entry is None:
-            if w.data_ptr() in planned_ptrs:
-                continue  # a tied copy of a planned tensor (lm_head of a tied embedding)
-            log.info("%s: not in the plan, written as %s", name, w.dtype)
-            add(name, w)
-        elif tuple(w.shape) != tuple(entry.shape):
-            raise ValueError(f"{name}: shape {list(w.shape)} in the model, {list(entry.shape)} in the plan")
-        elif entry.format in _FLOAT_DTYPES:
-            add(name, w.to(_FLOAT_DTYPES[entry.format]))
-        else:
-            module = name.removesuffix(".weight")
-            rw = encode(entry, w)
-            if rw.format != entry.format:
-                raise ValueError(f"{name}: encoded as {rw.format}, planned as {entry.format}")
-            formats[module] = entry.format
-            for k, t in to_compressed_tensors(rw).items():
-                add(f"{module}.{k}", t)
-        if part_bytes >= max_shard_bytes:
-            flush()
-    flush()
-    n = len(shards)
-    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    for i, fname in enumerate(names):
-        os.replace(tmp / f"part-{i:05d}.safetensors", tmp / fname)
-    size = sum((tmp / f).stat().st_size for f in names)
-    if n > 1:
-        index = {"metadata": {"total_size": size}, "weight_map": {k: names[v] for k, v in sorted(weight_map.items())}}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    cfg = dict(config)
-    qc = compressed_tensors_config(formats, ignore, super_weights=super_weights, extension=extension,
-                                   expert_formats=expert_formats)
-    if qc is not None:
-        cfg["quantization_config"] = qc
-    else:
-        cfg.pop("quantization_config", None)
-    if extra_files is not None:
-        extra_files(tmp)
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
-    return size, names, len(weight_map)
+    out = SafetensorsFolderWriter(output, plan, weights, max_shard_bytes=max_shard_bytes, work_dir=work_dir)
+    try:
+        for name in tqdm(list(weights), desc="safetensors", disable=not progress, unit="tensor"):
+            w = weights[name]
+            entry = out.to_encode(name, w)
+            out.add(name, w, encode(entry, w) if entry is not None else None)
+        return out.finish(config, ignore=ignore, super_weights=super_weights, extension=extension,
+                          extra_files=extra_files)
+    except BaseException:
+        out.abort()
+        raise
