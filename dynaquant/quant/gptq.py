@@ -48,7 +48,7 @@ from functools import cache
 
 import torch
 
-from dynaquant.quant.codecs.base import _importance, get_codec
+from dynaquant.quant.codecs.base import block_importance, get_codec
 from dynaquant.quant.formats import Format, get_format
 
 logger = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ def gptq_round(
     h = hessian.detach().to(device=device, dtype=torch.float64)
     if not (torch.isfinite(w).all() and torch.isfinite(h).all()):
         raise ValueError("GPTQ: weight and hessian must be finite")
-    imp = None if imatrix is None else _importance(imatrix, 1, k, device)[0]
+    imp = None if imatrix is None else block_importance(imatrix, 1, k, device)[0]
     h = (h + h.T) * 0.5
     diag = torch.diagonal(h).clamp_min(0)
     dead = diag == 0

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from dynaquant.quant.codecs import get_codec
-from dynaquant.quant.codecs.base import CHUNK_WEIGHTS, _importance
+from dynaquant.quant.codecs.base import CHUNK_WEIGHTS, block_importance
 from dynaquant.quant.codecs.runtime_fp4 import e2m1_values, nvfp4_global_scale, pack_pairs, unpack_pairs
 from dynaquant.quant.formats import Format, get_format
 
@@ -150,7 +150,7 @@ def encode(weight: torch.Tensor, fmt: str | Format, imatrix: torch.Tensor | None
         step = max(1, CHUNK_WEIGHTS // k)
         for r0 in range(0, n, step):
             xb = x[r0 : r0 + step].reshape(-1, f.block_size)
-            wb = _importance(imatrix, xb.shape[0] * f.block_size // k, k, x.device).reshape(-1, f.block_size)
+            wb = block_importance(imatrix, xb.shape[0] * f.block_size // k, k, x.device).reshape(-1, f.block_size)
             params = codec.fit_params(xb, wb, global_scale=g)
             codes, _ = codec.round_to_grid(xb, params)
             records[r0 : r0 + step] = codec.pack(params, codes).reshape(-1, records.shape[1])

@@ -136,7 +136,9 @@ def chunk_weights(device: torch.device | str) -> int:
     return max(CHUNK_WEIGHTS, min(CUDA_CHUNK_WEIGHTS, free // CUDA_BYTES_PER_WEIGHT))
 
 
-def _importance(imatrix: torch.Tensor | None, rows: int, k: int, device, dtype=torch.float32) -> torch.Tensor:
+def block_importance(imatrix: torch.Tensor | None, rows: int, k: int, device, dtype=torch.float32) -> torch.Tensor:
+    """(rows, k) ``dtype`` per-weight importance: ``imatrix`` ((k,) E[x^2] per input column) floored and repeated over
+    ``rows``, or all ones without one. Raises ValueError when the imatrix does not have k entries."""
     if imatrix is None:
         return torch.ones(rows, k, device=device, dtype=dtype)
     imatrix = torch.as_tensor(imatrix, dtype=dtype, device=device).reshape(-1)
@@ -220,7 +222,7 @@ def quantize(
     for r0 in range(0, rows, step):
         xr = x[r0 : r0 + step]
         if per_expert is None:
-            wr = _importance(imatrix, xr.shape[0], k, x.device)
+            wr = block_importance(imatrix, xr.shape[0], k, x.device)
         else:
             wr = per_expert[torch.arange(r0, r0 + xr.shape[0], device=x.device) // shape[1]]
         xb, wb = xr.reshape(-1, fmt.block_size).contiguous(), wr.reshape(-1, fmt.block_size).contiguous()

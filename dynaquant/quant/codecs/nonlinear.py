@@ -97,8 +97,8 @@ class IQ4_NL(Codec):
 
 
 # Sorted MXFP4 levels and the nibble code of each (negative values use the sign bit 8).
-_MX_LEVELS = (-12, -8, -6, -4, -3, -2, -1, 0, 1, 2, 3, 4, 6, 8, 12)
-_MX_CODES = tuple(KVALUES_MXFP4.index(v) for v in _MX_LEVELS)
+MX_LEVELS = (-12, -8, -6, -4, -3, -2, -1, 0, 1, 2, 3, 4, 6, 8, 12)
+MX_CODES = tuple(KVALUES_MXFP4.index(v) for v in MX_LEVELS)
 
 
 def e8m0_to_fp32_half(e: torch.Tensor) -> torch.Tensor:
@@ -121,7 +121,7 @@ class MXFP4(Codec):
     """
 
     format_name = "MXFP4"
-    grid = Grid(_MX_LEVELS)
+    grid = Grid(MX_LEVELS)
     # Exponents tried around llama.cpp's floor(log2(amax)) - 2 + 127.
     offsets = (-3, -2, -1, 0, 1, 2)
 
@@ -138,7 +138,7 @@ class MXFP4(Codec):
         (e,) = params
         d = e8m0_to_fp32_half(e)[:, None]
         idx = self.grid.codes_of(x.to(torch.float32) / d)
-        codes = torch.tensor(_MX_CODES, dtype=torch.int64, device=x.device)[idx]
+        codes = torch.tensor(MX_CODES, dtype=torch.int64, device=x.device)[idx]
         return codes, d * self.grid.level_tensor(x.device)[idx]
 
     def pack(self, params, codes: torch.Tensor) -> torch.Tensor:
@@ -195,7 +195,7 @@ class NVFP4(Codec):
     """
 
     format_name = "NVFP4"
-    grid = Grid(_MX_LEVELS)
+    grid = Grid(MX_LEVELS)
     sub = 16
     offsets = tuple(range(-12, 7))
 
@@ -224,7 +224,7 @@ class NVFP4(Codec):
         sub = (torch.arange(x.shape[1], device=x.device) + start) // self.sub
         d = ue4m3_to_fp32(e[:, sub])
         idx = self.grid.codes_of(x.to(torch.float32) / torch.where(d == 0, 1.0, d))
-        codes = torch.tensor(_MX_CODES, dtype=torch.int64, device=x.device)[idx]
+        codes = torch.tensor(MX_CODES, dtype=torch.int64, device=x.device)[idx]
         codes = torch.where(d == 0, 0, codes)
         return codes, d * _lut(KVALUES_MXFP4, x.device)[codes]
 

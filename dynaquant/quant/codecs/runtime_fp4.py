@@ -27,7 +27,7 @@ import torch
 
 from dynaquant.quant.codecs._blockfit import Grid
 from dynaquant.quant.codecs.base import Codec, register
-from dynaquant.quant.codecs.nonlinear import _MX_CODES, _MX_LEVELS, KVALUES_MXFP4, MXFP4, e8m0_to_fp32_half
+from dynaquant.quant.codecs.nonlinear import KVALUES_MXFP4, MX_CODES, MX_LEVELS, MXFP4, e8m0_to_fp32_half
 
 FP8_E4M3_MAX = 448.0
 FP4_MAX = 6.0
@@ -95,7 +95,7 @@ class NVFP4_G16(Codec):
     """
 
     format_name = "NVFP4_G16"
-    grid = Grid(_MX_LEVELS)  # doubled E2M1 values
+    grid = Grid(MX_LEVELS)  # doubled E2M1 values
     offsets = (-3, -2, -1, 0, 1, 2)
 
     def fit_params(self, x: torch.Tensor, w: torch.Tensor, global_scale: torch.Tensor | None = None):
@@ -121,7 +121,7 @@ class NVFP4_G16(Codec):
         s8, g = params
         scale = (s8.to(torch.float32) / g)[:, None]
         idx = self.grid.codes_of(x.to(torch.float32) / (scale * 0.5))
-        codes = torch.tensor(_MX_CODES, dtype=torch.int64, device=x.device)[idx]
+        codes = torch.tensor(MX_CODES, dtype=torch.int64, device=x.device)[idx]
         return codes, e2m1_values(codes) * scale
 
     def pack(self, params, codes: torch.Tensor) -> torch.Tensor:
