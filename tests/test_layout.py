@@ -18,7 +18,8 @@ PACKAGE = ROOT / "dynaquant"
 
 def test_import_linter_contracts_hold():
     """`lint-imports` (pyproject.toml's [tool.importlinter]): the stage layers, quant's purity, independent siblings."""
-    exe = shutil.which("lint-imports") or pytest.fail("import-linter is not installed (pip install -e '.[dev]')")
+    exe = (shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
+           or pytest.fail("import-linter is not installed (pip install -e '.[dev]')"))
     run = subprocess.run([exe, "--no-cache", str(ROOT / "pyproject.toml")], cwd=ROOT, capture_output=True, text=True,
                          env={"PYTHONPATH": str(ROOT), "PATH": str(Path(sys.executable).parent)})
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
