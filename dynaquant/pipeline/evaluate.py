@@ -21,11 +21,11 @@ from dynaquant.sources.checkpoint import (
     find_reference,
     load_model,
     load_tokenizer,
-    read_json_object,
     resolve_source,
 )
 from dynaquant.sources.gguf import TensorSource
 from dynaquant.sources.nonfinite import check_model_finite, source_names
+from dynaquant.sources.readers import read_json_object
 
 
 def evaluate_models(reference, quantized, tokenizer, text, n_ctx, chunks, progress) -> EvalResult:

@@ -380,8 +380,8 @@ def load(path: str | os.PathLike, *, device: str | torch.device | None = None, d
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from dynaquant.sources.checkpoint import from_config, from_pretrained, read_json_object
-    from dynaquant.sources.readers import open_safetensors
+    from dynaquant.sources.checkpoint import from_config, from_pretrained
+    from dynaquant.sources.readers import open_safetensors, read_json_object
 
     folder = Path(path)
     if not (folder / "config.json").is_file():

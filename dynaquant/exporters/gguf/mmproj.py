@@ -37,10 +37,9 @@ from gguf import GGUFWriter
 
 from dynaquant.exporters.gguf.writer import write_gguf
 from dynaquant.quant.formats import get_format
-from dynaquant.sources.checkpoint import read_json_object
 from dynaquant.sources.gguf import SourceTensor, TensorSource
 from dynaquant.sources.hf_vl import HFQwen2VLSource, is_vision_tensor, vl_legacy_name, vl_param_name
-from dynaquant.sources.readers import open_safetensors
+from dynaquant.sources.readers import open_safetensors, read_json_object
 
 logger = logging.getLogger(__name__)
 
