@@ -7,9 +7,11 @@ option) and the problem; 130 interrupted (Ctrl-C); 1 a bug in dynaquant (traceba
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
+import shlex
 import signal
 import sys
 import traceback
@@ -126,6 +128,11 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: refuse them, naming the tensor)")
     q.add_argument("--device", help="torch device (default: cuda if available)")
     q.add_argument("--json", action="store_true", help="machine-readable output")
+    q.add_argument("--card", action="store_true",
+                   help="write a publishable folder: the model file(s), README.md (model card), plan, report, imatrix "
+                        "and plots (-o FILE.gguf: folder FILE; turns on --eval unless --no-eval)")
+    q.add_argument("--compare-presets", action="store_true",
+                   help="with --card: also measure the uniform llama.cpp preset of the nearest size, for the card")
 
     a = sub.add_parser("analyze", help="measure per-tensor errors, activations and super weights: DIR/report.json")
     a.add_argument("model", nargs="?", help="HF folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -191,11 +198,11 @@ def _print_eval(ev) -> None:
     print(f"  perplexity {ev.ppl:.4f} (reference {ev.ppl_reference:.4f})")
 
 
-def _quantize(a, bare: bool) -> int:
+def _quantize(a, bare: bool, argv: list[str]) -> int:
     from dynaquant.config import QuantizeConfig
     from dynaquant.pipeline.quantize import run_quantize
 
-    evaluate = (a.evaluate or bare) and not a.no_eval
+    evaluate = (a.evaluate or bare or a.card) and not a.no_eval
     calibration = a.calibration
     if a.calibration_images:
         from dynaquant.analysis.calibration import CalibrationSpec
@@ -209,11 +216,14 @@ def _quantize(a, bare: bool) -> int:
                          allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code, device=a.device,
                          progress=not a.json, gptq=a.gptq, gptq_damp=a.gptq_damp, target=a.target, save_plan=a.save_plan,
                          allow_nonfinite=a.allow_nonfinite)
+    if a.card or a.compare_presets:
+        cfg = dataclasses.replace(cfg, card=a.card, compare_presets=a.compare_presets,
+                                  command=shlex.join(["dynaquant", *argv]))
     res = run_quantize(a.model, cfg)
     if a.json:
         print(json.dumps(res.to_dict(), indent=1))
         return 0
-    print(f"wrote {res.output}")
+    print(f"wrote {res.output}" + (f" in the folder {res.folder} (model card: README.md)" if res.folder else ""))
     print(f"  {res.size_bytes / 1e6:.2f} MB, {res.bpw:.3f} bpw over tensor data, {res.time_s:.1f} s ({res.plan.method})")
     mix = ", ".join(f"{f} {100 * n / res.plan.n_elements:.1f}%" for f, n in
                     sorted(res.plan.count_by_format().items(), key=lambda kv: -kv[1]))
@@ -369,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.command == "quantize":
             bare = argv == ["quantize"]
-            return _quantize(a, bare)
+            return _quantize(a, bare, argv)
         if a.command == "eval":
             return _eval(a)
         if a.command == "analyze":

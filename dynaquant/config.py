@@ -76,6 +76,9 @@ class QuantizeConfig:
         save_plan: also write the plan JSON here.
         keep_super_weights, max_shard_bytes: safetensors only (super weights kept exactly; shard size).
         fisher_sequences: Fisher sequences of the analysis run here when no report is given.
+        card, compare_presets, command: publish a folder with a model card (:mod:`dynaquant.pipeline.publish`);
+            also measure the uniform preset of the nearest size for it; the command line the card shows (None:
+            the Python equivalent).
     """
 
     output: PathLike | None = None
@@ -106,6 +109,9 @@ class QuantizeConfig:
     keep_super_weights: bool = True
     max_shard_bytes: int = DEFAULT_SHARD_BYTES
     fisher_sequences: int = FISHER_SEQUENCES
+    card: bool = False
+    compare_presets: bool = False
+    command: str | None = None
 
     @property
     def explicit_target(self) -> bool:

@@ -27,6 +27,7 @@ from dynaquant.pipeline.evaluate import evaluate_written
 from dynaquant.pipeline.gptq import GPTQRounding
 from dynaquant.pipeline.plan import PlanStart, check_imatrix_needs, imatrix_path, plan_before_model, plan_from_report
 from dynaquant.pipeline.preflight import Output, check_budget, check_outputs, plan_json_bytes_bound, tensor_bytes_bound
+from dynaquant.pipeline.publish import Publisher
 from dynaquant.pipeline.source import (
     default_device,
     imatrix_by_gguf_name,
@@ -60,6 +61,7 @@ class QuantizeResult:
         eval: quality against the source, when asked for.
         mmproj: the vision GGUF written beside ``output`` for a vision-language checkpoint
             (``mmproj-<output name>``, F16; llama.cpp's ``--mmproj``), else None.
+        folder: the published folder (``card``: model files, README.md, plan, report, imatrix), else None.
     """
 
     output: Path
@@ -72,6 +74,7 @@ class QuantizeResult:
     timings_s: dict = field(default_factory=dict)
     gptq: dict | None = None
     mmproj: Path | None = None
+    folder: Path | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -80,6 +83,7 @@ class QuantizeResult:
             "imatrix_chunks": self.imatrix_chunks, "method": self.plan.method,
             "formats": self.plan.count_by_format(), "eval": self.eval.to_dict() if self.eval else None,
             "gptq": self.gptq, **({"mmproj": str(self.mmproj)} if self.mmproj else {}),
+            **({"folder": str(self.folder)} if self.folder else {}),
         }
 
 
@@ -149,7 +153,13 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
 
 
 def run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig) -> QuantizeResult:
-    """Quantize ``model`` as ``cfg`` says (:func:`quantize`: arguments, result and errors)."""
+    """Quantize ``model`` as ``cfg`` says (:func:`quantize`: arguments, result and errors); ``cfg.card``: into a
+    published folder (:mod:`dynaquant.pipeline.publish`: the layout, and ``ValueError`` on contradictory options)."""
+    with Publisher(cfg, model, write_output) as pub:
+        return _run_quantize(model, pub.config, pub)
+
+
+def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Publisher) -> QuantizeResult:
     target = _check_options(cfg)
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
@@ -166,7 +176,7 @@ def run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig) -> Quanti
     needs_analysis = start.dynamic and start.report is None
     needs_imatrix = cfg.use_imatrix and imat_path is None and not needs_analysis and (
         start.dynamic or target.name == "safetensors" or any(get_format(e.format).kind != "float" for e in start.plan.entries))
-    output = _check_output(cfg, target, source, ts, tensors, start, inputs)
+    output = pub.stage(_check_output(cfg, target, source, ts, tensors, start, inputs), target, inputs, source)
     model_needed = target.needs_model or needs_imatrix or needs_analysis or cfg.gptq
     hf_model = load_model(source, device=device) if model_needed else None
     tokenizer = None
@@ -206,7 +216,7 @@ def run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig) -> Quanti
     if cfg.evaluate:
         run.model = None
         result.eval = evaluate_written(path, source, ts, tokenizer, cfg, device, checkpoint=target.name == "safetensors")
-    return result
+    return pub.finish(result, run, target, imat_path)
 
 
 def write_output(run: RunState, target: Target, path: Path) -> tuple[Path, int]:
