@@ -34,9 +34,9 @@ def tiny(tmp_path_factory):
 def published(tiny, tmp_path_factory):
     """One published run: a dynamic 5 bpw plan with an analysis here, evaluated, beside the nearest preset."""
     out = tmp_path_factory.mktemp("pub") / "m.gguf"
-    cfg = QuantizeConfig(output=out, bpw=5, calibration_chunks=3, n_ctx=64, evaluate=True, eval_chunks=2, device="cpu",
+    cfg = QuantizeConfig(output=out, bpw=6, calibration_chunks=3, n_ctx=64, evaluate=True, eval_chunks=2, device="cpu",
                          progress=False, fisher_sequences=1, card=True, compare_presets=True,
-                         command="dynaquant quantize tiny-llama --bpw 5 --card")
+                         command="dynaquant quantize tiny-llama --bpw 6 --card")
     return run_quantize(str(tiny), cfg)
 
 
@@ -87,7 +87,7 @@ def test_card_numbers_equal_the_run(published):
     (label, preset), = [(k, v) for k, v in rows.items() if "uniform llama.cpp preset" in k]
     name = label.split()[0]
     assert name in publish.UNIFORM_PRESETS and float(preset[3]) >= 0 and preset[4] != "not measured"
-    assert "dynaquant quantize tiny-llama --bpw 5 --card" in text
+    assert "dynaquant quantize tiny-llama --bpw 6 --card" in text
     assert f"({3 * 64} tokens)" in text and f"{ev.tokens} scored tokens" in text
     assert "llama-cli -m m.gguf" in text and "![" in text and "(layer_errors.png)" in text
     assert re.search(r"\| attention \| 8 \| \d+ \| ", text) and "| dense MLP | 6 |" in text
