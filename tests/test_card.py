@@ -176,3 +176,22 @@ def test_card_builder_on_hand_made_facts():
 ])
 def test_tensor_groups(name, group):
     assert tensor_group(name) == group
+
+
+def test_safetensors_checkpoint_gets_its_card_beside_its_shards(tiny, tmp_path):
+    """``--format safetensors --card``: the checkpoint folder itself holds README.md, plan.json and plan.png."""
+    from dynaquant.pipeline.source import model_info, open_tensor_source, tensor_infos
+    from dynaquant.quant.planner import make_plan
+    from dynaquant.sources.checkpoint import resolve_source
+
+    ts = open_tensor_source(resolve_source(tiny))
+    plan = make_plan(tensor_infos(ts), model_info(ts), "tiny", bpw=12.0, target="safetensors", rules=[r".*=INT8_G32"])
+    res = run_quantize(str(tiny), QuantizeConfig(output=tmp_path / "ckpt", target="safetensors", plan=plan,
+                                                 use_imatrix=False, device="cpu", progress=False, card=True))
+    folder = tmp_path / "ckpt"
+    assert res.folder == folder and res.output == folder and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    names = {p.name for p in folder.iterdir()}
+    assert {"README.md", "plan.json", "plan.png", "config.json", "model.safetensors"} <= names
+    card = ModelCard.load(folder / "README.md")
+    assert card.data.library_name == "dynaquant" and card.data.tags[0] == "safetensors" and card.data.license == "mit"
+    assert "dynaquant.load(" in card.text and "`model.safetensors`: model file" in card.text
