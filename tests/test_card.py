@@ -108,7 +108,8 @@ def test_card_without_eval_says_not_measured(tiny, cheap, tmp_path):
     text = (folder / "README.md").read_text()
     assert "Evaluation: not measured." in text and "| not measured | not measured | not measured |" in text
     assert "Calibration data: none" in text
-    assert "run_quantize(" in text and "preset='Q8_0'" in text and "card=True" in text  # the Python equivalent
+    assert f"run_quantize({str(tiny)!r}, QuantizeConfig(output={str(tmp_path / 'out')!r}, preset='Q8_0', use_imatrix=False, " \
+        "device='cpu', card=True))" in text  # the Python equivalent, with the output as given
     res2 = run_quantize(str(tiny), cheap)  # an earlier dynaquant folder is replaced
     assert res2.folder == folder and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 

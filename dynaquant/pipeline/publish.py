@@ -98,11 +98,14 @@ def check_folder(folder: Path) -> None:
 def python_command(model, cfg: QuantizeConfig) -> str:
     """The Python line equivalent to a run (``run_quantize(model, QuantizeConfig(...))`` with the fields that differ
     from the defaults; the command line and progress bars left out)."""
+    def text(v) -> str:
+        return repr(os.fspath(v)) if isinstance(v, os.PathLike) else repr(v)
+
     default = QuantizeConfig()
-    args = [f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
+    args = [f"{f.name}={text(getattr(cfg, f.name))}" for f in dataclasses.fields(cfg)
             if f.name not in ("command", "progress") and getattr(cfg, f.name) != getattr(default, f.name)]
-    m = repr(os.fspath(model)) if model is not None else "None"
-    return f"run_quantize({m}, QuantizeConfig({', '.join(args)}))"
+    return ("from dynaquant.config import QuantizeConfig\nfrom dynaquant.pipeline.quantize import run_quantize\n\n"
+            f"run_quantize({text(model)}, QuantizeConfig({', '.join(args)}))")
 
 
 def source_metadata(source: ModelSource) -> tuple[str | None, tuple[str, ...]]:
@@ -157,7 +160,7 @@ class Publisher:
     def __init__(self, cfg: QuantizeConfig, model, write: WriteFn):
         check_card_options(cfg)
         self.model, self.write = model, write
-        self.explicit = cfg.output is not None
+        self.explicit, self.given = cfg.output is not None, cfg
         if cfg.card and cfg.target == "gguf" and cfg.output is not None:
             out = Path(cfg.output)
             folder = out.with_suffix("") if out.suffix == ".gguf" else out
@@ -247,7 +250,7 @@ class Publisher:
         return CardFacts(
             target=target.name, base_model=source.model_id if source.origin == "hub" else source.path.name,
             architecture=run.ts.arch, model_files=model_files(self.staging, result.output, target.name),
-            command=cfg.command or python_command(self.model, cfg), method=result.plan.method,
+            command=cfg.command or python_command(self.model, self.given), method=result.plan.method,
             calibration=calibration, calibration_tokens=tokens, eval_text=ev.text_id if ev else None,
             eval_tokens=ev.tokens if ev else 0, ppl_reference=ev.ppl_reference if ev else None, rows=rows,
             groups=plan_groups(result.plan), plots=plots, files=files, license=license_, language=language,
