@@ -196,3 +196,18 @@ def test_safetensors_checkpoint_gets_its_card_beside_its_shards(tiny, tmp_path):
     card = ModelCard.load(folder / "README.md")
     assert card.data.library_name == "dynaquant" and card.data.tags[0] == "safetensors" and card.data.license == "mit"
     assert "dynaquant.load(" in card.text and "`model.safetensors`: model file" in card.text
+
+
+def test_default_model_card_metadata_from_its_gguf(tmp_path):
+    """The default model (a GGUF source): license and language from its ``general.license`` / ``general.languages``,
+    ``base_model`` its file name; the card parses back and its size and bpw are the run's."""
+    res = run_quantize(None, QuantizeConfig(output=tmp_path / "smol.gguf", preset="Q8_0", use_imatrix=False,
+                                            progress=False, card=True))
+    card = ModelCard.load(res.folder / "README.md")
+    d = card.data.to_dict()
+    assert ModelCardData(**d).to_dict() == d
+    assert d["base_model"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and d["license"] == "apache-2.0" and d["language"] == "en"
+    assert d["tags"] == ["gguf", "quantized", "dynaquant", "llama"] and d["library_name"] == "gguf"
+    row = _rows(card.text)[f"this model ({res.plan.method})"]
+    assert row[1] == f"{res.size_bytes / 1e6:.2f} MB ({res.size_bytes} bytes)" and row[2] == f"{res.bpw:.4f}"
+    assert res.output == tmp_path / "smol" / "smol.gguf" and res.output.stat().st_size == res.size_bytes
