@@ -126,6 +126,10 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: refuse them, naming the tensor)")
     q.add_argument("--device", help="torch device (default: cuda if available)")
     q.add_argument("--json", action="store_true", help="machine-readable output")
+    q.add_argument("--push-to-hub", metavar="ORG/NAME", help="upload the output folder (card, model files, report, plan, "
+                                                              "imatrix) to this hub model repository at the end")
+    q.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
+    q.add_argument("--hub-branch", metavar="BRANCH", help="with --push-to-hub: commit to this branch (created if missing)")
 
     a = sub.add_parser("analyze", help="measure per-tensor errors, activations and super weights: DIR/report.json")
     a.add_argument("model", nargs="?", help="HF folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -182,6 +186,12 @@ def _parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="types, sizes and bpw per tensor and per layer of a GGUF file")
     i.add_argument("file")
     i.add_argument("--json", action="store_true")
+
+    pu = sub.add_parser("push", help="upload a finished output folder (card, model files, report, plan, imatrix) to the hub")
+    pu.add_argument("folder", help="the output folder: README.md card, .gguf shards or safetensors checkpoint, side files")
+    pu.add_argument("repo_id", metavar="ORG/NAME", help="hub model repository (created if missing)")
+    pu.add_argument("--private", action="store_true", help="create the repository private")
+    pu.add_argument("--revision", metavar="BRANCH", help="commit to this branch (created if missing; default: main)")
     return p
 
 
@@ -208,10 +218,16 @@ def _quantize(a, bare: bool) -> int:
                          use_imatrix=not a.no_imatrix, evaluate=evaluate, eval_text=a.text, eval_chunks=a.chunks,
                          allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code, device=a.device,
                          progress=not a.json, gptq=a.gptq, gptq_damp=a.gptq_damp, target=a.target, save_plan=a.save_plan,
-                         allow_nonfinite=a.allow_nonfinite)
+                         allow_nonfinite=a.allow_nonfinite, push_to_hub=a.push_to_hub, push_private=a.private,
+                         push_branch=a.hub_branch)
+    if cfg.push_to_hub:
+        from dynaquant.pipeline.push import check_push_target
+
+        check_push_target(cfg.push_to_hub)  # before the run: a bad id or no token fails now, not after it
     res = run_quantize(a.model, cfg)
+    url = _push_output(res, cfg) if cfg.push_to_hub else None
     if a.json:
-        print(json.dumps(res.to_dict(), indent=1))
+        print(json.dumps(res.to_dict() | ({"hub_url": url} if url else {}), indent=1))
         return 0
     print(f"wrote {res.output}")
     print(f"  {res.size_bytes / 1e6:.2f} MB, {res.bpw:.3f} bpw over tensor data, {res.time_s:.1f} s ({res.plan.method})")
@@ -226,6 +242,27 @@ def _quantize(a, bare: bool) -> int:
                 print(f"  GPTQ {f}: {g['gptq']}/{g['tensors']} tensors, held-out output error x{g['mean_ratio']:.3f} vs plain")
     if res.eval:
         _print_eval(res.eval)
+    if url:
+        print(f"published {url}" + (f" (branch {cfg.push_branch})" if cfg.push_branch else ""))
+    return 0
+
+
+def _push_output(res, cfg) -> str:
+    """Upload the run's output folder (``QuantizeResult.folder``, made for --card / --push-to-hub)."""
+    from dynaquant.errors import InputError
+    from dynaquant.pipeline.push import push_folder
+
+    folder = getattr(res, "folder", None)
+    if folder is None:
+        raise InputError(f"--push-to-hub {cfg.push_to_hub}: this run made no output folder to publish ({res.output})")
+    return push_folder(folder, cfg.push_to_hub, private=cfg.push_private, revision=cfg.push_branch)
+
+
+def _push(a) -> int:
+    from dynaquant.pipeline.push import push_folder
+
+    url = push_folder(a.folder, a.repo_id, private=a.private, revision=a.revision)
+    print(f"published {a.folder} to {url}" + (f" (branch {a.revision})" if a.revision else ""))
     return 0
 
 
@@ -378,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(a)
         if a.command == "report":
             return _report(a)
+        if a.command == "push":
+            return _push(a)
         return _inspect(a)
     except (ValueError, KeyError, OSError) as exc:
         print(f"dynaquant {a.command}: error: {_error_message(exc)}", file=sys.stderr)

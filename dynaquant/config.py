@@ -76,6 +76,9 @@ class QuantizeConfig:
         save_plan: also write the plan JSON here.
         keep_super_weights, max_shard_bytes: safetensors only (super weights kept exactly; shard size).
         fisher_sequences: Fisher sequences of the analysis run here when no report is given.
+        push_to_hub, push_private, push_branch: upload the output folder to this hub repository (``ORG/NAME``),
+            created private with ``push_private``, on this branch (None: the default branch); see
+            :func:`dynaquant.pipeline.push.push_folder`.
     """
 
     output: PathLike | None = None
@@ -106,6 +109,9 @@ class QuantizeConfig:
     keep_super_weights: bool = True
     max_shard_bytes: int = DEFAULT_SHARD_BYTES
     fisher_sequences: int = FISHER_SEQUENCES
+    push_to_hub: str | None = None
+    push_private: bool = False
+    push_branch: str | None = None
 
     @property
     def explicit_target(self) -> bool:

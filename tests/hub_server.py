@@ -79,10 +79,14 @@ class HubServer:
         self._server.server_close()
 
     def routes(self) -> list[str]:
-        """``METHOD path`` of each request, ids and hashes replaced by placeholders (the endpoints used)."""
+        """``METHOD path`` of each request, ids and hashes replaced by placeholders (the endpoints used), without
+        ``GET /api/agent-harnesses``: huggingface_hub 2.x's best-effort registry fetch for its user agent (once a
+        day, cached in ``HF_HOME``; a 404 here is swallowed), not part of an upload."""
         out = []
         for r in self.requests:
             path = urlsplit(r.path).path
+            if path == "/api/agent-harnesses":
+                continue
             path = re.sub(r"/lfs/[0-9a-f]{64}", "/lfs/{oid}", path)
             path = re.sub(r"/api/models/[^/]+/[^/]+/", "/api/models/{repo}/", path)
             path = re.sub(r"^/[^/]+/[^/]+\.git/", "/{repo}.git/", path)

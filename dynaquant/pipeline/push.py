@@ -199,6 +199,25 @@ def check_folder(folder: str | os.PathLike) -> CheckedFolder:
     return CheckedFolder(folder, tuple(files), tuple(models), base)
 
 
+def check_push_target(repo_id: str, token: str | None = None) -> None:
+    """Check, without a request, what an upload needs besides the folder: ``repo_id`` is ``ORG/NAME`` and a token
+    is at hand (``token``, else ``HF_TOKEN`` or a stored login, as ``huggingface_hub.get_token`` finds them).
+    ``dynaquant quantize --push-to-hub`` calls it before the run, so a long run does not end in an upload that
+    cannot start.
+
+    Raises:
+        InputError: a bad repository id, or no token.
+    """
+    if not _REPO_ID.match(repo_id) or ".." in repo_id or repo_id.endswith((".git", ".")):
+        raise InputError(f"{repo_id}: not a hub repository id (ORG/NAME: letters, digits, '-', '_', '.')")
+    if token is None:
+        from huggingface_hub import get_token
+
+        if get_token() is None:
+            raise InputError(f"{repo_id}: no hub token to upload with: set HF_TOKEN, or log in once with `hf auth login` "
+                             "(`huggingface-cli login`)")
+
+
 def retry_command(folder: str | os.PathLike, repo_id: str, *, private: bool = False, revision: str | None = None) -> str:
     """The command line that (re)publishes ``folder`` as :func:`push_folder` was asked to."""
     import shlex
@@ -221,12 +240,12 @@ def push_folder(folder: str | os.PathLike, repo_id: str, *, private: bool = Fals
     Returns:
         The repository's URL.
     Raises:
-        InputError: ``repo_id`` is not ``ORG/NAME``, or the folder is incomplete (before any request is made).
+        InputError: ``repo_id`` is not ``ORG/NAME``, no token is found (:func:`check_push_target`), or the folder
+            is incomplete (:func:`check_folder`); all before any request is made.
         PushError: an upload request failed (HTTP error, network, server answer); the folder is unchanged and
             the message ends with the retry command (:func:`retry_command`).
     """
-    if not _REPO_ID.match(repo_id) or ".." in repo_id or repo_id.endswith((".git", ".")):
-        raise InputError(f"{repo_id}: not a hub repository id (ORG/NAME: letters, digits, '-', '_', '.')")
+    check_push_target(repo_id, token)
     checked = check_folder(folder)
     from huggingface_hub import HfApi
 
@@ -247,7 +266,7 @@ def push_folder(folder: str | os.PathLike, repo_id: str, *, private: bool = Fals
         log.warning("upload to %s interrupted; the folder is unchanged: retry with `%s`", repo_id, retry)
         raise
     except Exception as exc:  # noqa: BLE001 - any failure of the upload calls (HTTP, network, a server's answer)
-        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        why = " ".join(str(exc).split()) or "no message"  # the hub's answer included (permissions, quota, ...)
         raise PushError(f"{repo_id}: upload of {checked.folder} failed ({type(exc).__name__}: {why}); the folder is "
                         f"unchanged: retry with `{retry}`", retry) from exc
     log.info("published %s to %s%s", checked.folder, url, f" (branch {revision})" if revision else "")
