@@ -320,3 +320,12 @@ def test_quantize_push_to_hub_uploads_the_run_folder(hub, tmp_path, monkeypatch,
     monkeypatch.setattr(pq, "run_quantize", lambda model, cfg: types.SimpleNamespace(folder=None, output=tmp_path / "m.gguf"))
     assert main(["quantize", "--preset", "Q8_0", "--push-to-hub", REPO]) == 2
     assert f"--push-to-hub {REPO}: this run made no output folder to publish" in capsys.readouterr().err
+
+
+def test_is_temporary_names():
+    from dynaquant.workdir import is_temporary
+
+    assert is_temporary(f".m.v2.gguf.{os.getpid()}.0badf00d.dynaquant-work")  # a live run's: still not publishable
+    assert is_temporary(".report.json.99999.ab12.tmp")
+    assert not any(map(is_temporary, ["model.gguf", ".gitattributes", ".cache", ".m.gguf.12.xyz.tmp", ".m.gguf.dynaquant-work",
+                                      "m.gguf.12.ab.tmp"]))
