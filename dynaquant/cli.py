@@ -39,6 +39,11 @@ def _size(text: str) -> int:
     return int(value)
 
 
+def _size_or_zero(text: str) -> int:
+    """``0`` or a :func:`_size` (argparse type)."""
+    return 0 if text.strip() == "0" else _size(text)
+
+
 def _bpw(text: str) -> float:
     """Bits per weight: a finite number above 0 and at most 32 (F32, the widest format) (argparse type)."""
     try:
@@ -126,6 +131,14 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: refuse them, naming the tensor)")
     q.add_argument("--device", help="torch device (default: cuda if available)")
     q.add_argument("--json", action="store_true", help="machine-readable output")
+    g.add_argument("--fit-memory", type=_size, metavar="SIZE",
+                   help="the largest file that runs in this memory (24GiB) with llama.cpp: file + KV cache at "
+                        "--fit-ctx tokens + --margin")
+    q.add_argument("--fit-ctx", type=_positive, metavar="TOKENS",
+                   help=f"--fit-memory: context of the KV cache (default {config.FIT_CTX}; --ctx is the calibration's)")
+    q.add_argument("--kv-type", choices=["f16", "q8_0"], help="--fit-memory: KV cache type (default f16)")
+    q.add_argument("--margin", type=_size_or_zero, metavar="SIZE",
+                   help="--fit-memory: compute margin (default 0.5 GiB + 4%% of the memory)")
 
     a = sub.add_parser("analyze", help="measure per-tensor errors, activations and super weights: DIR/report.json")
     a.add_argument("model", nargs="?", help="HF folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -208,7 +221,7 @@ def _quantize(a, bare: bool) -> int:
                          use_imatrix=not a.no_imatrix, evaluate=evaluate, eval_text=a.text, eval_chunks=a.chunks,
                          allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code, device=a.device,
                          progress=not a.json, gptq=a.gptq, gptq_damp=a.gptq_damp, target=a.target, save_plan=a.save_plan,
-                         allow_nonfinite=a.allow_nonfinite)
+                         allow_nonfinite=a.allow_nonfinite, **_fit_options(a))
     res = run_quantize(a.model, cfg)
     if a.json:
         print(json.dumps(res.to_dict(), indent=1))
@@ -224,9 +237,25 @@ def _quantize(a, bare: bool) -> int:
                 print(f"  GPTQ {f}: vector-quantized, {g['tensors']} tensors rounded plainly")
             else:
                 print(f"  GPTQ {f}: {g['gptq']}/{g['tensors']} tensors, held-out output error x{g['mean_ratio']:.3f} vs plain")
+    if res.fit:
+        print(f"  fits {res.fit.describe()}")
     if res.eval:
         _print_eval(res.eval)
     return 0
+
+
+def _fit_options(a) -> dict:
+    """QuantizeConfig's fit_* fields from --fit-memory / --fit-ctx / --kv-type / --margin.
+
+    Raises:
+        ValueError: --fit-ctx, --kv-type or --margin without --fit-memory.
+    """
+    given = {k: v for k, v in (("fit_ctx", a.fit_ctx), ("kv_type", a.kv_type), ("margin", a.margin)) if v is not None}
+    if a.fit_memory is None:
+        if given:
+            raise ValueError("--fit-ctx, --kv-type and --margin go with --fit-memory")
+        return {}
+    return {"fit_memory": a.fit_memory, **given}
 
 
 def _names(text: str | None) -> tuple[str, ...]:
