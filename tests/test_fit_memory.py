@@ -218,6 +218,28 @@ def test_bad_fit_options(capsys, argv, message):
     assert rc == 2 and message in capsys.readouterr().err
 
 
+def test_cli_passes_the_fit_options_and_prints_the_fit(capsys, monkeypatch):
+    import dynaquant.pipeline.quantize as quantize
+
+    seen = []
+    fit = memory_fit(KVShape((3,) * 30, 64, 64), 8 * GIB, 8192, "q8_0", margin_bytes=0)
+    plan = Plan("gguf", "m", [PlanEntry("blk.0.ffn_down.weight", None, (4, 32), "Q8_0", "Q8_0", "rule")])
+
+    def fake(model, cfg):
+        seen.append((cfg.fit_memory, cfg.fit_ctx, cfg.kv_type, cfg.margin, cfg.n_ctx, cfg.size))
+        return quantize.QuantizeResult("o.gguf", plan, 1000, 8.5, 1.0, fit=fit)
+
+    monkeypatch.setattr(quantize, "run_quantize", fake)
+    rc, out, err = _main(capsys, "quantize", "--fit-memory", "8GiB", "--fit-ctx", "8192", "--kv-type", "q8_0",
+                         "--margin", "0", "--no-eval")
+    assert rc == 0, err
+    assert seen == [(8 * GIB, 8192, "q8_0", 0, 512, None)]  # --ctx (calibration) untouched; size set by the run
+    assert "fits 8.00 GiB = file <= " in out and "KV cache 0.093 GiB (q8_0, 8192 tokens; 30 layers x 3 KV heads" in out
+    rc, out, _ = _main(capsys, "quantize", "--fit-memory", "8GiB", "--no-eval", "--json")
+    assert rc == 0 and json.loads(out)["fit"] == fit.to_dict()
+    assert seen[-1] == (8 * GIB, 4096, "f16", None, 512, None)  # the defaults: 4096 tokens, f16, default margin
+
+
 # -- the records ---------------------------------------------------------------------------------------------------
 
 
