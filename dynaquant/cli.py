@@ -39,6 +39,11 @@ def _size(text: str) -> int:
     return int(value)
 
 
+def _size_or_zero(text: str) -> int:
+    """``0`` or a :func:`_size` (argparse type)."""
+    return 0 if text.strip() == "0" else _size(text)
+
+
 def _bpw(text: str) -> float:
     """Bits per weight: a finite number above 0 and at most 32 (F32, the widest format) (argparse type)."""
     try:
@@ -130,6 +135,14 @@ def _parser() -> argparse.ArgumentParser:
                                                               "imatrix) to this hub model repository at the end")
     q.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
     q.add_argument("--hub-branch", metavar="BRANCH", help="with --push-to-hub: commit to this branch (created if missing)")
+    g.add_argument("--fit-memory", type=_size, metavar="SIZE",
+                   help="the largest file that runs in this memory (24GiB) with llama.cpp: file + KV cache at "
+                        "--fit-ctx tokens + --margin")
+    q.add_argument("--fit-ctx", type=_positive, metavar="TOKENS",
+                   help=f"--fit-memory: context of the KV cache (default {config.FIT_CTX}; --ctx is the calibration's)")
+    q.add_argument("--kv-type", choices=["f16", "q8_0"], help="--fit-memory: KV cache type (default f16)")
+    q.add_argument("--margin", type=_size_or_zero, metavar="SIZE",
+                   help="--fit-memory: compute margin (default 0.5 GiB + 4%% of the memory)")
 
     a = sub.add_parser("analyze", help="measure per-tensor errors, activations and super weights: DIR/report.json")
     a.add_argument("model", nargs="?", help="HF folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -219,7 +232,7 @@ def _quantize(a, bare: bool) -> int:
                          allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code, device=a.device,
                          progress=not a.json, gptq=a.gptq, gptq_damp=a.gptq_damp, target=a.target, save_plan=a.save_plan,
                          allow_nonfinite=a.allow_nonfinite, push_to_hub=a.push_to_hub, push_private=a.private,
-                         push_branch=a.hub_branch)
+                         push_branch=a.hub_branch, **_fit_options(a))
     if cfg.push_to_hub:
         from dynaquant.pipeline.push import check_push_target
 
@@ -240,6 +253,8 @@ def _quantize(a, bare: bool) -> int:
                 print(f"  GPTQ {f}: vector-quantized, {g['tensors']} tensors rounded plainly")
             else:
                 print(f"  GPTQ {f}: {g['gptq']}/{g['tensors']} tensors, held-out output error x{g['mean_ratio']:.3f} vs plain")
+    if res.fit:
+        print(f"  fits {res.fit.describe()}")
     if res.eval:
         _print_eval(res.eval)
     if url:
@@ -264,6 +279,20 @@ def _push(a) -> int:
     url = push_folder(a.folder, a.repo_id, private=a.private, revision=a.revision)
     print(f"published {a.folder} to {url}" + (f" (branch {a.revision})" if a.revision else ""))
     return 0
+
+
+def _fit_options(a) -> dict:
+    """QuantizeConfig's fit_* fields from --fit-memory / --fit-ctx / --kv-type / --margin.
+
+    Raises:
+        ValueError: --fit-ctx, --kv-type or --margin without --fit-memory.
+    """
+    given = {k: v for k, v in (("fit_ctx", a.fit_ctx), ("kv_type", a.kv_type), ("margin", a.margin)) if v is not None}
+    if a.fit_memory is None:
+        if given:
+            raise ValueError("--fit-ctx, --kv-type and --margin go with --fit-memory")
+        return {}
+    return {"fit_memory": a.fit_memory, **given}
 
 
 def _names(text: str | None) -> tuple[str, ...]:

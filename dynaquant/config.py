@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from dynaquant.analysis.calibration import CalibrationSpec
 from dynaquant.exporters.safetensors.writer import DEFAULT_SHARD_BYTES
+from dynaquant.quant.fit import FIT_CTX
 from dynaquant.quant.formats import get_format
 from dynaquant.quant.plan import Plan
 from dynaquant.quant.planner import GGUF_CANDIDATES
@@ -79,6 +80,10 @@ class QuantizeConfig:
         push_to_hub, push_private, push_branch: upload the output folder to this hub repository (``ORG/NAME``),
             created private with ``push_private``, on this branch (None: the default branch); see
             :func:`dynaquant.pipeline.push.push_folder`.
+        fit_memory: a size target in memory (bytes; GGUF only, instead of preset/bpw/size/plan): the file is planned
+            as ``size = fit_memory - KV cache at fit_ctx tokens of kv_type - margin`` (:mod:`dynaquant.quant.fit`);
+            fit_ctx: the context in tokens (default 4096; not ``n_ctx``, the calibration sequences' length);
+            kv_type: ``f16`` or ``q8_0``; margin: bytes for compute buffers (None: 0.5 GiB + 4 % of fit_memory).
     """
 
     output: PathLike | None = None
@@ -112,6 +117,10 @@ class QuantizeConfig:
     push_to_hub: str | None = None
     push_private: bool = False
     push_branch: str | None = None
+    fit_memory: int | None = None
+    fit_ctx: int = FIT_CTX
+    kv_type: str = "f16"
+    margin: int | None = None
 
     @property
     def explicit_target(self) -> bool:
