@@ -41,6 +41,11 @@ def _size(text: str) -> int:
     return int(value)
 
 
+def _size_or_zero(text: str) -> int:
+    """``0`` or a :func:`_size` (argparse type)."""
+    return 0 if text.strip() == "0" else _size(text)
+
+
 def _bpw(text: str) -> float:
     """Bits per weight: a finite number above 0 and at most 32 (F32, the widest format) (argparse type)."""
     try:
@@ -128,6 +133,18 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: refuse them, naming the tensor)")
     q.add_argument("--device", help="torch device (default: cuda if available)")
     q.add_argument("--json", action="store_true", help="machine-readable output")
+    q.add_argument("--push-to-hub", metavar="ORG/NAME", help="upload the output folder (card, model files, report, plan, "
+                                                              "imatrix) to this hub model repository at the end")
+    q.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
+    q.add_argument("--hub-branch", metavar="BRANCH", help="with --push-to-hub: commit to this branch (created if missing)")
+    g.add_argument("--fit-memory", type=_size, metavar="SIZE",
+                   help="the largest file that runs in this memory (24GiB) with llama.cpp: file + KV cache at "
+                        "--fit-ctx tokens + --margin")
+    q.add_argument("--fit-ctx", type=_positive, metavar="TOKENS",
+                   help=f"--fit-memory: context of the KV cache (default {config.FIT_CTX}; --ctx is the calibration's)")
+    q.add_argument("--kv-type", choices=["f16", "q8_0"], help="--fit-memory: KV cache type (default f16)")
+    q.add_argument("--margin", type=_size_or_zero, metavar="SIZE",
+                   help="--fit-memory: compute margin (default 0.5 GiB + 4%% of the memory)")
     q.add_argument("--card", action="store_true",
                    help="write a publishable folder: the model file(s), README.md (model card), plan, report, imatrix "
                         "and plots (-o FILE.gguf: folder FILE; turns on --eval unless --no-eval)")
@@ -189,6 +206,12 @@ def _parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="types, sizes and bpw per tensor and per layer of a GGUF file")
     i.add_argument("file")
     i.add_argument("--json", action="store_true")
+
+    pu = sub.add_parser("push", help="upload a finished output folder (card, model files, report, plan, imatrix) to the hub")
+    pu.add_argument("folder", help="the output folder: README.md card, .gguf shards or safetensors checkpoint, side files")
+    pu.add_argument("repo_id", metavar="ORG/NAME", help="hub model repository (created if missing)")
+    pu.add_argument("--private", action="store_true", help="create the repository private")
+    pu.add_argument("--revision", metavar="BRANCH", help="commit to this branch (created if missing; default: main)")
     return p
 
 
@@ -202,7 +225,7 @@ def _quantize(a, bare: bool, argv: list[str]) -> int:
     from dynaquant.config import QuantizeConfig
     from dynaquant.pipeline.quantize import run_quantize
 
-    evaluate = (a.evaluate or bare or a.card) and not a.no_eval
+    evaluate = (a.evaluate or bare or a.card or bool(a.push_to_hub)) and not a.no_eval
     calibration = a.calibration
     if a.calibration_images:
         from dynaquant.analysis.calibration import CalibrationSpec
@@ -215,13 +238,19 @@ def _quantize(a, bare: bool, argv: list[str]) -> int:
                          use_imatrix=not a.no_imatrix, evaluate=evaluate, eval_text=a.text, eval_chunks=a.chunks,
                          allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code, device=a.device,
                          progress=not a.json, gptq=a.gptq, gptq_damp=a.gptq_damp, target=a.target, save_plan=a.save_plan,
-                         allow_nonfinite=a.allow_nonfinite)
-    if a.card or a.compare_presets:
-        cfg = dataclasses.replace(cfg, card=a.card, compare_presets=a.compare_presets,
+                         allow_nonfinite=a.allow_nonfinite, push_to_hub=a.push_to_hub, push_private=a.private,
+                         push_branch=a.hub_branch, **_fit_options(a))
+    if cfg.push_to_hub:
+        from dynaquant.pipeline.push import check_push_target
+
+        check_push_target(cfg.push_to_hub)  # before the run: a bad id or no token fails now, not after it
+    if a.card or a.compare_presets or a.push_to_hub:  # --push-to-hub publishes the folder --card makes
+        cfg = dataclasses.replace(cfg, card=a.card or bool(a.push_to_hub), compare_presets=a.compare_presets,
                                   command=shlex.join(["dynaquant", *argv]))
     res = run_quantize(a.model, cfg)
+    url = _push_output(res, cfg) if cfg.push_to_hub else None
     if a.json:
-        print(json.dumps(res.to_dict(), indent=1))
+        print(json.dumps(res.to_dict() | ({"hub_url": url} if url else {}), indent=1))
         return 0
     print(f"wrote {res.output}" + (f" in the folder {res.folder} (model card: README.md)" if res.folder else ""))
     print(f"  {res.size_bytes / 1e6:.2f} MB, {res.bpw:.3f} bpw over tensor data, {res.time_s:.1f} s ({res.plan.method})")
@@ -234,9 +263,46 @@ def _quantize(a, bare: bool, argv: list[str]) -> int:
                 print(f"  GPTQ {f}: vector-quantized, {g['tensors']} tensors rounded plainly")
             else:
                 print(f"  GPTQ {f}: {g['gptq']}/{g['tensors']} tensors, held-out output error x{g['mean_ratio']:.3f} vs plain")
+    if res.fit:
+        print(f"  fits {res.fit.describe()}")
     if res.eval:
         _print_eval(res.eval)
+    if url:
+        print(f"published {url}" + (f" (branch {cfg.push_branch})" if cfg.push_branch else ""))
     return 0
+
+
+def _push_output(res, cfg) -> str:
+    """Upload the run's output folder (``QuantizeResult.folder``, made for --card / --push-to-hub)."""
+    from dynaquant.errors import InputError
+    from dynaquant.pipeline.push import push_folder
+
+    folder = getattr(res, "folder", None)
+    if folder is None:
+        raise InputError(f"--push-to-hub {cfg.push_to_hub}: this run made no output folder to publish ({res.output})")
+    return push_folder(folder, cfg.push_to_hub, private=cfg.push_private, revision=cfg.push_branch)
+
+
+def _push(a) -> int:
+    from dynaquant.pipeline.push import push_folder
+
+    url = push_folder(a.folder, a.repo_id, private=a.private, revision=a.revision)
+    print(f"published {a.folder} to {url}" + (f" (branch {a.revision})" if a.revision else ""))
+    return 0
+
+
+def _fit_options(a) -> dict:
+    """QuantizeConfig's fit_* fields from --fit-memory / --fit-ctx / --kv-type / --margin.
+
+    Raises:
+        ValueError: --fit-ctx, --kv-type or --margin without --fit-memory.
+    """
+    given = {k: v for k, v in (("fit_ctx", a.fit_ctx), ("kv_type", a.kv_type), ("margin", a.margin)) if v is not None}
+    if a.fit_memory is None:
+        if given:
+            raise ValueError("--fit-ctx, --kv-type and --margin go with --fit-memory")
+        return {}
+    return {"fit_memory": a.fit_memory, **given}
 
 
 def _names(text: str | None) -> tuple[str, ...]:
@@ -388,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(a)
         if a.command == "report":
             return _report(a)
+        if a.command == "push":
+            return _push(a)
         return _inspect(a)
     except (ValueError, KeyError, OSError) as exc:
         print(f"dynaquant {a.command}: error: {_error_message(exc)}", file=sys.stderr)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from dynaquant.analysis.calibration import CalibrationSpec
 from dynaquant.exporters.safetensors.writer import DEFAULT_SHARD_BYTES
+from dynaquant.quant.fit import FIT_CTX
 from dynaquant.quant.formats import get_format
 from dynaquant.quant.plan import Plan
 from dynaquant.quant.planner import GGUF_CANDIDATES
@@ -76,6 +77,13 @@ class QuantizeConfig:
         save_plan: also write the plan JSON here.
         keep_super_weights, max_shard_bytes: safetensors only (super weights kept exactly; shard size).
         fisher_sequences: Fisher sequences of the analysis run here when no report is given.
+        push_to_hub, push_private, push_branch: upload the output folder to this hub repository (``ORG/NAME``),
+            created private with ``push_private``, on this branch (None: the default branch); see
+            :func:`dynaquant.pipeline.push.push_folder`.
+        fit_memory: a size target in memory (bytes; GGUF only, instead of preset/bpw/size/plan): the file is planned
+            as ``size = fit_memory - KV cache at fit_ctx tokens of kv_type - margin`` (:mod:`dynaquant.quant.fit`);
+            fit_ctx: the context in tokens (default 4096; not ``n_ctx``, the calibration sequences' length);
+            kv_type: ``f16`` or ``q8_0``; margin: bytes for compute buffers (None: 0.5 GiB + 4 % of fit_memory).
         card, compare_presets, command: publish a folder with a model card (:mod:`dynaquant.pipeline.publish`);
             also measure the uniform preset of the nearest size for it; the command line the card shows (None:
             the Python equivalent).
@@ -109,6 +117,13 @@ class QuantizeConfig:
     keep_super_weights: bool = True
     max_shard_bytes: int = DEFAULT_SHARD_BYTES
     fisher_sequences: int = FISHER_SEQUENCES
+    push_to_hub: str | None = None
+    push_private: bool = False
+    push_branch: str | None = None
+    fit_memory: int | None = None
+    fit_ctx: int = FIT_CTX
+    kv_type: str = "f16"
+    margin: int | None = None
     card: bool = False
     compare_presets: bool = False
     command: str | None = None

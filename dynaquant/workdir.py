@@ -50,6 +50,15 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def is_temporary(name: str) -> bool:
+    """Whether a file or folder name is one of dynaquant's temporary entries, of a live or a dead run:
+    ``.<output name>.<pid>.<hex>.dynaquant-work`` (a work folder) or ``.<output name>.<pid>.<hex>.tmp``."""
+    if not name.startswith("."):
+        return False
+    # ".<output name>." then the tail; the output name may itself hold dots: try each split
+    return any(_TAIL.match(name[i + 1:]) for i in range(1, len(name)) if name[i] == ".")
+
+
 def stale_entries(output: str | os.PathLike) -> list[Path]:
     """Temporary files and work folders of ``output`` left by runs whose process is gone (oldest name first)."""
     output = Path(output)

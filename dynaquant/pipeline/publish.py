@@ -245,7 +245,9 @@ class Publisher:
         ev: EvalResult | None = result.eval
         license_, language = source_metadata(source)
         fit = getattr(result, "fit", None)
-        if dataclasses.is_dataclass(fit):
+        if hasattr(fit, "to_dict"):  # --fit-memory's assumptions (quant.fit.MemoryFit)
+            fit = fit.to_dict()
+        elif dataclasses.is_dataclass(fit):
             fit = dataclasses.asdict(fit)
         return CardFacts(
             target=target.name, base_model=source.model_id if source.origin == "hub" else source.path.name,

@@ -24,6 +24,7 @@ from dynaquant.analysis.stats import ModelStats, collect_stats, compute_imatrix
 from dynaquant.config import CALIBRATION_CHUNKS, EVAL_CHUNKS, GPTQ_DAMP, N_CTX, QuantizeConfig
 from dynaquant.pipeline import analyze as analysis_stage
 from dynaquant.pipeline.evaluate import evaluate_written
+from dynaquant.pipeline.fit import fit_errors, fit_target
 from dynaquant.pipeline.gptq import GPTQRounding
 from dynaquant.pipeline.plan import PlanStart, check_imatrix_needs, imatrix_path, plan_before_model, plan_from_report
 from dynaquant.pipeline.preflight import Output, check_budget, check_outputs, plan_json_bytes_bound, tensor_bytes_bound
@@ -37,6 +38,7 @@ from dynaquant.pipeline.source import (
     tensor_infos,
 )
 from dynaquant.pipeline.targets import RunState, Target, target_of
+from dynaquant.quant.fit import FIT_CTX, KV_TYPES, MemoryFit
 from dynaquant.quant.formats import get_format
 from dynaquant.quant.plan import Plan
 from dynaquant.quant.presets import PRESETS
@@ -61,6 +63,7 @@ class QuantizeResult:
         eval: quality against the source, when asked for.
         mmproj: the vision GGUF written beside ``output`` for a vision-language checkpoint
             (``mmproj-<output name>``, F16; llama.cpp's ``--mmproj``), else None.
+        fit: the memory-fit assumptions of a ``fit_memory`` run (:class:`dynaquant.quant.fit.MemoryFit`), else None.
         folder: the published folder (``card``: model files, README.md, plan, report, imatrix), else None.
     """
 
@@ -74,6 +77,7 @@ class QuantizeResult:
     timings_s: dict = field(default_factory=dict)
     gptq: dict | None = None
     mmproj: Path | None = None
+    fit: MemoryFit | None = None
     folder: Path | None = None
 
     def to_dict(self) -> dict:
@@ -83,6 +87,7 @@ class QuantizeResult:
             "imatrix_chunks": self.imatrix_chunks, "method": self.plan.method,
             "formats": self.plan.count_by_format(), "eval": self.eval.to_dict() if self.eval else None,
             "gptq": self.gptq, **({"mmproj": str(self.mmproj)} if self.mmproj else {}),
+            **({"fit": self.fit.to_dict()} if self.fit is not None else {}),
             **({"folder": str(self.folder)} if self.folder else {}),
         }
 
@@ -96,7 +101,9 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
              eval_text: str | os.PathLike | None = None, eval_chunks: int = EVAL_CHUNKS, allow_pickle: bool = False,
              trust_remote_code: bool = False, device: str | None = None, progress: bool = True,
              gptq: bool = False, gptq_damp: float = GPTQ_DAMP, target: str = "gguf",
-             save_plan: str | os.PathLike | None = None, allow_nonfinite: bool = False) -> QuantizeResult:
+             save_plan: str | os.PathLike | None = None, allow_nonfinite: bool = False,
+             fit_memory: int | None = None, fit_ctx: int = FIT_CTX, kv_type: str = "f16",
+             margin: int | None = None) -> QuantizeResult:
     """Quantize a model to a mixed-precision GGUF file (or, ``target="safetensors"``, a safetensors checkpoint).
 
     Targets (at most one): ``preset`` (a llama.cpp mix, tensor by tensor as llama-quantize decides),
@@ -131,6 +138,12 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         allow_nonfinite: NaN and Inf weights are refused (``InputError`` naming the tensor and its file; a model
             loaded for calibration is checked before its first forward pass); with this they are written as
             :mod:`dynaquant.sources.nonfinite` documents (NaN -> 0, +-Inf -> +-the tensor's largest finite |value|).
+        fit_memory: a size target in memory (bytes; GGUF; instead of preset/bpw/size/plan): planned as
+            ``size = fit_memory - KV cache - margin``, the KV cache llama.cpp's at ``fit_ctx`` tokens (default 4096;
+            ``n_ctx`` is the calibration's) in ``kv_type`` (``f16`` or ``q8_0``) from the model's config or GGUF
+            metadata, ``margin`` (bytes; None: 0.5 GiB + 4 % of ``fit_memory``); see :mod:`dynaquant.quant.fit`.
+            The assumptions are recorded in the plan's and the result's ``fit``; a memory below KV cache + margin +
+            the smallest possible plan raises ``planner.BudgetError`` with those numbers, before any analysis.
     Returns:
         QuantizeResult (``gptq`` says per format how many tensors took GPTQ and the mean error ratio,
         or ``plain_only`` for the vector-quantized formats).
@@ -149,7 +162,8 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         calibration=calibration, calibration_chunks=calibration_chunks, n_ctx=n_ctx, use_imatrix=use_imatrix,
         default_rules_on=default_rules_on, evaluate=evaluate, eval_text=eval_text, eval_chunks=eval_chunks,
         allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, device=device, progress=progress, gptq=gptq,
-        gptq_damp=gptq_damp, target=target, save_plan=save_plan, allow_nonfinite=allow_nonfinite))
+        gptq_damp=gptq_damp, target=target, save_plan=save_plan, allow_nonfinite=allow_nonfinite,
+        fit_memory=fit_memory, fit_ctx=fit_ctx, kv_type=kv_type, margin=margin))
 
 
 def run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig) -> QuantizeResult:
@@ -171,7 +185,12 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
     source = resolve_source(model, allow_pickle=cfg.allow_pickle, trust_remote_code=cfg.trust_remote_code)
     ts = open_tensor_source(source, full_vl=target.full_vl)
     tensors, info = tensor_infos(ts), model_info(ts)
-    start = plan_before_model(cfg, target, source, ts, tensors, info)
+    fit = fit_target(cfg, ts)  # --fit-memory: planned as --size memory - KV cache - margin
+    cfg = replace(cfg, size=max(fit.size_bytes, 1)) if fit is not None else cfg
+    with fit_errors(fit):
+        start = plan_before_model(cfg, target, source, ts, tensors, info)
+    if fit is not None and start.plan is not None:
+        start.plan.fit = fit
     imat_path = imatrix_path(cfg.imatrix, cfg.report, start.report, start.loaded, start.where, cfg.use_imatrix)
     needs_analysis = start.dynamic and start.report is None
     needs_imatrix = cfg.use_imatrix and imat_path is None and not needs_analysis and (
@@ -193,7 +212,9 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
         im, stats = _imatrix(cfg, target, hf_model, tokenizer, timings)
     plan, size = start.plan, start.size
     if plan is None:
-        plan, size = plan_from_report(cfg, target, start, tensors, info, source.model_id)
+        with fit_errors(fit):
+            plan, size = plan_from_report(cfg, target, start, tensors, info, source.model_id)
+        plan.fit = fit
         if cfg.save_plan is not None:
             write_json(plan.to_dict(), cfg.save_plan)
     rounding = None
@@ -208,7 +229,7 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
     path, nbytes = write_output(run, target, output)
     timings["quantize_s"] = time.perf_counter() - t2
     result = QuantizeResult(path, plan, nbytes, plan.bpw, time.perf_counter() - t0, im.chunks if im else 0,
-                            timings_s=timings, gptq=rounding.summary() if rounding else None)
+                            timings_s=timings, gptq=rounding.summary() if rounding else None, fit=fit)
     if size is not None and nbytes > size:  # the overhead estimate is an upper bound; never expected
         target.discard(path)
         raise RuntimeError(f"{path}: {nbytes} bytes exceeds the target {size}; removed")
@@ -256,6 +277,14 @@ def _check_options(cfg: QuantizeConfig) -> Target:
     if cfg.preset is not None and cfg.preset.upper() not in PRESETS:
         raise ValueError(f"unknown preset {cfg.preset!r}; known presets: {', '.join(PRESETS)}")
     check_budget(cfg.bpw, cfg.size)
+    if cfg.fit_memory is not None:
+        if target.name != "gguf" or any(x is not None for x in (cfg.preset, cfg.bpw, cfg.size, cfg.plan)):
+            raise ValueError("fit_memory sizes a GGUF file for llama.cpp's memory: give it alone, without preset, bpw, "
+                             "size or plan, and without target safetensors")
+        if cfg.kv_type not in KV_TYPES or cfg.fit_ctx < 1 or cfg.fit_memory < 1 or (cfg.margin or 0) < 0:
+            raise ValueError(f"fit_memory {cfg.fit_memory}, fit_ctx {cfg.fit_ctx}, margin {cfg.margin}, kv_type "
+                             f"{cfg.kv_type!r}: memory and context must be positive, the margin >= 0, the KV type one "
+                             f"of {', '.join(KV_TYPES)}")
     return target
 
 

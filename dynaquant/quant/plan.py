@@ -15,6 +15,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from dynaquant.names import TensorName
+from dynaquant.quant.fit import MemoryFit
 from dynaquant.quant.formats import FORMATS, get_format
 
 TARGETS = ("gguf", "safetensors")
@@ -177,6 +178,7 @@ class Plan:
         rules: the user rules applied (``"ffn_down=Q6_K"``), in order.
         budget: the target given (``{"bpw": 4.5}`` or ``{"size_bytes": 100_000_000}``), or {}.
         sources: the analysis artifacts the plan was made from (``{"report": path, "imatrix": path}``), or {}.
+        fit: the memory-fit assumptions behind ``budget`` (``--fit-memory``), or None (then absent from the JSON).
     """
 
     target: str
@@ -186,6 +188,7 @@ class Plan:
     rules: list[str] = field(default_factory=list)
     budget: dict = field(default_factory=dict)
     sources: dict = field(default_factory=dict)
+    fit: MemoryFit | None = None
 
     @property
     def size_bytes(self) -> int:
@@ -227,6 +230,7 @@ class Plan:
             "method": self.method,
             "rules": list(self.rules),
             "budget": dict(self.budget),
+            **({"fit": self.fit.to_dict()} if self.fit is not None else {}),
             "sources": dict(self.sources),
             "size_bytes": self.size_bytes,
             "bpw": round(self.bpw, 4),
@@ -239,7 +243,7 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict, source: str = "plan") -> Plan:
         """Build and validate a plan from its dict (``to_dict``'s layout; ``version``, ``model``, ``method``,
-        ``rules``, ``budget``, ``sources`` and each entry's ``hf_name``, ``requested``, ``reason``,
+        ``rules``, ``budget``, ``fit``, ``sources`` and each entry's ``hf_name``, ``requested``, ``reason``,
         ``kld_pred`` optional; the derived ``size_bytes``, ``bpw`` and ``kld_pred`` totals are recomputed).
 
         Raises:
@@ -247,7 +251,7 @@ class Plan:
                 ``format`` or ``shape`` or has a non-positive dimension, a tensor appears twice, an unknown
                 target or format name, a format not allowed in the target's files, a format whose block size
                 does not divide the tensor's rows, a ``kld_pred`` that is negative or not finite, a bad
-                ``budget``, or entries whose tensor data exceeds the plan's own ``budget``; the message names
+                ``budget`` or ``fit``, or entries whose tensor data exceeds the plan's own ``budget``; the message names
                 ``source`` and the entry.
         """
         if not isinstance(d, dict):
@@ -280,7 +284,11 @@ class Plan:
         sources = _opt(d, "sources", dict, {}, source)
         if not all(isinstance(v, str) for v in sources.values()):
             raise PlanError(f"{source}: 'sources' values must be file paths (strings)")
-        plan = cls(target, model, entries, method, list(rules), _budget(d, source), dict(sources))
+        try:
+            fit = MemoryFit.from_dict(d["fit"], source) if d.get("fit") is not None else None
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+        plan = cls(target, model, entries, method, list(rules), _budget(d, source), dict(sources), fit)
         plan._check_budget(source)
         return plan
 
