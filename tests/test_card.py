@@ -66,6 +66,10 @@ def test_published_folder_holds_exactly_the_outputs(published):
         assert (folder / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "<html" in (folder / "report.html").read_text()[:500].lower()
     assert published.to_dict()["folder"] == str(folder)
+    from dynaquant.pipeline.push import check_folder as check_publishable  # what 'dynaquant push' checks first
+
+    checked = check_publishable(folder)
+    assert checked.model_files == ("m.gguf",) and checked.base_model == "tiny-llama"
 
 
 def test_card_metadata_parses_back_and_round_trips(published):
@@ -110,6 +114,9 @@ def test_card_without_eval_says_not_measured(tiny, cheap, tmp_path):
     assert "Calibration data: none" in text
     assert f"run_quantize({str(tiny)!r}, QuantizeConfig(output={str(tmp_path / 'out')!r}, preset='Q8_0', use_imatrix=False, " \
         "device='cpu', card=True))" in text  # the Python equivalent, with the output as given
+    from dynaquant.pipeline.push import check_folder as check_publishable
+
+    assert check_publishable(folder).files == ("README.md", "out.gguf", "plan.json", "plan.png")
     res2 = run_quantize(str(tiny), cheap)  # an earlier dynaquant folder is replaced
     assert res2.folder == folder and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
