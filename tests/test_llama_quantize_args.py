@@ -130,6 +130,10 @@ def test_what_cannot_be_expressed_is_refused():
     # all one float type: that file type, nothing named (llama-quantize ignores overrides under a float base)
     a = llama_quantize_args(_plan([("token_embd.weight", "F16", [64, 256]), ("blk.0.ffn_down.weight", "F16", [256, 512])]))
     assert (a.base_type, a.tensor_types, a.token_embedding_type) == ("F16", (), "f16")
+    # per_layer_token_embd follows --token-embedding-type unless a pattern names it: always named
+    a = llama_quantize_args(_plan([("token_embd.weight", "Q8_0", [64, 256]), ("per_layer_token_embd.weight", "F16", [64, 256]),
+                                   ("blk.0.ffn_down.weight", "F16", [256, 512])]))
+    assert a.base_type == "Q8_0" and (r"^per_layer_token_embd\.weight$", "f16") in a.tensor_types
 
 
 def test_command_is_shell_quoted_one_option_a_line():

@@ -270,7 +270,9 @@ def llama_quantize_args(plan: Plan, imatrix: str | None = None, source: str = "p
         base = max(sorted(weights), key=lambda f: weights[f])
     else:
         floats = set(choice.values())
-        base = floats.pop() if len(floats) == 1 and floats <= _FLOATS else "Q8_0"
+        # under a float base no pattern applies, and per_layer_token_embd follows --token-embedding-type
+        same_embd = fmts.get(PER_LAYER_TOKEN_EMBD) in (None, fmts.get(TOKEN_EMBD))
+        base = floats.pop() if len(floats) == 1 and floats <= _FLOATS and same_embd else "Q8_0"
     quantized_base = base not in _FLOATS
     wanted = {n: f.lower() for n, f in choice.items() if quantized_base and (f != base or n == PER_LAYER_TOKEN_EMBD)}
     args = LlamaQuantizeArgs(
