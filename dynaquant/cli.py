@@ -178,8 +178,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--json", action="store_true")
 
     pl = sub.add_parser("plan", help="a dynamic plan from an analysis report, within a budget")
-    pl.add_argument("report", help="report.json written by dynaquant analyze")
-    g = pl.add_mutually_exclusive_group(required=True)
+    pl.add_argument("report", help="report.json written by dynaquant analyze (with --llama-quantize and no budget: "
+                                   "a plan.json)")
+    g = pl.add_mutually_exclusive_group()
     g.add_argument("--bpw", type=_bpw, help="average bits per weight over all tensor data, at most")
     g.add_argument("--size", type=_size, help="whole output file size, at most (bytes, or 80MB, 1.5GiB)")
     pl.add_argument("--target", default="gguf", choices=["gguf", "safetensors"])
@@ -187,6 +188,10 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-default-rules", action="store_true")
     pl.add_argument("-o", "--output", default="plan.json")
     pl.add_argument("--json", action="store_true")
+    pl.add_argument("--llama-quantize", action="store_true",
+                    help="also print the plan as llama-quantize arguments (JSON with --json); without --bpw/--size, "
+                         "REPORT is a plan.json to print")
+    pl.set_defaults(subparser=pl)
 
     r = sub.add_parser("report", help="render an analysis report as a self-contained HTML page")
     r.add_argument("report", help="report.json")
@@ -346,15 +351,35 @@ def _analyze(a) -> int:
 
 
 def _plan(a) -> int:
-    from dynaquant.pipeline.plan import make_dynamic_plan
+    from dynaquant.pipeline.plan import load_plan, make_dynamic_plan
 
+    if a.bpw is None and a.size is None:
+        if not a.llama_quantize:
+            a.subparser.error("one of the arguments --bpw --size is required (or --llama-quantize with a plan.json)")
+        return _print_llama_quantize(load_plan(a.report), a.report, a.json)
+    if a.llama_quantize and a.target != "gguf":
+        a.subparser.error("--llama-quantize needs a gguf plan (llama-quantize writes GGUF files only)")
     plan = make_dynamic_plan(a.report, bpw=a.bpw, size=a.size, rules=a.rule, target=a.target,
                              default_rules_on=not a.no_default_rules, output=a.output)
-    if a.json:
+    if a.json and not a.llama_quantize:
         print(json.dumps(plan.to_dict(), indent=1))
         return 0
-    print(f"wrote {a.output}: {plan.size_bytes} bytes of tensor data, {plan.bpw:.3f} bpw, "
-          f"predicted KLD {plan.kld_pred or 0:.5f} ({plan.method})")
+    if not a.json:
+        print(f"wrote {a.output}: {plan.size_bytes} bytes of tensor data, {plan.bpw:.3f} bpw, "
+              f"predicted KLD {plan.kld_pred or 0:.5f} ({plan.method})")
+    return _print_llama_quantize(plan, a.output, a.json) if a.llama_quantize else 0
+
+
+def _print_llama_quantize(plan, where, as_json: bool) -> int:
+    """The plan as llama-quantize arguments: the shell command (MODEL-BF16.gguf / OUTPUT.gguf to replace), or JSON."""
+    from dynaquant.exporters.gguf.llama_quantize import llama_quantize_args
+
+    args = llama_quantize_args(plan, source=str(where))
+    if as_json:
+        print(json.dumps(args.to_dict(), indent=1))
+        return 0
+    print(f"# {where} with llama.cpp: MODEL-BF16.gguf is the unquantized model (BF16/F16/F32 GGUF)")
+    print(args.command())
     return 0
 
 
