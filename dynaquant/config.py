@@ -76,6 +76,9 @@ class QuantizeConfig:
         save_plan: also write the plan JSON here.
         keep_super_weights, max_shard_bytes: safetensors only (super weights kept exactly; shard size).
         fisher_sequences: Fisher sequences of the analysis run here when no report is given.
+        split_max_size, split_max_tensors: GGUF only: split the file into llama.cpp shards (``NAME-00001-of-00003.gguf``)
+            of at most this many bytes of tensor data / tensors each (0: no limit); under them, one file.
+        source_revision: a hub source's branch, tag or commit to fetch (None: the default branch).
     """
 
     output: PathLike | None = None
@@ -106,6 +109,9 @@ class QuantizeConfig:
     keep_super_weights: bool = True
     max_shard_bytes: int = DEFAULT_SHARD_BYTES
     fisher_sequences: int = FISHER_SEQUENCES
+    split_max_size: int = 50_000_000_000  # the hub's file size limit (bytes); 0: never split
+    split_max_tensors: int = 0
+    source_revision: str | None = None
 
     @property
     def explicit_target(self) -> bool:

@@ -60,6 +60,8 @@ class QuantizeResult:
         eval: quality against the source, when asked for.
         mmproj: the vision GGUF written beside ``output`` for a vision-language checkpoint
             (``mmproj-<output name>``, F16; llama.cpp's ``--mmproj``), else None.
+        files: the files written (``[output]``; a split GGUF: its shards in order, ``output`` the first; ``mmproj``
+            not included); ``size_bytes`` is their sum.
     """
 
     output: Path
@@ -72,6 +74,7 @@ class QuantizeResult:
     timings_s: dict = field(default_factory=dict)
     gptq: dict | None = None
     mmproj: Path | None = None
+    files: list[Path] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {
@@ -80,6 +83,7 @@ class QuantizeResult:
             "imatrix_chunks": self.imatrix_chunks, "method": self.plan.method,
             "formats": self.plan.count_by_format(), "eval": self.eval.to_dict() if self.eval else None,
             "gptq": self.gptq, **({"mmproj": str(self.mmproj)} if self.mmproj else {}),
+            **({"files": [str(p) for p in self.files]} if len(self.files) > 1 else {}),
         }
 
 
@@ -158,7 +162,8 @@ def run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig) -> Quanti
     first = [Output(Path(cfg.output), folder=target.folder_output)] if cfg.output is not None else []
     check_outputs(first + ([Output(Path(cfg.save_plan))] if cfg.save_plan is not None else []), inputs=inputs, source=model)
     device = cfg.device or default_device()
-    source = resolve_source(model, allow_pickle=cfg.allow_pickle, trust_remote_code=cfg.trust_remote_code)
+    source = resolve_source(model, allow_pickle=cfg.allow_pickle, trust_remote_code=cfg.trust_remote_code,
+                            revision=cfg.source_revision)
     ts = open_tensor_source(source, full_vl=target.full_vl)
     tensors, info = tensor_infos(ts), model_info(ts)
     start = plan_before_model(cfg, target, source, ts, tensors, info)
@@ -192,13 +197,13 @@ def run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig) -> Quanti
     imat = _importance(cfg, target, im, imat_path, ts, info)
     check_imatrix_needs(plan, set(imat))
     run = RunState(cfg, source, ts, plan, start.loaded is not None, im, imat, rounding, torch.device(device), start.report,
-                   hf_model if target.needs_model else None, tokenizer)
+                   hf_model if target.needs_model else None, tokenizer, imat_path if im is None and cfg.use_imatrix else None)
     hf_model = None  # the source model is not kept for the evaluation: it is loaded again at the end
     t2 = time.perf_counter()
     path, nbytes = write_output(run, target, output)
     timings["quantize_s"] = time.perf_counter() - t2
     result = QuantizeResult(path, plan, nbytes, plan.bpw, time.perf_counter() - t0, im.chunks if im else 0,
-                            timings_s=timings, gptq=rounding.summary() if rounding else None)
+                            timings_s=timings, gptq=rounding.summary() if rounding else None, files=target.written)
     if size is not None and nbytes > size:  # the overhead estimate is an upper bound; never expected
         target.discard(path)
         raise RuntimeError(f"{path}: {nbytes} bytes exceeds the target {size}; removed")
