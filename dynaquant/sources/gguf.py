@@ -249,9 +249,9 @@ def is_split_gguf(path: str | os.PathLike) -> bool:
 
 def merge_gguf_shards(path: str | os.PathLike, dest: str | os.PathLike) -> Path:
     """Write the split GGUF whose first shard is ``path`` as one GGUF file ``dest`` (what ``llama-gguf-split --merge``
-    does): the first shard's metadata without ``split.*``, every shard's tensors in order with their stored bytes and
-    types; for readers that take one file only (transformers' GGUF loader). ``dest`` is written as is (the caller
-    puts it in a temporary folder).
+    does): the first shard's metadata without ``split.*`` (and without empty or nested arrays, which gguf-py's writer
+    cannot write), every shard's tensors in order with their stored bytes and types; for readers that take one file
+    only (transformers' GGUF loader). ``dest`` is written as is (the caller puts it in a temporary folder).
 
     Raises:
         InputError: a shard missing or damaged (see :func:`dynaquant.sources.readers.open_gguf_shards`).
@@ -262,7 +262,14 @@ def merge_gguf_shards(path: str | os.PathLike, dest: str | os.PathLike) -> Path:
     for key, field in first.fields.items():
         if key.startswith(("GGUF.", "split.")) or key == gguf.Keys.General.ARCHITECTURE:
             continue
-        value, vtype, sub = _field_value(field)
+        if field.types == [GGUFValueType.ARRAY]:  # an empty array: gguf-py's writer cannot write one; no loader needs it
+            logger.debug("%s: not copying the empty array %s", path, key)
+            continue
+        try:
+            value, vtype, sub = _field_value(field)
+        except NotImplementedError:
+            logger.debug("%s: not copying %s (nested arrays)", path, key)
+            continue
         writer.add_key_value(key, value, vtype, sub_type=sub)
     writer.data_alignment = first.alignment
     tensors = [rt for r in readers for rt in r.tensors]
