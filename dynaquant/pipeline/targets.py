@@ -239,7 +239,8 @@ def provenance_kv(source: ModelSource, im: Imatrix | None, imatrix_file: Path | 
     kv: dict = {}
     if used and im is not None:
         kv.update({"quantize.imatrix.file": IMATRIX_COMPUTED_HERE, "quantize.imatrix.dataset": im.dataset[:127],
-                   "quantize.imatrix.entries_count": np.uint32(len(im.sums)), "quantize.imatrix.chunks_count": np.uint32(im.chunks)})
+                   "quantize.imatrix.entries_count": np.uint32(len(im.sums)),
+                   "quantize.imatrix.chunks_count": np.uint32(im.chunks)})
     elif used and imatrix_file is not None:
         from dynaquant.analysis.imatrix_io import load_imatrix
 

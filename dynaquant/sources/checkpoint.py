@@ -30,8 +30,7 @@ import re
 import shutil
 import tempfile
 import weakref
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -416,7 +415,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
     if source.kind == "gguf" and is_split_gguf(source.path):
         with tempfile.TemporaryDirectory(prefix="dynaquant-merged-") as tmp:
             merged = merge_gguf_shards(source.path, Path(tmp) / source.path.name)
-            return load_model(dataclasses.replace(source, path=merged), dtype=dtype, device=device)
+            return load_model(replace(source, path=merged), dtype=dtype, device=device)
     kw = _from_pretrained_kwargs(source)
     if source.kind == "hf":
         if vl_full_arch(source.path):
