@@ -150,6 +150,12 @@ def _parser() -> argparse.ArgumentParser:
                         "and plots (-o FILE.gguf: folder FILE; turns on --eval unless --no-eval)")
     q.add_argument("--compare-presets", action="store_true",
                    help="with --card: also measure the uniform llama.cpp preset of the nearest size, for the card")
+    q.add_argument("--split-max-size", type=_size, default=config.QuantizeConfig.split_max_size, metavar="SIZE",
+                   help="GGUF: split into llama.cpp shards of at most SIZE of tensor data each (K/M/G = 1000-based, "
+                        "as llama-gguf-split; default 50G, the hub's file limit)")
+    q.add_argument("--split-max-tensors", type=_count(0), default=0, metavar="N",
+                   help="GGUF: split into shards of at most N tensors each (default 0: no limit)")
+    q.add_argument("--source-revision", metavar="REV", help="hub source: the branch, tag or commit to fetch (recorded)")
 
     a = sub.add_parser("analyze", help="measure per-tensor errors, activations and super weights: DIR/report.json")
     a.add_argument("model", nargs="?", help="HF folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -244,7 +250,8 @@ def _quantize(a, bare: bool, argv: list[str]) -> int:
                          allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code, device=a.device,
                          progress=not a.json, gptq=a.gptq, gptq_damp=a.gptq_damp, target=a.target, save_plan=a.save_plan,
                          allow_nonfinite=a.allow_nonfinite, push_to_hub=a.push_to_hub, push_private=a.private,
-                         push_branch=a.hub_branch, **_fit_options(a))
+                         push_branch=a.hub_branch, split_max_size=a.split_max_size,
+                         split_max_tensors=a.split_max_tensors, source_revision=a.source_revision, **_fit_options(a))
     if cfg.push_to_hub:
         from dynaquant.pipeline.push import check_push_target
 
@@ -257,7 +264,9 @@ def _quantize(a, bare: bool, argv: list[str]) -> int:
     if a.json:
         print(json.dumps(res.to_dict() | ({"hub_url": url} if url else {}), indent=1))
         return 0
-    print(f"wrote {res.output}" + (f" in the folder {res.folder} (model card: README.md)" if res.folder else ""))
+    print(f"wrote {res.output}" + (f" (shard 1 of {len(res.files)}: {', '.join(p.name for p in res.files)})"
+                                   if len(res.files) > 1 else "")
+          + (f" in the folder {res.folder} (model card: README.md)" if res.folder else ""))
     print(f"  {res.size_bytes / 1e6:.2f} MB, {res.bpw:.3f} bpw over tensor data, {res.time_s:.1f} s ({res.plan.method})")
     mix = ", ".join(f"{f} {100 * n / res.plan.n_elements:.1f}%" for f, n in
                     sorted(res.plan.count_by_format().items(), key=lambda kv: -kv[1]))

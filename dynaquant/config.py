@@ -87,6 +87,9 @@ class QuantizeConfig:
         card, compare_presets, command: publish a folder with a model card (:mod:`dynaquant.pipeline.publish`);
             also measure the uniform preset of the nearest size for it; the command line the card shows (None:
             the Python equivalent).
+        split_max_size, split_max_tensors: GGUF only: split the file into llama.cpp shards (``NAME-00001-of-00003.gguf``)
+            of at most this many bytes of tensor data / tensors each (0: no limit); under them, one file.
+        source_revision: a hub source's branch, tag or commit to fetch (None: the default branch).
     """
 
     output: PathLike | None = None
@@ -127,6 +130,9 @@ class QuantizeConfig:
     card: bool = False
     compare_presets: bool = False
     command: str | None = None
+    split_max_size: int = 50_000_000_000  # the hub's file size limit (bytes); 0: never split
+    split_max_tensors: int = 0
+    source_revision: str | None = None
 
     @property
     def explicit_target(self) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from dynaquant.errors import InputError
+from dynaquant.exporters.gguf.writer import is_output_file
+from dynaquant.sources.readers import gguf_shard_paths
 from dynaquant.workdir import remove_stale
 
 MAX_BPW = 32.0  # F32, the widest format: no budget above it changes a plan
@@ -64,11 +67,14 @@ class Output:
         path: the file (or, ``folder``, the folder) the run writes.
         max_bytes: upper bound of the bytes written there (None: no disk space check).
         folder: a folder the run replaces as a whole (safetensors checkpoint): no input may be inside it.
+        shards: a GGUF file that may be written as llama.cpp shards beside ``path`` (``NAME-00001-of-00003.gguf``),
+            replacing an earlier output's shards of any count: no input may have such a name either.
     """
 
     path: Path
     max_bytes: int | None = None
     folder: bool = False
+    shards: bool = False
 
 
 def tensor_bytes_bound(tensors: Iterable[Any], overhead_bytes: int, *, bpw: float | None = None, size: int | None = None,
@@ -182,6 +188,13 @@ def _probe_writable(out: Path, folder: Path) -> None:
         pass
 
 
+def source_files(path: Path) -> list[Path]:
+    """A GGUF source's files: ``[path]``, or, for a first shard ``NAME-00001-of-00003.gguf``, every shard of its set
+    (by name, nothing read)."""
+    m = re.fullmatch(r"(.*)-00001-of-(\d{5})\.gguf", path.name)
+    return gguf_shard_paths(path, int(m[2])) if m is not None and int(m[2]) > 1 else [path]
+
+
 def _source_roles(source: Any) -> tuple[Path | None, Path | None]:
     """(source file, source folder) of a ModelSource or of the model argument as typed (only if it exists)."""
     if source is None:
@@ -214,13 +227,16 @@ def check_outputs(outputs: Sequence[Output], *, inputs: Mapping[str, Any] | None
     roles: list[tuple[str, Path]] = [(role, p) for role, v in (inputs or {}).items() for p in _input_paths(v)]
     src_file, src_folder = _source_roles(source)
     if src_file is not None:
-        roles.append(("source model", src_file))
+        roles += [("source model", p) for p in source_files(src_file)]
     seen: list[Path] = []
     for o in outputs:
         out = Path(o.path).expanduser()
         for role, p in roles:
             if _same(out, p):
                 raise InputError(f"{out}: is the {role} ({p}); writing it would destroy an input; choose another output")
+            if o.shards and is_output_file(out, p):
+                raise InputError(f"{out}: the {role} {p} is a shard of this output's name, which the run writes or "
+                                 "removes; choose another output")
             if o.folder and _inside(p, out):
                 raise InputError(f"{out}: the {role} {p} is inside this output folder, which the run replaces; "
                                  "choose another output folder")

@@ -298,6 +298,7 @@ class Publisher:
         result.output = self.folder / result.output.name if result.output.parent == self.staging else self.folder
         if result.mmproj is not None:
             result.mmproj = self.folder / result.mmproj.name
+        result.files = [self.folder / p.name if p.parent == self.staging else p for p in result.files]
         return result
 
 

@@ -65,6 +65,8 @@ class QuantizeResult:
             (``mmproj-<output name>``, F16; llama.cpp's ``--mmproj``), else None.
         fit: the memory-fit assumptions of a ``fit_memory`` run (:class:`dynaquant.quant.fit.MemoryFit`), else None.
         folder: the published folder (``card``: model files, README.md, plan, report, imatrix), else None.
+        files: the files written (``[output]``; a split GGUF: its shards in order, ``output`` the first; ``mmproj``
+            not included); ``size_bytes`` is their sum.
     """
 
     output: Path
@@ -79,6 +81,7 @@ class QuantizeResult:
     mmproj: Path | None = None
     fit: MemoryFit | None = None
     folder: Path | None = None
+    files: list[Path] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {
@@ -89,6 +92,7 @@ class QuantizeResult:
             "gptq": self.gptq, **({"mmproj": str(self.mmproj)} if self.mmproj else {}),
             **({"fit": self.fit.to_dict()} if self.fit is not None else {}),
             **({"folder": str(self.folder)} if self.folder else {}),
+            **({"files": [str(p) for p in self.files]} if len(self.files) > 1 else {}),
         }
 
 
@@ -182,7 +186,8 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
     first = [Output(Path(cfg.output), folder=target.folder_output)] if cfg.output is not None else []
     check_outputs(first + ([Output(Path(cfg.save_plan))] if cfg.save_plan is not None else []), inputs=inputs, source=model)
     device = cfg.device or default_device()
-    source = resolve_source(model, allow_pickle=cfg.allow_pickle, trust_remote_code=cfg.trust_remote_code)
+    source = resolve_source(model, allow_pickle=cfg.allow_pickle, trust_remote_code=cfg.trust_remote_code,
+                            revision=cfg.source_revision)
     ts = open_tensor_source(source, full_vl=target.full_vl)
     tensors, info = tensor_infos(ts), model_info(ts)
     fit = fit_target(cfg, ts)  # --fit-memory: planned as --size memory - KV cache - margin
@@ -223,13 +228,14 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
     imat = _importance(cfg, target, im, imat_path, ts, info)
     check_imatrix_needs(plan, set(imat))
     run = RunState(cfg, source, ts, plan, start.loaded is not None, im, imat, rounding, torch.device(device), start.report,
-                   hf_model if target.needs_model else None, tokenizer)
+                   hf_model if target.needs_model else None, tokenizer, imat_path if im is None and cfg.use_imatrix else None)
     hf_model = None  # the source model is not kept for the evaluation: it is loaded again at the end
     t2 = time.perf_counter()
     path, nbytes = write_output(run, target, output)
     timings["quantize_s"] = time.perf_counter() - t2
     result = QuantizeResult(path, plan, nbytes, plan.bpw, time.perf_counter() - t0, im.chunks if im else 0,
-                            timings_s=timings, gptq=rounding.summary() if rounding else None, fit=fit)
+                            timings_s=timings, gptq=rounding.summary() if rounding else None, fit=fit,
+                            files=target.written)
     if size is not None and nbytes > size:  # the overhead estimate is an upper bound; never expected
         target.discard(path)
         raise RuntimeError(f"{path}: {nbytes} bytes exceeds the target {size}; removed")

@@ -9,6 +9,7 @@ size budget must leave, the output's default name, how MoE expert stacks and sup
 
 from __future__ import annotations
 
+import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,7 @@ class RunState:
         rounding: GPTQ rounding, or None. device: torch device of the encoding.
         report: the analysis report (dict) when one was used, else None.
         model, tokenizer: the loaded transformers model and tokenizer (None when not loaded).
+        imatrix_file: the imatrix file the encoders read (when ``im`` is None), else None.
     """
 
     cfg: QuantizeConfig
@@ -85,6 +87,7 @@ class RunState:
     report: dict | None = None
     model: Any = None
     tokenizer: Any = None
+    imatrix_file: Path | None = None
 
 
 class Target(Protocol):
@@ -96,6 +99,8 @@ class Target(Protocol):
         folder_output: the output is a folder.
         analysis_candidates: formats the analysis run here measures.
         needs_model: the write reads a loaded transformers model (not only the tensor source).
+        written: set by :meth:`finish`: the files (or folder) written, the first being the output (a split GGUF: its
+            shards in order).
     """
 
     name: str
@@ -201,9 +206,66 @@ def gguf_extra_kv(source: ModelSource, plan: Plan | None, im: Imatrix | None) ->
     return kv
 
 
+SHARD_OVERHEAD_BYTES = 256  # a shard's own header, split.* keys and alignment (an upper bound)
+
+
+def split_overhead_bytes(tensors: list[TensorInfo], cfg: QuantizeConfig) -> int:
+    """Bytes a split GGUF adds over one file (an upper bound; 0 when no split can happen): each shard's header,
+    ``split.*`` keys and alignment, for at most ``2 * ceil(F32 bytes / split_max_size) + 1`` shards (two neighbours
+    hold more than the limit together) or ``ceil(n / split_max_tensors)``, and never more than one a tensor."""
+    n, data = len(tensors), sum(4 * math.prod(t.shape) for t in tensors)
+    bounds = []
+    if cfg.split_max_size > 0 and data > cfg.split_max_size:
+        bounds.append(2 * -(-data // cfg.split_max_size) + 1)
+    if cfg.split_max_tensors > 0 and n > cfg.split_max_tensors:
+        bounds.append(-(-n // cfg.split_max_tensors))
+    return SHARD_OVERHEAD_BYTES * min(n, max(bounds)) if bounds else 0
+
+
+IMATRIX_COMPUTED_HERE = "(computed by dynaquant in this run)"  # quantize.imatrix.file of an imatrix made in the run
+
+
+def provenance_kv(source: ModelSource, im: Imatrix | None, imatrix_file: Path | None, used: bool) -> dict:
+    """The provenance keys of a GGUF file, as llama.cpp's ``llama-quantize`` writes them (tools/quantize/quantize.cpp)
+    when an imatrix is used: ``quantize.imatrix.file`` (STRING: the file's name, or :data:`IMATRIX_COMPUTED_HERE`),
+    ``quantize.imatrix.dataset`` (STRING: the first dataset it names; this run's: the calibration spec's id),
+    ``quantize.imatrix.entries_count`` and ``quantize.imatrix.chunks_count`` (UINT32, as llama.cpp >= b5700 writes
+    them); for a hub source, ``general.source.repo_url`` and ``dynaquant.source.revision`` (the resolved commit).
+
+    Args:
+        im: this run's imatrix, or None; imatrix_file: the file the encoders read, or None; used: an imatrix
+            weighted the encoders (no ``quantize.*`` keys otherwise).
+    """
+    kv: dict = {}
+    if used and im is not None:
+        kv.update({"quantize.imatrix.file": IMATRIX_COMPUTED_HERE, "quantize.imatrix.dataset": im.dataset[:127],
+                   "quantize.imatrix.entries_count": np.uint32(len(im.sums)),
+                   "quantize.imatrix.chunks_count": np.uint32(im.chunks)})
+    elif used and imatrix_file is not None:
+        from dynaquant.analysis.imatrix_io import load_imatrix
+
+        data = load_imatrix(imatrix_file)
+        kv["quantize.imatrix.file"] = Path(imatrix_file).name[:127]
+        if data.datasets:
+            kv["quantize.imatrix.dataset"] = data.datasets[0][:127]
+        kv["quantize.imatrix.entries_count"] = np.uint32(len(data.sums))
+        if data.chunk_count > 0:
+            kv["quantize.imatrix.chunks_count"] = np.uint32(data.chunk_count)
+    if source.origin == "hub":
+        kv["general.source.repo_url"] = f"https://huggingface.co/{source.model_id}"
+        if source.revision:
+            kv["dynaquant.source.revision"] = source.revision
+    return kv
+
+
 def gguf_planning_overhead(source: ModelSource, ts: TensorSource, tensors: list[TensorInfo], use_imatrix: bool) -> int:
-    """The overhead a dynamic GGUF plan is made with (an empty plan's keys; a 64-character imatrix dataset)."""
-    kv = gguf_extra_kv(source, None, Imatrix(dataset=" " * 64, chunks=0) if use_imatrix else None)
+    """The overhead a dynamic GGUF plan is made with (an empty plan's keys; a 64-character imatrix dataset; the
+    provenance keys, strings 64 characters longer than this run's)."""
+    im = Imatrix(dataset=" " * 64, chunks=0) if use_imatrix else None
+    kv = gguf_extra_kv(source, None, im)
+    longest = Imatrix(dataset=" " * 127, chunks=0) if use_imatrix else None  # llama.cpp's 127-character strings
+    kv.update({k: v + " " * 127 if k == "quantize.imatrix.file" else v
+               for k, v in provenance_kv(source, longest, None, use_imatrix).items()})
     return gguf_overhead_bytes(ts, tensors, kv)
 
 
@@ -223,7 +285,7 @@ class GGUFTarget:
     analysis_candidates = DEFAULT_CANDIDATES
 
     def overhead_bytes(self, source, ts, tensors, cfg) -> int:
-        return gguf_planning_overhead(source, ts, tensors, cfg.use_imatrix)
+        return gguf_planning_overhead(source, ts, tensors, cfg.use_imatrix) + split_overhead_bytes(tensors, cfg)
 
     def bound_overhead(self, ts: TensorSource, tensors: list[TensorInfo], rules) -> int:
         """The overhead's upper bound for a preset or given plan (no dynamic overhead was computed)."""
@@ -249,7 +311,7 @@ class GGUFTarget:
         return Path.cwd() / f"{source.name}-{label}.gguf"
 
     def output(self, path, bound, source, ts) -> Output:
-        return Output(path, bound)
+        return Output(path, bound, shards=True)
 
     def check_output(self, path: Path) -> None:
         pass
@@ -257,8 +319,11 @@ class GGUFTarget:
     def begin(self, run: RunState, path: Path) -> None:
         self.run, cfg = run, run.cfg
         self.types = {e.name: get_format(e.format) for e in run.plan.entries}
-        self.writer = GGUFFileWriter(path, run.ts, self.types, gguf_extra_kv(run.source, run.plan, run.im),
-                                     file_type_of(run.plan, None if run.loaded_plan else cfg.preset))
+        kv = {**gguf_extra_kv(run.source, run.plan, run.im),
+              **provenance_kv(run.source, run.im, run.imatrix_file, bool(run.imat))}
+        self.writer = GGUFFileWriter(path, run.ts, self.types, kv,
+                                     file_type_of(run.plan, None if run.loaded_plan else cfg.preset),
+                                     split_max_size=cfg.split_max_size, split_max_tensors=cfg.split_max_tensors)
 
     def progress_label(self) -> str:
         return f"writing {self.writer.path.name}"
@@ -289,8 +354,8 @@ class GGUFTarget:
 
     def finish(self) -> tuple[Path, int]:
         self.writer.finish()
-        path = self.writer.path
-        return path, path.stat().st_size
+        self.written = list(self.writer.paths)
+        return self.written[0], sum(p.stat().st_size for p in self.written)
 
     def abort(self) -> None:
         writer = getattr(self, "writer", None)
@@ -298,7 +363,8 @@ class GGUFTarget:
             writer.abort()
 
     def discard(self, path: Path) -> None:
-        path.unlink(missing_ok=True)
+        for p in getattr(self, "written", [path]):
+            p.unlink(missing_ok=True)
 
     def extras(self, run: RunState, path: Path) -> Path | None:
         """The vision GGUF beside ``path`` for a Qwen2-VL source (llama.cpp's ``--mmproj``), else None."""
@@ -306,7 +372,7 @@ class GGUFTarget:
             return None
         from dynaquant.exporters.gguf.mmproj import mmproj_path_for, write_mmproj
 
-        return write_mmproj(run.source.path, mmproj_path_for(path), ftype="F16", progress=run.cfg.progress)
+        return write_mmproj(run.source.path, mmproj_path_for(self.writer.path), ftype="F16", progress=run.cfg.progress)
 
 
 def super_weights_of(report: dict | None) -> dict[str, list[tuple[int, int]]]:
@@ -425,6 +491,7 @@ class SafetensorsTarget:
             "source": run.source.model_id, "source_kind": run.source.origin, "source_sha256": run.source.sha256,
             "plan_method": run.plan.method, "bpw": round(run.plan.bpw, 4)},
             extra_files=lambda folder: self._extra_files(run, folder))
+        self.written = [written.path]
         return written.path, written.size_bytes
 
     def abort(self) -> None:

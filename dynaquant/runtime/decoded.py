@@ -32,7 +32,7 @@ def load_decoded(gguf_path: str | os.PathLike, source, ts, *, device: str | torc
     """The source's transformers model holding the GGUF file's decoded weights.
 
     Args:
-        gguf_path: a GGUF file written from ``ts`` (tensor names must be ``ts``'s).
+        gguf_path: a GGUF file written from ``ts`` (tensor names must be ``ts``'s; a split GGUF: its first shard).
         source: the checkpoint's ``checkpoint.ModelSource`` (the model to build).
         ts: its ``TensorSource`` (GGUF name -> HF name, architecture, heads).
     Returns:
@@ -45,14 +45,14 @@ def load_decoded(gguf_path: str | os.PathLike, source, ts, *, device: str | torc
     from dynaquant.sources.checkpoint import load_model
     from dynaquant.sources.experts import expert_weight, stacked_name
     from dynaquant.sources.hf import unpermute_qk
-    from dynaquant.sources.readers import open_gguf
+    from dynaquant.sources.readers import open_gguf_shards
 
     model = load_model(source, dtype=torch.float32, device="cpu")
     by_name = {t.gguf_name: t for t in ts.tensors()}
     params = dict(model.named_parameters())
     kv_parts: dict[str, dict[str, torch.Tensor]] = {}
     with torch.no_grad():
-        for rt in open_gguf(gguf_path).tensors:
+        for rt in (rt for r in open_gguf_shards(gguf_path) for rt in r.tensors):
             fmt = rt.tensor_type.name
             if fmt == "F32":
                 continue

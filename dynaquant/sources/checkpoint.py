@@ -30,7 +30,7 @@ import re
 import shutil
 import tempfile
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -72,6 +72,7 @@ class ModelSource:
         name: a short name for output files (``SmolLM2-135M-Instruct``).
         trust_remote_code: passed to transformers (default off).
         origin: ``"local"`` (a folder), ``"gguf"`` (a GGUF file), ``"hub"`` (a hub id) or ``"default"``.
+        revision: a hub source's resolved commit (its snapshot folder's name in the hub cache), else None.
     """
 
     kind: str
@@ -80,6 +81,7 @@ class ModelSource:
     name: str
     trust_remote_code: bool = False
     origin: str = "local"
+    revision: str | None = None
 
     @property
     def folder(self) -> Path:
@@ -194,7 +196,7 @@ def _short_name(path: Path) -> str:
 
 
 def resolve_source(model: str | os.PathLike | None = None, *, allow_pickle: bool = False,
-                   trust_remote_code: bool = False) -> ModelSource:
+                   trust_remote_code: bool = False, revision: str | None = None) -> ModelSource:
     """Resolve a model argument to a ModelSource.
 
     Args:
@@ -203,8 +205,11 @@ def resolve_source(model: str | os.PathLike | None = None, *, allow_pickle: bool
             serves it from the local hub cache when offline).
         allow_pickle: accept ``*.bin``/``*.pt`` weights (read with ``torch.load(weights_only=True)``).
         trust_remote_code: allow the checkpoint's own modelling code.
+        revision: a hub id's branch, tag or commit (``snapshot_download(revision=)``; default: the default branch);
+            the commit it resolves to is ``ModelSource.revision``.
     Raises:
-        SourceError: nothing usable at that path or id; the message names it and what is wrong.
+        SourceError: nothing usable at that path or id, or a ``revision`` for a model that is not a hub id; the
+            message names it and what is wrong.
     """
     if model is None:
         path = default_model_path()
@@ -212,6 +217,8 @@ def resolve_source(model: str | os.PathLike | None = None, *, allow_pickle: bool
                            trust_remote_code, "default")
     text = os.fspath(model)
     path = Path(text).expanduser()
+    if revision is not None and (path.exists() or not _HUB_ID.match(text)):
+        raise SourceError(f"{text}: a revision ({revision}) is for a hub id (org/name), not a local model")
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise SourceError(f"{path}: not a GGUF file; give a .gguf file, a checkpoint folder or a hub id")
@@ -222,24 +229,27 @@ def resolve_source(model: str | os.PathLike | None = None, *, allow_pickle: bool
         from huggingface_hub import snapshot_download
 
         try:
-            folder = snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+            folder = snapshot_download(text, revision=revision,
+                                       allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
         except Exception as exc:  # huggingface_hub raises many types; name the id and the cause
             raise SourceError(f"{text}: could not fetch from the Hugging Face hub: {exc}") from exc
-        return _folder_source(Path(folder), text, allow_pickle, trust_remote_code, "hub")
+        # the hub cache's snapshots/<commit> folder names the commit
+        return _folder_source(Path(folder), text, allow_pickle, trust_remote_code, "hub", Path(folder).name)
     raise SourceError(f"{text}: no such file or folder, and not a hub id (org/name)")
 
 
-def _folder_source(folder: Path, model_id: str, allow_pickle: bool, trust_remote_code: bool, origin: str) -> ModelSource:
+def _folder_source(folder: Path, model_id: str, allow_pickle: bool, trust_remote_code: bool, origin: str,
+                   revision: str | None = None) -> ModelSource:
     ggufs = sorted(folder.glob("*.gguf"))
     if not (folder / "config.json").is_file():
         if len(ggufs) == 1:
             label = model_id if origin == "hub" else f"{model_id}/{ggufs[0].name}"
             return ModelSource("gguf", ggufs[0], label, _short_name(ggufs[0]), trust_remote_code,
-                               "hub" if origin == "hub" else "gguf")
+                               "hub" if origin == "hub" else "gguf", revision)
         raise SourceError(f"{folder}: no config.json (not a Hugging Face checkpoint folder)")
     name = folder.name if origin != "hub" else model_id.split("/")[1]
     if any(folder.glob("*.safetensors")):
-        return ModelSource("hf", folder, model_id, name, trust_remote_code, origin)
+        return ModelSource("hf", folder, model_id, name, trust_remote_code, origin, revision)
     pickles = sorted(p for s in PICKLE_SUFFIXES for p in folder.glob(f"*{s}"))
     if not pickles:
         raise SourceError(f"{folder}: config.json but no *.safetensors weights")
@@ -249,7 +259,7 @@ def _folder_source(folder: Path, model_id: str, allow_pickle: bool, trust_remote
             "when loaded; pass --allow-pickle (allow_pickle=True) to read them with torch.load(weights_only=True)"
         )
     out = _pickle_to_safetensors(folder, pickles)
-    source = ModelSource("hf", out, model_id, name, trust_remote_code, origin)
+    source = ModelSource("hf", out, model_id, name, trust_remote_code, origin, revision)
     _CLEANUPS[id(source)] = weakref.finalize(source, _remove_tree, out.parent, id(source))
     return source
 
@@ -391,13 +401,21 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
     """Load a transformers causal LM from a source, in ``dtype`` on ``device``, in eval mode.
 
     A vision-language folder (Qwen2-VL / Qwen2.5-VL / LLaVA / Mllama: ``sources.vl_archs.VL_FULL_ARCHS``) loads with
-    ``AutoModelForImageTextToText``; called on token ids alone it is its language model.
+    ``AutoModelForImageTextToText``; called on token ids alone it is its language model. A split GGUF (its first
+    shard) is merged into one temporary file first (transformers' GGUF loader reads one file), removed once loaded.
 
     Raises:
         RemoteCodeError: the checkpoint needs its own code and ``source.trust_remote_code`` is off.
+        InputError: a split GGUF with a shard missing or damaged.
     """
     from transformers import AutoModelForCausalLM
 
+    from dynaquant.sources.gguf import is_split_gguf, merge_gguf_shards
+
+    if source.kind == "gguf" and is_split_gguf(source.path):
+        with tempfile.TemporaryDirectory(prefix="dynaquant-merged-") as tmp:
+            merged = merge_gguf_shards(source.path, Path(tmp) / source.path.name)
+            return load_model(replace(source, path=merged), dtype=dtype, device=device)
     kw = _from_pretrained_kwargs(source)
     if source.kind == "hf":
         if vl_full_arch(source.path):

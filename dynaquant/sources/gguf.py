@@ -24,7 +24,7 @@ from gguf import GGUFValueType, GGUFWriter
 
 from dynaquant.errors import InputError
 from dynaquant.names import gguf_to_hf_name, is_router
-from dynaquant.sources.readers import gguf_field, open_gguf
+from dynaquant.sources.readers import gguf_field, gguf_shard_paths, open_gguf, open_gguf_shards
 
 logger = logging.getLogger(__name__)
 
@@ -138,29 +138,34 @@ def _field_value(field) -> tuple[object, GGUFValueType, GGUFValueType | None]:
 
 
 class GGUFFileSource(TensorSource):
-    """A GGUF file as a tensor source (see :func:`open_gguf_source`).
+    """A GGUF file as a tensor source (see :func:`open_gguf_source`); a split GGUF given its first shard reads the
+    tensors of every shard (:func:`dynaquant.sources.readers.open_gguf_shards`).
 
     Attributes:
-        path: the file.
+        path: the file (a split GGUF: its first shard).
         reader: its ``gguf.GGUFReader`` (memory-mapped; fields and tensor data read lazily),
-            for callers that want the stored metadata or types as they are.
+            for callers that want the stored metadata or types as they are (a split GGUF: the first shard's).
+        files: the files read (``[path]``, or every shard in order).
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self.reader = open_gguf(self.path)
-        if (n_split := gguf_field(self.reader, self.path, gguf.Keys.Split.LLM_KV_SPLIT_COUNT, int)) is not None and n_split > 1:
-            raise InputError(f"{self.path}: split GGUF files are not supported; merge them with llama-gguf-split first")
+        readers = open_gguf_shards(self.path)
+        self.reader = readers[0]
+        self.files = [self.path] if len(readers) == 1 else gguf_shard_paths(self.path, len(readers))
         if (arch := gguf_field(self.reader, self.path, gguf.Keys.General.ARCHITECTURE, str)) is None:
             raise InputError(f"{self.path}: no general.architecture key")
         self.arch = arch
         self.n_layers = gguf_field(self.reader, self.path, f"{self.arch}.block_count", int) or 0
-        if not 0 <= self.n_layers <= len(self.reader.tensors):  # every block holds tensors: no bigger name maps
-            raise InputError(f"{self.path}: {self.arch}.block_count {self.n_layers} but {len(self.reader.tensors)} tensors")
+        n_tensors = sum(len(r.tensors) for r in readers)
+        if not 0 <= self.n_layers <= n_tensors:  # every block holds tensors: no bigger name maps
+            raise InputError(f"{self.path}: {self.arch}.block_count {self.n_layers} but {n_tensors} tensors")
         self.source_id = str(self.path)
         self._tensors: list[SourceTensor] = []
         self._by_name = {}
-        for rt in self.reader.tensors:
+        self._file_of: dict[str, Path] = {}
+        for file, rt in ((f, rt) for f, r in zip(self.files, readers) for rt in r.tensors):
+            self._file_of[rt.name] = file
             shape = tuple(int(n) for n in reversed(rt.shape.tolist()))
             try:
                 hf = gguf_to_hf_name(self.arch, self.n_layers, rt.name) if self.n_layers else None
@@ -174,6 +179,9 @@ class GGUFFileSource(TensorSource):
 
     def tensors(self) -> list[SourceTensor]:
         return list(self._tensors)
+
+    def file_of(self, t: SourceTensor) -> str:
+        return str(self._file_of.get(t.gguf_name, self.path))
 
     def stored_type(self, t: SourceTensor) -> gguf.GGMLQuantizationType:
         """The GGML type the tensor is stored in, in the source file."""
@@ -223,7 +231,57 @@ def open_gguf_source(path: str | os.PathLike) -> GGUFFileSource:
 
     Raises:
         InputError: naming the file, when it is missing, unreadable, damaged (see
-            :func:`dynaquant.sources.readers.open_gguf`), split into parts, lacks ``general.architecture``
-            or has a ``block_count`` larger than its tensor count.
+            :func:`dynaquant.sources.readers.open_gguf`), a shard of a split GGUF other than the first or a missing
+            shard, lacks ``general.architecture`` or has a ``block_count`` larger than its tensor count.
     """
     return GGUFFileSource(path)
+
+
+def is_split_gguf(path: str | os.PathLike) -> bool:
+    """Whether a GGUF file is the first shard of a split set (``split.count`` > 1), read from its header only.
+
+    Raises:
+        InputError: not a readable GGUF file (named).
+    """
+    n = gguf_field(open_gguf(path), path, gguf.Keys.Split.LLM_KV_SPLIT_COUNT, int)
+    return n is not None and n > 1
+
+
+def merge_gguf_shards(path: str | os.PathLike, dest: str | os.PathLike) -> Path:
+    """Write the split GGUF whose first shard is ``path`` as one GGUF file ``dest`` (what ``llama-gguf-split --merge``
+    does): the first shard's metadata without ``split.*`` (and without empty or nested arrays, which gguf-py's writer
+    cannot write), every shard's tensors in order with their stored bytes and types; for readers that take one file
+    only (transformers' GGUF loader). ``dest`` is written as is (the caller puts it in a temporary folder).
+
+    Raises:
+        InputError: a shard missing or damaged (see :func:`dynaquant.sources.readers.open_gguf_shards`).
+    """
+    readers = open_gguf_shards(path)
+    first, dest = readers[0], Path(dest)
+    writer = GGUFWriter(dest, gguf_field(first, path, gguf.Keys.General.ARCHITECTURE, str) or "")
+    for key, field in first.fields.items():
+        if key.startswith(("GGUF.", "split.")) or key == gguf.Keys.General.ARCHITECTURE:
+            continue
+        if field.types == [GGUFValueType.ARRAY]:  # an empty array: gguf-py's writer cannot write one; no loader needs it
+            logger.debug("%s: not copying the empty array %s", path, key)
+            continue
+        try:
+            value, vtype, sub = _field_value(field)
+        except NotImplementedError:
+            logger.debug("%s: not copying %s (nested arrays)", path, key)
+            continue
+        writer.add_key_value(key, value, vtype, sub_type=sub)
+    writer.data_alignment = first.alignment
+    tensors = [rt for r in readers for rt in r.tensors]
+    for rt in tensors:
+        block, type_bytes = gguf.GGML_QUANT_SIZES[rt.tensor_type]
+        ne = [int(n) for n in rt.shape.tolist()]
+        byte_shape = [*reversed(ne[1:]), ne[0] // block * type_bytes]
+        writer.add_tensor_info(rt.name, byte_shape, np.dtype(np.uint8), int(rt.n_bytes), raw_dtype=rt.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for rt in tensors:
+        writer.write_tensor_data(np.ascontiguousarray(rt.data).reshape(-1).view(np.uint8))
+    writer.close()
+    return dest

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -169,6 +170,63 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
         raise
     except Exception as e:  # noqa: BLE001 - gguf-py raises KeyError, ValueError, UnicodeDecodeError, ... on damaged files
         raise InputError(f"{path}: damaged GGUF file ({type(e).__name__}: {e})") from e
+
+
+_SHARD_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def gguf_shard_paths(path: str | os.PathLike, count: int) -> list[Path]:
+    """The files of a llama.cpp split GGUF of ``count`` shards whose first shard is ``path``: gguf-py's
+    ``SHARD_NAME_FORMAT`` (``NAME-00001-of-00003.gguf`` ...), as llama.cpp's ``llama_split_path`` names them.
+
+    Raises:
+        InputError: ``path`` is not named as the first of ``count`` shards.
+    """
+    path = Path(path)
+    m = _SHARD_NAME.match(path.name)
+    if m is None or int(m["no"]) != 1 or int(m["count"]) != count:
+        raise InputError(f"{path}: a split GGUF of {count} shards, but not named as its first shard "
+                         f"({gguf.SHARD_NAME_FORMAT.format('NAME', 1, count)})")
+    return [path.with_name(gguf.SHARD_NAME_FORMAT.format(m["prefix"], i + 1, count)) for i in range(count)]
+
+
+def open_gguf_shards(path: str | os.PathLike) -> list[gguf.GGUFReader]:
+    """A GGUF file, or every shard of a llama.cpp split GGUF given its first shard, opened with :func:`open_gguf`.
+
+    A split GGUF (llama.cpp ``gguf-split`` / gguf-py ``GGUFWriter(split_max_size=...)``) holds ``split.no``,
+    ``split.count`` and ``split.tensors.count`` in every shard; the metadata is in the first, the tensors are
+    spread over all of them in order. Each shard is checked: its ``split.no`` and ``split.count``, and the tensor
+    count over all shards against ``split.tensors.count``.
+
+    Returns:
+        One reader per file, in shard order (``[reader]`` for a file that is not split).
+    Raises:
+        InputError: a file is missing (named), unreadable or damaged; ``path`` is not the first shard; a shard's
+            split keys do not match its place in the set.
+    """
+    path = Path(path)
+    first = open_gguf(path)
+    count = gguf_field(first, path, gguf.Keys.Split.LLM_KV_SPLIT_COUNT, int)
+    if count is None or count <= 1:
+        return [first]
+    if (no := gguf_field(first, path, gguf.Keys.Split.LLM_KV_SPLIT_NO, int)) != 0:
+        raise InputError(f"{path}: is shard {no} (counting from 0) of a split GGUF of {count}; give the first shard")
+    paths = gguf_shard_paths(path, count)
+    missing = [p for p in paths if not p.is_file()]
+    if missing:
+        raise InputError(f"{path}: split GGUF of {count} shards: {', '.join(str(p) for p in missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} missing")
+    readers = [first] + [open_gguf(p) for p in paths[1:]]
+    for i, (p, r) in enumerate(zip(paths, readers)):
+        got = (gguf_field(r, p, gguf.Keys.Split.LLM_KV_SPLIT_NO, int), gguf_field(r, p, gguf.Keys.Split.LLM_KV_SPLIT_COUNT, int))
+        if got != (i, count):
+            raise InputError(f"{p}: split.no / split.count read {got[0]} / {got[1]}, expected {i} / {count} "
+                             "(a shard of another split set?)")
+    expected = gguf_field(first, path, gguf.Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, int)
+    total = sum(len(r.tensors) for r in readers)
+    if expected is not None and total != expected:
+        raise InputError(f"{path}: split GGUF of {count} shards holds {total} tensors, split.tensors.count says {expected}")
+    return readers
 
 
 def gguf_field(reader: gguf.GGUFReader, path: str | os.PathLike, key: str, kind: type):

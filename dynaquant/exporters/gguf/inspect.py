@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import gguf
 
 from dynaquant.names import TensorName
-from dynaquant.sources.readers import gguf_field, open_gguf
+from dynaquant.sources.readers import gguf_field, gguf_shard_paths, open_gguf_shards
 
 
 @dataclass
@@ -28,9 +28,10 @@ class GGUFSummary:
     """A whole file.
 
     Attributes:
-        path, file_size_bytes, file_type (``general.file_type`` as a name or number),
+        path, file_size_bytes (a split GGUF: all shards), file_type (``general.file_type`` as a name or number),
         tensors (file order), layers (``blk.N`` or ``other`` -> {bytes, elements, bpw, types}),
-        size_bytes (tensor data), bpw (over tensor data), types (type -> weights).
+        size_bytes (tensor data), bpw (over tensor data), types (type -> weights),
+        files (the files read: ``[path]``, or a split GGUF's shards in order).
     """
 
     path: str
@@ -41,21 +42,23 @@ class GGUFSummary:
     size_bytes: int
     bpw: float
     types: dict
+    files: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def inspect_gguf(path: str | os.PathLike) -> GGUFSummary:
-    """Read a GGUF file's tensor table.
+    """Read a GGUF file's tensor table (a split GGUF given its first shard: every shard's, in order).
 
     Raises:
-        InputError: a missing, unreadable or damaged GGUF file (the message names it; see
-            :func:`dynaquant.sources.readers.open_gguf`).
+        InputError: a missing, unreadable or damaged GGUF file, or a missing shard (the message names it; see
+            :func:`dynaquant.sources.readers.open_gguf_shards`).
     """
-    reader = open_gguf(path)
+    readers = open_gguf_shards(path)
+    reader = readers[0]
     tensors = []
-    for t in reader.tensors:
+    for t in (t for r in readers for t in r.tensors):
         shape = [int(x) for x in reversed(t.shape)]
         tensors.append(TensorSummary(t.name, t.tensor_type.name, shape, int(t.n_elements), int(t.n_bytes),
                                      8.0 * int(t.n_bytes) / max(int(t.n_elements), 1)))
@@ -80,4 +83,6 @@ def inspect_gguf(path: str | os.PathLike) -> GGUFSummary:
             ft_name = str(v)
     size = sum(t.size_bytes for t in tensors)
     n = sum(t.n_elements for t in tensors)
-    return GGUFSummary(str(path), os.path.getsize(path), ft_name, tensors, layers, size, 8.0 * size / max(n, 1), types)
+    files = [str(path)] if len(readers) == 1 else [str(p) for p in gguf_shard_paths(path, len(readers))]
+    return GGUFSummary(str(path), sum(os.path.getsize(f) for f in files), ft_name, tensors, layers, size,
+                       8.0 * size / max(n, 1), types, files)

@@ -14,13 +14,15 @@ import contextlib
 import io
 import logging
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_VERSION, GGUFReader, GGUFValueType, GGUFWriter, WriterState
+from gguf import GGML_QUANT_VERSION, SHARD_NAME_FORMAT, GGUFReader, GGUFValueType, GGUFWriter, WriterState
 from tqdm import tqdm
 
 from dynaquant.quant.formats import Format
@@ -66,7 +68,8 @@ def kv_value_type(key: str, value: Any) -> tuple[Any, GGUFValueType, GGUFValueTy
     ``bool`` -> BOOL; ``int`` -> INT64 (any Python int up to 2**63, one type whatever the
     value); ``float`` -> FLOAT64 (lossless for Python floats); ``str`` -> STRING; a list or
     tuple of ``str`` -> ARRAY of STRING (lists of bool/int/float -> ARRAY of BOOL/INT64/FLOAT64
-    likewise; an empty list is an empty STRING array). numpy scalars count as their Python type.
+    likewise; an empty list is an empty STRING array). numpy scalars count as their Python type, but ``np.uint32``
+    -> UINT32 (llama.cpp's type for some keys, e.g. ``quantize.imatrix.chunks_count``).
 
     Returns:
         (value, type, element type or None).
@@ -75,6 +78,8 @@ def kv_value_type(key: str, value: Any) -> tuple[Any, GGUFValueType, GGUFValueTy
     """
 
     def scalar(v: Any) -> tuple[Any, GGUFValueType]:
+        if isinstance(v, np.uint32):
+            return int(v), GGUFValueType.UINT32
         if isinstance(v, np.generic):
             v = v.item()
         if isinstance(v, bool):
@@ -142,7 +147,8 @@ def _as_bytes(t: SourceTensor, fmt: Format, out: Any) -> np.ndarray:
     return out.reshape(expected)
 
 
-def _verify(path: Path, tensors: Sequence[SourceTensor], types: Mapping[str, Format], file_type: int) -> None:
+def _verify(path: Path, tensors: Sequence[SourceTensor], types: Mapping[str, Format], file_type: int | None) -> None:
+    """Read ``path`` back: its tensors (names, types, shapes, in order) and, unless None, ``general.file_type``."""
     reader = GGUFReader(path)
     try:
         if len(reader.tensors) != len(tensors):
@@ -156,10 +162,44 @@ def _verify(path: Path, tensors: Sequence[SourceTensor], types: Mapping[str, For
                     f"wrote {t.gguf_name} {fmt.name} {t.shape}"
                 )
         ft = reader.fields.get("general.file_type")
-        if ft is None or int(ft.contents()) != file_type:
+        if file_type is not None and (ft is None or int(ft.contents()) != file_type):
             raise ValueError(f"{path}: general.file_type did not read back as {file_type}")
     finally:
         del reader
+
+
+def needs_split(tensor_bytes: Sequence[int], split_max_size: int = 0, split_max_tensors: int = 0) -> bool:
+    """Whether gguf-py's ``GGUFWriter(split_max_size=, split_max_tensors=)`` makes more than one shard of tensors of
+    these byte sizes: a shard is closed before a tensor that would take its tensor data past ``split_max_size`` bytes
+    or its count past ``split_max_tensors`` (0: no limit), every shard holding at least one tensor."""
+    n = len(tensor_bytes)
+    return n > 1 and ((split_max_size > 0 and sum(tensor_bytes) > split_max_size)
+                      or (split_max_tensors > 0 and n > split_max_tensors))
+
+
+def shard_paths_like(path: Path, count: int) -> list[Path]:
+    """The files a GGUF output ``path`` of ``count`` shards is written as: ``[path]`` for one, else gguf-py's
+    ``SHARD_NAME_FORMAT`` names beside it (``NAME-00001-of-00003.gguf`` ...), as ``GGUFWriter.format_shard_names``."""
+    if count <= 1:
+        return [path]
+    return [path.with_name(SHARD_NAME_FORMAT.format(path.stem, i + 1, count)) for i in range(count)]
+
+
+def is_output_file(path: Path, other: Path) -> bool:
+    """Whether ``other`` is a file a GGUF output ``path`` may be written as: ``path`` itself or, in its folder, a
+    shard of any split set named after it (``STEM-NNNNN-of-MMMMM.gguf``); compared by name, nothing read."""
+    if other.name == path.name:
+        return other.parent.resolve() == path.parent.resolve()
+    pattern = re.escape(path.stem) + r"-\d{5}-of-\d{5}\.gguf"
+    return re.fullmatch(pattern, other.name) is not None and other.parent.resolve() == path.parent.resolve()
+
+
+def stale_shards(path: Path) -> list[Path]:
+    """Files beside ``path`` that are an output of that name written earlier: ``path`` itself and the shards of any
+    split set named after it (:func:`is_output_file`)."""
+    folder = path.parent
+    found = [p for p in folder.glob(glob_escape(path.stem) + "-*-of-*.gguf") if is_output_file(path, p)] if folder.is_dir() else []
+    return ([path] if path.exists() else []) + sorted(found)
 
 
 class GGUFFileWriter:
@@ -171,25 +211,44 @@ class GGUFFileWriter:
     and renames it onto ``path``; :meth:`abort` removes it (``path`` is left as it was). An OSError of the writing
     itself becomes an InputError naming ``path``.
 
+    Split output (llama.cpp's ``gguf-split`` layout): when the tensor data passes ``split_max_size`` bytes or the
+    tensor count passes ``split_max_tensors`` (0: no limit; :func:`needs_split`), gguf-py's ``GGUFWriter`` splitting
+    lays the tensors out over shards named ``NAME-00001-of-00003.gguf`` ... beside ``path`` (its
+    ``format_shard_names``), each shard holding ``split.no`` (UINT16, from 0), ``split.count`` (UINT16) and
+    ``split.tensors.count`` (INT32), the metadata in the first. Every shard is a temporary file in the work folder,
+    filled as the tensors come (:meth:`add` writes each into its shard); :meth:`finish` reads each back, then
+    renames the shards into place, the first shard last (a reader that sees it sees the whole set), and removes the
+    outputs of that name an earlier run left that are not part of the new set (the single file or shards of another
+    count: :func:`stale_shards`). On any error no shard is left (those renamed already are removed).
+    Under the limits the file is the single ``path``, byte for byte as without them.
+
     Attributes:
-        path: the output file. tensors: the source's tensors, in the order :meth:`add` takes them.
+        path: the output as asked for. paths: the files written (``[path]``, or the shards in order; the first is
+            what llama.cpp and ``dynaquant`` read). tensors: the source's tensors, in the order :meth:`add` takes them.
         types: GGUF name -> format. total_bytes: tensor bytes added so far.
     """
 
     def __init__(self, path: str | os.PathLike, source: TensorSource, types: Mapping[str, Format],
-                 extra_kv: Mapping[str, Any], file_type: int, work_dir: str | os.PathLike | None = None):
+                 extra_kv: Mapping[str, Any], file_type: int, work_dir: str | os.PathLike | None = None,
+                 split_max_size: int = 0, split_max_tensors: int = 0):
         self.path = Path(path)
         self.tensors = source.tensors()
         self.types = types
         self.file_type = int(file_type)
         self.total_bytes = 0
+        self._placed: list[Path] = []
         _check_plan(source, self.tensors, types)
         reserved = {"general.architecture", "general.file_type", "general.alignment"} & set(extra_kv)
         if reserved:
             raise ValueError(f"extra_kv may not set {', '.join(sorted(reserved))} (the writer owns them)")
+        if split_max_size < 0 or split_max_tensors < 0:
+            raise ValueError(f"split_max_size {split_max_size} and split_max_tensors {split_max_tensors} must be >= 0")
         typed_kv = {k: kv_value_type(k, v) for k, v in extra_kv.items()}
+        sizes = [int(np.prod(_byte_shape(t, types[t.gguf_name]), dtype=np.int64)) for t in self.tensors]
+        split = needs_split(sizes, split_max_size, split_max_tensors)
 
-        writer = _Writer(None, source.arch)
+        writer = _Writer(None, source.arch, split_max_tensors=split_max_tensors if split else 0,
+                         split_max_size=split_max_size if split else 0)
         source.add_metadata(writer)
         kv = writer.kv_data[0]
         writer.add_uint32("general.file_type", self.file_type)
@@ -197,11 +256,12 @@ class GGUFFileWriter:
         for key, (value, vtype, sub) in typed_kv.items():
             kv.pop(key, None)
             writer.add_key_value(key, value, vtype, sub_type=sub)
-        for t in self.tensors:
-            fmt = types[t.gguf_name]
-            shape = _byte_shape(t, fmt)
-            writer.add_tensor_info(t.gguf_name, shape, np.dtype(np.uint8), int(np.prod(shape, dtype=np.int64)),
-                                   raw_dtype=fmt.ggml_type)
+        for t, nbytes in zip(self.tensors, sizes):
+            writer.add_tensor_info(t.gguf_name, _byte_shape(t, types[t.gguf_name]), np.dtype(np.uint8), nbytes,
+                                   raw_dtype=types[t.gguf_name].ggml_type)
+        by_name = {t.gguf_name: t for t in self.tensors}
+        self._shard_tensors = [[by_name[n] for n in shard] for shard in writer.tensors]
+        self.paths = shard_paths_like(self.path, len(writer.tensors))
         self._writer = writer
         self._stack = contextlib.ExitStack()
         try:
@@ -209,6 +269,7 @@ class GGUFFileWriter:
                 with writing(self.path):
                     work_dir = self._stack.enter_context(run_workdir(self.path))
             self.tmp = Path(work_dir) / self.path.name
+            self.tmps = shard_paths_like(self.tmp, len(self.paths))
             with writing(self.path):
                 writer.write_header_to_file(self.tmp)
                 writer.write_kv_data_to_file()
@@ -219,7 +280,7 @@ class GGUFFileWriter:
 
     def add(self, t: SourceTensor, data: Any) -> None:
         """Write the next tensor's bytes (``data``: the format's GGUF layout, uint8 ``(..., row_bytes)`` or any dtype
-        whose raw bytes are that layout), aligned as the header says.
+        whose raw bytes are that layout), aligned as the header says, into its shard.
 
         Raises:
             ValueError: ``data`` has the wrong number of bytes. InputError: the file cannot be written.
@@ -230,28 +291,45 @@ class GGUFFileWriter:
         self.total_bytes += data.nbytes
 
     def finish(self) -> None:
-        """Close the file, read it back (tensor count, names, types, shapes, file type) and rename it onto ``path``.
+        """Close the file(s), read each back (tensor count, names, types, shapes; the first: file type) and rename
+        them into place, the first last; then remove an earlier run's outputs of that name not in the new set.
 
         Raises:
-            ValueError: the file did not read back as written. InputError: it cannot be written.
+            ValueError: a file did not read back as written. InputError: it cannot be written.
         """
         with writing(self.path):
             self._writer.close()
-        _verify(self.tmp, self.tensors, self.types, self.file_type)
+        for i, (tmp, tensors) in enumerate(zip(self.tmps, self._shard_tensors)):
+            _verify(tmp, tensors, self.types, self.file_type if i == 0 else None)
+        stale = [p for p in stale_shards(self.path) if p not in self.paths]
         with writing(self.path):
-            os.replace(self.tmp, self.path)
+            for tmp, final in list(zip(self.tmps, self.paths))[::-1]:
+                os.replace(tmp, final)
+                self._placed.append(final)
+        self._placed = []  # the set is in place: nothing to undo
+        for p in stale:
+            try:
+                p.unlink(missing_ok=True)
+                logger.info("%s: removed, an earlier output of this name", p)
+            except OSError as exc:
+                logger.warning("%s: an earlier output of this name, could not be removed: %s", p, exc.strerror or exc)
         self._stack.close()
-        logger.info("%s: wrote %d tensors, %.1f MiB of tensor data", self.path, len(self.tensors), self.total_bytes / 2**20)
+        where = f"{len(self.paths)} shards, first {self.paths[0]}" if len(self.paths) > 1 else str(self.path)
+        logger.info("%s: wrote %d tensors, %.1f MiB of tensor data", where, len(self.tensors), self.total_bytes / 2**20)
 
     def abort(self) -> None:
-        """Remove the temporary file (and the work folder made here); ``path`` is left as it was."""
+        """Remove the temporary files (and the work folder made here) and any shard already renamed into place;
+        ``path`` is left as it was (for a single file)."""
         try:
             self._writer.close()
         except OSError:  # flushing what is left fails again on a full disk
             pass
-        tmp = getattr(self, "tmp", None)
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
+        for tmp in getattr(self, "tmps", [getattr(self, "tmp", None)]):
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
+        for p in self._placed:
+            p.unlink(missing_ok=True)
+        self._placed = []
         self._stack.close()
 
 
