@@ -24,6 +24,7 @@ CALIBRATION_CHUNKS = 32  # calibration sequences of a quantize run (the analysis
 N_CTX = 512  # tokens per calibration / evaluation sequence
 EVAL_CHUNKS = 16  # evaluation chunks
 GPTQ_DAMP = 0.01  # GPTQ's damping, a fraction of the mean Hessian diagonal
+SPLIT_MAX_SIZE = 50_000_000_000  # GGUF shards: the hub's file size limit (bytes); 0: never split
 FISHER_SEQUENCES = 8  # sequences that also get a backward pass (Fisher diagonals) in an analysis
 TARGETS = ("gguf", "safetensors")
 
@@ -130,7 +131,7 @@ class QuantizeConfig:
     card: bool = False
     compare_presets: bool = False
     command: str | None = None
-    split_max_size: int = 50_000_000_000  # the hub's file size limit (bytes); 0: never split
+    split_max_size: int = SPLIT_MAX_SIZE
     split_max_tensors: int = 0
     source_revision: str | None = None
 

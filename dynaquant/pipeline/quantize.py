@@ -21,7 +21,7 @@ from dynaquant.analysis.evaluate import EvalResult
 from dynaquant.analysis.imatrix import Imatrix
 from dynaquant.analysis.report.schema import write_json
 from dynaquant.analysis.stats import ModelStats, collect_stats, compute_imatrix
-from dynaquant.config import CALIBRATION_CHUNKS, EVAL_CHUNKS, GPTQ_DAMP, N_CTX, QuantizeConfig
+from dynaquant.config import CALIBRATION_CHUNKS, EVAL_CHUNKS, GPTQ_DAMP, N_CTX, SPLIT_MAX_SIZE, QuantizeConfig
 from dynaquant.pipeline import analyze as analysis_stage
 from dynaquant.pipeline.evaluate import evaluate_written
 from dynaquant.pipeline.fit import fit_errors, fit_target
@@ -107,7 +107,9 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
              gptq: bool = False, gptq_damp: float = GPTQ_DAMP, target: str = "gguf",
              save_plan: str | os.PathLike | None = None, allow_nonfinite: bool = False,
              fit_memory: int | None = None, fit_ctx: int = FIT_CTX, kv_type: str = "f16",
-             margin: int | None = None) -> QuantizeResult:
+             margin: int | None = None, card: bool = False, compare_presets: bool = False,
+             split_max_size: int = SPLIT_MAX_SIZE, split_max_tensors: int = 0,
+             source_revision: str | None = None) -> QuantizeResult:
     """Quantize a model to a mixed-precision GGUF file (or, ``target="safetensors"``, a safetensors checkpoint).
 
     Targets (at most one): ``preset`` (a llama.cpp mix, tensor by tensor as llama-quantize decides),
@@ -148,6 +150,14 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
             metadata, ``margin`` (bytes; None: 0.5 GiB + 4 % of ``fit_memory``); see :mod:`dynaquant.quant.fit`.
             The assumptions are recorded in the plan's and the result's ``fit``; a memory below KV cache + margin +
             the smallest possible plan raises ``planner.BudgetError`` with those numbers, before any analysis.
+        card: write a publishable folder (model files, README.md model card, plan, report, imatrix, plots;
+            ``output`` FILE.gguf -> folder FILE; :mod:`dynaquant.pipeline.publish`), its path in ``QuantizeResult.folder``;
+            the card's numbers are the evaluation's, so give ``evaluate=True`` too. compare_presets: also quantize and
+            evaluate the uniform llama.cpp preset nearest in size, for a second row of the card's table.
+        split_max_size, split_max_tensors: GGUF: split into llama.cpp shards (``NAME-00001-of-0000N.gguf``) of at
+            most this many bytes of tensor data (default 50 GB, the hub's limit) / tensors each (0: no limit);
+            ``QuantizeResult.files`` lists them, ``output`` is the first.
+        source_revision: a hub source's branch, tag or commit (recorded in the file as ``dynaquant.source.revision``).
     Returns:
         QuantizeResult (``gptq`` says per format how many tensors took GPTQ and the mean error ratio,
         or ``plain_only`` for the vector-quantized formats).
@@ -167,7 +177,9 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         default_rules_on=default_rules_on, evaluate=evaluate, eval_text=eval_text, eval_chunks=eval_chunks,
         allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, device=device, progress=progress, gptq=gptq,
         gptq_damp=gptq_damp, target=target, save_plan=save_plan, allow_nonfinite=allow_nonfinite,
-        fit_memory=fit_memory, fit_ctx=fit_ctx, kv_type=kv_type, margin=margin))
+        fit_memory=fit_memory, fit_ctx=fit_ctx, kv_type=kv_type, margin=margin, card=card,
+        compare_presets=compare_presets, split_max_size=split_max_size, split_max_tensors=split_max_tensors,
+        source_revision=source_revision))
 
 
 def run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig) -> QuantizeResult:
