@@ -382,8 +382,10 @@ def _plan(a) -> int:
 def _print_llama_quantize(plan, where, as_json: bool) -> int:
     """The plan as llama-quantize arguments: the shell command (MODEL-BF16.gguf / OUTPUT.gguf to replace), or JSON."""
     from dynaquant.exporters.gguf.llama_quantize import llama_quantize_args
+    from dynaquant.pipeline.plan import plan_imatrix
 
-    args = llama_quantize_args(plan, source=str(where))
+    imatrix = plan_imatrix(plan, where)  # a relative sources.imatrix lies beside the plan file
+    args = llama_quantize_args(plan, source=str(where), imatrix=str(imatrix) if imatrix is not None else None)
     if as_json:
         print(json.dumps(args.to_dict(), indent=1))
         return 0

@@ -57,7 +57,10 @@ def test_published_folder_holds_exactly_the_outputs(published):
         ["m.gguf", "README.md", "plan.json", "plan.png", "report.json", "report.html", "layer_errors.png", "imatrix.gguf"])
     assert sorted(p.name for p in folder.parent.iterdir()) == ["m"]  # no work folder, no temporary preset file
     assert {t.name: t.tensor_type.name for t in gguf.GGUFReader(published.output).tensors} == published.plan.formats()
-    assert json.loads((folder / "plan.json").read_text()) == json.loads(json.dumps(published.plan.to_dict()))
+    plan_json = json.loads((folder / "plan.json").read_text())
+    # the run's plan, naming the folder's own report and imatrix (relative: no local path of this machine)
+    assert plan_json["sources"] == {"report": "report.json", "imatrix": "imatrix.gguf"}
+    assert plan_json == json.loads(json.dumps(published.plan.to_dict() | {"sources": plan_json["sources"]}))
     rep = json.loads((folder / "report.json").read_text())
     assert rep["calibration"]["n_sequences"] == 3 and rep["calibration"]["seq_len"] == 64
     im = load_imatrix(folder / "imatrix.gguf")
@@ -218,3 +221,17 @@ def test_default_model_card_metadata_from_its_gguf(tmp_path):
     row = _rows(card.text)[f"this model ({res.plan.method})"]
     assert row[1] == f"{res.size_bytes / 1e6:.2f} MB ({res.size_bytes} bytes)" and row[2] == f"{res.bpw:.4f}"
     assert res.output == tmp_path / "smol" / "smol.gguf" and res.output.stat().st_size == res.size_bytes
+
+
+def test_published_plan_finds_its_imatrix_beside_it(published, tmp_path, capsys):
+    """``plan --llama-quantize`` and ``quantize --plan`` on the folder's plan.json use the folder's imatrix.gguf,
+    wherever the folder was moved (the relative name is resolved beside the plan file, not in the current folder)."""
+    import shutil
+
+    from dynaquant.pipeline.plan import imatrix_path, load_plan
+
+    moved = shutil.copytree(published.folder, tmp_path / "moved")
+    plan = load_plan(moved / "plan.json")
+    assert imatrix_path(None, None, None, plan, str(moved / "plan.json")) == moved / "imatrix.gguf"
+    assert main(["plan", str(moved / "plan.json"), "--llama-quantize", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["imatrix"] == str(moved / "imatrix.gguf")

@@ -106,6 +106,18 @@ def error_fn_from_report(report: Report | dict, use_sensitivity: bool = True) ->
     return fn
 
 
+def plan_imatrix(plan: Plan, plan_file: str | os.PathLike | None) -> Path | None:
+    """The imatrix file a plan names (``sources["imatrix"]``), or None: a relative name is taken beside the plan file
+    (a published folder's ``plan.json`` names ``imatrix.gguf``), an absolute one as it is."""
+    named = plan.sources.get("imatrix")
+    if not named:
+        return None
+    path = Path(named)
+    if not path.is_absolute() and plan_file is not None and Path(plan_file).is_file():
+        return Path(plan_file).parent / path
+    return path
+
+
 def imatrix_path(imatrix, report, report_d, plan: Plan | None, plan_file: str = "plan",
                   use_imatrix: bool = True) -> Path | None:
     """The imatrix file to use: given, named by the plan, or beside the report.
@@ -117,7 +129,7 @@ def imatrix_path(imatrix, report, report_d, plan: Plan | None, plan_file: str = 
     if imatrix is not None:
         return Path(imatrix)
     if plan is not None and plan.sources.get("imatrix"):
-        named = Path(plan.sources["imatrix"])
+        named = plan_imatrix(plan, plan_file)
         if named.is_file():
             return named
         if use_imatrix:

@@ -138,6 +138,16 @@ def source_metadata(source: ModelSource) -> tuple[str | None, tuple[str, ...]]:
     return license_, language
 
 
+def published_plan(plan: Plan, folder: Path) -> dict:
+    """The plan as the folder's ``plan.json``: ``sources`` names the folder's own ``report.json`` and ``imatrix.gguf``
+    (relative names, resolved beside the plan file by ``quantize --plan`` and ``plan --llama-quantize``), never the
+    local paths of the machine that made it."""
+    d = plan.to_dict()
+    d["sources"] = {k: name for k, name in (("report", "report.json"), ("imatrix", "imatrix.gguf"))
+                    if (folder / name).is_file()}
+    return d
+
+
 def model_files(staging: Path, output: Path, target: str) -> tuple[str, ...]:
     """The model's files in the staging folder, the one to load first: a GGUF file (or all shards of its split set),
     or the checkpoint's ``*.safetensors`` shards."""
@@ -213,7 +223,6 @@ class Publisher:
         if cfg.compare_presets:
             rows.append(self.preset_row(run, result.plan))
         files: list[tuple[str, str]] = []
-        write_json(result.plan.to_dict(), staging / "plan.json")
         files.append(("plan.json", "the plan: each tensor's format and why"))
         plots = [("plan.png", "Formats chosen per layer and tensor kind")]
         _save_png(fig_plan(plan_grid(*plan_from_json(result.plan.to_dict())), "plan"), staging / "plan.png")
@@ -232,6 +241,7 @@ class Publisher:
             load_imatrix(imat_path).save(staging / "imatrix.gguf")
         if (staging / "imatrix.gguf").is_file():
             files.append(("imatrix.gguf", "the importance matrix used (llama.cpp GGUF imatrix format)"))
+        write_json(published_plan(result.plan, staging), staging / "plan.json")
         files = [(p, c) for p, c in plots] + files
         facts = self.facts(result, run, target, imat_path, tuple(rows), tuple(plots), tuple(files))
         write_text(str(build_card(facts)), staging / "README.md")
