@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import numbers
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
@@ -31,7 +30,7 @@ from typing import Any
 
 from dynaquant.errors import InputError
 from dynaquant.exporters.gguf.writer import is_output_file
-from dynaquant.sources.readers import gguf_shard_paths
+from dynaquant.sources.readers import GGUF_SHARD_NAME, gguf_shard_paths
 from dynaquant.workdir import remove_stale
 
 MAX_BPW = 32.0  # F32, the widest format: no budget above it changes a plan
@@ -191,8 +190,8 @@ def _probe_writable(out: Path, folder: Path) -> None:
 def source_files(path: Path) -> list[Path]:
     """A GGUF source's files: ``[path]``, or, for a first shard ``NAME-00001-of-00003.gguf``, every shard of its set
     (by name, nothing read)."""
-    m = re.fullmatch(r"(.*)-00001-of-(\d{5})\.gguf", path.name)
-    return gguf_shard_paths(path, int(m[2])) if m is not None and int(m[2]) > 1 else [path]
+    m = GGUF_SHARD_NAME.match(path.name)
+    return gguf_shard_paths(path, int(m["count"])) if m is not None and int(m["no"]) == 1 and int(m["count"]) > 1 else [path]
 
 
 def _source_roles(source: Any) -> tuple[Path | None, Path | None]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -53,11 +52,11 @@ from dynaquant.quant.plan import Plan
 from dynaquant.quant.planner import make_plan, preset_size_bytes
 from dynaquant.quant.presets import PRESETS
 from dynaquant.sources.checkpoint import ModelSource
+from dynaquant.sources.readers import GGUF_SHARD_NAME
 from dynaquant.workdir import run_workdir
 
 log = logging.getLogger(__name__)
 
-SHARD = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<n>\d{5})\.gguf$")  # llama.cpp's split names
 UNIFORM_PRESETS = tuple(p for p in PRESETS if p not in ("F32", "F16", "BF16"))
 PNG_DPI = 96
 
@@ -153,11 +152,11 @@ def model_files(staging: Path, output: Path, target: str) -> tuple[str, ...]:
     or the checkpoint's ``*.safetensors`` shards."""
     if target != "gguf":
         return tuple(sorted(p.name for p in staging.glob("*.safetensors")))
-    m = SHARD.match(output.name)
+    m = GGUF_SHARD_NAME.match(output.name)
     if m is None:
         return (output.name,)
-    return tuple(sorted(p.name for p in staging.iterdir() if (s := SHARD.match(p.name)) and s["stem"] == m["stem"]
-                        and s["n"] == m["n"]))
+    return tuple(sorted(p.name for p in staging.iterdir() if (s := GGUF_SHARD_NAME.match(p.name)) and s["stem"] == m["stem"]
+                        and s["count"] == m["count"]))
 
 
 class Publisher:

@@ -33,8 +33,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from gguf import SHARD_NAME_FORMAT
+
 from dynaquant.errors import InputError
-from dynaquant.sources.readers import gguf_field, open_gguf, open_safetensors, read_json_object
+from dynaquant.sources.readers import GGUF_SHARD_NAME, gguf_field, open_gguf, open_safetensors, read_json_object
 from dynaquant.version import __version__
 from dynaquant.workdir import is_temporary
 
@@ -42,7 +44,6 @@ log = logging.getLogger(__name__)
 
 CARD = "README.md"
 SIDE_FILES = ("report.json", "plan.json", "imatrix.gguf", "report.html")  # published when present; *.png too
-SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")  # gguf-py SHARD_NAME_FORMAT
 PARTIAL_SUFFIXES = (".tmp", ".incomplete", ".part", ".partial")
 _IGNORED = ((".cache", "huggingface"), (".git",))  # never uploaded by huggingface_hub (DEFAULT_IGNORE_PATTERNS)
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -131,7 +132,7 @@ def _check_ggufs(folder: Path, files: list[str]) -> list[str]:
         path = folder / rel
         reader = open_gguf(path)
         count = gguf_field(reader, path, "split.count", int)
-        m = SPLIT_NAME.match(path.name)
+        m = GGUF_SHARD_NAME.match(path.name)
         if m is None:
             if count is not None and count > 1:
                 raise InputError(f"{path}: a shard of a split GGUF (split.count {count}) not named "
@@ -147,7 +148,7 @@ def _check_ggufs(folder: Path, files: list[str]) -> list[str]:
         if no == 1 and _gguf_kind(path, reader) == "model":
             models.append(rel)
     for (stem, n), have in sorted(sets.items()):
-        missing = [f"{Path(stem).name}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1) if i not in have]
+        missing = [SHARD_NAME_FORMAT.format(Path(stem).name, i, n) for i in range(1, n + 1) if i not in have]
         if missing:
             raise InputError(f"{folder / Path(stem).parent / missing[0]}: missing: split GGUF set {Path(stem).name} has "
                              f"{len(have)} of its {n} shards (missing: {', '.join(missing)})")

@@ -172,7 +172,9 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
         raise InputError(f"{path}: damaged GGUF file ({type(e).__name__}: {e})") from e
 
 
-_SHARD_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+# a llama.cpp split GGUF's file names: gguf-py's SHARD_NAME_FORMAT (NAME-00001-of-00003.gguf), as llama_split_path
+# names them; groups stem, no (from 1) and count
+GGUF_SHARD_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
 def gguf_shard_paths(path: str | os.PathLike, count: int) -> list[Path]:
@@ -183,11 +185,11 @@ def gguf_shard_paths(path: str | os.PathLike, count: int) -> list[Path]:
         InputError: ``path`` is not named as the first of ``count`` shards.
     """
     path = Path(path)
-    m = _SHARD_NAME.match(path.name)
+    m = GGUF_SHARD_NAME.match(path.name)
     if m is None or int(m["no"]) != 1 or int(m["count"]) != count:
         raise InputError(f"{path}: a split GGUF of {count} shards, but not named as its first shard "
                          f"({gguf.SHARD_NAME_FORMAT.format('NAME', 1, count)})")
-    return [path.with_name(gguf.SHARD_NAME_FORMAT.format(m["prefix"], i + 1, count)) for i in range(count)]
+    return [path.with_name(gguf.SHARD_NAME_FORMAT.format(m["stem"], i + 1, count)) for i in range(count)]
 
 
 def open_gguf_shards(path: str | os.PathLike) -> list[gguf.GGUFReader]:

@@ -14,7 +14,6 @@ import contextlib
 import io
 import logging
 import os
-import re
 from collections.abc import Callable, Mapping, Sequence
 from glob import escape as glob_escape
 from pathlib import Path
@@ -28,6 +27,7 @@ from tqdm import tqdm
 from dynaquant.quant.formats import Format
 from dynaquant.sources.gguf import SourceTensor, TensorSource
 from dynaquant.sources.nonfinite import check_finite, tensor_label
+from dynaquant.sources.readers import GGUF_SHARD_NAME
 from dynaquant.workdir import run_workdir, writing
 
 logger = logging.getLogger(__name__)
@@ -190,8 +190,8 @@ def is_output_file(path: Path, other: Path) -> bool:
     shard of any split set named after it (``STEM-NNNNN-of-MMMMM.gguf``); compared by name, nothing read."""
     if other.name == path.name:
         return other.parent.resolve() == path.parent.resolve()
-    pattern = re.escape(path.stem) + r"-\d{5}-of-\d{5}\.gguf"
-    return re.fullmatch(pattern, other.name) is not None and other.parent.resolve() == path.parent.resolve()
+    m = GGUF_SHARD_NAME.match(other.name)
+    return m is not None and m["stem"] == path.stem and other.parent.resolve() == path.parent.resolve()
 
 
 def stale_shards(path: Path) -> list[Path]:
