@@ -12,6 +12,19 @@ For each mix (``Q8_0 Q6_K Q5_K_M Q4_K_M Q3_K_M Q2_K`` by default):
 * llama.cpp: ``llama-imatrix`` on the same calibration text (once), then ``llama-quantize
   --imatrix``; measured by ``llama-perplexity --kl-divergence`` the same way.
 
+With ``--methods ...,hand,dynamic,dynamic-greedy`` (the planner's benchmark, issue 19), at each size of
+``--dynamic-mixes`` (the llama.cpp mix's file size; default the six sizes Q4_K_M .. IQ1_S):
+
+* hand: ``llama-quantize --imatrix`` with a careful person's per-tensor overrides (:data:`HAND`);
+* dynamic: ``dynaquant.quantize(size=...)`` from one shared analysis, exact solver, ``--correct-rounds`` rounds of
+  measured corrections on ``--correct-sequences`` held-out calibration sequences (the row keeps the solver's gap
+  and each round's predicted / measured KLD on those sequences: ``heldout_first``, ``heldout_final``);
+* dynamic-greedy: the same analysis planned as before issue 19 (greedy allocation, no corrections);
+* dynamic-gptq: as dynamic, GPTQ-rounded.
+
+``--eval-text2`` adds a second, different evaluation text for the hand and dynamic rows (``*_eval2``), the check
+that a dynamic plan's gain is the method's and not one text's.
+
 Output: a JSON list of rows, written after every row to ``--out``: first a header row
 (``"row": "header"``: machine, versions, configuration, the dithered model's perplexity,
 whether llama.cpp ran and, at the end, ``ratios``: per mix dynaquant/llama.cpp for KLD mean,
@@ -22,6 +35,8 @@ llama.cpp rows and the llama-perplexity figures are skipped and the header says 
 Usage (CPU-heavy; be nice to neighbours):
     python tests/llama_tools.py --all   # once: the pinned llama.cpp's tools into the default --llama-bin
     nice python benchmarks/quality.py [--llama-bin /path/to/llama.cpp/build/bin] [--chunks 32] [--mixes Q4_K_M,Q2_K]
+    python benchmarks/quality.py --device cuda --methods llama.cpp,hand,dynamic,dynamic-greedy --mixes '' \
+        --eval-text2 /usr/share/common-licenses/GPL-3     # the planner's six sizes
 """
 
 from __future__ import annotations
@@ -222,10 +237,10 @@ class Llama:
     """The llama.cpp side: base logits, imatrix, quantize and KLD runs."""
 
     def __init__(self, tools: dict[str, Path], work: Path, n_ctx: int, chunks: int, threads: int,
-                 timeout_s: float | None):
+                 timeout_s: float | None, base_suffix: str = ""):
         self.tools, self.work, self.n_ctx, self.chunks, self.threads = tools, work, n_ctx, chunks, threads
         self.timeout_s = timeout_s
-        self.base_kld = work / "base.kld"
+        self.base_kld = work / f"base{base_suffix}.kld"
         self.imatrix = work / "imatrix.gguf"
 
     def _common(self) -> list[str]:
@@ -236,7 +251,7 @@ class Llama:
             return {"reused": str(self.base_kld)}
         out, dt, cpu = run_tool([str(self.tools["llama-perplexity"]), "-m", str(model), "-f", str(eval_text),
                             "--kl-divergence-base", str(self.base_kld), *self._common()],
-                           self.work / "base.log", self.timeout_s)
+                           self.work / f"base{self.base_kld.stem.removeprefix('base')}.log", self.timeout_s)
         return {"ppl": parse_ppl_output(out), "time_s": round(dt, 2), "cpu_s": round(cpu, 2)}
 
     def make_imatrix(self, model: Path, calibration: Path, reuse: bool) -> dict:
@@ -286,14 +301,16 @@ def ratios(rows: list[dict], mixes: list[str]) -> dict:
             a, b = dq.get(key), lc.get(key)
             entry[name] = round(a / b, 4) if a is not None and b else None
         out[mix] = entry
-    for mix in mixes:  # dynamic plans against the llama.cpp mix and the hand allocation at that size
-        for m in ("dynamic", "dynamic-gptq"):
+    for mix in mixes:  # dynamic plans against the llama.cpp mix, the hand allocation and the greedy planner at that size
+        for m in DYNAMIC_METHODS:
             dyn = by.get((m, mix))
             if not dyn:
                 continue
-            for base in ("llama.cpp", "hand"):
+            for base in ("llama.cpp", "hand", "dynamic-greedy"):
                 b = by.get((base, mix))
-                for key in ("kld_mean", "kld_p99"):
+                if base == m:
+                    continue
+                for key in ("kld_mean", "kld_p99", "kld_mean_eval2", "top1"):
                     if b and dyn.get(key) is not None and b.get(key):
                         out.setdefault(f"{m}/{base} {mix}", {})[key] = round(dyn[key] / b[key], 4)
     return out
@@ -374,7 +391,8 @@ HAND = {
 }
 
 
-def run_hand(mix: str, dithered: Path, llama: Llama, size_limit: int | None, hand: dict | None = None) -> dict:
+def run_hand(mix: str, dithered: Path, llama: Llama, size_limit: int | None, hand: dict | None = None,
+             llama2: Llama | None = None) -> dict:
     """llama-quantize --imatrix with the hand overrides for a mix's size (``hand``, default :data:`HAND`);
     the row notes whether it fits."""
     row = _row("hand", mix)
@@ -390,34 +408,59 @@ def run_hand(mix: str, dithered: Path, llama: Llama, size_limit: int | None, han
     row["size_limit"] = size_limit
     row["fits"] = size_limit is None or row["size_bytes"] <= size_limit
     row.update(llama.kld(out, f"hand-{mix}"))
+    if llama2 is not None:
+        row.update({f"{k}_eval2": v for k, v in llama2.kld(out, f"hand-{mix}-eval2").items()})
     return row
 
 
-def run_dynamic(mix: str, dithered: Path, args, llama: Llama | None, size_limit: int, gptq: bool = False) -> dict:
-    """A dynamic plan at ``size_limit`` bytes from one shared analysis of the dithered model (optionally GPTQ-rounded)."""
+DYNAMIC_METHODS = {
+    # method: (solver, measured-correction rounds or None for the command-line default, GPTQ)
+    "dynamic": ("exact", None, False),
+    "dynamic-greedy": ("greedy", 0, False),  # the planner before issue 19: greedy allocation, no measured corrections
+    "dynamic-gptq": ("exact", None, True),
+}
+
+
+def run_dynamic(mix: str, dithered: Path, args, llama: Llama | None, size_limit: int, method: str = "dynamic",
+                llama2: Llama | None = None) -> dict:
+    """A dynamic plan at ``size_limit`` bytes from one shared analysis of the dithered model, planned as ``method``
+    says (:data:`DYNAMIC_METHODS`: solver, measured corrections, GPTQ rounding)."""
     from dynaquant.analysis.calibration import CalibrationSpec
 
+    solver, rounds, gptq = DYNAMIC_METHODS[method]
+    rounds = args.correct_rounds if rounds is None else rounds
     report = args.work_dir / "analysis" / "report.json"
-    method = "dynamic-gptq" if gptq else "dynamic"
     row = _row(method, mix)
-    if not report.is_file() or not args.reuse:
+    if not report.is_file() or not args.reuse_analysis:
         t0 = time.perf_counter()
         res = dynaquant.analyze(str(dithered), report.parent, calibration=CalibrationSpec((str(args.calibration),),
                                 args.chunks, args.n_ctx), device=args.device, progress=False)
         row["analysis_time_s"] = round(time.perf_counter() - t0, 2)
         row["analysis_timings_s"] = {k: round(v, 2) for k, v in res.report["timings_s"].items()}
+        args.reuse_analysis = True  # one analysis serves every dynamic row of the run
     out = args.work_dir / f"{method}-{mix}.gguf"
     t0 = time.perf_counter()
     res = dynaquant.quantize(str(dithered), size=size_limit, report=report, output=out, device=args.device, progress=False,
-                             gptq=gptq, calibration=args.calibration, calibration_chunks=args.chunks, n_ctx=args.n_ctx)
+                             gptq=gptq, calibration=args.calibration, calibration_chunks=args.chunks, n_ctx=args.n_ctx,
+                             solver=solver, correct_rounds=rounds, correct_sequences=args.correct_sequences)
     row["gptq"] = res.gptq
     row["quantize_time_s"] = round(time.perf_counter() - t0, 2)
+    row["quantize_timings_s"] = {k: round(v, 2) for k, v in res.timings_s.items()}
     row["size_limit"] = size_limit
     row["kld_pred"] = res.plan.kld_pred
+    row["solver"] = getattr(res.plan, "solver", None)
+    corr = getattr(res.plan, "corrections", None)
+    row["corrections"] = corr
+    final = (corr or {}).get("rounds") or []
+    if final:  # predicted against measured on the held-out calibration sequences, first and final plan
+        row["heldout_first"] = {k: final[0].get(k) for k in ("kld_pred", "kld_measured", "groups_sum")}
+        row["heldout_final"] = {k: final[-1].get(k) for k in ("kld_pred", "kld_measured", "groups_sum")}
     row["formats"] = res.plan.count_by_format()
     row.update(file_stats(out))
     if llama is not None:
         row.update(llama.kld(out, f"{method}-{mix}"))
+    if llama2 is not None:
+        row.update({f"{k}_eval2": v for k, v in llama2.kld(out, f"{method}-{mix}-eval2").items()})
     return row
 
 
@@ -430,7 +473,8 @@ def _fmt(v, spec: str) -> str:
 
 
 def table(header: dict, rows: list[dict]) -> str:
-    cols = ("method", "mix", "MiB", "bpw", "KLD", "KLD p99", "PPL", "top1", "KLD torch", "quant s", "quant cpu")
+    cols = ("method", "mix", "MiB", "bpw", "KLD", "KLD p99", "PPL", "top1", "KLD torch", "quant s", "quant cpu",
+            "pred", "held meas", "KLD eval2")
     lines = [" ".join(f"{c:>10}" for c in cols)]
     for r in rows:
         if r.get("row") != "result":
@@ -442,7 +486,8 @@ def table(header: dict, rows: list[dict]) -> str:
         cells = (r["method"], r["mix"], _fmt(size, ".2f"), _fmt(r.get("bpw"), ".3f"), _fmt(r.get("kld_mean"), ".5f"),
                  _fmt(r.get("kld_p99"), ".4f"), _fmt(r.get("ppl"), ".3f"), _fmt(r.get("top1"), ".4f"),
                  _fmt(r.get("kld_mean_torch"), ".5f"), _fmt(r.get("quantize_time_s"), ".1f"),
-                 _fmt(r.get("quantize_cpu_s"), ".1f"))
+                 _fmt(r.get("quantize_cpu_s"), ".1f"), _fmt(r.get("kld_pred"), ".5f"),
+                 _fmt((r.get("heldout_final") or {}).get("kld_measured"), ".5f"), _fmt(r.get("kld_mean_eval2"), ".5f"))
         lines.append(" ".join(f"{c:>10}" for c in cells))
     rat = header.get("ratios") or {}
     if rat:
@@ -452,7 +497,8 @@ def table(header: dict, rows: list[dict]) -> str:
         lines.append("dynaquant / llama.cpp (same run): " + " ".join(f"{c:>13}" for c in names))
         for mix, e in rat.items():
             if mix.startswith("dynamic"):
-                lines.append(f"{mix:>33}: KLD mean {_fmt(e.get('kld_mean'), '.3f')}  KLD p99 {_fmt(e.get('kld_p99'), '.3f')}")
+                lines.append(f"{mix:>33}: KLD mean {_fmt(e.get('kld_mean'), '.3f')}  KLD p99 {_fmt(e.get('kld_p99'), '.3f')}"
+                             f"  KLD eval2 {_fmt(e.get('kld_mean_eval2'), '.3f')}")
                 continue
             lines.append(f"{mix:>33}: " + " ".join(f"{_fmt(e.get(k), '.3f'):>13}" for k in keys))
     if header.get("stopped"):
@@ -471,6 +517,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="folder with llama-quantize, llama-perplexity, llama-imatrix (llama.cpp rows skipped without)")
     p.add_argument("--calibration", type=Path, default=DATA / "calibration.txt")
     p.add_argument("--eval-text", type=Path, default=DATA / "eval.txt")
+    p.add_argument("--eval-text2", type=Path, default=None,
+                   help="a second evaluation text (another domain) for the hand and dynamic rows: *_eval2 figures")
+    p.add_argument("--correct-rounds", type=int, default=None,
+                   help="measured-correction rounds of the dynamic rows (default: quantize's, 2 on CUDA, 0 on CPU)")
+    p.add_argument("--correct-sequences", type=int, default=8, help="held-out calibration sequences of the corrections")
     p.add_argument("--chunks", type=int, default=32, help="chunks for calibration and evaluation")
     p.add_argument("--n-ctx", type=int, default=512)
     p.add_argument("--mixes", default=",".join(MIXES), help="comma-separated presets")
@@ -478,8 +529,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated presets for dynaquant only (default: --mixes); llama.cpp still runs --mixes")
     p.add_argument("--methods", default="dynaquant,llama.cpp",
                    help="comma-separated: dynaquant (presets), llama.cpp, hand (llama-quantize overrides), "
-                        "dynamic (dynaquant plans at the llama.cpp files' sizes)")
-    p.add_argument("--dynamic-mixes", default="Q4_K_M,Q3_K_M,Q2_K", help="sizes for hand and dynamic rows")
+                        "dynamic (dynaquant plans at the llama.cpp files' sizes), dynamic-greedy (the greedy planner "
+                        "without measured corrections, for comparison), dynamic-gptq")
+    p.add_argument("--dynamic-mixes", default="Q4_K_M,Q3_K_M,Q2_K,IQ2_XS,IQ2_XXS,IQ1_S", help="sizes for hand and dynamic rows")
     p.add_argument("--no-torch-eval", action="store_true", help="skip dynaquant.evaluate (PyTorch KLD)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp threads")
     p.add_argument("--device", default="cpu", help="torch device for dynaquant")
@@ -499,11 +551,11 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("gguf", "transformers", "dynaquant.exporters"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     mixes = [m.strip().upper() for m in args.mixes.split(",") if m.strip()]
-    if "dynamic" in args.methods or "hand" in args.methods:  # (dynamic-gptq included)
+    if "dynamic" in args.methods or "hand" in args.methods:  # (dynamic-gptq, dynamic-greedy included)
         mixes += [m.strip().upper() for m in args.dynamic_mixes.split(",") if m.strip().upper() not in mixes]
     dq_mixes = [m.strip().upper() for m in (args.dynaquant_mixes or args.mixes).split(",") if m.strip()]
     methods = {m.strip() for m in args.methods.split(",") if m.strip()}
-    known = {"dynaquant", "llama.cpp", "hand", "dynamic", "dynamic-gptq"}
+    known = {"dynaquant", "llama.cpp", "hand", *DYNAMIC_METHODS}
     if not methods <= known:
         p.error(f"unknown method(s): {', '.join(sorted(methods - known))}")
     dyn_mixes = [m.strip().upper() for m in args.dynamic_mixes.split(",") if m.strip()]
@@ -517,7 +569,9 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(), "versions": versions(tools),
         "config": {"source": str(args.source or dynaquant.sources.checkpoint.default_model_path()),
                    "dithered": str(args.dithered), "dither": "dynaquant.analysis.dither.dither(w, 32, seed=tensor index)",
-                   "calibration": str(args.calibration), "eval_text": str(args.eval_text), "chunks": args.chunks,
+                   "calibration": str(args.calibration), "eval_text": str(args.eval_text),
+                   "eval_text2": str(args.eval_text2) if args.eval_text2 else None, "chunks": args.chunks,
+                   "correct_rounds": args.correct_rounds, "correct_sequences": args.correct_sequences,
                    "n_ctx": args.n_ctx, "mixes": mixes, "dynaquant_mixes": dq_mixes, "methods": sorted(methods),
                    "device": args.device, "llama_threads": args.threads,
                    "bpw": "8 * tensor data bytes / weights, from the GGUF file (metadata excluded)",
@@ -536,13 +590,17 @@ def main(argv: list[str] | None = None) -> int:
     header["dithered_model"].update(file_stats(args.dithered))
     write_json(args.out, header, rows)
 
-    llama = None
+    llama = llama2 = None
+    args.reuse_analysis = args.reuse
     if tools is not None:
         llama = Llama(tools, args.work_dir, args.n_ctx, args.chunks, args.threads, args.tool_timeout_s)
         try:
             header["llama_cpp"]["base"] = llama.make_base(args.dithered, args.eval_text, args.reuse)
             if methods & {"llama.cpp", "hand"}:
                 header["llama_cpp"]["imatrix"] = llama.make_imatrix(args.dithered, args.calibration, args.reuse)
+            if args.eval_text2 is not None:
+                llama2 = Llama(tools, args.work_dir, args.n_ctx, args.chunks, args.threads, args.tool_timeout_s, "-eval2")
+                header["llama_cpp"]["base_eval2"] = llama2.make_base(args.dithered, args.eval_text2, args.reuse)
         except ToolError as e:
             log.error("%s", e)
             header["llama_cpp"]["skipped"] = f"setup failed: {e}"
@@ -558,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs += [("hand", mix) for mix in dyn_mixes]
     if "dynaquant" in methods:
         jobs += [("dynaquant", mix) for mix in dq_mixes]
-    for m in ("dynamic", "dynamic-gptq"):
+    for m in DYNAMIC_METHODS:
         if m in methods:
             jobs += [(m, mix) for mix in dyn_mixes]
     # SIGTERM (kill PID) ends the run like Ctrl-C: the rows so far are kept and the header says so.
@@ -572,11 +630,11 @@ def main(argv: list[str] | None = None) -> int:
                 if method == "llama.cpp":
                     row = run_llama(mix, args.dithered, llama)
                 elif method == "hand":
-                    row = run_hand(mix, args.dithered, llama, limit)
+                    row = run_hand(mix, args.dithered, llama, limit, llama2=llama2)
                 elif method.startswith("dynamic"):
                     if limit is None:
                         raise RuntimeError(f"no llama.cpp {mix} row to take the size from; add llama.cpp to --methods")
-                    row = run_dynamic(mix, args.dithered, args, llama, limit, gptq=method == "dynamic-gptq")
+                    row = run_dynamic(mix, args.dithered, args, llama, limit, method, llama2=llama2)
                 else:
                     row = run_dynaquant(mix, args.dithered, args, llama)
             except Exception as e:  # one failing mix must not lose the others; the row says what failed
