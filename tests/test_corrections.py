@@ -230,3 +230,47 @@ def test_the_loop_on_a_tiny_llama_returns_a_plan_within_budget(tiny_model):
     assert {g["group"] for g in sec["rounds"][0]["groups"]} == {"token_embd", "blk.0.attn", "blk.0.ffn", "blk.1.attn",
                                                                    "blk.1.ffn"}
     assert all(math.isfinite(f) and 0.25 <= f <= 8 for f in sec["factors"].values())
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from test_gguf_export import _tiny_checkpoint
+
+    ckpt = tmp_path_factory.mktemp("corr") / "tiny-llama"
+    _tiny_checkpoint(ckpt, "llama", hidden_size=256, intermediate_size=512)
+    return ckpt
+
+
+def test_analyze_correct_then_plan_and_quantize_correct_from_the_cli(tiny_folder, tmp_path, capsys):
+    from dynaquant.analysis.calibration import CalibrationSpec
+    from dynaquant.cli import main
+    from dynaquant.pipeline.analyze import analyze
+    from dynaquant.pipeline.plan import make_dynamic_plan
+
+    an = tmp_path / "an"
+    res = analyze(str(tiny_folder), an, calibration=CalibrationSpec(n_sequences=3, seq_len=64), progress=False,
+                  candidates=("Q4_0", "Q5_0", "Q8_0"), fisher_sequences=1, super_weights=False, device="cpu",
+                  validate_presets=("Q8_0",), correct_rounds=1, correct_sequences=2)
+    rep = json.loads((an / "report.json").read_text())
+    sec, row = rep["corrections"], rep["plans"][0]
+    assert sec["held_out"] == {"sequences": 2, "tokens": 128} and sec["rounds"][0]["label"] == "Q8_0 size"
+    assert row["kld_measured"] > 0 and row["corrected"]["rounds"] == len(sec["rounds"]) >= 1
+    assert res.report["corrections"] == sec
+    # dynaquant plan report.json reuses the section's factors
+    assert bool(sec["factors"]) == (len(sec["rounds"]) > 1)  # fitted only when round 1 was more than 10 % off
+    plan, fn = make_dynamic_plan(an / "report.json", bpw=7), error_fn_from_report(rep)
+    for e in plan.entries:
+        if e.kld_pred is not None:
+            assert e.kld_pred == fn(TensorInfo(e.name, e.hf_name, e.shape), e.format)
+    out = tmp_path / "m.gguf"
+    assert main(["quantize", str(tiny_folder), "--report", str(an / "report.json"), "--bpw", "7", "--correct", "1",
+                 "--correct-sequences", "2", "--calibration-chunks", "3", "--ctx", "64", "--device", "cpu", "-o", str(out),
+                 "--save-plan", str(tmp_path / "plan.json"), "--json", "--no-eval"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    rounds = saved["corrections"]["rounds"]
+    assert 1 <= len(rounds) <= 2 and rounds[-1]["kld_measured"] > 0 and saved["kld_pred"] == pytest.approx(rounds[-1]["kld_pred"])
+    assert got["size_bytes"] <= 7 * sum(math.prod(t["shape"]) for t in rep["tensors"]) / 8 + 10**6
+    assert "corrections_s" in got["timings_s"]
+    with pytest.raises(SystemExit):
+        main(["quantize", str(tiny_folder), "--correct", "-1"])

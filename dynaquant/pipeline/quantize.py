@@ -246,9 +246,10 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
         rounding = GPTQRounding(hf_model, tokenizer, cfg.spec(), stats, cfg.gptq_damp, device, cfg.progress, timings)
     imat = _importance(cfg, target, im, imat_path, ts, info)
     if rounds > 0:
+        t1 = time.perf_counter()
         plan, start.report = correct_in_run(cfg, target, start, tensors, info, source.model_id, hf_model, tokenizer, imat,
                                             rounds)
-        plan.fit = fit
+        plan.fit, timings["corrections_s"] = fit, time.perf_counter() - t1
         if cfg.save_plan is not None:
             write_json(plan.to_dict(), cfg.save_plan)
     check_imatrix_needs(plan, set(imat))
