@@ -156,6 +156,11 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--split-max-tensors", type=_count(0), default=0, metavar="N",
                    help="GGUF: split into shards of at most N tensors each (default 0: no limit)")
     q.add_argument("--source-revision", metavar="REV", help="hub source: the branch, tag or commit to fetch (recorded)")
+    q.add_argument("--correct", type=_count(0), metavar="N", help="dynamic plans: measure the plan's KLD on held-out "
+                   "calibration sequences, fit per-group corrections and re-plan, at most N times (default: 2 on CUDA, "
+                   "0 = off on the CPU)")
+    q.add_argument("--correct-sequences", type=_positive, default=config.CORRECT_SEQUENCES, metavar="K",
+                   help=f"held-out calibration sequences the corrections measure on (default {config.CORRECT_SEQUENCES})")
 
     a = sub.add_parser("analyze", help="measure per-tensor errors, activations and super weights: DIR/report.json")
     a.add_argument("model", nargs="?", help="HF folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -173,6 +178,10 @@ def _parser() -> argparse.ArgumentParser:
                                      "target's candidates (default: gguf)")
     a.add_argument("--sensitivity", metavar="FORMATS", help="also measure end-to-end KLD per block group in these formats")
     a.add_argument("--validate", metavar="PRESETS", help="check dynamic plans at these presets' sizes (e.g. Q4_K_M,Q2_K)")
+    a.add_argument("--correct", type=_count(0), default=0, metavar="N",
+                   help="with --validate: correct each plan by measurement, at most N re-plans (report: corrections)")
+    a.add_argument("--correct-sequences", type=_positive, default=config.CORRECT_SEQUENCES, metavar="K",
+                   help=f"held-out calibration sequences the corrections measure on (default {config.CORRECT_SEQUENCES})")
     a.add_argument("--no-super-weights", action="store_true")
     a.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     a.add_argument("--device")
@@ -252,6 +261,7 @@ def _quantize(a, bare: bool, argv: list[str]) -> int:
                          allow_nonfinite=a.allow_nonfinite, push_to_hub=a.push_to_hub, push_private=a.private,
                          push_branch=a.hub_branch, split_max_size=a.split_max_size,
                          split_max_tensors=a.split_max_tensors, source_revision=a.source_revision, **_fit_options(a))
+    cfg = dataclasses.replace(cfg, correct_rounds=a.correct, correct_sequences=a.correct_sequences)
     if cfg.push_to_hub:
         from dynaquant.pipeline.push import check_push_target
 
@@ -340,6 +350,7 @@ def _analyze(a) -> int:
                         sensitivity_formats=_names(a.sensitivity), validate_presets=_names(a.validate), device=a.device,
                         dtype=a.dtype, allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code,
                         progress=not a.json, allow_nonfinite=a.allow_nonfinite, **kw)
+    cfg = dataclasses.replace(cfg, correct_rounds=a.correct, correct_sequences=a.correct_sequences)
     res = run_analyze(a.model, a.output, cfg)
     rep = res.report
     if a.json:
@@ -356,6 +367,10 @@ def _analyze(a) -> int:
     for p in rep["plans"]:
         print(f"  plan at {p['label']}: {p['size_bytes']} bytes, KLD predicted {p['kld_pred']:.5f}, "
               f"measured {p['kld_measured']:.5f}")
+        if p.get("corrected"):
+            c = p["corrected"]
+            print(f"    corrected ({c['rounds']} measurements): {c['size_bytes']} bytes, KLD predicted {c['kld_pred']:.5f}, "
+                  f"measured {c['kld_measured']:.5f}")
     return 0
 
 

@@ -26,6 +26,7 @@ EVAL_CHUNKS = 16  # evaluation chunks
 GPTQ_DAMP = 0.01  # GPTQ's damping, a fraction of the mean Hessian diagonal
 SPLIT_MAX_SIZE = 50_000_000_000  # GGUF shards: the hub's file size limit (bytes); 0: never split
 FISHER_SEQUENCES = 8  # sequences that also get a backward pass (Fisher diagonals) in an analysis
+CORRECT_SEQUENCES = 8  # held-out calibration sequences the measured corrections use
 TARGETS = ("gguf", "safetensors")
 
 PathLike = str | os.PathLike
@@ -45,6 +46,9 @@ class AnalyzeConfig:
         device: torch device (None: CUDA when present); dtype: ``float32``, ``bfloat16`` or ``float16``.
         allow_pickle, trust_remote_code: as :func:`dynaquant.sources.checkpoint.resolve_source`.
         progress: progress bars. allow_nonfinite: replace NaN / Inf weights instead of refusing them.
+        correct_rounds, correct_sequences: measured corrections (:mod:`dynaquant.pipeline.corrections`) of the
+            ``validate_presets`` plans, at most this many re-plans each (0: off), measured on this many held-out
+            calibration sequences; the fitted factors go into the report's ``corrections`` section.
     """
 
     calibration: CalibrationSpec | None = None
@@ -59,6 +63,8 @@ class AnalyzeConfig:
     trust_remote_code: bool = False
     progress: bool = True
     allow_nonfinite: bool = False
+    correct_rounds: int = 0
+    correct_sequences: int = CORRECT_SEQUENCES
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,9 @@ class QuantizeConfig:
         split_max_size, split_max_tensors: GGUF only: split the file into llama.cpp shards (``NAME-00001-of-00003.gguf``)
             of at most this many bytes of tensor data / tensors each (0: no limit); under them, one file.
         source_revision: a hub source's branch, tag or commit to fetch (None: the default branch).
+        correct_rounds, correct_sequences: measured corrections of a dynamic plan (:mod:`dynaquant.pipeline.corrections`):
+            at most this many re-plans (None: 2 on CUDA, 0 = off on the CPU), measured on this many held-out
+            calibration sequences (after those the statistics use).
     """
 
     output: PathLike | None = None
@@ -134,6 +143,8 @@ class QuantizeConfig:
     split_max_size: int = SPLIT_MAX_SIZE
     split_max_tensors: int = 0
     source_revision: str | None = None
+    correct_rounds: int | None = None
+    correct_sequences: int = CORRECT_SEQUENCES
 
     @property
     def explicit_target(self) -> bool:

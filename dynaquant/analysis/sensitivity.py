@@ -47,6 +47,16 @@ class ReferenceLogits:
 
 
 @torch.no_grad()
+def decoded_weight(p: torch.Tensor, fmt: str, imatrix: torch.Tensor | None) -> torch.Tensor:
+    """``Q(p)`` decoded: ``p`` (any shape, rows on the last axis) encoded in ``fmt`` (the block-size fallback applied
+    as llama.cpp does) with the importance ``imatrix`` ((K,), ignored by float formats), decoded back to ``p``'s
+    dtype, shape and device."""
+    f, _ = resolve_for_row(fmt, p.shape[-1])
+    q = dequantize(quantize(p.detach().float(), f, imatrix if f.kind != "float" else None), f)
+    return q.to(p.dtype).reshape(p.shape)
+
+
+@torch.no_grad()
 def kld_with_weights(model, ref: ReferenceLogits, formats: dict[str, str],
                      imatrix_of: Callable[[str], torch.Tensor | None]) -> float:
     """KL divergence of the model with some parameters quantized, then restored.
@@ -60,10 +70,8 @@ def kld_with_weights(model, ref: ReferenceLogits, formats: dict[str, str],
     try:
         for name, fmt in formats.items():
             p = params[name]
-            f, _ = resolve_for_row(fmt, p.shape[-1])
             saved[name] = p.detach().clone()
-            q = dequantize(quantize(p.detach().float(), f, imatrix_of(name) if f.kind != "float" else None), f)
-            p.copy_(q.to(p.dtype).reshape(p.shape))
+            p.copy_(decoded_weight(p, fmt, imatrix_of(name)))
         return ref.kld(model)
     finally:
         for name, w in saved.items():

@@ -24,14 +24,16 @@ from dynaquant.analysis.report.schema import activation_entry, save_report, tens
 from dynaquant.analysis.sensitivity import ReferenceLogits, group_sensitivity, kld_with_weights
 from dynaquant.analysis.stats import ModelStats, collect_stats, module_of
 from dynaquant.analysis.superweights import confirm, find_candidates
-from dynaquant.config import DEFAULT_CANDIDATES, FISHER_SEQUENCES, AnalyzeConfig
+from dynaquant.config import CORRECT_SEQUENCES, DEFAULT_CANDIDATES, FISHER_SEQUENCES, AnalyzeConfig
 from dynaquant.names import TensorName
+from dynaquant.pipeline.corrections import correct_in_model
 from dynaquant.pipeline.plan import error_fn_from_report
 from dynaquant.pipeline.preflight import Output, analysis_bytes_bound, check_outputs
 from dynaquant.pipeline.source import default_device, model_info, open_tensor_source, tensor_infos
 from dynaquant.pipeline.targets import gguf_planning_overhead
 from dynaquant.quant.codecs import get_codec
 from dynaquant.quant.formats import get_format
+from dynaquant.quant.plan import Plan
 from dynaquant.quant.planner import default_rules, make_plan
 from dynaquant.sources.checkpoint import ModelSource, load_model, load_tokenizer, resolve_source
 from dynaquant.sources.experts import stacked_name
@@ -113,8 +115,11 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
                  candidates: tuple[str, ...] = DEFAULT_CANDIDATES, fisher_sequences: int = 16,
                  super_weights: bool = True, sensitivity_formats: tuple[str, ...] = (),
                  validate: tuple[tuple[str, int], ...] = (), overhead_bytes: int = 0,
-                 progress: bool = True, timings: dict | None = None) -> AnalysisResult:
-    """Analyse a loaded model (see ``analyze``); ``validate`` is (label, size_bytes) pairs of plans to check."""
+                 progress: bool = True, timings: dict | None = None, correct_rounds: int = 0,
+                 correct_sequences: int = CORRECT_SEQUENCES) -> AnalysisResult:
+    """Analyse a loaded model (see ``analyze``); ``validate`` is (label, size_bytes) pairs of plans to check, each
+    also corrected (:mod:`dynaquant.pipeline.corrections`) with ``correct_rounds`` > 0 (the report's ``corrections``
+    section gathers the rounds of every size; each ``plans`` row gets ``corrected``: the final plan's figures)."""
     timings = {} if timings is None else timings
     device = next(model.parameters()).device
     t0 = time.perf_counter()
@@ -220,18 +225,29 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
         timings["sensitivity_s"] = time.perf_counter() - t3
     if validate:
         t4 = time.perf_counter()
-        err_fn = error_fn_from_report(report)
-        for label, size in validate:
-            plan = make_plan(tensors, info, source.model_id, size_bytes=size, overhead_bytes=overhead_bytes,
+        def plan_at(size: int, err_fn) -> Plan:
+            return make_plan(tensors, info, source.model_id, size_bytes=size, overhead_bytes=overhead_bytes,
                              error_fn=err_fn, defaults=default_rules(info, sorted(sw_tensors)),
                              candidates=[c for c in candidates if get_format(c).allowed_in("gguf")] or None,
                              error_source="measured kld", has_imatrix=True)
+
+        err_fn = error_fn_from_report(report)
+        for label, size in validate:
+            plan = plan_at(size, err_fn)
             params = dict(model.named_parameters())  # a tied output head has no parameter of its own
             fmts = {by_gguf[e.name].hf_name: e.format for e in plan.entries
                     if by_gguf[e.name].quantizable and by_gguf[e.name].hf_name in params}
             report["plans"].append({"label": label, "size_bytes": plan.size_bytes + overhead_bytes, "bpw": plan.bpw,
                                     "kld_pred": plan.kld_pred, "kld_measured": kld_with_weights(model, ref, fmts, imatrix_of),
                                     "formats": plan.formats()})
+            if correct_rounds > 0:
+                fixed, report["corrections"] = correct_in_model(
+                    model, tokenizer, spec, report, tensors, lambda rep, size=size: plan_at(size, error_fn_from_report(rep)),
+                    imatrix_of, rounds=correct_rounds, sequences=correct_sequences, label=label, progress=progress)
+                last = fixed.corrections["rounds"][-1]
+                report["plans"][-1]["corrected"] = {"kld_pred": fixed.kld_pred, "kld_measured": last["kld_measured"],
+                                                    "rounds": len(fixed.corrections["rounds"]),
+                                                    "size_bytes": fixed.size_bytes + overhead_bytes}
         timings["validate_s"] = time.perf_counter() - t4
     return AnalysisResult(report, stats, stats.to_imatrix(spec.id))
 
@@ -275,7 +291,8 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
             fisher_sequences: int = FISHER_SEQUENCES, super_weights: bool = True, sensitivity_formats: tuple[str, ...] = (),
             validate_presets: tuple[str, ...] = (), device: str | None = None, dtype: str = "float32",
             allow_pickle: bool = False, trust_remote_code: bool = False, progress: bool = True,
-            allow_nonfinite: bool = False) -> AnalysisResult:
+            allow_nonfinite: bool = False, correct_rounds: int = 0,
+            correct_sequences: int = CORRECT_SEQUENCES) -> AnalysisResult:
     """Analyse a model: calibration statistics, per-tensor errors of every candidate format, super weights.
 
     Args:
@@ -291,6 +308,9 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
         device: torch device (default CUDA when present); dtype: ``float32`` or ``bfloat16`` for the forward passes.
         allow_nonfinite: NaN and Inf weights are refused (``InputError`` naming the tensor and its file) right after
             the model is loaded; with this they are replaced as :mod:`dynaquant.sources.nonfinite` documents.
+        correct_rounds, correct_sequences: measured corrections of the ``validate_presets`` plans (at most this many
+            re-plans each, 0: off; on this many held-out calibration sequences): the report's ``corrections`` section,
+            which later ``dynaquant plan`` runs on the report use.
     Returns:
         AnalysisResult.
     Raises:
@@ -302,13 +322,17 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
     return run_analyze(model, output_dir, AnalyzeConfig(
         calibration=calibration, candidates=candidates, fisher_sequences=fisher_sequences, super_weights=super_weights,
         sensitivity_formats=sensitivity_formats, validate_presets=validate_presets, device=device, dtype=dtype,
-        allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, progress=progress, allow_nonfinite=allow_nonfinite))
+        allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, progress=progress, allow_nonfinite=allow_nonfinite,
+        correct_rounds=correct_rounds, correct_sequences=correct_sequences))
 
 
 def run_analyze(model: str | os.PathLike | None, output_dir: str | os.PathLike | None, cfg: AnalyzeConfig) -> AnalysisResult:
     """Analyse ``model`` as ``cfg`` says, writing into ``output_dir`` (:func:`analyze`: result and errors)."""
     if cfg.dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype {cfg.dtype!r}: use float32, bfloat16 or float16")
+    if cfg.correct_rounds < 0 or cfg.correct_sequences < 1 or (cfg.correct_rounds and not cfg.validate_presets):
+        raise ValueError(f"correct_rounds {cfg.correct_rounds}, correct_sequences {cfg.correct_sequences}: the corrections "
+                         "correct the validate_presets plans (give them), with rounds >= 0 and at least 1 sequence")
     spec = cfg.calibration or CalibrationSpec()
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -332,7 +356,8 @@ def run_analyze(model: str | os.PathLike | None, output_dir: str | os.PathLike |
     res = run_analysis(source, ts, hf_model, tokenizer, spec, candidates=cfg.candidates,
                        fisher_sequences=cfg.fisher_sequences, super_weights=cfg.super_weights,
                        sensitivity_formats=cfg.sensitivity_formats, validate=validate, overhead_bytes=overhead,
-                       progress=cfg.progress, timings=timings)
+                       progress=cfg.progress, timings=timings, correct_rounds=cfg.correct_rounds,
+                       correct_sequences=cfg.correct_sequences)
     timings["total_s"] = time.perf_counter() - t0
     if output_dir is not None:
         out = Path(output_dir)

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from dynaquant.analysis.corrections import correction_group, factor_lookup
 from dynaquant.analysis.report import schema
 from dynaquant.analysis.report.schema import Report, write_json
 from dynaquant.config import QuantizeConfig
@@ -78,13 +79,16 @@ def super_weight_tensors(report: Report) -> list[str]:
     return [t.name for t in report.tensors if t.super_weight]
 
 
-def error_fn_from_report(report: Report | dict, use_sensitivity: bool = True) -> ErrorFn:
+def error_fn_from_report(report: Report | dict, use_sensitivity: bool = True, use_corrections: bool = True) -> ErrorFn:
     """The allocator's error function from an analysis report (a dict is typed as is: ``Report.typed``).
 
     The predicted KL divergence ``kld_pred`` of each tensor in each measured format; formats not
     measured for a tensor are infinite (never chosen). With end-to-end sensitivity rows in the
     report, each block's attention / MLP predictions are scaled by the geometric mean over the
-    measured formats of measured / predicted KL divergence for that group.
+    measured formats of measured / predicted KL divergence for that group. With a ``corrections``
+    section (``use_corrections``; :mod:`dynaquant.pipeline.corrections`), each prediction is also multiplied by
+    its group's factor (``analysis.corrections.factor_lookup``: a group never measured takes its kind's mean) and
+    by the interaction factor (the same for every tensor: it changes the predicted totals, not the allocation).
     """
     rep = Report.typed(report) if isinstance(report, dict) else report
     errs = {t.name: t.errors for t in rep.tensors}
@@ -96,12 +100,21 @@ def error_fn_from_report(report: Report | dict, use_sensitivity: bool = True) ->
                 logs.setdefault(r.group, []).append(math.log(r.kld / r.kld_pred))
         scale = {g: math.exp(sum(v) / len(v)) for g, v in logs.items()}
 
+    corr = rep.corrections if use_corrections else None
+    factor, inter = factor_lookup(corr.factors or {}) if corr else None, float(corr.interaction or 1.0) if corr else 1.0
+    groups: dict[str, float] = {}  # tensor name -> its group's factor times the interaction
+
     def fn(t: TensorInfo, fmt: str) -> float:
         e = errs.get(t.name, {}).get(fmt)
         if e is None or e.kld_pred is None:
             return math.inf
         group = f"blk.{t.layer}.{'attn' if '.attn_' in t.name else 'ffn'}" if t.layer is not None else ""
-        return float(e.kld_pred) * scale.get(group, 1.0)
+        v = float(e.kld_pred) * scale.get(group, 1.0)
+        if factor is not None:
+            if t.name not in groups:
+                groups[t.name] = factor(correction_group(t.name)) * inter
+            v *= groups[t.name]
+        return v
 
     return fn
 

@@ -21,8 +21,9 @@ from dynaquant.analysis.evaluate import EvalResult
 from dynaquant.analysis.imatrix import Imatrix
 from dynaquant.analysis.report.schema import write_json
 from dynaquant.analysis.stats import ModelStats, collect_stats, compute_imatrix
-from dynaquant.config import CALIBRATION_CHUNKS, EVAL_CHUNKS, GPTQ_DAMP, N_CTX, SPLIT_MAX_SIZE, QuantizeConfig
+from dynaquant.config import CALIBRATION_CHUNKS, CORRECT_SEQUENCES, EVAL_CHUNKS, GPTQ_DAMP, N_CTX, SPLIT_MAX_SIZE, QuantizeConfig
 from dynaquant.pipeline import analyze as analysis_stage
+from dynaquant.pipeline.corrections import auto_rounds, correct_in_run
 from dynaquant.pipeline.evaluate import evaluate_written
 from dynaquant.pipeline.fit import fit_errors, fit_target
 from dynaquant.pipeline.gptq import GPTQRounding
@@ -109,7 +110,8 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
              fit_memory: int | None = None, fit_ctx: int = FIT_CTX, kv_type: str = "f16",
              margin: int | None = None, card: bool = False, compare_presets: bool = False,
              split_max_size: int = SPLIT_MAX_SIZE, split_max_tensors: int = 0,
-             source_revision: str | None = None) -> QuantizeResult:
+             source_revision: str | None = None, correct_rounds: int | None = None,
+             correct_sequences: int = CORRECT_SEQUENCES) -> QuantizeResult:
     """Quantize a model to a mixed-precision GGUF file (or, ``target="safetensors"``, a safetensors checkpoint).
 
     Targets (at most one): ``preset`` (a llama.cpp mix, tensor by tensor as llama-quantize decides),
@@ -158,6 +160,10 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
             most this many bytes of tensor data (default 50 GB, the hub's limit) / tensors each (0: no limit);
             ``QuantizeResult.files`` lists them, ``output`` is the first.
         source_revision: a hub source's branch, tag or commit (recorded in the file as ``dynaquant.source.revision``).
+        correct_rounds: measured corrections of a dynamic plan (:mod:`dynaquant.pipeline.corrections`): the plan's KL
+            divergence measured in PyTorch (the whole plan and each block group alone) on ``correct_sequences``
+            held-out calibration sequences, per-group factors fitted, re-planned, at most this many times (None: 2 on
+            CUDA, 0 = off on the CPU); the rounds are in ``plan.corrections`` and the report's ``corrections``.
     Returns:
         QuantizeResult (``gptq`` says per format how many tensors took GPTQ and the mean error ratio,
         or ``plain_only`` for the vector-quantized formats).
@@ -179,7 +185,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         gptq_damp=gptq_damp, target=target, save_plan=save_plan, allow_nonfinite=allow_nonfinite,
         fit_memory=fit_memory, fit_ctx=fit_ctx, kv_type=kv_type, margin=margin, card=card,
         compare_presets=compare_presets, split_max_size=split_max_size, split_max_tensors=split_max_tensors,
-        source_revision=source_revision))
+        source_revision=source_revision, correct_rounds=correct_rounds, correct_sequences=correct_sequences))
 
 
 def run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig) -> QuantizeResult:
@@ -213,7 +219,8 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
     needs_imatrix = cfg.use_imatrix and imat_path is None and not needs_analysis and (
         start.dynamic or target.name == "safetensors" or any(get_format(e.format).kind != "float" for e in start.plan.entries))
     output = pub.stage(_check_output(cfg, target, source, ts, tensors, start, inputs), target, inputs, source)
-    model_needed = target.needs_model or needs_imatrix or needs_analysis or cfg.gptq
+    rounds = auto_rounds(cfg.correct_rounds, device) if start.dynamic else 0  # measured corrections of the plan
+    model_needed = target.needs_model or needs_imatrix or needs_analysis or cfg.gptq or rounds > 0
     hf_model = load_model(source, device=device) if model_needed else None
     tokenizer = None
     if hf_model is not None:  # NaN/Inf: refused (or replaced) before any forward pass
@@ -238,6 +245,13 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
     if cfg.gptq:
         rounding = GPTQRounding(hf_model, tokenizer, cfg.spec(), stats, cfg.gptq_damp, device, cfg.progress, timings)
     imat = _importance(cfg, target, im, imat_path, ts, info)
+    if rounds > 0:
+        t1 = time.perf_counter()
+        plan, start.report = correct_in_run(cfg, target, start, tensors, info, source.model_id, hf_model, tokenizer, imat,
+                                            rounds)
+        plan.fit, timings["corrections_s"] = fit, time.perf_counter() - t1
+        if cfg.save_plan is not None:
+            write_json(plan.to_dict(), cfg.save_plan)
     check_imatrix_needs(plan, set(imat))
     run = RunState(cfg, source, ts, plan, start.loaded is not None, im, imat, rounding, torch.device(device), start.report,
                    hf_model if target.needs_model else None, tokenizer, imat_path if im is None and cfg.use_imatrix else None)
@@ -295,6 +309,9 @@ def _check_options(cfg: QuantizeConfig) -> Target:
     if cfg.preset is not None and cfg.preset.upper() not in PRESETS:
         raise ValueError(f"unknown preset {cfg.preset!r}; known presets: {', '.join(PRESETS)}")
     check_budget(cfg.bpw, cfg.size)
+    if (cfg.correct_rounds is not None and cfg.correct_rounds < 0) or cfg.correct_sequences < 1:
+        raise ValueError(f"correct_rounds {cfg.correct_rounds}, correct_sequences {cfg.correct_sequences}: give 0 (off) "
+                         "or more rounds, and at least 1 held-out sequence")
     if cfg.fit_memory is not None:
         if target.name != "gguf" or any(x is not None for x in (cfg.preset, cfg.bpw, cfg.size, cfg.plan)):
             raise ValueError("fit_memory sizes a GGUF file for llama.cpp's memory: give it alone, without preset, bpw, "

@@ -179,6 +179,9 @@ class Plan:
         budget: the target given (``{"bpw": 4.5}`` or ``{"size_bytes": 100_000_000}``), or {}.
         sources: the analysis artifacts the plan was made from (``{"report": path, "imatrix": path}``), or {}.
         fit: the memory-fit assumptions behind ``budget`` (``--fit-memory``), or None (then absent from the JSON).
+        corrections: the measured corrections behind the entries' ``kld_pred`` (``{"held_out": {...}, "rounds":
+            [{"round", "kld_pred", "kld_measured", "groups_sum", "interaction"}, ...]}``, KL divergence in nats/token;
+            ``dynaquant.pipeline.corrections``), or None (then absent from the JSON).
     """
 
     target: str
@@ -189,6 +192,7 @@ class Plan:
     budget: dict = field(default_factory=dict)
     sources: dict = field(default_factory=dict)
     fit: MemoryFit | None = None
+    corrections: dict | None = None
 
     @property
     def size_bytes(self) -> int:
@@ -238,13 +242,14 @@ class Plan:
             "tensors": [
                 {k: (list(v) if k == "shape" else v) for k, v in asdict(e).items()} for e in self.entries
             ],
+            **({"corrections": self.corrections} if self.corrections is not None else {}),
         }
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "plan") -> Plan:
         """Build and validate a plan from its dict (``to_dict``'s layout; ``version``, ``model``, ``method``,
-        ``rules``, ``budget``, ``fit``, ``sources`` and each entry's ``hf_name``, ``requested``, ``reason``,
-        ``kld_pred`` optional; the derived ``size_bytes``, ``bpw`` and ``kld_pred`` totals are recomputed).
+        ``rules``, ``budget``, ``fit``, ``sources``, ``corrections`` and each entry's ``hf_name``, ``requested``,
+        ``reason``, ``kld_pred`` optional; the derived ``size_bytes``, ``bpw`` and ``kld_pred`` totals are recomputed).
 
         Raises:
             PlanError: ``source`` is not a plan object, a field has the wrong type, an entry lacks ``name``,
@@ -288,7 +293,8 @@ class Plan:
             fit = MemoryFit.from_dict(d["fit"], source) if d.get("fit") is not None else None
         except ValueError as e:
             raise PlanError(str(e)) from None
-        plan = cls(target, model, entries, method, list(rules), _budget(d, source), dict(sources), fit)
+        corrections = _opt(d, "corrections", dict, None, source)
+        plan = cls(target, model, entries, method, list(rules), _budget(d, source), dict(sources), fit, corrections=corrections)
         plan._check_budget(source)
         return plan
 

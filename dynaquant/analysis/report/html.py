@@ -28,6 +28,7 @@ from dynaquant.analysis.report.moe import experts_section
 from dynaquant.analysis.report.plots import (
     fig_act_error,
     fig_act_magnitude,
+    fig_corrections,
     fig_layer_errors,
     fig_plan,
     fmt,
@@ -290,6 +291,30 @@ def _predicted_vs_measured(p: Page, r: dict) -> None:
              + (f"Rank correlation ρ = {rho:.2f} over {len(pts)} points." if rho is not None else ""))
 
 
+def _corrections(p: Page, r: dict) -> None:
+    """The ``corrections`` section's plot and rounds (nothing when the report has none)."""
+    c = r.get("corrections")
+    if not isinstance(c, dict) or not c.get("rounds"):
+        return
+    p.section("corrections", "Measured corrections")
+    held = c.get("held_out") or {}
+    p.para(f"Each round measures the plan's KLD in PyTorch on {held.get('sequences', '?')} held-out calibration "
+           f"sequences ({held.get('tokens', '?')} tokens), and each layer group quantized alone at the plan's formats; "
+           f"the factors measured / predicted (per group) and whole / sum of the groups alone (interaction, now "
+           f"{fmt(num(c.get('interaction')) or 1.0)}) correct the predictions before the next plan.")
+    fig = fig_corrections(c)
+    if fig is not None:
+        p.figure("fig-corrections", fig, "Predicted vs measured KLD, before and after the corrections",
+                 "Left: each point is one layer group quantized alone: x = its predicted KLD (blue: the first round, "
+                 "uncorrected; orange: the final round, times the group's factor), y = measured. Right: the whole "
+                 "plan of each round: x = its predicted KLD as planned, y = measured. On the dashed line y = x the "
+                 "prediction holds.")
+    rows = [[x.get("label") or "", x.get("round"), x.get("size_bytes"), fmt(num(x.get("kld_pred"))),
+             fmt(num(x.get("kld_measured"))), fmt(num(x.get("groups_sum"))), fmt(num(x.get("interaction")))]
+            for x in c["rounds"] if isinstance(x, dict)]
+    p.table(["plan", "round", "bytes", "KLD predicted", "KLD measured", "groups alone, summed", "interaction"], rows, 1)
+
+
 def build_report_page(report: Report | dict, *, title: str | None = None, plan: dict | None = None,
                       plan_label: str | None = None) -> ReportPage:
     """Render the report into an HTML string (see ``render_report_html``), without writing it.
@@ -309,7 +334,8 @@ def build_report_page(report: Report | dict, *, title: str | None = None, plan: 
                      ("experts", lambda: experts_section(p, report)),
                      ("vision", lambda: vision_section(p, report, plan)),
                      ("plans", lambda: _plans(p, report, plan, plan_label)),
-                     ("kld", lambda: _predicted_vs_measured(p, report))):
+                     ("kld", lambda: _predicted_vs_measured(p, report)),
+                     ("corrections", lambda: _corrections(p, report))):
         try:
             fn()
         except Exception as exc:  # a malformed field loses its section, not the page

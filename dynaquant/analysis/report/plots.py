@@ -438,7 +438,12 @@ def rank_corr(xs: list[float], ys: list[float]) -> float | None:
 def scatter_pred(points: list[tuple], xlabel: str, ylabel: str, annotate: bool):
     """points: (pred, measured, point label, legend entry or None, scatter kwargs); log-log with the y = x line."""
     fig = new_figure(6.8 if annotate else 7.6, 5.2)
-    ax = fig.subplots()
+    loglog_pred(fig.subplots(), points, xlabel, ylabel, annotate)
+    return fig
+
+
+def loglog_pred(ax, points: list[tuple], xlabel: str, ylabel: str, annotate: bool) -> None:
+    """Draw :func:`scatter_pred`'s points (> 0) on the axes ``ax``: log-log, the y = x line, a legend."""
     seen = set()
     for x, y, label, leg, style in points:
         ax.scatter([x], [y], label=leg if leg not in seen else None, zorder=3, **style)
@@ -456,4 +461,53 @@ def scatter_pred(points: list[tuple], xlabel: str, ylabel: str, annotate: bool):
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", ncols=2 if len(seen) > 8 else 1)
+
+
+def correction_points(section: dict) -> tuple[list[tuple], list[tuple]]:
+    """The report's ``corrections`` section as :func:`scatter_pred` points (both coordinates > 0 only).
+
+    Returns:
+        (groups, plans): per group, before (the first round: uncorrected prediction of the group alone, blue) and
+        after (the last round: its prediction times the section's group factor, orange) against the measured KLD;
+        per round, the whole plan's prediction as planned (corrected from the second round on) against its measured
+        KLD, labelled ``label r<round>``, the first and last round coloured as before / after.
+    """
+    from dynaquant.analysis.corrections import factor_lookup
+
+    rounds = [r for r in section.get("rounds") or [] if isinstance(r, dict)]
+    if not rounds:
+        return [], []
+    factor = factor_lookup({g: f for g, f in (section.get("factors") or {}).items() if (num(f) or 0) > 0})
+    before = {"color": "tab:blue", "s": 22, "marker": "o"}
+    after = {"color": "tab:orange", "s": 22, "marker": "s"}
+    groups = []
+    for r, leg, style, scale in ((rounds[0], "before (round 1)", before, False), (rounds[-1], "after (final)", after, True)):
+        for g in r.get("groups") or []:
+            x, y = num(g.get("kld_pred")), num(g.get("kld_measured"))
+            if x and y and x > 0 and y > 0:
+                groups.append((x * (factor(str(g.get("group"))) if scale else 1.0), y, str(g.get("group")), leg, style))
+    plans = []
+    for i, r in enumerate(rounds):
+        x, y = num(r.get("kld_pred")), num(r.get("kld_measured"))
+        if x and y and x > 0 and y > 0:
+            style = before if i == 0 else after if i == len(rounds) - 1 else {"color": "tab:gray", "s": 26}
+            leg = "round 1" if i == 0 else "final" if i == len(rounds) - 1 else "between"
+            plans.append((x, y, f"{r.get('label') or ''} r{r.get('round', i + 1)}".strip(), leg, style))
+    return groups, plans
+
+
+def fig_corrections(section: dict):
+    """Two log-log panels of predicted vs measured KLD (nats/token) from a ``corrections`` section
+    (:func:`correction_points`): the groups alone, before and after, and the whole plan per round; None when the
+    section has no point to draw."""
+    groups, plans = correction_points(section)
+    if not groups and not plans:
+        return None
+    fig = new_figure(12.0, 5.2)
+    axes = fig.subplots(1, 2)
+    for ax, pts, title, annotate in ((axes[0], groups, "groups quantized alone", False),
+                                     (axes[1], plans, "whole plan, each round", True)):
+        if pts:
+            loglog_pred(ax, pts, "predicted KLD (nats/token)", "measured KLD (nats/token)", annotate)
+        ax.set_title(title, fontsize=9)
     return fig

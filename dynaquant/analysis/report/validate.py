@@ -82,7 +82,8 @@ def check_report(p, d, version: int) -> None:
     Checked: ``version``; ``candidates`` known format names; ``model`` integer facts integers >= 0 where present;
     every tensor an object with a unique ``name``, a ``shape`` of positive integers, and ``errors`` whose fields are
     finite numbers >= 0 or null; ``sensitivity`` rows' ``kld`` / ``kld_pred`` likewise; confirmed ``super_weights``
-    with a module and integer row and column; ``imatrix`` a string.
+    with a module and integer row and column; ``imatrix`` a string; ``corrections`` (optional) an object whose
+    ``factors`` are finite numbers > 0 by group and ``interaction`` a finite number > 0 or null.
 
     Raises:
         InputError: not a dynaquant report (no 'tensors'/'candidates'), another version, or a check failing.
@@ -123,5 +124,25 @@ def check_report(p, d, version: int) -> None:
             if r.get("confirmed") and not (isinstance(r.get("module"), str) and type(r.get("row")) is int
                                            and type(r.get("column")) is int):
                 raise InputError(f"{p}: super_weights[{i}] is confirmed but lacks module/row/column")
+    _check_corrections(p, d.get("corrections"))
     if d.get("imatrix") is not None and not isinstance(d["imatrix"], str):
         raise InputError(f"{p}: imatrix must be a file name, got {short(d['imatrix'])}")
+
+
+def _check_corrections(p, c) -> None:
+    """The planner multiplies predictions by these: each must be a finite number > 0."""
+    if c is None:
+        return
+    if not isinstance(c, dict):
+        raise InputError(f"{p}: corrections must be an object, got {short(c)}")
+    factors = c.get("factors") or {}
+    if not isinstance(factors, dict):
+        raise InputError(f"{p}: corrections.factors must be an object (group -> factor), got {short(factors)}")
+    for g, f in factors.items():
+        if not _nonneg(f) or f == 0:
+            raise InputError(f"{p}: corrections.factors[{short(g, 40)}] is {short(f)}; expected a finite number > 0")
+    inter = c.get("interaction")
+    if inter is not None and (not _nonneg(inter) or inter == 0):
+        raise InputError(f"{p}: corrections.interaction is {short(inter)}; expected a finite number > 0 or null")
+    if c.get("rounds") is not None and not isinstance(c["rounds"], list):
+        raise InputError(f"{p}: corrections.rounds must be a list, got {short(c['rounds'])}")

@@ -1,0 +1,153 @@
+"""Measured KL divergence of a whole plan and of each of its groups quantized alone (exllamav3's measured ΔKL).
+
+The predicted KL divergence of a plan is a sum of per-tensor predictions (:mod:`.errors`); at low sizes it
+undershoots what the model feels. :func:`measure_plan` measures, on held-out calibration sequences
+(:class:`~dynaquant.analysis.sensitivity.ReferenceLogits`, every position), the KL divergence of
+
+- each group (:func:`correction_group`) quantized ALONE at the plan's formats, the rest of the model exact, and
+- the whole plan, every group quantized at once;
+
+so that the pipeline (:mod:`dynaquant.pipeline.corrections`) can fit a correction factor per group
+(measured / predicted) and one interaction factor (whole / sum of the groups alone: what the additive model misses
+when quantizing a block changes the inputs of the next).
+
+Memory: each parameter's decoded weight ``Q(W)`` (the model's dtype, on its device) is computed once per
+measurement and kept until it returns, so that the whole-plan measurement reuses the groups' decodes: one extra
+copy of the plan's quantized parameters at most (for a float32 135M model, ~0.5 GB). Weights are swapped in by
+exchanging the parameters' storage with the cache (no further copy) and swapped back before the next group.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from dynaquant.analysis.report.schema import tensor_group
+from dynaquant.analysis.sensitivity import ReferenceLogits, decoded_weight
+from dynaquant.names import TensorName
+
+VISION_GROUP = "vision"
+
+
+def correction_group(name: str) -> str:
+    """The correction group of a GGUF tensor name.
+
+    ``blk.N.attn`` (attention of text block N), ``blk.N.ffn`` (the rest of the block: MLP, MoE experts, shared
+    experts and router), ``token_embd`` (a tied embedding too: it is also the output head), ``output``, ``vision``
+    (every tensor of a vision tower and projector: ``v.*``, ``mm.*``, one group), else the tensor's kind.
+    """
+    if name.startswith(("v.", "mm.")):
+        return VISION_GROUP
+    tn = TensorName.from_gguf(name)
+    if tn.block is not None and tn.tower == "text":
+        return f"blk.{tn.block}.{'attn' if tensor_group(name) == 'attn' else 'ffn'}"
+    return re.sub(r"\.(weight|bias)$", "", name)
+
+
+def group_kind(group: str) -> str:
+    """``blk.3.attn`` -> ``attn``; any other group is its own kind (``token_embd``, ``output``, ``vision``)."""
+    m = re.fullmatch(r"blk\.\d+\.(attn|ffn)", group)
+    return m.group(1) if m else group
+
+
+@dataclass
+class GroupMeasure:
+    """One group quantized alone: ``kld_pred`` (sum of its tensors' predictions, nats/token), ``kld_measured``."""
+
+    group: str
+    kld_pred: float
+    kld_measured: float
+
+    def to_dict(self) -> dict:
+        return {"group": self.group, "kld_pred": self.kld_pred, "kld_measured": self.kld_measured}
+
+
+@dataclass
+class PlanMeasure:
+    """A plan measured: ``kld_pred`` (sum of all its tensors' predictions), ``kld_measured`` (every group at once),
+    ``kld_groups_sum`` (sum of the groups' measured alone: the additive model's figure), ``groups``."""
+
+    kld_pred: float
+    kld_measured: float
+    kld_groups_sum: float
+    groups: list[GroupMeasure] = field(default_factory=list)
+
+    @property
+    def interaction(self) -> float | None:
+        """Whole measured / sum of the groups measured alone (1: additive), or None when the sum is 0."""
+        return self.kld_measured / self.kld_groups_sum if self.kld_groups_sum > 0 else None
+
+
+class _Swapped:
+    """Exchange the storage of parameters with tensors of the same shape and dtype, and back (``with``)."""
+
+    def __init__(self, params: dict, cache: dict[str, torch.Tensor], names: list[str]):
+        self.params, self.cache, self.names = params, cache, names
+
+    def _swap(self):
+        for n in self.names:
+            p = self.params[n]
+            p.data, self.cache[n] = self.cache[n], p.data
+
+    def __enter__(self):
+        self._swap()
+        return self
+
+    def __exit__(self, *exc):
+        self._swap()
+
+
+@torch.no_grad()
+def measure_plan(model, ref: ReferenceLogits, formats: dict[str, str], groups: dict[str, str],
+                 kld_pred: dict[str, float], imatrix_of: Callable[[str], torch.Tensor | None], *,
+                 progress: bool = True, desc: str = "corrections") -> PlanMeasure:
+    """Measure a plan's KL divergence as a whole and per group quantized alone.
+
+    Args:
+        model: transformers causal LM (its weights are restored before this returns, also on error).
+        ref: the unmodified model's log-probabilities on the held-out sequences.
+        formats: HF parameter name -> format name (block-size fallbacks applied as llama.cpp does); the
+            parameters the plan quantizes (``run_analysis``'s ``validate`` builds it the same way).
+        groups: HF parameter name -> correction group (:func:`correction_group` of its GGUF name).
+        kld_pred: HF parameter name -> predicted KL divergence (nats/token) in its planned format (0 when absent).
+        imatrix_of: HF parameter name -> (K,) importance for the encoder, or None.
+        progress: a tqdm bar over the groups (``desc``).
+    Returns:
+        PlanMeasure, groups in first-appearance order of ``formats``. Cost: ``len(groups) + 1`` forward passes over
+        the held-out sequences, one encode and decode per parameter.
+    Raises:
+        KeyError: a parameter of ``formats`` not in the model, or without a group.
+    """
+    params = dict(model.named_parameters())
+    members: dict[str, list[str]] = {}
+    for name in formats:
+        members.setdefault(groups[name], []).append(name)
+    cache: dict[str, torch.Tensor] = {}
+    out = []
+    try:
+        for g, names in tqdm(members.items(), desc=desc, disable=not progress, unit="group"):
+            for n in names:
+                cache[n] = decoded_weight(params[n], formats[n], imatrix_of(n))
+            with _Swapped(params, cache, names):
+                kld = ref.kld(model)
+            out.append(GroupMeasure(g, sum(float(kld_pred.get(n) or 0.0) for n in names), kld))
+        with _Swapped(params, cache, list(cache)):
+            whole = ref.kld(model)
+    finally:
+        cache.clear()
+    return PlanMeasure(sum(m.kld_pred for m in out), whole, sum(m.kld_measured for m in out), out)
+
+
+def factor_lookup(factors: dict[str, float]) -> Callable[[str], float]:
+    """group -> correction factor: the group's fitted factor; a group never measured takes the geometric mean of the
+    factors of its kind (:func:`group_kind`: the other blocks' ``attn`` or ``ffn``), else 1."""
+    logs: dict[str, list[float]] = {}
+    for g, f in factors.items():
+        logs.setdefault(group_kind(g), []).append(math.log(f))
+    by_kind = {k: math.exp(sum(v) / len(v)) for k, v in logs.items()}
+    return lambda g: factors[g] if g in factors else by_kind.get(group_kind(g), 1.0)
