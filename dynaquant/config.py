@@ -91,6 +91,7 @@ class QuantizeConfig:
         split_max_size, split_max_tensors: GGUF only: split the file into llama.cpp shards (``NAME-00001-of-00003.gguf``)
             of at most this many bytes of tensor data / tensors each (0: no limit); under them, one file.
         source_revision: a hub source's branch, tag or commit to fetch (None: the default branch).
+        solver: the dynamic plan's allocation solver, ``exact`` or ``greedy`` (``quant.planner.make_plan``).
     """
 
     output: PathLike | None = None
@@ -134,6 +135,7 @@ class QuantizeConfig:
     split_max_size: int = SPLIT_MAX_SIZE
     split_max_tensors: int = 0
     source_revision: str | None = None
+    solver: str = "exact"
 
     @property
     def explicit_target(self) -> bool:

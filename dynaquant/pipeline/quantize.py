@@ -41,6 +41,7 @@ from dynaquant.pipeline.targets import RunState, Target, target_of
 from dynaquant.quant.fit import FIT_CTX, KV_TYPES, MemoryFit
 from dynaquant.quant.formats import get_format
 from dynaquant.quant.plan import Plan
+from dynaquant.quant.planner import SOLVERS
 from dynaquant.quant.presets import PRESETS
 from dynaquant.sources.checkpoint import ModelSource, load_model, load_tokenizer, resolve_source
 from dynaquant.sources.gguf import TensorSource
@@ -109,7 +110,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
              fit_memory: int | None = None, fit_ctx: int = FIT_CTX, kv_type: str = "f16",
              margin: int | None = None, card: bool = False, compare_presets: bool = False,
              split_max_size: int = SPLIT_MAX_SIZE, split_max_tensors: int = 0,
-             source_revision: str | None = None) -> QuantizeResult:
+             source_revision: str | None = None, solver: str = "exact") -> QuantizeResult:
     """Quantize a model to a mixed-precision GGUF file (or, ``target="safetensors"``, a safetensors checkpoint).
 
     Targets (at most one): ``preset`` (a llama.cpp mix, tensor by tensor as llama-quantize decides),
@@ -158,6 +159,8 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
             most this many bytes of tensor data (default 50 GB, the hub's limit) / tensors each (0: no limit);
             ``QuantizeResult.files`` lists them, ``output`` is the first.
         source_revision: a hub source's branch, tag or commit (recorded in the file as ``dynaquant.source.revision``).
+        solver: a dynamic plan's allocation solver: ``exact`` (the optimum of the predicted error, or a gap to a proved
+            bound, recorded in ``plan.solver``) or ``greedy`` (``quant.planner``).
     Returns:
         QuantizeResult (``gptq`` says per format how many tensors took GPTQ and the mean error ratio,
         or ``plain_only`` for the vector-quantized formats).
@@ -179,7 +182,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         gptq_damp=gptq_damp, target=target, save_plan=save_plan, allow_nonfinite=allow_nonfinite,
         fit_memory=fit_memory, fit_ctx=fit_ctx, kv_type=kv_type, margin=margin, card=card,
         compare_presets=compare_presets, split_max_size=split_max_size, split_max_tensors=split_max_tensors,
-        source_revision=source_revision))
+        source_revision=source_revision, solver=solver))
 
 
 def run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig) -> QuantizeResult:
@@ -283,7 +286,7 @@ def _check_options(cfg: QuantizeConfig) -> Target:
     """The target, once the options are checked (before any work).
 
     Raises:
-        ValueError: a preset for safetensors, an unknown target or preset, more than one of preset/bpw/size/plan.
+        ValueError: a preset for safetensors, an unknown target, preset or solver, more than one of preset/bpw/size/plan.
         InputError: a non-finite or non-positive ``bpw`` / ``size``.
     """
     if cfg.target == "safetensors" and cfg.preset is not None:
@@ -295,6 +298,8 @@ def _check_options(cfg: QuantizeConfig) -> Target:
     if cfg.preset is not None and cfg.preset.upper() not in PRESETS:
         raise ValueError(f"unknown preset {cfg.preset!r}; known presets: {', '.join(PRESETS)}")
     check_budget(cfg.bpw, cfg.size)
+    if cfg.solver not in SOLVERS:
+        raise ValueError(f"unknown solver {cfg.solver!r} (known: {', '.join(SOLVERS)})")
     if cfg.fit_memory is not None:
         if target.name != "gguf" or any(x is not None for x in (cfg.preset, cfg.bpw, cfg.size, cfg.plan)):
             raise ValueError("fit_memory sizes a GGUF file for llama.cpp's memory: give it alone, without preset, bpw, "

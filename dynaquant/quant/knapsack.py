@@ -75,7 +75,7 @@ def nondominated(options: Sequence[Option]) -> list[int]:
     equal options the first), in increasing bytes (and decreasing error). Non-finite errors are left out."""
     order = sorted((b, e, j) for j, (b, e, _) in enumerate(options) if np.isfinite(e))
     out: list[int] = []
-    for b, e, j in order:
+    for _, e, j in order:
         if out and e >= options[out[-1]][1]:
             continue
         out.append(j)

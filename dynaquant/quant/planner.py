@@ -43,8 +43,8 @@ from functools import cache
 import torch
 
 from dynaquant.names import TensorName
-from dynaquant.quant.codecs import get_codec
 from dynaquant.quant import knapsack
+from dynaquant.quant.codecs import get_codec
 from dynaquant.quant.formats import RUNTIME_FORMATS, get_format, resolve_for_row
 from dynaquant.quant.plan import Plan, PlanEntry, TensorInfo
 from dynaquant.quant.presets import ModelInfo, preset_format, requires_imatrix
