@@ -118,7 +118,8 @@ def solve(items: Sequence[Sequence[Option]], limit: int, max_states: int = MAX_S
         items: per item, its options ``(bytes: int >= 0, error: float, label)``; options with a non-finite error
             are never chosen (each item needs one with a finite error).
         limit: the byte limit (int).
-        max_states: the dynamic program's cap on states per step (module docstring, (c)).
+        max_states: the dynamic program's cap on states per step (module docstring, (c)); the DP keeps 8 bytes per
+            state for the backtracking, at most ``8 * max_states`` bytes per item.
     Returns:
         KnapsackResult (``choice`` indexes each item's given list).
     Raises:
@@ -257,7 +258,7 @@ def _complete(items, keep, lam, limit, upper, bound, max_states):
         if len(sel) == 0:
             return None, states, capped
         sb, se = nb[sel], ne[sel]
-        parents.append((par[sel], idx[opt[sel]]))
+        parents.append((par[sel].astype(np.int32), idx[opt[sel]].astype(np.int32)))  # <= 8 bytes a state kept
         states += len(sel)
     best = int(np.lexsort((sb, se))[0])
     choice = [int(o[0][0]) for o in opts]

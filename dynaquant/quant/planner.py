@@ -444,6 +444,8 @@ def _allocate(free, entries, limit, error_fn, candidates, overhead, total, bpw, 
         choice = _greedy(units, used, limit)
         info = dict(exact=False, bound=knapsack.lower_bound(items, limit - fixed), states=0, time_s=time.perf_counter() - t0)
     pred = sum(opts[j][1] for opts, j in zip(items, choice))
+    if info["exact"]:
+        info["bound"] = pred  # proved optimal: the bound is the optimum (summed in this order)
     gap = max(pred - info["bound"], 0.0)
     for (members, opts), j in zip(units.values(), choice):
         fmt = opts[j][2]
