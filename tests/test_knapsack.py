@@ -206,3 +206,31 @@ def test_exact_is_never_worse_than_greedy_on_small_planner_problems():
         exact, greedy = make_plan(ts, m, **args), make_plan(ts, m, solver="greedy", **args)
         assert exact.kld_pred == pytest.approx(best, rel=1e-12) and best <= greedy.kld_pred * (1 + 1e-12)
         assert exact.solver["exact"] and exact.size_bytes <= limit
+
+
+def test_plan_cli_solver_option(tmp_path, capsys):
+    """``dynaquant plan --solver`` on a synthetic report (no model): the plan records the solver it was made with."""
+    from dynaquant.cli import main
+
+    cands = ("Q2_K", "Q4_K", "Q6_K", "Q8_0")
+    rows = []
+    for i in range(4):
+        shape = [64 * (i + 1), 256]
+        n = shape[0] * shape[1]
+        errors = {c: {"size_bytes": n // 256 * get_format(c).row_bytes(256), "bpw": get_format(c).bpw,
+                      "kld_pred": n * (i + 1) * 2.0 ** (-2 * get_format(c).bpw)} for c in cands}
+        rows.append({"name": f"blk.{i}.attn_q.weight", "hf_name": None, "shape": shape, "n_elements": n, "layer": i,
+                     "quantizable": True, "super_weight": False, "errors": errors})
+    report = {"version": 1, "model": {"id": "toy", "arch": "llama", "n_layers": 4, "tied_embeddings": False, "n_head": 4,
+                                      "n_head_kv": 4, "n_expert": 0, "gguf_overhead_bytes": 4096},
+              "candidates": list(cands), "tensors": rows}
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    for solver in ("greedy", "exact"):
+        out = tmp_path / f"{solver}.json"
+        assert main(["plan", str(tmp_path / "report.json"), "--bpw", "4.4", "--no-default-rules", "--solver", solver,
+                     "-o", str(out)]) == 0
+        d = json.loads(out.read_text())
+        assert d["solver"]["method"] == solver and d["method"].startswith(f"allocation bpw<=4.4, {solver} (gap ")
+        assert f"{solver} (gap" in capsys.readouterr().out
+    exact, greedy = (json.loads((tmp_path / f"{s}.json").read_text())["kld_pred"] for s in ("exact", "greedy"))
+    assert exact <= greedy * (1 + 1e-12)
