@@ -161,6 +161,8 @@ def _parser() -> argparse.ArgumentParser:
                    "0 = off on the CPU)")
     q.add_argument("--correct-sequences", type=_positive, default=config.CORRECT_SEQUENCES, metavar="K",
                    help=f"held-out calibration sequences the corrections measure on (default {config.CORRECT_SEQUENCES})")
+    q.add_argument("--solver", choices=["exact", "greedy"], default="exact",
+                   help="dynamic plans: exact allocation (default; the plan records its gap) or the greedy one")
 
     a = sub.add_parser("analyze", help="measure per-tensor errors, activations and super weights: DIR/report.json")
     a.add_argument("model", nargs="?", help="HF folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -206,6 +208,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--llama-quantize", action="store_true",
                     help="also print the plan as llama-quantize arguments (JSON with --json); without --bpw/--size, "
                          "REPORT is a plan.json to print")
+    pl.add_argument("--solver", choices=["exact", "greedy"], default="exact",
+                    help="allocation solver: exact (default; the plan records its gap) or greedy")
     pl.set_defaults(subparser=pl)
 
     r = sub.add_parser("report", help="render an analysis report as a self-contained HTML page")
@@ -260,7 +264,8 @@ def _quantize(a, bare: bool, argv: list[str]) -> int:
                          progress=not a.json, gptq=a.gptq, gptq_damp=a.gptq_damp, target=a.target, save_plan=a.save_plan,
                          allow_nonfinite=a.allow_nonfinite, push_to_hub=a.push_to_hub, push_private=a.private,
                          push_branch=a.hub_branch, split_max_size=a.split_max_size,
-                         split_max_tensors=a.split_max_tensors, source_revision=a.source_revision, **_fit_options(a))
+                         split_max_tensors=a.split_max_tensors, source_revision=a.source_revision, solver=a.solver,
+                         **_fit_options(a))
     cfg = dataclasses.replace(cfg, correct_rounds=a.correct, correct_sequences=a.correct_sequences)
     if cfg.push_to_hub:
         from dynaquant.pipeline.push import check_push_target
@@ -384,7 +389,7 @@ def _plan(a) -> int:
     if a.llama_quantize and a.target != "gguf":
         a.subparser.error("--llama-quantize needs a gguf plan (llama-quantize writes GGUF files only)")
     plan = make_dynamic_plan(a.report, bpw=a.bpw, size=a.size, rules=a.rule, target=a.target,
-                             default_rules_on=not a.no_default_rules, output=a.output)
+                             default_rules_on=not a.no_default_rules, output=a.output, solver=a.solver)
     if a.json and not a.llama_quantize:
         print(json.dumps(plan.to_dict(), indent=1))
         return 0

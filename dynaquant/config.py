@@ -100,6 +100,7 @@ class QuantizeConfig:
         correct_rounds, correct_sequences: measured corrections of a dynamic plan (:mod:`dynaquant.pipeline.corrections`):
             at most this many re-plans (None: 2 on CUDA, 0 = off on the CPU), measured on this many held-out
             calibration sequences (after those the statistics use).
+        solver: the dynamic plan's allocation solver, ``exact`` or ``greedy`` (``quant.planner.make_plan``).
     """
 
     output: PathLike | None = None
@@ -145,6 +146,7 @@ class QuantizeConfig:
     source_revision: str | None = None
     correct_rounds: int | None = None
     correct_sequences: int = CORRECT_SEQUENCES
+    solver: str = "exact"
 
     @property
     def explicit_target(self) -> bool:

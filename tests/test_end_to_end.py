@@ -161,5 +161,5 @@ def test_cli_quantize_to_a_size_budget(tmp_path):
     d = json.loads(r.stdout)
     assert out.stat().st_size <= 95_000_000 and d["size_bytes"] == out.stat().st_size
     assert out.stat().st_size > 85_000_000  # the budget is used
-    assert d["method"] == "allocation size<=95000000"
+    assert d["method"] == "allocation size<=95000000, exact (gap 0.00%)"
     assert [p.name for p in tmp_path.iterdir()] == ["b.gguf"]

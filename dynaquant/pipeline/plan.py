@@ -156,7 +156,7 @@ def imatrix_path(imatrix, report, report_d, plan: Plan | None, plan_file: str = 
 
 def make_dynamic_plan(report: dict | str | os.PathLike, *, bpw: float | None = None, size: int | None = None,
                       rules: tuple[str, ...] | list[str] = (), target: str = "gguf", default_rules_on: bool = True,
-                      output: str | os.PathLike | None = None) -> Plan:
+                      output: str | os.PathLike | None = None, solver: str = "exact") -> Plan:
     """A dynamic plan from an analysis report: minimise the predicted KL divergence within a budget.
 
     Args:
@@ -167,6 +167,7 @@ def make_dynamic_plan(report: dict | str | os.PathLike, *, bpw: float | None = N
             --formats safetensors``; a safetensors ``size`` counts the safetensors shards' bytes).
         output: write the plan JSON here (temporary file, then renamed); checked first (``preflight``): not the
             report nor its imatrix, writable, room on the disk.
+        solver: the allocation's solver, ``exact`` or ``greedy`` (``quant.planner.make_plan``).
     Returns:
         The Plan (``sources`` names the report and the imatrix beside it).
     Raises:
@@ -213,7 +214,7 @@ def make_dynamic_plan(report: dict | str | os.PathLike, *, bpw: float | None = N
                      error_fn=error_fn_from_report(rep), candidates=candidates,
                      defaults=default_rules(info, super_weight_tensors(rep), target=target) if default_rules_on else (),
                      error_source="measured kld", target=target,
-                     has_imatrix=True)  # the analysis had an imatrix; quantize refuses the plan without one
+                     has_imatrix=True, solver=solver)  # the analysis had an imatrix; quantize refuses the plan without one
     if path is not None:
         plan.sources["report"] = str(path.resolve())
         if rep.imatrix:
@@ -328,4 +329,4 @@ def plan_from_report(cfg: QuantizeConfig, target: Target, start: PlanStart, tens
     size = start.size
     if not cfg.explicit_target and target.name == "gguf":  # at least the smallest the rules allow with the measured formats
         size = max(size, min_plan_bytes(tensors, info, rules=cfg.rules, **args))
-    return make_plan(tensors, info, model_id, rules=cfg.rules, bpw=cfg.bpw, size_bytes=size, **args), size
+    return make_plan(tensors, info, model_id, rules=cfg.rules, bpw=cfg.bpw, size_bytes=size, solver=cfg.solver, **args), size

@@ -42,6 +42,7 @@ from dynaquant.pipeline.targets import RunState, Target, target_of
 from dynaquant.quant.fit import FIT_CTX, KV_TYPES, MemoryFit
 from dynaquant.quant.formats import get_format
 from dynaquant.quant.plan import Plan
+from dynaquant.quant.planner import SOLVERS
 from dynaquant.quant.presets import PRESETS
 from dynaquant.sources.checkpoint import ModelSource, load_model, load_tokenizer, resolve_source
 from dynaquant.sources.gguf import TensorSource
@@ -111,7 +112,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
              margin: int | None = None, card: bool = False, compare_presets: bool = False,
              split_max_size: int = SPLIT_MAX_SIZE, split_max_tensors: int = 0,
              source_revision: str | None = None, correct_rounds: int | None = None,
-             correct_sequences: int = CORRECT_SEQUENCES) -> QuantizeResult:
+             correct_sequences: int = CORRECT_SEQUENCES, solver: str = "exact") -> QuantizeResult:
     """Quantize a model to a mixed-precision GGUF file (or, ``target="safetensors"``, a safetensors checkpoint).
 
     Targets (at most one): ``preset`` (a llama.cpp mix, tensor by tensor as llama-quantize decides),
@@ -164,6 +165,8 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
             divergence measured in PyTorch (the whole plan and each block group alone) on ``correct_sequences``
             held-out calibration sequences, per-group factors fitted, re-planned, at most this many times (None: 2 on
             CUDA, 0 = off on the CPU); the rounds are in ``plan.corrections`` and the report's ``corrections``.
+        solver: a dynamic plan's allocation solver: ``exact`` (the optimum of the predicted error, or a gap to a proved
+            bound, recorded in ``plan.solver``) or ``greedy`` (``quant.planner``).
     Returns:
         QuantizeResult (``gptq`` says per format how many tensors took GPTQ and the mean error ratio,
         or ``plain_only`` for the vector-quantized formats).
@@ -185,7 +188,8 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         gptq_damp=gptq_damp, target=target, save_plan=save_plan, allow_nonfinite=allow_nonfinite,
         fit_memory=fit_memory, fit_ctx=fit_ctx, kv_type=kv_type, margin=margin, card=card,
         compare_presets=compare_presets, split_max_size=split_max_size, split_max_tensors=split_max_tensors,
-        source_revision=source_revision, correct_rounds=correct_rounds, correct_sequences=correct_sequences))
+        source_revision=source_revision, correct_rounds=correct_rounds, correct_sequences=correct_sequences,
+        solver=solver))
 
 
 def run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig) -> QuantizeResult:
@@ -297,7 +301,7 @@ def _check_options(cfg: QuantizeConfig) -> Target:
     """The target, once the options are checked (before any work).
 
     Raises:
-        ValueError: a preset for safetensors, an unknown target or preset, more than one of preset/bpw/size/plan.
+        ValueError: a preset for safetensors, an unknown target, preset or solver, more than one of preset/bpw/size/plan.
         InputError: a non-finite or non-positive ``bpw`` / ``size``.
     """
     if cfg.target == "safetensors" and cfg.preset is not None:
@@ -312,6 +316,8 @@ def _check_options(cfg: QuantizeConfig) -> Target:
     if (cfg.correct_rounds is not None and cfg.correct_rounds < 0) or cfg.correct_sequences < 1:
         raise ValueError(f"correct_rounds {cfg.correct_rounds}, correct_sequences {cfg.correct_sequences}: give 0 (off) "
                          "or more rounds, and at least 1 held-out sequence")
+    if cfg.solver not in SOLVERS:
+        raise ValueError(f"unknown solver {cfg.solver!r} (known: {', '.join(SOLVERS)})")
     if cfg.fit_memory is not None:
         if target.name != "gguf" or any(x is not None for x in (cfg.preset, cfg.bpw, cfg.size, cfg.plan)):
             raise ValueError("fit_memory sizes a GGUF file for llama.cpp's memory: give it alone, without preset, bpw, "

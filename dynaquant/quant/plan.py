@@ -63,6 +63,21 @@ def _budget(d: dict, source: str) -> dict:
     return {k: v}
 
 
+def _solver(d: dict, source: str) -> dict | None:
+    """``Plan.solver`` as ``to_dict`` writes it (optional): a known method, finite numbers, ``exact`` a bool."""
+    v = _opt(d, "solver", dict, None, source)
+    if v is None:
+        return None
+    if v.get("method") not in ("exact", "greedy"):
+        raise PlanError(f"{source}: solver method must be 'exact' or 'greedy', got {_short(v.get('method'))}")
+    for k in ("predicted", "bound", "gap", "gap_rel", "time_s"):
+        if k in v and not (_is_number(v[k]) and math.isfinite(v[k])):
+            raise PlanError(f"{source}: solver {k} must be a finite number, got {_short(v[k])}")
+    if not isinstance(v.get("exact", False), bool) or not (type(v.get("states", 0)) is int and v.get("states", 0) >= 0):
+        raise PlanError(f"{source}: solver exact must be true or false and states an integer >= 0")
+    return dict(v)
+
+
 def _entry_from_dict(t, i: int, target: str, source: str) -> PlanEntry:
     if not isinstance(t, dict):
         raise PlanError(f"{source}: tensor #{i} is not an object with name, format and shape: {_short(t)}")
@@ -182,6 +197,12 @@ class Plan:
         corrections: the measured corrections behind the entries' ``kld_pred`` (``{"held_out": {...}, "rounds":
             [{"round", "kld_pred", "kld_measured", "groups_sum", "interaction"}, ...]}``, KL divergence in nats/token;
             ``dynaquant.pipeline.corrections``), or None (then absent from the JSON).
+        solver: the allocation's solver record, or None (no allocation; then absent from the JSON):
+            ``{"method": "exact" | "greedy", "predicted": summed predicted error of the allocated tensors,
+            "bound": a proved lower bound of it (the Lagrangian bound, or the optimum when exact), "gap":
+            predicted - bound, "gap_rel": gap / predicted, "exact": proved optimal, "states": the exact solver's
+            dynamic-program states, "time_s": seconds}`` (``planner``, ``quant.knapsack``). ``time_s`` is not
+            written to the JSON (a plan.json is the same on every run).
     """
 
     target: str
@@ -193,6 +214,7 @@ class Plan:
     sources: dict = field(default_factory=dict)
     fit: MemoryFit | None = None
     corrections: dict | None = None
+    solver: dict | None = None
 
     @property
     def size_bytes(self) -> int:
@@ -235,6 +257,7 @@ class Plan:
             "rules": list(self.rules),
             "budget": dict(self.budget),
             **({"fit": self.fit.to_dict()} if self.fit is not None else {}),
+            **({"solver": {k: v for k, v in self.solver.items() if k != "time_s"}} if self.solver is not None else {}),
             "sources": dict(self.sources),
             "size_bytes": self.size_bytes,
             "bpw": round(self.bpw, 4),
@@ -248,15 +271,16 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict, source: str = "plan") -> Plan:
         """Build and validate a plan from its dict (``to_dict``'s layout; ``version``, ``model``, ``method``,
-        ``rules``, ``budget``, ``fit``, ``sources``, ``corrections`` and each entry's ``hf_name``, ``requested``,
-        ``reason``, ``kld_pred`` optional; the derived ``size_bytes``, ``bpw`` and ``kld_pred`` totals are recomputed).
+        ``rules``, ``budget``, ``fit``, ``sources``, ``corrections``, ``solver`` and each entry's ``hf_name``,
+        ``requested``, ``reason``, ``kld_pred`` optional; the derived ``size_bytes``, ``bpw`` and ``kld_pred`` totals are
+        recomputed).
 
         Raises:
             PlanError: ``source`` is not a plan object, a field has the wrong type, an entry lacks ``name``,
                 ``format`` or ``shape`` or has a non-positive dimension, a tensor appears twice, an unknown
                 target or format name, a format not allowed in the target's files, a format whose block size
                 does not divide the tensor's rows, a ``kld_pred`` that is negative or not finite, a bad
-                ``budget`` or ``fit``, or entries whose tensor data exceeds the plan's own ``budget``; the message names
+                ``budget``, ``fit`` or ``solver``, or entries whose tensor data exceeds the plan's own ``budget``; the message names
                 ``source`` and the entry.
         """
         if not isinstance(d, dict):
@@ -294,7 +318,8 @@ class Plan:
         except ValueError as e:
             raise PlanError(str(e)) from None
         corrections = _opt(d, "corrections", dict, None, source)
-        plan = cls(target, model, entries, method, list(rules), _budget(d, source), dict(sources), fit, corrections=corrections)
+        plan = cls(target, model, entries, method, list(rules), _budget(d, source), dict(sources), fit,
+                   corrections=corrections, solver=_solver(d, source))
         plan._check_budget(source)
         return plan
 

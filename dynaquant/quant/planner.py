@@ -18,9 +18,14 @@ Bound rules (``>=`` / ``<=``) compare bits per weight, so GGUF-named bounds (``a
 least 8.5 bpw) apply on both targets; an upper bound below every candidate that fits (the MoE expert
 caps IQ2_XXS, 2.06 bpw, against INT2_G128, 2.125 bpw) allows the cheapest of them.
 
-The allocator (after exllamav3's ``optimize_model``): every free tensor starts at its
-cheapest candidate format; the upgrade with the largest predicted error reduction per
-extra byte is taken until the budget is spent; ties broken by tensor name. The predicted
+The allocation minimises the summed predicted error within the budget: a multiple-choice knapsack whose items are
+the allocation units (a tensor, or a tie group with one format for all its members) and whose options are the unit's
+allowed formats with a finite predicted error. ``solver="exact"`` (the default) solves it with ``quant.knapsack``
+(a Lagrangian sweep, reduced-cost fixing and a dynamic program: optimal, or the gap to a proved lower bound when its
+state cap is reached); ``solver="greedy"`` is the allocator after exllamav3's ``optimize_model``: every free tensor
+starts at its cheapest candidate format; the upgrade along the unit's lower convex hull with the largest predicted
+error reduction per extra byte is taken until the budget is spent; ties broken by tensor name. Either way the plan
+records the solver, the predicted error, the Lagrangian lower bound and the gap (``Plan.solver``). The predicted
 error comes from ``error_fn(tensor, format)``; without measurements the default prior is
 ``n_elements * priority(tensor) * rel_mse(format)``, where ``rel_mse`` is each codec's
 relative squared error on Gaussian weights (measured once with the codecs themselves).
@@ -31,12 +36,14 @@ from __future__ import annotations
 import heapq
 import math
 import re
+import time
 from collections.abc import Callable, Sequence
 from functools import cache
 
 import torch
 
 from dynaquant.names import TensorName
+from dynaquant.quant import knapsack
 from dynaquant.quant.codecs import get_codec
 from dynaquant.quant.formats import RUNTIME_FORMATS, get_format, resolve_for_row
 from dynaquant.quant.plan import Plan, PlanEntry, TensorInfo
@@ -44,6 +51,7 @@ from dynaquant.quant.presets import ModelInfo, preset_format, requires_imatrix
 from dynaquant.quant.rules import EXPERT_CAP, Rule, default_rules  # noqa: F401  (default_rules: its callers import it here)
 
 ErrorFn = Callable[[TensorInfo, str], float]
+SOLVERS = ("exact", "greedy")
 
 
 def _registered(names: Sequence[str]) -> tuple[str, ...]:
@@ -145,6 +153,15 @@ def _candidates(ts: Sequence[TensorInfo], names: Sequence[str], error_fn: ErrorF
     return hull
 
 
+def _options(ts: Sequence[TensorInfo], names: Sequence[str], error_fn: ErrorFn) -> list[tuple[int, float, str]]:
+    """(bytes, error, format) of every format that fits the rows with a finite error and that no other dominates (no
+    more bytes and no higher error), cheapest first: the exact solver's options (``_candidates`` keeps the hull)."""
+    opts = sorted({(sum(_bytes(t, f) for t in ts), sum(error_fn(t, f) for t in ts), f) for f in names
+                   if all(get_format(f).fits(t.row_size) for t in ts)})
+    opts = [o for o in opts if math.isfinite(o[1])]
+    return [opts[j] for j in knapsack.nondominated(opts)]
+
+
 def _bounded(names: Sequence[str], rule: Rule | None, row: int, target: str = "gguf") -> list[str]:
     """Candidates allowed by a bound rule (``>=`` / ``<=`` on bits per weight)."""
     if rule is None or rule.op == "=":
@@ -194,7 +211,7 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
               overhead_bytes: int = 0, error_fn: ErrorFn | None = None,
               candidates: Sequence[str] | None = None, defaults: Sequence[Rule] = (),
               error_source: str = "prior error", target: str = "gguf",
-              has_imatrix: bool = False, lift_expert_caps: bool = True) -> Plan:
+              has_imatrix: bool = False, lift_expert_caps: bool = True, solver: str = "exact") -> Plan:
     """Plan every tensor of a GGUF (or safetensors) target.
 
     Args:
@@ -220,20 +237,24 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
         lift_expert_caps: with a budget, also plan without the default MoE expert caps
             (``default_rules``) and keep that plan when its predicted error is lower (the method
             records it). False keeps them (the default target of a MoE model).
+        solver: the allocation's solver (module docstring): ``exact`` (``quant.knapsack``) or ``greedy``.
     Returns:
-        The plan; with a budget, its tensor data fits ``bpw`` or ``size_bytes - overhead_bytes``.
+        The plan; with a budget, its tensor data fits ``bpw`` or ``size_bytes - overhead_bytes``, and ``solver``
+        records the solver, the predicted error of the allocated tensors, its lower bound and the gap.
     Raises:
         ValueError: both or neither of preset/budget given (a preset for safetensors), a bad rule,
-            or a candidate or ``=`` rule format not allowed in the target's files.
+            or a candidate or ``=`` rule format not allowed in the target's files, an unknown solver.
         BudgetError: the fixed choices (rules, unquantized tensors, cheapest candidates) exceed the budget.
     """
     if bpw is not None and size_bytes is not None:
         raise ValueError("give at most one of bpw and size_bytes")
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r} (known: {', '.join(SOLVERS)})")
     capped = [r for r in defaults if r.origin == EXPERT_CAP]
     if lift_expert_caps and capped and (bpw is not None or size_bytes is not None):
         args = dict(preset=preset, rules=rules, bpw=bpw, size_bytes=size_bytes, overhead_bytes=overhead_bytes,
                     error_fn=error_fn, candidates=candidates, error_source=error_source, target=target,
-                    has_imatrix=has_imatrix, lift_expert_caps=False)
+                    has_imatrix=has_imatrix, lift_expert_caps=False, solver=solver)
         plan = make_plan(tensors, model, model_id, defaults=defaults, **args)
         try:
             lifted = make_plan(tensors, model, model_id, defaults=[r for r in defaults if r not in capped], **args)
@@ -254,22 +275,24 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
                                                         target, has_imatrix)
     method = f"preset {preset.upper()}" if preset else ""
     budget: dict = {}
+    info = None
     if budgeted:
         total = sum(t.n_elements for t in tensors)
         if bpw is not None:
             limit, budget, method = int(bpw * total / 8), {"bpw": bpw}, f"allocation bpw<={bpw}"
         else:
             limit, budget, method = size_bytes - overhead_bytes, {"size_bytes": size_bytes}, f"allocation size<={size_bytes}"
-        _allocate(free, entries, limit, error_fn or prior_error(model), candidates, overhead_bytes, total, bpw, error_source,
-                  predicted=error_fn is not None, target=target, tie=tie_groups if target == "safetensors" else None,
-                  has_imatrix=has_imatrix)
+        info = _allocate(free, entries, limit, error_fn or prior_error(model), candidates, overhead_bytes, total, bpw,
+                         error_source, predicted=error_fn is not None, target=target,
+                         tie=tie_groups if target == "safetensors" else None, has_imatrix=has_imatrix, solver=solver)
+        method += f", {solver} (gap {100 * info['gap_rel']:.2f}%)"
     ordered = [entries[t.name] for t in tensors]
     if error_fn is not None:  # measured errors: every quantized entry records its prediction
         for t, e in zip(tensors, ordered):
             if t.quantizable and e.kld_pred is None:
                 v = error_fn(t, e.format)
                 e.kld_pred = v if math.isfinite(v) else None
-    return Plan(target, model_id, ordered, method, [str(r) for r in parsed], budget)
+    return Plan(target, model_id, ordered, method, [str(r) for r in parsed], budget, solver=info)
 
 
 def min_plan_bytes(tensors: Sequence[TensorInfo], model: ModelInfo, *, rules: Sequence[Rule | str] = (),
@@ -354,9 +377,11 @@ def _decide(tensors, model, preset, rules, budgeted, candidates, defaults, targe
     return preset, parsed, entries, free, candidates
 
 
-def _units(free, candidates, error_fn, target, tie, has_imatrix=True) -> dict[str, tuple[list, list[tuple[int, float, str]]]]:
-    """Allocation units: unit name -> (members [(tensor, rule, label)], hull options). A unit is one
-    tensor, or a tie group whose members share at least one allowed format (else its members alone)."""
+def _units(free, candidates, error_fn, target, tie, has_imatrix=True,
+           options=_candidates) -> dict[str, tuple[list, list[tuple[int, float, str]]]]:
+    """Allocation units: unit name -> (members [(tensor, rule, label)], options: ``options(tensors, formats, error_fn)``,
+    the hull by default). A unit is one tensor, or a tie group whose members share at least one allowed format (else
+    its members alone)."""
     groups: dict[str, list] = {}
     for item in free:
         key = tie(item[0]) if tie is not None else None
@@ -368,19 +393,19 @@ def _units(free, candidates, error_fn, target, tie, has_imatrix=True) -> dict[st
     for members in groups.values():
         allowed = [set(_bounded(usable(t), rule, t.row_size, target)) for t, rule, _ in members]
         names = [f for f in candidates if all(f in a for a in allowed)]
-        opts = _candidates([t for t, _, _ in members], names, error_fn) if len(members) > 1 else []
+        opts = options([t for t, _, _ in members], names, error_fn) if len(members) > 1 else []
         if len(members) > 1 and opts:
             units[members[0][0].name] = (members, opts)
             continue
         for t, rule, label in members:
-            units[t.name] = ([(t, rule, label)], _candidates([t], _bounded(usable(t), rule, t.row_size, target), error_fn))
+            units[t.name] = ([(t, rule, label)], options([t], _bounded(usable(t), rule, t.row_size, target), error_fn))
     return units
 
 
-def _cheapest(free, entries, candidates, error_fn, target, tie, has_imatrix) -> tuple[dict, int]:
+def _cheapest(free, entries, candidates, error_fn, target, tie, has_imatrix, options=_candidates) -> tuple[dict, int]:
     """The allocation units with options (tensors no format can be measured for are fixed in ``entries``), and the
-    tensor bytes with every unit at its cheapest option."""
-    units = _units(free, candidates, error_fn, target, tie, has_imatrix)
+    tensor bytes with every unit at its cheapest option (the same with ``_candidates`` and ``_options``)."""
+    units = _units(free, candidates, error_fn, target, tie, has_imatrix, options)
     for u, (members, opts) in list(units.items()):
         if opts:
             continue
@@ -404,9 +429,47 @@ def _check_limit(used: int, limit: int, overhead: int, total: int, bpw: float | 
 
 
 def _allocate(free, entries, limit, error_fn, candidates, overhead, total, bpw, error_source, predicted,
-              target="gguf", tie=None, has_imatrix=True) -> None:
-    units, used = _cheapest(free, entries, candidates, error_fn, target, tie, has_imatrix)
+              target="gguf", tie=None, has_imatrix=True, solver="exact") -> dict:
+    """Choose the free units' formats within ``limit`` bytes (into ``entries``); returns ``Plan.solver``'s record."""
+    units, used = _cheapest(free, entries, candidates, error_fn, target, tie, has_imatrix,
+                            _options if solver == "exact" else _candidates)
     _check_limit(used, limit, overhead, total, bpw)
+    fixed = used - sum(opts[0][0] for _, opts in units.values())
+    items = [opts for _, opts in units.values()]
+    if solver == "exact":
+        res = knapsack.solve(items, limit - fixed)
+        choice, info = res.choice, dict(exact=res.exact, bound=res.bound, states=res.states, time_s=res.time_s)
+    else:
+        t0 = time.perf_counter()
+        choice = _greedy(units, used, limit)
+        info = dict(exact=False, bound=knapsack.lower_bound(items, limit - fixed), states=0, time_s=time.perf_counter() - t0)
+    pred = sum(opts[j][1] for opts, j in zip(items, choice))
+    if info["exact"]:
+        info["bound"] = pred  # proved optimal: the bound is the optimum (summed in this order)
+    gap = max(pred - info["bound"], 0.0)
+    for (members, opts), j in zip(units.values(), choice):
+        fmt = opts[j][2]
+        for t, rule, label in members:
+            others = [m.name for m, _, _ in members if m.name != t.name]
+            tied = f" (tied with {', '.join(others)})" if others else ""
+            bound = f"; {label}" if rule is not None else ""
+            how = (f"option {j + 1} of {len(opts)} from {opts[0][2]} (exact solver)" if solver == "exact"
+                   else f"{j} upgrade(s) from {opts[0][2]}")
+            entry = _entry(t, fmt, f"allocation: {how} by {error_source}{tied}{bound}")
+            entry.kld_pred = error_fn(t, fmt) if predicted else None
+            entries[t.name] = entry
+    return {"method": solver, "predicted": _round(pred), "bound": _round(info["bound"]), "gap": _round(gap),
+            "gap_rel": _round(gap / pred if pred > 0 else 0.0, 4), "exact": bool(info["exact"] or gap == 0),
+            "states": int(info["states"]), "time_s": round(info["time_s"], 3)}
+
+
+def _round(x: float, digits: int = 8) -> float:
+    """``x`` to ``digits`` significant digits (a plan.json readable by a person, the same on every machine)."""
+    return float(f"{x:.{digits}g}")
+
+
+def _greedy(units, used, limit) -> list[int]:
+    """The greedy allocation (module docstring) along each unit's hull: the chosen option index per unit, in order."""
     options = {u: opts for u, (_, opts) in units.items()}
     level = {u: 0 for u in units}
 
@@ -431,13 +494,4 @@ def _allocate(free, entries, limit, error_fn, candidates, overhead, total, bpw, 
         used += db
         level[name] = i + 1
         push(heap, name)
-    for u, (members, opts) in units.items():
-        b, e, fmt = opts[level[u]]
-        for t, rule, label in members:
-            others = [m.name for m, _, _ in members if m.name != t.name]
-            tied = f" (tied with {', '.join(others)})" if others else ""
-            bound = f"; {label}" if rule is not None else ""
-            entry = _entry(t, fmt, f"allocation: {level[u]} upgrade(s) from {opts[0][2]} by {error_source}{tied}{bound}")
-            entry.kld_pred = error_fn(t, fmt) if predicted else None
-            entries[t.name] = entry
-
+    return [level[u] for u in units]
