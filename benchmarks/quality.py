@@ -19,6 +19,7 @@ With ``--methods ...,hand,dynamic,dynamic-greedy`` (the planner's benchmark, iss
 * dynamic: ``dynaquant.quantize(size=...)`` from one shared analysis, exact solver, ``--correct-rounds`` rounds of
   measured corrections on ``--correct-sequences`` held-out calibration sequences (the row keeps the solver's gap
   and each round's predicted / measured KLD on those sequences: ``heldout_first``, ``heldout_final``);
+* dynamic-exact: the exact solver without measured corrections;
 * dynamic-greedy: the same analysis planned as before issue 19 (greedy allocation, no corrections);
 * dynamic-gptq: as dynamic, GPTQ-rounded.
 
@@ -416,6 +417,7 @@ def run_hand(mix: str, dithered: Path, llama: Llama, size_limit: int | None, han
 DYNAMIC_METHODS = {
     # method: (solver, measured-correction rounds or None for the command-line default, GPTQ)
     "dynamic": ("exact", None, False),
+    "dynamic-exact": ("exact", 0, False),  # the exact solver alone, no measured corrections
     "dynamic-greedy": ("greedy", 0, False),  # the planner before issue 19: greedy allocation, no measured corrections
     "dynamic-gptq": ("exact", None, True),
 }
