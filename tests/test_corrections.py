@@ -274,3 +274,37 @@ def test_analyze_correct_then_plan_and_quantize_correct_from_the_cli(tiny_folder
     assert "corrections_s" in got["timings_s"]
     with pytest.raises(SystemExit):
         main(["quantize", str(tiny_folder), "--correct", "-1"])
+
+
+def test_the_plan_measured_best_is_kept_and_re_predicted():
+    """A re-plan that measures worse than the first plan (as at the IQ2_XXS size of the default model) is not returned:
+    the first plan is, its prediction the corrected one (factors fitted on both rounds)."""
+    true = {"token_embd": 3.0, "blk.0.attn": 0.5, "blk.0.ffn": 2.0, "blk.1.attn": 1.0, "blk.1.ffn": 4.0}
+    calls: list = []
+    honest = _fake_measure(true, 1.0, calls)
+    plans: list = []
+
+    def measure(plan: Plan, desc: str) -> PlanMeasure:
+        m = honest(plan, desc)
+        plans.append(plan)
+        if len(plans) == 1:
+            return m
+        return PlanMeasure(m.kld_pred, 10 * m.kld_measured + 1.0, m.kld_groups_sum, m.groups)  # the re-plan: worse
+
+    size = 5 * 64 * 64 + 2 * 64 * 64
+    plan, sec = correct_plan(_report(), _replan(size), measure, rounds=1, held_out={"sequences": 2, "tokens": 8},
+                             repredict=_repredict)
+    assert len(plans) == 2 and plans[0] is not plans[1] and plan is plans[0]
+    assert plan.corrections["chosen"] == 1 and plan.corrections["kld_measured"] == sec["rounds"][0]["kld_measured"]
+    assert sec["factors"] == pytest.approx(fit_factors(sec["rounds"])[0])  # fitted on both rounds
+    info = {t.name: t for t in _tensors()}
+    fn = error_fn_from_report({**_report(), "corrections": sec})
+    assert plan.kld_pred == pytest.approx(sum(fn(info[e.name], e.format) for e in plan.entries))
+    assert plan.corrections["kld_pred"] == plan.kld_pred != sec["rounds"][0]["kld_pred"]
+
+
+def _repredict(rep: dict, plan: Plan) -> None:
+    fn = error_fn_from_report(rep)
+    info = {t.name: t for t in _tensors()}
+    for e in plan.entries:
+        e.kld_pred = fn(info[e.name], e.format)

@@ -195,7 +195,8 @@ class Plan:
         sources: the analysis artifacts the plan was made from (``{"report": path, "imatrix": path}``), or {}.
         fit: the memory-fit assumptions behind ``budget`` (``--fit-memory``), or None (then absent from the JSON).
         corrections: the measured corrections behind the entries' ``kld_pred`` (``{"held_out": {...}, "rounds":
-            [{"round", "kld_pred", "kld_measured", "groups_sum", "interaction"}, ...]}``, KL divergence in nats/token;
+            [{"round", "kld_pred", "kld_measured", "groups_sum", "interaction"}, ...], "chosen": the round whose plan
+            this is (the lowest measured), "kld_measured", "kld_pred": its figures}``, KL divergence in nats/token;
             ``dynaquant.pipeline.corrections``), or None (then absent from the JSON).
         solver: the allocation's solver record, or None (no allocation; then absent from the JSON):
             ``{"method": "exact" | "greedy", "predicted": summed predicted error of the allocated tensors,
