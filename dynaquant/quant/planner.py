@@ -136,10 +136,8 @@ def _candidates(ts: Sequence[TensorInfo], names: Sequence[str], error_fn: ErrorF
     so are those below the hull, so the error reduction per extra byte decreases along the list
     (what makes the greedy allocation optimal for the convexified problem).
     """
-    opts = sorted({(sum(_bytes(t, f) for t in ts), sum(error_fn(t, f) for t in ts), f) for f in names
-                   if all(get_format(f).fits(t.row_size) for t in ts)})
     hull: list[tuple[int, float, str]] = []
-    for b, e, f in opts:
+    for b, e, f in _fitting(ts, names, error_fn):
         if not math.isfinite(e) or (hull and e >= hull[-1][1]):
             continue  # unmeasured, or costs more and is no better than a cheaper one
         while hull and hull[-1][0] == b:
@@ -153,12 +151,17 @@ def _candidates(ts: Sequence[TensorInfo], names: Sequence[str], error_fn: ErrorF
     return hull
 
 
+def _fitting(ts: Sequence[TensorInfo], names: Sequence[str], error_fn: ErrorFn) -> list[tuple[int, float, str]]:
+    """(bytes, error, format) of each of ``names`` that fits the rows of every tensor of ``ts`` (bytes and errors
+    summed over them), sorted: cheapest first. Errors may be infinite (not measured)."""
+    return sorted({(sum(_bytes(t, f) for t in ts), sum(error_fn(t, f) for t in ts), f) for f in names
+                   if all(get_format(f).fits(t.row_size) for t in ts)})
+
+
 def _options(ts: Sequence[TensorInfo], names: Sequence[str], error_fn: ErrorFn) -> list[tuple[int, float, str]]:
     """(bytes, error, format) of every format that fits the rows with a finite error and that no other dominates (no
     more bytes and no higher error), cheapest first: the exact solver's options (``_candidates`` keeps the hull)."""
-    opts = sorted({(sum(_bytes(t, f) for t in ts), sum(error_fn(t, f) for t in ts), f) for f in names
-                   if all(get_format(f).fits(t.row_size) for t in ts)})
-    opts = [o for o in opts if math.isfinite(o[1])]
+    opts = [o for o in _fitting(ts, names, error_fn) if math.isfinite(o[1])]
     return [opts[j] for j in knapsack.nondominated(opts)]
 
 
