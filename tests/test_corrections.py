@@ -308,3 +308,21 @@ def _repredict(rep: dict, plan: Plan) -> None:
     info = {t.name: t for t in _tensors()}
     for e in plan.entries:
         e.kld_pred = fn(info[e.name], e.format)
+
+
+def test_a_given_first_plan_is_measured_not_planned_again():
+    """quantize hands its plan in (``first``): round 1 measures it; only the re-plans call ``replan``."""
+    true = dict.fromkeys(["token_embd", "blk.0.attn", "blk.0.ffn", "blk.1.attn", "blk.1.ffn"], 1.5)
+    calls: list = []
+    made: list = []
+    replan = _replan(6 * 64 * 64)
+
+    def counted(rep: dict) -> Plan:
+        made.append(rep)
+        return replan(rep)
+
+    first = replan(_report())
+    plan, sec = correct_plan(_report(), counted, _fake_measure(true, 1.0, calls), rounds=1,
+                             held_out={"sequences": 2, "tokens": 8}, first=first)
+    assert len(calls) == 2 and len(made) == 1 and made[0]["corrections"]["factors"]  # one re-plan, with factors
+    assert sec["rounds"][0]["kld_pred"] == first.kld_pred

@@ -117,7 +117,7 @@ def within(pred: float | None, measured: float, tol: float = TOLERANCE) -> bool:
 
 def correct_plan(report: dict, replan: Callable[[dict], Plan], measure: Measure, *, rounds: int, held_out: dict,
                  label: str | None = None, tol: float = TOLERANCE,
-                 repredict: Callable[[dict, Plan], None] | None = None) -> tuple[Plan, dict]:
+                 repredict: Callable[[dict, Plan], None] | None = None, first: Plan | None = None) -> tuple[Plan, dict]:
     """The loop (module docstring): ``rounds`` re-plans at most, each plan measured.
 
     Args:
@@ -130,6 +130,7 @@ def correct_plan(report: dict, replan: Callable[[dict], Plan], measure: Measure,
         label: names the plan's rounds in the section (``"Q2_K size"``).
         repredict: (report dict, plan) -> None: sets the plan's entries' ``kld_pred`` from the report's error function
             (:func:`correct_in_model` gives it); used when the plan returned is not the last one measured.
+        first: the plan ``replan`` makes of ``report`` as it is, when the caller has it already (not planned again).
     Returns:
         (the plan, its ``corrections`` recorded: ``Plan.corrections``; the report's new ``corrections`` section).
 
@@ -142,7 +143,7 @@ def correct_plan(report: dict, replan: Callable[[dict], Plan], measure: Measure,
     old = report.get("corrections") or {}
     section = {"held_out": dict(held_out), "rounds": list(old.get("rounds") or []),
                "factors": dict(old.get("factors") or {}), "interaction": old.get("interaction") or 1.0}
-    plan = replan({**report, "corrections": section})
+    plan = first if first is not None else replan({**report, "corrections": section})
     mine, measured = [], []
     for i in range(1, rounds + 2):
         m = measure(plan, f"corrections round {i}")
@@ -196,7 +197,8 @@ def model_measure(model, ref: ReferenceLogits, tensors: list[TensorInfo], report
 
 def correct_in_model(model, tokenizer, spec: CalibrationSpec, report: dict, tensors: list[TensorInfo],
                      replan: Callable[[dict], Plan], imatrix_of: Callable[[str], torch.Tensor | None], *, rounds: int,
-                     sequences: int, label: str | None = None, progress: bool = True) -> tuple[Plan, dict]:
+                     sequences: int, label: str | None = None, progress: bool = True,
+                     first: Plan | None = None) -> tuple[Plan, dict]:
     """:func:`correct_plan` on a loaded model, on ``sequences`` held-out calibration chunks (:func:`held_out_chunks`).
 
     Cost: one forward pass over the held-out chunks for the reference, then per measured plan one per group
@@ -215,16 +217,18 @@ def correct_in_model(model, tokenizer, spec: CalibrationSpec, report: dict, tens
                 v = fn(info[e.name], e.format)
                 e.kld_pred = v if math.isfinite(v) else None
 
-    return correct_plan(report, replan, measure, rounds=rounds, label=label, repredict=repredict,
+    return correct_plan(report, replan, measure, rounds=rounds, label=label, repredict=repredict, first=first,
                         held_out={"sequences": int(held.shape[0]), "tokens": int(held.numel())})
 
 
 def correct_in_run(cfg: QuantizeConfig, target: Target, start: PlanStart, tensors: list[TensorInfo], info: ModelInfo,
-                   model_id: str, model, tokenizer, importance: dict[str, torch.Tensor], rounds: int) -> tuple[Plan, dict]:
+                   model_id: str, model, tokenizer, importance: dict[str, torch.Tensor], rounds: int,
+                   first: Plan) -> tuple[Plan, dict]:
     """A quantize run's dynamic plan corrected (:func:`correct_in_model`), re-planned as ``plan_from_report`` plans it.
 
     Args:
         importance: GGUF name -> (K,) importance the run's encoders use. rounds: ``auto_rounds``' answer (>= 1).
+        first: the run's plan (``plan_from_report`` of ``start``): the first round measures it.
     Returns:
         (the plan, the report dict with its ``corrections`` section: a copy, ``start.report`` is not changed).
     """
@@ -235,5 +239,6 @@ def correct_in_run(cfg: QuantizeConfig, target: Target, start: PlanStart, tensor
 
     plan, section = correct_in_model(model, tokenizer, cfg.spec(), start.report, tensors, replan,
                                      lambda n: importance.get(hf_to_gguf.get(n, "")), rounds=rounds,
-                                     sequences=cfg.correct_sequences, label="this plan", progress=cfg.progress)
+                                     sequences=cfg.correct_sequences, label="this plan", progress=cfg.progress,
+                                     first=first)
     return plan, {**start.report, "corrections": section}

@@ -243,7 +243,7 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
         with fit_errors(fit):
             plan, size = plan_from_report(cfg, target, start, tensors, info, source.model_id)
         plan.fit = fit
-        if cfg.save_plan is not None:
+        if cfg.save_plan is not None and rounds == 0:  # corrected: saved once, below
             write_json(plan.to_dict(), cfg.save_plan)
     rounding = None
     if cfg.gptq:
@@ -252,7 +252,7 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
     if rounds > 0:
         t1 = time.perf_counter()
         plan, start.report = correct_in_run(cfg, target, start, tensors, info, source.model_id, hf_model, tokenizer, imat,
-                                            rounds)
+                                            rounds, plan)
         plan.fit, timings["corrections_s"] = fit, time.perf_counter() - t1
         if cfg.save_plan is not None:
             write_json(plan.to_dict(), cfg.save_plan)
