@@ -255,6 +255,7 @@ def test_analyze_correct_then_plan_and_quantize_correct_from_the_cli(tiny_folder
     sec, row = rep["corrections"], rep["plans"][0]
     assert sec["held_out"] == {"sequences": 2, "tokens": 128} and sec["rounds"][0]["label"] == "Q8_0 size"
     assert row["kld_measured"] > 0 and row["corrected"]["rounds"] == len(sec["rounds"]) >= 1
+    assert row["corrected"]["kld_measured"] == min(r["kld_measured"] for r in sec["rounds"])  # the plan kept: measured best
     assert res.report["corrections"] == sec
     # dynaquant plan report.json reuses the section's factors
     assert bool(sec["factors"]) == (len(sec["rounds"]) > 1)  # fitted only when round 1 was more than 10 % off

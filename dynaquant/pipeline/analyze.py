@@ -244,8 +244,8 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
                 fixed, report["corrections"] = correct_in_model(
                     model, tokenizer, spec, report, tensors, lambda rep, size=size: plan_at(size, error_fn_from_report(rep)),
                     imatrix_of, rounds=correct_rounds, sequences=correct_sequences, label=label, progress=progress)
-                last = fixed.corrections["rounds"][-1]
-                report["plans"][-1]["corrected"] = {"kld_pred": fixed.kld_pred, "kld_measured": last["kld_measured"],
+                report["plans"][-1]["corrected"] = {"kld_pred": fixed.kld_pred,
+                                                    "kld_measured": fixed.corrections["kld_measured"],
                                                     "rounds": len(fixed.corrections["rounds"]),
                                                     "size_bytes": fixed.size_bytes + overhead_bytes}
         timings["validate_s"] = time.perf_counter() - t4
