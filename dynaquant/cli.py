@@ -265,8 +265,7 @@ def _quantize(a, bare: bool, argv: list[str]) -> int:
                          allow_nonfinite=a.allow_nonfinite, push_to_hub=a.push_to_hub, push_private=a.private,
                          push_branch=a.hub_branch, split_max_size=a.split_max_size,
                          split_max_tensors=a.split_max_tensors, source_revision=a.source_revision, solver=a.solver,
-                         **_fit_options(a))
-    cfg = dataclasses.replace(cfg, correct_rounds=a.correct, correct_sequences=a.correct_sequences)
+                         correct_rounds=a.correct, correct_sequences=a.correct_sequences, **_fit_options(a))
     if cfg.push_to_hub:
         from dynaquant.pipeline.push import check_push_target
 
@@ -354,8 +353,8 @@ def _analyze(a) -> int:
     cfg = AnalyzeConfig(calibration=spec, fisher_sequences=a.fisher_sequences, super_weights=not a.no_super_weights,
                         sensitivity_formats=_names(a.sensitivity), validate_presets=_names(a.validate), device=a.device,
                         dtype=a.dtype, allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code,
-                        progress=not a.json, allow_nonfinite=a.allow_nonfinite, **kw)
-    cfg = dataclasses.replace(cfg, correct_rounds=a.correct, correct_sequences=a.correct_sequences)
+                        progress=not a.json, allow_nonfinite=a.allow_nonfinite, correct_rounds=a.correct,
+                        correct_sequences=a.correct_sequences, **kw)
     res = run_analyze(a.model, a.output, cfg)
     rep = res.report
     if a.json:

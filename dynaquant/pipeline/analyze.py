@@ -26,6 +26,7 @@ from dynaquant.analysis.stats import ModelStats, collect_stats, module_of
 from dynaquant.analysis.superweights import confirm, find_candidates
 from dynaquant.config import CORRECT_SEQUENCES, DEFAULT_CANDIDATES, FISHER_SEQUENCES, AnalyzeConfig
 from dynaquant.names import TensorName
+from dynaquant.pipeline.corrections import check_options as check_correct_options
 from dynaquant.pipeline.corrections import correct_in_model
 from dynaquant.pipeline.plan import error_fn_from_report
 from dynaquant.pipeline.preflight import Output, analysis_bytes_bound, check_outputs
@@ -330,9 +331,10 @@ def run_analyze(model: str | os.PathLike | None, output_dir: str | os.PathLike |
     """Analyse ``model`` as ``cfg`` says, writing into ``output_dir`` (:func:`analyze`: result and errors)."""
     if cfg.dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype {cfg.dtype!r}: use float32, bfloat16 or float16")
-    if cfg.correct_rounds < 0 or cfg.correct_sequences < 1 or (cfg.correct_rounds and not cfg.validate_presets):
-        raise ValueError(f"correct_rounds {cfg.correct_rounds}, correct_sequences {cfg.correct_sequences}: the corrections "
-                         "correct the validate_presets plans (give them), with rounds >= 0 and at least 1 sequence")
+    check_correct_options(cfg.correct_rounds, cfg.correct_sequences)
+    if cfg.correct_rounds and not cfg.validate_presets:
+        raise ValueError(f"correct_rounds {cfg.correct_rounds}: the corrections correct the validate_presets plans: "
+                         "give them")
     spec = cfg.calibration or CalibrationSpec()
     timings: dict[str, float] = {}
     t0 = time.perf_counter()

@@ -59,6 +59,17 @@ def auto_rounds(rounds: int | None, device: str | torch.device) -> int:
     return rounds
 
 
+def check_options(rounds: int | None, sequences: int) -> None:
+    """Refuse correction options before any work (``quantize``, ``analyze``).
+
+    Raises:
+        ValueError: ``rounds`` negative (None: automatic, allowed) or ``sequences`` below 1.
+    """
+    if (rounds is not None and rounds < 0) or sequences < 1:
+        raise ValueError(f"correct_rounds {rounds}, correct_sequences {sequences}: give 0 (off) or more rounds, and at "
+                         "least 1 held-out sequence")
+
+
 def held_out_chunks(tokenizer, spec: CalibrationSpec, k: int) -> torch.Tensor:
     """(k, seq_len) int64 token ids of the calibration text AFTER the ``spec.n_sequences + 2`` chunks the statistics
     and the analysis's own held-out pair use (never the evaluation text). A text too short for all ``k`` gives the

@@ -24,6 +24,7 @@ from dynaquant.analysis.stats import ModelStats, collect_stats, compute_imatrix
 from dynaquant.config import CALIBRATION_CHUNKS, CORRECT_SEQUENCES, EVAL_CHUNKS, GPTQ_DAMP, N_CTX, SPLIT_MAX_SIZE, QuantizeConfig
 from dynaquant.pipeline import analyze as analysis_stage
 from dynaquant.pipeline.corrections import auto_rounds, correct_in_run
+from dynaquant.pipeline.corrections import check_options as check_correct_options
 from dynaquant.pipeline.evaluate import evaluate_written
 from dynaquant.pipeline.fit import fit_errors, fit_target
 from dynaquant.pipeline.gptq import GPTQRounding
@@ -313,9 +314,7 @@ def _check_options(cfg: QuantizeConfig) -> Target:
     if cfg.preset is not None and cfg.preset.upper() not in PRESETS:
         raise ValueError(f"unknown preset {cfg.preset!r}; known presets: {', '.join(PRESETS)}")
     check_budget(cfg.bpw, cfg.size)
-    if (cfg.correct_rounds is not None and cfg.correct_rounds < 0) or cfg.correct_sequences < 1:
-        raise ValueError(f"correct_rounds {cfg.correct_rounds}, correct_sequences {cfg.correct_sequences}: give 0 (off) "
-                         "or more rounds, and at least 1 held-out sequence")
+    check_correct_options(cfg.correct_rounds, cfg.correct_sequences)
     if cfg.solver not in SOLVERS:
         raise ValueError(f"unknown solver {cfg.solver!r} (known: {', '.join(SOLVERS)})")
     if cfg.fit_memory is not None:
