@@ -168,7 +168,21 @@ def _error(items, choice) -> float:
 
 def _relaxation(items, keep, limit) -> tuple[float, list[int]]:
     """(lam*, the greedy choice along the hull steps sorted by slope: those that fit, skipping the rest)."""
-    hulls = [hull(opts, k) for opts, k in zip(items, keep)]
+    return hull_greedy(items, [hull(opts, k) for opts, k in zip(items, keep)], limit)
+
+
+def hull_greedy(items: Sequence[Sequence[Option]], hulls: Sequence[Sequence[int]], limit: int) -> tuple[float, list[int]]:
+    """The greedy allocation along the items' hulls (module docstring, (b)): every item starts at its hull's first
+    option; the hull steps are taken in decreasing error reduction per extra byte (ties: item order, then step order),
+    each that fits; an item whose step does not fit takes no later step.
+
+    Args:
+        items: per item, its options; hulls: per item, indices into its options along its lower convex hull
+            (:func:`hull`), by increasing bytes.
+        limit: the byte limit (>= the hulls' first options' bytes summed).
+    Returns:
+        (lam*: the slope of the first step that did not fit, 0 when every step fit; per item the chosen option index).
+    """
     steps = []  # (-slope, item, step): ties by item order, then step order
     for i, h in enumerate(hulls):
         for s in range(len(h) - 1):

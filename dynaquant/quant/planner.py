@@ -33,7 +33,6 @@ relative squared error on Gaussian weights (measured once with the codecs themse
 
 from __future__ import annotations
 
-import heapq
 import math
 import re
 import time
@@ -136,19 +135,8 @@ def _candidates(ts: Sequence[TensorInfo], names: Sequence[str], error_fn: ErrorF
     so are those below the hull, so the error reduction per extra byte decreases along the list
     (what makes the greedy allocation optimal for the convexified problem).
     """
-    hull: list[tuple[int, float, str]] = []
-    for b, e, f in _fitting(ts, names, error_fn):
-        if not math.isfinite(e) or (hull and e >= hull[-1][1]):
-            continue  # unmeasured, or costs more and is no better than a cheaper one
-        while hull and hull[-1][0] == b:
-            hull.pop()
-        while len(hull) >= 2:
-            (b0, e0, _), (b1, e1, _) = hull[-2], hull[-1]
-            if (e0 - e1) / (b1 - b0) > (e1 - e) / (b - b1):
-                break
-            hull.pop()
-        hull.append((b, e, f))
-    return hull
+    opts = _fitting(ts, names, error_fn)
+    return [opts[j] for j in knapsack.hull(opts, knapsack.nondominated(opts))]  # nondominated: finite errors only
 
 
 def _fitting(ts: Sequence[TensorInfo], names: Sequence[str], error_fn: ErrorFn) -> list[tuple[int, float, str]]:
@@ -161,8 +149,8 @@ def _fitting(ts: Sequence[TensorInfo], names: Sequence[str], error_fn: ErrorFn) 
 def _options(ts: Sequence[TensorInfo], names: Sequence[str], error_fn: ErrorFn) -> list[tuple[int, float, str]]:
     """(bytes, error, format) of every format that fits the rows with a finite error and that no other dominates (no
     more bytes and no higher error), cheapest first: the exact solver's options (``_candidates`` keeps the hull)."""
-    opts = [o for o in _fitting(ts, names, error_fn) if math.isfinite(o[1])]
-    return [opts[j] for j in knapsack.nondominated(opts)]
+    opts = _fitting(ts, names, error_fn)
+    return [opts[j] for j in knapsack.nondominated(opts)]  # finite errors only
 
 
 def _bounded(names: Sequence[str], rule: Rule | None, row: int, target: str = "gguf") -> list[str]:
@@ -444,7 +432,7 @@ def _allocate(free, entries, limit, error_fn, candidates, overhead, total, bpw, 
         choice, info = res.choice, dict(exact=res.exact, bound=res.bound, states=res.states, time_s=res.time_s)
     else:
         t0 = time.perf_counter()
-        choice = _greedy(units, used, limit)
+        choice = _greedy(units, limit - fixed)
         info = dict(exact=False, bound=knapsack.lower_bound(items, limit - fixed), states=0, time_s=time.perf_counter() - t0)
     pred = sum(opts[j][1] for opts, j in zip(items, choice))
     if info["exact"]:
@@ -471,30 +459,11 @@ def _round(x: float, digits: int = 8) -> float:
     return float(f"{x:.{digits}g}")
 
 
-def _greedy(units, used, limit) -> list[int]:
-    """The greedy allocation (module docstring) along each unit's hull: the chosen option index per unit, in order."""
-    options = {u: opts for u, (_, opts) in units.items()}
-    level = {u: 0 for u in units}
-
-    def push(heap, name):
-        opts, i = options[name], level[name]
-        if i + 1 < len(opts):
-            db = opts[i + 1][0] - opts[i][0]
-            de = opts[i][1] - opts[i + 1][1]
-            heapq.heappush(heap, (-de / db, name, i))
-
-    heap: list = []
-    for u in units:
-        push(heap, u)
-    while heap:
-        _, name, i = heapq.heappop(heap)
-        if level[name] != i:
-            continue
-        opts = options[name]
-        db = opts[i + 1][0] - opts[i][0]
-        if used + db > limit:
-            continue  # this upgrade does not fit; smaller ones may
-        used += db
-        level[name] = i + 1
-        push(heap, name)
-    return [level[u] for u in units]
+def _greedy(units, limit: int) -> list[int]:
+    """The greedy allocation (module docstring) along each unit's hull (its options: ``_candidates``), ``limit`` the
+    bytes the units may take: the chosen option index per unit, in ``units``' order. Ties go by unit name."""
+    names = sorted(units)
+    items = [units[u][1] for u in names]
+    _, choice = knapsack.hull_greedy(items, [range(len(opts)) for opts in items], limit)
+    by_name = dict(zip(names, choice))
+    return [by_name[u] for u in units]
