@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dynaquant.analysis.report.schema import tensor_group
-from dynaquant.analysis.sensitivity import ReferenceLogits, decoded_weight
+from dynaquant.analysis.sensitivity import ReferenceLogits, SwappedWeights, decoded_weight
 from dynaquant.names import TensorName
 
 VISION_GROUP = "vision"
@@ -83,25 +83,6 @@ class PlanMeasure:
         return self.kld_measured / self.kld_groups_sum if self.kld_groups_sum > 0 else None
 
 
-class _Swapped:
-    """Exchange the storage of parameters with tensors of the same shape and dtype, and back (``with``)."""
-
-    def __init__(self, params: dict, cache: dict[str, torch.Tensor], names: list[str]):
-        self.params, self.cache, self.names = params, cache, names
-
-    def _swap(self):
-        for n in self.names:
-            p = self.params[n]
-            p.data, self.cache[n] = self.cache[n], p.data
-
-    def __enter__(self):
-        self._swap()
-        return self
-
-    def __exit__(self, *exc):
-        self._swap()
-
-
 @torch.no_grad()
 def measure_plan(model, ref: ReferenceLogits, formats: dict[str, str], groups: dict[str, str],
                  kld_pred: dict[str, float], imatrix_of: Callable[[str], torch.Tensor | None], *,
@@ -133,10 +114,10 @@ def measure_plan(model, ref: ReferenceLogits, formats: dict[str, str], groups: d
         for g, names in tqdm(members.items(), desc=desc, disable=not progress, unit="group"):
             for n in names:
                 cache[n] = decoded_weight(params[n], formats[n], imatrix_of(n))
-            with _Swapped(params, cache, names):
+            with SwappedWeights(params, cache, names):
                 kld = ref.kld(model)
             out.append(GroupMeasure(g, sum(float(kld_pred.get(n) or 0.0) for n in names), kld))
-        with _Swapped(params, cache, list(cache)):
+        with SwappedWeights(params, cache, list(cache)):
             whole = ref.kld(model)
     finally:
         cache.clear()

@@ -70,16 +70,29 @@ def kld_with_weights(model, ref: ReferenceLogits, formats: dict[str, str],
         imatrix_of: HF parameter name -> (K,) importance for the encoder, or None.
     """
     params = dict(model.named_parameters())
-    saved = {}
-    try:
-        for name, fmt in formats.items():
-            p = params[name]
-            saved[name] = p.detach().clone()
-            p.copy_(decoded_weight(p, fmt, imatrix_of(name)))
+    decoded = {name: decoded_weight(params[name], fmt, imatrix_of(name)) for name, fmt in formats.items()}
+    with SwappedWeights(params, decoded, list(decoded)):
         return ref.kld(model)
-    finally:
-        for name, w in saved.items():
-            params[name].copy_(w)
+
+
+class SwappedWeights:
+    """``with``: the storage of ``params[n]`` exchanged with ``tensors[n]`` (same shape and dtype) for each of
+    ``names``, and exchanged back on exit (also on error); no copy of the weights is made."""
+
+    def __init__(self, params: dict, tensors: dict[str, torch.Tensor], names: list[str]):
+        self.params, self.tensors, self.names = params, tensors, names
+
+    def _swap(self):
+        for n in self.names:
+            p = self.params[n]
+            p.data, self.tensors[n] = self.tensors[n], p.data
+
+    def __enter__(self):
+        self._swap()
+        return self
+
+    def __exit__(self, *exc):
+        self._swap()
 
 
 def group_sensitivity(model, ref: ReferenceLogits, groups: dict[str, list[str]], fmts: Iterable[str],
