@@ -125,6 +125,12 @@ class Grid:
             return vlut.index_select(0, self._k(t)).reshape(t.shape)
         return lv[torch.bucketize(t, mids, right=True)]
 
+    def round_values_(self, t: torch.Tensor) -> torch.Tensor:
+        """:meth:`values_of`, overwriting ``t`` where it can (a linear grid rounds in place)."""
+        if self.linear:
+            return t.round_().clamp_(self.lo, self.hi)
+        return self.values_of(t)
+
     def codes_of(self, t: torch.Tensor) -> torch.Tensor:
         """Index (int64) of the level nearest to each entry of ``t``, as :meth:`values_of`."""
         if self.linear:
@@ -141,7 +147,10 @@ class Grid:
 
 # On CPU the search runs over sub-chunks of this many blocks, so that its (blocks, 32)
 # temporaries stay in cache (about 2.5x faster than whole 1M-weight chunks on 2 cores).
-CPU_SUBCHUNK_BLOCKS = 8192
+CPU_SUBCHUNK_BLOCKS = 2048
+# The candidate searches score candidates in stacks of this many per block (two (n, group,
+# blocks) float32 buffers: peak extra memory about 2 * CAND_GROUP times the input's bytes).
+CAND_GROUP = 8
 
 
 def in_subchunks(fn: Callable[..., tuple[torch.Tensor, ...]], x: torch.Tensor, w: torch.Tensor, *args, **kwargs):
@@ -181,16 +190,55 @@ def _ulp_neighbours(d16: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(ok, nb, d16).to(torch.float32)
 
 
+class Scorer:
+    """Least-squares scores of candidate level stacks, in a transposed (n, candidates, blocks) layout
+    (contiguous along blocks: vectorised elementwise ops, reductions over the outer axis) with
+    reused buffers (fresh large tensors cost page faults on CPU).
+
+    ``xT``, ``wT``: (n, B) float32 weights and importance; ``wxT`` = ``wT * xT``.
+    """
+
+    def __init__(self, x: torch.Tensor, w: torch.Tensor, wx: torch.Tensor, group: int):
+        self.xT, self.wT, self.wxT = x.t().contiguous(), w.t().contiguous(), wx.t().contiguous()
+        n, b = self.xT.shape
+        self.buf = torch.empty(n, group, b, dtype=torch.float32, device=x.device)
+        self.tmp = torch.empty_like(self.buf)
+
+    def scaled(self, inv: torch.Tensor) -> torch.Tensor:
+        """``x * inv`` for (G, B) inverse scales -> (n, G, B), in the reused buffer."""
+        return torch.mul(self.xT[:, None, :], inv[None], out=self.buf[:, : inv.shape[0]])
+
+    def dot(self, q: torch.Tensor, vT: torch.Tensor) -> torch.Tensor:
+        """``sum_n v q`` -> (G, B) for q (n, G, B) and vT (n, B)."""
+        return torch.mul(q, vT[:, None, :], out=self.tmp[:, : q.shape[1]]).sum(0)
+
+    def ls(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``sum w q x``, ``sum w q^2``), each (G, B); ``q`` is squared in place."""
+        sqx = self.dot(q, self.wxT)
+        return sqx, self.dot(q.square_(), self.wT)
+
+
+def candidate_groups(n_cand: int) -> list[slice]:
+    """Slices of a candidate axis of ``n_cand``, :data:`CAND_GROUP` candidates a slice."""
+    return [slice(i, min(i + CAND_GROUP, n_cand)) for i in range(0, n_cand, CAND_GROUP)]
+
+
 def fit_scale(
     x: torch.Tensor,
     w: torch.Tensor,
     grid: Grid,
     targets: Sequence[float],
     anchor_offsets: Sequence[int] = (),
-    lloyd_steps: int = 2,
-    ulps: Sequence[int] = (-2, -1, 1, 2),
+    lloyd_steps: int = 1,
+    ulps: Sequence[int] = (-1, 1),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Search the fp16 scale ``d`` of ``decode = d * levels[code]`` per block.
+
+    Every candidate inverse scale is scored at once (a (blocks, candidates, n) stack, in groups
+    to bound memory) by the error of its codes after a least-squares refit of the scale,
+    ``sum(w x^2) - sum(w q x)^2 / sum(w q^2)``; only the best candidate of each block is then
+    rounded to fp16 and measured exactly (codes re-rounded under the stored scale, error on the
+    decoder's ``d * q``), then polished by Lloyd steps and neighbouring fp16 values.
 
     Args:
         x: (B, n) float32 weights.
@@ -210,48 +258,66 @@ def fit_scale(
     """
     imax = x.abs().argmax(dim=1, keepdim=True)
     xmax = x.gather(1, imax).squeeze(1)
-    # Start from the all-zero block (d = 0); every candidate must beat it.
-    best_err = (w * x * x).sum(dim=1)
-    best_d = torch.zeros_like(xmax, dtype=torch.float16)
-
-    def consider(d: torch.Tensor) -> None:
-        # Error of the stored scale with the codes re-rounded under it, on d * q exactly
-        # as the decoder computes it.
-        nonlocal best_err, best_d
-        d16 = to_half(d)
-        df = d16.to(torch.float32)[:, None]
-        q = grid.values_of(x / _safe(df))
-        err = (w * (x - df * q).square_()).sum(dim=1)
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_d = torch.where(better, d16, best_d)
-
-    def refit(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        wq = w * q
-        sqx = (wq * x).sum(dim=1)
-        sq2 = (wq * q).sum(dim=1)
-        return torch.where(sq2 > 0, sqx / torch.where(sq2 > 0, sq2, 1.0), d)
-
-    for c in targets:
-        d = xmax / c
-        consider(refit(grid.values_of(x / _safe(d)[:, None]), d))
+    wx = w * x
+    # Inverse scales of all candidates (B, C): level c for the max, then the anchors.
+    inv = torch.tensor(list(targets), dtype=torch.float32, device=x.device)[None, :] / _safe(xmax)[:, None]
     if anchor_offsets:
         # Scales that put the block's most important weight (largest w x^2) exactly on a
         # level: its nearest level under the max-based scale, and levels around it.
         lv = grid.level_tensor(x.device)
-        xj = x.gather(1, (w * x * x).argmax(dim=1, keepdim=True)).squeeze(1)
+        xj = x.gather(1, (wx * x).argmax(dim=1, keepdim=True))
         d_nom = xmax.abs() / max(abs(grid.lo), abs(grid.hi))
-        i0 = grid.codes_of(xj / _safe(d_nom))
-        for o in anchor_offsets:
-            i = i0 + o
-            ok = (i >= 0) & (i < len(grid.levels))
-            lvl = lv[i.clamp(0, len(grid.levels) - 1)]
-            ok &= lvl != 0
-            d = torch.where(ok, xj / torch.where(ok, lvl, 1.0), d_nom)
-            consider(refit(grid.values_of(x / _safe(d)[:, None]), d))
+        i0 = grid.codes_of(xj / _safe(d_nom)[:, None])
+        i = i0 + torch.tensor(list(anchor_offsets), device=x.device)[None, :]
+        ok = (i >= 0) & (i < len(grid.levels))
+        lvl = lv[i.clamp(0, len(grid.levels) - 1)]
+        ok &= lvl != 0
+        inv_a = torch.where(ok, lvl / _safe(xj), 1.0 / _safe(d_nom)[:, None])
+        inv = torch.cat([inv, inv_a], dim=1)
+    best_score = torch.full_like(xmax, -1.0)
+    best_d = torch.zeros_like(xmax)
+    groups = candidate_groups(inv.shape[1])
+    sc = Scorer(x, w, wx, groups[0].stop)
+    invT = inv.t().contiguous()
+    for g in groups:
+        sqx, sq2 = sc.ls(grid.round_values_(sc.scaled(invT[g])))
+        pos = sq2 > 0
+        score = torch.where(pos, sqx * sqx / torch.where(pos, sq2, 1.0), -1.0)
+        top, arg = score.max(dim=0)
+        d = (sqx / torch.where(pos, sq2, 1.0)).gather(0, arg[None]).squeeze(0)
+        better = top > best_score
+        best_score = torch.where(better, top, best_score)
+        best_d = torch.where(better, d, best_d)
+    return polish_scale(x, w, wx, grid, best_d, lloyd_steps, ulps)
+
+
+def polish_scale(
+    x: torch.Tensor, w: torch.Tensor, wx: torch.Tensor, grid: Grid, d: torch.Tensor, lloyd_steps: int, ulps: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact stage of :func:`fit_scale`: the all-zero block, the fp16 rounding of ``d`` (B,) float32,
+    ``lloyd_steps`` refits on the best codes and the ``ulps`` neighbours of the best stored scale,
+    each measured on the decoder's values with the codes nearest under the stored scale.
+    Returns ``(d (B,) float16, codes (B, n) int64)``."""
+    best_err = (wx * x).sum(dim=1)
+    best_d = torch.zeros_like(d, dtype=torch.float16)
+
+    def consider(d: torch.Tensor) -> torch.Tensor:
+        nonlocal best_err, best_d
+        d16 = to_half(d)
+        df = d16.to(torch.float32)[:, None]
+        q = grid.values_of(x / _safe(df))
+        r = x - df * q
+        err = (w * r.square_()).sum(dim=1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_d = torch.where(better, d16, best_d)
+        return q
+
+    q = consider(d)
     for _ in range(lloyd_steps):
-        df = best_d.to(torch.float32)
-        consider(refit(grid.values_of(x / _safe(df)[:, None]), df))
+        sq2 = (w * q * q).sum(dim=1)
+        pos = sq2 > 0
+        q = consider(torch.where(pos, (wx * q).sum(dim=1) / torch.where(pos, sq2, 1.0), best_d.to(torch.float32)))
     base = best_d
     for k in ulps:
         consider(_ulp_neighbours(base, k))
@@ -280,17 +346,19 @@ def fit_affine(
     nmax: int,
     steps: Sequence[float],
     n_anchor: int = 0,
-    lloyd_steps: int = 2,
-    ulps: Sequence[int] = (-1, 1),
+    lloyd_steps: int = 1,
+    ulps: Sequence[int] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Search fp16 ``d`` and ``m`` of ``decode = d * code + m``, ``code`` in ``0..nmax``, per block.
 
     Each step ``s`` starts ``2 + n_anchor`` candidates, ``d = (max - min) / (nmax + s)``
     with the level grid anchored at the block's min, at its max, and at each of its
-    ``n_anchor`` most important weights (largest ``w``); each is rounded, refit by weighted least
-    squares for (d, m), then ``d`` is rounded to fp16, ``m`` refit under the stored ``d``
-    and rounded to fp16, the codes re-rounded under the stored pair and the error taken
-    on ``d * code + m`` as the decoder computes it.
+    ``n_anchor`` most important weights (largest ``w``). All candidates are scored at once (a
+    stacked (n, candidates, blocks) search, as :func:`fit_scale`) by the weighted least-squares
+    error of (d, m) given their codes; the best of each block is then rounded as stored (``d`` to
+    fp16, ``m`` refit under the stored ``d`` and rounded to fp16, the codes re-rounded under the
+    stored pair, the error taken on ``d * code + m`` as the decoder computes it) and polished by
+    Lloyd steps and neighbouring fp16 values of ``d``.
 
     Args:
         x: (B, n) float32 weights.
@@ -306,8 +374,57 @@ def fit_affine(
     """
     xmin = x.min(dim=1).values
     xmax = x.max(dim=1).values
+    wx = w * x
     sw = w.sum(dim=1)
-    swx = (w * x).sum(dim=1)
+    swx = wx.sum(dim=1)
+    rng = xmax - xmin
+    # Candidates (C, B): inverse step and offset o, codes = clamp(round(x * inv - o), 0, nmax).
+    inv = torch.tensor([nmax + float(s) for s in steps], dtype=torch.float32, device=x.device)[:, None] / _safe(rng)[None]
+    offs = [xmin[None] * inv, xmax[None] * inv - nmax]
+    if n_anchor:
+        order = w.argsort(dim=1, descending=True)[:, :n_anchor]
+        for i in range(n_anchor):
+            xa = x.gather(1, order[:, i : i + 1]).squeeze(1)[None]
+            offs.append(xa * inv - torch.round((xa - xmin[None]) * inv))
+    off = torch.cat(offs, dim=0)
+    inv = inv.repeat(len(offs), 1)
+    swd, swxd = sw.double(), swx.double()
+    best_gain = torch.full_like(swd, -1.0)
+    best_d = torch.zeros_like(xmin)
+    best_m = torch.zeros_like(xmin)
+    groups = candidate_groups(inv.shape[0])
+    sc = Scorer(x, w, wx, groups[0].stop)
+    for g in groups:
+        q = sc.scaled(inv[g]).sub_(off[g][None]).round_().clamp_(0, nmax)
+        s1 = sc.dot(q, sc.wT).double()
+        sqx, sqq = (v.double() for v in sc.ls(q))
+        det = swd * sqq - s1 * s1
+        ok = det > 1e-6 * swd * sqq
+        det = torch.where(ok, det, 1.0)
+        gain = torch.where(ok, (swd * sqx * sqx - 2 * s1 * sqx * swxd + sqq * swxd * swxd) / det, -1.0)
+        top, arg = gain.max(dim=0)
+        d = ((swd * sqx - s1 * swxd) / det).gather(0, arg[None]).squeeze(0).float()
+        m = ((sqq * swxd - s1 * sqx) / det).gather(0, arg[None]).squeeze(0).float()
+        better = top > best_gain
+        best_gain = torch.where(better, top, best_gain)
+        best_d = torch.where(better, d, best_d)
+        best_m = torch.where(better, m, best_m)
+    return polish_affine(x, w, sw, swx, nmax, best_d, best_m, lloyd_steps, ulps)
+
+
+def polish_affine(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    sw: torch.Tensor,
+    swx: torch.Tensor,
+    nmax: int,
+    d: torch.Tensor,
+    m: torch.Tensor,
+    lloyd_steps: int,
+    ulps: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact stage of :func:`fit_affine` from least-squares ``d``, ``m`` (B,) float32 (see there);
+    ``sw``, ``swx`` (B,) are ``sum(w)``, ``sum(w x)``. Returns ``(d, m, codes)`` as :func:`fit_affine`."""
     # Start: the constant block at the weighted mean (d = 0).
     best_m = to_half(swx / sw)
     best_d = torch.zeros_like(best_m)
@@ -345,26 +462,14 @@ def fit_affine(
     def best_codes() -> torch.Tensor:
         return codes_of(best_d.to(torch.float32)[:, None], best_m.to(torch.float32)[:, None])
 
-    rng = xmax - xmin
-    order = w.argsort(dim=1, descending=True)[:, :n_anchor]
-    anchors = [x.gather(1, order[:, i : i + 1]) for i in range(n_anchor)]
-    for s in steps:
-        d = rng / (nmax + s)
-        inv = 1.0 / _safe(d)[:, None]
-        q = torch.round((x - xmin[:, None]) * inv).clamp_(0, nmax)
-        consider(refit(q, d), q)
-        q = (nmax - torch.round((xmax[:, None] - x) * inv)).clamp_(0, nmax)
-        consider(refit(q, d), q)
-        for xa in anchors:
-            ka = torch.round((xa - xmin[:, None]) * inv)
-            q = (torch.round((x - xa) * inv) + ka).clamp_(0, nmax)
-            consider(refit(q, d), q)
+    consider(d, codes_of(to_half(d).to(torch.float32)[:, None], m[:, None]))
     for _ in range(lloyd_steps):
         q = best_codes()
         consider(refit(q, best_d.to(torch.float32)), q)
-    base_d, q = best_d, best_codes()
-    for k in ulps:
-        consider(_ulp_neighbours(base_d, k), q)
+    if ulps:
+        base_d, q = best_d, best_codes()
+        for k in ulps:
+            consider(_ulp_neighbours(base_d, k), q)
     return best_d, best_m, affine_codes(x, best_d, best_m, nmax)
 
 

@@ -66,12 +66,20 @@ class _SymmetricCodec(Codec):
     grid: Grid
     targets: list[float]
     anchor_offsets: tuple[int, ...] = ()
+    lloyd_steps: int = 1
+    ulps: tuple[int, ...] = ()
+
+    def _fit(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = x.to(torch.float32), w.to(torch.float32)
+        return in_subchunks(fit_scale, x, w, self.grid, self.targets, self.anchor_offsets, self.lloyd_steps, self.ulps)
 
     def fit_params(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
-        x = x.to(torch.float32)
-        w = w.to(torch.float32)
-        d, _ = in_subchunks(fit_scale, x, w, self.grid, self.targets, self.anchor_offsets)
-        return (d,)
+        return (self._fit(x, w)[0],)
+
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # The search's codes are round_to_grid's (nearest under the stored scale): no second pass.
+        d, codes = self._fit(x, w)
+        return self.pack((d,), codes)
 
     def round_to_grid(self, x: torch.Tensor, params, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         (d,) = params
@@ -156,10 +164,21 @@ class _AffineCodec(Codec):
     nmax: int
     steps: list[float]
     n_anchor: int = 0
+    lloyd_steps: int = 1
+    ulps: tuple[int, ...] = ()
+
+    def _fit(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x, w = x.to(torch.float32), w.to(torch.float32)
+        return in_subchunks(fit_affine, x, w, self.nmax, self.steps, self.n_anchor, self.lloyd_steps, self.ulps)
 
     def fit_params(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        d, m, _ = in_subchunks(fit_affine, x.to(torch.float32), w.to(torch.float32), self.nmax, self.steps, self.n_anchor)
+        d, m, _ = self._fit(x, w)
         return d, m
+
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # The search's codes are round_to_grid's (nearest under the stored pair): no second pass.
+        d, m, codes = self._fit(x, w)
+        return self.pack((d, m), codes)
 
     def round_to_grid(self, x: torch.Tensor, params, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         d, m = params

@@ -74,12 +74,19 @@ class IQ4_NL(Codec):
     # negative max) or 113, with some clipping and some headroom.
     targets = scale_targets([-127, 113], 16, 10, (0.8, 1.1), 3.0)
     anchor_offsets = tuple(range(-3, 4))
+    lloyd_steps = 1
+    ulps: tuple[int, ...] = ()
+
+    def _fit(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = x.to(torch.float32), w.to(torch.float32)
+        return in_subchunks(fit_scale, x, w, self.grid, self.targets, self.anchor_offsets, self.lloyd_steps, self.ulps)
 
     def fit_params(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
-        d, _ = in_subchunks(
-            fit_scale, x.to(torch.float32), w.to(torch.float32), self.grid, self.targets, self.anchor_offsets
-        )
-        return (d,)
+        return (self._fit(x, w)[0],)
+
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        d, codes = self._fit(x, w)
+        return self.pack((d,), codes)
 
     def round_to_grid(self, x: torch.Tensor, params, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         (d,) = params

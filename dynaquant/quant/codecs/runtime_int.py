@@ -31,9 +31,11 @@ import torch
 
 from dynaquant.quant.codecs._blockfit import (
     Grid,
+    Scorer,
     _safe,
     _ulp_neighbours,
     bytes_half,
+    candidate_groups,
     fit_scale,
     half_bytes,
     in_subchunks,
@@ -73,14 +75,15 @@ def int_zero_codes(x: torch.Tensor, d: torch.Tensor, z: torch.Tensor, nmax: int)
     return torch.where(df == 0, z[:, None].to(codes.dtype), codes).to(torch.int64)
 
 
-def fit_int_zero(x: torch.Tensor, w: torch.Tensor, nmax: int, factors: Sequence[float], lloyd_steps: int = 2,
-                 ulps: Sequence[int] = (-2, -1, 1, 2)) -> tuple[torch.Tensor, torch.Tensor]:
+def fit_int_zero(x: torch.Tensor, w: torch.Tensor, nmax: int, factors: Sequence[float], lloyd_steps: int = 1,
+                 ulps: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """Search fp16 ``d`` >= 0 and integer ``z`` of ``decode = d * (code - z)``, codes and ``z`` in ``0..nmax``.
 
     Each factor ``f`` starts two candidates with ``d = f * (max - min) / nmax``, ``z`` putting the
-    group's min (or its max) on a level; each is rounded, ``d`` refit by weighted least squares
-    given the levels, rounded to fp16, the codes re-rounded under the stored ``d`` and the error
-    taken on ``d * (code - z)`` as the decoder computes it. The best is polished by Lloyd steps
+    group's min (or its max) on a level. All are scored at once (a stacked (n, candidates, groups)
+    search, as :func:`._blockfit.fit_scale`) by the weighted least-squares error of ``d`` given their
+    levels ``code - z``; the best is rounded to fp16, the codes re-rounded under the stored ``d`` and
+    the error taken on ``d * (code - z)`` as the decoder computes it, then polished by Lloyd steps
     (refit ``d``; ``z`` and its two neighbours) and the neighbouring fp16 values of ``d``.
 
     Args:
@@ -92,7 +95,8 @@ def fit_int_zero(x: torch.Tensor, w: torch.Tensor, nmax: int, factors: Sequence[
     """
     xmin = x.min(dim=1).values.clamp(max=0)
     xmax = x.max(dim=1).values.clamp(min=0)
-    best_err = (w * x * x).sum(dim=1)  # d = 0: the all-zero group
+    wx = w * x
+    best_err = (wx * x).sum(dim=1)  # d = 0: the all-zero group
     best_d = torch.zeros_like(xmin, dtype=torch.float16)
     best_z = torch.zeros_like(xmin, dtype=torch.int64)
 
@@ -115,13 +119,30 @@ def fit_int_zero(x: torch.Tensor, w: torch.Tensor, nmax: int, factors: Sequence[
     def levels(d: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return (torch.round(x / _safe(d)[:, None]) + z[:, None]).clamp_(0, nmax) - z[:, None]
 
-    rng = xmax - xmin
-    for f in factors:
-        d = rng * (f / nmax)
-        sd = _safe(d)
-        for z in (torch.round(-xmin / sd), nmax - torch.round(xmax / sd)):
-            z = z.clamp(0, nmax).to(torch.int64)
-            consider(refit(levels(d, z), d), z)
+    # Candidates (C, B): step d and zero z, levels clamp(round(x / d), -z, nmax - z).
+    d = (xmax - xmin)[None] * torch.tensor([f / nmax for f in factors], dtype=torch.float32, device=x.device)[:, None]
+    sd = _safe(d)
+    z = torch.cat([torch.round(-xmin[None] / sd), nmax - torch.round(xmax[None] / sd)]).clamp_(0, nmax)
+    inv = (1.0 / sd).repeat(2, 1)
+    d = d.repeat(2, 1)
+    best_score = torch.full_like(xmin, -1.0)
+    ls_d, ls_z = xmin.new_zeros(xmin.shape), best_z
+    groups = candidate_groups(inv.shape[0])
+    sc = Scorer(x, w, wx, groups[0].stop)
+    for g in groups:
+        q = sc.scaled(inv[g]).round_()
+        q = torch.maximum(q, -z[g][None], out=q)
+        q = torch.minimum(q, nmax - z[g][None], out=q)
+        sqx, sq2 = sc.ls(q)
+        pos = sq2 > 0
+        score = torch.where(pos, sqx * sqx / torch.where(pos, sq2, 1.0), -1.0)
+        top, arg = score.max(dim=0)
+        dg = torch.where(pos, sqx / torch.where(pos, sq2, 1.0), d[g]).gather(0, arg[None]).squeeze(0)
+        better = top > best_score
+        best_score = torch.where(better, top, best_score)
+        ls_d = torch.where(better, dg, ls_d)
+        ls_z = torch.where(better, z[g].gather(0, arg[None]).squeeze(0).to(torch.int64), ls_z)
+    consider(ls_d, ls_z)
     for _ in range(lloyd_steps):
         d0, z0 = best_d.to(torch.float32), best_z
         for dz in (0, -1, 1):
