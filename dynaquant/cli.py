@@ -97,7 +97,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="output: a GGUF file (default) or a compressed-tensors safetensors folder run by dynaquant.load "
                         "(with --bpw, --size or --plan; no presets)")
     g = q.add_mutually_exclusive_group()
-    g.add_argument("--preset", help="llama.cpp mix: Q8_0, Q6_K, Q5_K_M, Q4_K_M (default), Q3_K_M, Q2_K, ...")
+    g.add_argument("--preset", help="llama.cpp mix: Q8_0, Q6_K, Q5_K_M, Q4_K_M, Q3_K_M, Q2_K, ... (default: a "
+                   "dynamic plan at the Q4_K_M mix's size; Q3_K_M's for an already-quantized GGUF)")
     g.add_argument("--bpw", type=_bpw, help="average bits per weight over all tensor data, at most")
     g.add_argument("--size", type=_size, help="whole output file size, at most (bytes, or 80MB, 1.5GiB)")
     g.add_argument("--plan", help="plan.json to use as is")
@@ -282,6 +283,10 @@ def _quantize(a, bare: bool, argv: list[str]) -> int:
                                    if len(res.files) > 1 else "")
           + (f" in the folder {res.folder} (model card: README.md)" if res.folder else ""))
     print(f"  {res.size_bytes / 1e6:.2f} MB, {res.bpw:.3f} bpw over tensor data, {res.time_s:.1f} s ({res.plan.method})")
+    if res.source_bytes:
+        saved = res.source_bytes - res.size_bytes
+        print(f"  {abs(saved) / 1e6:.2f} MB ({100 * abs(saved) / res.source_bytes:.1f}%) {'smaller' if saved >= 0 else 'larger'} "
+              f"than the source ({res.source_bytes / 1e6:.2f} MB)")
     mix = ", ".join(f"{f} {100 * n / res.plan.n_elements:.1f}%" for f, n in
                     sorted(res.plan.count_by_format().items(), key=lambda kv: -kv[1]))
     print(f"  formats by weights: {mix}")

@@ -28,6 +28,8 @@ SPLIT_MAX_SIZE = 50_000_000_000  # GGUF shards: the hub's file size limit (bytes
 FISHER_SEQUENCES = 8  # sequences that also get a backward pass (Fisher diagonals) in an analysis
 CORRECT_SEQUENCES = 8  # held-out calibration sequences the measured corrections use
 TARGETS = ("gguf", "safetensors")
+DEFAULT_SIZE_PRESET = "Q4_K_M"  # the default target of a dynamic plan: this llama.cpp mix's file size ...
+QUANTIZED_SOURCE_SIZE_PRESETS = ("Q3_K_M", "Q2_K")  # ... of an already-quantized source: the first of these below it
 
 PathLike = str | os.PathLike
 
@@ -73,7 +75,8 @@ class QuantizeConfig:
 
     Attributes:
         output: the GGUF file or checkpoint folder (None: named after the model and the target in the cwd).
-        preset / bpw / size / plan: the target size or mix (at most one; None: the ``Q4_K_M`` preset's size).
+        preset / bpw / size / plan: the target size or mix (at most one; None: the ``Q4_K_M`` preset's size, or for an
+            already-quantized source the ``Q3_K_M`` one's: :func:`dynaquant.pipeline.plan.default_size_bytes`).
         rules: ``REGEX=FORMAT`` (``>=``, ``<=``) user rules, first match wins, before the default rules.
         report: an analysis report (path or dict); imatrix: an imatrix file.
         calibration: a text file or CalibrationSpec; calibration_chunks sequences of n_ctx tokens.

@@ -173,3 +173,21 @@ def test_collect_refuses_what_it_cannot_do(model, chunks):
         Collect(hessian=False, fisher_sequences=1)
     with pytest.raises(ValueError, match="batch_size"):
         collect(model, chunks, Collect(fisher_sequences=1), batch_size=2, progress=False)
+
+
+@pytest.mark.parametrize("fisher_sequences", [0, 2])
+def test_output_head_runs_only_where_its_logits_are_read(model, chunks, fisher_sequences):
+    """Sequences without a backward pass stop at the output head: its matmul runs on the Fisher sequences only, and
+    its input statistics are still those of every sequence (the H tests above compare them bit for bit too)."""
+    head = model.get_output_embeddings()
+    calls = []
+    handle = head.register_forward_hook(lambda m, i, o: calls.append(o.shape[-1]))
+    try:
+        st = collect_stats(model, chunks, fisher_sequences=fisher_sequences, progress=False)
+        im = compute_imatrix(model, chunks, progress=False)
+    finally:
+        handle.remove()
+    assert calls == [head.out_features] * fisher_sequences
+    assert st.input("lm_head").tokens == im.counts["lm_head"] == chunks.numel()
+    assert st.outputs["lm_head"].absmax.shape == (head.out_features,)
+    assert (st.outputs["lm_head"].fisher is not None) == (fisher_sequences > 0)

@@ -99,3 +99,23 @@ def test_the_plan_is_made_once_per_run(tiny, tmp_path, monkeypatch):
                                      "--device", "cpu", "--json", "--no-super-weights"]) == 0
     assert _plans_made(monkeypatch, ["quantize", tiny, "--report", tmp_path / "an" / "report.json", "--bpw", "8",
                                      "-o", tmp_path / "b.gguf", *small]) == 1
+
+
+def test_default_target_is_below_an_already_quantized_source(tiny):
+    """The default model (a Q4_1 GGUF, token embedding Q8_0) is re-encoded by default at the Q3_K_M mix's size, below
+    the source's file; an unquantized source (an HF folder) keeps the Q4_K_M mix's size."""
+    from dynaquant.pipeline.plan import default_size_bytes
+    from dynaquant.pipeline.source import model_info, quantized_source, source_bytes
+    from dynaquant.quant.planner import preset_size_bytes
+
+    src = resolve_source(None)
+    ts = open_tensor_source(src)
+    tensors, info = tensor_infos(ts), model_info(ts)
+    assert quantized_source(ts) and source_bytes(ts) == os.path.getsize(src.path)
+    size = default_size_bytes(ts, tensors, info, 1000)
+    assert size == preset_size_bytes(tensors, info, "Q3_K_M") + 1000 < source_bytes(ts)
+    assert size < preset_size_bytes(tensors, info, "Q4_K_M") + 1000
+    hf = open_tensor_source(resolve_source(str(tiny)))
+    hf_tensors, hf_info = tensor_infos(hf), model_info(hf)
+    assert not quantized_source(hf)
+    assert default_size_bytes(hf, hf_tensors, hf_info, 1000) == preset_size_bytes(hf_tensors, hf_info, "Q4_K_M") + 1000

@@ -13,8 +13,9 @@ input, gate/up another; detected by tensor identity on the first sequence):
 - per-channel ``max |x|`` (outlier / massive-activation channels, Sun et al. 2024);
 - the relative error of per-token absmax activation quantization at 8 and 4 bits.
 
-For each linear layer's output: per-channel ``max |y|`` (super-weight spikes, Yu et al. 2024)
-and, on the first ``fisher_sequences`` sequences, the empirical Fisher diagonal of the output,
+For each linear layer's output: per-channel ``max |y|`` (super-weight spikes, Yu et al. 2024; the output head's
+only on the Fisher sequences: the other sequences stop at the head, whose logits nobody reads, ~20 % of a small
+model's forward) and, on the first ``fisher_sequences`` sequences, the empirical Fisher diagonal of the output,
 ``sum_t g_t**2`` with ``g_t = d log p(y) / d out_t`` for labels ``y`` *sampled from the model*
 (so ``1/2 dW^T F dW`` estimates the KL divergence a weight change ``dW`` adds; Kunstner et al.
 2019 on true vs empirical Fisher). The token embedding gets the same Fisher on its output and
@@ -74,7 +75,8 @@ class OutputStats:
     """Statistics of one linear layer's output.
 
     Attributes:
-        absmax: (N,) float32 max |y| per output channel over all calibration tokens.
+        absmax: (N,) float32 max |y| per output channel over all calibration tokens (the output head's: over the
+            Fisher sequences, zeros without any).
         fisher_sum: (N,) float64 sum over Fisher tokens of (d log p / d y)^2, or None.
         fisher_tokens: tokens in ``fisher_sum``.
     """
@@ -186,6 +188,14 @@ def _grad_sq_sum(g: torch.Tensor) -> tuple[torch.Tensor, int]:
     return (g * g).sum(0), g.shape[0]
 
 
+class _HeadReached(Exception):  # noqa: N818 - a signal, not an error: ends a forward pass at the output head
+    """Raised by the output head's pre-hook in a forward pass that needs no logits; carries the head's input."""
+
+    def __init__(self, x: torch.Tensor):
+        super().__init__("output head reached")
+        self.x = x
+
+
 class _Collector:
     """The forward hooks (and MoE experts forwards) that fill one ModelStats as ``what`` asks."""
 
@@ -195,6 +205,8 @@ class _Collector:
         self.last: tuple[torch.Tensor, str] | None = None
         linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
         self.handles = [m.register_forward_hook(self._hook(n)) for n, m in linears.items()]
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.head = next(((n, m) for n, m in linears.items() if m is head), None)  # (name, module) or None
         if what.hessian:
             emb = model.get_input_embeddings()
             st.token_counts = torch.zeros(emb.weight.shape[0], dtype=torch.int64)
@@ -223,8 +235,31 @@ class _Collector:
             key = st.input_of[name]
             if key == name:
                 self._accumulate_input(name, x.detach())
-            self._accumulate_output(name, out)
+            if out is not None:
+                self._accumulate_output(name, out)
         return fn
+
+    def forward_without_logits(self, model, batch: dict) -> None:
+        """A no-grad forward pass that stops at the output head: the head's input is gathered as its forward hook
+        would gather it (imatrix, H, activation statistics), its (vocabulary-wide) matmul and output statistics are
+        skipped. Without an ``nn.Linear`` output head: the whole forward pass."""
+        if self.head is None:
+            model(**batch, use_cache=False)
+            return
+        name, head = self.head
+
+        def stop(_mod, args):
+            raise _HeadReached(args[0])
+
+        handle = head.register_forward_pre_hook(stop)
+        try:
+            model(**batch, use_cache=False)
+        except _HeadReached as reached:
+            self._hook(name)(head, (reached.x,), None)
+            if self.what.hessian and name not in self.st.outputs:  # its max |y| comes from the Fisher sequences
+                self.st.outputs[name] = OutputStats(torch.zeros(head.out_features, device=reached.x.device))
+        finally:
+            handle.remove()
 
     @torch.no_grad()
     def _accumulate_imatrix(self, name, x):
@@ -336,7 +371,7 @@ def collect(model, chunks, what: Collect = Collect(), *, seed: int = 0, progress
                 st.fisher_tokens += ids.numel()
             else:
                 with torch.no_grad():
-                    model(**batch, use_cache=False)
+                    col.forward_without_logits(model, batch)
             st.sequences += ids.shape[0]
             st.tokens += ids.numel()
             if st.imatrix is not None:

@@ -17,10 +17,11 @@ from pathlib import Path
 from dynaquant.analysis.corrections import correction_group, factor_lookup
 from dynaquant.analysis.report import schema
 from dynaquant.analysis.report.schema import Report, write_json
-from dynaquant.config import QuantizeConfig
+from dynaquant.config import DEFAULT_SIZE_PRESET, QUANTIZED_SOURCE_SIZE_PRESETS, QuantizeConfig
 from dynaquant.errors import InputError
 from dynaquant.exporters.safetensors.writer import safetensors_overhead_bytes
 from dynaquant.pipeline.preflight import Output, check_budget, check_outputs, plan_json_bytes_bound
+from dynaquant.pipeline.source import quantized_source, source_bytes
 from dynaquant.pipeline.targets import Target
 from dynaquant.quant.formats import get_format
 from dynaquant.quant.plan import Plan, TensorInfo
@@ -272,7 +273,7 @@ def plan_before_model(cfg: QuantizeConfig, target: Target, source, ts, tensors: 
     if dynamic:
         start.overhead = target.overhead_bytes(source, ts, tensors, cfg)
         if cfg.bpw is None and cfg.size is None:
-            start.size = preset_size_bytes(tensors, info, "Q4_K_M") + start.overhead
+            start.size = default_size_bytes(ts, tensors, info, start.overhead)
         if report is not None and cfg.explicit_target:  # the plan itself, once (it fails as the check below would)
             try:
                 start.plan, start.size = plan_from_report(cfg, target, start, tensors, info, source.model_id)
@@ -289,6 +290,20 @@ def plan_before_model(cfg: QuantizeConfig, target: Target, source, ts, tensors: 
     return start
 
 
+def default_size_bytes(ts, tensors: list[TensorInfo], info: ModelInfo, overhead: int) -> int:
+    """The default target of a dynamic plan (whole-file bytes, ``overhead`` included): the file size of llama.cpp's
+    ``Q4_K_M`` mix (``config.DEFAULT_SIZE_PRESET``). For an already-quantized source (most weights in a quantized GGML
+    type: ``source.quantized_source``, such as the default model, a Q4_1 GGUF), re-encoding at that size could give
+    a file larger than the source; its default is the first of the ``Q3_K_M`` and ``Q2_K`` mixes' sizes below the
+    source's files (``config.QUANTIZED_SOURCE_SIZE_PRESETS``; none below: the last), so that the allocation has bits
+    to take away. The rules' minimum still applies (``_check_budget``)."""
+    if not quantized_source(ts):
+        return preset_size_bytes(tensors, info, DEFAULT_SIZE_PRESET) + overhead
+    have = source_bytes(ts)
+    sizes = [preset_size_bytes(tensors, info, p) + overhead for p in QUANTIZED_SOURCE_SIZE_PRESETS]
+    return next((s for s in sizes if have is None or s < have), sizes[-1])
+
+
 def _check_budget(cfg: QuantizeConfig, target: Target, tensors, info, start: PlanStart) -> int | None:
     """The budget against the rules alone (no report): fails fast, before any model is loaded, on an explicit budget
     below what the rules need; the default target drops to the rules' minimum (GGUF). Returns the size budget."""
@@ -298,7 +313,7 @@ def _check_budget(cfg: QuantizeConfig, target: Target, tensors, info, start: Pla
         return start.size
     least = min_plan_bytes(tensors, info, **args)
     if least > start.size:
-        log.info("the Q4_K_M mix's size is below what the default rules need; default target %d bytes", least)
+        log.info("the default target's size is below what the default rules need; default target %d bytes", least)
         return least
     return start.size
 

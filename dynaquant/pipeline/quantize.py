@@ -37,6 +37,7 @@ from dynaquant.pipeline.source import (
     imatrix_from_file,
     model_info,
     open_tensor_source,
+    source_bytes,
     tensor_infos,
 )
 from dynaquant.pipeline.targets import RunState, Target, target_of
@@ -70,6 +71,7 @@ class QuantizeResult:
         folder: the published folder (``card``: model files, README.md, plan, report, imatrix), else None.
         files: the files written (``[output]``; a split GGUF: its shards in order, ``output`` the first; ``mmproj``
             not included); ``size_bytes`` is their sum.
+        source_bytes: the source's files' bytes (``pipeline.source.source_bytes``), or None when not known.
     """
 
     output: Path
@@ -85,6 +87,7 @@ class QuantizeResult:
     fit: MemoryFit | None = None
     folder: Path | None = None
     files: list[Path] = field(default_factory=list)
+    source_bytes: int | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -96,6 +99,7 @@ class QuantizeResult:
             **({"fit": self.fit.to_dict()} if self.fit is not None else {}),
             **({"folder": str(self.folder)} if self.folder else {}),
             **({"files": [str(p) for p in self.files]} if len(self.files) > 1 else {}),
+            **({"source_size_bytes": self.source_bytes} if self.source_bytes is not None else {}),
         }
 
 
@@ -119,8 +123,10 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
     Targets (at most one): ``preset`` (a llama.cpp mix, tensor by tensor as llama-quantize decides),
     ``bpw`` or ``size`` (a dynamic plan: every tensor's format chosen to minimise the KL divergence
     predicted by the analysis within the budget), or ``plan`` (used as is). None: a dynamic plan at the
-    file size of the ``Q4_K_M`` preset (or the smallest size the default rules allow, if larger; for MoE
-    models the routed experts stay within the default rules' caps, ~2 bits, so the file comes out smaller).
+    file size of the ``Q4_K_M`` preset, or for an already-quantized source (a GGUF of mostly quantized weights, such as
+    the default model) of the ``Q3_K_M`` preset, below the source (:func:`dynaquant.pipeline.plan.default_size_bytes`)
+    (or the smallest size the default rules allow, if larger; for MoE models the routed experts stay within the
+    default rules' caps, ~2 bits, so the file comes out smaller).
 
     Args:
         model: HF checkpoint folder, hub id, ``.gguf`` file, or None for the embedded default.
@@ -266,7 +272,7 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
     timings["quantize_s"] = time.perf_counter() - t2
     result = QuantizeResult(path, plan, nbytes, plan.bpw, time.perf_counter() - t0, im.chunks if im else 0,
                             timings_s=timings, gptq=rounding.summary() if rounding else None, fit=fit,
-                            files=target.written)
+                            files=target.written, source_bytes=source_bytes(ts))
     if size is not None and nbytes > size:  # the overhead estimate is an upper bound; never expected
         target.discard(path)
         raise RuntimeError(f"{path}: {nbytes} bytes exceeds the target {size}; removed")

@@ -46,6 +46,27 @@ def tensor_infos(ts: TensorSource) -> list[TensorInfo]:
     return [TensorInfo(t.gguf_name, t.hf_name, tuple(t.shape), t.quantizable) for t in ts.tensors()]
 
 
+FLOAT_TYPES = frozenset({"F64", "F32", "F16", "BF16"})  # GGML types that store weights unquantized
+
+
+def source_bytes(ts: TensorSource) -> int | None:
+    """The bytes of the files holding the source's tensors (a GGUF, its shards, or a folder's ``*.safetensors``), or
+    None when a tensor's file is not known (``file_of`` names a folder or a hub id)."""
+    files = {Path(ts.file_of(t)) for t in ts.tensors()}
+    return sum(f.stat().st_size for f in files) if files and all(f.is_file() for f in files) else None
+
+
+def quantized_source(ts: TensorSource) -> bool:
+    """True when most of the source's weights (by count) are stored in a quantized GGML type: a GGUF of Q4_1, Q8_0,
+    IQ2_XS, ... (an F16 / BF16 / F32 GGUF or an HF folder: False)."""
+    stored = getattr(ts, "stored_type", None)
+    if stored is None:
+        return False
+    tensors = ts.tensors()
+    quantized = sum(t.numel for t in tensors if stored(t).name not in FLOAT_TYPES)
+    return 2 * quantized > sum(t.numel for t in tensors)
+
+
 def _gguf_int(reader, key: str) -> int | None:
     f = reader.fields.get(key)
     if f is None:
