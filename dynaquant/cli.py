@@ -113,8 +113,9 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--gptq-damp", type=_fraction, default=config.GPTQ_DAMP,
                    help=f"GPTQ damping, relative to mean diag(H) (default {config.GPTQ_DAMP})")
     q.add_argument("--calibration", help="calibration text file (default: Python stdlib docstrings)")
-    q.add_argument("--calibration-chunks", type=_positive, default=config.CALIBRATION_CHUNKS,
-                   help=f"chunks of --ctx tokens (default {config.CALIBRATION_CHUNKS})")
+    q.add_argument("--calibration-chunks", type=_positive, default=None,
+                   help=f"chunks of --ctx tokens (default {config.CALIBRATION_CHUNKS} on a GPU, {config.CPU_CALIBRATION_CHUNKS} "
+                        f"on the CPU, of which {config.FISHER_SEQUENCES} / {config.CPU_FISHER_SEQUENCES} with a backward pass)")
     q.add_argument("--calibration-images", action="append", default=[], metavar="FILE|FOLDER",
                    help="vision-language models: calibration images (repeatable; default: synthetic images)")
     q.add_argument("--ctx", type=_positive, default=config.N_CTX, help=f"tokens per chunk (default {config.N_CTX})")
@@ -123,7 +124,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="measure KLD against the source afterwards (on by default with no arguments)")
     q.add_argument("--no-eval", action="store_true", help="never evaluate")
     q.add_argument("--text", help="evaluation text file (default: stdlib docstrings, not the calibration ones)")
-    q.add_argument("--chunks", type=_positive, default=config.EVAL_CHUNKS, help=f"evaluation chunks (default {config.EVAL_CHUNKS})")
+    q.add_argument("--chunks", type=_positive, default=None,
+                   help=f"evaluation chunks (default {config.EVAL_CHUNKS} on a GPU, {config.CPU_EVAL_CHUNKS} on the CPU)")
     q.add_argument("-o", "--output", help="output .gguf, or folder with --format safetensors (default: named after "
                                            "the model and target, here)")
     q.add_argument("--save-plan", help="also write the plan as JSON here (as soon as it is made)")
@@ -255,7 +257,8 @@ def _quantize(a, bare: bool, argv: list[str]) -> int:
     if a.calibration_images:
         from dynaquant.analysis.calibration import CalibrationSpec
 
-        calibration = CalibrationSpec((a.calibration,) if a.calibration else (), a.calibration_chunks, a.ctx,
+        chunks = a.calibration_chunks or config.CALIBRATION_CHUNKS
+        calibration = CalibrationSpec((a.calibration,) if a.calibration else (), chunks, a.ctx,
                                       images=tuple(a.calibration_images))
     cfg = QuantizeConfig(output=a.output, preset=a.preset, bpw=a.bpw, size=a.size, rules=a.rule, plan=a.plan,
                          report=a.report, imatrix=a.imatrix, default_rules_on=not a.no_default_rules,

@@ -8,7 +8,7 @@ builds them from its options; the stage functions (:func:`dynaquant.pipeline.ana
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dynaquant.analysis.calibration import CalibrationSpec
 from dynaquant.exporters.safetensors.writer import DEFAULT_SHARD_BYTES
@@ -27,6 +27,12 @@ GPTQ_DAMP = 0.01  # GPTQ's damping, a fraction of the mean Hessian diagonal
 SPLIT_MAX_SIZE = 50_000_000_000  # GGUF shards: the hub's file size limit (bytes); 0: never split
 FISHER_SEQUENCES = 8  # sequences that also get a backward pass (Fisher diagonals) in an analysis
 CORRECT_SEQUENCES = 8  # held-out calibration sequences the measured corrections use
+# On a CPU (no GPU) the forward passes dominate a run (a 512-token forward of the 135M default model is ~140 GFLOP), so a
+# quantize run whose counts are not given uses fewer: README's first command in ~90 s on 2 cores (issue 16; the plan's
+# measured KLD against the counts above: README "Speed").
+CPU_CALIBRATION_CHUNKS = 12
+CPU_FISHER_SEQUENCES = 4
+CPU_EVAL_CHUNKS = 8
 TARGETS = ("gguf", "safetensors")
 DEFAULT_SIZE_PRESET = "Q4_K_M"  # the default target of a dynamic plan: this llama.cpp mix's file size ...
 QUANTIZED_SOURCE_SIZE_PRESETS = ("Q3_K_M", "Q2_K")  # ... of an already-quantized source: the first of these below it
@@ -82,6 +88,8 @@ class QuantizeConfig:
         calibration: a text file or CalibrationSpec; calibration_chunks sequences of n_ctx tokens.
         use_imatrix, default_rules_on: as their names say.
         evaluate, eval_text, eval_chunks: measure KLD / perplexity / top-1 at the end.
+        calibration_chunks, eval_chunks, fisher_sequences: None: the device's default (:meth:`for_device`: 32, 16, 8
+            on a GPU; 12, 8, 4 on the CPU).
         gptq, gptq_damp: error-compensating rounding and its damping.
         target: ``gguf`` or ``safetensors``.
         save_plan: also write the plan JSON here.
@@ -115,13 +123,13 @@ class QuantizeConfig:
     report: dict | PathLike | None = None
     imatrix: PathLike | None = None
     calibration: PathLike | CalibrationSpec | None = None
-    calibration_chunks: int = CALIBRATION_CHUNKS
+    calibration_chunks: int | None = None
     n_ctx: int = N_CTX
     use_imatrix: bool = True
     default_rules_on: bool = True
     evaluate: bool = False
     eval_text: PathLike | None = None
-    eval_chunks: int = EVAL_CHUNKS
+    eval_chunks: int | None = None
     allow_pickle: bool = False
     trust_remote_code: bool = False
     device: str | None = None
@@ -133,7 +141,7 @@ class QuantizeConfig:
     allow_nonfinite: bool = False
     keep_super_weights: bool = True
     max_shard_bytes: int = DEFAULT_SHARD_BYTES
-    fisher_sequences: int = FISHER_SEQUENCES
+    fisher_sequences: int | None = None
     push_to_hub: str | None = None
     push_private: bool = False
     push_branch: str | None = None
@@ -156,9 +164,19 @@ class QuantizeConfig:
         """A size was asked for (``bpw`` or ``size``), not the default one."""
         return self.bpw is not None or self.size is not None
 
+    def for_device(self, device: str) -> QuantizeConfig:
+        """This config with the counts left None set for ``device`` (a torch device string): on a CUDA device
+        :data:`CALIBRATION_CHUNKS`, :data:`EVAL_CHUNKS`, :data:`FISHER_SEQUENCES`; elsewhere the ``CPU_`` ones."""
+        gpu = str(device).startswith("cuda")
+        counts = {"calibration_chunks": CALIBRATION_CHUNKS if gpu else CPU_CALIBRATION_CHUNKS,
+                  "eval_chunks": EVAL_CHUNKS if gpu else CPU_EVAL_CHUNKS,
+                  "fisher_sequences": FISHER_SEQUENCES if gpu else CPU_FISHER_SEQUENCES}
+        return replace(self, **{k: v for k, v in counts.items() if getattr(self, k) is None})
+
     def spec(self) -> CalibrationSpec:
-        """The calibration spec: ``calibration`` if it is one, else ``calibration_chunks`` x ``n_ctx`` of the file / default."""
+        """The calibration spec: ``calibration`` if it is one, else ``calibration_chunks`` x ``n_ctx`` of the file / default
+        (``calibration_chunks`` None: :data:`CALIBRATION_CHUNKS`; :meth:`for_device` sets it first in a run)."""
         if isinstance(self.calibration, CalibrationSpec):
             return self.calibration
-        return CalibrationSpec((str(self.calibration),) if self.calibration is not None else (), self.calibration_chunks,
-                               self.n_ctx)
+        chunks = self.calibration_chunks if self.calibration_chunks is not None else CALIBRATION_CHUNKS
+        return CalibrationSpec((str(self.calibration),) if self.calibration is not None else (), chunks, self.n_ctx)

@@ -119,3 +119,19 @@ def test_default_target_is_below_an_already_quantized_source(tiny):
     hf_tensors, hf_info = tensor_infos(hf), model_info(hf)
     assert not quantized_source(hf)
     assert default_size_bytes(hf, hf_tensors, hf_info, 1000) == preset_size_bytes(hf_tensors, hf_info, "Q4_K_M") + 1000
+
+
+def test_counts_left_unset_follow_the_device():
+    """A quantize run's calibration / evaluation / Fisher counts: the GPU defaults on CUDA, fewer on the CPU (issue 16:
+    README's first command on 2 cores), and a given count always wins."""
+    from dynaquant import config
+    from dynaquant.config import QuantizeConfig
+
+    gpu, cpu = QuantizeConfig().for_device("cuda:0"), QuantizeConfig().for_device("cpu")
+    assert (gpu.calibration_chunks, gpu.eval_chunks, gpu.fisher_sequences) == (
+        config.CALIBRATION_CHUNKS, config.EVAL_CHUNKS, config.FISHER_SEQUENCES)
+    assert (cpu.calibration_chunks, cpu.eval_chunks, cpu.fisher_sequences) == (
+        config.CPU_CALIBRATION_CHUNKS, config.CPU_EVAL_CHUNKS, config.CPU_FISHER_SEQUENCES)
+    assert cpu.calibration_chunks < gpu.calibration_chunks and cpu.spec().n_sequences == config.CPU_CALIBRATION_CHUNKS
+    given = QuantizeConfig(calibration_chunks=5, eval_chunks=3, fisher_sequences=0).for_device("cpu")
+    assert (given.calibration_chunks, given.eval_chunks, given.fisher_sequences) == (5, 3, 0)

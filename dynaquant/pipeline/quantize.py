@@ -21,7 +21,7 @@ from dynaquant.analysis.evaluate import EvalResult
 from dynaquant.analysis.imatrix import Imatrix
 from dynaquant.analysis.report.schema import write_json
 from dynaquant.analysis.stats import ModelStats, collect_stats, compute_imatrix
-from dynaquant.config import CALIBRATION_CHUNKS, CORRECT_SEQUENCES, EVAL_CHUNKS, GPTQ_DAMP, N_CTX, SPLIT_MAX_SIZE, QuantizeConfig
+from dynaquant.config import CORRECT_SEQUENCES, GPTQ_DAMP, N_CTX, SPLIT_MAX_SIZE, QuantizeConfig
 from dynaquant.pipeline import analyze as analysis_stage
 from dynaquant.pipeline.corrections import auto_rounds, correct_in_run
 from dynaquant.pipeline.corrections import check_options as check_correct_options
@@ -107,9 +107,9 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
              preset: str | None = None, bpw: float | None = None, size: int | None = None,
              rules: list[str] | tuple[str, ...] = (), plan: Plan | str | os.PathLike | None = None,
              report: dict | str | os.PathLike | None = None, imatrix: str | os.PathLike | None = None,
-             calibration: str | os.PathLike | CalibrationSpec | None = None, calibration_chunks: int = CALIBRATION_CHUNKS,
+             calibration: str | os.PathLike | CalibrationSpec | None = None, calibration_chunks: int | None = None,
              n_ctx: int = N_CTX, use_imatrix: bool = True, default_rules_on: bool = True, evaluate: bool = False,
-             eval_text: str | os.PathLike | None = None, eval_chunks: int = EVAL_CHUNKS, allow_pickle: bool = False,
+             eval_text: str | os.PathLike | None = None, eval_chunks: int | None = None, allow_pickle: bool = False,
              trust_remote_code: bool = False, device: str | None = None, progress: bool = True,
              gptq: bool = False, gptq_damp: float = GPTQ_DAMP, target: str = "gguf",
              save_plan: str | os.PathLike | None = None, allow_nonfinite: bool = False,
@@ -135,12 +135,14 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         rules: ``'REGEX=FORMAT'`` (or ``>=``, ``<=``) matched against GGUF tensor names, first match wins,
             before the default rules (``planner.default_rules``; off with ``default_rules_on=False``).
         report: an analysis report (``report.json`` path or dict) for dynamic plans; without one, the
-            analysis runs here on ``calibration_chunks`` sequences.
+            analysis runs here on ``calibration_chunks`` sequences (None: 32 on a GPU, 12 on the CPU; with 8 / 4 of
+            them also given a backward pass for the Fisher diagonals: ``QuantizeConfig.for_device``).
         imatrix: an imatrix file (llama.cpp GGUF or legacy ``.dat``) for the encoders; default: the one
             beside the report or named by the plan, else computed on the calibration text.
         calibration: calibration text file, or a CalibrationSpec; default: stdlib docstrings.
         use_imatrix: encoders minimise the imatrix-weighted error.
-        evaluate: also measure KLD/perplexity/top-1 against the source on ``eval_text`` (``eval_chunks`` chunks).
+        evaluate: also measure KLD/perplexity/top-1 against the source on ``eval_text`` (``eval_chunks`` chunks;
+            None: 16 on a GPU, 8 on the CPU).
         device: torch device for calibration and encoding (default: CUDA when present).
         gptq: error-compensating rounding (GPTQ, Frantar et al. 2022) for every matmul weight, using
             each layer's input second moments from the calibration text (damping ``gptq_damp``); for each
@@ -202,6 +204,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
 def run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig) -> QuantizeResult:
     """Quantize ``model`` as ``cfg`` says (:func:`quantize`: arguments, result and errors); ``cfg.card``: into a
     published folder (:mod:`dynaquant.pipeline.publish`: the layout, and ``ValueError`` on contradictory options)."""
+    cfg = cfg.for_device(cfg.device or default_device())  # the counts left None: the device's defaults
     with Publisher(cfg, model, write_output) as pub:
         return _run_quantize(model, pub.config, pub)
 
