@@ -102,6 +102,68 @@ def _grid_map(name: str, device) -> tuple[torch.Tensor, torch.Tensor]:
     return _tables[key]
 
 
+def _candidates(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact candidate lists of the CPU nearest-point search (cached; CPU tensors).
+
+    With a sub-block scale fixed, a weight's cost is convex in its level and least at its
+    rounded level ``p_i``, so the best grid point of a group is one that no other grid point
+    dominates (lies, coordinate by coordinate, between it and the rounded pattern ``p``): it
+    is among ``cand[p]``. Built by a box-OR sweep over (pattern, pattern) pairs (numpy, well
+    under a second): ``has[p, q]`` says the box between ``p`` and ``q`` holds a grid point,
+    and ``q`` is dominated when a one-step move of ``q`` towards ``p`` has ``has`` set.
+
+    Returns:
+        cand (4096, K) int64 grid indices in ascending order (padded with the first), count
+        (4096,) int64 distinct candidates, codes (4096, K, 2) int64 each candidate's column
+        in a group's (128,) half-pattern score table (``l0 + 8 l1``, ``64 + l2 + 8 l3``),
+        levels (8,) float32.
+    """
+    key = (name, "cand")
+    if key not in _tables:
+        g, _ = _grid_table(name, "cpu")
+        gn = g.numpy()
+        levels = np.unique(gn)
+        lev = np.searchsorted(levels, gn)  # (P, 4)
+        u = (lev << (3 * np.arange(4))).sum(1)
+        on = np.zeros(8**4, dtype=bool)
+        on[u] = True
+        # (p digits 3..0, q digits 3..0): digit i of p is axis 3 - i, of q axis 7 - i
+        has = np.broadcast_to(on, (8**4, 8**4)).reshape((8,) * 8).copy()
+        dom = np.zeros_like(has)
+        for target in (has, dom):
+            for i in range(4):
+                h = np.moveaxis(has, (3 - i, 7 - i), (0, 1))  # views
+                d = np.moveaxis(target, (3 - i, 7 - i), (0, 1))
+                for c in range(8):  # sweep outwards from p_i = c (in place: cumulative for ``has``)
+                    for k in range(c + 1, 8):
+                        d[c, k] |= h[c, k - 1]
+                    for k in range(c - 1, -1, -1):
+                        d[c, k] |= h[c, k + 1]
+        keep = on & ~dom.reshape(8**4, 8**4)  # (p, q)
+        grid_of = np.full(8**4, -1, dtype=np.int64)
+        grid_of[u] = np.arange(gn.shape[0])
+        count = keep.sum(1)
+        k = int(count.max())
+        rank = np.where(keep, grid_of[None, :], np.iinfo(np.int64).max)
+        cand = np.sort(rank, axis=1)[:, :k]
+        cand = np.where(np.arange(k)[None, :] < count[:, None], cand, cand[:, :1])
+        lo = lev[:, 0] + 8 * lev[:, 1]
+        hi = 64 + lev[:, 2] + 8 * lev[:, 3]
+        codes = np.stack([lo[cand], hi[cand]], 2)
+        _tables[key] = (
+            torch.from_numpy(cand),
+            torch.from_numpy(count.astype(np.int64)),
+            torch.from_numpy(codes.astype(np.int64)),
+            torch.from_numpy(levels.astype(np.float32)),
+        )
+    return _tables[key]
+
+
+# CPU: an off-grid group searches the narrowest of these candidate-list widths that holds
+# all its candidates (the last tier is the full width).
+_TIERS = (8, 16, 32)
+
+
 def _ksigns(device) -> torch.Tensor:
     """``ksigns_iq2xs`` (128,) int64: 7 sign bits -> the 8-bit pattern with even parity."""
     key = ("ksigns", str(device))
@@ -128,6 +190,7 @@ class _IQ3(Codec):
     d_steps = tuple(18.0 + 0.25 * i for i in range(61))  # 18 .. 33
     lloyd_steps = 2
     rounds = 2
+    l_deltas = (1, -1)  # step 3: l + delta tried on the exact error
 
     # ------------------------------------------------------------------ assignment
 
@@ -135,8 +198,11 @@ class _IQ3(Codec):
         """Best grid point of each row: features ``f`` (R, 8) = [2 w v, -A w], targets ``t`` (R, 4) = v / A.
 
         Where the per-weight nearest levels of ``t`` form a grid point, that point is the
-        best (the error is a sum over the 4 weights), so only the other rows are searched,
-        exhaustively, by a (rows, 8) x (8, P) matmul and an argmax.
+        best (the error is a sum over the 4 weights), so only the other rows are searched:
+        on CPU among the exact candidate lists of :func:`_candidates` (each candidate's
+        score the sum of two entries of the row's half-pattern score table), elsewhere
+        exhaustively, by a (rows, 8) x (8, P) matmul and an argmax. The two agree up to
+        float32 rounding of near-ties.
         Returns (score (R,), index (R,) int64): ``sum w v**2 - score`` is the group's error.
         """
         _, g8 = _grid_table(self.grid_name, f.device)
@@ -147,16 +213,41 @@ class _IQ3(Codec):
         on = idx >= 0
         score = (f * g8.T[idx.clamp_min(0)]).sum(1)
         off = (~on).nonzero().squeeze(1)
-        if off.numel():
-            fo = f[off]
-            p = g8.shape[1]
-            step = max(1, _SCORE_ELEMS["cpu" if f.device.type == "cpu" else "other"] // p)
-            for r0 in range(0, fo.shape[0], step):
-                s, i = (fo[r0 : r0 + step] @ g8).max(dim=1)
-                rows = off[r0 : r0 + step]
-                score[rows] = s
-                idx[rows] = i
+        if not off.numel():
+            return score, idx
+        if f.device.type == "cpu":
+            self._search_candidates(f, u, off, score, idx)
+            return score, idx
+        fo = f[off]
+        p = g8.shape[1]
+        step = max(1, _SCORE_ELEMS["other"] // p)
+        for r0 in range(0, fo.shape[0], step):
+            s, i = (fo[r0 : r0 + step] @ g8).max(dim=1)
+            rows = off[r0 : r0 + step]
+            score[rows] = s
+            idx[rows] = i
         return score, idx
+
+    def _search_candidates(self, f, u, off, score, idx) -> None:
+        """CPU part of :meth:`_nearest`: best candidate of the rows ``off`` (written into ``score``, ``idx``)."""
+        cand, count, codes, levels = _candidates(self.grid_name)
+        need = count[u[off]]
+        lo = 0
+        step = max(1, _SCORE_ELEMS["cpu"] // 256)
+        for k in (*_TIERS, cand.shape[1]):
+            sel = off[(need > lo) & (need <= k)]
+            lo = k
+            for r0 in range(0, sel.numel(), step):
+                rows = sel[r0 : r0 + step]
+                fo = f[rows]
+                sc = fo[:, :4, None] * levels + fo[:, 4:, None] * (levels * levels)  # (r, 4, 8) per-level scores
+                h01 = (sc[:, 1, :, None] + sc[:, 0, None, :]).reshape(-1, 64)  # column l0 + 8 l1
+                h23 = (sc[:, 3, :, None] + sc[:, 2, None, :]).reshape(-1, 64)
+                tab = torch.cat([h01, h23], 1)
+                ur = u[rows]
+                s, j = tab.gather(1, codes[ur, :k].reshape(-1, 2 * k)).view(-1, k, 2).sum(2).max(dim=1)
+                score[rows] = s
+                idx[rows] = cand[ur, j]
 
     def _assign(self, xa: torch.Tensor, w: torch.Tensor, neg: torch.Tensor, a: torch.Tensor, full: bool):
         """Best grid points and signs for sub-block scales ``a``.
@@ -304,7 +395,7 @@ class _IQ3(Codec):
                 extra = [best[0].double().unsqueeze(1), d_ls.unsqueeze(1)]
             d, lsc = self._pick_d(a, sgg, extra)
             err, idx, flip = self._exact_error(x, w, xa, neg, d, lsc, False)
-            for delta in (1, -1):
+            for delta in self.l_deltas:
                 lt = (lsc + delta).clamp(0, 15)
                 et, it, ft = self._exact_error(x, w, xa, neg, d, lt, False)
                 take = et < err
