@@ -102,7 +102,7 @@ def _grid_map(name: str, device) -> tuple[torch.Tensor, torch.Tensor]:
     return _tables[key]
 
 
-def _candidates(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _candidates(name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact candidate lists of the CPU nearest-point search (cached; CPU tensors).
 
     With a sub-block scale fixed, a weight's cost is convex in its level and least at its
@@ -113,10 +113,8 @@ def _candidates(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
     and ``q`` is dominated when a one-step move of ``q`` towards ``p`` has ``has`` set.
 
     Returns:
-        cand (4096, K) int64 grid indices in ascending order (padded with the first), count
-        (4096,) int64 distinct candidates, codes (4096, K, 2) int64 each candidate's column
-        in a group's (128,) half-pattern score table (``l0 + 8 l1``, ``64 + l2 + 8 l3``),
-        levels (8,) float32.
+        cand (4096, K) int64 grid indices in ascending order (padded with the first) and
+        count (4096,) int64 distinct candidates of each rounded pattern ``l0 + 8 l1 + 64 l2 + 512 l3``.
     """
     key = (name, "cand")
     if key not in _tables:
@@ -147,15 +145,15 @@ def _candidates(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
         rank = np.where(keep, grid_of[None, :], np.iinfo(np.int64).max)
         cand = np.sort(rank, axis=1)[:, :k]
         cand = np.where(np.arange(k)[None, :] < count[:, None], cand, cand[:, :1])
-        lo = lev[:, 0] + 8 * lev[:, 1]
-        hi = 64 + lev[:, 2] + 8 * lev[:, 3]
-        codes = np.stack([lo[cand], hi[cand]], 2)
-        _tables[key] = (
-            torch.from_numpy(cand),
-            torch.from_numpy(count.astype(np.int64)),
-            torch.from_numpy(codes.astype(np.int64)),
-            torch.from_numpy(levels.astype(np.float32)),
-        )
+        _tables[key] = (torch.from_numpy(cand), torch.from_numpy(count.astype(np.int64)))
+    return _tables[key]
+
+
+def _tier(name: str, k: int) -> torch.Tensor:
+    """The first ``k`` columns of :func:`_candidates`' lists, contiguous (4096, k) int64 (cached)."""
+    key = (name, "tier", k)
+    if key not in _tables:
+        _tables[key] = _candidates(name)[0][:, :k].contiguous()
     return _tables[key]
 
 
@@ -200,7 +198,7 @@ class _IQ3(Codec):
         Where the per-weight nearest levels of ``t`` form a grid point, that point is the
         best (the error is a sum over the 4 weights), so only the other rows are searched:
         on CPU among the exact candidate lists of :func:`_candidates` (each candidate's
-        score the sum of two entries of the row's half-pattern score table), elsewhere
+        scores by a batched (candidates, 8) x (8,) product), elsewhere
         exhaustively, by a (rows, 8) x (8, P) matmul and an argmax. The two agree up to
         float32 rounding of near-ties.
         Returns (score (R,), index (R,) int64): ``sum w v**2 - score`` is the group's error.
@@ -211,7 +209,7 @@ class _IQ3(Codec):
         u = (lev << (3 * torch.arange(4, device=f.device))).sum(1)
         idx = kmap[u]
         on = idx >= 0
-        score = (f * g8.T[idx.clamp_min(0)]).sum(1)
+        score = (f * g8.T.index_select(0, idx.clamp_min(0))).sum(1)
         off = (~on).nonzero().squeeze(1)
         if not off.numel():
             return score, idx
@@ -230,24 +228,20 @@ class _IQ3(Codec):
 
     def _search_candidates(self, f, u, off, score, idx) -> None:
         """CPU part of :meth:`_nearest`: best candidate of the rows ``off`` (written into ``score``, ``idx``)."""
-        cand, count, codes, levels = _candidates(self.grid_name)
+        cand, count = _candidates(self.grid_name)
+        g8t = _grid_table(self.grid_name, "cpu")[1].T.contiguous()  # (P, 8) [g, g**2] of each point
         need = count[u[off]]
         lo = 0
-        step = max(1, _SCORE_ELEMS["cpu"] // 256)
         for k in (*_TIERS, cand.shape[1]):
             sel = off[(need > lo) & (need <= k)]
             lo = k
-            for r0 in range(0, sel.numel(), step):
-                rows = sel[r0 : r0 + step]
-                fo = f[rows]
-                sc = fo[:, :4, None] * levels + fo[:, 4:, None] * (levels * levels)  # (r, 4, 8) per-level scores
-                h01 = (sc[:, 1, :, None] + sc[:, 0, None, :]).reshape(-1, 64)  # column l0 + 8 l1
-                h23 = (sc[:, 3, :, None] + sc[:, 2, None, :]).reshape(-1, 64)
-                tab = torch.cat([h01, h23], 1)
-                ur = u[rows]
-                s, j = tab.gather(1, codes[ur, :k].reshape(-1, 2 * k)).view(-1, k, 2).sum(2).max(dim=1)
-                score[rows] = s
-                idx[rows] = cand[ur, j]
+            if not sel.numel():
+                continue
+            ck = _tier(self.grid_name, k).index_select(0, u[sel])  # (r, k) candidate indices
+            pts = g8t.index_select(0, ck.reshape(-1)).view(-1, k, 8)
+            s, j = torch.bmm(pts, f[sel, :, None]).squeeze(2).max(dim=1)
+            score[sel] = s
+            idx[sel] = ck.gather(1, j[:, None]).squeeze(1)
 
     def _assign(self, xa: torch.Tensor, w: torch.Tensor, neg: torch.Tensor, a: torch.Tensor, full: bool):
         """Best grid points and signs for sub-block scales ``a``.
@@ -312,7 +306,7 @@ class _IQ3(Codec):
     def _points(self, idx: torch.Tensor) -> torch.Tensor:
         """(n, 8, 8) grid indices -> (n, 8, 32) float32 grid values."""
         g, _ = _grid_table(self.grid_name, idx.device)
-        return g[idx].reshape(idx.shape[0], _N_SUB, 32)
+        return g.index_select(0, idx.reshape(-1)).reshape(idx.shape[0], _N_SUB, 32)
 
     # ------------------------------------------------------------------ scales
 
