@@ -149,11 +149,14 @@ def _candidates(name: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _tables[key]
 
 
-def _tier(name: str, k: int) -> torch.Tensor:
-    """The first ``k`` columns of :func:`_candidates`' lists, contiguous (4096, k) int64 (cached)."""
+def _tier(name: str, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``k`` candidates of each pattern (:func:`_candidates`), (4096, k) int64, and
+    their ``[g, g**2]`` rows, (4096, k * 8) float32 (cached; 1-10 MB)."""
     key = (name, "tier", k)
     if key not in _tables:
-        _tables[key] = _candidates(name)[0][:, :k].contiguous()
+        ck = _candidates(name)[0][:, :k].contiguous()
+        g8t = _grid_table(name, "cpu")[1].T
+        _tables[key] = (ck, g8t[ck].reshape(ck.shape[0], -1).contiguous())
     return _tables[key]
 
 
@@ -229,7 +232,6 @@ class _IQ3(Codec):
     def _search_candidates(self, f, u, off, score, idx) -> None:
         """CPU part of :meth:`_nearest`: best candidate of the rows ``off`` (written into ``score``, ``idx``)."""
         cand, count = _candidates(self.grid_name)
-        g8t = _grid_table(self.grid_name, "cpu")[1].T.contiguous()  # (P, 8) [g, g**2] of each point
         need = count[u[off]]
         lo = 0
         for k in (*_TIERS, cand.shape[1]):
@@ -237,9 +239,11 @@ class _IQ3(Codec):
             lo = k
             if not sel.numel():
                 continue
-            ck = _tier(self.grid_name, k).index_select(0, u[sel])  # (r, k) candidate indices
-            pts = g8t.index_select(0, ck.reshape(-1)).view(-1, k, 8)
+            ck, pk = _tier(self.grid_name, k)
+            ur = u[sel]
+            pts = pk.index_select(0, ur).view(-1, k, 8)  # [g, g**2] of each candidate
             s, j = torch.bmm(pts, f[sel, :, None]).squeeze(2).max(dim=1)
+            ck = ck.index_select(0, ur)
             score[sel] = s
             idx[sel] = ck.gather(1, j[:, None]).squeeze(1)
 
