@@ -334,10 +334,8 @@ def subset_penalty(a: torch.Tensor, grid: torch.Tensor, idx: torch.Tensor) -> to
 def flip_penalty(a: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
     """``min_i a_i g_i`` for every codeword: the cost / (4 S) of the cheapest forced sign flip.
 
-    Exact. Where the (n, G, D) product fits the device's budget it is formed at once;
-    otherwise elements are visited in ascending ``a``: element ``k`` can only lower the min
-    where ``a_k < a_min * max(grid) / min(grid)``, so after the smallest one only the rows
-    where that holds are updated (usually few; every row in the worst case).
+    Exact: a running minimum over the D elements, each step one (n, G) product written into
+    a reused buffer (no (n, G, D) temporary, no indexing).
 
     Args:
         a: (n, D) float32, ``w * |x|`` of each group (>= 0).
@@ -345,18 +343,12 @@ def flip_penalty(a: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
     Returns:
         (n, G) float32.
     """
-    budget = _CPU_ELEMS if a.device.type == "cpu" else _GPU_ELEMS
-    if a.shape[0] * grid.numel() <= budget:
-        return (a[:, None, :] * grid[None, :, :]).amin(dim=2)
-    vals, order = a.sort(dim=1)
     g_t = grid.T.contiguous()  # (D, G)
-    m = vals[:, :1] * g_t[order[:, 0]]
-    reach = vals[:, 0] * (grid.max() / grid.min())
-    for k in range(1, a.shape[1]):
-        rows = (vals[:, k] < reach).nonzero().squeeze(1)
-        if rows.numel() == 0:
-            break
-        m[rows] = torch.minimum(m[rows], vals[rows, k : k + 1] * g_t[order[rows, k]])
+    m = a[:, :1] * g_t[0]
+    tmp = torch.empty_like(m)
+    for i in range(1, a.shape[1]):
+        torch.mul(a[:, i : i + 1], g_t[i], out=tmp)
+        torch.minimum(m, tmp, out=m)
     return m
 
 
