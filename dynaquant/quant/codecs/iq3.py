@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from dynaquant.quant.codecs import _kquant_search as kqs
+from dynaquant.quant.codecs import _lattice as lat
 from dynaquant.quant.codecs.base import Codec, register
 
 QK_K = 256
@@ -103,14 +104,8 @@ def _grid_map(name: str, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _candidates(name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact candidate lists of the CPU nearest-point search (cached; CPU tensors).
-
-    With a sub-block scale fixed, a weight's cost is convex in its level and least at its
-    rounded level ``p_i``, so the best grid point of a group is one that no other grid point
-    dominates (lies, coordinate by coordinate, between it and the rounded pattern ``p``): it
-    is among ``cand[p]``. Built by a box-OR sweep over (pattern, pattern) pairs (numpy, well
-    under a second): ``has[p, q]`` says the box between ``p`` and ``q`` holds a grid point,
-    and ``q`` is dominated when a one-step move of ``q`` towards ``p`` has ``has`` set.
+    """Exact candidate lists of the CPU nearest-point search (cached; CPU tensors):
+    :func:`._lattice.dominance_candidates` of the grid's 8 levels.
 
     Returns:
         cand (4096, K) int64 grid indices in ascending order (padded with the first) and
@@ -118,34 +113,8 @@ def _candidates(name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """
     key = (name, "cand")
     if key not in _tables:
-        g, _ = _grid_table(name, "cpu")
-        gn = g.numpy()
-        levels = np.unique(gn)
-        lev = np.searchsorted(levels, gn)  # (P, 4)
-        u = (lev << (3 * np.arange(4))).sum(1)
-        on = np.zeros(8**4, dtype=bool)
-        on[u] = True
-        # (p digits 3..0, q digits 3..0): digit i of p is axis 3 - i, of q axis 7 - i
-        has = np.broadcast_to(on, (8**4, 8**4)).reshape((8,) * 8).copy()
-        dom = np.zeros_like(has)
-        for target in (has, dom):
-            for i in range(4):
-                h = np.moveaxis(has, (3 - i, 7 - i), (0, 1))  # views
-                d = np.moveaxis(target, (3 - i, 7 - i), (0, 1))
-                for c in range(8):  # sweep outwards from p_i = c (in place: cumulative for ``has``)
-                    for k in range(c + 1, 8):
-                        d[c, k] |= h[c, k - 1]
-                    for k in range(c - 1, -1, -1):
-                        d[c, k] |= h[c, k + 1]
-        keep = on & ~dom.reshape(8**4, 8**4)  # (p, q)
-        grid_of = np.full(8**4, -1, dtype=np.int64)
-        grid_of[u] = np.arange(gn.shape[0])
-        count = keep.sum(1)
-        k = int(count.max())
-        rank = np.where(keep, grid_of[None, :], np.iinfo(np.int64).max)
-        cand = np.sort(rank, axis=1)[:, :k]
-        cand = np.where(np.arange(k)[None, :] < count[:, None], cand, cand[:, :1])
-        _tables[key] = (torch.from_numpy(cand), torch.from_numpy(count.astype(np.int64)))
+        gn = _grid_table(name, "cpu")[0].numpy()
+        _tables[key] = lat.dominance_candidates(np.searchsorted(np.unique(gn), gn), 8)
     return _tables[key]
 
 
