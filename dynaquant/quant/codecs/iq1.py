@@ -42,6 +42,9 @@ The search per super-block (:func:`_encode`):
    where better;
 4. the all-zero block (``d = 0``) where it is better.
 
+On CPU (``CPU_SEARCH``) step 2 tries only the nearest code per sub-block and step 3 is
+skipped: about 3x faster at 0.4% more error.
+
 On CUDA (with Triton) :func:`nearest_points` runs as one kernel
 (fast path ``iq1.ternary_nearest``, the same search and the same
 indices bit for bit); IQ1_S then encodes at 0.54 G weights/s on an H100 (4096 x 14336, 11-12x

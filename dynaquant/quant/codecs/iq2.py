@@ -46,6 +46,9 @@ Encoder (all blocks at once, torch on the input's device; minimises
 3. under the stored scales, each group's codeword is the exact optimum over the whole
    codebook (with the optimal flip), so no group is ever left at a neighbourhood optimum.
 
+On CPU the coarse scales of step 1 are five instead of eight (``cpu_search``); the parity
+penalty (:func:`._lattice.flip_penalty`) is a running minimum with no indexing.
+
 With ``exhaustive = True`` (class attribute; a slower reference) every codeword is a
 candidate in steps 1-2 too.
 
