@@ -46,6 +46,9 @@ Encoder (all blocks at once, torch on the input's device; minimises
 3. under the stored scales, each group's codeword is the exact optimum over the whole
    codebook (with the optimal flip), so no group is ever left at a neighbourhood optimum.
 
+On CPU the coarse scales of step 1 are five instead of eight (``cpu_search``); the parity
+penalty (:func:`._lattice.flip_penalty`) is a running minimum with no indexing.
+
 With ``exhaustive = True`` (class attribute; a slower reference) every codeword is a
 candidate in steps 1-2 too.
 
@@ -168,6 +171,16 @@ class _IQ2(Codec):
     exhaustive: ClassVar[bool] = False  # every codeword at every candidate scale (slow, memory-hungry reference)
     d_factors: ClassVar[tuple[float, ...]] = _D_FACTORS
     s_offsets: ClassVar[tuple[int, ...]] = (-1, 0, 1, 2)
+    # The CPU search: overrides of the knobs above. Five coarse scales instead of eight (each a
+    # full-codebook pass, most of the CPU time; three cost 5-9% error against the exhaustive
+    # candidate search of tests/test_codecs_iq2.py, five about 1%). Other devices run eight.
+    cpu_search: ClassVar[dict] = {"coarse_t": tuple(float(t) for t in np.geomspace(12.0, 100.0, 5))}
+
+    def _knob(self, name: str, device: torch.device):
+        """Search knob ``name`` for a search on ``device`` (:attr:`cpu_search` on CPU)."""
+        if device.type == "cpu" and name in self.cpu_search:
+            return self.cpu_search[name]
+        return getattr(self, name)
 
     # ------------------------------------------------------------------ layout (subclasses)
 
@@ -267,7 +280,7 @@ class _IQ2(Codec):
         # its candidate codewords for everything up to the final pass (or, with
         # ``exhaustive``, every codeword is a candidate).
         best_s, best_c = torch.zeros_like(amax), torch.zeros_like(amax)
-        sc = amax[None, :] / torch.tensor(self.coarse_t, device=x.device)[:, None]  # (T, sub-blocks)
+        sc = amax[None, :] / torch.tensor(self._knob("coarse_t", x.device), device=x.device)[:, None]  # (T, sub-blocks)
         cost, picks = lat.nearest_codewords(a, wg, grid, sc.repeat_interleave(gps, dim=1), odd, backend, variant)  # (T, groups)
         cost = sub_sum_batched(cost)
         pick = cost.argmin(dim=0, keepdim=True)

@@ -39,6 +39,12 @@ the scale search), each with its own best grid point.
    error; steps 2-3 repeat once from the new points (with the least-squares ``d`` as an
    extra candidate), keeping the best configuration per super-block.
 
+On CPU the off-grid groups search exact candidate lists instead of the whole grid (the grid
+points no other grid point dominates with respect to the rounded pattern,
+:func:`._lattice.dominance_candidates`: 20-23 on average, at most 61/74), and the search is
+lighter (``cpu_search``: two step-1 scales, no Lloyd steps, one round of steps 2-3 without
+the ``l +- 1`` tries, no final IQ3_XXS flip pass); other devices run the full search above.
+
 These are vector codes: a weight is not rounded on its own, so ``fit_params`` (GPTQ's
 per-column rounding) raises NotImplementedError.
 
@@ -52,6 +58,7 @@ import numpy as np
 import torch
 
 from dynaquant.quant.codecs import _kquant_search as kqs
+from dynaquant.quant.codecs import _lattice as lat
 from dynaquant.quant.codecs.base import Codec, register
 
 QK_K = 256
@@ -59,11 +66,12 @@ _N_SUB = 8  # sub-blocks of 32
 _N_GRP = 8  # groups of 4 per sub-block
 
 # Ratios ours / llama.cpp of the importance-weighted error, measured by
-# tests/test_codecs_iq34.py (SmolLM2-135M dithered test tensors: mean, worst; synthetic).
-# CPU speed, one thread: IQ3_XXS about 2.5e5 weights/s, IQ3_S 3.5e5 (llama.cpp 1.8e6, 2e6).
+# tests/test_codecs_iq34.py (SmolLM2-135M dithered test tensors: mean, worst; synthetic), with
+# the CPU search profile (the full search, on other devices: IQ3_XXS mean 0.770 worst 0.918,
+# IQ3_S mean 0.743 worst 0.856). CPU time: 2-3x llama.cpp's on one thread.
 MEASURED = {
-    "IQ3_XXS": "smollm2 mean 0.770 worst 0.918; synthetic 0.69-0.70; no imatrix 0.59-0.69",
-    "IQ3_S": "smollm2 mean 0.743 worst 0.856; synthetic 0.69-0.71; no imatrix 0.54-0.61",
+    "IQ3_XXS": "smollm2 mean 0.838 worst 0.965; synthetic 0.74-0.77; no imatrix 0.61-0.72",
+    "IQ3_S": "smollm2 mean 0.808 worst 0.891; synthetic 0.74-0.78; no imatrix 0.55-0.63",
 }
 
 # Rows of the (rows, grid) score matrix per matmul: bounds memory at about this many floats.
@@ -102,6 +110,37 @@ def _grid_map(name: str, device) -> tuple[torch.Tensor, torch.Tensor]:
     return _tables[key]
 
 
+def _candidates(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact candidate lists of the CPU nearest-point search (cached; CPU tensors):
+    :func:`._lattice.dominance_candidates` of the grid's 8 levels.
+
+    Returns:
+        cand (4096, K) int64 grid indices in ascending order (padded with the first) and
+        count (4096,) int64 distinct candidates of each rounded pattern ``l0 + 8 l1 + 64 l2 + 512 l3``.
+    """
+    key = (name, "cand")
+    if key not in _tables:
+        gn = _grid_table(name, "cpu")[0].numpy()
+        _tables[key] = lat.dominance_candidates(np.searchsorted(np.unique(gn), gn), 8)
+    return _tables[key]
+
+
+def _tier(name: str, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``k`` candidates of each pattern (:func:`_candidates`), (4096, k) int64, and
+    their ``[g, g**2]`` rows, (4096, k * 8) float32 (cached; 1-10 MB)."""
+    key = (name, "tier", k)
+    if key not in _tables:
+        ck = _candidates(name)[0][:, :k].contiguous()
+        g8t = _grid_table(name, "cpu")[1].T
+        _tables[key] = (ck, g8t[ck].reshape(ck.shape[0], -1).contiguous())
+    return _tables[key]
+
+
+# CPU: an off-grid group searches the narrowest of these candidate-list widths that holds
+# all its candidates (the last tier is the full width).
+_TIERS = (8, 16, 32)
+
+
 def _ksigns(device) -> torch.Tensor:
     """``ksigns_iq2xs`` (128,) int64: 7 sign bits -> the 8-bit pattern with even parity."""
     key = ("ksigns", str(device))
@@ -128,6 +167,19 @@ class _IQ3(Codec):
     d_steps = tuple(18.0 + 0.25 * i for i in range(61))  # 18 .. 33
     lloyd_steps = 2
     rounds = 2
+    l_deltas = (1, -1)  # step 3: l + delta tried on the exact error
+    full_flip = True  # IQ3_XXS: a final assignment trying every weight of an odd 8-group as the flipped one
+    # The CPU search: overrides of the attributes above (two step-1 scales, no Lloyd steps,
+    # one round, no l +- 1 tries, no final flip pass): about 3-4x faster at a few % more
+    # error (IQ3_S 0.73 vs 0.71 of llama.cpp's on benchmarks/encode_speed.py's tensor,
+    # IQ3_XXS 0.78 vs 0.75). Other devices run the full search.
+    cpu_search: dict = {"lloyd_steps": 0, "rounds": 1, "l_deltas": (), "full_flip": False}
+
+    def _knob(self, name: str, device: torch.device):
+        """Search attribute ``name`` for a search on ``device`` (:attr:`cpu_search` on CPU)."""
+        if device.type == "cpu" and name in self.cpu_search:
+            return self.cpu_search[name]
+        return getattr(self, name)
 
     # ------------------------------------------------------------------ assignment
 
@@ -135,8 +187,11 @@ class _IQ3(Codec):
         """Best grid point of each row: features ``f`` (R, 8) = [2 w v, -A w], targets ``t`` (R, 4) = v / A.
 
         Where the per-weight nearest levels of ``t`` form a grid point, that point is the
-        best (the error is a sum over the 4 weights), so only the other rows are searched,
-        exhaustively, by a (rows, 8) x (8, P) matmul and an argmax.
+        best (the error is a sum over the 4 weights), so only the other rows are searched:
+        on CPU among the exact candidate lists of :func:`_candidates` (each candidate's
+        scores by a batched (candidates, 8) x (8,) product), elsewhere
+        exhaustively, by a (rows, 8) x (8, P) matmul and an argmax. The two agree up to
+        float32 rounding of near-ties.
         Returns (score (R,), index (R,) int64): ``sum w v**2 - score`` is the group's error.
         """
         _, g8 = _grid_table(self.grid_name, f.device)
@@ -145,18 +200,40 @@ class _IQ3(Codec):
         u = (lev << (3 * torch.arange(4, device=f.device))).sum(1)
         idx = kmap[u]
         on = idx >= 0
-        score = (f * g8.T[idx.clamp_min(0)]).sum(1)
+        score = (f * g8.T.index_select(0, idx.clamp_min(0))).sum(1)
         off = (~on).nonzero().squeeze(1)
-        if off.numel():
-            fo = f[off]
-            p = g8.shape[1]
-            step = max(1, _SCORE_ELEMS["cpu" if f.device.type == "cpu" else "other"] // p)
-            for r0 in range(0, fo.shape[0], step):
-                s, i = (fo[r0 : r0 + step] @ g8).max(dim=1)
-                rows = off[r0 : r0 + step]
-                score[rows] = s
-                idx[rows] = i
+        if not off.numel():
+            return score, idx
+        if f.device.type == "cpu":
+            self._search_candidates(f, u, off, score, idx)
+            return score, idx
+        fo = f[off]
+        p = g8.shape[1]
+        step = max(1, _SCORE_ELEMS["other"] // p)
+        for r0 in range(0, fo.shape[0], step):
+            s, i = (fo[r0 : r0 + step] @ g8).max(dim=1)
+            rows = off[r0 : r0 + step]
+            score[rows] = s
+            idx[rows] = i
         return score, idx
+
+    def _search_candidates(self, f, u, off, score, idx) -> None:
+        """CPU part of :meth:`_nearest`: best candidate of the rows ``off`` (written into ``score``, ``idx``)."""
+        cand, count = _candidates(self.grid_name)
+        need = count[u[off]]
+        lo = 0
+        for k in (*_TIERS, cand.shape[1]):
+            sel = off[(need > lo) & (need <= k)]
+            lo = k
+            if not sel.numel():
+                continue
+            ck, pk = _tier(self.grid_name, k)
+            ur = u[sel]
+            pts = pk.index_select(0, ur).view(-1, k, 8)  # [g, g**2] of each candidate
+            s, j = torch.bmm(pts, f[sel, :, None]).squeeze(2).max(dim=1)
+            ck = ck.index_select(0, ur)
+            score[sel] = s
+            idx[sel] = ck.gather(1, j[:, None]).squeeze(1)
 
     def _assign(self, xa: torch.Tensor, w: torch.Tensor, neg: torch.Tensor, a: torch.Tensor, full: bool):
         """Best grid points and signs for sub-block scales ``a``.
@@ -221,7 +298,7 @@ class _IQ3(Codec):
     def _points(self, idx: torch.Tensor) -> torch.Tensor:
         """(n, 8, 8) grid indices -> (n, 8, 32) float32 grid values."""
         g, _ = _grid_table(self.grid_name, idx.device)
-        return g[idx].reshape(idx.shape[0], _N_SUB, 32)
+        return g.index_select(0, idx.reshape(-1)).reshape(idx.shape[0], _N_SUB, 32)
 
     # ------------------------------------------------------------------ scales
 
@@ -255,9 +332,9 @@ class _IQ3(Codec):
             best_gain = torch.where(take, gain, best_gain)
             best_a = torch.where(take, kqs._safe_div(sxg, sgg).float(), best_a)
 
-        for t in self.step1_t:
+        for t in self._knob("step1_t", xa.device):
             consider(amax / t)
-        for _ in range(self.lloyd_steps):
+        for _ in range(self._knob("lloyd_steps", xa.device)):
             consider(best_a)
         return best_a
 
@@ -294,7 +371,8 @@ class _IQ3(Codec):
         a = self._step1(xa, w, neg)
         idx, flip = self._assign(xa, w, neg, a, False)
         best = None
-        for r in range(self.rounds):
+        rounds = self._knob("rounds", x.device)
+        for r in range(rounds):
             sxg, sgg = self._ls_stats(xa, w, idx, flip)
             a = kqs._safe_div(sxg, sgg).clamp_min(0)
             extra = []
@@ -304,7 +382,7 @@ class _IQ3(Codec):
                 extra = [best[0].double().unsqueeze(1), d_ls.unsqueeze(1)]
             d, lsc = self._pick_d(a, sgg, extra)
             err, idx, flip = self._exact_error(x, w, xa, neg, d, lsc, False)
-            for delta in (1, -1):
+            for delta in self._knob("l_deltas", x.device):
                 lt = (lsc + delta).clamp(0, 15)
                 et, it, ft = self._exact_error(x, w, xa, neg, d, lt, False)
                 take = et < err
@@ -318,10 +396,10 @@ class _IQ3(Codec):
             else:
                 take = cfg[4] < best[4]
                 best = tuple(torch.where(take.view(-1, *([1] * (c.ndim - 1))), c, b) for c, b in zip(cfg, best))
-            if r + 1 < self.rounds:
+            if r + 1 < rounds:
                 idx, flip = best[2], best[3]
         d, lsc, idx, flip, err0 = best
-        if self.parity:
+        if self.parity and self._knob("full_flip", x.device):
             # Final assignment with every flip choice, kept where it is better.
             err1, idx1, flip1 = self._exact_error(x, w, xa, neg, d, lsc, True)
             take = (err1.sum(-1) < err0).view(-1, 1, 1)
@@ -373,6 +451,7 @@ class IQ3_XXS(_IQ3):
     scale_mul = 0.25
     parity = True
     step1_t = tuple(float(t) for t in np.linspace(44.0, 78.0, 8))
+    cpu_search = {**_IQ3.cpu_search, "step1_t": (50.0, 62.0)}
 
     def _sub_scale(self, d, lsc):
         return (d.unsqueeze(-1) * (0.5 + lsc.to(torch.float32))) * 0.5
@@ -416,6 +495,7 @@ class IQ3_S(_IQ3):
     scale_mul = 1.0
     parity = False
     step1_t = tuple(float(t) for t in np.linspace(11.0, 19.5, 8))
+    cpu_search = {**_IQ3.cpu_search, "step1_t": (12.0, 15.5)}
 
     def _sub_scale(self, d, lsc):
         return d.unsqueeze(-1) * (1 + 2 * lsc).to(torch.float32)
