@@ -29,19 +29,19 @@ import torch
 from dynaquant.quant.codecs._kquant_search import (
     AffConfig,
     SymConfig,
-    _aff_eval,
-    _aff_ls,
-    _aff_ls_super,
-    _aff_quad,
-    _aff_reference,
-    _f16_candidates,
-    _inv,
-    _safe_div,
-    _sym_eval,
     aff_codes,
     aff_error,
+    aff_eval,
+    aff_ls,
+    aff_ls_super,
+    aff_quad,
+    aff_reference,
+    f16_candidates,
+    inv,
+    safe_div,
     sym_codes,
     sym_error,
+    sym_eval,
 )
 
 # Elements (n_super * n_sub * candidates * sub_size) per chunk of stacked step-1 candidates.
@@ -107,7 +107,7 @@ def _profile(x, w, qlo: int, qhi: int):
     pos = (x > 0).unsqueeze(-1)
     # caps per sign: scale > 0 gives positive codes for positive x (up to qhi)
     cap = torch.stack([torch.where(pos, qhi, -qlo), torch.where(pos, -qlo, qhi)], -2)  # (B,S,E,2,1)
-    bp = (lev + 0.5) * _inv(ax).unsqueeze(-1)  # (B,S,E,L); inf-free: 0 where x == 0
+    bp = (lev + 0.5) * inv(ax).unsqueeze(-1)  # (B,S,E,L); inf-free: 0 where x == 0
     bp = torch.where(ax.unsqueeze(-1) > 0, bp, torch.full_like(bp, float("inf")))
     bp = torch.where(lev < cap, bp.unsqueeze(-2), torch.full((), float("inf"), device=x.device))  # (B,S,E,2,L)
     bp = bp.transpose(-3, -2).flatten(-2)  # (B,S,2,E*L)
@@ -127,9 +127,9 @@ def _profile_error(prof, s: torch.Tensor) -> torch.Tensor:
     t, sxq, sqq = prof
     b, n_sub, _, n = t.shape
     m = s.shape[-1]
-    inv = _inv(s.abs())
+    ri = inv(s.abs())
     ts = t.reshape(b * n_sub * 2, n)
-    q = torch.stack([inv, inv], -2).reshape(b * n_sub * 2, m)
+    q = torch.stack([ri, ri], -2).reshape(b * n_sub * 2, m)
     i = torch.searchsorted(ts, q, right=True).reshape(b, n_sub, 2, m) - 1
     sel = torch.where(s < 0, 1, 0).unsqueeze(-2)  # (B,S,1,M)
     i = i.gather(-2, sel).squeeze(-2)  # (B,S,M)
@@ -148,14 +148,14 @@ def _sym_exact(x, w, spec: FastSym) -> SymConfig:
     t, sxq, sqq = _profile(x, w, spec.qlo, spec.qhi)
     prof = (t, sxq.flatten(-2), sqq.flatten(-2))
     # step 1: each sub-block's best interval (both signs): gain sxq**2 / sqq
-    gain = torch.where(torch.isfinite(t), _safe_div(sxq * sxq, sqq), torch.full_like(sxq, -1.0))
+    gain = torch.where(torch.isfinite(t), safe_div(sxq * sxq, sqq), torch.full_like(sxq, -1.0))
     g, i = gain.flatten(-2).max(-1)
     cx, cq = (c.flatten(-2).gather(-1, i.unsqueeze(-1)).squeeze(-1) for c in (sxq, sqq))
-    a = _safe_div(cx, cq) * torch.where(i >= t.shape[-1], -1.0, 1.0)  # (B,S) signed scale
+    a = safe_div(cx, cq) * torch.where(i >= t.shape[-1], -1.0, 1.0)  # (B,S) signed scale
     a = torch.where(g > 0, a, torch.zeros_like(a))
     am = a.gather(1, a.abs().argmax(1, keepdim=True))
     ts = torch.tensor(spec.d_steps, dtype=x.dtype, device=x.device)
-    cand = _f16_candidates(torch.cat([am / ts, -am / ts], 1))  # (B, C)
+    cand = f16_candidates(torch.cat([am / ts, -am / ts], 1))  # (B, C)
     d, k = _exact_pick(prof, a, cand, spec)
     for _ in range(spec.rounds - 1):
         # least-squares d for the kept integer scales, on the codes they give
@@ -164,8 +164,8 @@ def _sym_exact(x, w, spec: FastSym) -> SymConfig:
         kf = k.double()
         sxq_c = (w * x * q).sum(-1).double()
         sqq_c = (w * q * q).sum(-1).double()
-        d_ls = _safe_div((kf * sxq_c).sum(1), (kf * kf * sqq_c).sum(1)).float()
-        cand = _f16_candidates(torch.stack([d, d_ls], 1))
+        d_ls = safe_div((kf * sxq_c).sum(1), (kf * kf * sqq_c).sum(1)).float()
+        cand = f16_candidates(torch.stack([d, d_ls], 1))
         d, k = _exact_pick(prof, a, cand, spec, keep=(d, k))
     return SymConfig(d, k)
 
@@ -176,7 +176,7 @@ def _exact_pick(prof, a, cand, spec: FastSym, keep=None):
     b, n_sub = a.shape
     c = cand.shape[1]
     d3 = cand.unsqueeze(-1)  # (B,C,1)
-    k0 = (a.unsqueeze(1) * _inv(d3)).floor_()
+    k0 = (a.unsqueeze(1) * inv(d3)).floor_()
     ks = [k0 + o for o in range(-spec.window, spec.window + 2)]
     if keep is not None:
         ks.append(keep[1].float().unsqueeze(1).expand_as(k0))
@@ -202,7 +202,7 @@ def _sym_step1(x, w, spec: FastSym):
     ts = torch.tensor(spec.steps, dtype=x.dtype, device=x.device)
     ts = torch.cat([ts, -ts])
     c = ts.numel()
-    inv_amax = _inv(x.abs().amax(-1))  # (B,S)
+    inv_amax = inv(x.abs().amax(-1))  # (B,S)
     out = []
     step = _rows(n, n_sub * c * e)
     for r0 in range(0, n, step):
@@ -211,14 +211,14 @@ def _sym_step1(x, w, spec: FastSym):
         q = (xs.unsqueeze(-2) * isc).round_().clamp_(spec.qlo, spec.qhi)  # (b,S,C,E)
         sxq = torch.matmul(q, (ws * xs).unsqueeze(-1)).squeeze(-1)
         sqq = torch.matmul(q.mul_(q), ws.unsqueeze(-1)).squeeze(-1)
-        g = _safe_div(sxq * sxq, sqq)
+        g = safe_div(sxq * sxq, sqq)
         i = g.argmax(-1, keepdim=True)
-        out.append(_safe_div(sxq.gather(-1, i), sqq.gather(-1, i)).squeeze(-1))
+        out.append(safe_div(sxq.gather(-1, i), sqq.gather(-1, i)).squeeze(-1))
     a = torch.cat(out)
     # one re-round / refit from the best
     q = sym_codes(x, a, spec.qlo, spec.qhi)
     wq = w * q
-    a2 = _safe_div((wq * x).sum(-1), (wq * q).sum(-1))
+    a2 = safe_div((wq * x).sum(-1), (wq * q).sum(-1))
     return a2
 
 
@@ -231,14 +231,14 @@ def _sym_cand(x, w, spec: FastSym) -> SymConfig:
         wq = w * q
         sxq = (wq * x).sum(-1)
         sqq = (wq * q).sum(-1)
-        a = _safe_div(sxq, sqq)
+        a = safe_div(sxq, sqq)
         am = a.gather(1, a.abs().argmax(1, keepdim=True))
         cand = [am / ts, -am / ts]
         if best is not None:
             kf = best.k.float()
-            cand += [best.d.unsqueeze(1), _safe_div((kf * sxq).sum(1), (kf * kf * sqq).sum(1)).unsqueeze(1)]
-        cand = _f16_candidates(torch.cat(cand, 1))
-        e, (dc, kc) = _sym_eval(a, sqq, spec.klo, spec.khi, cand)
+            cand += [best.d.unsqueeze(1), safe_div((kf * sxq).sum(1), (kf * kf * sqq).sum(1)).unsqueeze(1)]
+        cand = f16_candidates(torch.cat(cand, 1))
+        e, (dc, kc) = sym_eval(a, sqq, spec.klo, spec.khi, cand)
         j = e.argmin(1, keepdim=True)
         cfg = SymConfig(dc.gather(1, j).squeeze(1), kc.gather(1, j.unsqueeze(-1).expand(-1, 1, kc.shape[-1])).squeeze(1))
         dl = cfg.sub_scales()
@@ -272,7 +272,7 @@ def _aff_step1(x, w, spec: FastAff):
     rng = x.amax(-1) - lo
     wx = w * x
     sw, sx, sxx = w.sum(-1).double(), wx.sum(-1).double(), (wx * x).sum(-1).double()
-    iscale = (ts * _inv(rng).unsqueeze(-1)).repeat_interleave(sh.numel(), -1)  # (B,S,C)
+    iscale = (ts * inv(rng).unsqueeze(-1)).repeat_interleave(sh.numel(), -1)  # (B,S,C)
     b0 = lo.unsqueeze(-1) + (sh.repeat(ts.numel()) * rng.unsqueeze(-1) / ts.repeat_interleave(sh.numel()))
     ww = torch.stack([w, wx], -1)  # (B,S,E,2): sums by one batched matmul per candidate stack
     out_a, out_b = [], []
@@ -285,8 +285,8 @@ def _aff_step1(x, w, spec: FastAff):
         sqq = torch.matmul(q.mul_(q), w[sl].unsqueeze(-1)).squeeze(-1).double()
         sq, sxq = s1[..., 0], s1[..., 1]
         st = [t[sl].unsqueeze(-1) for t in (sw, sx, sxx)]
-        a, b = _aff_ls(st[0], sq, sqq, st[1], sxq)
-        err = _aff_quad(st[0], sq, sqq, st[1], sxq, st[2], a, b)
+        a, b = aff_ls(st[0], sq, sqq, st[1], sxq)
+        err = aff_quad(st[0], sq, sqq, st[1], sxq, st[2], a, b)
         i = err.argmin(-1, keepdim=True)
         out_a.append(a.gather(-1, i).squeeze(-1))
         out_b.append(b.gather(-1, i).squeeze(-1))
@@ -294,7 +294,7 @@ def _aff_step1(x, w, spec: FastAff):
     # one re-round / refit from the best
     q = aff_codes(x, a.float(), (-b).float(), spec.qmax)
     wq = w * q
-    a2, b2 = _aff_ls(sw, wq.sum(-1).double(), (wq * q).sum(-1).double(), sx, (wx * q).sum(-1).double())
+    a2, b2 = aff_ls(sw, wq.sum(-1).double(), (wq * q).sum(-1).double(), sx, (wx * q).sum(-1).double())
     return a2, b2, q
 
 
@@ -309,21 +309,21 @@ def aff_fast(x: torch.Tensor, w: torch.Tensor, spec: FastAff) -> AffConfig:
     for _ in range(spec.rounds):
         wq = w * q
         st = (sw, wq.sum(-1).double(), (wq * q).sum(-1).double(), sx, (wx * q).sum(-1).double())
-        ref = _aff_reference(st)
+        ref = aff_reference(st)
         amax, mmax = ref[0].amax(1, keepdim=True), (-ref[1]).amax(1, keepdim=True)
-        grid_d, grid_m = _f16_candidates(amax / ts), _f16_candidates(mmax / ts)
+        grid_d, grid_m = f16_candidates(amax / ts), f16_candidates(mmax / ts)
         if best is None:
-            d_cur, m_cur = _f16_candidates(amax / kmax), _f16_candidates(mmax / kmax)
+            d_cur, m_cur = f16_candidates(amax / kmax), f16_candidates(mmax / kmax)
             extra_d, extra_m = [d_cur], [m_cur]
         else:
             d_cur, m_cur = best.d.unsqueeze(1), best.dmin.unsqueeze(1)
-            d_ls, m_ls = _aff_ls_super(st, best)
-            extra_d, extra_m = [d_cur, _f16_candidates(d_ls).unsqueeze(1)], [m_cur, _f16_candidates(m_ls).unsqueeze(1)]
+            d_ls, m_ls = aff_ls_super(st, best)
+            extra_d, extra_m = [d_cur, f16_candidates(d_ls).unsqueeze(1)], [m_cur, f16_candidates(m_ls).unsqueeze(1)]
         dc = torch.cat([grid_d, *extra_d], 1)
         mc = torch.cat([m_cur.expand_as(grid_d), *extra_m], 1)
-        cfg = _best_of(*_aff_eval(ref, kmax, dc, mc))
+        cfg = _best_of(*aff_eval(ref, kmax, dc, mc))
         mc = torch.cat([grid_m, cfg.dmin.unsqueeze(1)], 1)
-        cfg = _best_of(*_aff_eval(ref, kmax, cfg.d.unsqueeze(1).expand_as(mc), mc))
+        cfg = _best_of(*aff_eval(ref, kmax, cfg.d.unsqueeze(1).expand_as(mc), mc))
         dl, ml = cfg.sub_scales()
         q = aff_codes(x, dl, ml, spec.qmax)
         err = aff_error(x, w, dl, ml, q).sum(-1)

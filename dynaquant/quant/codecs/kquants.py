@@ -303,7 +303,7 @@ class Q5_K(_KQuant):
         d_steps=_grid(40.0, 63.5, 0.5),
         moves=kqs.MOVES_WIDE,
     )
-    fast = kqf.FastAff(qmax=31, kmax=63, steps=_grid(29.0, 32.0, 0.5), shifts=(0.0,), d_steps=_grid(52.0, 63.5, 1.0))
+    fast = kqf.FastAff(qmax=31, kmax=63, steps=_grid(29.0, 32.0, 0.5), shifts=(0.0, 0.3, -0.3), d_steps=_grid(52.0, 63.5, 1.0))
 
     def pack(self, params: kqs.AffConfig, codes: torch.Tensor) -> torch.Tensor:
         cfg, q = params, codes
