@@ -92,6 +92,15 @@ def pick_best(cands, evaluate):
     return best
 
 
+def keep_best(best, best_err, cfg, err):
+    """Per super-block, the better of the kept ``(best, best_err)`` (None at first) and
+    ``(cfg, err)``: configurations with ``.where``, errors (n_super,)."""
+    if best is None:
+        return cfg, err
+    take = err < best_err
+    return cfg.where(take, best), torch.where(take, err, best_err)
+
+
 def chunks(step: int, *cands: torch.Tensor):
     for c0 in range(0, cands[0].shape[1], step):
         yield tuple(c[:, c0 : c0 + step] for c in cands)
@@ -132,6 +141,10 @@ class SymConfig:
 
     d: torch.Tensor
     k: torch.Tensor
+
+    def where(self, take: torch.Tensor, other: SymConfig) -> SymConfig:
+        """Per super-block: this configuration where ``take`` (n_super,) bool, else ``other``."""
+        return SymConfig(torch.where(take, self.d, other.d), torch.where(take.unsqueeze(-1), self.k, other.k))
 
     def sub_scales(self) -> torch.Tensor:
         """Decode's float32 ``d * k``, (n_super, n_sub)."""
@@ -254,12 +267,7 @@ def sym_encode(x: torch.Tensor, w: torch.Tensor, spec: SymSearch) -> SymConfig:
         af, sqqf = a.float(), sqq.float()
         d, k = pick_best(chunks(step, cand), partial(sym_eval, af, sqqf, spec.klo, spec.khi))
         cfg, err = _sym_refine(x, w, SymConfig(d, k), spec)
-        if best is None:
-            best, best_err = cfg, err
-        else:
-            take = err < best_err
-            best = SymConfig(torch.where(take, cfg.d, best.d), torch.where(take.unsqueeze(-1), cfg.k, best.k))
-            best_err = torch.where(take, err, best_err)
+        best, best_err = keep_best(best, best_err, cfg, err)
         if r + 1 < spec.rounds:
             q = sym_codes(x, best.sub_scales(), spec.qlo, spec.qhi)
     return best
@@ -467,6 +475,30 @@ def _aff_refine(x, w, cfg: AffConfig, spec: AffSearch):
     return AffConfig(cfg.d, cfg.dmin, ks, km), err.sum(-1)
 
 
+def aff_round_candidates(w, wx, q, sw, sx, ts, kmax: int, best: AffConfig | None):
+    """One step-2 round's reference and candidates for codes ``q`` (n_super, n_sub, sub_size).
+
+    ``sw``, ``sx``: (n_super, n_sub) float64 ``sum(w)``, ``sum(w x)``; ``ts`` (T,) the
+    ``d_steps``. Returns ``(ref, dc, mc, grid_m)``: :func:`aff_reference` of the codes, the
+    first coordinate's candidates ``d`` over its grid (plus the kept ``d`` and the
+    least-squares ``d`` of ``best``) with ``dmin`` kept, both (n_super, C), and the ``dmin``
+    grid (n_super, T).
+    """
+    wq = w * q
+    st = (sw, wq.sum(-1).double(), (wq * q).sum(-1).double(), sx, (wx * q).sum(-1).double())
+    ref = aff_reference(st)
+    amax, mmax = ref[0].amax(1, keepdim=True), (-ref[1]).amax(1, keepdim=True)
+    grid_d, grid_m = f16_candidates(amax / ts), f16_candidates(mmax / ts)
+    if best is None:
+        d_cur, m_cur = f16_candidates(amax / kmax), f16_candidates(mmax / kmax)
+        extra_d, extra_m = [d_cur], [m_cur]
+    else:
+        d_cur, m_cur = best.d.unsqueeze(1), best.dmin.unsqueeze(1)
+        d_ls, m_ls = aff_ls_super(st, best)
+        extra_d, extra_m = [d_cur, f16_candidates(d_ls).unsqueeze(1)], [m_cur, f16_candidates(m_ls).unsqueeze(1)]
+    return ref, torch.cat([grid_d, *extra_d], 1), torch.cat([m_cur.expand_as(grid_d), *extra_m], 1), grid_m
+
+
 def aff_encode(x: torch.Tensor, w: torch.Tensor, spec: AffSearch) -> AffConfig:
     """Affine model, steps 1-3 (module docstring); x, w: (n_super, n_sub, sub_size) float32."""
     kmax = spec.kmax
@@ -479,35 +511,17 @@ def aff_encode(x: torch.Tensor, w: torch.Tensor, spec: AffSearch) -> AffConfig:
     n_super, n_sub = a.shape
     step = max(1, _EVAL_CHUNK // max(1, n_super * n_sub * 4))
     best: AffConfig | None = None
-    best_err = d_cur = dm_cur = None
+    best_err = None
     for r in range(spec.rounds):
-        wq = w * q
-        st = (sw, wq.sum(-1).double(), (wq * q).sum(-1).double(), sx, (wx * q).sum(-1).double())
-        ref = aff_reference(st)
-        amax, mmax = ref[0].amax(1, keepdim=True), (-ref[1]).amax(1, keepdim=True)
-        grid_d, grid_m = f16_candidates(amax / ts), f16_candidates(mmax / ts)
-        if d_cur is None:
-            d_cur, dm_cur = f16_candidates(amax / kmax), f16_candidates(mmax / kmax)
-        extra_d, extra_m = [d_cur], [dm_cur]
-        if best is not None:
-            d_ls, m_ls = aff_ls_super(st, best)
-            extra_d.append(f16_candidates(d_ls).unsqueeze(1))
-            extra_m.append(f16_candidates(m_ls).unsqueeze(1))
+        ref, dc, mc, grid_m = aff_round_candidates(w, wx, q, sw, sx, ts, kmax, best)
         evaluate = partial(aff_eval, ref, kmax)
         # coordinate search: d over its grid (dmin kept), then dmin over its grid (d kept)
-        dc = torch.cat([grid_d, *extra_d], 1)
-        mc = torch.cat([dm_cur.expand_as(grid_d), *extra_m], 1)
         d, dm, _, _ = pick_best(chunks(step, dc, mc), evaluate)
         dc = d.unsqueeze(1).expand(-1, grid_m.shape[1] + 1)
         mc = torch.cat([grid_m, dm.unsqueeze(1)], 1)
         cfg = AffConfig(*pick_best(chunks(step, dc, mc), evaluate))
         cfg, err = _aff_refine(x, w, cfg, spec)
-        if best is None:
-            best, best_err = cfg, err
-        else:
-            take = err < best_err
-            best, best_err = cfg.where(take, best), torch.where(take, err, best_err)
-        d_cur, dm_cur = best.d.unsqueeze(1), best.dmin.unsqueeze(1)
+        best, best_err = keep_best(best, best_err, cfg, err)
         if r + 1 < spec.rounds:
             q = aff_codes(x, *best.sub_scales(), spec.qmax)
     return best

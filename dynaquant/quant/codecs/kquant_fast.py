@@ -33,11 +33,11 @@ from dynaquant.quant.codecs._kquant_search import (
     aff_error,
     aff_eval,
     aff_ls,
-    aff_ls_super,
     aff_quad,
-    aff_reference,
+    aff_round_candidates,
     f16_candidates,
     inv,
+    keep_best,
     safe_div,
     sym_codes,
     sym_error,
@@ -244,12 +244,8 @@ def _sym_cand(x, w, spec: FastSym) -> SymConfig:
         dl = cfg.sub_scales()
         q = sym_codes(x, dl, spec.qlo, spec.qhi)
         err = sym_error(x, w, dl, q).sum(-1)
-        if best is None:
-            best, best_err = cfg, err
-        else:
-            take = err < best_err
-            best = SymConfig(torch.where(take, cfg.d, best.d), torch.where(take.unsqueeze(-1), cfg.k, best.k))
-            best_err = torch.where(take, err, best_err)
+        best, best_err = keep_best(best, best_err, cfg, err)
+        if best is not cfg:  # codes of the kept configuration for the next round
             q = sym_codes(x, best.sub_scales(), spec.qlo, spec.qhi)
     return best
 
@@ -307,31 +303,15 @@ def aff_fast(x: torch.Tensor, w: torch.Tensor, spec: FastAff) -> AffConfig:
     ts = torch.tensor(spec.d_steps, dtype=torch.float32, device=x.device)
     best = best_err = None
     for _ in range(spec.rounds):
-        wq = w * q
-        st = (sw, wq.sum(-1).double(), (wq * q).sum(-1).double(), sx, (wx * q).sum(-1).double())
-        ref = aff_reference(st)
-        amax, mmax = ref[0].amax(1, keepdim=True), (-ref[1]).amax(1, keepdim=True)
-        grid_d, grid_m = f16_candidates(amax / ts), f16_candidates(mmax / ts)
-        if best is None:
-            d_cur, m_cur = f16_candidates(amax / kmax), f16_candidates(mmax / kmax)
-            extra_d, extra_m = [d_cur], [m_cur]
-        else:
-            d_cur, m_cur = best.d.unsqueeze(1), best.dmin.unsqueeze(1)
-            d_ls, m_ls = aff_ls_super(st, best)
-            extra_d, extra_m = [d_cur, f16_candidates(d_ls).unsqueeze(1)], [m_cur, f16_candidates(m_ls).unsqueeze(1)]
-        dc = torch.cat([grid_d, *extra_d], 1)
-        mc = torch.cat([m_cur.expand_as(grid_d), *extra_m], 1)
+        ref, dc, mc, grid_m = aff_round_candidates(w, wx, q, sw, sx, ts, kmax, best)
         cfg = _best_of(*aff_eval(ref, kmax, dc, mc))
         mc = torch.cat([grid_m, cfg.dmin.unsqueeze(1)], 1)
         cfg = _best_of(*aff_eval(ref, kmax, cfg.d.unsqueeze(1).expand_as(mc), mc))
         dl, ml = cfg.sub_scales()
         q = aff_codes(x, dl, ml, spec.qmax)
         err = aff_error(x, w, dl, ml, q).sum(-1)
-        if best is None:
-            best, best_err = cfg, err
-        else:
-            take = err < best_err
-            best, best_err = cfg.where(take, best), torch.where(take, err, best_err)
+        best, best_err = keep_best(best, best_err, cfg, err)
+        if best is not cfg:  # codes of the kept configuration for the next round
             q = aff_codes(x, *best.sub_scales(), spec.qmax)
     return best
 
