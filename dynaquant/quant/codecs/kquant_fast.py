@@ -98,47 +98,40 @@ def _rows(n: int, per_row: int) -> int:
 
 
 def _profile(x, w, qlo: int, qhi: int):
-    """The crossings of one sign of the scale: for ``sign = +1`` (then ``-1``), sorted inverse
-    scales ``t`` (n_super, n_sub, 2, N) where a code grows by one, and cumulative
-    ``sum(w |x| |q|)``, ``sum(w q q)`` after each (float32); unused crossings are +inf."""
+    """The crossings: sorted inverse scales ``t`` (n_super, n_sub, N) where a code grows by
+    one (+inf for zeros), and for each sign of the scale (+1, then -1) the cumulative
+    ``sum(w |x| |q|)`` and ``sum(w q q)`` after each, (n_super, n_sub, 2, N) float32. One list
+    serves both signs: a crossing past a code's end for one sign adds nothing to its sums."""
     lv = max(-qlo, qhi)
     lev = torch.arange(lv, dtype=x.dtype, device=x.device)
     ax = x.abs()
+    bp = (lev + 0.5) * inv(ax).unsqueeze(-1)  # (B,S,E,L)
+    bp.masked_fill_((ax == 0).unsqueeze(-1), float("inf"))
+    t, order = bp.flatten(-2).sort(-1)
     pos = (x > 0).unsqueeze(-1)
-    # caps per sign: scale > 0 gives positive codes for positive x (up to qhi)
-    cap = torch.stack([torch.where(pos, qhi, -qlo), torch.where(pos, -qlo, qhi)], -2)  # (B,S,E,2,1)
-    bp = (lev + 0.5) * inv(ax).unsqueeze(-1)  # (B,S,E,L); inf-free: 0 where x == 0
-    bp = torch.where(ax.unsqueeze(-1) > 0, bp, torch.full_like(bp, float("inf")))
-    bp = torch.where(lev < cap, bp.unsqueeze(-2), torch.full((), float("inf"), device=x.device))  # (B,S,E,2,L)
-    bp = bp.transpose(-3, -2).flatten(-2)  # (B,S,2,E*L)
-    t, order = bp.sort(-1)
-    wax = (w * ax).unsqueeze(-1).expand(*ax.shape, lv)
+    # scale > 0 gives positive codes for positive x (up to qhi), negative ones down to qlo
+    caps = (torch.where(pos, qhi, -qlo), torch.where(pos, -qlo, qhi))
+    wax = (w * ax).unsqueeze(-1)
     wq = w.unsqueeze(-1) * (2 * lev + 1)
-    finite = torch.isfinite(t)
-    gx = wax.flatten(-2).unsqueeze(-2).expand_as(t).gather(-1, order)
-    gq = wq.flatten(-2).unsqueeze(-2).expand_as(t).gather(-1, order)
-    sxq = torch.where(finite, gx, 0).cumsum(-1)
-    sqq = torch.where(finite, gq, 0).cumsum(-1)
-    return t, sxq, sqq
+    sums = []
+    for inc in (wax, wq):
+        g = torch.stack([torch.where(lev < cap, inc, 0).flatten(-2).gather(-1, order) for cap in caps], -2)
+        sums.append(g.cumsum_(-1))
+    return t, sums[0], sums[1]
 
 
 def _profile_error(prof, s: torch.Tensor) -> torch.Tensor:
-    """``E_j(s) - sum(w x x)`` for scales ``s`` (n_super, n_sub, M) with nearest codes."""
+    """``E_j(s) - sum(w x x)`` for scales ``s`` (n_super, n_sub, M) with nearest codes;
+    ``prof``: ``_profile``'s ``t`` and its sums with the sign axis flattened, (B, S, 2N)."""
     t, sxq, sqq = prof
-    b, n_sub, _, n = t.shape
+    b, n_sub, n = t.shape
     m = s.shape[-1]
-    ri = inv(s.abs())
-    ts = t.reshape(b * n_sub * 2, n)
-    q = torch.stack([ri, ri], -2).reshape(b * n_sub * 2, m)
-    i = torch.searchsorted(ts, q, right=True).reshape(b, n_sub, 2, m) - 1
-    sel = torch.where(s < 0, 1, 0).unsqueeze(-2)  # (B,S,1,M)
-    i = i.gather(-2, sel).squeeze(-2)  # (B,S,M)
-    crossed = i >= 0
-    i = i.clamp_min(0)
-    sgn = sel.squeeze(-2)
-    cx = sxq.gather(-1, i + sgn * n)  # flatten sign: index into (2N)
-    cq = sqq.gather(-1, i + sgn * n)
     sa = s.abs()
+    i = torch.searchsorted(t.reshape(b * n_sub, n), inv(sa).reshape(b * n_sub, m), right=True).reshape(b, n_sub, m) - 1
+    crossed = i >= 0
+    i = i.clamp_min_(0) + torch.where(s < 0, n, 0)
+    cx = sxq.gather(-1, i)
+    cq = sqq.gather(-1, i)
     e = sa * sa * cq - 2 * sa * cx
     return torch.where(crossed, e, torch.zeros_like(e))
 
@@ -148,7 +141,7 @@ def _sym_exact(x, w, spec: FastSym) -> SymConfig:
     t, sxq, sqq = _profile(x, w, spec.qlo, spec.qhi)
     prof = (t, sxq.flatten(-2), sqq.flatten(-2))
     # step 1: each sub-block's best interval (both signs): gain sxq**2 / sqq
-    gain = torch.where(torch.isfinite(t), safe_div(sxq * sxq, sqq), torch.full_like(sxq, -1.0))
+    gain = torch.where(torch.isfinite(t).unsqueeze(-2), safe_div(sxq * sxq, sqq), -1.0)
     g, i = gain.flatten(-2).max(-1)
     cx, cq = (c.flatten(-2).gather(-1, i.unsqueeze(-1)).squeeze(-1) for c in (sxq, sqq))
     a = safe_div(cx, cq) * torch.where(i >= t.shape[-1], -1.0, 1.0)  # (B,S) signed scale

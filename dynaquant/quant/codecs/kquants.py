@@ -226,7 +226,7 @@ class Q2_K(_KQuant):
         d_steps=_grid(8.0, 15.5, 0.25),
         moves=kqs.MOVES_WIDE,
     )
-    fast = kqf.FastAff(qmax=3, kmax=15, steps=_grid(2.0, 4.0, 0.25), shifts=(0.0,), d_steps=_geom(10.0, 1.06, 12))
+    fast = kqf.FastAff(qmax=3, kmax=15, steps=_grid(2.0, 4.0, 0.25), shifts=(0.0,), d_steps=_geom(10.0, 1.1, 8))
 
     def pack(self, params: kqs.AffConfig, codes: torch.Tensor) -> torch.Tensor:
         cfg = params
