@@ -250,7 +250,7 @@ class Q3_K(_KQuant):
     format_name = "Q3_K"
     n_sub = 16
     search = kqs.SymSearch(qlo=-4, qhi=3, klo=-32, khi=31, d_steps=_grid(20.0, 32.5, 0.25), exhaustive=True)
-    fast = kqf.FastSym(qlo=-4, qhi=3, klo=-32, khi=31, d_steps=_geom(28.0, 1.08, 16), exact=True)
+    fast = kqf.FastSym(qlo=-4, qhi=3, klo=-32, khi=31, d_steps=_geom(28.0, 1.12, 11), exact=True)
 
     def pack(self, params: kqs.SymConfig, codes: torch.Tensor) -> torch.Tensor:
         cfg, L = params, codes
