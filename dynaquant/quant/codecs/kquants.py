@@ -19,8 +19,11 @@ Q6_K   210    ql[128], qh[64], scales[16] (int8), d      ``d*sc*(q-32)``, q in 0
 =====  =====  ========================================================================
 
 Encoders minimise the importance-weighted squared error of what decode reproduces
-(float16 ``d``/``dmin``, quantized sub-block scales and mins, re-rounded codes); the
-searches are in ``_kquant_search``. Everything is batched torch on the input's device.
+(float16 ``d``/``dmin``, quantized sub-block scales and mins, re-rounded codes). The default
+search is :mod:`.kquant_fast` (each codec's ``fast`` settings: a few stacked candidate
+tensors a step); ``fit_params(..., thorough=True)`` / ``encode_blocks(..., thorough=True)``
+run the older, several times slower search of ``_kquant_search`` (each codec's ``search``
+settings), kept as a reference. Everything is batched torch on the input's device.
 """
 
 from __future__ import annotations
