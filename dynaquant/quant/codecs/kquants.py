@@ -229,7 +229,9 @@ class Q2_K(_KQuant):
         d_steps=_grid(8.0, 15.5, 0.25),
         moves=kqs.MOVES_WIDE,
     )
-    fast = kqf.FastAff(qmax=3, kmax=15, steps=_grid(2.0, 4.0, 0.25), shifts=(0.0,), d_steps=_geom(10.0, 1.1, 8))
+    fast = kqf.FastAff(
+        qmax=3, kmax=15, steps=_grid(2.0, 4.0, 0.25), shifts=(0.0,), d_steps=_geom(10.0, 1.1, 8), rounds=1
+    )
 
     def pack(self, params: kqs.AffConfig, codes: torch.Tensor) -> torch.Tensor:
         cfg = params
@@ -306,7 +308,9 @@ class Q5_K(_KQuant):
         d_steps=_grid(40.0, 63.5, 0.5),
         moves=kqs.MOVES_WIDE,
     )
-    fast = kqf.FastAff(qmax=31, kmax=63, steps=_grid(29.0, 32.0, 0.5), shifts=(0.0, 0.3, -0.3), d_steps=_grid(52.0, 63.5, 1.0))
+    fast = kqf.FastAff(
+        qmax=31, kmax=63, steps=_grid(29.0, 32.0, 0.5), shifts=(0.0, 0.3, -0.3), d_steps=_grid(52.0, 63.5, 1.0), rounds=1
+    )
 
     def pack(self, params: kqs.AffConfig, codes: torch.Tensor) -> torch.Tensor:
         cfg, q = params, codes
