@@ -51,7 +51,7 @@ def fp16_round(v: torch.Tensor) -> torch.Tensor:
     return v.clamp(-_F16_MAX, _F16_MAX).to(torch.float16).to(v.dtype)
 
 
-def _f16_candidates(v: torch.Tensor) -> torch.Tensor:
+def f16_candidates(v: torch.Tensor) -> torch.Tensor:
     """Float16-rounded candidate scales as float32; nonzero values that would round to 0 (or
     a very coarse subnormal) become +-2**-24, so tiny blocks keep a usable scale."""
     v = v.float()
@@ -59,17 +59,17 @@ def _f16_candidates(v: torch.Tensor) -> torch.Tensor:
     return fp16_round(torch.where(tiny, torch.sign(v) * _F16_TINY, v))
 
 
-def _safe_div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def safe_div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a / b`` where ``b != 0``, else 0."""
     nz = b != 0
     return torch.where(nz, a / torch.where(nz, b, torch.ones_like(b)), torch.zeros_like(a))
 
 
-def _inv(b: torch.Tensor) -> torch.Tensor:
-    return _safe_div(torch.ones_like(b), b)
+def inv(b: torch.Tensor) -> torch.Tensor:
+    return safe_div(torch.ones_like(b), b)
 
 
-def _pick_best(cands, evaluate):
+def pick_best(cands, evaluate):
     """Run ``evaluate`` on chunks of candidates; keep, per super-block, the lowest error.
 
     ``evaluate(chunk)`` returns ``(err (n_super, c), payload)`` where every payload tensor has
@@ -92,7 +92,16 @@ def _pick_best(cands, evaluate):
     return best
 
 
-def _chunks(step: int, *cands: torch.Tensor):
+def keep_best(best, best_err, cfg, err):
+    """Per super-block, the better of the kept ``(best, best_err)`` (None at first) and
+    ``(cfg, err)``: configurations with ``.where``, errors (n_super,)."""
+    if best is None:
+        return cfg, err
+    take = err < best_err
+    return cfg.where(take, best), torch.where(take, err, best_err)
+
+
+def chunks(step: int, *cands: torch.Tensor):
     for c0 in range(0, cands[0].shape[1], step):
         yield tuple(c[:, c0 : c0 + step] for c in cands)
 
@@ -133,6 +142,10 @@ class SymConfig:
     d: torch.Tensor
     k: torch.Tensor
 
+    def where(self, take: torch.Tensor, other: SymConfig) -> SymConfig:
+        """Per super-block: this configuration where ``take`` (n_super,) bool, else ``other``."""
+        return SymConfig(torch.where(take, self.d, other.d), torch.where(take.unsqueeze(-1), self.k, other.k))
+
     def sub_scales(self) -> torch.Tensor:
         """Decode's float32 ``d * k``, (n_super, n_sub)."""
         return self.d.unsqueeze(-1) * self.k.float()
@@ -140,7 +153,7 @@ class SymConfig:
 
 def sym_codes(x: torch.Tensor, dl: torch.Tensor, qlo: int, qhi: int) -> torch.Tensor:
     """Nearest codes (float32) for sub-block scales ``dl`` (n_super, n_sub); 0 where ``dl == 0``."""
-    return (x * _inv(dl).unsqueeze(-1)).round_().clamp_(qlo, qhi)
+    return (x * inv(dl).unsqueeze(-1)).round_().clamp_(qlo, qhi)
 
 
 def sym_error(x: torch.Tensor, w: torch.Tensor, dl: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -160,7 +173,7 @@ def sym_search_scales(x: torch.Tensor, w: torch.Tensor, spec: SymSearch, iters: 
     """
     qlo, qhi = spec.qlo, spec.qhi
     wx = w * x
-    inv_amax = _inv(x.abs().amax(-1))
+    inv_amax = inv(x.abs().amax(-1))
     best_gain = torch.full(inv_amax.shape, -1.0, dtype=torch.float64, device=x.device)
     best_a = torch.zeros(inv_amax.shape, dtype=torch.float64, device=x.device)
 
@@ -168,10 +181,10 @@ def sym_search_scales(x: torch.Tensor, w: torch.Tensor, spec: SymSearch, iters: 
         q = (x * iscale).round_().clamp_(qlo, qhi)
         sxq = (wx * q).sum(-1).double()
         sqq = (w * q * q).sum(-1).double()
-        gain = _safe_div(sxq * sxq, sqq)  # error = Sxx - gain
+        gain = safe_div(sxq * sxq, sqq)  # error = Sxx - gain
         better = gain > best_gain
         best_gain.copy_(torch.where(better, gain, best_gain))
-        best_a.copy_(torch.where(better, _safe_div(sxq, sqq), best_a))
+        best_a.copy_(torch.where(better, safe_div(sxq, sqq), best_a))
 
     for t in spec.steps:
         for sign in (1.0, -1.0):
@@ -181,7 +194,7 @@ def sym_search_scales(x: torch.Tensor, w: torch.Tensor, spec: SymSearch, iters: 
         # they are constant, so the middle of every interval (and a point past the last one),
         # with both signs, covers every distinct code vector.
         half = torch.arange(max(-qlo, qhi), dtype=x.dtype, device=x.device) + 0.5
-        bp = (_inv(x.abs()).unsqueeze(-1) * half).flatten(-2).sort(-1).values
+        bp = (inv(x.abs()).unsqueeze(-1) * half).flatten(-2).sort(-1).values
         mids = torch.cat([(bp[..., :-1] + bp[..., 1:]) * 0.5, bp[..., -1:] * 1.25], -1)
         for i in range(mids.shape[-1]):
             for sign in (1.0, -1.0):
@@ -189,16 +202,16 @@ def sym_search_scales(x: torch.Tensor, w: torch.Tensor, spec: SymSearch, iters: 
     if spec.n_elem:
         idx = (w * x * x).topk(min(spec.n_elem, x.shape[-1]), dim=-1).indices
         for i in range(idx.shape[-1]):
-            inv_xi = _inv(x.gather(-1, idx[..., i : i + 1]))
+            inv_xi = inv(x.gather(-1, idx[..., i : i + 1]))
             for lev in range(qlo, qhi + 1):
                 if lev:
                     consider(lev * inv_xi)
     for _ in range(iters):
-        consider(_inv(best_a.float()).unsqueeze(-1))
+        consider(inv(best_a.float()).unsqueeze(-1))
     return best_a
 
 
-def _sym_eval(a, sqq, klo, khi, d):
+def sym_eval(a, sqq, klo, khi, d):
     """Step-2 ranking of candidate scales ``d`` (n_super, C).
 
     With the codes fixed, a sub-block's error at scale ``D`` is ``E(A) + Sqq (D - A)**2``
@@ -207,7 +220,7 @@ def _sym_eval(a, sqq, klo, khi, d):
     Returns (err (n_super, C), (d, k (n_super, C, n_sub) int64)).
     """
     d3 = d.unsqueeze(-1)
-    k0 = (a.unsqueeze(1) * _inv(d3)).floor_().clamp_(klo, khi)
+    k0 = (a.unsqueeze(1) * inv(d3)).floor_().clamp_(klo, khi)
     k = torch.stack([k0, (k0 + 1).clamp_(klo, khi)], -1)  # (B, C, S, 2)
     r = d3.unsqueeze(-1) * k - a[:, None, :, None]
     e, i = (sqq[:, None, :, None] * r * r).min(-1)
@@ -241,25 +254,20 @@ def sym_encode(x: torch.Tensor, w: torch.Tensor, spec: SymSearch) -> SymConfig:
     for r in range(spec.rounds):
         sxq = (wx * q).sum(-1).double()
         sqq = (w * q * q).sum(-1).double()
-        a = _safe_div(sxq, sqq)
+        a = safe_div(sxq, sqq)
         am = a.gather(1, a.abs().argmax(1, keepdim=True))  # signed largest sub-scale, (B, 1)
         cand = [am / ts, -am / ts]
         if best is not None:
             # the kept d and its least-squares refit to the current codes and integer scales
             kf = best.k.double()
-            d_ls = _safe_div((kf * sxq).sum(1), (kf * kf * sqq).sum(1))
+            d_ls = safe_div((kf * sxq).sum(1), (kf * kf * sqq).sum(1))
             cand += [best.d.double().unsqueeze(1), d_ls.unsqueeze(1)]
-        cand = _f16_candidates(torch.cat(cand, 1))
+        cand = f16_candidates(torch.cat(cand, 1))
         step = max(1, _EVAL_CHUNK // max(1, n_super * n_sub * 2))
         af, sqqf = a.float(), sqq.float()
-        d, k = _pick_best(_chunks(step, cand), partial(_sym_eval, af, sqqf, spec.klo, spec.khi))
+        d, k = pick_best(chunks(step, cand), partial(sym_eval, af, sqqf, spec.klo, spec.khi))
         cfg, err = _sym_refine(x, w, SymConfig(d, k), spec)
-        if best is None:
-            best, best_err = cfg, err
-        else:
-            take = err < best_err
-            best = SymConfig(torch.where(take, cfg.d, best.d), torch.where(take.unsqueeze(-1), cfg.k, best.k))
-            best_err = torch.where(take, err, best_err)
+        best, best_err = keep_best(best, best_err, cfg, err)
         if r + 1 < spec.rounds:
             q = sym_codes(x, best.sub_scales(), spec.qlo, spec.qhi)
     return best
@@ -319,7 +327,7 @@ class AffConfig:
 
 def aff_codes(x: torch.Tensor, dl: torch.Tensor, ml: torch.Tensor, qmax: int) -> torch.Tensor:
     """Nearest codes (float32) in ``[0, qmax]`` for ``x ~ dl * q - ml``; 0 where ``dl == 0``."""
-    return ((x + ml.unsqueeze(-1)) * _inv(dl).unsqueeze(-1)).round_().clamp_(0, qmax)
+    return ((x + ml.unsqueeze(-1)) * inv(dl).unsqueeze(-1)).round_().clamp_(0, qmax)
 
 
 def aff_error(x, w, dl, ml, q) -> torch.Tensor:
@@ -328,21 +336,21 @@ def aff_error(x, w, dl, ml, q) -> torch.Tensor:
     return (w * r * r).sum(-1).double()
 
 
-def _aff_ls(sw, sq, sqq, sx, sxq):
+def aff_ls(sw, sq, sqq, sx, sxq):
     """Weighted least squares of ``x ~ A q + B`` with ``A >= 0``, ``B <= 0``; returns (A, B)."""
     det = sw * sqq - sq * sq
     ok = det > 1e-12 * sw * sqq
     det = torch.where(ok, det, torch.zeros_like(det))
-    a = _safe_div(sw * sxq - sq * sx, det)
-    b = _safe_div(sqq * sx - sq * sxq, det)
+    a = safe_div(sw * sxq - sq * sx, det)
+    b = safe_div(sqq * sx - sq * sxq, det)
     # constrained or degenerate: B = 0 with A = Sxq / Sqq (A >= 0), then B refitted if A is 0
     fix = ~ok | (b > 0) | (a < 0)
-    a2 = _safe_div(sxq, sqq).clamp_min(0)
-    b2 = _safe_div(sx - a2 * sq, sw).clamp_max(0)
+    a2 = safe_div(sxq, sqq).clamp_min(0)
+    b2 = safe_div(sx - a2 * sq, sw).clamp_max(0)
     return torch.where(fix, a2, a), torch.where(fix, b2, b)
 
 
-def _aff_quad(sw, sq, sqq, sx, sxq, sxx, a, b):
+def aff_quad(sw, sq, sqq, sx, sxq, sxx, a, b):
     """``sum(w (x - a q - b)**2)`` from the sums."""
     return sxx - 2 * a * sxq - 2 * b * sx + a * a * sqq + 2 * a * b * sq + b * b * sw
 
@@ -362,7 +370,7 @@ def aff_search_scales(x: torch.Tensor, w: torch.Tensor, spec: AffSearch, iters: 
     sxx = (wx * x).sum(-1).double()
     lo = x.amin(-1).clamp_max(0)
     rng = x.amax(-1) - lo
-    inv_rng = _inv(rng)
+    inv_rng = inv(rng)
     best_e = torch.full(sw.shape, float("inf"), dtype=torch.float64, device=x.device)
     best_a = torch.zeros_like(best_e)
     best_b = torch.zeros_like(best_e)
@@ -372,8 +380,8 @@ def aff_search_scales(x: torch.Tensor, w: torch.Tensor, spec: AffSearch, iters: 
         sq = wq.sum(-1).double()
         sqq = (wq * q).sum(-1).double()
         sxq = (wx * q).sum(-1).double()
-        a, b = _aff_ls(sw, sq, sqq, sx, sxq)
-        e = _aff_quad(sw, sq, sqq, sx, sxq, sxx, a, b)
+        a, b = aff_ls(sw, sq, sqq, sx, sxq)
+        e = aff_quad(sw, sq, sqq, sx, sxq, sxx, a, b)
         take = e < best_e
         best_e.copy_(torch.where(take, e, best_e))
         best_a.copy_(torch.where(take, a, best_a))
@@ -389,7 +397,7 @@ def aff_search_scales(x: torch.Tensor, w: torch.Tensor, spec: AffSearch, iters: 
     return best_a, best_b
 
 
-def _aff_reference(st):
+def aff_reference(st):
     """The current codes' error as a quadratic around its constrained least-squares point.
 
     ``err(A, B) = E(a, b) + 2 (gA dA + gB dB) + Sqq dA**2 + 2 Sq dA dB + Sw dB**2`` with
@@ -397,13 +405,13 @@ def _aff_reference(st):
     (n_super, n_sub): ranking by the variable part avoids the cancellation of the raw sums.
     """
     sw, sq, sqq, sx, sxq = st
-    a, b = _aff_ls(sw, sq, sqq, sx, sxq)
+    a, b = aff_ls(sw, sq, sqq, sx, sxq)
     ga = a * sqq + b * sq - sxq
     gb = a * sq + b * sw - sx
     return tuple(t.float() for t in (a, b, ga, gb, sqq, sq, sw))
 
 
-def _aff_eval(ref, kmax, d, dm):
+def aff_eval(ref, kmax, d, dm):
     """Step-2 ranking of candidate pairs ``(d, dm)`` (n_super, C).
 
     Per sub-block: ``ks`` in {floor, ceil}(a / d); for each, ``km`` in {floor, ceil} of the
@@ -412,12 +420,12 @@ def _aff_eval(ref, kmax, d, dm):
     """
     a, b, ga, gb, sqq, sq, sw = (t[:, None, :, None] for t in ref)
     d4, dm4 = d[:, :, None, None], dm[:, :, None, None]
-    k0 = (a * _inv(d4)).floor_().clamp_(0, kmax)
+    k0 = (a * inv(d4)).floor_().clamp_(0, kmax)
     ks = torch.cat([k0, (k0 + 1).clamp_(0, kmax)], -1)  # (B, C, S, 2)
     da = d4 * ks - a
     # best offset for this scale: dB = -(gB + Sq dA) / Sw, i.e. min M = -B >= 0
     mopt = (-(b - (gb + sq * da) / sw)).clamp_(min=0)
-    m0 = (mopt * _inv(dm4)).floor_().clamp_(0, kmax)
+    m0 = (mopt * inv(dm4)).floor_().clamp_(0, kmax)
     km = torch.stack([m0, (m0 + 1).clamp_(0, kmax)], -1)  # (B, C, S, 2, 2)
     ks = ks.unsqueeze(-1).expand_as(km)
     da = da.unsqueeze(-1)
@@ -431,7 +439,7 @@ def _aff_eval(ref, kmax, d, dm):
     return e.sum(-1), (d, dm, ks, km)
 
 
-def _aff_ls_super(st, cfg: AffConfig):
+def aff_ls_super(st, cfg: AffConfig):
     """Least-squares ``(d, dmin)`` for fixed codes and integer scales/mins, (n_super,) float64 each
     (the config's own values where the fit is degenerate or negative)."""
     sw, sq, sqq, sx, sxq = st
@@ -442,8 +450,8 @@ def _aff_ls_super(st, cfg: AffConfig):
     b1 = (ks * sxq).sum(1)
     b2 = -(km * sx).sum(1)
     det = a11 * a22 - a12 * a12
-    d = _safe_div(b1 * a22 - a12 * b2, det)
-    m = _safe_div(a11 * b2 - a12 * b1, det)
+    d = safe_div(b1 * a22 - a12 * b2, det)
+    m = safe_div(a11 * b2 - a12 * b1, det)
     bad = (d <= 0) | (m < 0)
     return torch.where(bad, cfg.d.double(), d), torch.where(bad, cfg.dmin.double(), m)
 
@@ -467,6 +475,30 @@ def _aff_refine(x, w, cfg: AffConfig, spec: AffSearch):
     return AffConfig(cfg.d, cfg.dmin, ks, km), err.sum(-1)
 
 
+def aff_round_candidates(w, wx, q, sw, sx, ts, kmax: int, best: AffConfig | None):
+    """One step-2 round's reference and candidates for codes ``q`` (n_super, n_sub, sub_size).
+
+    ``sw``, ``sx``: (n_super, n_sub) float64 ``sum(w)``, ``sum(w x)``; ``ts`` (T,) the
+    ``d_steps``. Returns ``(ref, dc, mc, grid_m)``: :func:`aff_reference` of the codes, the
+    first coordinate's candidates ``d`` over its grid (plus the kept ``d`` and the
+    least-squares ``d`` of ``best``) with ``dmin`` kept, both (n_super, C), and the ``dmin``
+    grid (n_super, T).
+    """
+    wq = w * q
+    st = (sw, wq.sum(-1).double(), (wq * q).sum(-1).double(), sx, (wx * q).sum(-1).double())
+    ref = aff_reference(st)
+    amax, mmax = ref[0].amax(1, keepdim=True), (-ref[1]).amax(1, keepdim=True)
+    grid_d, grid_m = f16_candidates(amax / ts), f16_candidates(mmax / ts)
+    if best is None:
+        d_cur, m_cur = f16_candidates(amax / kmax), f16_candidates(mmax / kmax)
+        extra_d, extra_m = [d_cur], [m_cur]
+    else:
+        d_cur, m_cur = best.d.unsqueeze(1), best.dmin.unsqueeze(1)
+        d_ls, m_ls = aff_ls_super(st, best)
+        extra_d, extra_m = [d_cur, f16_candidates(d_ls).unsqueeze(1)], [m_cur, f16_candidates(m_ls).unsqueeze(1)]
+    return ref, torch.cat([grid_d, *extra_d], 1), torch.cat([m_cur.expand_as(grid_d), *extra_m], 1), grid_m
+
+
 def aff_encode(x: torch.Tensor, w: torch.Tensor, spec: AffSearch) -> AffConfig:
     """Affine model, steps 1-3 (module docstring); x, w: (n_super, n_sub, sub_size) float32."""
     kmax = spec.kmax
@@ -479,35 +511,21 @@ def aff_encode(x: torch.Tensor, w: torch.Tensor, spec: AffSearch) -> AffConfig:
     n_super, n_sub = a.shape
     step = max(1, _EVAL_CHUNK // max(1, n_super * n_sub * 4))
     best: AffConfig | None = None
-    best_err = d_cur = dm_cur = None
+    best_err = None
     for r in range(spec.rounds):
-        wq = w * q
-        st = (sw, wq.sum(-1).double(), (wq * q).sum(-1).double(), sx, (wx * q).sum(-1).double())
-        ref = _aff_reference(st)
-        amax, mmax = ref[0].amax(1, keepdim=True), (-ref[1]).amax(1, keepdim=True)
-        grid_d, grid_m = _f16_candidates(amax / ts), _f16_candidates(mmax / ts)
-        if d_cur is None:
-            d_cur, dm_cur = _f16_candidates(amax / kmax), _f16_candidates(mmax / kmax)
-        extra_d, extra_m = [d_cur], [dm_cur]
-        if best is not None:
-            d_ls, m_ls = _aff_ls_super(st, best)
-            extra_d.append(_f16_candidates(d_ls).unsqueeze(1))
-            extra_m.append(_f16_candidates(m_ls).unsqueeze(1))
-        evaluate = partial(_aff_eval, ref, kmax)
+        ref, dc, mc, grid_m = aff_round_candidates(w, wx, q, sw, sx, ts, kmax, best)
+        evaluate = partial(aff_eval, ref, kmax)
         # coordinate search: d over its grid (dmin kept), then dmin over its grid (d kept)
-        dc = torch.cat([grid_d, *extra_d], 1)
-        mc = torch.cat([dm_cur.expand_as(grid_d), *extra_m], 1)
-        d, dm, _, _ = _pick_best(_chunks(step, dc, mc), evaluate)
+        d, dm, _, _ = pick_best(chunks(step, dc, mc), evaluate)
         dc = d.unsqueeze(1).expand(-1, grid_m.shape[1] + 1)
         mc = torch.cat([grid_m, dm.unsqueeze(1)], 1)
-        cfg = AffConfig(*_pick_best(_chunks(step, dc, mc), evaluate))
+        cfg = AffConfig(*pick_best(chunks(step, dc, mc), evaluate))
         cfg, err = _aff_refine(x, w, cfg, spec)
-        if best is None:
-            best, best_err = cfg, err
-        else:
-            take = err < best_err
-            best, best_err = cfg.where(take, best), torch.where(take, err, best_err)
-        d_cur, dm_cur = best.d.unsqueeze(1), best.dmin.unsqueeze(1)
+        best, best_err = keep_best(best, best_err, cfg, err)
         if r + 1 < spec.rounds:
             q = aff_codes(x, *best.sub_scales(), spec.qmax)
     return best
+
+
+# The names iq3.py and iq4.py use.
+_safe_div, _f16_candidates, _pick_best, _chunks, _sym_eval = safe_div, f16_candidates, pick_best, chunks, sym_eval

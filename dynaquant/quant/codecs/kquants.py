@@ -19,8 +19,11 @@ Q6_K   210    ql[128], qh[64], scales[16] (int8), d      ``d*sc*(q-32)``, q in 0
 =====  =====  ========================================================================
 
 Encoders minimise the importance-weighted squared error of what decode reproduces
-(float16 ``d``/``dmin``, quantized sub-block scales and mins, re-rounded codes); the
-searches are in ``_kquant_search``. Everything is batched torch on the input's device.
+(float16 ``d``/``dmin``, quantized sub-block scales and mins, re-rounded codes). The default
+search is :mod:`.kquant_fast` (each codec's ``fast`` settings: a few stacked candidate
+tensors a step); ``fit_params(..., thorough=True)`` / ``encode_blocks(..., thorough=True)``
+run the older, several times slower search of ``_kquant_search`` (each codec's ``search``
+settings), kept as a reference. Everything is batched torch on the input's device.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from dynaquant.quant.codecs import _kquant_search as kqs
+from dynaquant.quant.codecs import kquant_fast as kqf
 from dynaquant.quant.codecs.base import Codec, register
 
 QK_K = 256
@@ -138,6 +142,10 @@ def _grid(lo: float, hi: float, step: float) -> tuple[float, ...]:
     return tuple(lo + i * step for i in range(n + 1))
 
 
+def _geom(lo: float, ratio: float, n: int) -> tuple[float, ...]:
+    return tuple(lo * ratio**i for i in range(n))
+
+
 class _KQuant(Codec):
     """A K-quant: 256-weight super-blocks; subclasses give the layout and the search.
 
@@ -155,9 +163,20 @@ class _KQuant(Codec):
 
     n_sub: int
     search: kqs.AffSearch | kqs.SymSearch
+    fast: kqf.FastAff | kqf.FastSym
 
-    def fit_params(self, x: torch.Tensor, w: torch.Tensor) -> kqs.AffConfig | kqs.SymConfig:
-        """Search the scales of (n, 256) blocks; raises ValueError on other shapes."""
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor, thorough: bool = False) -> torch.Tensor:
+        """As :meth:`Codec.encode_blocks`; ``thorough`` runs the slower search of ``_kquant_search``."""
+        params = self.fit_params(x, w, thorough=thorough)
+        return self.pack(params, self.round_to_grid(x, params)[0])
+
+    def fit_params(self, x: torch.Tensor, w: torch.Tensor, thorough: bool = False) -> kqs.AffConfig | kqs.SymConfig:
+        """Search the scales of (n, 256) blocks; raises ValueError on other shapes.
+
+        The default is the fast search of :mod:`.kquant_fast`; ``thorough=True`` runs the
+        older, several times slower search of ``_kquant_search`` (more candidates and
+        element-level refinement moves), kept as a reference.
+        """
         if x.ndim != 2 or x.shape[1] != QK_K or w.shape != x.shape:
             raise ValueError(
                 f"{self.format_name}: expected x and w of shape (n_blocks, 256), got {tuple(x.shape)} and {tuple(w.shape)}"
@@ -165,10 +184,11 @@ class _KQuant(Codec):
         n = x.shape[0]
         x3 = x.float().reshape(n, self.n_sub, -1)
         w3 = w.float().reshape(n, self.n_sub, -1)
-        sp = self.search
-        if isinstance(sp, kqs.AffSearch):
-            return kqs.aff_encode(x3, w3, sp)
-        return kqs.sym_encode(x3, w3, sp)
+        if thorough:
+            sp = self.search
+            return kqs.aff_encode(x3, w3, sp) if isinstance(sp, kqs.AffSearch) else kqs.sym_encode(x3, w3, sp)
+        fp = self.fast
+        return kqf.aff_fast(x3, w3, fp) if isinstance(fp, kqf.FastAff) else kqf.sym_fast(x3, w3, fp)
 
     def round_to_grid(self, x: torch.Tensor, params, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         n, m = x.shape
@@ -209,6 +229,9 @@ class Q2_K(_KQuant):
         d_steps=_grid(8.0, 15.5, 0.25),
         moves=kqs.MOVES_WIDE,
     )
+    fast = kqf.FastAff(
+        qmax=3, kmax=15, steps=_grid(2.0, 4.0, 0.25), shifts=(0.0,), d_steps=_geom(10.0, 1.1, 8), rounds=1
+    )
 
     def pack(self, params: kqs.AffConfig, codes: torch.Tensor) -> torch.Tensor:
         cfg = params
@@ -232,6 +255,7 @@ class Q3_K(_KQuant):
     format_name = "Q3_K"
     n_sub = 16
     search = kqs.SymSearch(qlo=-4, qhi=3, klo=-32, khi=31, d_steps=_grid(20.0, 32.5, 0.25), exhaustive=True)
+    fast = kqf.FastSym(qlo=-4, qhi=3, klo=-32, khi=31, d_steps=_geom(28.0, 1.12, 11), exact=True)
 
     def pack(self, params: kqs.SymConfig, codes: torch.Tensor) -> torch.Tensor:
         cfg, L = params, codes
@@ -257,6 +281,7 @@ class Q4_K(_KQuant):
     search = kqs.AffSearch(
         qmax=15, kmax=63, steps=_grid(11.0, 16.0, 0.2), shifts=(0.0, 0.3, -0.3), d_steps=_grid(40.0, 63.5, 0.5)
     )
+    fast = kqf.FastAff(qmax=15, kmax=63, steps=_grid(13.0, 16.0, 0.5), shifts=(0.0,), d_steps=_grid(52.0, 63.5, 1.0))
 
     def pack(self, params: kqs.AffConfig, codes: torch.Tensor) -> torch.Tensor:
         cfg = params
@@ -282,6 +307,9 @@ class Q5_K(_KQuant):
         shifts=(0.0, 0.3, -0.3),
         d_steps=_grid(40.0, 63.5, 0.5),
         moves=kqs.MOVES_WIDE,
+    )
+    fast = kqf.FastAff(
+        qmax=31, kmax=63, steps=_grid(29.0, 32.0, 0.5), shifts=(0.0, 0.3, -0.3), d_steps=_grid(52.0, 63.5, 1.0), rounds=1
     )
 
     def pack(self, params: kqs.AffConfig, codes: torch.Tensor) -> torch.Tensor:
@@ -322,6 +350,7 @@ class Q6_K(_KQuant):
     search = kqs.SymSearch(
         qlo=-32, qhi=31, klo=-128, khi=127, d_steps=_grid(100.0, 128.5, 0.5), steps=_grid(26.0, 32.5, 0.25), n_elem=2
     )
+    fast = kqf.FastSym(qlo=-32, qhi=31, klo=-128, khi=127, d_steps=_grid(116.0, 128.5, 1.0), steps=_grid(30.0, 32.5, 0.5))
 
     def pack(self, params: kqs.SymConfig, codes: torch.Tensor) -> torch.Tensor:
         cfg = params
