@@ -31,13 +31,22 @@ block (contiguous) in descending ``H_jj``; the bytes keep the layout's column or
 The grid search weighs the columns of a block by GPTQ's own cost of an error in each,
 ``1 / [U_jj]**2`` (unless an imatrix is given).
 
-Vector-quantized formats (the i-quants ``IQ3_*``, ``IQ2_*``, ``IQ1_*``: groups of 4 or 8
-weights share one codebook entry) have no per-weight grid, so there is no column to round
-alone: their codecs' :meth:`Codec.fit_params` raises NotImplementedError, :func:`supports_gptq`
-says False and :func:`gptq_round` refuses them; callers encode such tensors plainly.
+Vector-quantized formats (the lattice i-quants ``IQ3_*``, ``IQ2_*``, ``IQ1_*``: groups of 4 or 8
+weights share one codebook entry, sub-block scales share a super-block scale) have no per-weight
+grid, so there is no column to round alone (their codecs' :meth:`Codec.fit_params` raises
+NotImplementedError). GPTQ rounds them a super-block of columns at a time (block GPTQ): the
+block's 256 columns, error-compensated by every block before it, are encoded by the codec's own
+search (so each group's lattice point and every scale are chosen on the compensated weights),
+and the block's error ``E`` (N, 256) is then spread over the later columns at once,
+``W[:, R] -= E U_BB^-1 U_BR`` (what the column-by-column updates add up to for the same
+rounded values: the GPTQ paper's lazy batch, with the batch rounded jointly). The importance
+the search weighs a block's columns by is the diagonal of ``(U_BB^T U_BB)^-1 = U_BB^-1 U_BB^-T``,
+the error cost of each column once the later columns compensate (unless an imatrix is given).
+Within a block nothing is compensated, so the gain is smaller than for the per-weight grids;
+act-order moves whole blocks only.
 
 Everything runs on the device of the weight, vectorised over all rows (the Python loop is
-over columns).
+over columns, or over super-blocks for the i-quants).
 """
 
 from __future__ import annotations
@@ -74,6 +83,10 @@ class GPTQResult:
     damp: float
 
 
+# The vector-quantized formats GPTQ rounds a whole block of columns at a time (module docstring).
+_BLOCK_GPTQ = frozenset({"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"})
+
+
 @cache
 def _has_weight_grid(name: str) -> bool:
     codec, bs = get_codec(name), get_format(name).block_size
@@ -86,16 +99,16 @@ def _has_weight_grid(name: str) -> bool:
 
 
 def supports_gptq(fmt: str | Format) -> bool:
-    """Whether GPTQ can round to a format: a quantized format whose codec rounds weight by weight.
+    """Whether GPTQ can round to a format: a quantized format whose codec rounds weight by weight, or
+    one of the lattice i-quants (IQ3_XXS, IQ3_S, IQ2_*, IQ1_*: rounded a super-block at a time).
 
-    False for plain floats and for vector-quantized formats (their codec's ``fit_params`` raises
-    NotImplementedError: IQ3_XXS, IQ3_S, IQ2_*, IQ1_*).
+    False for plain floats and for other formats without a per-weight grid.
 
     Raises:
         KeyError: unknown format, or no codec registered for it.
     """
     fmt = fmt if isinstance(fmt, Format) else get_format(fmt)
-    return fmt.kind != "float" and _has_weight_grid(fmt.name)
+    return fmt.kind != "float" and (fmt.name in _BLOCK_GPTQ or _has_weight_grid(fmt.name))
 
 
 def _inverse_cholesky(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, float]:
@@ -161,13 +174,13 @@ def gptq_round(
     Raises:
         ValueError: bad shapes, a float format, non-finite inputs, or ``H`` not positive
             definite even after more damping.
-        NotImplementedError: a vector-quantized format (:func:`supports_gptq` is False).
+        NotImplementedError: a format :func:`supports_gptq` refuses.
     """
     fmt = fmt if isinstance(fmt, Format) else get_format(fmt)
     if fmt.kind == "float":
         raise ValueError(f"GPTQ needs a quantized block format, not {fmt.name}")
     if not supports_gptq(fmt):
-        raise NotImplementedError(f"GPTQ: {fmt.name} is vector-quantized (no per-weight grid); encode it with quantize()")
+        raise NotImplementedError(f"GPTQ: {fmt.name} has no per-weight grid; encode it with quantize()")
     if weight.ndim != 2:
         raise ValueError(f"GPTQ takes a 2-D weight, got shape {tuple(weight.shape)}")
     n, k = weight.shape
@@ -193,12 +206,16 @@ def gptq_round(
         h[dead, dead] = 1
         w[:, dead] = 0
     order = _column_order(diag, bs, act_order)
+    if fmt.name in _BLOCK_GPTQ:  # whole blocks only, each in its layout order
+        order = [c - c % bs + i for c in order[::bs] for i in range(bs)]
     if act_order:
         perm = torch.tensor(order, device=device)
         w, h, dead = w[:, perm], h[perm][:, perm], dead[perm]
         imp = None if imp is None else imp[perm]
     u, used_damp = _inverse_cholesky(h, damp)
     u = u.to(torch.float32)
+    if fmt.name in _BLOCK_GPTQ:
+        return _block_gptq(w, u, imp, dead, fmt, order, used_damp)
     if imp is None:
         imp = torch.diagonal(u).square().reciprocal()
         if dead.any():  # a dead column's error costs nothing: the least importance, not H_jj = 1's
@@ -237,6 +254,40 @@ def gptq_round(
         if i2 < k:
             w[:, i2:].addmm_(err1, u[i1:i2, i2:], alpha=-1.0)
     return GPTQResult(data, decoded, used_damp)
+
+
+def _block_gptq(w: torch.Tensor, u: torch.Tensor, imp: torch.Tensor | None, dead: torch.Tensor, fmt: Format,
+                order: list[int], damp: float) -> GPTQResult:
+    """Block GPTQ for the vector-quantized formats (module docstring): ``w`` (N, K) float32 in processing order,
+    updated in place; ``u`` (K, K) float32 upper Cholesky factor of ``H^-1`` in that order; ``imp`` (K,) imatrix or
+    None; ``order[p]`` the layout column at processing position ``p`` (whole blocks). Returns bytes and decoded
+    weight in layout order."""
+    n, k = w.shape
+    bs, ts = fmt.block_size, fmt.type_size
+    codec = get_codec(fmt.name)
+    data = torch.empty(n, k // bs * ts, dtype=torch.uint8, device=w.device)
+    decoded = torch.empty(n, k, dtype=torch.float32, device=w.device)
+    for b0 in range(0, k, bs):
+        b1 = b0 + bs
+        u_bb = u[b0:b1, b0:b1]
+        if imp is None:  # the cost of each column's error once the later columns compensate: diag(U_BB^-1 U_BB^-T)
+            eye = torch.eye(bs, dtype=u.dtype, device=u.device)
+            wb = torch.linalg.solve_triangular(u_bb, eye, upper=True).square().sum(1)
+            live = ~dead[b0:b1]
+            if not live.all():  # a dead column's error costs nothing: the least importance
+                wb = torch.where(live, wb, wb[live].min() * 1e-3 if live.any() else torch.ones_like(wb))
+        else:
+            wb = imp[b0:b1]
+        xb = w[:, b0:b1].contiguous()
+        blk = codec.encode_blocks(xb, wb.expand(n, bs).contiguous())
+        v = codec.decode_blocks(blk)
+        lb = order[b0] // bs  # the block's place in the layout
+        data[:, lb * ts : (lb + 1) * ts] = blk
+        decoded[:, lb * bs : (lb + 1) * bs] = v
+        if b1 < k:
+            spread = torch.linalg.solve_triangular(u_bb, u[b0:b1, b1:], upper=True)  # U_BB^-1 U_BR
+            w[:, b1:].addmm_(xb - v, spread, alpha=-1.0)
+    return GPTQResult(data, decoded, damp)
 
 
 def gptq_quantize(
