@@ -8,7 +8,7 @@ gets a row saying so) on one synthetic ``--rows`` x 14336 float32 weight (Gaussi
 
 * ``ours_cpu``: ``dynaquant.quant.codecs.quantize`` on CPU with ``--cpu-threads`` torch threads (default: torch's)
   over the first rows (at most ``--cpu-rows``, fewer where a run would take over ``--cpu-seconds``, estimated from
-  a timed 8-row probe after the warm-up; the rate is per weight), median of ``--repeats`` runs;
+  a timed one-row probe after the warm-up; the rate is per weight), median of ``--repeats`` runs;
 * ``ours_<device>``: the same on ``--device`` (default ``cuda`` when available) over the whole tensor, the weight
   and imatrix already on the device, synchronized, warm-up first, median of ``--repeats``; the host-to-device copy
   of the weight (``h2d_s``) and the device-to-host copy of the bytes (``d2h_s``) are timed on their own (medians)
@@ -229,13 +229,13 @@ def _errors(x: torch.Tensor, imatrix: torch.Tensor, ours: torch.Tensor, ref: np.
 def bench_cpu(name: str, x: torch.Tensor, imatrix: torch.Tensor, args) -> tuple[dict, torch.Tensor]:
     """Ours on CPU over the first rows (at most ``--cpu-rows``, a run of about ``--cpu-seconds`` at most)."""
     k = x.shape[1]
-    quantize(x[:8], name, imatrix)  # warm-up: tables, caches
+    quantize(x[:1], name, imatrix)  # warm-up: tables, caches
     t0 = time.perf_counter()
-    quantize(x[:8], name, imatrix)  # probe: the rate that sizes the timed slice
+    quantize(x[:1], name, imatrix)  # probe: the rate that sizes the timed slice (one row: slow paths stay cheap)
     probe_s = time.perf_counter() - t0
     rows = min(x.shape[0], args.cpu_rows or x.shape[0])
     if args.cpu_seconds and probe_s > 0:
-        rows = max(8, min(rows, int(8 * args.cpu_seconds / probe_s) // 8 * 8))
+        rows = max(1, min(rows, int(args.cpu_seconds / probe_s)))
     xs = x[:rows].contiguous()
     times, out = time_runs(lambda: quantize(xs, name, imatrix), args.repeats)
     return _stats(times, rows * k, rows=rows, threads=torch.get_num_threads(), probe_s=round(probe_s, 4)), out
@@ -359,7 +359,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=4096, help="rows of the (rows, 14336) test weight")
     p.add_argument("--cpu-rows", type=int, default=128, help="rows our CPU encoder is timed on, at most (0: all)")
     p.add_argument("--cpu-seconds", type=float, default=5.0,
-                   help="fewer CPU rows where one run would take longer than this (from an 8-row probe; 0: off)")
+                   help="fewer CPU rows where one run would take longer than this (from a one-row probe; 0: off)")
     p.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="device of our full-tensor run ('cpu' skips it)"
     )
