@@ -404,6 +404,8 @@ def main(argv=None) -> int:
     if args.checkpoint is None and not (ckpt / "config.json").is_file():
         bench.add({"pipeline": "checkpoint", "stage": "make", "device": args.device,
                    **make_checkpoint(ckpt, shape, tok, args.device)})
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()  # the GPU's memory back for llama-imatrix and dynaquant
     if args.make_only:
         return 0
     cal = args.calibration or args.work / "calibration.txt"

@@ -26,8 +26,14 @@ TOK=${TOKENIZER:-$REPO/.dev/smollm2-tokenizer}
 TOKARG=(); [ -e "$TOK" ] && TOKARG=(--tokenizer "$TOK")
 BIN=$WORK/llama.cpp/build-cuda/bin; NGL=99
 if [ ! -x "$BIN/llama-quantize" ] || [ ! -x "$BIN/llama-imatrix" ]; then
-  status "llama.cpp CUDA build started in the background (log OUT/build-cuda.log)"
-  setsid bash benchmarks/device/llama_build.sh "$WORK" cuda "$OUT/build-cuda.log" < /dev/null > /dev/null 2>&1 &
+  if [ -f "$WORK/build-cuda.pid" ] && kill -0 "$(cat "$WORK/build-cuda.pid")" 2>/dev/null; then
+    status "llama.cpp CUDA build of an earlier call still running: waiting for it"
+  else
+    rm -f "$WORK/build-cuda.ok" "$WORK/build-cuda.failed"
+    setsid bash benchmarks/device/llama_build.sh "$WORK" cuda "$OUT/build-cuda.log" < /dev/null > /dev/null 2>&1 &
+    echo $! > "$WORK/build-cuda.pid"
+    status "llama.cpp CUDA build started in the background (pid $!, log OUT/build-cuda.log)"
+  fi
 fi
 status "checkpoint"
 python3 benchmarks/pipeline_speed.py --work "$WORK" --out "$OUT/pipeline_speed.json" --resume --make-only "${TOKARG[@]}" "$@" \
