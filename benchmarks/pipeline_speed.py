@@ -323,6 +323,8 @@ def summary(rows: list[dict]) -> str:
     for r in res:
         if r.get("skipped"):
             lines.append(f"| {r['pipeline']} | {r.get('stage')} {r.get('mix', '')} | skipped: {r.get('note', '')} | | | | | |")
+        elif r.get("stage") == "failed":
+            lines.append(f"| {r['pipeline']} | {r.get('mode')} | failed: {r.get('error', '')[-120:]} | | | | | |")
     mixes = [r["mix"] for r in res if r.get("stage") == "quantize" and not r.get("skipped")]
     conv = next((r for r in res if r.get("stage") == "convert" and not r.get("skipped")), None)
     imat = next((r for r in res if r.get("stage") == "imatrix" and not r.get("skipped")), None)
@@ -333,7 +335,7 @@ def summary(rows: list[dict]) -> str:
         lines.append(f"| llama.cpp | {mix} | " + ", ".join(f"{k} {v:.1f}" for k, v in st.items() if v)
                      + f" | {tot:.1f} | | {q.get('size_bytes', '')} | {q.get('bpw', 0):.3f} | |")
     for r in res:
-        if r.get("pipeline") == "dynaquant":
+        if r.get("pipeline") == "dynaquant" and r.get("stage") == "total":
             st = ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in r["timings_s"].items() if v >= 0.05)
             sp, anchor = r.get("speedup_vs_llama"), r.get("anchor")
             mt = r.get("meets_target")
@@ -429,7 +431,7 @@ def main(argv=None) -> int:
                 with failure_row(bench, "dynaquant", mode):
                     bench.add(dynaquant_mode(bench, args, ckpt, cal, mode))
     for r in bench.rows[1:]:  # anchors: every row against the llama.cpp totals of this run (or the resumed one)
-        if r.get("pipeline") == "dynaquant":
+        if r.get("pipeline") == "dynaquant" and r.get("stage") == "total":
             r.update(compare(r, bench))
     args.out.write_text(json.dumps(bench.rows, indent=1))
     print(summary(bench.rows))

@@ -78,9 +78,10 @@ def test_anchor_speedup_targets_and_summary(tmp_path):
     assert slow["meets_target"] is False  # over 150 s
     assert low["speedup_vs_llama"] is None and low["meets_target"] is False  # no IQ2_XS anchor measured
     assert fast["anchor_stages_s"] == {"convert_s": 60.0, "imatrix_s": 30.0, "quantize_s": 90.0}
-    table = ps.summary(bench.rows + [{"row": "result", **r} for r in (fast, slow, low)])
+    failed = {"row": "result", "pipeline": "dynaquant", "stage": "failed", "mode": "gptq", "error": "exit status 2"}
+    table = ps.summary(bench.rows + [{"row": "result", **r} for r in (fast, slow, low)] + [failed])
     assert "| llama.cpp | Q4_K_M | convert 60.0, imatrix 30.0, quantize 90.0 | 180.0 |" in table
-    assert "3.60x vs llama.cpp Q4_K_M" in table and "skipped: no imatrix" in table
+    assert "3.60x vs llama.cpp Q4_K_M" in table and "skipped: no imatrix" in table and "failed: exit status 2" in table
     # resume keeps measured rows (not the skipped one, which is re-examined)
     again = ps.Bench(tmp_path / "rows.json", {"row": "header"}, resume=True)
     assert again.find(stage="quantize", mix="Q4_K_M")["time_s"] == 90.0

@@ -5,16 +5,8 @@
 # env:   WORK (default /root/dq/pipe; shares the llama.cpp tree with pipeline.sh), LLAMA_SRC_TAR, GGUF_WHEEL
 # Writes OUT/encode.log, OUT/encode_speed.json (rewritten after every type; a second call resumes) and
 # OUT/encode_summary.md; OUT/status gets one line a step.
-set -uo pipefail
-OUT=$(realpath -m "$1"); shift
-REPO=$(cd "$(dirname "$0")/../.." && pwd)
-WORK=${WORK:-/root/dq/pipe}
-mkdir -p "$OUT" "$WORK"
-exec >> "$OUT/encode.log" 2>&1
-status() { echo "$(date +%T) $*" >> "$OUT/status"; echo "=== $(date +%T) $*"; }
-cd "$REPO"
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-python3 -c "import gguf" 2>/dev/null || python3 -m pip install -q --no-deps "${GGUF_WHEEL:-$REPO/.dev/gguf-0.19.0-py3-none-any.whl}"
+LOGNAME_=encode.log
+source "$(dirname "$0")/common.sh" "$1"; shift
 LIB=$(ls "$WORK"/llama.cpp/build-ggml/bin/libggml-base.so 2>/dev/null | head -1)
 if [ -z "$LIB" ]; then
   status "encode: building libggml-base"

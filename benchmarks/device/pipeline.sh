@@ -11,17 +11,8 @@
 #   cat /root/dq/pipe-out/status; tail -3 /root/dq/pipe-out/pipeline.log
 # A second call with the same WORK and OUT keeps the rows and files already made (--resume): the checkpoint, the
 # BF16 GGUF and the imatrix are not made again (e.g. a later call with --modes bpw2.5 for the IQ2_XS anchor).
-set -uo pipefail
-OUT=$(realpath -m "$1"); shift
-REPO=$(cd "$(dirname "$0")/../.." && pwd)
-WORK=${WORK:-/root/dq/pipe}
-mkdir -p "$OUT" "$WORK"
-exec >> "$OUT/pipeline.log" 2>&1
-status() { echo "$(date +%T) $*" >> "$OUT/status"; echo "=== $(date +%T) $*"; }
-cd "$REPO"
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-status "start: $(nproc) cores, $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
-python3 -c "import gguf" 2>/dev/null || python3 -m pip install -q --no-deps "${GGUF_WHEEL:-$REPO/.dev/gguf-0.19.0-py3-none-any.whl}"
+LOGNAME_=pipeline.log
+source "$(dirname "$0")/common.sh" "$1"; shift
 TOK=${TOKENIZER:-$REPO/.dev/smollm2-tokenizer}
 TOKARG=(); [ -e "$TOK" ] && TOKARG=(--tokenizer "$TOK")
 BIN=$WORK/llama.cpp/build-cuda/bin; NGL=99
