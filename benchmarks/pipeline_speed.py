@@ -9,7 +9,7 @@ x ``--ctx`` tokens (32 x 512) for both tools:
 * ``dynaquant``: ``python -m dynaquant quantize DIR --device D --no-eval --json --calibration FILE ...`` for each
   ``--modes`` entry (``bpw4.5``: ``--bpw 4.5``; ``gptq``: ``--bpw 4.5 --gptq``; ``bpw2.5``: ``--bpw 2.5``); the
   row has the wall time of the command (``time_s``; ``startup_s`` is the part outside the run's own clock: the
-  interpreter and imports) and the run's stage times from its JSON (``timings_s``: ``load_s``,
+  interpreter, the imports and what follows the encode) and the run's stage times from its JSON (``timings_s``: ``load_s``,
   ``calibration_s``, ``super_weights_s``, ``errors_s``, ``corrections_s``, ``gptq*``, ``quantize_s`` = encode
   and write), the file's size and bits per weight;
 * ``llama.cpp``: ``convert_hf_to_gguf.py DIR --outtype bf16`` (``--llama-src``, the vendored tree), then
