@@ -21,6 +21,9 @@ a tied embedding adds both terms.
 Errors are measured on a sample of rows, stratified by each row's weight in the sum (rows with
 the largest weight are always measured; one random row per stratum of the rest, weighted by the
 stratum's size), which is unbiased and keeps the analysis of every format of every tensor fast.
+Many tensors are measured together (:func:`measure_samples`: a decoder block's tensors, an MoE
+layer's experts): each format encodes the sampled rows of all of them in one sequence of codec
+calls, and the results equal those of measuring each tensor alone (:func:`measure_errors`).
 """
 
 from __future__ import annotations
@@ -29,8 +32,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from dynaquant.quant.codecs import dequantize, quantize
-from dynaquant.quant.formats import get_format
+from dynaquant.quant.codecs import dequantize, get_codec, quantize
+from dynaquant.quant.codecs.base import block_importance, chunk_weights
+from dynaquant.quant.formats import Format, get_format
+
+# Sampled weights measured together at most (:func:`measure_samples`): the samples, their importance and one
+# format's decoded copy are held at once.
+BATCH_WEIGHTS = 1 << 27
+# Formats whose encoder looks across blocks, measured one tensor at a time (as quantize encodes it): NVFP4_G16
+# takes its global scale from the largest magnitude of the blocks it is given.
+PER_TENSOR_FORMATS = frozenset({"NVFP4_G16"})
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,36 @@ class RowWeights:
     hessian: torch.Tensor | None = None
     lookup: torch.Tensor | None = None
     lookup_fisher: torch.Tensor | None = None
+
+
+@dataclass
+class ErrorSample:
+    """The sampled rows of one tensor and what their errors need (:func:`sample_tensor`), on one device.
+
+    Attributes:
+        rows: (n, K) float32 sampled rows of the weight.
+        weights: (n,) float64 estimator weights (:func:`sample_rows`).
+        n_rows: N, the whole tensor's rows (for its size in bytes).
+        imatrix: the (K,) importance as given (None: none), for the encoders.
+        importance: (K,) float32 importance the encoders get (``block_importance``: floored, ones without imatrix).
+        constant: ``importance`` is constant (the IQ1/IQ2 encoders then use their no-imatrix weighting, decided
+            over the whole chunk encoded together, so such a tensor is encoded on its own).
+        imp: (K,) float32 column weights of ``weighted_rel``.
+        hessian: (K, K) float32 H of ``output_rel``.
+        row_weights: the RowWeights of the sampled rows (predicted KLD).
+        ref: (2,) float64 the estimated ``sum H_jj W_ij^2`` and ``tr(W H W^T)`` (denominators of the relative errors).
+    """
+
+    rows: torch.Tensor
+    weights: torch.Tensor
+    n_rows: int
+    imatrix: torch.Tensor | None
+    importance: torch.Tensor
+    constant: bool
+    imp: torch.Tensor
+    hessian: torch.Tensor
+    row_weights: RowWeights
+    ref: torch.Tensor
 
 
 def sample_rows(score: torch.Tensor, n: int, top: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,20 +151,15 @@ def _row_terms(W: torch.Tensor, rw: RowWeights) -> torch.Tensor:
     return t
 
 
-def measure_errors(weight: torch.Tensor, formats: list[str], rw: RowWeights, *, imatrix: torch.Tensor | None = None,
-                   hessian: torch.Tensor | None = None, rows: int | None = None, seed: int = 0) -> dict[str, TensorError]:
-    """Errors of one tensor in each format whose block size divides its rows.
+def sample_tensor(weight: torch.Tensor, rw: RowWeights, *, imatrix: torch.Tensor | None = None,
+                  hessian: torch.Tensor | None = None, rows: int | None = None, seed: int = 0) -> ErrorSample:
+    """Draw the rows of one tensor whose errors :func:`measure_samples` measures (the weight itself is not kept).
 
-    Args:
-        weight: (N, K) float weight (torch orientation, rows = output channels or vocabulary).
-        formats: format names to try; those that do not fit K are left out of the result.
-        rw: row weights for the predicted KL divergence.
-        imatrix: (K,) float32 importance passed to the encoders (and used for ``weighted_rel``).
-        hessian: (K, K) float32 E[x x^T] for ``output_rel`` (default: ``rw.hessian``; None: diag(imatrix)).
-        rows: rows to measure (default: all when N <= 64, else max(32, N // 16) capped at 2048).
-        seed: row sampling seed.
+    Args: as :func:`measure_errors`.
     Returns:
-        format name -> TensorError (sizes for the whole tensor, errors estimated from the sampled rows).
+        ErrorSample on the weight's device.
+    Raises:
+        ValueError: the imatrix does not have K entries, or is not finite and non-negative.
     """
     W = weight.to(torch.float32)
     N, K = W.shape
@@ -138,20 +174,141 @@ def measure_errors(weight: torch.Tensor, formats: list[str], rw: RowWeights, *, 
     idx, sw = sample_rows(score, rows, max(1, rows // 16), seed)
     idx, sw = idx.to(W.device), sw.to(W.device)
     Ws = W[idx]
-    ref_w = float((sw * (Ws * Ws * imp).sum(1).double()).sum())
-    ref_o = float((sw * ((Ws @ H) * Ws).sum(1).double()).sum())
-    sub = RowWeights(None if rw.fisher is None else rw.fisher.to(W.device)[idx], rw.hessian,
-                     None if rw.lookup is None else rw.lookup.to(W.device)[idx], rw.lookup_fisher)
-    out: dict[str, TensorError] = {}
-    for name in formats:
-        f = get_format(name)
-        if not f.fits(K):
+    ref = torch.stack([(sw * (Ws * Ws * imp).sum(1).double()).sum(), (sw * ((Ws @ H) * Ws).sum(1).double()).sum()])
+    sub = RowWeights(None if rw.fisher is None else rw.fisher.to(W.device)[idx],
+                     None if rw.hessian is None else rw.hessian.to(W.device),
+                     None if rw.lookup is None else rw.lookup.to(W.device)[idx],
+                     None if rw.lookup_fisher is None else rw.lookup_fisher.to(W.device))
+    enc = block_importance(imatrix, 1, K, W.device).reshape(K)  # what quantize() gives the encoders
+    return ErrorSample(Ws, sw, N, imatrix, enc, bool((enc == enc[0]).all()), imp, H, sub, ref)
+
+
+def measure_samples(samples: list[ErrorSample], formats: list[str], *,
+                    batch_weights: int = BATCH_WEIGHTS) -> list[dict[str, TensorError]]:
+    """Errors of many tensors in each format, their sampled rows encoded together.
+
+    For each format, the sampled rows of every tensor it fits are cut into the format's blocks and
+    encoded and decoded as one sequence of blocks (in chunks of whole rows of at most
+    ``chunk_weights`` weights, as :func:`~dynaquant.quant.codecs.quantize` chunks one tensor), each
+    block with its own tensor's importance; the decoded rows are split back per tensor and their
+    errors summed as :func:`measure_errors` does. The results equal per-tensor measurement
+    (``measure_errors`` on each, same rows) as long as each block's encoding depends on that block
+    only; the exceptions are encoded one tensor at a time (:data:`PER_TENSOR_FORMATS`, and tensors
+    whose importance is constant, for which the IQ1/IQ2 encoders switch to their no-imatrix
+    weighting). The host waits for the device once per batch, not once per format.
+
+    Args:
+        samples: from :func:`sample_tensor` (one device).
+        formats: format names; a tensor gets those whose block size divides its rows.
+        batch_weights: sampled weights measured together at most (a memory bound; a tensor is never split).
+    Returns:
+        One dict per sample, format name -> TensorError (in ``formats`` order).
+    """
+    out: list[dict[str, TensorError]] = [{} for _ in samples]
+    for batch in _batches(samples, batch_weights):
+        sums: dict[tuple[int, str], torch.Tensor] = {}
+        step = chunk_weights(samples[batch[0]].rows.device)
+        for name in formats:
+            f = get_format(name)
+            fit = [i for i in batch if f.fits(samples[i].rows.shape[1])]
+            if f.kind == "float":
+                dec = {i: dequantize(quantize(samples[i].rows, f), f) for i in fit}
+            else:
+                alone = [i for i in fit if f.name in PER_TENSOR_FORMATS or samples[i].constant]
+                together = [i for i in fit if i not in alone]
+                dec = {}
+                for g in ([together] if together else []) + [[i] for i in alone]:
+                    dec.update(zip(g, _decode_rows([samples[i] for i in g], f, step)))
+            for i in fit:  # in format order, as measure_errors returns them
+                sums[i, f.name] = _error_sums(samples[i], dec[i])
+        if not sums:
             continue
-        q = dequantize(quantize(Ws, f, imatrix if f.kind != "float" else None), f).to(W.device)
-        d = q - Ws
-        e_w = float((sw * (d * d * imp).sum(1).double()).sum())
-        e_o = float((sw * ((d @ H) * d).sum(1).double()).sum())
-        kld = float((sw * _row_terms(d, sub)).sum())
-        out[f.name] = TensorError(N * f.row_bytes(K), f.bpw, e_w / ref_w if ref_w > 0 else 0.0,
-                                  (e_o / ref_o) ** 0.5 if ref_o > 0 else 0.0, kld)
+        dev = samples[batch[0]].rows.device
+        refs = torch.stack([samples[i].ref.to(dev) for i in batch]).tolist()
+        vals = torch.stack([v.to(dev) for v in sums.values()]).tolist()  # the one wait for the device
+        ref_of = dict(zip(batch, refs))
+        for (i, name), (e_w, e_o, kld) in zip(sums, vals):
+            f, s = get_format(name), samples[i]
+            ref_w, ref_o = ref_of[i]
+            out[i][name] = TensorError(s.n_rows * f.row_bytes(s.rows.shape[1]), f.bpw, e_w / ref_w if ref_w > 0 else 0.0,
+                                       (e_o / ref_o) ** 0.5 if ref_o > 0 else 0.0, kld)
+    return out
+
+
+def measure_errors(weight: torch.Tensor, formats: list[str], rw: RowWeights, *, imatrix: torch.Tensor | None = None,
+                   hessian: torch.Tensor | None = None, rows: int | None = None, seed: int = 0) -> dict[str, TensorError]:
+    """Errors of one tensor in each format whose block size divides its rows.
+
+    Args:
+        weight: (N, K) float weight (torch orientation, rows = output channels or vocabulary).
+        formats: format names to try; those that do not fit K are left out of the result.
+        rw: row weights for the predicted KL divergence.
+        imatrix: (K,) float32 importance passed to the encoders (and used for ``weighted_rel``).
+        hessian: (K, K) float32 E[x x^T] for ``output_rel`` (default: ``rw.hessian``; None: diag(imatrix)).
+        rows: rows to measure (default: all when N <= 64, else max(32, N // 16) capped at 2048).
+        seed: row sampling seed.
+    Returns:
+        format name -> TensorError (sizes for the whole tensor, errors estimated from the sampled rows).
+    Raises:
+        ValueError: the imatrix does not have K entries, or is not finite and non-negative.
+    """
+    return measure_samples([sample_tensor(weight, rw, imatrix=imatrix, hessian=hessian, rows=rows, seed=seed)], formats)[0]
+
+
+def _error_sums(s: ErrorSample, q: torch.Tensor) -> torch.Tensor:
+    """(3,) float64 estimated sums of the error ``q - rows``: imatrix-weighted, output (H), predicted KLD."""
+    d = q - s.rows
+    return torch.stack([(s.weights * (d * d * s.imp).sum(1).double()).sum(),
+                        (s.weights * ((d @ s.hessian) * d).sum(1).double()).sum(),
+                        (s.weights * _row_terms(d, s.row_weights)).sum()])
+
+
+def _batches(samples: list[ErrorSample], limit: int) -> list[list[int]]:
+    """Consecutive sample indices, at most ``limit`` sampled weights a batch (at least one sample)."""
+    out: list[list[int]] = []
+    total = 0
+    for i, s in enumerate(samples):
+        n = s.rows.numel()
+        if not out or total + n > limit:
+            out.append([])
+            total = 0
+        out[-1].append(i)
+        total += n
+    return out
+
+
+def _chunks(samples: list[ErrorSample], block_size: int, max_blocks: int):
+    """(first, end) block ranges of the samples' concatenated rows: whole rows, at most ``max_blocks`` blocks
+    (at least one row), as :func:`~dynaquant.quant.codecs.quantize` chunks one tensor."""
+    pos = cur = 0
+    for s in samples:
+        per_row = s.rows.shape[1] // block_size
+        left = s.rows.shape[0]
+        while left:
+            take = min(left, (max_blocks - cur) // per_row)
+            if take == 0:
+                if cur:
+                    yield pos - cur, pos
+                    cur = 0
+                    continue
+                take = 1
+            cur, pos, left = cur + take * per_row, pos + take * per_row, left - take
+    if cur:
+        yield pos - cur, pos
+
+
+def _decode_rows(samples: list[ErrorSample], f: Format, step: int) -> list[torch.Tensor]:
+    """Each sample's rows encoded to ``f`` and decoded, all samples' blocks in one sequence of codec calls."""
+    codec = get_codec(f.name)
+    opts = {"backend": "auto", "variant": None} if codec.fast_paths else {}
+    bs = f.block_size
+    xb = torch.cat([s.rows.reshape(-1) for s in samples]).view(-1, bs)
+    wb = torch.cat([s.importance.expand(s.rows.shape).reshape(-1) for s in samples]).view(-1, bs)
+    dec = torch.empty_like(xb)
+    for b0, b1 in _chunks(samples, bs, max(1, step // bs)):
+        dec[b0:b1] = codec.decode_blocks(codec.encode_blocks(xb[b0:b1], wb[b0:b1], **opts))
+    flat, out, pos = dec.view(-1), [], 0
+    for s in samples:
+        out.append(flat[pos:pos + s.rows.numel()].view(s.rows.shape))
+        pos += s.rows.numel()
     return out

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dynaquant.analysis.errors import RowWeights
+from dynaquant.analysis.errors import ErrorSample, RowWeights, TensorError, measure_samples, sample_tensor
 from dynaquant.sources.experts import dispatch, expert_weight, find_experts, layout_of
 
 
@@ -192,13 +192,53 @@ def uninstall(undo: list) -> None:
             del mod.forward
 
 
+def expert_samples(module: torch.nn.Module, proj: str, st: ExpertStats, *, total_tokens: int, fisher_total: int,
+                   seed: int = 0) -> tuple[list[ErrorSample], list[int]]:
+    """The sampled rows of each expert of a stacked expert tensor (``ffn_{gate,up,down}_exps``).
+
+    Each expert is sampled as a linear layer with its own statistics (:meth:`ExpertStats.row_weights`,
+    :func:`.errors.sample_tensor`, seed ``seed + e``); measure them (with other tensors) by
+    :func:`.errors.measure_samples` and add them up by :func:`combine_expert_errors`.
+
+    Args:
+        module: the experts module; proj: ``gate_proj``, ``up_proj`` or ``down_proj``.
+        st: its statistics.
+        total_tokens: calibration tokens; fisher_total: tokens of the Fisher sequences.
+    Returns:
+        (one ErrorSample per expert, experts that used a fallback).
+    """
+    w = expert_weight(module, proj).detach()
+    samples, fallback = [], []
+    for e in range(st.n_expert):
+        rw, imp, fb = st.row_weights(proj, e, total_tokens, fisher_total)
+        if fb:
+            fallback.append(e)
+        samples.append(sample_tensor(w[e], rw, imatrix=imp, seed=seed + e))
+    return samples, fallback
+
+
+def combine_expert_errors(st: ExpertStats, per_expert: list[dict[str, TensorError]]) -> dict[str, TensorError]:
+    """The errors of a whole expert stack from its experts' (in expert order): sizes and predicted KL
+    divergences add up over experts, the relative errors are averaged with each expert's routing share
+    as weight (an unrouted expert counts half a token)."""
+    share = st.tokens.double().cpu().clamp_min(0.5)
+    share = share / share.sum()
+    sums: dict[str, list[float]] = {}
+    for e, errs in enumerate(per_expert):
+        for f, te in errs.items():
+            s = sums.setdefault(f, [0, 0.0, 0.0, 0.0, 0.0])
+            s[0] += te.size_bytes
+            s[1] += float(share[e]) * te.weighted_rel
+            s[2] += float(share[e]) * te.output_rel
+            s[3] += te.kld_pred
+            s[4] = te.bpw
+    return {f: TensorError(int(s[0]), s[4], s[1], s[2], s[3]) for f, s in sums.items()}
+
+
 def measure_expert_errors(module: torch.nn.Module, proj: str, st: ExpertStats, formats: list[str], *,
                           total_tokens: int, fisher_total: int, seed: int = 0) -> tuple[dict, list[int]]:
-    """Errors of a stacked expert tensor (``ffn_{gate,up,down}_exps``) in each format.
-
-    Each expert is measured as a linear layer with its own statistics (:meth:`ExpertStats.row_weights`,
-    :func:`.errors.measure_errors`); sizes and predicted KL divergences add up over experts, the
-    relative errors are averaged with each expert's routing share as weight.
+    """Errors of a stacked expert tensor (``ffn_{gate,up,down}_exps``) in each format, all experts
+    measured together (:func:`expert_samples`, :func:`.errors.measure_samples`, :func:`combine_expert_errors`).
 
     Args:
         module: the experts module; proj: ``gate_proj``, ``up_proj`` or ``down_proj``.
@@ -207,26 +247,8 @@ def measure_expert_errors(module: torch.nn.Module, proj: str, st: ExpertStats, f
     Returns:
         (format name -> :class:`.errors.TensorError` for the whole stack, experts that used a fallback).
     """
-    from dynaquant.analysis.errors import TensorError, measure_errors
-
-    w = expert_weight(module, proj).detach()
-    share = st.tokens.double().cpu().clamp_min(0.5)
-    share = share / share.sum()
-    sums: dict[str, list[float]] = {}
-    fallback = []
-    for e in range(st.n_expert):
-        rw, imp, fb = st.row_weights(proj, e, total_tokens, fisher_total)
-        if fb:
-            fallback.append(e)
-        for f, te in measure_errors(w[e], formats, rw, imatrix=imp, seed=seed + e).items():
-            s = sums.setdefault(f, [0, 0.0, 0.0, 0.0, 0.0])
-            s[0] += te.size_bytes
-            s[1] += float(share[e]) * te.weighted_rel
-            s[2] += float(share[e]) * te.output_rel
-            s[3] += te.kld_pred
-            s[4] = te.bpw
-    out = {f: TensorError(int(s[0]), s[4], s[1], s[2], s[3]) for f, s in sums.items()}
-    return out, fallback
+    samples, fallback = expert_samples(module, proj, st, total_tokens=total_tokens, fisher_total=fisher_total, seed=seed)
+    return combine_expert_errors(st, measure_samples(samples, formats)), fallback
 
 
 def routing_entry(st: ExpertStats, layer: int | None, total_tokens: int) -> dict:

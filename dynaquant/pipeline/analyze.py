@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from dynaquant.analysis import experts
 from dynaquant.analysis.calibration import CalibrationSpec, calibration_chunks
-from dynaquant.analysis.errors import RowWeights, measure_errors
+from dynaquant.analysis.errors import ErrorSample, RowWeights, measure_samples, sample_tensor
 from dynaquant.analysis.imatrix import Imatrix
 from dynaquant.analysis.report.schema import activation_entry, save_report, tensor_group, tensor_kind
 from dynaquant.analysis.sensitivity import ReferenceLogits, group_sensitivity, kld_with_weights
@@ -112,6 +112,60 @@ def _weight_of(model, t) -> torch.Tensor | None:
         return None
 
 
+def _error_groups(src_tensors) -> list[list[int]]:
+    """Indices of the tensors whose errors are measured together: a decoder block's (per tower), else one tensor."""
+    groups: dict[object, list[int]] = {}
+    for i, t in enumerate(src_tensors):
+        tn = TensorName.from_gguf(t.gguf_name)
+        groups.setdefault((tn.tower, tn.block) if tn.block is not None else t.gguf_name, []).append(i)
+    return list(groups.values())
+
+
+def _measure_tensors(model, src_tensors, stats: ModelStats, tied: bool, candidates: tuple[str, ...], sw_tensors: set,
+                     progress: bool) -> tuple[list[dict], dict[str, torch.Tensor | None]]:
+    """The report's tensor entries with the errors of every candidate format, and the encoder imatrix of each
+    measured tensor (by HF name). A decoder block's tensors, and all experts of its MoE layer, are measured
+    together (:func:`dynaquant.analysis.errors.measure_samples`), with the results of one tensor at a time."""
+    entries = [{"name": t.gguf_name, "hf_name": t.hf_name, "shape": list(t.shape), "n_elements": t.numel,
+                "layer": _layer(t.gguf_name), "kind": tensor_kind(t.gguf_name), "group": tensor_group(t.gguf_name),
+                "quantizable": t.quantizable, "super_weight": t.gguf_name in sw_tensors, "errors": {}} for t in src_tensors]
+    enc_imatrix: dict[str, torch.Tensor | None] = {}
+    bar = tqdm(total=len(src_tensors), desc="errors", disable=not progress, unit="tensor")
+    for group in _error_groups(src_tensors):
+        samples: list[ErrorSample] = []
+        owners = []  # (entry index, its samples' range, the experts' statistics or None)
+        for i in group:
+            t, e = src_tensors[i], entries[i]
+            stacked = stacked_name(t.hf_name)
+            if t.quantizable and stacked and stacked[0] in stats.experts:
+                st = stats.experts[stacked[0]]
+                ss, fallback = experts.expert_samples(model.get_submodule(stacked[0]), stacked[1], st,
+                                                      total_tokens=stats.tokens, fisher_total=stats.fisher_tokens)
+                owners.append((i, len(samples), len(samples) + len(ss), st))
+                samples += ss
+                e["experts"] = {"n_expert": st.n_expert, "fallback": fallback}
+                if fallback:
+                    log.warning("%s: experts %s saw no calibration tokens (or none with gradients): measured with the "
+                                "layer's pooled statistics", t.gguf_name, fallback)
+            elif t.quantizable:
+                w = _weight_of(model, t)
+                rw, imp = _row_weights(t, stats, tied, stats.token_counts)
+                if w is not None and rw is not None and tuple(w.shape) == tuple(t.shape):
+                    owners.append((i, len(samples), len(samples) + 1, None))
+                    samples.append(sample_tensor(w.detach(), rw, imatrix=imp))
+                    if t.hf_name:
+                        enc_imatrix[t.hf_name] = imp
+                else:
+                    log.warning("%s: no calibration statistics or weight shape mismatch; not measured", t.gguf_name)
+        results = measure_samples(samples, list(candidates))
+        for i, a, b, st in owners:
+            errs = results[a] if st is None else experts.combine_expert_errors(st, results[a:b])
+            entries[i]["errors"] = {f: v.to_dict() for f, v in errs.items()}
+        bar.update(len(group))
+    bar.close()
+    return entries, enc_imatrix
+
+
 def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: CalibrationSpec, *,
                  candidates: tuple[str, ...] = DEFAULT_CANDIDATES, fisher_sequences: int = 16,
                  super_weights: bool = True, sensitivity_formats: tuple[str, ...] = (),
@@ -149,33 +203,8 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
     sw_tensors = {s.tensor for s in sws if s.confirmed and s.tensor}
 
     t2 = time.perf_counter()
-    entries = []
-    enc_imatrix: dict[str, torch.Tensor | None] = {}
-    for t in tqdm(src_tensors, desc="errors", disable=not progress, unit="tensor"):
-        e = {"name": t.gguf_name, "hf_name": t.hf_name, "shape": list(t.shape), "n_elements": t.numel,
-             "layer": _layer(t.gguf_name), "kind": tensor_kind(t.gguf_name), "group": tensor_group(t.gguf_name),
-             "quantizable": t.quantizable, "super_weight": t.gguf_name in sw_tensors, "errors": {}}
-        stacked = stacked_name(t.hf_name)
-        if t.quantizable and stacked and stacked[0] in stats.experts:
-            mod = model.get_submodule(stacked[0])
-            errs, fallback = experts.measure_expert_errors(mod, stacked[1], stats.experts[stacked[0]], list(candidates),
-                                                           total_tokens=stats.tokens, fisher_total=stats.fisher_tokens)
-            e["errors"] = {f: v.to_dict() for f, v in errs.items()}
-            e["experts"] = {"n_expert": stats.experts[stacked[0]].n_expert, "fallback": fallback}
-            if fallback:
-                log.warning("%s: experts %s saw no calibration tokens (or none with gradients): measured with the "
-                            "layer's pooled statistics", t.gguf_name, fallback)
-        elif t.quantizable:
-            w = _weight_of(model, t)
-            rw, imp = _row_weights(t, stats, info.tied_embeddings, stats.token_counts)
-            if w is not None and rw is not None and tuple(w.shape) == tuple(t.shape):
-                errs = measure_errors(w.detach(), list(candidates), rw, imatrix=imp)
-                e["errors"] = {f: v.to_dict() for f, v in errs.items()}
-                if t.hf_name:
-                    enc_imatrix[t.hf_name] = imp
-            else:
-                log.warning("%s: no calibration statistics or weight shape mismatch; not measured", t.gguf_name)
-        entries.append(e)
+    entries, enc_imatrix = _measure_tensors(model, src_tensors, stats, info.tied_embeddings, candidates, sw_tensors,
+                                            progress)
     timings["errors_s"] = time.perf_counter() - t2
 
     activations = []

@@ -1,0 +1,81 @@
+"""The analysis's batched error measurement (``measure_samples``) equals measuring one tensor at a time.
+
+Oracles: :func:`measure_errors` on each tensor alone (the per-tensor path, itself checked against the
+quantize/dequantize formula in test_analysis.py), and ``quantize``/``dequantize`` of the same sampled
+rows for the weighted error. Equality is exact (``==`` on the float results): each block's encoding
+depends on that block alone, the sums run over the same rows in the same order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dynaquant.analysis.errors as errors
+from dynaquant.analysis.errors import RowWeights, measure_errors, measure_samples, sample_tensor
+from dynaquant.quant.codecs import base, dequantize, quantize
+
+# one format a class (the i-quants' CPU encoders are slow): 256-blocks with a lattice search (IQ2_XXS switches to
+# its no-imatrix weighting on constant importance), K-quant, legacy, nonlinear, NVFP4 runtime (global scale over
+# the blocks encoded: measured alone), plain float
+FORMATS = ["IQ2_XXS", "Q4_K", "Q4_0", "MXFP4", "NVFP4_G16", "F16"]
+
+
+def _case(n: int, k: int, seed: int, imatrix: bool = True, lookup: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * (1 + torch.rand(n, 1, generator=g))
+    x = torch.randn(48, k, generator=g) * 3 * torch.rand(k, generator=g)
+    h = x.T @ x / 48
+    if lookup:
+        return w, RowWeights(lookup=torch.rand(n, generator=g), lookup_fisher=torch.rand(k, generator=g)), None
+    return w, RowWeights(fisher=torch.rand(n, generator=g), hessian=h), torch.diagonal(h).clone() if imatrix else None
+
+
+@pytest.fixture(scope="module")
+def cases():
+    # odd row counts, two row sizes, a K that only the 32-blocks fit, no imatrix (constant importance), an embedding
+    return [_case(90, 256, 0), _case(33, 512, 1), _case(40, 256, 2, imatrix=False), _case(21, 96, 3),
+            _case(70, 256, 4, lookup=True)]
+
+
+def test_batched_errors_equal_per_tensor(cases, monkeypatch):
+    # small chunks (cut inside tensors and across them; quantize's own too: NVFP4_G16's global scale is the chunk's)
+    # and batches (a batch boundary inside the list)
+    for mod in (errors, base):
+        monkeypatch.setattr(mod, "chunk_weights", lambda device: 2560)
+    alone = [measure_errors(w, FORMATS, rw, imatrix=im, seed=i) for i, (w, rw, im) in enumerate(cases)]
+    samples = [sample_tensor(w, rw, imatrix=im, seed=i) for i, (w, rw, im) in enumerate(cases)]
+    together = measure_samples(samples, FORMATS, batch_weights=6 * 256 * 40)
+    assert together == alone
+    assert list(together[3]) == ["Q4_0", "MXFP4", "NVFP4_G16", "F16"]  # K = 96: the 256-block formats left out
+    assert [s.constant for s in samples] == [False, False, True, False, True]
+    for s, errs in zip(samples, together):
+        for f, te in errs.items():  # the decoded rows are quantize's on the same rows, bit for bit
+            d = dequantize(quantize(s.rows, f, s.imatrix if f != "F16" else None), f) - s.rows
+            assert te.weighted_rel == float((s.weights * (d * d * s.imp).sum(1).double()).sum()) / float(s.ref[0])
+        assert errs["IQ2_XXS" if "IQ2_XXS" in errs else "Q4_0"].kld_pred > errs["F16"].kld_pred > 0
+
+
+def test_expert_errors_batched_equal_per_expert():
+    from test_moe_analysis import _model
+
+    from dynaquant.analysis import experts as moe
+    from dynaquant.analysis.stats import collect_stats
+    from dynaquant.sources.experts import PROJS, expert_weight
+
+    model = _model("qwen2moe")
+    chunks = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(2))
+    stats = collect_stats(model, chunks, fisher_sequences=1, progress=False)
+    name = "model.layers.1.mlp.experts"
+    st, mod = stats.experts[name], model.get_submodule(name)
+    kw = dict(total_tokens=stats.tokens, fisher_total=stats.fisher_tokens)
+    for proj in PROJS:
+        got, fallback = moe.measure_expert_errors(mod, proj, st, ["Q4_0", "Q8_0"], **kw)
+        w = expert_weight(mod, proj).detach()
+        per = []
+        for e in range(st.n_expert):
+            rw, imp, _ = st.row_weights(proj, e, **kw)
+            per.append(measure_errors(w[e], ["Q4_0", "Q8_0"], rw, imatrix=imp, seed=e))
+        assert got == moe.combine_expert_errors(st, per)
+        assert got["Q4_0"].kld_pred == sum(p["Q4_0"].kld_pred for p in per) > got["Q8_0"].kld_pred > 0
+        assert got["Q4_0"].size_bytes == w.numel() // 32 * 18 and fallback == st.unrouted()
