@@ -13,7 +13,7 @@ from dynaquant.analysis.corrections import GroupMeasure, PlanMeasure, correction
 from dynaquant.analysis.report.html import build_report_page
 from dynaquant.analysis.report.plots import correction_points, fig_corrections
 from dynaquant.analysis.report.schema import Report
-from dynaquant.analysis.sensitivity import ReferenceLogits, kld_with_weights
+from dynaquant.analysis.sensitivity import ReferenceLogits, SwappedWeights, kld_with_weights
 from dynaquant.errors import InputError
 from dynaquant.pipeline.corrections import correct_plan, fit_factors, model_measure
 from dynaquant.pipeline.plan import error_fn_from_report
@@ -204,6 +204,31 @@ def test_measure_plan_on_a_tiny_llama_matches_kld_with_weights_and_restores(tiny
     assert alone["blk.0.attn"] == pytest.approx(kld_with_weights(model, ref, blk0, lambda n: None), rel=1e-5)
     assert m.kld_groups_sum == pytest.approx(sum(alone.values())) and m.kld_pred == pytest.approx(0.01 * len(params))
     assert m.interaction == pytest.approx(m.kld_measured / m.kld_groups_sum) and m.kld_measured > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_measure_plan_on_the_gpu_keeps_one_copy_of_the_weights_there(tiny_model):
+    """Decoded weights kept on the CPU are swapped through it: while swapped the GPU holds exactly the bytes it held
+    before (the originals wait on the CPU), both sides come back bit for bit, and measure_plan's KLD is the CPU's."""
+    model = tiny_model.cuda()
+    params = {n: p for n, p in model.named_parameters() if p.ndim == 2}
+    before = {n: p.detach().clone() for n, p in params.items()}
+    decoded = {n: torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) for i, (n, p) in enumerate(params.items())}
+    kept = {n: t.clone() for n, t in decoded.items()}
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    with SwappedWeights(params, decoded, list(decoded)):
+        assert torch.cuda.memory_allocated() == base
+        assert all(torch.equal(p.cpu(), kept[n]) and decoded[n].device.type == "cpu" for n, p in params.items())
+    assert all(torch.equal(p, before[n]) and torch.equal(decoded[n], kept[n]) for n, p in params.items())
+    chunks = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    fmts, groups = dict.fromkeys(params, "Q4_0"), {n: n.split(".")[2] if "layers" in n else "token_embd" for n in params}
+    m = measure_plan(model, ReferenceLogits(model, chunks.cuda()), fmts, groups, dict.fromkeys(params, 0.01),
+                     lambda n: None, progress=False)
+    assert all(torch.equal(p, before[n]) for n, p in params.items())
+    model.cpu()
+    assert m.kld_measured == pytest.approx(kld_with_weights(model, ReferenceLogits(model, chunks), fmts, lambda n: None),
+                                           rel=1e-3)
 
 
 def test_the_loop_on_a_tiny_llama_returns_a_plan_within_budget(tiny_model):

@@ -100,7 +100,8 @@ def measure_plan(model, ref: ReferenceLogits, formats: dict[str, str], groups: d
         progress: a tqdm bar over the groups (``desc``).
     Returns:
         PlanMeasure, groups in first-appearance order of ``formats``. Cost: ``len(groups) + 1`` forward passes over
-        the held-out sequences, one encode and decode per parameter.
+        the held-out sequences, one encode and decode per parameter; memory: the decoded weights on the host (one
+        model's worth), the model's device holding each weight once (:class:`SwappedWeights`).
     Raises:
         KeyError: a parameter of ``formats`` not in the model, or without a group.
     """
@@ -108,12 +109,12 @@ def measure_plan(model, ref: ReferenceLogits, formats: dict[str, str], groups: d
     members: dict[str, list[str]] = {}
     for name in formats:
         members.setdefault(groups[name], []).append(name)
-    cache: dict[str, torch.Tensor] = {}
+    cache: dict[str, torch.Tensor] = {}  # decoded weights, kept on the CPU: a GPU holds the model once
     out = []
     try:
         for g, names in tqdm(members.items(), desc=desc, disable=not progress, unit="group"):
             for n in names:
-                cache[n] = decoded_weight(params[n], formats[n], imatrix_of(n))
+                cache[n] = decoded_weight(params[n], formats[n], imatrix_of(n)).cpu()
             with SwappedWeights(params, cache, names):
                 kld = ref.kld(model)
             out.append(GroupMeasure(g, sum(float(kld_pred.get(n) or 0.0) for n in names), kld))

@@ -77,15 +77,22 @@ def kld_with_weights(model, ref: ReferenceLogits, formats: dict[str, str],
 
 class SwappedWeights:
     """``with``: the storage of ``params[n]`` exchanged with ``tensors[n]`` (same shape and dtype) for each of
-    ``names``, and exchanged back on exit (also on error); no copy of the weights is made."""
+    ``names``, and exchanged back on exit (also on error). No copy of the weights is made where ``tensors[n]`` is on
+    the parameter's device; one that lives elsewhere (the CPU, so that a whole plan's decoded weights need no second
+    model's worth of GPU memory) is copied to the parameter's device and the parameter's own storage to
+    ``tensors[n]``'s device while swapped: the GPU then holds one copy of each weight, plus one tensor in flight."""
 
     def __init__(self, params: dict, tensors: dict[str, torch.Tensor], names: list[str]):
         self.params, self.tensors, self.names = params, tensors, names
 
     def _swap(self):
         for n in self.names:
-            p = self.params[n]
-            p.data, self.tensors[n] = self.tensors[n], p.data
+            p, t = self.params[n], self.tensors[n]
+            if t.device == p.device:
+                p.data, self.tensors[n] = t, p.data
+            else:
+                self.tensors[n] = p.data.to(t.device)
+                p.data = t.to(p.device)
 
     def __enter__(self):
         self._swap()
