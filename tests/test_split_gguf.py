@@ -247,3 +247,46 @@ def test_default_model_split_loads_in_llama_cpp(tmp_path):
     assert np.array_equal(_llama_logits(shards[0], ids), _llama_logits(one.output, ids))
     assert inspect_gguf(shards[0]).size_bytes == inspect_gguf(one.output).size_bytes
     assert gguf.Keys.Split.LLM_KV_SPLIT_COUNT not in _fields(one.output)
+
+
+def test_open_gguf_reuses_the_reader_of_an_unchanged_file_only(tmp_path):
+    """gguf-py parses metadata in Python (seconds for a large vocabulary): a file opened again unchanged gives the
+    same reader; rewritten in place with other metadata of the same size, or replaced, it is parsed again."""
+    from dynaquant.sources.readers import open_gguf
+
+    def write(path, value):
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_string("general.name", value)
+        w.add_tensor("t", np.arange(8, dtype=np.float32))
+        w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+        w.close()
+
+    path = tmp_path / "m.gguf"
+    write(path, "aaaa")
+    first = open_gguf(path)
+    assert open_gguf(path) is first
+    size = path.stat().st_size
+    data = path.read_bytes().replace(b"aaaa", b"bbbb")  # same size, same inode: the metadata differs
+    with open(path, "r+b") as f:
+        f.write(data)
+    assert path.stat().st_size == size
+    again = open_gguf(path)
+    assert again is not first and bytes(again.fields["general.name"].parts[-1]) == b"bbbb"
+    write(tmp_path / "n.gguf", "cccc")
+    (tmp_path / "n.gguf").replace(path)  # a new file under the old name
+    assert bytes(open_gguf(path).fields["general.name"].parts[-1]) == b"cccc"
+
+
+def test_a_quantize_runs_evaluation_equals_dynaquant_eval(tiny, tmp_path):
+    """quantize --eval builds the quantized model as a copy of the reference holding the file's decoded weights (no
+    second load): the same figures, bit for bit, as ``dynaquant eval`` on the file (transformers' GGUF loader)."""
+    from dynaquant.pipeline.evaluate import evaluate
+
+    ckpt = tiny[0]
+    text = tmp_path / "eval.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    res = _q(ckpt, tmp_path / "q.gguf", preset="Q4_0", evaluate=True, eval_text=text, eval_chunks=2, n_ctx=32,
+             device="cpu")
+    again = evaluate(res.output, ckpt, text=text, n_ctx=32, chunks=2, device="cpu", progress=False)
+    assert res.eval.kld_mean == again.kld_mean and res.eval.top1_agreement == again.top1_agreement
+    assert res.eval.kld_mean > 0 and res.eval.ppl == again.ppl

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -39,7 +40,9 @@ def evaluate_models(reference, quantized, tokenizer, text, n_ctx, chunks, progre
 def evaluate_written(path: Path, source: ModelSource, ts: TensorSource, tokenizer, cfg: QuantizeConfig, device: str, *,
                      checkpoint: bool) -> EvalResult:
     """A quantize run's evaluation of what it wrote (``path``: a GGUF file, or with ``checkpoint`` a safetensors
-    folder) against its source, loaded again here (NaN / Inf replaced as in the run when ``cfg.allow_nonfinite``).
+    folder) against its source, loaded again here (NaN / Inf replaced as in the run when ``cfg.allow_nonfinite``);
+    a GGUF is evaluated as a copy of that model holding the file's decoded weights (``runtime.decoded.load_decoded``,
+    bit-exact with gguf-py's decoding), not loaded a second time.
 
     Raises:
         InputError: the source holds NaN or Inf weights and not ``cfg.allow_nonfinite``.
@@ -52,8 +55,10 @@ def evaluate_written(path: Path, source: ModelSource, ts: TensorSource, tokenize
         from dynaquant.runtime.loader import load
 
         quantized = load(path, device=device, dtype=torch.float32)
-    else:
-        quantized = quantized_model(path, source, ts, device)
+    else:  # a copy of the reference with the file's decoded weights: no second load of the source (decoded.py)
+        from dynaquant.runtime.decoded import load_decoded
+
+        quantized = load_decoded(path, source, ts, device=device, model=copy.deepcopy(reference))
     return evaluate_models(reference, quantized, tokenizer, cfg.eval_text, cfg.n_ctx, cfg.eval_chunks, cfg.progress)
 
 

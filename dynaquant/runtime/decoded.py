@@ -28,13 +28,15 @@ def uses_own_decoder(ts) -> bool:
 
 
 def load_decoded(gguf_path: str | os.PathLike, source, ts, *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, model=None):
     """The source's transformers model holding the GGUF file's decoded weights.
 
     Args:
         gguf_path: a GGUF file written from ``ts`` (tensor names must be ``ts``'s; a split GGUF: its first shard).
         source: the checkpoint's ``checkpoint.ModelSource`` (the model to build).
         ts: its ``TensorSource`` (GGUF name -> HF name, architecture, heads).
+        model: the source's model already loaded (float32, on the CPU or ``device``), overwritten in place instead of
+            loading another (None: loaded here).
     Returns:
         The model in eval mode on ``device``; tensors stored as F32 in the file keep the source's values.
     Raises:
@@ -47,7 +49,8 @@ def load_decoded(gguf_path: str | os.PathLike, source, ts, *, device: str | torc
     from dynaquant.sources.hf import unpermute_qk
     from dynaquant.sources.readers import open_gguf_shards
 
-    model = load_model(source, dtype=torch.float32, device="cpu")
+    if model is None:
+        model = load_model(source, dtype=torch.float32, device="cpu")
     by_name = {t.gguf_name: t for t in ts.tensors()}
     params = dict(model.named_parameters())
     kv_parts: dict[str, dict[str, torch.Tensor]] = {}
@@ -61,7 +64,7 @@ def load_decoded(gguf_path: str | os.PathLike, source, ts, *, device: str | torc
                 raise ValueError(f"{gguf_path}: tensor {rt.name} is not in the source {ts.source_id}")
             shape = tuple(int(n) for n in reversed(rt.shape.tolist()))
             raw = np.array(rt.data).view(np.uint8).reshape(-1, get_format(fmt).row_bytes(shape[-1]))
-            x = dequantize(raw, fmt).reshape(shape)
+            x = dequantize(raw, fmt).reshape(shape).to(next(model.parameters()).device)
             if ts.arch == "llama" and rt.name.endswith(("attn_q.weight", "attn_k.weight")):
                 x = unpermute_qk(x, ts.n_head if "attn_q" in rt.name else ts.n_head_kv)
             mla = re.match(r"^(.*\.self_attn\.)(k|v)_b_proj\.weight$", t.hf_name or "")

@@ -12,6 +12,7 @@ becomes :class:`~dynaquant.errors.InputError` naming the file, which the command
 
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
 import os
@@ -154,8 +155,21 @@ def _check_layout(path: Path, buf) -> int:
     return data_start
 
 
+# The last few GGUFReaders opened, by (path, device, inode, size, digest of the header bytes): gguf-py parses every
+# metadata field in Python
+# (a 49k-token vocabulary takes seconds), and one run opens its source several times. Only files up to
+# _READERS_MAX_BYTES are kept (a kept reader maps its file: a large one removed meanwhile would hold its disk space).
+_READERS: dict[tuple, gguf.GGUFReader] = {}
+_READERS_KEPT = 4
+_READERS_MAX_BYTES = 4 << 30
+
+
 def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
-    """Open a GGUF file with gguf-py's ``GGUFReader`` (memory-mapped), after :func:`check_gguf_layout`.
+    """Open a GGUF file with gguf-py's ``GGUFReader`` (memory-mapped, read-only), after :func:`check_gguf_layout`.
+
+    The reader of a file (up to 4 GiB) opened recently is returned again while the file is the same (inode, size,
+    and a digest of its header, metadata and tensor table: what the reader parsed; the tensor data stays mapped);
+    callers must not modify it.
 
     Raises:
         InputError: the file is missing, unreadable, not a GGUF file, or damaged; the message names it.
@@ -163,13 +177,24 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: no such GGUF file")
-    check_gguf_layout(path)
+    data_start = check_gguf_layout(path)
+    st = path.stat()
+    with open(path, "rb") as f:
+        digest = hashlib.blake2b(f.read(data_start), digest_size=16).digest()
+    key = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, digest)
+    if key in _READERS:
+        return _READERS[key]
     try:
-        return gguf.GGUFReader(path)
+        reader = gguf.GGUFReader(path)
     except (MemoryError, RecursionError):
         raise
     except Exception as e:  # noqa: BLE001 - gguf-py raises KeyError, ValueError, UnicodeDecodeError, ... on damaged files
         raise InputError(f"{path}: damaged GGUF file ({type(e).__name__}: {e})") from e
+    if st.st_size <= _READERS_MAX_BYTES:
+        while len(_READERS) >= _READERS_KEPT:
+            _READERS.pop(next(iter(_READERS)))
+        _READERS[key] = reader
+    return reader
 
 
 # a llama.cpp split GGUF's file names: gguf-py's SHARD_NAME_FORMAT (NAME-00001-of-00003.gguf), as llama_split_path
