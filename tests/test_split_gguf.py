@@ -290,3 +290,8 @@ def test_a_quantize_runs_evaluation_equals_dynaquant_eval(tiny, tmp_path):
     again = evaluate(res.output, ckpt, text=text, n_ctx=32, chunks=2, device="cpu", progress=False)
     assert res.eval.kld_mean == again.kld_mean and res.eval.top1_agreement == again.top1_agreement
     assert res.eval.kld_mean > 0 and res.eval.ppl == again.ppl
+    gsrc = tiny[1].output  # a GGUF source (no head counts in its tensor source; q/k stored permuted)
+    res = _q(gsrc, tmp_path / "g.gguf", preset="Q4_0", evaluate=True, eval_text=text, eval_chunks=2, n_ctx=32,
+             device="cpu")
+    again = evaluate(res.output, gsrc, text=text, n_ctx=32, chunks=2, device="cpu", progress=False)
+    assert res.eval.kld_mean == again.kld_mean and res.eval.kld_mean > 0
