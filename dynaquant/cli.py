@@ -296,7 +296,7 @@ def _quantize(a, bare: bool, argv: list[str]) -> int:
     if res.gptq:
         for f, g in res.gptq.items():
             if g.get("plain_only"):
-                print(f"  GPTQ {f}: vector-quantized, {g['tensors']} tensors rounded plainly")
+                print(f"  GPTQ {f}: not supported, {g['tensors']} tensors rounded plainly")
             else:
                 print(f"  GPTQ {f}: {g['gptq']}/{g['tensors']} tensors, held-out output error x{g['mean_ratio']:.3f} vs plain")
     if res.fit:

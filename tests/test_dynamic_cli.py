@@ -132,19 +132,24 @@ def tiny256(tmp_path_factory):
     return ckpt, plan
 
 
-def test_gptq_rounds_vector_quantized_formats_plainly(tiny256, tmp_path):
-    """IQ3_XXS has no per-weight grid: those tensors are encoded plainly (reported as such), the rest by GPTQ."""
+def test_gptq_rounds_lattice_iquants_by_blocks(tiny256, tmp_path):
+    """IQ3_XXS has no per-weight grid: GPTQ rounds it a 256-column super-block at a time (quant.gptq), the rest
+    column by column; each tensor keeps the rounding with the lower held-out error; floats are refused."""
     import dynaquant
+    from dynaquant.quant.codecs import dequantize
     from dynaquant.quant.gptq import gptq_round, supports_gptq
 
-    assert not supports_gptq("IQ3_XXS") and not supports_gptq("F16") and supports_gptq("IQ4_XS")
+    assert supports_gptq("IQ3_XXS") and supports_gptq("IQ1_S") and not supports_gptq("F16") and supports_gptq("IQ4_XS")
     assert supports_gptq("NVFP4") and supports_gptq("Q4_0")
-    with pytest.raises(NotImplementedError, match="vector-quantized"):
-        gptq_round(torch.randn(4, 256), "IQ3_S", torch.eye(256))
+    with pytest.raises(ValueError, match="quantized block format"):
+        gptq_round(torch.randn(4, 256), "F16", torch.eye(256))
+    r = gptq_round(torch.randn(4, 512), "IQ3_S", torch.eye(512))
+    assert torch.equal(dequantize(r.data, "IQ3_S").reshape(4, 512), r.decoded)
     ckpt, plan = tiny256
     res = dynaquant.quantize(str(ckpt), plan=plan, gptq=True, calibration_chunks=3, n_ctx=64, device="cpu",
                              output=tmp_path / "g.gguf", progress=False)
-    assert res.gptq["IQ3_XXS"] == {"tensors": 2, "gptq": 0, "mean_ratio": None, "plain_only": True}
+    iq = res.gptq["IQ3_XXS"]
+    assert iq["tensors"] == 2 and not iq.get("plain_only") and iq["mean_ratio"] is not None
     assert res.gptq["Q4_0"]["tensors"] == 2 * 6  # attention and ffn_gate/up; token_embd is not GPTQ'd
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(res.output)).tensors}
     assert types == plan.formats()

@@ -1,4 +1,4 @@
-"""The fast K-quant searches (``kquant_fast``, the default) against the thorough ones.
+"""The fast K-quant searches (``kquant_fast``, ``thorough=False``) against the thorough ones (the default).
 
 The exact error profile behind Q3_K's search equals the brute-force error of nearest codes;
 on random blocks, the fast search's weighted error stays close to the thorough search's

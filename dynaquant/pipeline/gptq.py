@@ -32,7 +32,7 @@ class GPTQRounding:
         self.damp, self.device = damp, device
         self.ratios: dict[str, list[float]] = {}
         self.used: dict[str, int] = {}
-        self.plain_only: dict[str, int] = {}  # vector-quantized formats: no per-weight rounding, encoded plainly
+        self.plain_only: dict[str, int] = {}  # formats GPTQ does not round (supports_gptq False): encoded plainly
         timings["gptq_stats_s"] = time.perf_counter() - t0
 
     def encode(self, t, w: torch.Tensor, fmt: Format, imp) -> torch.Tensor | None:
@@ -60,7 +60,7 @@ class GPTQRounding:
     def summary(self) -> dict:
         """Per format: tensors tried, tensors that took GPTQ, mean held-out output-error ratio GPTQ / plain.
 
-        Vector-quantized formats (no per-weight rounding) appear with ``gptq`` 0, ``mean_ratio`` None
+        Formats GPTQ does not round (``quant.gptq.supports_gptq``) appear with ``gptq`` 0, ``mean_ratio`` None
         and ``plain_only`` True: all their tensors were encoded plainly.
         """
         out = {f: {"tensors": len(r), "gptq": self.used.get(f, 0), "mean_ratio": round(sum(r) / len(r), 4)}

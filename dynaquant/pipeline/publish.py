@@ -46,7 +46,7 @@ from dynaquant.pipeline.analyze import save_imatrix
 from dynaquant.pipeline.evaluate import evaluate_written
 from dynaquant.pipeline.plan import check_imatrix_needs
 from dynaquant.pipeline.preflight import Output, check_outputs
-from dynaquant.pipeline.source import model_info, tensor_infos
+from dynaquant.pipeline.source import default_device, model_info, tensor_infos
 from dynaquant.pipeline.targets import RunState, Target, target_of
 from dynaquant.quant.plan import Plan
 from dynaquant.quant.planner import make_plan, preset_size_bytes
@@ -174,7 +174,7 @@ class Publisher:
             out = Path(cfg.output)
             folder = out.with_suffix("") if out.suffix == ".gguf" else out
             cfg = dataclasses.replace(cfg, output=folder / (out.name if out.suffix == ".gguf" else f"{out.name}.gguf"))
-        self.config = cfg
+        self.config = cfg.for_device(cfg.device or default_device())  # the run's counts; ``given``: as asked
         self.folder: Path | None = None
         self.stack = ExitStack()
 

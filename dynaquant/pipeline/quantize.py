@@ -147,8 +147,8 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         gptq: error-compensating rounding (GPTQ, Frantar et al. 2022) for every matmul weight, using
             each layer's input second moments from the calibration text (damping ``gptq_damp``); for each
             tensor the rounding (GPTQ or plain) with the lower layer-output error on two held-out
-            calibration sequences is written. The GGUF layout is unchanged. Vector-quantized formats
-            (IQ3_XXS, IQ3_S, IQ2_*, IQ1_*) have no per-weight rounding: their tensors are rounded plainly.
+            calibration sequences is written. The GGUF layout is unchanged. The lattice i-quants (IQ3_XXS,
+            IQ3_S, IQ2_*, IQ1_*) are GPTQ-rounded a super-block of columns at a time (``quant.gptq``).
         target: ``gguf``, or ``safetensors``: a compressed-tensors checkpoint folder in the runtime formats,
             planned by ``bpw`` / ``size`` / ``plan`` (no presets), run by ``dynaquant.load``
             (:class:`dynaquant.pipeline.targets.SafetensorsTarget`).
@@ -204,8 +204,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
 def run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig) -> QuantizeResult:
     """Quantize ``model`` as ``cfg`` says (:func:`quantize`: arguments, result and errors); ``cfg.card``: into a
     published folder (:mod:`dynaquant.pipeline.publish`: the layout, and ``ValueError`` on contradictory options)."""
-    cfg = cfg.for_device(cfg.device or default_device())  # the counts left None: the device's defaults
-    with Publisher(cfg, model, write_output) as pub:
+    with Publisher(cfg, model, write_output) as pub:  # pub.config: the counts left None set for the device
         return _run_quantize(model, pub.config, pub)
 
 

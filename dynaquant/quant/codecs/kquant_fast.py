@@ -1,4 +1,4 @@
-"""Fast K-quant scale searches (the default of ``kquants.py``; the thorough ones are in
+"""Fast K-quant scale searches (``kquants.py``'s ``thorough=False``; the default, thorough ones are in
 ``_kquant_search``).
 
 Same models and configurations as :mod:`._kquant_search` (``SymConfig``, ``AffConfig``), on
