@@ -178,11 +178,12 @@ def scale_targets(
     return out
 
 
-def _safe(d: torch.Tensor) -> torch.Tensor:
+def safe_scale(d: torch.Tensor) -> torch.Tensor:
+    """``d`` with zeros replaced by 1 (a divisor for scales; a zero scale's block decodes to 0 anyway)."""
     return torch.where(d == 0, torch.ones_like(d), d)
 
 
-def _ulp_neighbours(d16: torch.Tensor, k: int) -> torch.Tensor:
+def ulp_neighbours(d16: torch.Tensor, k: int) -> torch.Tensor:
     """fp16 values ``k`` steps away in the bit pattern (same sign), as float32; non-finite -> same."""
     bits = d16.view(torch.int16)
     nb = (bits.to(torch.int32) + k).clamp(-32768, 32767).to(torch.int16).view(torch.float16)
@@ -260,19 +261,19 @@ def fit_scale(
     xmax = x.gather(1, imax).squeeze(1)
     wx = w * x
     # Inverse scales of all candidates (B, C): level c for the max, then the anchors.
-    inv = torch.tensor(list(targets), dtype=torch.float32, device=x.device)[None, :] / _safe(xmax)[:, None]
+    inv = torch.tensor(list(targets), dtype=torch.float32, device=x.device)[None, :] / safe_scale(xmax)[:, None]
     if anchor_offsets:
         # Scales that put the block's most important weight (largest w x^2) exactly on a
         # level: its nearest level under the max-based scale, and levels around it.
         lv = grid.level_tensor(x.device)
         xj = x.gather(1, (wx * x).argmax(dim=1, keepdim=True))
         d_nom = xmax.abs() / max(abs(grid.lo), abs(grid.hi))
-        i0 = grid.codes_of(xj / _safe(d_nom)[:, None])
+        i0 = grid.codes_of(xj / safe_scale(d_nom)[:, None])
         i = i0 + torch.tensor(list(anchor_offsets), device=x.device)[None, :]
         ok = (i >= 0) & (i < len(grid.levels))
         lvl = lv[i.clamp(0, len(grid.levels) - 1)]
         ok &= lvl != 0
-        inv_a = torch.where(ok, lvl / _safe(xj), 1.0 / _safe(d_nom)[:, None])
+        inv_a = torch.where(ok, lvl / safe_scale(xj), 1.0 / safe_scale(d_nom)[:, None])
         inv = torch.cat([inv, inv_a], dim=1)
     best_score = torch.full_like(xmax, -1.0)
     best_d = torch.zeros_like(xmax)
@@ -305,7 +306,7 @@ def polish_scale(
         nonlocal best_err, best_d
         d16 = to_half(d)
         df = d16.to(torch.float32)[:, None]
-        q = grid.values_of(x / _safe(df))
+        q = grid.values_of(x / safe_scale(df))
         r = x - df * q
         err = (w * r.square_()).sum(dim=1)
         better = err < best_err
@@ -320,7 +321,7 @@ def polish_scale(
         q = consider(torch.where(pos, (wx * q).sum(dim=1) / torch.where(pos, sq2, 1.0), best_d.to(torch.float32)))
     base = best_d
     for k in ulps:
-        consider(_ulp_neighbours(base, k))
+        consider(ulp_neighbours(base, k))
     return best_d, scale_codes(x, best_d, grid)
 
 
@@ -328,7 +329,7 @@ def scale_codes(x: torch.Tensor, d: torch.Tensor, grid: Grid) -> torch.Tensor:
     """Nearest codes under stored scales: x (B, m) float32, d (B,) float16 -> (B, m) int64
     indices into ``grid`` (the level nearest 0 where ``d == 0``)."""
     df = d.to(torch.float32)[:, None]
-    codes = grid.codes_of(x / _safe(df))
+    codes = grid.codes_of(x / safe_scale(df))
     return torch.where(df == 0, grid.zero_code(), codes)
 
 
@@ -336,7 +337,7 @@ def affine_codes(x: torch.Tensor, d: torch.Tensor, m: torch.Tensor, nmax: int) -
     """Nearest codes of ``d * code + m`` under stored values: x (B, n) float32, d, m (B,)
     float16 -> (B, n) int64 in ``0..nmax`` (0 where ``d == 0``)."""
     df, mf = d.to(torch.float32)[:, None], m.to(torch.float32)[:, None]
-    codes = torch.round((x - mf) / _safe(df)).clamp_(0, nmax)
+    codes = torch.round((x - mf) / safe_scale(df)).clamp_(0, nmax)
     return torch.where(d[:, None] == 0, 0.0, codes).to(torch.int64)
 
 
@@ -379,7 +380,7 @@ def fit_affine(
     swx = wx.sum(dim=1)
     rng = xmax - xmin
     # Candidates (C, B): inverse step and offset o, codes = clamp(round(x * inv - o), 0, nmax).
-    inv = torch.tensor([nmax + float(s) for s in steps], dtype=torch.float32, device=x.device)[:, None] / _safe(rng)[None]
+    inv = torch.tensor([nmax + float(s) for s in steps], dtype=torch.float32, device=x.device)[:, None] / safe_scale(rng)[None]
     offs = [xmin[None] * inv, xmax[None] * inv - nmax]
     if n_anchor:
         order = w.argsort(dim=1, descending=True)[:, :n_anchor]
@@ -431,7 +432,7 @@ def polish_affine(
     best_err = (w * (x - best_m.to(torch.float32)[:, None]).square()).sum(dim=1)
 
     def codes_of(df: torch.Tensor, mf: torch.Tensor) -> torch.Tensor:
-        return torch.round((x - mf) / _safe(df)).clamp_(0, nmax)
+        return torch.round((x - mf) / safe_scale(df)).clamp_(0, nmax)
 
     def consider(d: torch.Tensor, q: torch.Tensor) -> None:
         # d -> fp16; m refit under the stored d with the codes q, -> fp16; codes re-rounded
@@ -469,7 +470,7 @@ def polish_affine(
     if ulps:
         base_d, q = best_d, best_codes()
         for k in ulps:
-            consider(_ulp_neighbours(base_d, k), q)
+            consider(ulp_neighbours(base_d, k), q)
     return best_d, best_m, affine_codes(x, best_d, best_m, nmax)
 
 

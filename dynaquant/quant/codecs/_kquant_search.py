@@ -525,7 +525,3 @@ def aff_encode(x: torch.Tensor, w: torch.Tensor, spec: AffSearch) -> AffConfig:
         if r + 1 < spec.rounds:
             q = aff_codes(x, *best.sub_scales(), spec.qmax)
     return best
-
-
-# The names iq3.py and iq4.py use.
-_safe_div, _f16_candidates, _pick_best, _chunks, _sym_eval = safe_div, f16_candidates, pick_best, chunks, sym_eval

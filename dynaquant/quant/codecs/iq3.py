@@ -327,10 +327,10 @@ class _IQ3(Codec):
             v = torch.where(flip, -xa, xa)
             sxg = (w * v * g).sum(-1).double()
             sgg = (w * g * g).sum(-1).double()
-            gain = kqs._safe_div(sxg * sxg, sgg)
+            gain = kqs.safe_div(sxg * sxg, sgg)
             take = (gain > best_gain) & (sxg > 0)
             best_gain = torch.where(take, gain, best_gain)
-            best_a = torch.where(take, kqs._safe_div(sxg, sgg).float(), best_a)
+            best_a = torch.where(take, kqs.safe_div(sxg, sgg).float(), best_a)
 
         for t in self._knob("step1_t", xa.device):
             consider(amax / t)
@@ -348,11 +348,11 @@ class _IQ3(Codec):
         c = self.scale_mul
         ts = torch.tensor(self.d_steps, dtype=torch.float64, device=a.device)
         am = a.amax(1, keepdim=True)
-        cand = kqs._f16_candidates(torch.cat([am / (c * ts), *extra], 1))  # (n, C) float32
+        cand = kqs.f16_candidates(torch.cat([am / (c * ts), *extra], 1))  # (n, C) float32
         cand = cand.clamp_min(0)
         d3 = cand.unsqueeze(-1).double()  # (n, C, 1)
         ad = a.unsqueeze(1).double()
-        u = kqs._safe_div(ad, c * d3)  # ideal odd multiple
+        u = kqs.safe_div(ad, c * d3)  # ideal odd multiple
         l0 = ((u - 1) * 0.5).floor().clamp(0, 15)
         ls = torch.stack([l0, (l0 + 1).clamp(0, 15)], -1)  # (n, C, 8, 2)
         r = c * d3.unsqueeze(-1) * (2 * ls + 1) - ad.unsqueeze(-1)
@@ -374,11 +374,11 @@ class _IQ3(Codec):
         rounds = self._knob("rounds", x.device)
         for r in range(rounds):
             sxg, sgg = self._ls_stats(xa, w, idx, flip)
-            a = kqs._safe_div(sxg, sgg).clamp_min(0)
+            a = kqs.safe_div(sxg, sgg).clamp_min(0)
             extra = []
             if best is not None:
                 kf = self.scale_mul * (2 * best[1].double() + 1)
-                d_ls = kqs._safe_div((kf * sxg).sum(1), (kf * kf * sgg).sum(1))
+                d_ls = kqs.safe_div((kf * sxg).sum(1), (kf * kf * sgg).sum(1))
                 extra = [best[0].double().unsqueeze(1), d_ls.unsqueeze(1)]
             d, lsc = self._pick_d(a, sgg, extra)
             err, idx, flip = self._exact_error(x, w, xa, neg, d, lsc, False)

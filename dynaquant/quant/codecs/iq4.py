@@ -121,15 +121,15 @@ class IQ4_XS(Codec):
         for r in range(self.rounds):
             sxq = (wx * q).sum(-1).double()
             sqq = (w3 * q * q).sum(-1).double()
-            a = kqs._safe_div(sxq, sqq)
+            a = kqs.safe_div(sxq, sqq)
             am = a.gather(1, a.abs().argmax(1, keepdim=True))
             cand = [am / ts, -am / ts]
             if best is not None:
                 kf = best.k.double()
-                d_ls = kqs._safe_div((kf * sxq).sum(1), (kf * kf * sqq).sum(1))
+                d_ls = kqs.safe_div((kf * sxq).sum(1), (kf * kf * sqq).sum(1))
                 cand += [best.d.double().unsqueeze(1), d_ls.unsqueeze(1)]
-            cand = kqs._f16_candidates(torch.cat(cand, 1))
-            d, k = kqs._pick_best(kqs._chunks(cand.shape[1], cand), partial(kqs._sym_eval, a.float(), sqq.float(), _KLO, _KHI))
+            cand = kqs.f16_candidates(torch.cat(cand, 1))
+            d, k = kqs.pick_best(kqs.chunks(cand.shape[1], cand), partial(kqs.sym_eval, a.float(), sqq.float(), _KLO, _KHI))
             cfg, err = self._refine(x3, w3, kqs.SymConfig(d, k))
             if best is None:
                 best, best_err = cfg, err

@@ -32,15 +32,15 @@ import torch
 from dynaquant.quant.codecs._blockfit import (
     Grid,
     Scorer,
-    _safe,
-    _ulp_neighbours,
     bytes_half,
     candidate_groups,
     fit_scale,
     half_bytes,
     in_subchunks,
+    safe_scale,
     scale_codes,
     to_half,
+    ulp_neighbours,
 )
 from dynaquant.quant.codecs.base import Codec, register
 from dynaquant.quant.formats import FORMATS
@@ -71,7 +71,7 @@ def int_zero_codes(x: torch.Tensor, d: torch.Tensor, z: torch.Tensor, nmax: int)
     """Nearest codes of ``d * (code - z)``: x (B, m) float32, d (B,) float16, z (B,) int64 -> (B, m) int64
     in ``0..nmax`` (``z`` where ``d == 0``)."""
     df = d.to(torch.float32)[:, None]
-    codes = (torch.round(x / _safe(df)) + z[:, None]).clamp_(0, nmax)
+    codes = (torch.round(x / safe_scale(df)) + z[:, None]).clamp_(0, nmax)
     return torch.where(df == 0, z[:, None].to(codes.dtype), codes).to(torch.int64)
 
 
@@ -104,7 +104,7 @@ def fit_int_zero(x: torch.Tensor, w: torch.Tensor, nmax: int, factors: Sequence[
         nonlocal best_err, best_d, best_z
         d16 = to_half(d.clamp(min=0))
         df = d16.to(torch.float32)[:, None]
-        c = (torch.round(x / _safe(df)) + z[:, None]).clamp_(0, nmax)
+        c = (torch.round(x / safe_scale(df)) + z[:, None]).clamp_(0, nmax)
         err = (w * (x - df * (c - z[:, None])).square_()).sum(dim=1)
         better = (err < best_err) & (d16 > 0)
         best_err = torch.where(better, err, best_err)
@@ -117,11 +117,11 @@ def fit_int_zero(x: torch.Tensor, w: torch.Tensor, nmax: int, factors: Sequence[
         return torch.where(s2 > 0, (wq * x).sum(dim=1) / torch.where(s2 > 0, s2, 1.0), d)
 
     def levels(d: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return (torch.round(x / _safe(d)[:, None]) + z[:, None]).clamp_(0, nmax) - z[:, None]
+        return (torch.round(x / safe_scale(d)[:, None]) + z[:, None]).clamp_(0, nmax) - z[:, None]
 
     # Candidates (C, B): step d and zero z, levels clamp(round(x / d), -z, nmax - z).
     d = (xmax - xmin)[None] * torch.tensor([f / nmax for f in factors], dtype=torch.float32, device=x.device)[:, None]
-    sd = _safe(d)
+    sd = safe_scale(d)
     z = torch.cat([torch.round(-xmin[None] / sd), nmax - torch.round(xmax[None] / sd)]).clamp_(0, nmax)
     inv = (1.0 / sd).repeat(2, 1)
     d = d.repeat(2, 1)
@@ -150,7 +150,7 @@ def fit_int_zero(x: torch.Tensor, w: torch.Tensor, nmax: int, factors: Sequence[
             consider(refit(levels(d0, z), d0), z)
     base_d, z = best_d, best_z
     for k in ulps:
-        consider(_ulp_neighbours(base_d, k), z)
+        consider(ulp_neighbours(base_d, k), z)
     return best_d, best_z
 
 
