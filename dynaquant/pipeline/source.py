@@ -12,7 +12,7 @@ from dynaquant.names import hf_to_gguf_name
 from dynaquant.quant.plan import TensorInfo
 from dynaquant.quant.presets import ModelInfo
 from dynaquant.sources.checkpoint import ModelSource
-from dynaquant.sources.gguf import TensorSource, open_gguf_source
+from dynaquant.sources.gguf import TensorSource, gguf_int, open_gguf_source
 
 
 def default_device() -> str:
@@ -67,25 +67,15 @@ def quantized_source(ts: TensorSource) -> bool:
     return 2 * quantized > sum(t.numel for t in tensors)
 
 
-def _gguf_int(reader, key: str) -> int | None:
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    v = f.contents()
-    return int(max(v)) if isinstance(v, list) else int(v)
-
-
 def model_info(ts: TensorSource) -> ModelInfo:
     """Model facts for the planner, from the source's metadata (no model is loaded)."""
     names = {t.gguf_name for t in ts.tensors()}
     reader = getattr(ts, "reader", None)
     expert_format = None
+    n_head, n_head_kv = getattr(ts, "n_head", 1), getattr(ts, "n_head_kv", 1)
     if reader is not None:
-        n_head = _gguf_int(reader, f"{ts.arch}.attention.head_count") or 1
-        n_head_kv = _gguf_int(reader, f"{ts.arch}.attention.head_count_kv") or n_head
-        n_expert = _gguf_int(reader, f"{ts.arch}.expert_count") or 0
+        n_expert = gguf_int(reader, ts.path, f"{ts.arch}.expert_count") or 0
     else:
-        n_head, n_head_kv = getattr(ts, "n_head", 1), getattr(ts, "n_head_kv", 1)
         cfg = getattr(ts, "config", {})
         n_expert = int(getattr(ts, "n_expert", 0) or cfg.get("num_local_experts") or cfg.get("num_experts")
                        or cfg.get("n_routed_experts") or 0)

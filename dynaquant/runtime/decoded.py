@@ -52,9 +52,6 @@ def load_decoded(gguf_path: str | os.PathLike, source, ts, *, device: str | torc
     if model is None:
         model = load_model(source, dtype=torch.float32, device="cpu")
     by_name = {t.gguf_name: t for t in ts.tensors()}
-    cfg = getattr(model.config, "text_config", None) or model.config  # a GGUF source's ts has no head counts
-    n_head = getattr(ts, "n_head", None) or cfg.num_attention_heads
-    n_head_kv = getattr(ts, "n_head_kv", None) or getattr(cfg, "num_key_value_heads", None) or n_head
     params = dict(model.named_parameters())
     kv_parts: dict[str, dict[str, torch.Tensor]] = {}
     with torch.no_grad():
@@ -69,7 +66,7 @@ def load_decoded(gguf_path: str | os.PathLike, source, ts, *, device: str | torc
             raw = np.array(rt.data).view(np.uint8).reshape(-1, get_format(fmt).row_bytes(shape[-1]))
             x = dequantize(raw, fmt).reshape(shape).to(next(model.parameters()).device)
             if ts.arch == "llama" and rt.name.endswith(("attn_q.weight", "attn_k.weight")):
-                x = unpermute_qk(x, n_head if "attn_q" in rt.name else n_head_kv)
+                x = unpermute_qk(x, ts.n_head if "attn_q" in rt.name else ts.n_head_kv)
             mla = re.match(r"^(.*\.self_attn\.)(k|v)_b_proj\.weight$", t.hf_name or "")
             if (stacked := stacked_name(t.hf_name)) is not None:
                 expert_weight(model.get_submodule(stacked[0]), stacked[1]).copy_(x)

@@ -137,6 +137,23 @@ def _field_value(field) -> tuple[object, GGUFValueType, GGUFValueType | None]:
     return field.contents(), main, None
 
 
+def gguf_int(reader: gguf.GGUFReader, path: str | os.PathLike, key: str) -> int | None:
+    """An integer metadata key of a GGUF file (a per-layer array: its largest value), or None when absent.
+
+    Raises:
+        InputError: the key holds something else, or an empty or non-integer array (names the file and key).
+    """
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    if not (f.types and f.types[0] == GGUFValueType.ARRAY):
+        return int(gguf_field(reader, path, key, int))
+    v = gguf_field(reader, path, key, list)
+    if not v or not all(isinstance(x, int) for x in v):
+        raise InputError(f"{path}: GGUF key {key} is not an integer or a non-empty array of integers")
+    return max(v)
+
+
 class GGUFFileSource(TensorSource):
     """A GGUF file as a tensor source (see :func:`open_gguf_source`); a split GGUF given its first shard reads the
     tensors of every shard (:func:`dynaquant.sources.readers.open_gguf_shards`).
@@ -146,6 +163,8 @@ class GGUFFileSource(TensorSource):
         reader: its ``gguf.GGUFReader`` (memory-mapped; fields and tensor data read lazily),
             for callers that want the stored metadata or types as they are (a split GGUF: the first shard's).
         files: the files read (``[path]``, or every shard in order).
+        n_head, n_head_kv: attention heads and key/value heads (``{arch}.attention.head_count[_kv]``; per-layer
+            arrays: the largest; absent: 1 and ``n_head``), as an HF source has them.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -157,6 +176,8 @@ class GGUFFileSource(TensorSource):
             raise InputError(f"{self.path}: no general.architecture key")
         self.arch = arch
         self.n_layers = gguf_field(self.reader, self.path, f"{self.arch}.block_count", int) or 0
+        self.n_head = gguf_int(self.reader, self.path, f"{self.arch}.attention.head_count") or 1
+        self.n_head_kv = gguf_int(self.reader, self.path, f"{self.arch}.attention.head_count_kv") or self.n_head
         n_tensors = sum(len(r.tensors) for r in readers)
         if not 0 <= self.n_layers <= n_tensors:  # every block holds tensors: no bigger name maps
             raise InputError(f"{self.path}: {self.arch}.block_count {self.n_layers} but {n_tensors} tensors")
