@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_moe_gguf import _BASE, IDS, MOE, _llama_logits, _router_margin, _tiny_moe
+from test_moe_gguf import _BASE, IDS, MOE, _decided_agreement, _llama_logits, _router_margin, _tiny_moe
 
 from dynaquant.analysis import experts as moe
 from dynaquant.analysis.calibration import CalibrationSpec
@@ -279,7 +279,10 @@ def test_dynamic_moe_gguf_runs_in_llama_cpp(case, tmp_path):
     rel = np.sqrt(((got - ref) ** 2).mean()) / ref.std()
     act = _activation_quantization_effect(model, ref)
     assert rel < 0.1 + act, (rel, act)
-    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.8
+    # every token the reference decides by more than twice that activation effect keeps its argmax (near-ties of
+    # these random logits may flip: measured on DeepSeek-V3, gaps 0.03-0.17 against per-token shifts of 0.2-0.5)
+    agree, n_decided = _decided_agreement(got, ref, 2 * act * float(ref.std()))
+    assert n_decided >= len(IDS) // 2 and agree == 1.0, (agree, n_decided)
 
 
 def _activation_quantization_effect(model, ref: np.ndarray) -> float:

@@ -134,6 +134,17 @@ def _tiny_moe(folder, case: str, seed: int = 0, tokenizer=None, **overrides) -> 
     return model
 
 
+def _decided_agreement(got: np.ndarray, ref: np.ndarray, tol: float) -> tuple[float, int]:
+    """Argmax agreement of ``got`` (llama.cpp's logits, (tokens, vocab)) with ``ref`` over the tokens whose
+    reference top-2 gap exceeds ``tol`` (logit units), and how many such tokens there are. A near-tie (gap within
+    the deviation a test allows, e.g. that of llama.cpp's 8-bit activations) may flip either way without any
+    error in the file; a token the reference decides by more than ``tol`` may not."""
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    decided = (top2[:, 1] - top2[:, 0]) > tol
+    agree = got.argmax(-1)[decided] == ref.argmax(-1)[decided]
+    return (float(agree.mean()) if decided.any() else 0.0), int(decided.sum())
+
+
 def _router_margin(model, ids: list[int]) -> float:
     """Smallest gap, over tokens and MoE layers, between the k-th and (k+1)-th router logit
     (transformers' forward, from the router's input)."""
@@ -283,7 +294,7 @@ def _decoded(path, src) -> dict[str, torch.Tensor]:
         del r
 
 
-# others' format -> (rel. RMS bound, min argmax agreement, min correlation); measured 0.014 / 1.0 / 0.9999
+# others' format -> (rel. RMS bound, min argmax agreement on decided tokens, min correlation); measured 0.014 / 1.0 / 0.9999
 # with F32 around the two 3-D tensors, 0.087 / 0.7 / 0.996 with Q8_0 everywhere: llama.cpp multiplies
 # quantized weights with 8-bit-quantized activations (Q8_0/Q8_K), and this random MoE (sharp routers)
 # amplifies that; a misplaced expert, row or block moves the logits by O(1) rel. RMS
@@ -333,11 +344,15 @@ def test_tiny_moe_quantized_3d_kquant_and_iquant(others, tmp_path):
     got = _llama_logits(out, IDS)
     rel_rms = float(np.sqrt(((got - ref) ** 2).mean() / (ref**2).mean()))
     corr = np.corrcoef(got.ravel(), ref.ravel())[0, 1]
-    agree = (got.argmax(-1) == ref.argmax(-1)).mean()
-    logger.info("qwen2moe %s + Q2_K/IQ4_XS experts: rel. RMS %.4f, argmax agreement %.2f, correlation %.5f",
-                others, rel_rms, agree, corr)
+    # argmax agreement on the tokens the reference decides by more than twice the RMS deviation allowed when
+    # only the experts are quantized (near-ties of these random logits flip with llama.cpp's 8-bit activations)
+    tol = 2 * QUANT_BOUNDS["F32"][0] * float(np.sqrt((ref**2).mean()))
+    agree, n_decided = _decided_agreement(got, ref, tol)
+    logger.info("qwen2moe %s + Q2_K/IQ4_XS experts: rel. RMS %.4f, argmax agreement %.2f on %d decided tokens, "
+                "correlation %.5f", others, rel_rms, agree, n_decided, corr)
     max_rms, min_agree, min_corr = QUANT_BOUNDS[others]
-    assert rel_rms < max_rms and agree >= min_agree and corr > min_corr
+    assert rel_rms < max_rms and corr > min_corr
+    assert n_decided >= len(IDS) // 2 and agree >= min_agree, (agree, n_decided, tol)
 
 
 def test_quantize_pipeline_q4_k_m_on_moe(tmp_path):
