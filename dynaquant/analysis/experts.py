@@ -139,8 +139,9 @@ class _ExpertsForward:
             gu.register_hook(self._grad_hook("gate_proj", e, n, slice(0, None, 2) if gpt else slice(0, i)))
             gu.register_hook(self._grad_hook("up_proj", e, n, slice(1, None, 2) if gpt else slice(i, None)))
             y.register_hook(self._grad_hook("down_proj", e, n))
-        with torch.no_grad():
-            self._accumulate(e, x, h, w)
+        if getattr(self.col, "accumulate", True):
+            with torch.no_grad():
+                self._accumulate(e, x, h, w)
         return y
 
     @torch.no_grad()
@@ -157,19 +158,21 @@ class _ExpertsForward:
         st.weight_sum[e] += float(w.detach().double().sum())
 
 
-def install(model, experts: dict[str, ExpertStats], collector) -> list:
+def install(model, experts: dict[str, ExpertStats], collector, device: torch.device | None = None) -> list:
     """Replace every experts module's forward with the collecting one.
 
     Args:
         model: a transformers model.
         experts: filled with one :class:`ExpertStats` per experts module (by module name).
-        collector: has a boolean ``fisher`` attribute (True while a Fisher sequence runs).
+        collector: has a boolean ``fisher`` attribute (True while a Fisher sequence runs) and may have a boolean
+            ``accumulate`` (False: a recomputation for gradients only, no forward statistics).
+        device: where the statistics live (default: the experts' device; give it for a meta-device skeleton).
     Returns:
         Undo handles: call :func:`uninstall` with them.
     """
     undo = []
     for name, mod in find_experts(model).items():
-        dev = mod.gate_up_proj.device
+        dev = device if device is not None else mod.gate_up_proj.device
         n = mod.gate_up_proj.shape[0]
         st = experts.setdefault(name, ExpertStats(name, n))
         if st.tokens is None:

@@ -196,12 +196,17 @@ class _HeadReached(Exception):  # noqa: N818 - a signal, not an error: ends a fo
         self.x = x
 
 
-class _Collector:
-    """The forward hooks (and MoE experts forwards) that fill one ModelStats as ``what`` asks."""
+class Collector:
+    """The forward hooks (and MoE experts forwards) that fill one ModelStats as ``what`` asks (driven by
+    :func:`collect` on a whole model, or block by block by :func:`dynaquant.analysis.blockwise.collect_blockwise`)."""
 
-    def __init__(self, model, st: ModelStats, what: Collect):
+    def __init__(self, model, st: ModelStats, what: Collect, device: torch.device | None = None):
         self.st, self.what = st, what
         self.fisher = False  # True while a Fisher sequence runs (read by the experts forwards too)
+        # False while a block is recomputed for its gradients alone (the block-wise backward sweep): forward
+        # statistics are not gathered twice (read by the experts forwards too)
+        self.accumulate = True
+        self.count_tokens = True  # False while the embedding runs again (block-wise: the head and Fisher passes)
         self.last: tuple[torch.Tensor, str] | None = None
         linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
         self.handles = [m.register_forward_hook(self._hook(n)) for n, m in linears.items()]
@@ -211,7 +216,7 @@ class _Collector:
             emb = model.get_input_embeddings()
             st.token_counts = torch.zeros(emb.weight.shape[0], dtype=torch.int64)
             self.handles.append(emb.register_forward_hook(self._embed_hook))
-        self.experts_undo = moe.install(model, st.experts, self) if what.experts else []
+        self.experts_undo = moe.install(model, st.experts, self, device=device) if what.experts else []
 
     def remove(self):
         for h in self.handles:
@@ -221,6 +226,10 @@ class _Collector:
     def _hook(self, name):
         def fn(_mod, inputs, out):
             x = inputs[0]
+            if not self.accumulate:
+                if self.fisher and self.what.hessian and out is not None and name in self.st.outputs:
+                    self._fisher_hook(self.st.outputs[name], out)
+                return
             if self.what.imatrix:
                 self._accumulate_imatrix(name, x.detach())
             if not self.what.hessian:
@@ -239,10 +248,10 @@ class _Collector:
                 self._accumulate_output(name, out)
         return fn
 
-    def forward_without_logits(self, model, batch: dict) -> None:
+    def forward_without_logits(self, model, batch: dict, collect: bool = True) -> None:
         """A no-grad forward pass that stops at the output head: the head's input is gathered as its forward hook
-        would gather it (imatrix, H, activation statistics), its (vocabulary-wide) matmul and output statistics are
-        skipped. Without an ``nn.Linear`` output head: the whole forward pass."""
+        would gather it (imatrix, H, activation statistics; not with ``collect`` False), its (vocabulary-wide)
+        matmul and output statistics are skipped. Without an ``nn.Linear`` output head: the whole forward pass."""
         if self.head is None:
             model(**batch, use_cache=False)
             return
@@ -255,6 +264,8 @@ class _Collector:
         try:
             model(**batch, use_cache=False)
         except _HeadReached as reached:
+            if not collect:
+                return
             self._hook(name)(head, (reached.x,), None)
             if self.what.hessian and name not in self.st.outputs:  # its max |y| comes from the Fisher sequences
                 self.st.outputs[name] = OutputStats(torch.zeros(head.out_features, device=reached.x.device))
@@ -294,16 +305,25 @@ class _Collector:
             if o is None:
                 o = self.st.outputs[name] = OutputStats(torch.zeros(y.shape[1], device=y.device))
             o.absmax = torch.maximum(o.absmax, y.abs().amax(0))
-        if self.fisher and out.requires_grad:
-            def grad_hook(g, o=o):
-                s, n = _grad_sq_sum(g)
-                o.fisher_sum = s if o.fisher_sum is None else o.fisher_sum + s
-                o.fisher_tokens += n
-            out.register_hook(grad_hook)
+        if self.fisher:
+            self._fisher_hook(o, out)
+
+    @staticmethod
+    def _fisher_hook(o: OutputStats, out: torch.Tensor) -> None:
+        """Add the squared gradient reaching ``out`` to ``o``'s Fisher sums when the backward pass runs."""
+        if not out.requires_grad:
+            return
+
+        def grad_hook(g, o=o):
+            s, n = _grad_sq_sum(g)
+            o.fisher_sum = s if o.fisher_sum is None else o.fisher_sum + s
+            o.fisher_tokens += n
+        out.register_hook(grad_hook)
 
     def _embed_hook(self, _mod, inputs, out):
         st = self.st
-        st.token_counts += torch.bincount(inputs[0].reshape(-1).cpu(), minlength=st.token_counts.numel())
+        if self.count_tokens:
+            st.token_counts += torch.bincount(inputs[0].reshape(-1).cpu(), minlength=st.token_counts.numel())
         if not self.fisher:
             return None
         out = out.detach().requires_grad_(True)
@@ -345,7 +365,7 @@ def collect(model, chunks, what: Collect = Collect(), *, seed: int = 0, progress
     st = ModelStats(imatrix=Imatrix() if what.imatrix else None)
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
-    col = _Collector(model, st, what)
+    col = Collector(model, st, what)
     req = {n: p.requires_grad for n, p in model.named_parameters()}
     for p in model.parameters():
         p.requires_grad_(False)

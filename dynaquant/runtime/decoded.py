@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 
 import numpy as np
 import torch
@@ -45,48 +44,22 @@ def load_decoded(gguf_path: str | os.PathLike, source, ts, *, device: str | torc
     from dynaquant.quant.codecs import dequantize
     from dynaquant.quant.formats import get_format
     from dynaquant.sources.checkpoint import load_model
-    from dynaquant.sources.experts import expert_weight, stacked_name
-    from dynaquant.sources.hf import unpermute_qk
+    from dynaquant.sources.params import ParamWriter
     from dynaquant.sources.readers import open_gguf_shards
 
     if model is None:
         model = load_model(source, dtype=torch.float32, device="cpu")
     by_name = {t.gguf_name: t for t in ts.tensors()}
-    params = dict(model.named_parameters())
-    kv_parts: dict[str, dict[str, torch.Tensor]] = {}
-    with torch.no_grad():
-        for rt in (rt for r in open_gguf_shards(gguf_path) for rt in r.tensors):
-            fmt = rt.tensor_type.name
-            if fmt == "F32":
-                continue
-            t = by_name.get(rt.name)
-            if t is None:
-                raise ValueError(f"{gguf_path}: tensor {rt.name} is not in the source {ts.source_id}")
-            shape = tuple(int(n) for n in reversed(rt.shape.tolist()))
-            raw = np.array(rt.data).view(np.uint8).reshape(-1, get_format(fmt).row_bytes(shape[-1]))
-            x = dequantize(raw, fmt).reshape(shape).to(next(model.parameters()).device)
-            if ts.arch == "llama" and rt.name.endswith(("attn_q.weight", "attn_k.weight")):
-                x = unpermute_qk(x, ts.n_head if "attn_q" in rt.name else ts.n_head_kv)
-            mla = re.match(r"^(.*\.self_attn\.)(k|v)_b_proj\.weight$", t.hf_name or "")
-            if (stacked := stacked_name(t.hf_name)) is not None:
-                expert_weight(model.get_submodule(stacked[0]), stacked[1]).copy_(x)
-            elif mla is not None:
-                kv_parts.setdefault(mla.group(1) + "kv_b_proj.weight", {})[mla.group(2)] = x
-            elif t.hf_name == "model.embed_tokens.weight":
-                model.get_input_embeddings().weight.copy_(x)
-            elif t.hf_name == "lm_head.weight":
-                model.get_output_embeddings().weight.copy_(x)
-            elif t.hf_name in params:
-                params[t.hf_name].copy_(x)
-            else:
-                raise ValueError(f"{gguf_path}: {rt.name} ({fmt}) has no parameter {t.hf_name} in the model")
-        for name, parts in kv_parts.items():  # MLA: attn_k_b (H, rank, nope), attn_v_b (H, v, rank) -> kv_b_proj
-            w = params[name]
-            n_head = next(iter(parts.values())).shape[0]
-            kv = w.view(n_head, w.shape[0] // n_head, w.shape[1])  # (H, nope + v, rank); a part stored F32 stays
-            nope = parts["k"].shape[2] if "k" in parts else kv.shape[1] - parts["v"].shape[1]
-            if "k" in parts:
-                kv[:, :nope].copy_(parts["k"].transpose(1, 2))
-            if "v" in parts:
-                kv[:, nope:].copy_(parts["v"])
+    writer = ParamWriter(model, ts.arch, ts.n_head, ts.n_head_kv)
+    for rt in (rt for r in open_gguf_shards(gguf_path) for rt in r.tensors):
+        fmt = rt.tensor_type.name
+        if fmt == "F32":
+            continue
+        t = by_name.get(rt.name)
+        if t is None:
+            raise ValueError(f"{gguf_path}: tensor {rt.name} is not in the source {ts.source_id}")
+        shape = tuple(int(n) for n in reversed(rt.shape.tolist()))
+        raw = np.array(rt.data).view(np.uint8).reshape(-1, get_format(fmt).row_bytes(shape[-1]))
+        writer.put(t, dequantize(raw, fmt).reshape(shape), origin=f"{gguf_path} ({fmt})")
+    writer.flush()
     return model.to(device=device, dtype=dtype).eval()

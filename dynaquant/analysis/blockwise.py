@@ -1,0 +1,220 @@
+"""The calibration pass block by block: the statistics of :func:`.stats.collect` without the whole model in memory.
+
+The model is a :class:`~dynaquant.sources.skeleton.ModelSkeleton` (meta-device parameters); at any moment only the
+outer part (token embedding, final norm, output head) and one decoder block hold real weights. The sequences'
+hidden states between blocks are kept (on ``store_device``), so the calibration text crosses each block once:
+
+1. **inputs**: the model's own forward runs with every decoder block replaced by a pass-through that records its
+   arguments (attention masks, RoPE tables, positions: whatever the architecture's forward gives its blocks) and
+   the first block's input; the token counts are taken here;
+2. **forward sweep**: for each block in turn, load it, run every sequence through it (the collector's hooks gather
+   H, activation statistics, output maxima, MoE routing and per-expert statistics, exactly as in the
+   whole-model pass), keep the outputs as the next block's inputs, free it; the Fisher sequences' inputs of every
+   block are kept too;
+3. **head**: the model's forward again, the blocks passing the final hidden states through: the output head's
+   statistics; on the Fisher sequences the logits, labels sampled from them (the same generator as the
+   whole-model pass) and the gradient reaching the last block's output;
+4. **backward sweep** (Fisher sequences only): from the last block to the first, load it, recompute it from its
+   stored input and back-propagate the gradient (the collector adds each linear output's squared gradient, no
+   forward statistic twice), then the embedding's.
+
+The statistics equal the whole-model pass's (same operations in the same order per module; tested). Memory:
+one block's and the outer part's weights, plus ``n_seq * T * hidden`` floats of hidden states and, for the
+Fisher sequences, ``(n_blocks + 1) * fisher_sequences * T * hidden`` (:func:`hidden_bytes`).
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+
+from dynaquant.analysis.imatrix import Imatrix
+from dynaquant.analysis.stats import Collect, Collector, ModelStats
+from dynaquant.sources.skeleton import OUTER, ModelSkeleton
+
+
+class _Caught(Exception):  # noqa: N818 - a signal: the embedding pass ends at the first block
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__("first block reached")
+        self.hidden = hidden
+
+
+class _Blocks:
+    """Replaces the decoder blocks' forwards (instance attribute; undone by :meth:`restore`)."""
+
+    def __init__(self, layers: torch.nn.ModuleList):
+        self.layers = layers
+        self.calls: list[tuple[tuple, dict]] = [((), {})] * len(layers)
+
+    def record(self):
+        """Blocks record their arguments and pass their input through."""
+        for i, layer in enumerate(self.layers):
+            def fwd(hidden_states, *args, _i=i, **kwargs):
+                self.calls[_i] = (args, kwargs)
+                return hidden_states
+            layer.forward = fwd
+
+    def output(self, final: torch.Tensor):
+        """Blocks pass their input through, the last returns ``final``."""
+        n = len(self.layers)
+        for i, layer in enumerate(self.layers):
+            layer.forward = (lambda hidden_states, *a, **k: final) if i == n - 1 else \
+                (lambda hidden_states, *a, **k: hidden_states)
+
+    def catch(self):
+        """The first block raises :class:`_Caught` with its input."""
+        def fwd(hidden_states, *args, **kwargs):
+            raise _Caught(hidden_states)
+        self.layers[0].forward = fwd
+
+    def restore(self):
+        for layer in self.layers:
+            layer.__dict__.pop("forward", None)
+
+
+def hidden_bytes(n_seq: int, seq_len: int, hidden: int, n_blocks: int, fisher_sequences: int) -> int:
+    """Bytes of float32 hidden states the block-wise pass keeps: every sequence's current hidden states plus the
+    Fisher sequences' input of every block and their gradient."""
+    per_seq = seq_len * hidden * 4
+    return per_seq * (n_seq + fisher_sequences * (n_blocks + 1))
+
+
+def _hidden(out) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out  # transformers >= 5 blocks return the hidden states
+
+
+def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | None = None, *, seed: int = 0,
+                      progress: bool = True, store_device: str | torch.device = "cpu") -> ModelStats:
+    """:func:`.stats.collect` on a skeleton, one decoder block in memory at a time (see the module docstring).
+
+    Args:
+        sk: the model's skeleton (parts are materialized and released here; the outer part stays materialized).
+        chunks: (n, seq_len) int64 token ids.
+        what: the statistics to gather (as :func:`.stats.collect`; default ``Collect()``).
+        seed: label-sampling seed of the Fisher sequences.
+        progress: show a progress bar (one step per block and sweep).
+        store_device: where the hidden states between blocks are kept.
+    Returns:
+        ModelStats equal to ``collect(model, chunks, what, seed=seed)`` on the whole model (tensors on the
+        skeleton's device; ``token_counts`` and the imatrix sums on CPU).
+    Raises:
+        ValueError: ``chunks`` is not a 2-D token tensor.
+    """
+    if not isinstance(chunks, torch.Tensor) or chunks.dim() != 2:
+        raise ValueError("block-wise calibration takes (n, seq_len) token ids")
+    what = Collect() if what is None else what
+    model, dev = sk.model, sk.device
+    st = ModelStats(imatrix=Imatrix() if what.imatrix else None)
+    n_seq, nf = chunks.shape[0], min(what.fisher_sequences, chunks.shape[0])
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    sk.materialize(OUTER)
+    col = Collector(model, st, what, device=dev)
+    blocks = _Blocks(sk.layers)
+    bar = tqdm(total=2 * sk.n_blocks + 2, desc="calibration", disable=not progress, unit="step")
+    try:
+        # 1. the first block's inputs and every block's arguments, per sequence
+        hidden: list[torch.Tensor] = []
+        calls: list[list[tuple[tuple, dict]]] = []
+        blocks.record()
+        for s in range(n_seq):
+            col.last = None
+            with torch.no_grad():
+                _forward_to_head(model, col, chunks[s : s + 1].to(dev), blocks, first=hidden)
+            hidden[-1] = hidden[-1].to(store_device)
+            calls.append(list(blocks.calls))
+        bar.update(1)
+        # 2. forward sweep
+        col.count_tokens = False
+        fisher_in: list[list[torch.Tensor]] = []
+        for i in range(sk.n_blocks):
+            blocks.restore()
+            sk.materialize(i)
+            layer = sk.layers[i]
+            fisher_in.append([hidden[s] for s in range(nf)])
+            for s in range(n_seq):
+                col.last = None
+                args, kwargs = calls[s][i]
+                with torch.no_grad():
+                    hidden[s] = _hidden(layer(hidden[s].to(dev), *args, **kwargs)).to(store_device)
+            sk.release(i)
+            bar.update(1)
+        # 3. the head: its statistics; logits, labels and the last block's output gradient of the Fisher sequences
+        grads: list[torch.Tensor] = []
+        for s in range(n_seq):
+            col.last = None
+            ids = chunks[s : s + 1].to(dev)
+            if s < nf:
+                h = hidden[s].to(dev).requires_grad_(True)
+                blocks.output(h)
+                col.fisher = True
+                with torch.enable_grad():
+                    logits = model(input_ids=ids, use_cache=False).logits[0].to(torch.float32)
+                    logp = torch.log_softmax(logits, -1)
+                    with torch.no_grad():
+                        y = torch.multinomial(logp.exp(), 1, generator=gen)
+                    logp.gather(1, y).sum().backward()
+                grads.append(h.grad.to(store_device))
+                col.fisher = False
+                st.fisher_sequences += 1
+                st.fisher_tokens += ids.numel()
+            else:
+                blocks.output(hidden[s].to(dev))
+                with torch.no_grad():
+                    col.forward_without_logits(model, {"input_ids": ids})
+            st.sequences += 1
+            st.tokens += ids.numel()
+            if st.imatrix is not None:
+                st.imatrix.chunks += 1
+        del hidden
+        bar.update(1)
+        # 4. backward sweep over the Fisher sequences, then the embedding
+        col.fisher, col.accumulate = True, False
+        for i in reversed(range(sk.n_blocks)):
+            if nf:
+                blocks.restore()
+                sk.materialize(i)
+                layer = sk.layers[i]
+                for s in range(nf):
+                    col.last = None
+                    x = fisher_in[i][s].to(dev).requires_grad_(True)
+                    args, kwargs = calls[s][i]
+                    with torch.enable_grad():
+                        torch.autograd.backward(_hidden(layer(x, *args, **kwargs)), grads[s].to(dev))
+                    grads[s] = x.grad.to(store_device)
+                sk.release(i)
+            fisher_in[i] = []
+            bar.update(1)
+        blocks.restore()
+        blocks.catch()
+        for s in range(nf):
+            col.last = None
+            with torch.enable_grad():
+                try:
+                    model(input_ids=chunks[s : s + 1].to(dev), use_cache=False)
+                except _Caught as caught:
+                    torch.autograd.backward(caught.hidden, grads[s].to(dev))
+        bar.update(1)
+    finally:
+        bar.close()
+        blocks.restore()
+        col.remove()
+    if st.imatrix is not None:
+        st.imatrix.sums = {k: v.cpu() for k, v in st.imatrix.sums.items()}
+    return st
+
+
+def _forward_to_head(model, col: Collector, ids: torch.Tensor, blocks: _Blocks, first: list) -> None:
+    """The model's forward with recording blocks (:meth:`_Blocks.record`), stopped before the output head; the
+    first block's input is appended to ``first``."""
+    layer0 = blocks.layers[0]
+    rec = layer0.forward
+
+    def fwd0(hidden_states, *args, **kwargs):
+        first.append(hidden_states)
+        return rec(hidden_states, *args, **kwargs)
+
+    layer0.forward = fwd0
+    try:
+        col.forward_without_logits(model, {"input_ids": ids}, collect=False)
+    finally:
+        layer0.forward = rec

@@ -1,0 +1,164 @@
+"""A model's skeleton on the meta device, materialized one part at a time from its tensor source.
+
+Models larger than memory run block by block (:mod:`dynaquant.analysis.blockwise`): the transformers model is
+built from its config with accelerate's ``init_empty_weights`` (parameters on the meta device, no memory; buffers
+such as RoPE frequencies computed as usual), so every architecture keeps transformers' own module classes and
+forward code. A *part* is then given real weights, read tensor by tensor from the
+:class:`~dynaquant.sources.gguf.TensorSource` (memory-mapped safetensors or GGUF, release formats decoded per
+tensor) through :class:`~dynaquant.sources.params.ParamWriter`, and released back to the meta device when done.
+
+Parts: ``"outer"`` (everything outside the text decoder blocks: token embedding, final norm, output head, a vision
+tower) and each decoder block ``0 .. n_blocks - 1``. The memory a part holds is its parameters' bytes in the
+skeleton's dtype (:meth:`ModelSkeleton.part_bytes`), computed from the shapes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from dynaquant.names import TensorName
+from dynaquant.sources.gguf import SourceTensor, TensorSource
+from dynaquant.sources.params import ParamWriter
+
+log = logging.getLogger(__name__)
+
+OUTER = "outer"
+
+
+def _block_of_param(name: str) -> int | None:
+    tn = TensorName.from_hf(name)
+    return tn.block if tn.tower == "text" else None
+
+
+class ModelSkeleton:
+    """A transformers model with meta-device parameters whose parts are materialized on demand.
+
+    Args:
+        model: a transformers model built under ``accelerate.init_empty_weights(include_buffers=False)``
+            (see :func:`build_skeleton`).
+        ts: the tensor source holding its weights.
+        dtype: dtype of materialized parameters (float32 for the analysis).
+        device: where materialized parts live.
+    Raises:
+        ValueError: the model has no decoder blocks the source's tensors map to.
+    """
+
+    def __init__(self, model, ts: TensorSource, *, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
+        self.model, self.ts, self.dtype, self.device = model, ts, dtype, torch.device(device)
+        self._tensors: dict[object, list[SourceTensor]] = {}
+        for t in ts.tensors():
+            if t.hf_name is None:  # llama.cpp-only tensors (rope_freqs): nothing in the model
+                continue
+            tn = TensorName.from_gguf(t.gguf_name)
+            self._tensors.setdefault(tn.block if tn.tower == "text" and tn.block is not None else OUTER, []).append(t)
+        self._params: dict[object, list[str]] = {}
+        for name, _ in model.named_parameters(remove_duplicate=False):
+            b = _block_of_param(name)
+            self._params.setdefault(OUTER if b is None else b, []).append(name)
+        self.n_blocks = sum(1 for k in self._params if k != OUTER)
+        if self.n_blocks == 0:
+            raise ValueError(f"{ts.source_id}: the model has no decoder blocks")
+        self.layers = self._find_layers()
+        self._live: set = set()
+
+    def _find_layers(self) -> torch.nn.ModuleList:
+        name = next(n for n in self._params[0])
+        prefix = TensorName.from_hf(name).prefix  # e.g. "model.layers.0"
+        layers = self.model.get_submodule(prefix.rsplit(".", 1)[0])
+        if not isinstance(layers, torch.nn.ModuleList) or len(layers) != self.n_blocks:
+            raise ValueError(f"{self.ts.source_id}: decoder blocks not found under {prefix.rsplit('.', 1)[0]}")
+        return layers
+
+    def part_bytes(self, part) -> int:
+        """Bytes the part's parameters take when materialized (in the skeleton's dtype; shared ones counted once)."""
+        params = dict(self.model.named_parameters())
+        item = torch.empty((), dtype=self.dtype).element_size()
+        return sum(params[n].numel() * item for n in dict.fromkeys(self._params.get(part, [])) if n in params)
+
+    def materialize(self, part) -> None:
+        """Give ``part``'s parameters real values from the source, on the skeleton's device.
+
+        Raises:
+            ValueError: a parameter of the part that no source tensor fills (named), or a shape mismatch.
+        """
+        if part in self._live:
+            return
+        names = self._params.get(part, [])
+        with torch.no_grad():
+            # NaN marks what no source tensor fills; a tied parameter (lm_head = embed_tokens) stays one object
+            self._replace(names, lambda p: torch.full(p.shape, float("nan"), dtype=self.dtype, device=self.device))
+            for mod in self._modules_of(part):
+                for bname, buf in list(mod._buffers.items()):
+                    if buf is not None and buf.device != self.device:
+                        mod._buffers[bname] = buf.to(self.device)
+            writer = ParamWriter(self.model, self.ts.arch, getattr(self.ts, "n_head", None),
+                                 getattr(self.ts, "n_head_kv", None))
+            for t in self._tensors.get(part, []):
+                writer.put(t, self.ts.read(t), origin=self.ts.file_of(t))
+            writer.flush()
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            for name in names:
+                if torch.isnan(params[name]).any():
+                    raise ValueError(f"{self.ts.source_id}: parameter {name} of the model is not filled by any tensor "
+                                     "of the source (or the source holds NaN in it)")
+        self._live.add(part)
+
+    def release(self, part) -> None:
+        """Put ``part``'s parameters back on the meta device (their memory is freed)."""
+        if part not in self._live:
+            return
+        self._replace(self._params.get(part, []), lambda p: torch.empty_like(p, device="meta"))
+        self._live.discard(part)
+
+    def _replace(self, names: list[str], make) -> None:
+        """Replace each named parameter by ``Parameter(make(old))``, once per distinct old parameter (ties kept)."""
+        done: dict[int, torch.nn.Parameter] = {}
+        for name in names:
+            mod_name, _, pname = name.rpartition(".")
+            mod = self.model.get_submodule(mod_name) if mod_name else self.model
+            p = mod._parameters[pname]
+            if id(p) not in done:
+                done[id(p)] = torch.nn.Parameter(make(p), requires_grad=False)
+            mod._parameters[pname] = done[id(p)]
+
+    def _modules_of(self, part) -> list[torch.nn.Module]:
+        if part == OUTER:
+            return [m for n, m in self.model.named_modules() if _block_of_param(n + ".x") is None]
+        return list(self.layers[part].modules())
+
+    @property
+    def live(self) -> set:
+        """The parts materialized now."""
+        return set(self._live)
+
+
+def build_skeleton(source, ts: TensorSource, *, dtype: torch.dtype = torch.float32,
+                   device: str | torch.device = "cpu") -> ModelSkeleton:
+    """The source's transformers model with every parameter on the meta device (no weight read).
+
+    Args:
+        source: a ``checkpoint.ModelSource`` (HF folder or GGUF file; its config gives the architecture).
+        ts: its tensor source.
+        dtype, device: of the parts materialized later.
+    Raises:
+        RemoteCodeError: the checkpoint needs its own code and ``source.trust_remote_code`` is off.
+        ValueError: see :class:`ModelSkeleton`.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dynaquant.sources.checkpoint import from_config, from_pretrained
+
+    kw = {"gguf_file": source.path.name} if source.kind == "gguf" else {}
+    config = from_pretrained(AutoConfig, source.folder, trust_remote_code=source.trust_remote_code, **kw)
+    with init_empty_weights(include_buffers=False):
+        model = from_config(AutoModelForCausalLM, config, trust_remote_code=source.trust_remote_code,
+                            folder=source.folder, dtype=dtype)
+    model.tie_weights()  # as from_pretrained does (init_empty_weights builds the head untied)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return ModelSkeleton(model, ts, dtype=dtype, device=device)

@@ -1,0 +1,125 @@
+"""The block-by-block calibration pass gives, bit for bit, the whole-model pass's statistics, with one decoder
+block's weights in memory at a time; the meta-device skeleton holds exactly the checkpoint's weights.
+
+Oracle: :func:`dynaquant.analysis.stats.collect` on the model transformers loads whole (``load_model``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_gguf_export import _tiny_checkpoint
+from test_moe_gguf import _tiny_moe
+
+from dynaquant.analysis.blockwise import collect_blockwise, hidden_bytes
+from dynaquant.analysis.stats import Collect, collect
+from dynaquant.sources.checkpoint import load_model, resolve_source
+from dynaquant.sources.open import open_hf_source
+from dynaquant.sources.skeleton import OUTER, build_skeleton
+
+CASES = ["llama", "qwen2", "qwen2moe", "deepseek-v3", "gpt-oss"]  # dense (tied, q/k permuted, biases), MoE, MLA
+
+
+def _checkpoint(folder, case):
+    if case in ("llama", "qwen2"):
+        _tiny_checkpoint(folder, case)
+    else:
+        _tiny_moe(folder, case)
+    return resolve_source(str(folder)), open_hf_source(folder)
+
+
+@pytest.fixture(scope="module", params=CASES)
+def ckpt(request, tmp_path_factory):
+    return request.param, *_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def _equal(a, b, name: str) -> list[str]:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return [] if a is not None and b is not None and torch.equal(a, b) else [name]
+    return [] if a == b else [name]
+
+
+def _differences(a, b) -> list[str]:
+    """Names of the statistics that differ between two ModelStats (bit for bit)."""
+    out = _equal(a.input_of, b.input_of, "input_of") + _equal(set(a.outputs), set(b.outputs), "outputs")
+    for k, s in a.inputs.items():
+        for f in ("hessian_sum", "absmax", "tokens", "sq_sum", "qerr_sum", "modules"):
+            out += _equal(getattr(s, f), getattr(b.inputs[k], f), f"{k}.{f}")
+    for k, o in a.outputs.items():
+        for f in ("absmax", "fisher_tokens"):
+            out += _equal(getattr(o, f), getattr(b.outputs[k], f), f"{k}.{f}")
+        if o.fisher_sum is not None or b.outputs[k].fisher_sum is not None:
+            out += _equal(o.fisher_sum, b.outputs[k].fisher_sum, f"{k}.fisher_sum")
+    for f in ("embed_fisher_sum", "token_counts", "sequences", "tokens", "fisher_sequences", "fisher_tokens"):
+        out += _equal(getattr(a, f), getattr(b, f), f)
+    out += _equal(set(a.experts), set(b.experts), "experts")
+    for k, e in a.experts.items():
+        for f in ("tokens", "weight_sum", "fisher_tokens"):
+            out += _equal(getattr(e, f), getattr(b.experts[k], f), f"{k}.{f}")
+        for d in ("hessian_sum", "fisher_sum"):
+            da, db = getattr(e, d), getattr(b.experts[k], d)
+            out += _equal(set(da), set(db), f"{k}.{d}") + [x for kk in da for x in _equal(da[kk], db.get(kk), f"{k}.{d}.{kk}")]
+    for k, v in a.imatrix.sums.items():
+        out += _equal(v, b.imatrix.sums.get(k), f"imatrix {k}") + _equal(a.imatrix.counts[k], b.imatrix.counts[k], k)
+    return out
+
+
+def test_skeleton_materializes_the_checkpoint(ckpt):
+    """Every parameter and buffer of the skeleton, once materialized part by part, equals transformers' own load
+    (tied heads stay tied); released parts go back to the meta device."""
+    case, source, ts = ckpt
+    full = load_model(source)
+    sk = build_skeleton(source, ts)
+    assert all(p.device.type == "meta" for p in sk.model.parameters())
+    assert sk.part_bytes(0) == sum(p.numel() * 4 for p in full.model.layers[0].parameters())
+    for part in [OUTER, *range(sk.n_blocks)]:
+        sk.materialize(part)
+    ref, got = dict(full.named_parameters()), dict(sk.model.named_parameters())
+    assert ref.keys() == got.keys()
+    assert [n for n in ref if not torch.equal(ref[n], got[n])] == []
+    rb, gb = dict(full.named_buffers()), dict(sk.model.named_buffers())
+    assert [n for n in rb if not torch.equal(rb[n], gb[n])] == []
+    assert (sk.model.get_output_embeddings().weight is sk.model.get_input_embeddings().weight) == \
+        (full.get_output_embeddings().weight is full.get_input_embeddings().weight)
+    for b in range(sk.n_blocks):
+        sk.release(b)
+    assert sk.live == {OUTER}
+    assert all(p.device.type == "meta" for p in sk.layers.parameters())
+
+
+def test_blockwise_statistics_equal_the_whole_model_pass(ckpt, monkeypatch):
+    """H, activation statistics, output maxima, Fisher diagonals (linear outputs, MoE experts, embedding), routing
+    and the imatrix: bit for bit those of the whole-model pass, with at most one block materialized at a time."""
+    case, source, ts = ckpt
+    chunks = torch.randint(3, 320, (5, 23), generator=torch.Generator().manual_seed(1))  # odd length, odd count
+    what = Collect(fisher_sequences=2, imatrix=True)
+    ref = collect(load_model(source), chunks, what, progress=False)
+    sk = build_skeleton(source, ts)
+    most = []
+    real = type(sk).materialize
+
+    def watch(self, part):
+        real(self, part)
+        most.append(len(self.live - {OUTER}))
+    monkeypatch.setattr(type(sk), "materialize", watch)
+    got = collect_blockwise(sk, chunks, what, progress=False)
+    assert _differences(ref, got) == []
+    assert got.fisher_sequences == 2 and got.embed_fisher_sum is not None
+    assert (case in ("qwen2moe", "deepseek-v3", "gpt-oss")) == bool(got.experts)
+    assert max(most) == 1 and sk.live == {OUTER}  # one block at a time, all released at the end
+
+
+def test_missing_tensor_is_named(tmp_path, monkeypatch):
+    """A source without one of a block's weights: materializing that block names the parameter."""
+    source, ts = _checkpoint(tmp_path / "ckpt", "llama")
+    listed = ts.tensors()
+    monkeypatch.setattr(ts, "tensors", lambda: [t for t in listed if t.gguf_name != "blk.1.ffn_up.weight"])
+    sk = build_skeleton(source, ts)
+    sk.materialize(0)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        sk.materialize(1)
+
+
+def test_hidden_bytes():
+    # 8 sequences of 512 tokens, hidden 4096, 32 blocks, 4 Fisher sequences: current states + Fisher inputs + grads
+    assert hidden_bytes(8, 512, 4096, 32, 4) == 512 * 4096 * 4 * (8 + 4 * 33)
