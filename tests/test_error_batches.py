@@ -79,3 +79,58 @@ def test_expert_errors_batched_equal_per_expert():
         assert got == moe.combine_expert_errors(st, per)
         assert got["Q4_0"].kld_pred == sum(p["Q4_0"].kld_pred for p in per) > got["Q8_0"].kld_pred > 0
         assert got["Q4_0"].size_bytes == w.numel() // 32 * 18 and fallback == st.unrouted()
+
+
+def test_deferred_fisher_equals_direct_measurement(cases):
+    """Errors measured before the Fisher is known (rows sampled by output energy, each row's output error kept) and
+    weighted later give the predicted KLD measured with the Fisher at hand on the same rows; the other figures are
+    the same measurement's."""
+    for i, (w, rw, im) in enumerate(cases[:4]):  # the linear cases (the embedding's lookup term is not deferred)
+        direct = measure_samples([sample_tensor(w, rw, imatrix=im, seed=i, score="output")], FORMATS)[0]
+        early = sample_tensor(w, errors.RowWeights(hessian=rw.hessian), imatrix=im, seed=i, score="output")
+        deferred = measure_samples([early], FORMATS, per_row=True)[0]
+        assert list(deferred) == list(direct)
+        for f, re in deferred.items():
+            assert re.error.kld_pred == 0.0 and re.out_err.shape == re.index.shape == re.weights.shape
+            got = re.with_fisher(rw.fisher)
+            assert (got.size_bytes, got.bpw, got.weighted_rel, got.output_rel) == \
+                (direct[f].size_bytes, direct[f].bpw, direct[f].weighted_rel, direct[f].output_rel)
+            assert got.kld_pred == pytest.approx(direct[f].kld_pred, rel=1e-12, abs=0)
+        # the sample follows the output energy: the rows with the largest W H W^T are always in it
+        energy = ((w @ rw.hessian) * w).sum(1)
+        top = max(1, early.index.numel() // 16) if early.index.numel() < w.shape[0] else w.shape[0]
+        assert set(torch.argsort(energy, descending=True)[:top].tolist()) <= set(early.index.tolist())
+    with pytest.raises(ValueError, match="unknown score"):
+        sample_tensor(cases[0][0], cases[0][1], score="bogus")
+
+
+def test_deferred_expert_errors_equal_direct():
+    """A stack of experts measured in the forward sweep (no Fisher yet) and weighted by each expert's Fisher at the
+    end equals the measurement with the Fisher known, on the same rows."""
+    from test_moe_analysis import _model
+
+    from dynaquant.analysis import experts as moe
+    from dynaquant.analysis.stats import collect_stats
+    from dynaquant.sources.experts import PROJS, expert_weight
+
+    model = _model("qwen2moe")
+    chunks = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(2))
+    stats = collect_stats(model, chunks, fisher_sequences=1, progress=False)
+    name = "model.layers.1.mlp.experts"
+    st, mod = stats.experts[name], model.get_submodule(name)
+    kw = dict(total_tokens=stats.tokens, fisher_total=stats.fisher_tokens)
+    for proj in PROJS:
+        samples, fallback = moe.expert_samples(mod, proj, st, defer_fisher=True, **kw)
+        got = moe.expert_errors_with_fisher(st, proj, measure_samples(samples, ["Q4_0", "Q8_0"], per_row=True), **kw)
+        w = expert_weight(mod, proj).detach()
+        direct = []
+        for e in range(st.n_expert):
+            rw, imp, _ = st.row_weights(proj, e, **kw)
+            direct.append(measure_samples([sample_tensor(w[e], rw, imatrix=imp, seed=e, score="output")],
+                                          ["Q4_0", "Q8_0"])[0])
+        want = moe.combine_expert_errors(st, direct)
+        for f in want:
+            assert got[f].size_bytes == want[f].size_bytes and got[f].output_rel == want[f].output_rel
+            # (row_weights rounds G_e to float32; the deferred weighting keeps float64)
+            assert got[f].kld_pred == pytest.approx(want[f].kld_pred, rel=1e-6) and got[f].kld_pred > 0
+        assert fallback == st.unrouted()

@@ -98,6 +98,7 @@ class ErrorSample:
         hessian: (K, K) float32 H of ``output_rel``.
         row_weights: the RowWeights of the sampled rows (predicted KLD).
         ref: (2,) float64 the estimated ``sum H_jj W_ij^2`` and ``tr(W H W^T)`` (denominators of the relative errors).
+        index: (n,) int64 the sampled rows' indices in the weight.
     """
 
     rows: torch.Tensor
@@ -110,6 +111,41 @@ class ErrorSample:
     hessian: torch.Tensor
     row_weights: RowWeights
     ref: torch.Tensor
+    index: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class RowErrors:
+    """One tensor's errors in one format with the predicted KL divergence left for a Fisher diagonal known later.
+
+    The block-by-block analysis measures a block's errors in its forward sweep, before the backward sweep has
+    produced the block's output Fisher: ``kld_pred = 1/2 sum_i G_i dW_i H dW_i^T`` (see the module docstring) is
+    then a weighted sum of each sampled row's output error ``dW_i H dW_i^T``, weighted by a ``G`` given later.
+
+    Attributes:
+        error: the TensorError with ``kld_pred`` from the row weights known when measured (0.0 without).
+        index: (n,) int64 sampled rows; weights: (n,) float64 their estimator weights.
+        out_err: (n,) float64 ``dW_i H dW_i^T`` of each sampled row.
+    """
+
+    error: TensorError
+    index: torch.Tensor
+    weights: torch.Tensor
+    out_err: torch.Tensor
+
+    def with_fisher(self, fisher: torch.Tensor | None, scale: float = 1.0) -> TensorError:
+        """The TensorError with ``kld_pred = scale / 2 * sum_k weights_k * fisher[index_k] * out_err_k``.
+
+        Args:
+            fisher: (N,) output Fisher per row of the whole tensor (None: keep ``error.kld_pred``).
+            scale: a factor on the Fisher (an expert's routing share).
+        """
+        if fisher is None:
+            return self.error
+        g = fisher.detach().to(torch.float64).cpu()[self.index]
+        kld = 0.5 * scale * float((self.weights * g * self.out_err).sum())
+        e = self.error
+        return TensorError(e.size_bytes, e.bpw, e.weighted_rel, e.output_rel, kld + e.kld_pred)
 
 
 def sample_rows(score: torch.Tensor, n: int, top: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,10 +188,13 @@ def _row_terms(W: torch.Tensor, rw: RowWeights) -> torch.Tensor:
 
 
 def sample_tensor(weight: torch.Tensor, rw: RowWeights, *, imatrix: torch.Tensor | None = None,
-                  hessian: torch.Tensor | None = None, rows: int | None = None, seed: int = 0) -> ErrorSample:
+                  hessian: torch.Tensor | None = None, rows: int | None = None, seed: int = 0,
+                  score: str = "kld") -> ErrorSample:
     """Draw the rows of one tensor whose errors :func:`measure_samples` measures (the weight itself is not kept).
 
-    Args: as :func:`measure_errors`.
+    Args: as :func:`measure_errors`, and
+        score: what the strata follow: ``"kld"`` each row's term of the predicted KL divergence under ``rw``;
+            ``"output"`` its output energy ``W_i H W_i^T`` (the Fisher not known yet: :class:`RowErrors`).
     Returns:
         ErrorSample on the weight's device.
     Raises:
@@ -170,8 +209,13 @@ def sample_tensor(weight: torch.Tensor, rw: RowWeights, *, imatrix: torch.Tensor
     imp = imatrix.to(W.device, torch.float32) if imatrix is not None else torch.diagonal(H).clone()
     if rows is None:
         rows = N if N <= 64 else min(2048, max(32, N // 16))
-    score = _row_terms(W, rw) + 1e-30 * (W * W).sum(1).double()
-    idx, sw = sample_rows(score, rows, max(1, rows // 16), seed)
+    if score == "output":
+        score_v = ((W @ H) * W).sum(1).double() + 1e-30 * (W * W).sum(1).double()
+    elif score == "kld":
+        score_v = _row_terms(W, rw) + 1e-30 * (W * W).sum(1).double()
+    else:
+        raise ValueError(f"sample_tensor: unknown score {score!r} (kld, output)")
+    idx, sw = sample_rows(score_v, rows, max(1, rows // 16), seed)
     idx, sw = idx.to(W.device), sw.to(W.device)
     Ws = W[idx]
     ref = torch.stack([(sw * (Ws * Ws * imp).sum(1).double()).sum(), (sw * ((Ws @ H) * Ws).sum(1).double()).sum()])
@@ -180,11 +224,11 @@ def sample_tensor(weight: torch.Tensor, rw: RowWeights, *, imatrix: torch.Tensor
                      None if rw.lookup is None else rw.lookup.to(W.device)[idx],
                      None if rw.lookup_fisher is None else rw.lookup_fisher.to(W.device))
     enc = block_importance(imatrix, 1, K, W.device).reshape(K)  # what quantize() gives the encoders
-    return ErrorSample(Ws, sw, N, imatrix, enc, bool((enc == enc[0]).all()), imp, H, sub, ref)
+    return ErrorSample(Ws, sw, N, imatrix, enc, bool((enc == enc[0]).all()), imp, H, sub, ref, idx)
 
 
-def measure_samples(samples: list[ErrorSample], formats: list[str], *,
-                    batch_weights: int = BATCH_WEIGHTS) -> list[dict[str, TensorError]]:
+def measure_samples(samples: list[ErrorSample], formats: list[str], *, batch_weights: int = BATCH_WEIGHTS,
+                    per_row: bool = False) -> list[dict[str, TensorError]] | list[dict[str, RowErrors]]:
     """Errors of many tensors in each format, their sampled rows encoded together.
 
     For each format, the sampled rows of every tensor it fits are cut into the format's blocks and
@@ -201,12 +245,14 @@ def measure_samples(samples: list[ErrorSample], formats: list[str], *,
         samples: from :func:`sample_tensor` (one device).
         formats: format names; a tensor gets those whose block size divides its rows.
         batch_weights: sampled weights measured together at most (a memory bound; a tensor is never split).
+        per_row: return :class:`RowErrors` (each sampled row's output error kept, on the CPU) instead.
     Returns:
-        One dict per sample, format name -> TensorError (in ``formats`` order).
+        One dict per sample, format name -> TensorError, or RowErrors with ``per_row`` (in ``formats`` order).
     """
     out: list[dict[str, TensorError]] = [{} for _ in samples]
     for batch in _batches(samples, batch_weights):
         sums: dict[tuple[int, str], torch.Tensor] = {}
+        rows_out: dict[tuple[int, str], torch.Tensor] = {}
         step = chunk_weights(samples[batch[0]].rows.device)
         for name in formats:
             f = get_format(name)
@@ -220,7 +266,7 @@ def measure_samples(samples: list[ErrorSample], formats: list[str], *,
                 for g in ([together] if together else []) + [[i] for i in alone]:
                     dec.update(zip(g, _decode_rows([samples[i] for i in g], f, step)))
             for i in fit:  # in format order, as measure_errors returns them
-                sums[i, f.name] = _error_sums(samples[i], dec[i])
+                sums[i, f.name], rows_out[i, f.name] = _error_sums(samples[i], dec[i])
         if not sums:
             continue
         dev = samples[batch[0]].rows.device
@@ -230,8 +276,9 @@ def measure_samples(samples: list[ErrorSample], formats: list[str], *,
         for (i, name), (e_w, e_o, kld) in zip(sums, vals):
             f, s = get_format(name), samples[i]
             ref_w, ref_o = ref_of[i]
-            out[i][name] = TensorError(s.n_rows * f.row_bytes(s.rows.shape[1]), f.bpw, e_w / ref_w if ref_w > 0 else 0.0,
-                                       (e_o / ref_o) ** 0.5 if ref_o > 0 else 0.0, kld)
+            te = TensorError(s.n_rows * f.row_bytes(s.rows.shape[1]), f.bpw, e_w / ref_w if ref_w > 0 else 0.0,
+                             (e_o / ref_o) ** 0.5 if ref_o > 0 else 0.0, kld)
+            out[i][name] = RowErrors(te, s.index.cpu(), s.weights.cpu(), rows_out[i, name].cpu()) if per_row else te
     return out
 
 
@@ -255,12 +302,13 @@ def measure_errors(weight: torch.Tensor, formats: list[str], rw: RowWeights, *, 
     return measure_samples([sample_tensor(weight, rw, imatrix=imatrix, hessian=hessian, rows=rows, seed=seed)], formats)[0]
 
 
-def _error_sums(s: ErrorSample, q: torch.Tensor) -> torch.Tensor:
-    """(3,) float64 estimated sums of the error ``q - rows``: imatrix-weighted, output (H), predicted KLD."""
+def _error_sums(s: ErrorSample, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """((3,) float64 estimated sums of the error ``q - rows``: imatrix-weighted, output (H), predicted KLD;
+    (n,) float64 each sampled row's output error ``d H d^T``)."""
     d = q - s.rows
-    return torch.stack([(s.weights * (d * d * s.imp).sum(1).double()).sum(),
-                        (s.weights * ((d @ s.hessian) * d).sum(1).double()).sum(),
-                        (s.weights * _row_terms(d, s.row_weights)).sum()])
+    per_row = ((d @ s.hessian) * d).sum(1).double()
+    return torch.stack([(s.weights * (d * d * s.imp).sum(1).double()).sum(), (s.weights * per_row).sum(),
+                        (s.weights * _row_terms(d, s.row_weights)).sum()]), per_row
 
 
 def _batches(samples: list[ErrorSample], limit: int) -> list[list[int]]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dynaquant.analysis.errors import ErrorSample, RowWeights, TensorError, measure_samples, sample_tensor
+from dynaquant.analysis.errors import ErrorSample, RowErrors, RowWeights, TensorError, measure_samples, sample_tensor
 from dynaquant.sources.experts import dispatch, expert_weight, find_experts, layout_of
 
 
@@ -86,16 +86,22 @@ class ExpertStats:
             h = hs[e] / tok[e]
         else:
             h = hs.sum(0) / tok.sum().clamp_min(1)
+        g = self.fisher(proj, e, total_tokens, fisher_total)
+        hf = h.float()
+        return RowWeights(fisher=None if g is None else g.float(), hessian=hf), torch.diagonal(hf).clone(), fallback
+
+    def fisher(self, proj: str, e: int, total_tokens: int, fisher_total: int) -> torch.Tensor | None:
+        """(N,) float64 ``G_e``: expert ``e``'s output Fisher per routed token times its share of the tokens (the
+        layer's pooled Fisher for an expert without Fisher tokens, half a token's share for an unrouted one; see
+        :meth:`row_weights`), or None without Fisher sequences."""
+        tok = self.tokens
         share = (tok[e].double() if tok[e] > 0 else torch.tensor(0.5, dtype=torch.float64)) / max(total_tokens, 1)
         fs, ft = self.fisher_sum.get(proj), self.fisher_tokens
         if fs is None or fisher_total == 0:
-            g = None
-        elif ft[e] > 0:
-            g = (fs[e] / ft[e]) * share
-        else:
-            g = (fs.sum(0) / ft.sum().clamp_min(1)) * share
-        hf = h.float()
-        return RowWeights(fisher=None if g is None else g.float(), hessian=hf), torch.diagonal(hf).clone(), fallback
+            return None
+        if ft[e] > 0:
+            return (fs[e] / ft[e]) * share
+        return (fs.sum(0) / ft.sum().clamp_min(1)) * share
 
 
 class _ExpertsForward:
@@ -196,7 +202,7 @@ def uninstall(undo: list) -> None:
 
 
 def expert_samples(module: torch.nn.Module, proj: str, st: ExpertStats, *, total_tokens: int, fisher_total: int,
-                   seed: int = 0) -> tuple[list[ErrorSample], list[int]]:
+                   seed: int = 0, defer_fisher: bool = False) -> tuple[list[ErrorSample], list[int]]:
     """The sampled rows of each expert of a stacked expert tensor (``ffn_{gate,up,down}_exps``).
 
     Each expert is sampled as a linear layer with its own statistics (:meth:`ExpertStats.row_weights`,
@@ -207,6 +213,9 @@ def expert_samples(module: torch.nn.Module, proj: str, st: ExpertStats, *, total
         module: the experts module; proj: ``gate_proj``, ``up_proj`` or ``down_proj``.
         st: its statistics.
         total_tokens: calibration tokens; fisher_total: tokens of the Fisher sequences.
+        defer_fisher: the Fisher is not known yet (the block-by-block forward sweep): rows are sampled by their
+            output energy and measured with ``per_row``; weigh them later with :meth:`ExpertStats.fisher`
+            (:func:`combine_expert_errors` ``fisher_of``).
     Returns:
         (one ErrorSample per expert, experts that used a fallback).
     """
@@ -214,9 +223,11 @@ def expert_samples(module: torch.nn.Module, proj: str, st: ExpertStats, *, total
     samples, fallback = [], []
     for e in range(st.n_expert):
         rw, imp, fb = st.row_weights(proj, e, total_tokens, fisher_total)
-        if fb:
+        if fb and (not defer_fisher or st.tokens[e] == 0):  # deferred: no Fisher token is counted yet
             fallback.append(e)
-        samples.append(sample_tensor(w[e], rw, imatrix=imp, seed=seed + e))
+        if defer_fisher:
+            rw = RowWeights(hessian=rw.hessian)
+        samples.append(sample_tensor(w[e], rw, imatrix=imp, seed=seed + e, score="output" if defer_fisher else "kld"))
     return samples, fallback
 
 
@@ -236,6 +247,18 @@ def combine_expert_errors(st: ExpertStats, per_expert: list[dict[str, TensorErro
             s[3] += te.kld_pred
             s[4] = te.bpw
     return {f: TensorError(int(s[0]), s[4], s[1], s[2], s[3]) for f, s in sums.items()}
+
+
+def expert_errors_with_fisher(st: ExpertStats, proj: str, per_expert: list[dict[str, RowErrors]], *,
+                              total_tokens: int, fisher_total: int) -> dict[str, TensorError]:
+    """:func:`combine_expert_errors` of errors measured before the Fisher was known (``expert_samples(...,
+    defer_fisher=True)``, ``measure_samples(..., per_row=True)``), each expert weighted by its
+    :meth:`ExpertStats.fisher`."""
+    out = []
+    for e, errs in enumerate(per_expert):
+        g = st.fisher(proj, e, total_tokens, fisher_total)
+        out.append({f: re.with_fisher(g) for f, re in errs.items()})
+    return combine_expert_errors(st, out)
 
 
 def measure_expert_errors(module: torch.nn.Module, proj: str, st: ExpertStats, formats: list[str], *,
