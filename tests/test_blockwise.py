@@ -123,3 +123,28 @@ def test_missing_tensor_is_named(tmp_path, monkeypatch):
 def test_hidden_bytes():
     # 8 sequences of 512 tokens, hidden 4096, 32 blocks, 4 Fisher sequences: current states + Fisher inputs + grads
     assert hidden_bytes(8, 512, 4096, 32, 4) == 512 * 4096 * 4 * (8 + 4 * 33)
+
+
+def test_superweight_ablation_blockwise_equals_whole_model(tmp_path):
+    """Super-weight confirmation block by block (original and ablations as variants of one pass) gives the same
+    perplexities as ablating the whole model, bit for bit."""
+    from dynaquant.analysis.superweights import SuperWeight, confirm, confirm_blockwise
+
+    source, ts = _checkpoint(tmp_path / "ckpt", "llama")
+    chunks = torch.randint(3, 320, (2, 19), generator=torch.Generator().manual_seed(4))
+
+    def cands():  # the largest weight of each down_proj, and one of block 0 that barely matters
+        full = load_model(source)
+        out = []
+        for i in range(2):
+            w = full.get_submodule(f"model.layers.{i}.mlp.down_proj").weight.detach()
+            r, c = divmod(int(w.abs().argmax()), w.shape[1])
+            out.append(SuperWeight(i, f"model.layers.{i}.mlp.down_proj", r, c, float(w[r, c]), 0.0, 0.0, 99.0))
+        out.append(SuperWeight(0, "model.layers.0.mlp.down_proj", 0, 0, 0.0, 0.0, 0.0, 60.0))
+        return full, out
+
+    full, want = cands()
+    confirm(full, want, chunks)
+    got = confirm_blockwise(build_skeleton(source, ts), cands()[1], chunks)
+    assert [(s.ppl_base, s.ppl_ablated, s.confirmed) for s in got] == [(s.ppl_base, s.ppl_ablated, s.confirmed) for s in want]
+    assert got[0].ppl_ablated != got[0].ppl_base and len({s.ppl_ablated for s in got}) == 3

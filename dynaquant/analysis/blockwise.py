@@ -25,6 +25,8 @@ Fisher sequences, ``(n_blocks + 1) * fisher_sequences * T * hidden`` (:func:`hid
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from tqdm.auto import tqdm
 
@@ -84,7 +86,8 @@ def _hidden(out) -> torch.Tensor:
 
 
 def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | None = None, *, seed: int = 0,
-                      progress: bool = True, store_device: str | torch.device = "cpu") -> ModelStats:
+                      progress: bool = True, store_device: str | torch.device = "cpu",
+                      on_block: Callable[[int, ModelStats], None] | None = None) -> ModelStats:
     """:func:`.stats.collect` on a skeleton, one decoder block in memory at a time (see the module docstring).
 
     Args:
@@ -94,6 +97,9 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
         seed: label-sampling seed of the Fisher sequences.
         progress: show a progress bar (one step per block and sweep).
         store_device: where the hidden states between blocks are kept.
+        on_block: called as ``on_block(i, stats)`` after the forward sweep of block ``i``, the block still
+            materialized: its statistics are complete but for the Fisher diagonals (the analysis measures the
+            block's errors here and may then drop its H, :meth:`.stats.ModelStats.drop_hessians`).
     Returns:
         ModelStats equal to ``collect(model, chunks, what, seed=seed)`` on the whole model (tensors on the
         skeleton's device; ``token_counts`` and the imatrix sums on CPU).
@@ -136,6 +142,8 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
                 args, kwargs = calls[s][i]
                 with torch.no_grad():
                     hidden[s] = _hidden(layer(hidden[s].to(dev), *args, **kwargs)).to(store_device)
+            if on_block is not None:
+                on_block(i, st)
             sk.release(i)
             bar.update(1)
         # 3. the head: its statistics; logits, labels and the last block's output gradient of the Fisher sequences
@@ -203,9 +211,18 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
     return st
 
 
-def _forward_to_head(model, col: Collector, ids: torch.Tensor, blocks: _Blocks, first: list) -> None:
+class _Stop(Exception):  # noqa: N818 - a signal: the forward pass ends at the output head
+    pass
+
+
+def _stop(*_):
+    raise _Stop()
+
+
+def _forward_to_head(model, col: Collector | None, ids: torch.Tensor, blocks: _Blocks, first: list) -> None:
     """The model's forward with recording blocks (:meth:`_Blocks.record`), stopped before the output head; the
-    first block's input is appended to ``first``."""
+    first block's input is appended to ``first``. With a collector: its ``forward_without_logits`` (the embedding
+    hook counts the tokens), gathering nothing at the head."""
     layer0 = blocks.layers[0]
     rec = layer0.forward
 
@@ -215,6 +232,77 @@ def _forward_to_head(model, col: Collector, ids: torch.Tensor, blocks: _Blocks, 
 
     layer0.forward = fwd0
     try:
-        col.forward_without_logits(model, {"input_ids": ids}, collect=False)
+        if col is not None:
+            col.forward_without_logits(model, {"input_ids": ids}, collect=False)
+            return
+        head = model.get_output_embeddings()
+        handle = head.register_forward_pre_hook(_stop)
+        try:
+            model(input_ids=ids, use_cache=False)
+        except _Stop:
+            pass
+        finally:
+            handle.remove()
     finally:
         layer0.forward = rec
+
+
+@torch.no_grad()
+def stream_logits(sk: ModelSkeleton, chunks: torch.Tensor, n_variants: int,
+                  edit: Callable[[int, int, torch.nn.Module], Callable[[], None] | None],
+                  reduce: Callable[[int, int, torch.Tensor], None], *, progress: bool = False,
+                  store_device: str | torch.device = "cpu") -> None:
+    """Run token sequences through variants of a model, block by block, and hand each variant's logits on.
+
+    Variant 0 is the model as the source holds it; ``edit(v, i, block)`` may change block ``i``'s materialized
+    weights for variant ``v`` (a super-weight ablation, a quantized copy) and returns the undo, or None for no
+    change. A variant's hidden states are the original's until its first edited block (not computed twice).
+    Memory: one block's weights and ``n_variants * n * T * hidden`` floats at most.
+
+    Args:
+        sk: the skeleton (the outer part stays materialized).
+        chunks: (n, T) int64 token ids.
+        n_variants: V >= 1.
+        edit: see above; called once per variant and block, in block order, variant 0 included.
+        reduce: ``reduce(v, s, logits)`` with (T, vocab) float32 logits of sequence ``s`` under variant ``v``.
+        progress: show a progress bar (one step per block).
+        store_device: where the hidden states between blocks are kept.
+    """
+    model, dev = sk.model, sk.device
+    sk.materialize(OUTER)
+    blocks = _Blocks(sk.layers)
+    first: list[torch.Tensor] = []
+    calls: list[list[tuple[tuple, dict]]] = []
+    try:
+        blocks.record()
+        for s in range(chunks.shape[0]):
+            _forward_to_head(model, None, chunks[s : s + 1].to(dev), blocks, first)
+            first[-1] = first[-1].to(store_device)
+            calls.append(list(blocks.calls))
+        hidden: list[list[torch.Tensor] | None] = [first] + [None] * (n_variants - 1)
+        for i in tqdm(range(sk.n_blocks), desc="blocks", disable=not progress, unit="block"):
+            blocks.restore()
+            sk.materialize(i)
+            layer = sk.layers[i]
+            base_in = list(hidden[0])
+            for v in range(n_variants):
+                undo = edit(v, i, layer)
+                if hidden[v] is None and undo is None:
+                    continue  # still the original's states
+                states = hidden[v] if hidden[v] is not None else list(base_in)
+                try:
+                    for s, x in enumerate(states):
+                        args, kwargs = calls[s][i]
+                        states[s] = _hidden(layer(x.to(dev), *args, **kwargs)).to(store_device)
+                finally:
+                    if undo is not None:
+                        undo()
+                hidden[v] = states
+            sk.release(i)
+        for v in range(n_variants):
+            states = hidden[v] if hidden[v] is not None else hidden[0]
+            for s, h in enumerate(states):
+                blocks.output(h.to(dev))
+                reduce(v, s, model(input_ids=chunks[s : s + 1].to(dev), use_cache=False).logits[0].to(torch.float32))
+    finally:
+        blocks.restore()

@@ -36,7 +36,8 @@ class ExpertStats:
     Attributes:
         module: HF name of the experts module.
         n_expert: E.
-        hessian_sum: ``"gate_up"`` (E, H, H) and ``"down"`` (E, I, I) float32 sums of x x^T over routed tokens.
+        hessian_sum: ``"gate_up"`` (E, H, H) and ``"down"`` (E, I, I) float32 sums of x x^T over routed tokens
+            (emptied by :meth:`drop_hessians`, which keeps their diagonals in ``diag_sum``).
         tokens: (E,) int64 tokens routed to each expert.
         weight_sum: (E,) float64 sum of their routing weights.
         fisher_sum: proj -> (E, N) float64 sum of squared output gradients (Fisher sequences).
@@ -50,6 +51,13 @@ class ExpertStats:
     weight_sum: torch.Tensor | None = None
     fisher_sum: dict[str, torch.Tensor] = field(default_factory=dict)
     fisher_tokens: torch.Tensor | None = None
+    diag_sum: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def drop_hessians(self) -> None:
+        """Free the (E, K, K) matrices, keeping their diagonals (the per-expert imatrix)."""
+        for key, h in self.hessian_sum.items():
+            self.diag_sum[key] = torch.diagonal(h, dim1=1, dim2=2).clone()
+        self.hessian_sum.clear()
 
     @staticmethod
     def input_of(proj: str) -> str:
@@ -65,8 +73,9 @@ class ExpertStats:
 
     def imatrix(self, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
         """((E, K) float64 sums of x^2, (E,) int64 tokens): llama.cpp's per-expert imatrix entry."""
-        h = self.hessian_sum[self.input_of(proj)]
-        return torch.diagonal(h, dim1=1, dim2=2).double().cpu(), self.tokens.cpu()
+        key = self.input_of(proj)
+        d = torch.diagonal(self.hessian_sum[key], dim1=1, dim2=2) if key in self.hessian_sum else self.diag_sum[key]
+        return d.double().cpu(), self.tokens.cpu()
 
     def row_weights(self, proj: str, e: int, total_tokens: int, fisher_total: int) -> tuple[RowWeights, torch.Tensor, bool]:
         """What expert ``e``'s rows weigh in the predicted KL divergence (see :mod:`.errors`).

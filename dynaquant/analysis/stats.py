@@ -41,7 +41,7 @@ class InputStats:
 
     Attributes:
         modules: HF module names reading this input, in call order.
-        hessian_sum: (K, K) float32, sum over tokens of x x^T.
+        hessian_sum: (K, K) float32, sum over tokens of x x^T; None once dropped (:meth:`drop_hessian`).
         tokens: tokens accumulated.
         absmax: (K,) float32 max |x| per channel.
         sq_sum: float, sum of x^2 over tokens and channels.
@@ -49,21 +49,38 @@ class InputStats:
     """
 
     modules: list[str]
-    hessian_sum: torch.Tensor
+    hessian_sum: torch.Tensor | None
     tokens: int = 0
     absmax: torch.Tensor | None = None
     sq_sum: float = 0.0
     qerr_sum: dict = field(default_factory=lambda: {"int8": 0.0, "int4": 0.0})
+    diag_sum: torch.Tensor | None = None  # (K,) the diagonal of a dropped hessian_sum
 
     @property
     def hessian(self) -> torch.Tensor:
-        """(K, K) float32 E[x x^T]."""
+        """(K, K) float32 E[x x^T].
+
+        Raises:
+            ValueError: the matrix was dropped (:meth:`drop_hessian`).
+        """
+        if self.hessian_sum is None:
+            raise ValueError(f"the second moments of {self.modules[0]}'s input were dropped after its block")
         return self.hessian_sum / max(self.tokens, 1)
+
+    def diag(self) -> torch.Tensor:
+        """(K,) float32 the sum over tokens of x^2 per column (the diagonal of ``hessian_sum``, kept when dropped)."""
+        return torch.diagonal(self.hessian_sum) if self.hessian_sum is not None else self.diag_sum
 
     @property
     def imatrix(self) -> torch.Tensor:
         """(K,) float32 E[x^2] per column."""
-        return torch.diagonal(self.hessian_sum) / max(self.tokens, 1)
+        return self.diag() / max(self.tokens, 1)
+
+    def drop_hessian(self) -> None:
+        """Free the (K, K) matrix, keeping its diagonal (the imatrix)."""
+        if self.hessian_sum is not None:
+            self.diag_sum = torch.diagonal(self.hessian_sum).clone()
+            self.hessian_sum = None
 
     def quant_rel_error(self) -> dict[str, float]:
         """Relative error ``||Q(x) - x|| / ||x||`` of per-token absmax quantization, per bit width."""
@@ -120,6 +137,16 @@ class ModelStats:
     experts: dict[str, moe.ExpertStats] = field(default_factory=dict)
     imatrix: Imatrix | None = None
 
+    def drop_hessians(self, modules) -> None:
+        """Free the (K, K) second moments of the inputs read by ``modules`` (HF module names) and of the experts
+        modules among them, keeping the diagonals (the imatrix): the block-by-block analysis keeps one block's
+        matrices at a time."""
+        modules = set(modules)
+        for mod in modules & self.input_of.keys():
+            self.inputs[self.input_of[mod]].drop_hessian()
+        for name in modules & self.experts.keys():
+            self.experts[name].drop_hessians()
+
     def input(self, module: str) -> InputStats:
         """The InputStats of a module's input. Raises KeyError for an unknown module."""
         return self.inputs[self.input_of[module]]
@@ -137,7 +164,7 @@ class ModelStats:
         im = Imatrix(dataset=dataset, chunks=self.sequences)
         for mod, key in self.input_of.items():
             s = self.inputs[key]
-            im.sums[mod] = torch.diagonal(s.hessian_sum).to(torch.float64).cpu()
+            im.sums[mod] = s.diag().to(torch.float64).cpu()
             im.counts[mod] = s.tokens
         for name, es in self.experts.items():
             for proj in PROJS:

@@ -70,13 +70,16 @@ class SuperWeight:
         return {k: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v) for k, v in d.items()}
 
 
-def find_candidates(model, stats: ModelStats, *, spike_ratio: float = 50.0, max_candidates: int = 8) -> list[SuperWeight]:
-    """Super-weight candidates from down_proj input/output spikes, largest spike ratio first."""
+def find_candidates(model, stats: ModelStats, *, spike_ratio: float = 50.0, max_candidates: int = 8,
+                    layer: int | None = None) -> list[SuperWeight]:
+    """Super-weight candidates from down_proj input/output spikes, largest spike ratio first (``layer``: that block's
+    only, whose weights alone need to be in memory)."""
     mods = dict(model.named_modules())
     out = []
+    want = layer
     for name, o in stats.outputs.items():
         layer = down_proj_layer(name)
-        if layer is None or name not in stats.input_of:
+        if layer is None or name not in stats.input_of or (want is not None and layer != want):
             continue
         ratio = float(o.absmax.max() / o.absmax.median().clamp_min(1e-12))
         if ratio < spike_ratio:
@@ -116,5 +119,40 @@ def confirm(model, candidates: list[SuperWeight], chunks: torch.Tensor, confirm_
         finally:
             w[s.row, s.column] = keep
         s.ppl_base = base
+        s.confirmed = s.ppl_ratio >= confirm_ratio
+    return candidates
+
+
+def confirm_blockwise(sk, candidates: list[SuperWeight], chunks: torch.Tensor, confirm_ratio: float = 1.1,
+                      progress: bool = False) -> list[SuperWeight]:
+    """:func:`confirm` on a model skeleton, one block in memory at a time: the original and every ablation run as
+    variants of one block-wise pass (:func:`dynaquant.analysis.blockwise.stream_logits`; an ablation's states are
+    the original's up to its block). Same perplexities as :func:`confirm` on the whole model."""
+    from dynaquant.analysis.blockwise import stream_logits
+
+    nll = [0.0] * (len(candidates) + 1)
+    n = [0] * (len(candidates) + 1)
+
+    def edit(v: int, i: int, _block):
+        if v == 0 or candidates[v - 1].layer != i:
+            return None
+        s = candidates[v - 1]
+        w = sk.model.get_submodule(s.module).weight
+        keep = w[s.row, s.column].clone()
+        w[s.row, s.column] = 0
+
+        def undo():
+            w[s.row, s.column] = keep
+        return undo
+
+    def reduce(v: int, s: int, logits: torch.Tensor):
+        ids = chunks[s].to(logits.device)
+        nll[v] += float(torch.nn.functional.cross_entropy(logits[:-1], ids[1:], reduction="sum"))
+        n[v] += ids.shape[0] - 1
+
+    stream_logits(sk, chunks, len(candidates) + 1, edit, reduce, progress=progress)
+    base = math.exp(nll[0] / n[0])
+    for k, s in enumerate(candidates, start=1):
+        s.ppl_base, s.ppl_ablated = base, math.exp(nll[k] / n[k])
         s.confirmed = s.ppl_ratio >= confirm_ratio
     return candidates
