@@ -187,6 +187,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --validate: correct each plan by measurement, at most N re-plans (report: corrections)")
     a.add_argument("--correct-sequences", type=_positive, default=config.CORRECT_SEQUENCES, metavar="K",
                    help=f"held-out calibration sequences the corrections measure on (default {config.CORRECT_SEQUENCES})")
+    a.add_argument("--stream", action="store_true",
+                   help="block by block: one decoder block's weights in memory at a time (models larger than memory)")
     a.add_argument("--no-super-weights", action="store_true")
     a.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     a.add_argument("--device")
@@ -362,7 +364,7 @@ def _analyze(a) -> int:
                         sensitivity_formats=_names(a.sensitivity), validate_presets=_names(a.validate), device=a.device,
                         dtype=a.dtype, allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code,
                         progress=not a.json, allow_nonfinite=a.allow_nonfinite, correct_rounds=a.correct,
-                        correct_sequences=a.correct_sequences, **kw)
+                        correct_sequences=a.correct_sequences, stream=a.stream, **kw)
     res = run_analyze(a.model, a.output, cfg)
     rep = res.report
     if a.json:

@@ -57,6 +57,8 @@ class AnalyzeConfig:
         correct_rounds, correct_sequences: measured corrections (:mod:`dynaquant.pipeline.corrections`) of the
             ``validate_presets`` plans, at most this many re-plans each (0: off), measured on this many held-out
             calibration sequences; the fitted factors go into the report's ``corrections`` section.
+        stream: run block by block, one decoder block's weights in memory at a time
+            (:mod:`dynaquant.pipeline.analyze_blocks`; no sensitivity, validation or corrections yet).
     """
 
     calibration: CalibrationSpec | None = None
@@ -73,6 +75,7 @@ class AnalyzeConfig:
     allow_nonfinite: bool = False
     correct_rounds: int = 0
     correct_sequences: int = CORRECT_SEQUENCES
+    stream: bool = False
 
 
 @dataclass(frozen=True)

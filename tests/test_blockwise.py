@@ -148,3 +148,45 @@ def test_superweight_ablation_blockwise_equals_whole_model(tmp_path):
     got = confirm_blockwise(build_skeleton(source, ts), cands()[1], chunks)
     assert [(s.ppl_base, s.ppl_ablated, s.confirmed) for s in got] == [(s.ppl_base, s.ppl_ablated, s.confirmed) for s in want]
     assert got[0].ppl_ablated != got[0].ppl_base and len({s.ppl_ablated for s in got}) == 3
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2moe", "deepseek-v3"])
+def test_blockwise_analysis_report_equals_whole_model(case, tmp_path, monkeypatch):
+    """``analyze(..., stream=True)`` writes the whole-model analysis's report: same entries, formats, activation
+    statistics, routing and imatrix. Every row measured (so that the two row samplings, by predicted KLD and by
+    output energy, pick the same rows), the errors agree to rounding (float32 / float64 Fisher weighting)."""
+    import dynaquant
+    import dynaquant.analysis.experts as moe_mod
+    import dynaquant.pipeline.analyze as an_mod
+    import dynaquant.pipeline.analyze_blocks as ab_mod
+    from dynaquant.analysis.calibration import CalibrationSpec
+    from dynaquant.analysis.errors import sample_tensor
+
+    def all_rows(w, rw, **kw):
+        return sample_tensor(w, rw, **{**kw, "rows": w.shape[0]})
+    for mod in (an_mod, ab_mod, moe_mod):
+        monkeypatch.setattr(mod, "sample_tensor", all_rows)
+    _checkpoint(tmp_path / "ckpt", case)
+    kw = dict(calibration=CalibrationSpec((), 4, 32), candidates=("Q4_0", "Q8_0", "Q4_K"), fisher_sequences=2,
+              progress=False)
+    whole = dynaquant.analyze(tmp_path / "ckpt", tmp_path / "a", **kw).report
+    res = dynaquant.analyze(tmp_path / "ckpt", tmp_path / "b", stream=True, **kw)
+    got = res.report
+    assert got["calibration"].pop("blockwise") is True
+    for key in ("model", "calibration", "candidates", "activations", "experts", "super_weights"):
+        assert got[key] == whole[key], key
+    assert [e["name"] for e in got["tensors"]] == [e["name"] for e in whole["tensors"]]
+    measured = 0
+    for g, w in zip(got["tensors"], whole["tensors"]):
+        assert {k: v for k, v in g.items() if k != "errors"} == {k: v for k, v in w.items() if k != "errors"}, g["name"]
+        assert g["errors"].keys() == w["errors"].keys(), g["name"]
+        for f, e in w["errors"].items():
+            measured += 1
+            assert g["errors"][f]["size_bytes"] == e["size_bytes"]
+            for k in ("weighted_rel", "output_rel", "kld_pred"):
+                assert g["errors"][f][k] == pytest.approx(e[k], rel=2e-5, abs=1e-12), (g["name"], f, k)
+    assert measured > 20
+    assert (tmp_path / "b" / "imatrix.gguf").read_bytes() == (tmp_path / "a" / "imatrix.gguf").read_bytes()
+    # no (K, K) matrix kept but the output head's (measured last)
+    assert [k for k, s in res.stats.inputs.items() if s.hessian_sum is not None] == ["lm_head"]
+    assert all(not e.hessian_sum for e in res.stats.experts.values())

@@ -81,7 +81,7 @@ class AnalysisResult:
     imatrix_path: Path | None = None
 
 
-def _row_weights(t, stats: ModelStats, tied: bool, vocab_counts: torch.Tensor):
+def row_weights_of(t, stats: ModelStats, tied: bool, vocab_counts: torch.Tensor):
     """(RowWeights, encoder imatrix (K,) or None) of a GGUF tensor; (None, None) without statistics."""
     kind = tensor_kind(t.gguf_name)
     if kind == "token_embd":
@@ -100,7 +100,7 @@ def _row_weights(t, stats: ModelStats, tied: bool, vocab_counts: torch.Tensor):
     return RowWeights(fisher=stats.outputs[module].fisher, hessian=inp.hessian), inp.imatrix
 
 
-def _weight_of(model, t) -> torch.Tensor | None:
+def weight_of(model, t) -> torch.Tensor | None:
     kind = tensor_kind(t.gguf_name)
     if kind == "token_embd":
         return model.get_input_embeddings().weight
@@ -110,6 +110,13 @@ def _weight_of(model, t) -> torch.Tensor | None:
         return model.get_parameter(t.hf_name) if t.hf_name else None
     except AttributeError:
         return None
+
+
+def tensor_entry(t, sw_tensors: set) -> dict:
+    """The report's entry of one source tensor, its ``errors`` still empty."""
+    return {"name": t.gguf_name, "hf_name": t.hf_name, "shape": list(t.shape), "n_elements": t.numel,
+            "layer": _layer(t.gguf_name), "kind": tensor_kind(t.gguf_name), "group": tensor_group(t.gguf_name),
+            "quantizable": t.quantizable, "super_weight": t.gguf_name in sw_tensors, "errors": {}}
 
 
 def _error_groups(src_tensors) -> list[list[int]]:
@@ -126,9 +133,7 @@ def _measure_tensors(model, src_tensors, stats: ModelStats, tied: bool, candidat
     """The report's tensor entries with the errors of every candidate format, and the encoder imatrix of each
     measured tensor (by HF name). A decoder block's tensors, and all experts of its MoE layer, are measured
     together (:func:`dynaquant.analysis.errors.measure_samples`), with the results of one tensor at a time."""
-    entries = [{"name": t.gguf_name, "hf_name": t.hf_name, "shape": list(t.shape), "n_elements": t.numel,
-                "layer": _layer(t.gguf_name), "kind": tensor_kind(t.gguf_name), "group": tensor_group(t.gguf_name),
-                "quantizable": t.quantizable, "super_weight": t.gguf_name in sw_tensors, "errors": {}} for t in src_tensors]
+    entries = [tensor_entry(t, sw_tensors) for t in src_tensors]
     enc_imatrix: dict[str, torch.Tensor | None] = {}
     bar = tqdm(total=len(src_tensors), desc="errors", disable=not progress, unit="tensor")
     for group in _error_groups(src_tensors):
@@ -148,8 +153,8 @@ def _measure_tensors(model, src_tensors, stats: ModelStats, tied: bool, candidat
                     log.warning("%s: experts %s saw no calibration tokens (or none with gradients): measured with the "
                                 "layer's pooled statistics", t.gguf_name, fallback)
             elif t.quantizable:
-                w = _weight_of(model, t)
-                rw, imp = _row_weights(t, stats, tied, stats.token_counts)
+                w = weight_of(model, t)
+                rw, imp = row_weights_of(t, stats, tied, stats.token_counts)
                 if w is not None and rw is not None and tuple(w.shape) == tuple(t.shape):
                     owners.append((i, len(samples), len(samples) + 1, None))
                     samples.append(sample_tensor(w.detach(), rw, imatrix=imp))
@@ -207,33 +212,8 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
                                             progress)
     timings["errors_s"] = time.perf_counter() - t2
 
-    activations = []
-    for key, s in stats.inputs.items():
-        names = [gguf_of_param.get(m + ".weight", "output.weight" if m == "lm_head" else m) for m in s.modules]
-        activations.append(activation_entry(key, _layer(names[0]), tensor_kind(names[0]), names, s.absmax, s.sq_sum,
-                                            s.tokens, s.quant_rel_error()))
-
-    report = {
-        "version": 1,
-        "dynaquant_version": __version__,
-        "model": {"id": source.model_id, "revision": _revision(source), "arch": ts.arch, "n_layers": ts.n_layers,
-                  "tied_embeddings": info.tied_embeddings, "n_head": info.n_head, "n_head_kv": info.n_head_kv,
-                  "n_expert": info.n_expert, "expert_format": info.expert_format,
-                  "n_parameters": sum(t.numel for t in src_tensors),
-                  "gguf_overhead_bytes": overhead_bytes or None},
-        "calibration": {"id": spec.id, "sources": list(spec.sources), "n_sequences": stats.sequences,
-                        "seq_len": spec.seq_len, "tokens": stats.tokens, "chat_template": spec.chat_template,
-                        "fisher_sequences": stats.fisher_sequences, "device": str(device),
-                        "dtype": str(next(model.parameters()).dtype).replace("torch.", "")},
-        "candidates": list(candidates),
-        "tensors": entries,
-        "activations": activations,
-        "super_weights": [s.to_dict() for s in sws],
-        "experts": [experts.routing_entry(es, _layer_of_module(name), stats.tokens) for name, es in stats.experts.items()],
-        "sensitivity": [],
-        "plans": [],
-        "timings_s": timings,
-    }
+    report = build_report(source, ts, spec, stats, entries, sws, candidates, device=device,
+                          dtype=next(model.parameters()).dtype, overhead_bytes=overhead_bytes, timings=timings)
     imatrix_of = enc_imatrix.get
     tensors = tensor_infos(ts)
     by_gguf = {t.gguf_name: t for t in src_tensors}
@@ -282,6 +262,45 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
     return AnalysisResult(report, stats, stats.to_imatrix(spec.id))
 
 
+def build_report(source: ModelSource, ts: TensorSource, spec: CalibrationSpec, stats: ModelStats, entries: list[dict],
+                 sws: list, candidates: tuple[str, ...], *, device, dtype: torch.dtype, overhead_bytes: int,
+                 timings: dict) -> dict:
+    """The report dict (``report.json`` layout, :mod:`dynaquant.analysis.report.schema`) of one analysis: the tensor
+    entries with their errors, the activation statistics, the super weights, the MoE routing; no sensitivity rows
+    or plans yet."""
+    info = model_info(ts)
+    src_tensors = ts.tensors()
+    gguf_of_param = {t.hf_name: t.gguf_name for t in src_tensors if t.hf_name}
+    activations = []
+    for key, s in stats.inputs.items():
+        names = [gguf_of_param.get(m + ".weight", "output.weight" if m == "lm_head" else m) for m in s.modules]
+        activations.append(activation_entry(key, _layer(names[0]), tensor_kind(names[0]), names, s.absmax, s.sq_sum,
+                                            s.tokens, s.quant_rel_error()))
+
+    report = {
+        "version": 1,
+        "dynaquant_version": __version__,
+        "model": {"id": source.model_id, "revision": _revision(source), "arch": ts.arch, "n_layers": ts.n_layers,
+                  "tied_embeddings": info.tied_embeddings, "n_head": info.n_head, "n_head_kv": info.n_head_kv,
+                  "n_expert": info.n_expert, "expert_format": info.expert_format,
+                  "n_parameters": sum(t.numel for t in src_tensors),
+                  "gguf_overhead_bytes": overhead_bytes or None},
+        "calibration": {"id": spec.id, "sources": list(spec.sources), "n_sequences": stats.sequences,
+                        "seq_len": spec.seq_len, "tokens": stats.tokens, "chat_template": spec.chat_template,
+                        "fisher_sequences": stats.fisher_sequences, "device": str(device),
+                        "dtype": str(dtype).replace("torch.", "")},
+        "candidates": list(candidates),
+        "tensors": entries,
+        "activations": activations,
+        "super_weights": [s.to_dict() for s in sws],
+        "experts": [experts.routing_entry(es, _layer_of_module(name), stats.tokens) for name, es in stats.experts.items()],
+        "sensitivity": [],
+        "plans": [],
+        "timings_s": timings,
+    }
+    return report
+
+
 def _group_pred(group: str, fmt: str, src_tensors, pred: dict) -> float | None:
     from dynaquant.quant.formats import resolve_for_row
 
@@ -322,7 +341,7 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
             validate_presets: tuple[str, ...] = (), device: str | None = None, dtype: str = "float32",
             allow_pickle: bool = False, trust_remote_code: bool = False, progress: bool = True,
             allow_nonfinite: bool = False, correct_rounds: int = 0,
-            correct_sequences: int = CORRECT_SEQUENCES) -> AnalysisResult:
+            correct_sequences: int = CORRECT_SEQUENCES, stream: bool = False) -> AnalysisResult:
     """Analyse a model: calibration statistics, per-tensor errors of every candidate format, super weights.
 
     Args:
@@ -341,6 +360,9 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
         correct_rounds, correct_sequences: measured corrections of the ``validate_presets`` plans (at most this many
             re-plans each, 0: off; on this many held-out calibration sequences): the report's ``corrections`` section,
             which later ``dynaquant plan`` runs on the report use.
+        stream: block by block, one decoder block's weights in memory at a time (models larger than memory;
+            :mod:`dynaquant.pipeline.analyze_blocks`): not with sensitivity, validation, corrections, allow_nonfinite
+            or a vision-language model yet.
     Returns:
         AnalysisResult.
     Raises:
@@ -353,7 +375,7 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
         calibration=calibration, candidates=candidates, fisher_sequences=fisher_sequences, super_weights=super_weights,
         sensitivity_formats=sensitivity_formats, validate_presets=validate_presets, device=device, dtype=dtype,
         allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, progress=progress, allow_nonfinite=allow_nonfinite,
-        correct_rounds=correct_rounds, correct_sequences=correct_sequences))
+        correct_rounds=correct_rounds, correct_sequences=correct_sequences, stream=stream))
 
 
 def run_analyze(model: str | os.PathLike | None, output_dir: str | os.PathLike | None, cfg: AnalyzeConfig) -> AnalysisResult:
@@ -364,6 +386,9 @@ def run_analyze(model: str | os.PathLike | None, output_dir: str | os.PathLike |
     if cfg.correct_rounds and not cfg.validate_presets:
         raise ValueError(f"correct_rounds {cfg.correct_rounds}: the corrections correct the validate_presets plans: "
                          "give them")
+    if cfg.stream and (cfg.sensitivity_formats or cfg.validate_presets or cfg.allow_nonfinite):
+        raise ValueError("sensitivity rows, plan validation and allow_nonfinite need the whole model: not available "
+                         "with stream (block by block) yet")
     spec = cfg.calibration or CalibrationSpec()
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -376,12 +401,20 @@ def run_analyze(model: str | os.PathLike | None, output_dir: str | os.PathLike |
     if outs:  # with upper bounds of their bytes, before the model is loaded
         sizes = analysis_bytes_bound(tensor_infos(ts), len(cfg.candidates))
         check_outputs([Output(p, b) for p, b in zip(outs, sizes)], inputs={"calibration text": spec}, source=source)
+    tensors = tensor_infos(ts)
+    overhead = gguf_planning_overhead(source, ts, tensors, use_imatrix=True)  # as quantize() estimates it
+    if cfg.stream:
+        from dynaquant.pipeline.analyze_blocks import run_blockwise_analysis
+
+        res = run_blockwise_analysis(source, ts, load_tokenizer(source), spec, device=cfg.device or default_device(),
+                                     dtype=getattr(torch, cfg.dtype), candidates=cfg.candidates,
+                                     fisher_sequences=cfg.fisher_sequences, super_weights=cfg.super_weights,
+                                     overhead_bytes=overhead, progress=cfg.progress, timings=timings)
+        return _finish_analysis(res, output_dir, ts, spec, timings, t0)
     hf_model = load_model(source, dtype=getattr(torch, cfg.dtype), device=cfg.device or default_device())
     check_model_finite(hf_model, source_names(ts), str(source.path), cfg.allow_nonfinite)  # before any forward pass
     tokenizer = load_tokenizer(source)
     timings["load_s"] = time.perf_counter() - t0
-    tensors = tensor_infos(ts)
-    overhead = gguf_planning_overhead(source, ts, tensors, use_imatrix=True)  # as quantize() estimates it
     validate = tuple((f"{p} size", make_plan(tensors, model_info(ts), preset=p, has_imatrix=True).size_bytes + overhead)
                      for p in cfg.validate_presets)
     res = run_analysis(source, ts, hf_model, tokenizer, spec, candidates=cfg.candidates,
@@ -389,6 +422,12 @@ def run_analyze(model: str | os.PathLike | None, output_dir: str | os.PathLike |
                        sensitivity_formats=cfg.sensitivity_formats, validate=validate, overhead_bytes=overhead,
                        progress=cfg.progress, timings=timings, correct_rounds=cfg.correct_rounds,
                        correct_sequences=cfg.correct_sequences)
+    return _finish_analysis(res, output_dir, ts, spec, timings, t0)
+
+
+def _finish_analysis(res: AnalysisResult, output_dir, ts: TensorSource, spec: CalibrationSpec, timings: dict,
+                     t0: float) -> AnalysisResult:
+    """Write the report and the imatrix into ``output_dir`` (when given)."""
     timings["total_s"] = time.perf_counter() - t0
     if output_dir is not None:
         out = Path(output_dir)

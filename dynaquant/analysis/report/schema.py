@@ -276,7 +276,8 @@ class ModelInfo(Record):
 class CalibrationInfo(Record):
     """``calibration``: ``id`` (a digest naming the text), ``sources`` (files or ``hf:`` ids), ``n_sequences`` x
     ``seq_len`` tokens (``tokens`` in all), ``chat_template``, ``fisher_sequences`` (with a backward pass),
-    ``device`` and ``dtype`` of the run (``"bfloat16"``)."""
+    ``device`` and ``dtype`` of the run (``"bfloat16"``), ``blockwise`` (true when run one block at a time:
+    :mod:`dynaquant.pipeline.analyze_blocks`)."""
 
     id: str | None = None
     sources: list[str] | None = None
@@ -287,6 +288,7 @@ class CalibrationInfo(Record):
     fisher_sequences: int | None = None
     device: str | None = None
     dtype: str | None = None
+    blockwise: bool | None = None
 
 
 @dataclass(frozen=True)

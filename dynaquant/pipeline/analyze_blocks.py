@@ -1,0 +1,160 @@
+"""The analysis block by block: the report of :func:`dynaquant.pipeline.analyze.run_analysis` without the whole model
+in memory (issue 15, models larger than memory).
+
+The model is a meta-device skeleton (:mod:`dynaquant.sources.skeleton`); the calibration runs block by block
+(:func:`dynaquant.analysis.blockwise.collect_blockwise`). Each decoder block, while it is in memory after its
+forward sweep, has its tensors' errors measured for every candidate format (rows sampled by output energy, each
+sampled row's output error kept: :class:`dynaquant.analysis.errors.RowErrors`), its super-weight candidates taken,
+and its (K, K) second moments dropped (the diagonals, the imatrix, are kept). Once the backward sweep has the
+Fisher diagonals, every block's predicted KL divergences follow; the token embedding and output head (the outer
+part, in memory throughout) are measured last, as the whole-model analysis measures them. Super-weight candidates
+are confirmed by ablation in one more block-wise pass (:func:`dynaquant.analysis.superweights.confirm_blockwise`).
+
+Memory: the outer part, one block's weights, one block's (K, K) matrices and the hidden states
+(:func:`dynaquant.analysis.blockwise.hidden_bytes`). Not yet block-wise (they need the whole model): sensitivity
+rows, plan validation and measured corrections, vision-language models.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+
+from dynaquant.analysis import experts
+from dynaquant.analysis.blockwise import collect_blockwise
+from dynaquant.analysis.calibration import CalibrationSpec, calibration_chunks
+from dynaquant.analysis.errors import RowWeights, measure_samples, sample_tensor
+from dynaquant.analysis.stats import Collect, ModelStats, module_of
+from dynaquant.analysis.superweights import confirm_blockwise, find_candidates
+from dynaquant.config import DEFAULT_CANDIDATES
+from dynaquant.names import TensorName
+from dynaquant.pipeline.analyze import AnalysisResult, build_report, row_weights_of, tensor_entry, weight_of
+from dynaquant.pipeline.source import model_info
+from dynaquant.sources.experts import stacked_name
+from dynaquant.sources.gguf import TensorSource
+from dynaquant.sources.skeleton import build_skeleton
+
+MAX_SUPER_WEIGHTS = 8  # candidates confirmed by ablation (find_candidates' default)
+
+
+def _block_of(gguf_name: str) -> int | None:
+    tn = TensorName.from_gguf(gguf_name)
+    return tn.block if tn.tower == "text" else None
+
+
+def _module_block(module: str) -> int | None:
+    tn = TensorName.from_hf(module)
+    return tn.block if tn.tower == "text" else None
+
+
+def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: CalibrationSpec, *, device: str,
+                           dtype: torch.dtype = torch.float32, candidates: tuple[str, ...] = DEFAULT_CANDIDATES,
+                           fisher_sequences: int = 16, super_weights: bool = True, overhead_bytes: int = 0,
+                           progress: bool = True, timings: dict | None = None) -> AnalysisResult:
+    """Analyse a model block by block (see the module docstring); the arguments are ``run_analysis``'s, the model
+    being built here from ``source`` and ``ts`` on ``device`` in ``dtype``.
+
+    Returns:
+        AnalysisResult: the same report layout as ``run_analysis``; its ``stats`` hold no (K, K) matrices (GPTQ
+        recomputes them block by block).
+    Raises:
+        ValueError: a vision-language source (not analysed block by block yet), or what ``run_analysis`` raises.
+    """
+    timings = {} if timings is None else timings
+    if getattr(ts, "vision", False):
+        raise ValueError(f"{ts.source_id}: vision-language models are not analysed block by block yet; run without "
+                         "streaming")
+    t0 = time.perf_counter()
+    all_chunks = calibration_chunks(tokenizer, replace(spec, n_sequences=spec.n_sequences + 2))
+    held = all_chunks[-2:] if all_chunks.shape[0] > 2 else all_chunks[:1]
+    chunks = all_chunks[:-2] if all_chunks.shape[0] > 2 else all_chunks
+    sk = build_skeleton(source, ts, dtype=dtype, device=device)
+    info = model_info(ts)
+    src_tensors = ts.tensors()
+    entries = [tensor_entry(t, set()) for t in src_tensors]
+    by_block: dict[int, list[int]] = {}
+    for j, t in enumerate(src_tensors):
+        if (b := _block_of(t.gguf_name)) is not None:
+            by_block.setdefault(b, []).append(j)
+    pending: list[tuple[int, str | None, object]] = []  # (entry, module or None for experts, RowErrors / per expert)
+    cands = []
+    spent = [0.0]
+
+    def on_block(i: int, st: ModelStats) -> None:
+        t1 = time.perf_counter()
+        if super_weights:
+            cands.extend(find_candidates(sk.model, st, layer=i, max_candidates=1 << 30))
+        samples, owners, modules = [], [], set()
+        for j in by_block.get(i, []):
+            t = src_tensors[j]
+            if not t.quantizable:
+                continue
+            stacked = stacked_name(t.hf_name)
+            if stacked and stacked[0] in st.experts:
+                es = st.experts[stacked[0]]
+                ss, _ = experts.expert_samples(sk.model.get_submodule(stacked[0]), stacked[1], es, total_tokens=0,
+                                               fisher_total=0, defer_fisher=True)
+                owners.append((j, None, len(samples), len(samples) + len(ss)))
+                samples += ss
+                modules.add(stacked[0])
+                continue
+            w = weight_of(sk.model, t)
+            rw, imp = row_weights_of(t, st, info.tied_embeddings, st.token_counts)
+            if w is None or rw is None or tuple(w.shape) != tuple(t.shape):
+                continue  # not measured (logged with the outer tensors' check below)
+            owners.append((j, module_of(t.hf_name), len(samples), len(samples) + 1))
+            samples.append(sample_tensor(w.detach(), RowWeights(hessian=rw.hessian), imatrix=imp, score="output"))
+            modules.add(module_of(t.hf_name))
+        results = measure_samples(samples, list(candidates), per_row=True)
+        for j, module, a, b in owners:
+            pending.append((j, module, results[a] if module is not None else results[a:b]))
+        st.drop_hessians(modules | {m for m in [*st.input_of, *st.experts] if _module_block(m) == i})  # routers too
+        spent[0] += time.perf_counter() - t1
+
+    stats = collect_blockwise(sk, chunks, Collect(fisher_sequences=fisher_sequences), progress=progress,
+                              on_block=on_block)
+    timings["calibration_s"] = time.perf_counter() - t0 - spent[0]
+    t2 = time.perf_counter()
+    for j, module, res in pending:  # the Fisher is known now: the predicted KL divergences
+        t = src_tensors[j]
+        if module is None:
+            name, proj = stacked_name(t.hf_name)
+            es = stats.experts[name]
+            errs = experts.expert_errors_with_fisher(es, proj, res, total_tokens=stats.tokens,
+                                                     fisher_total=stats.fisher_tokens)
+            fallback = [e for e in range(es.n_expert) if es.tokens[e] == 0 or es.fisher_tokens[e] == 0]
+            entries[j]["experts"] = {"n_expert": es.n_expert, "fallback": fallback}
+        else:
+            fisher = stats.outputs[module].fisher
+            errs = {f: re.with_fisher(fisher) for f, re in res.items()}
+        entries[j]["errors"] = {f: v.to_dict() for f, v in errs.items()}
+    outer = [j for j, t in enumerate(src_tensors) if _block_of(t.gguf_name) is None and t.quantizable]
+    samples, owners = [], []
+    for j in outer:  # token embedding, output head (in memory throughout): measured with their Fisher at hand
+        t = src_tensors[j]
+        w = weight_of(sk.model, t)
+        rw, imp = row_weights_of(t, stats, info.tied_embeddings, stats.token_counts)
+        if w is not None and rw is not None and tuple(w.shape) == tuple(t.shape):
+            owners.append(j)
+            samples.append(sample_tensor(w.detach(), rw, imatrix=imp))
+    for j, errs in zip(owners, measure_samples(samples, list(candidates))):
+        entries[j]["errors"] = {f: v.to_dict() for f, v in errs.items()}
+    timings["errors_s"] = spent[0] + time.perf_counter() - t2
+    t3 = time.perf_counter()
+    sws = []
+    if super_weights and cands:
+        cands.sort(key=lambda s: -s.spike_ratio)
+        sws = confirm_blockwise(sk, cands[:MAX_SUPER_WEIGHTS], held[:1])
+        gguf_of_param = {t.hf_name: t.gguf_name for t in src_tensors if t.hf_name}
+        for s in sws:
+            s.tensor = gguf_of_param.get(s.module + ".weight")
+        confirmed = {s.tensor for s in sws if s.confirmed and s.tensor}
+        for e in entries:
+            e["super_weight"] = e["name"] in confirmed
+    timings["super_weights_s"] = time.perf_counter() - t3
+    report = build_report(source, ts, spec, stats, entries, sws, candidates, device=device, dtype=dtype,
+                          overhead_bytes=overhead_bytes, timings=timings)
+    report["calibration"]["blockwise"] = True
+    return AnalysisResult(report, stats, stats.to_imatrix(spec.id))
