@@ -166,6 +166,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"held-out calibration sequences the corrections measure on (default {config.CORRECT_SEQUENCES})")
     q.add_argument("--solver", choices=["exact", "greedy"], default="exact",
                    help="dynamic plans: exact allocation (default; the plan records its gap) or the greedy one")
+    q.add_argument("--stream", action="store_true",
+                   help="analysis, imatrix and evaluation block by block: one decoder block's weights in memory at a "
+                        "time (models larger than memory; GGUF, no --gptq or --correct yet)")
 
     a = sub.add_parser("analyze", help="measure per-tensor errors, activations and super weights: DIR/report.json")
     a.add_argument("model", nargs="?", help="HF folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -271,7 +274,8 @@ def _quantize(a, bare: bool, argv: list[str]) -> int:
                          allow_nonfinite=a.allow_nonfinite, push_to_hub=a.push_to_hub, push_private=a.private,
                          push_branch=a.hub_branch, split_max_size=a.split_max_size,
                          split_max_tensors=a.split_max_tensors, source_revision=a.source_revision, solver=a.solver,
-                         correct_rounds=a.correct, correct_sequences=a.correct_sequences, **_fit_options(a))
+                         correct_rounds=a.correct, correct_sequences=a.correct_sequences, stream=a.stream,
+                         **_fit_options(a))
     if cfg.push_to_hub:
         from dynaquant.pipeline.push import check_push_target
 

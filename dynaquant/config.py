@@ -115,6 +115,8 @@ class QuantizeConfig:
             at most this many re-plans (None: 2 on CUDA, 0 = off on the CPU), measured on this many held-out
             calibration sequences (after those the statistics use).
         solver: the dynamic plan's allocation solver, ``exact`` or ``greedy`` (``quant.planner.make_plan``).
+        stream: analysis, imatrix and evaluation block by block, one decoder block's weights in memory at a time
+            (models larger than memory); GGUF target, no GPTQ or measured corrections yet.
     """
 
     output: PathLike | None = None
@@ -161,6 +163,7 @@ class QuantizeConfig:
     correct_rounds: int | None = None
     correct_sequences: int = CORRECT_SEQUENCES
     solver: str = "exact"
+    stream: bool = False
 
     @property
     def explicit_target(self) -> bool:

@@ -190,3 +190,38 @@ def test_blockwise_analysis_report_equals_whole_model(case, tmp_path, monkeypatc
     # no (K, K) matrix kept but the output head's (measured last)
     assert [k for k, s in res.stats.inputs.items() if s.hessian_sum is not None] == ["lm_head"]
     assert all(not e.hessian_sum for e in res.stats.experts.values())
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2moe"])
+def test_quantize_stream_equals_whole_model(case, tmp_path, monkeypatch):
+    """``quantize(..., stream=True)``: the block-wise analysis, plan, file and evaluation of the whole-model run (every
+    row measured, as above): the same plan and bytes, the same KLD / perplexity / top-1, bit for bit; the block-wise
+    evaluation of a file equals the whole-model evaluation of it."""
+    import dynaquant
+    import dynaquant.analysis.experts as moe_mod
+    import dynaquant.pipeline.analyze as an_mod
+    import dynaquant.pipeline.analyze_blocks as ab_mod
+    from dynaquant.analysis.errors import sample_tensor
+
+    def all_rows(w, rw, **kw):
+        return sample_tensor(w, rw, **{**kw, "rows": w.shape[0]})
+    for mod in (an_mod, ab_mod, moe_mod):
+        monkeypatch.setattr(mod, "sample_tensor", all_rows)
+    _checkpoint(tmp_path / "ckpt", case)
+    kw = dict(bpw=6.5, calibration_chunks=4, n_ctx=32, evaluate=True, eval_chunks=3, device="cpu", progress=False)
+    whole = dynaquant.quantize(tmp_path / "ckpt", output=tmp_path / "a.gguf", **kw)
+    got = dynaquant.quantize(tmp_path / "ckpt", output=tmp_path / "b.gguf", stream=True, **kw)
+    assert got.plan.formats() == whole.plan.formats()
+    assert (tmp_path / "b.gguf").read_bytes() == (tmp_path / "a.gguf").read_bytes()
+    assert got.eval.to_dict() == whole.eval.to_dict() and got.eval.kld_mean > 0
+
+
+def test_stream_refuses_what_needs_the_whole_model(tmp_path):
+    import dynaquant
+
+    _checkpoint(tmp_path / "ckpt", "llama")
+    with pytest.raises(ValueError, match="stream"):
+        dynaquant.quantize(tmp_path / "ckpt", output=tmp_path / "a.gguf", bpw=4.5, gptq=True, stream=True,
+                           progress=False)
+    with pytest.raises(ValueError, match="stream"):
+        dynaquant.analyze(tmp_path / "ckpt", validate_presets=("Q4_K_M",), stream=True, progress=False)

@@ -249,37 +249,49 @@ def _forward_to_head(model, col: Collector | None, ids: torch.Tensor, blocks: _B
 
 @torch.no_grad()
 def stream_logits(sk: ModelSkeleton, chunks: torch.Tensor, n_variants: int,
-                  edit: Callable[[int, int, torch.nn.Module], Callable[[], None] | None],
-                  reduce: Callable[[int, int, torch.Tensor], None], *, progress: bool = False,
+                  edit: Callable[[int, object, torch.nn.Module | None], Callable[[], None] | None],
+                  reduce: Callable[[int, list[torch.Tensor]], None], *, progress: bool = False,
                   store_device: str | torch.device = "cpu") -> None:
-    """Run token sequences through variants of a model, block by block, and hand each variant's logits on.
+    """Run token sequences through variants of a model, block by block, and hand the variants' logits on.
 
-    Variant 0 is the model as the source holds it; ``edit(v, i, block)`` may change block ``i``'s materialized
+    Variant 0 is the model as the source holds it; ``edit(v, part, module)`` may change a materialized part's
     weights for variant ``v`` (a super-weight ablation, a quantized copy) and returns the undo, or None for no
-    change. A variant's hidden states are the original's until its first edited block (not computed twice).
-    Memory: one block's weights and ``n_variants * n * T * hidden`` floats at most.
+    change. ``part`` is a block index (``module`` the block) or :data:`~dynaquant.sources.skeleton.OUTER`
+    (``module`` None: the embedding and head; called once before the blocks and once per sequence at the end, so
+    it should be cheap, e.g. swap cached tensors). A variant's hidden states are the original's until its first
+    edit (not computed twice). Memory: one block's weights and ``n_variants * n * T * hidden`` floats at most.
 
     Args:
         sk: the skeleton (the outer part stays materialized).
         chunks: (n, T) int64 token ids.
         n_variants: V >= 1.
-        edit: see above; called once per variant and block, in block order, variant 0 included.
-        reduce: ``reduce(v, s, logits)`` with (T, vocab) float32 logits of sequence ``s`` under variant ``v``.
+        edit: see above; per block called once per variant, in block order, variant 0 included.
+        reduce: ``reduce(s, logits)`` with the V variants' (T, vocab) float32 logits of sequence ``s``.
         progress: show a progress bar (one step per block).
         store_device: where the hidden states between blocks are kept.
     """
     model, dev = sk.model, sk.device
     sk.materialize(OUTER)
     blocks = _Blocks(sk.layers)
-    first: list[torch.Tensor] = []
+    hidden: list[list[torch.Tensor] | None] = [None] * n_variants
     calls: list[list[tuple[tuple, dict]]] = []
     try:
         blocks.record()
-        for s in range(chunks.shape[0]):
-            _forward_to_head(model, None, chunks[s : s + 1].to(dev), blocks, first)
-            first[-1] = first[-1].to(store_device)
-            calls.append(list(blocks.calls))
-        hidden: list[list[torch.Tensor] | None] = [first] + [None] * (n_variants - 1)
+        for v in range(n_variants):
+            undo = edit(v, OUTER, None)
+            if v > 0 and undo is None:
+                continue
+            first: list[torch.Tensor] = []
+            try:
+                for s in range(chunks.shape[0]):
+                    _forward_to_head(model, None, chunks[s : s + 1].to(dev), blocks, first)
+                    first[-1] = first[-1].to(store_device)
+                    if v == 0:
+                        calls.append(list(blocks.calls))
+            finally:
+                if undo is not None:
+                    undo()
+            hidden[v] = first
         for i in tqdm(range(sk.n_blocks), desc="blocks", disable=not progress, unit="block"):
             blocks.restore()
             sk.materialize(i)
@@ -299,10 +311,17 @@ def stream_logits(sk: ModelSkeleton, chunks: torch.Tensor, n_variants: int,
                         undo()
                 hidden[v] = states
             sk.release(i)
-        for v in range(n_variants):
-            states = hidden[v] if hidden[v] is not None else hidden[0]
-            for s, h in enumerate(states):
-                blocks.output(h.to(dev))
-                reduce(v, s, model(input_ids=chunks[s : s + 1].to(dev), use_cache=False).logits[0].to(torch.float32))
+        for s in range(chunks.shape[0]):
+            ids = chunks[s : s + 1].to(dev)
+            out = []
+            for v in range(n_variants):
+                blocks.output((hidden[v] if hidden[v] is not None else hidden[0])[s].to(dev))
+                undo = edit(v, OUTER, None)
+                try:
+                    out.append(model(input_ids=ids, use_cache=False).logits[0].to(torch.float32))
+                finally:
+                    if undo is not None:
+                        undo()
+            reduce(s, out)
     finally:
         blocks.restore()

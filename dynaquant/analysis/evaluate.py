@@ -51,6 +51,49 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
     return model(ids.to(device)[None], use_cache=False).logits[0].to(torch.float32).cpu()
 
 
+class Scores:
+    """The running sums of one evaluation: add each chunk's two logit matrices, then :meth:`result`.
+
+    Args:
+        n_ctx: tokens per chunk (the second half is scored); text_id: recorded in the result.
+    """
+
+    def __init__(self, n_ctx: int, text_id: str = ""):
+        self.n_ctx, self.text_id = n_ctx, text_id
+        self.klds: list[torch.Tensor] = []
+        self.nll_q = self.nll_r = 0.0
+        self.agree = self.chunks = 0
+
+    @torch.no_grad()
+    def add(self, ids: torch.Tensor, lr: torch.Tensor, lq: torch.Tensor) -> None:
+        """One chunk: ``ids`` (n_ctx,) int64, the reference's and the quantized model's (n_ctx, vocab) logits.
+
+        Raises:
+            ValueError: the two vocabularies differ in size.
+        """
+        first, n_ctx = self.n_ctx // 2, self.n_ctx
+        lr, lq = lr[first : n_ctx - 1].to(torch.float32).cpu(), lq[first : n_ctx - 1].to(torch.float32).cpu()
+        if lr.shape[-1] != lq.shape[-1]:
+            raise ValueError(f"vocabularies differ: reference {lr.shape[-1]}, quantized {lq.shape[-1]}")
+        target = ids.cpu()[first + 1 :]
+        pr, pq = torch.log_softmax(lr.double(), -1), torch.log_softmax(lq.double(), -1)
+        self.klds.append((pr.exp() * (pr - pq)).sum(-1).clamp_min(0))
+        self.nll_q -= float(pq.gather(1, target[:, None]).sum())
+        self.nll_r -= float(pr.gather(1, target[:, None]).sum())
+        self.agree += int((lr.argmax(-1) == lq.argmax(-1)).sum())
+        self.chunks += 1
+
+    def result(self) -> EvalResult:
+        k = torch.cat(self.klds)
+        tokens = k.numel()
+        return EvalResult(
+            kld_mean=float(k.mean()), kld_p99=float(torch.quantile(k, 0.99)), kld_max=float(k.max()),
+            ppl=math.exp(self.nll_q / tokens), ppl_reference=math.exp(self.nll_r / tokens),
+            top1_agreement=self.agree / tokens, tokens=tokens, chunks=self.chunks, n_ctx=self.n_ctx,
+            text_id=self.text_id,
+        )
+
+
 @torch.no_grad()
 def compare_models(reference, quantized, chunks: torch.Tensor, text_id: str = "", progress: bool = True) -> EvalResult:
     """Score ``quantized`` against ``reference`` on token chunks.
@@ -63,25 +106,7 @@ def compare_models(reference, quantized, chunks: torch.Tensor, text_id: str = ""
     Raises:
         ValueError: the two models' vocabularies differ in size.
     """
-    n, n_ctx = chunks.shape
-    first = n_ctx // 2
-    klds, nll_q, nll_r, agree = [], 0.0, 0.0, 0
-    for c in tqdm(range(n), desc="eval", disable=not progress, unit="chunk"):
-        ids = chunks[c]
-        lr = _logits(reference, ids)[first : n_ctx - 1]
-        lq = _logits(quantized, ids)[first : n_ctx - 1]
-        if lr.shape[-1] != lq.shape[-1]:
-            raise ValueError(f"vocabularies differ: reference {lr.shape[-1]}, quantized {lq.shape[-1]}")
-        target = ids[first + 1 :]
-        pr, pq = torch.log_softmax(lr.double(), -1), torch.log_softmax(lq.double(), -1)
-        klds.append((pr.exp() * (pr - pq)).sum(-1).clamp_min(0))
-        nll_q -= float(pq.gather(1, target[:, None]).sum())
-        nll_r -= float(pr.gather(1, target[:, None]).sum())
-        agree += int((lr.argmax(-1) == lq.argmax(-1)).sum())
-    k = torch.cat(klds)
-    tokens = k.numel()
-    return EvalResult(
-        kld_mean=float(k.mean()), kld_p99=float(torch.quantile(k, 0.99)), kld_max=float(k.max()),
-        ppl=math.exp(nll_q / tokens), ppl_reference=math.exp(nll_r / tokens),
-        top1_agreement=agree / tokens, tokens=tokens, chunks=n, n_ctx=n_ctx, text_id=text_id,
-    )
+    scores = Scores(chunks.shape[1], text_id)
+    for c in tqdm(range(chunks.shape[0]), desc="eval", disable=not progress, unit="chunk"):
+        scores.add(chunks[c], _logits(reference, chunks[c]), _logits(quantized, chunks[c]))
+    return scores.result()

@@ -133,7 +133,7 @@ def confirm_blockwise(sk, candidates: list[SuperWeight], chunks: torch.Tensor, c
     nll = [0.0] * (len(candidates) + 1)
     n = [0] * (len(candidates) + 1)
 
-    def edit(v: int, i: int, _block):
+    def edit(v: int, i, _block):
         if v == 0 or candidates[v - 1].layer != i:
             return None
         s = candidates[v - 1]
@@ -145,10 +145,11 @@ def confirm_blockwise(sk, candidates: list[SuperWeight], chunks: torch.Tensor, c
             w[s.row, s.column] = keep
         return undo
 
-    def reduce(v: int, s: int, logits: torch.Tensor):
-        ids = chunks[s].to(logits.device)
-        nll[v] += float(torch.nn.functional.cross_entropy(logits[:-1], ids[1:], reduction="sum"))
-        n[v] += ids.shape[0] - 1
+    def reduce(s: int, logits: list[torch.Tensor]):
+        for v, lg in enumerate(logits):
+            ids = chunks[s].to(lg.device)
+            nll[v] += float(torch.nn.functional.cross_entropy(lg[:-1], ids[1:], reduction="sum"))
+            n[v] += ids.shape[0] - 1
 
     stream_logits(sk, chunks, len(candidates) + 1, edit, reduce, progress=progress)
     base = math.exp(nll[0] / n[0])

@@ -62,6 +62,93 @@ def evaluate_written(path: Path, source: ModelSource, ts: TensorSource, tokenize
     return evaluate_models(reference, quantized, tokenizer, cfg.eval_text, cfg.n_ctx, cfg.eval_chunks, cfg.progress)
 
 
+class DecodedVariant:
+    """The ``edit`` of :func:`dynaquant.analysis.blockwise.stream_logits` that turns a skeleton's variant 1 into a
+    GGUF file's decoded model: each part's tensors stored in a non-F32 type decoded (our codecs, bit-exact with
+    gguf-py) and written over the source's values, undone after the part ran; the outer part's (embedding, head)
+    decoded once and swapped in and out.
+
+    Args:
+        path: a GGUF file written from ``ts`` (a split GGUF: its first shard); sk: the source's skeleton.
+    Raises:
+        ValueError: a GGUF tensor the source does not list.
+    """
+
+    def __init__(self, path: Path, ts: TensorSource, sk):
+        from dynaquant.sources.readers import open_gguf_shards
+
+        self.path, self.ts, self.sk = Path(path), ts, sk
+        by_name = {t.gguf_name: t for t in ts.tensors()}
+        self.parts: dict[object, list] = {}
+        for rt in (rt for r in open_gguf_shards(path) for rt in r.tensors):
+            if rt.tensor_type.name == "F32":
+                continue
+            if rt.name not in by_name:
+                raise ValueError(f"{path}: tensor {rt.name} is not in the source {ts.source_id}")
+            self.parts.setdefault(sk.part_of(rt.name), []).append((by_name[rt.name], rt))
+        self._outer: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]] | None = None
+
+    def _write(self, part) -> None:
+        import numpy as np
+
+        from dynaquant.quant.codecs import dequantize
+        from dynaquant.quant.formats import get_format
+        from dynaquant.sources.params import ParamWriter
+
+        writer = ParamWriter(self.sk.model, self.ts.arch, self.ts.n_head, self.ts.n_head_kv)
+        for t, rt in self.parts[part]:
+            fmt = rt.tensor_type.name
+            shape = tuple(int(n) for n in reversed(rt.shape.tolist()))
+            raw = np.array(rt.data).view(np.uint8).reshape(-1, get_format(fmt).row_bytes(shape[-1]))
+            writer.put(t, dequantize(raw, fmt).reshape(shape), origin=f"{self.path} ({fmt})")
+        writer.flush()
+
+    def __call__(self, v: int, part, _module):
+        from dynaquant.sources.skeleton import OUTER
+
+        if v == 0 or part not in self.parts:
+            return None
+        params = list(self.sk.parameters_of(part).values())
+        if part == OUTER:
+            if self._outer is None:
+                saved = [p.data.clone() for p in params]
+                self._write(part)
+                self._outer = [(p, old, p.data) for p, old in zip(params, saved)]
+            for p, _, new in self._outer:
+                p.data = new
+
+            def undo_outer():
+                for p, old, _ in self._outer:
+                    p.data = old
+            return undo_outer
+        saved = [p.data.clone() for p in params]
+        self._write(part)
+
+        def undo():
+            for p, old in zip(params, saved):
+                p.data.copy_(old)
+        return undo
+
+
+def evaluate_written_blockwise(path: Path, source: ModelSource, ts: TensorSource, tokenizer, cfg: QuantizeConfig,
+                               device: str) -> EvalResult:
+    """:func:`evaluate_written` for a GGUF, block by block (``quantize --stream``): the source and the file's decoded
+    weights run as two variants of one block-wise pass (:func:`dynaquant.analysis.blockwise.stream_logits`), one
+    decoder block in memory at a time (twice: the source's and the decoded). Same figures as the whole-model
+    evaluation."""
+    from dynaquant.analysis.blockwise import stream_logits
+    from dynaquant.analysis.evaluate import Scores
+    from dynaquant.sources.skeleton import build_skeleton
+
+    body, text_id = read_text(cfg.eval_text, default_eval_text)
+    ids = tokenize_chunks(tokenizer, body, cfg.n_ctx, cfg.eval_chunks)
+    sk = build_skeleton(source, ts, device=device)
+    scores = Scores(ids.shape[1], text_id)
+    stream_logits(sk, ids, 2, DecodedVariant(path, ts, sk), lambda s, lg: scores.add(ids[s], lg[0], lg[1]),
+                  progress=cfg.progress)
+    return scores.result()
+
+
 def source_of(path: str | os.PathLike) -> str | None:
     """The ``dynaquant.source`` label recorded in a GGUF written by dynaquant, or None."""
     rec = recorded_source(path)

@@ -117,7 +117,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
              margin: int | None = None, card: bool = False, compare_presets: bool = False,
              split_max_size: int = SPLIT_MAX_SIZE, split_max_tensors: int = 0,
              source_revision: str | None = None, correct_rounds: int | None = None,
-             correct_sequences: int = CORRECT_SEQUENCES, solver: str = "exact") -> QuantizeResult:
+             correct_sequences: int = CORRECT_SEQUENCES, solver: str = "exact", stream: bool = False) -> QuantizeResult:
     """Quantize a model to a mixed-precision GGUF file (or, ``target="safetensors"``, a safetensors checkpoint).
 
     Targets (at most one): ``preset`` (a llama.cpp mix, tensor by tensor as llama-quantize decides),
@@ -176,6 +176,9 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
             CUDA, 0 = off on the CPU); the rounds are in ``plan.corrections`` and the report's ``corrections``.
         solver: a dynamic plan's allocation solver: ``exact`` (the optimum of the predicted error, or a gap to a proved
             bound, recorded in ``plan.solver``) or ``greedy`` (``quant.planner``).
+        stream: analysis, imatrix and evaluation block by block, one decoder block's weights in memory at a time
+            (models larger than memory; :mod:`dynaquant.pipeline.analyze_blocks`); GGUF only, without GPTQ, measured
+            corrections, allow_nonfinite or compare_presets yet (``ValueError``).
     Returns:
         QuantizeResult (``gptq`` says per format how many tensors took GPTQ and the mean error ratio,
         or ``plain_only`` for the vector-quantized formats).
@@ -198,7 +201,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         fit_memory=fit_memory, fit_ctx=fit_ctx, kv_type=kv_type, margin=margin, card=card,
         compare_presets=compare_presets, split_max_size=split_max_size, split_max_tensors=split_max_tensors,
         source_revision=source_revision, correct_rounds=correct_rounds, correct_sequences=correct_sequences,
-        solver=solver))
+        solver=solver, stream=stream))
 
 
 def run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig) -> QuantizeResult:
@@ -233,15 +236,29 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
         start.dynamic or target.name == "safetensors" or any(get_format(e.format).kind != "float" for e in start.plan.entries))
     output = pub.stage(_check_output(cfg, target, source, ts, tensors, start, inputs), target, inputs, source)
     rounds = auto_rounds(cfg.correct_rounds, device) if start.dynamic else 0  # measured corrections of the plan
+    if cfg.stream:
+        rounds = 0 if cfg.correct_rounds is None else rounds  # not block-wise yet: off unless asked (refused above)
     model_needed = target.needs_model or needs_imatrix or needs_analysis or cfg.gptq or rounds > 0
-    hf_model = load_model(source, device=device) if model_needed else None
+    hf_model = load_model(source, device=device) if model_needed and not cfg.stream else None
     tokenizer = None
     if hf_model is not None:  # NaN/Inf: refused (or replaced) before any forward pass
         check_model_finite(hf_model, source_names(ts), str(source.path), cfg.allow_nonfinite)
         tokenizer = load_tokenizer(source)
     timings["load_s"] = time.perf_counter() - t0
     im, stats = None, None
-    if needs_analysis:
+    if cfg.stream and (needs_analysis or needs_imatrix):
+        tokenizer = load_tokenizer(source)
+        timings["load_s"] = time.perf_counter() - t0
+        if needs_analysis:
+            from dynaquant.pipeline.analyze_blocks import run_blockwise_analysis
+
+            res = run_blockwise_analysis(source, ts, tokenizer, cfg.spec(), device=device,
+                                         candidates=target.analysis_candidates, fisher_sequences=cfg.fisher_sequences,
+                                         progress=cfg.progress, timings=timings)
+            start.report, im = res.report, res.imatrix
+        else:
+            im = _imatrix_blockwise(cfg, source, ts, tokenizer, device, timings)
+    elif needs_analysis:
         res = analysis_stage.run_analysis(source, ts, hf_model, tokenizer, cfg.spec(), candidates=target.analysis_candidates,
                            fisher_sequences=cfg.fisher_sequences, progress=cfg.progress, timings=timings)
         start.report, im, stats = res.report, res.imatrix, res.stats
@@ -281,7 +298,12 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
     result.mmproj = target.extras(run, path)
     if cfg.evaluate:
         run.model = None
-        result.eval = evaluate_written(path, source, ts, tokenizer, cfg, device, checkpoint=target.name == "safetensors")
+        if cfg.stream:
+            from dynaquant.pipeline.evaluate import evaluate_written_blockwise
+
+            result.eval = evaluate_written_blockwise(path, source, ts, tokenizer, cfg, device)
+        else:
+            result.eval = evaluate_written(path, source, ts, tokenizer, cfg, device, checkpoint=target.name == "safetensors")
     return pub.finish(result, run, target, imat_path)
 
 
@@ -323,6 +345,9 @@ def _check_options(cfg: QuantizeConfig) -> Target:
         raise ValueError(f"unknown preset {cfg.preset!r}; known presets: {', '.join(PRESETS)}")
     check_budget(cfg.bpw, cfg.size)
     check_correct_options(cfg.correct_rounds, cfg.correct_sequences)
+    if cfg.stream and (target.needs_model or cfg.gptq or cfg.correct_rounds or cfg.allow_nonfinite or cfg.compare_presets):
+        raise ValueError("stream (block by block) writes GGUF files without GPTQ, measured corrections, "
+                         "allow_nonfinite or compare_presets for now: drop those options or stream")
     if cfg.solver not in SOLVERS:
         raise ValueError(f"unknown solver {cfg.solver!r} (known: {', '.join(SOLVERS)})")
     if cfg.fit_memory is not None:
@@ -365,6 +390,23 @@ def _imatrix(cfg: QuantizeConfig, target: Target, model, tokenizer, timings: dic
         im = compute_imatrix(model, calibration_ids(tokenizer, spec), spec.id, progress=cfg.progress)
     timings["imatrix_s"] = time.perf_counter() - t1
     return im, stats
+
+
+def _imatrix_blockwise(cfg: QuantizeConfig, source: ModelSource, ts: TensorSource, tokenizer, device: str,
+                       timings: dict) -> Imatrix:
+    """The imatrix on the calibration text, block by block (``stream``): llama-imatrix's accumulation only."""
+    from dynaquant.analysis.blockwise import collect_blockwise
+    from dynaquant.analysis.stats import Collect
+    from dynaquant.sources.skeleton import build_skeleton
+
+    t1 = time.perf_counter()
+    spec = cfg.spec()
+    sk = build_skeleton(source, ts, device=device)
+    im = collect_blockwise(sk, calibration_ids(tokenizer, spec), Collect(imatrix=True, hessian=False, experts=False),
+                           progress=cfg.progress).imatrix
+    im.dataset = spec.id
+    timings["imatrix_s"] = time.perf_counter() - t1
+    return im
 
 
 def _importance(cfg: QuantizeConfig, target: Target, im: Imatrix | None, path: Path | None, ts: TensorSource,

@@ -52,8 +52,7 @@ class ModelSkeleton:
         for t in ts.tensors():
             if t.hf_name is None:  # llama.cpp-only tensors (rope_freqs): nothing in the model
                 continue
-            tn = TensorName.from_gguf(t.gguf_name)
-            self._tensors.setdefault(tn.block if tn.tower == "text" and tn.block is not None else OUTER, []).append(t)
+            self._tensors.setdefault(self.part_of(t.gguf_name), []).append(t)
         self._params: dict[object, list[str]] = {}
         for name, _ in model.named_parameters(remove_duplicate=False):
             b = _block_of_param(name)
@@ -123,6 +122,21 @@ class ModelSkeleton:
             if id(p) not in done:
                 done[id(p)] = torch.nn.Parameter(make(p), requires_grad=False)
             mod._parameters[pname] = done[id(p)]
+
+    def parameters_of(self, part) -> dict[str, torch.nn.Parameter]:
+        """The part's parameters by name (meta tensors unless materialized; a tied one once)."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        out, seen = {}, set()
+        for n in self._params.get(part, []):
+            if id(params[n]) not in seen:
+                seen.add(id(params[n]))
+                out[n] = params[n]
+        return out
+
+    def part_of(self, gguf_name: str):
+        """The part a source tensor belongs to: its block index, or :data:`OUTER`."""
+        tn = TensorName.from_gguf(gguf_name)
+        return tn.block if tn.tower == "text" and tn.block is not None else OUTER
 
     def _modules_of(self, part) -> list[torch.nn.Module]:
         if part == OUTER:
