@@ -21,7 +21,9 @@ With ``--methods ...,hand,dynamic,dynamic-greedy`` (the planner's benchmark, iss
   and each round's predicted / measured KLD on those sequences: ``heldout_first``, ``heldout_final``);
 * dynamic-exact: the exact solver without measured corrections;
 * dynamic-greedy: the same analysis planned as before issue 19 (greedy allocation, no corrections);
-* dynamic-gptq: as dynamic, GPTQ-rounded.
+* dynamic-gptq: as dynamic, GPTQ-rounded;
+* dynamic-stream: as dynamic-exact, from the block-by-block analysis (``analyze(stream=True)``, its own report):
+  the check that streaming keeps the plans' quality.
 
 ``--eval-text2`` adds a second, different evaluation text for the hand and dynamic rows (``*_eval2``), the check
 that a dynamic plan's gain is the method's and not one text's.
@@ -415,11 +417,12 @@ def run_hand(mix: str, dithered: Path, llama: Llama, size_limit: int | None, han
 
 
 DYNAMIC_METHODS = {
-    # method: (solver, measured-correction rounds or None for the command-line default, GPTQ)
-    "dynamic": ("exact", None, False),
-    "dynamic-exact": ("exact", 0, False),  # the exact solver alone, no measured corrections
-    "dynamic-greedy": ("greedy", 0, False),  # the planner before issue 19: greedy allocation, no measured corrections
-    "dynamic-gptq": ("exact", None, True),
+    # method: (solver, measured-correction rounds or None for the command-line default, GPTQ, block-wise analysis)
+    "dynamic": ("exact", None, False, False),
+    "dynamic-exact": ("exact", 0, False, False),  # the exact solver alone, no measured corrections
+    "dynamic-greedy": ("greedy", 0, False, False),  # the planner before issue 19: greedy, no measured corrections
+    "dynamic-gptq": ("exact", None, True, False),
+    "dynamic-stream": ("exact", 0, False, True),  # as dynamic-exact from the block-wise analysis (analyze --stream)
 }
 
 
@@ -429,17 +432,17 @@ def run_dynamic(mix: str, dithered: Path, args, llama: Llama | None, size_limit:
     says (:data:`DYNAMIC_METHODS`: solver, measured corrections, GPTQ rounding)."""
     from dynaquant.analysis.calibration import CalibrationSpec
 
-    solver, rounds, gptq = DYNAMIC_METHODS[method]
+    solver, rounds, gptq, stream = DYNAMIC_METHODS[method]
     rounds = args.correct_rounds if rounds is None else rounds
-    report = args.work_dir / "analysis" / "report.json"
+    report = args.work_dir / ("analysis-stream" if stream else "analysis") / "report.json"
     row = _row(method, mix)
-    if not report.is_file() or not args.reuse_analysis:
+    if not report.is_file() or not (args.reuse or report in args.analysed):
         t0 = time.perf_counter()
         res = dynaquant.analyze(str(dithered), report.parent, calibration=CalibrationSpec((str(args.calibration),),
-                                args.chunks, args.n_ctx), device=args.device, progress=False)
+                                args.chunks, args.n_ctx), device=args.device, progress=False, stream=stream)
         row["analysis_time_s"] = round(time.perf_counter() - t0, 2)
         row["analysis_timings_s"] = {k: round(v, 2) for k, v in res.report["timings_s"].items()}
-        args.reuse_analysis = True  # one analysis serves every dynamic row of the run
+        args.analysed.add(report)  # one analysis (of each kind) serves every dynamic row of the run
     out = args.work_dir / f"{method}-{mix}.gguf"
     t0 = time.perf_counter()
     res = dynaquant.quantize(str(dithered), size=size_limit, report=report, output=out, device=args.device, progress=False,
@@ -593,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.out, header, rows)
 
     llama = llama2 = None
-    args.reuse_analysis = args.reuse
+    args.analysed = set()
     if tools is not None:
         llama = Llama(tools, args.work_dir, args.n_ctx, args.chunks, args.threads, args.tool_timeout_s)
         try:

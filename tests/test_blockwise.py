@@ -225,3 +225,63 @@ def test_stream_refuses_what_needs_the_whole_model(tmp_path):
                            progress=False)
     with pytest.raises(ValueError, match="stream"):
         dynaquant.analyze(tmp_path / "ckpt", validate_presets=("Q4_K_M",), stream=True, progress=False)
+
+
+class _Killed(Exception):
+    pass
+
+
+class _MemoryCheckpoints:
+    """Checkpoints kept as torch.save bytes (read back with weights_only=True, as the work folder does); the run is
+    "killed" (an exception) right after the ``kill_after``-th save."""
+
+    def __init__(self):
+        self.files: dict[str, bytes] = {}
+        self.kill_after, self.saves = None, 0
+
+    def save(self, name, state):
+        import io
+
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        self.files[name] = buf.getvalue()
+        self.saves += 1
+        if self.kill_after is not None and self.saves >= self.kill_after:
+            raise _Killed(name)
+
+    def load(self, name, device="cpu"):
+        import io
+
+        data = self.files.get(name)
+        return None if data is None else torch.load(io.BytesIO(data), map_location=device, weights_only=True)
+
+    def remove(self, name):
+        self.files.pop(name, None)
+
+
+def test_blockwise_resumes_from_any_checkpoint_bit_for_bit(tmp_path):
+    """Killed after any checkpoint (forward sweep, head, backward sweep) and started again, the block-wise pass gives
+    the statistics of an uninterrupted one, bit for bit, and hands the caller's own state back."""
+    source, ts = _checkpoint(tmp_path / "ckpt", "qwen2moe")
+    chunks = torch.randint(3, 320, (4, 17), generator=torch.Generator().manual_seed(5))
+    what = Collect(fisher_sequences=2, imatrix=True)
+    ref = collect_blockwise(build_skeleton(source, ts), chunks, what, progress=False)
+    whole = _MemoryCheckpoints()
+    same = collect_blockwise(build_skeleton(source, ts), chunks, what, progress=False, checkpoints=whole)
+    assert _differences(ref, same) == []
+    n_saves = whole.saves  # forward: 2 blocks (+ 2 Fisher inputs), head, backward: 2 blocks
+    assert n_saves == 7
+    for k in range(1, n_saves):
+        cp = _MemoryCheckpoints()
+        cp.kill_after = k
+        seen = {"blocks": []}
+        with pytest.raises(_Killed):
+            collect_blockwise(build_skeleton(source, ts), chunks, what, progress=False, checkpoints=cp,
+                              on_block=lambda i, st: seen["blocks"].append(i), extra=(lambda: dict(seen), seen.update))
+        cp.kill_after = None
+        resumed = {"blocks": []}
+        got = collect_blockwise(build_skeleton(source, ts), chunks, what, progress=False, checkpoints=cp,
+                                on_block=lambda i, st: resumed["blocks"].append(i),
+                                extra=(lambda: dict(resumed), resumed.update))
+        assert _differences(ref, got) == [], k
+        assert resumed["blocks"] == [0, 1], k  # each block measured once, in one run or the other

@@ -26,12 +26,13 @@ Fisher sequences, ``(n_blocks + 1) * fisher_sequences * T * hidden`` (:func:`hid
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm
 
 from dynaquant.analysis.imatrix import Imatrix
-from dynaquant.analysis.stats import Collect, Collector, ModelStats
+from dynaquant.analysis.stats import Collect, Collector, ModelStats, stats_from_state, stats_state
 from dynaquant.sources.skeleton import OUTER, ModelSkeleton
 
 
@@ -85,9 +86,26 @@ def _hidden(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out  # transformers >= 5 blocks return the hidden states
 
 
+class Checkpoints(Protocol):
+    """Where a resumable run keeps its checkpoints (:class:`dynaquant.pipeline.rundir.RunDir`)."""
+
+    def save(self, name: str, state: dict) -> None: ...
+    def load(self, name: str, device: str | torch.device = "cpu") -> dict | None: ...
+    def remove(self, name: str) -> None: ...
+
+
+_FORWARD, _HEAD, _BACKWARD = "analysis/forward.pt", "analysis/head.pt", "analysis/backward.pt"
+
+
+def _fisher_in_name(i: int) -> str:
+    return f"analysis/fisher-in-{i:05d}.pt"
+
+
 def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | None = None, *, seed: int = 0,
                       progress: bool = True, store_device: str | torch.device = "cpu",
-                      on_block: Callable[[int, ModelStats], None] | None = None) -> ModelStats:
+                      on_block: Callable[[int, ModelStats], None] | None = None,
+                      checkpoints: Checkpoints | None = None,
+                      extra: tuple[Callable[[], dict], Callable[[dict], None]] | None = None) -> ModelStats:
     """:func:`.stats.collect` on a skeleton, one decoder block in memory at a time (see the module docstring).
 
     Args:
@@ -100,6 +118,10 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
         on_block: called as ``on_block(i, stats)`` after the forward sweep of block ``i``, the block still
             materialized: its statistics are complete but for the Fisher diagonals (the analysis measures the
             block's errors here and may then drop its H, :meth:`.stats.ModelStats.drop_hessians`).
+        checkpoints: keep a checkpoint after every block of both sweeps and after the head there (hidden states or
+            gradients, the statistics, ``extra``'s state), the Fisher sequences' block inputs too (on disk, not in
+            memory), and continue from the latest one found: the result is bit for bit an uninterrupted run's.
+        extra: (get, set) of the caller's own state, saved with each checkpoint and handed back on resuming.
     Returns:
         ModelStats equal to ``collect(model, chunks, what, seed=seed)`` on the whole model (tensors on the
         skeleton's device; ``token_counts`` and the imatrix sums on CPU).
@@ -110,18 +132,36 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
         raise ValueError("block-wise calibration takes (n, seq_len) token ids")
     what = Collect() if what is None else what
     model, dev = sk.model, sk.device
-    st = ModelStats(imatrix=Imatrix() if what.imatrix else None)
     n_seq, nf = chunks.shape[0], min(what.fisher_sequences, chunks.shape[0])
+    resume, stage = None, None
+    for kind, name in (("backward", _BACKWARD), ("head", _HEAD), ("forward", _FORWARD)):
+        if checkpoints is not None and (resume := checkpoints.load(name, dev)) is not None:
+            stage = kind  # the latest checkpoint: continue after it
+            break
+    if resume is not None:
+        st = stats_from_state(resume["stats"])
+        if st.token_counts is not None:
+            st.token_counts = st.token_counts.cpu()
+        if extra is not None:
+            extra[1](resume["extra"])
+    else:
+        st = ModelStats(imatrix=Imatrix() if what.imatrix else None)
     gen = torch.Generator(device=dev).manual_seed(seed)
     sk.materialize(OUTER)
     col = Collector(model, st, what, device=dev)
     blocks = _Blocks(sk.layers)
     bar = tqdm(total=2 * sk.n_blocks + 2, desc="calibration", disable=not progress, unit="step")
+
+    def save(name: str, **state) -> None:
+        if checkpoints is not None:
+            checkpoints.save(name, {**state, "stats": stats_state(st), "extra": extra[0]() if extra else {}})
+
     try:
-        # 1. the first block's inputs and every block's arguments, per sequence
+        # 1. the first block's inputs and every block's arguments, per sequence (the token counts: once)
         hidden: list[torch.Tensor] = []
         calls: list[list[tuple[tuple, dict]]] = []
         blocks.record()
+        col.count_tokens = resume is None
         for s in range(n_seq):
             col.last = None
             with torch.no_grad():
@@ -129,14 +169,21 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
             hidden[-1] = hidden[-1].to(store_device)
             calls.append(list(blocks.calls))
         bar.update(1)
-        # 2. forward sweep
         col.count_tokens = False
-        fisher_in: list[list[torch.Tensor]] = []
-        for i in range(sk.n_blocks):
+        # 2. forward sweep
+        start = resume["block"] + 1 if stage == "forward" else (sk.n_blocks if resume is not None else 0)
+        if stage == "forward":
+            hidden = [h.to(store_device) for h in resume["hidden"]]
+        fisher_in: list[list[torch.Tensor]] = [[] for _ in range(sk.n_blocks)]
+        bar.update(start)
+        for i in range(start, sk.n_blocks):
             blocks.restore()
             sk.materialize(i)
             layer = sk.layers[i]
-            fisher_in.append([hidden[s] for s in range(nf)])
+            if checkpoints is not None and nf:
+                checkpoints.save(_fisher_in_name(i), {"x": [hidden[s] for s in range(nf)]})
+            else:
+                fisher_in[i] = [hidden[s] for s in range(nf)]
             for s in range(n_seq):
                 col.last = None
                 args, kwargs = calls[s][i]
@@ -145,51 +192,60 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
             if on_block is not None:
                 on_block(i, st)
             sk.release(i)
+            save(_FORWARD, block=i, hidden=hidden)
             bar.update(1)
         # 3. the head: its statistics; logits, labels and the last block's output gradient of the Fisher sequences
         grads: list[torch.Tensor] = []
-        for s in range(n_seq):
-            col.last = None
-            ids = chunks[s : s + 1].to(dev)
-            if s < nf:
-                h = hidden[s].to(dev).requires_grad_(True)
-                blocks.output(h)
-                col.fisher = True
-                with torch.enable_grad():
-                    logits = model(input_ids=ids, use_cache=False).logits[0].to(torch.float32)
-                    logp = torch.log_softmax(logits, -1)
+        if stage in ("head", "backward"):
+            grads = [g.to(store_device) for g in resume["grads"]]
+        else:
+            for s in range(n_seq):
+                col.last = None
+                ids = chunks[s : s + 1].to(dev)
+                if s < nf:
+                    h = hidden[s].to(dev).requires_grad_(True)
+                    blocks.output(h)
+                    col.fisher = True
+                    with torch.enable_grad():
+                        logits = model(input_ids=ids, use_cache=False).logits[0].to(torch.float32)
+                        logp = torch.log_softmax(logits, -1)
+                        with torch.no_grad():
+                            y = torch.multinomial(logp.exp(), 1, generator=gen)
+                        logp.gather(1, y).sum().backward()
+                    grads.append(h.grad.to(store_device))
+                    col.fisher = False
+                    st.fisher_sequences += 1
+                    st.fisher_tokens += ids.numel()
+                else:
+                    blocks.output(hidden[s].to(dev))
                     with torch.no_grad():
-                        y = torch.multinomial(logp.exp(), 1, generator=gen)
-                    logp.gather(1, y).sum().backward()
-                grads.append(h.grad.to(store_device))
-                col.fisher = False
-                st.fisher_sequences += 1
-                st.fisher_tokens += ids.numel()
-            else:
-                blocks.output(hidden[s].to(dev))
-                with torch.no_grad():
-                    col.forward_without_logits(model, {"input_ids": ids})
-            st.sequences += 1
-            st.tokens += ids.numel()
-            if st.imatrix is not None:
-                st.imatrix.chunks += 1
+                        col.forward_without_logits(model, {"input_ids": ids})
+                st.sequences += 1
+                st.tokens += ids.numel()
+                if st.imatrix is not None:
+                    st.imatrix.chunks += 1
+            save(_HEAD, grads=grads)
         del hidden
         bar.update(1)
         # 4. backward sweep over the Fisher sequences, then the embedding
         col.fisher, col.accumulate = True, False
-        for i in reversed(range(sk.n_blocks)):
+        top = resume["block"] - 1 if stage == "backward" else sk.n_blocks - 1
+        bar.update(sk.n_blocks - 1 - top)
+        for i in range(top, -1, -1):
             if nf:
                 blocks.restore()
                 sk.materialize(i)
                 layer = sk.layers[i]
+                xs = fisher_in[i] if checkpoints is None else checkpoints.load(_fisher_in_name(i))["x"]
                 for s in range(nf):
                     col.last = None
-                    x = fisher_in[i][s].to(dev).requires_grad_(True)
+                    x = xs[s].to(dev).requires_grad_(True)
                     args, kwargs = calls[s][i]
                     with torch.enable_grad():
                         torch.autograd.backward(_hidden(layer(x, *args, **kwargs)), grads[s].to(dev))
                     grads[s] = x.grad.to(store_device)
                 sk.release(i)
+                save(_BACKWARD, block=i, grads=grads)
             fisher_in[i] = []
             bar.update(1)
         blocks.restore()

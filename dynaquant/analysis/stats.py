@@ -25,6 +25,7 @@ the token counts of the calibration text. MoE experts modules get routing counts
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -241,7 +242,8 @@ class Collector:
         self.head = next(((n, m) for n, m in linears.items() if m is head), None)  # (name, module) or None
         if what.hessian:
             emb = model.get_input_embeddings()
-            st.token_counts = torch.zeros(emb.weight.shape[0], dtype=torch.int64)
+            if st.token_counts is None:  # (a resumed block-wise run brings its counts)
+                st.token_counts = torch.zeros(emb.weight.shape[0], dtype=torch.int64)
             self.handles.append(emb.register_forward_hook(self._embed_hook))
         self.experts_undo = moe.install(model, st.experts, self, device=device) if what.experts else []
 
@@ -467,3 +469,43 @@ def compute_imatrix(model, chunks: torch.Tensor, dataset: str = "", progress: bo
     im = collect(model, chunks, what, progress=progress, batch_size=batch_size).imatrix
     im.dataset = dataset
     return im
+
+
+def _state_classes() -> dict:
+    return {c.__name__: c for c in (ModelStats, InputStats, OutputStats, moe.ExpertStats, Imatrix)}
+
+
+def _to_state(v):
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {"__class__": type(v).__name__, **{f.name: _to_state(getattr(v, f.name)) for f in dataclasses.fields(v)}}
+    if isinstance(v, dict):
+        return {k: _to_state(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_to_state(x) for x in v]
+    return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+
+def _from_state(v, classes: dict):
+    if isinstance(v, dict) and "__class__" in v:
+        cls = classes[v["__class__"]]
+        return cls(**{k: _from_state(x, classes) for k, x in v.items() if k != "__class__"})
+    if isinstance(v, dict):
+        return {k: _from_state(x, classes) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_from_state(x, classes) for x in v]
+    return v
+
+
+def stats_state(st: ModelStats) -> dict:
+    """A ModelStats as plain dicts, lists, numbers, strings and tensors (copied): what ``torch.load(weights_only=True)``
+    reads back (a resumable run's checkpoint), restored exactly by :func:`stats_from_state`."""
+    return _to_state(st)
+
+
+def stats_from_state(state: dict) -> ModelStats:
+    """The ModelStats :func:`stats_state` describes (tensors as stored: load them onto the device they came from).
+
+    Raises:
+        KeyError: a class this module does not know.
+    """
+    return _from_state(state, _state_classes())
