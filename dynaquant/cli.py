@@ -169,6 +169,10 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--stream", action="store_true",
                    help="analysis, imatrix and evaluation block by block: one decoder block's weights in memory at a "
                         "time (models larger than memory; GGUF, no --gptq or --correct yet)")
+    q.add_argument("--work-dir", metavar="DIR",
+                   help="with --stream: the resumable work folder (default OUTPUT.work beside the output): a killed "
+                        "run started again with the same arguments continues from it")
+    q.add_argument("--keep-work-dir", action="store_true", help="with --stream: keep the work folder after success")
 
     a = sub.add_parser("analyze", help="measure per-tensor errors, activations and super weights: DIR/report.json")
     a.add_argument("model", nargs="?", help="HF folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -275,7 +279,7 @@ def _quantize(a, bare: bool, argv: list[str]) -> int:
                          push_branch=a.hub_branch, split_max_size=a.split_max_size,
                          split_max_tensors=a.split_max_tensors, source_revision=a.source_revision, solver=a.solver,
                          correct_rounds=a.correct, correct_sequences=a.correct_sequences, stream=a.stream,
-                         **_fit_options(a))
+                         work_dir=a.work_dir, keep_work_dir=a.keep_work_dir, **_fit_options(a))
     if cfg.push_to_hub:
         from dynaquant.pipeline.push import check_push_target
 

@@ -117,6 +117,8 @@ class QuantizeConfig:
         solver: the dynamic plan's allocation solver, ``exact`` or ``greedy`` (``quant.planner.make_plan``).
         stream: analysis, imatrix and evaluation block by block, one decoder block's weights in memory at a time
             (models larger than memory); GGUF target, no GPTQ or measured corrections yet.
+        work_dir: with ``stream``, the resumable work folder (:mod:`dynaquant.pipeline.rundir`; None: ``OUTPUT.work``
+            beside the output); keep_work_dir: keep it after success.
     """
 
     output: PathLike | None = None
@@ -164,6 +166,8 @@ class QuantizeConfig:
     correct_sequences: int = CORRECT_SEQUENCES
     solver: str = "exact"
     stream: bool = False
+    work_dir: PathLike | None = None
+    keep_work_dir: bool = False
 
     @property
     def explicit_target(self) -> bool:

@@ -17,6 +17,7 @@ rows, plan validation and measured corrections, vision-language models.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import replace
 
@@ -25,9 +26,9 @@ import torch
 from dynaquant.analysis import experts
 from dynaquant.analysis.blockwise import collect_blockwise
 from dynaquant.analysis.calibration import CalibrationSpec, calibration_chunks
-from dynaquant.analysis.errors import RowWeights, measure_samples, sample_tensor
-from dynaquant.analysis.stats import Collect, ModelStats, module_of
-from dynaquant.analysis.superweights import confirm_blockwise, find_candidates
+from dynaquant.analysis.errors import RowErrors, RowWeights, TensorError, measure_samples, sample_tensor
+from dynaquant.analysis.stats import Collect, ModelStats, module_of, stats_from_state, stats_state
+from dynaquant.analysis.superweights import SuperWeight, confirm_blockwise, find_candidates
 from dynaquant.config import DEFAULT_CANDIDATES
 from dynaquant.names import TensorName
 from dynaquant.pipeline.analyze import AnalysisResult, build_report, row_weights_of, tensor_entry, weight_of
@@ -37,6 +38,7 @@ from dynaquant.sources.gguf import TensorSource
 from dynaquant.sources.skeleton import build_skeleton
 
 MAX_SUPER_WEIGHTS = 8  # candidates confirmed by ablation (find_candidates' default)
+DONE = "analysis/done.pt"  # the finished analysis in a work folder: report and statistics
 
 
 def _block_of(gguf_name: str) -> int | None:
@@ -52,9 +54,11 @@ def _module_block(module: str) -> int | None:
 def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: CalibrationSpec, *, device: str,
                            dtype: torch.dtype = torch.float32, candidates: tuple[str, ...] = DEFAULT_CANDIDATES,
                            fisher_sequences: int = 16, super_weights: bool = True, overhead_bytes: int = 0,
-                           progress: bool = True, timings: dict | None = None) -> AnalysisResult:
+                           progress: bool = True, timings: dict | None = None, rundir=None) -> AnalysisResult:
     """Analyse a model block by block (see the module docstring); the arguments are ``run_analysis``'s, the model
-    being built here from ``source`` and ``ts`` on ``device`` in ``dtype``.
+    being built here from ``source`` and ``ts`` on ``device`` in ``dtype``; ``rundir`` (a
+    :class:`dynaquant.pipeline.rundir.RunDir`): checkpoints there, continuing from the latest (the result is an
+    uninterrupted run's, bit for bit), and the finished analysis kept there (reused as is).
 
     Returns:
         AnalysisResult: the same report layout as ``run_analysis``; its ``stats`` hold no (K, K) matrices (GPTQ
@@ -66,6 +70,9 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
     if getattr(ts, "vision", False):
         raise ValueError(f"{ts.source_id}: vision-language models are not analysed block by block yet; run without "
                          "streaming")
+    if rundir is not None and (done := rundir.load(DONE)) is not None:
+        stats = stats_from_state(done["stats"])
+        return AnalysisResult(done["report"], stats, stats.to_imatrix(spec.id))
     t0 = time.perf_counter()
     all_chunks = calibration_chunks(tokenizer, replace(spec, n_sequences=spec.n_sequences + 2))
     held = all_chunks[-2:] if all_chunks.shape[0] > 2 else all_chunks[:1]
@@ -113,8 +120,17 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
         st.drop_hessians(modules | {m for m in [*st.input_of, *st.experts] if _module_block(m) == i})  # routers too
         spent[0] += time.perf_counter() - t1
 
+    def get_state() -> dict:
+        return {"pending": [[j, module, _rows_state(res)] for j, module, res in pending],
+                "candidates": [dataclasses.asdict(c) for c in cands], "spent": spent[0]}
+
+    def set_state(state: dict) -> None:
+        pending[:] = [(j, module, _rows_from_state(res)) for j, module, res in state["pending"]]
+        cands[:] = [SuperWeight(**c) for c in state["candidates"]]
+        spent[0] = state["spent"]
+
     stats = collect_blockwise(sk, chunks, Collect(fisher_sequences=fisher_sequences), progress=progress,
-                              on_block=on_block)
+                              on_block=on_block, checkpoints=rundir, extra=(get_state, set_state))
     timings["calibration_s"] = time.perf_counter() - t0 - spent[0]
     t2 = time.perf_counter()
     for j, module, res in pending:  # the Fisher is known now: the predicted KL divergences
@@ -157,4 +173,20 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
     report = build_report(source, ts, spec, stats, entries, sws, candidates, device=device, dtype=dtype,
                           overhead_bytes=overhead_bytes, timings=timings)
     report["calibration"]["blockwise"] = True
+    if rundir is not None:
+        rundir.save(DONE, {"report": report, "stats": stats_state(stats)})
     return AnalysisResult(report, stats, stats.to_imatrix(spec.id))
+
+
+def _rows_state(res):
+    """RowErrors (a format -> RowErrors dict, or a list of them: experts) as plain state."""
+    if isinstance(res, list):
+        return [_rows_state(r) for r in res]
+    return {f: {"error": dataclasses.asdict(r.error), "index": r.index, "weights": r.weights, "out_err": r.out_err}
+            for f, r in res.items()}
+
+
+def _rows_from_state(state):
+    if isinstance(state, list):
+        return [_rows_from_state(r) for r in state]
+    return {f: RowErrors(TensorError(**r["error"]), r["index"], r["weights"], r["out_err"]) for f, r in state.items()}

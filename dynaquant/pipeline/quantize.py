@@ -6,6 +6,7 @@ serves both targets (:mod:`dynaquant.pipeline.targets`): the target says what di
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -117,7 +118,8 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
              margin: int | None = None, card: bool = False, compare_presets: bool = False,
              split_max_size: int = SPLIT_MAX_SIZE, split_max_tensors: int = 0,
              source_revision: str | None = None, correct_rounds: int | None = None,
-             correct_sequences: int = CORRECT_SEQUENCES, solver: str = "exact", stream: bool = False) -> QuantizeResult:
+             correct_sequences: int = CORRECT_SEQUENCES, solver: str = "exact", stream: bool = False,
+             work_dir: str | os.PathLike | None = None, keep_work_dir: bool = False) -> QuantizeResult:
     """Quantize a model to a mixed-precision GGUF file (or, ``target="safetensors"``, a safetensors checkpoint).
 
     Targets (at most one): ``preset`` (a llama.cpp mix, tensor by tensor as llama-quantize decides),
@@ -179,6 +181,9 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         stream: analysis, imatrix and evaluation block by block, one decoder block's weights in memory at a time
             (models larger than memory; :mod:`dynaquant.pipeline.analyze_blocks`); GGUF only, without GPTQ, measured
             corrections, allow_nonfinite or compare_presets yet (``ValueError``).
+        work_dir, keep_work_dir: with ``stream``, the resumable work folder (:mod:`dynaquant.pipeline.rundir`; None:
+            ``OUTPUT.work`` beside the output; a killed run started again with the same arguments continues from it
+            and writes the same bytes), kept after success with ``keep_work_dir``.
     Returns:
         QuantizeResult (``gptq`` says per format how many tensors took GPTQ and the mean error ratio,
         or ``plain_only`` for the vector-quantized formats).
@@ -201,7 +206,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         fit_memory=fit_memory, fit_ctx=fit_ctx, kv_type=kv_type, margin=margin, card=card,
         compare_presets=compare_presets, split_max_size=split_max_size, split_max_tensors=split_max_tensors,
         source_revision=source_revision, correct_rounds=correct_rounds, correct_sequences=correct_sequences,
-        solver=solver, stream=stream))
+        solver=solver, stream=stream, work_dir=work_dir, keep_work_dir=keep_work_dir))
 
 
 def run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig) -> QuantizeResult:
@@ -234,7 +239,9 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
     needs_analysis = start.dynamic and start.report is None
     needs_imatrix = cfg.use_imatrix and imat_path is None and not needs_analysis and (
         start.dynamic or target.name == "safetensors" or any(get_format(e.format).kind != "float" for e in start.plan.entries))
-    output = pub.stage(_check_output(cfg, target, source, ts, tensors, start, inputs), target, inputs, source)
+    final = _check_output(cfg, target, source, ts, tensors, start, inputs)
+    rundir = _open_rundir(cfg, source, final) if cfg.stream else None
+    output = pub.stage(final, target, inputs, source)
     rounds = auto_rounds(cfg.correct_rounds, device) if start.dynamic else 0  # measured corrections of the plan
     if cfg.stream:
         rounds = 0 if cfg.correct_rounds is None else rounds  # not block-wise yet: off unless asked (refused above)
@@ -254,7 +261,7 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
 
             res = run_blockwise_analysis(source, ts, tokenizer, cfg.spec(), device=device,
                                          candidates=target.analysis_candidates, fisher_sequences=cfg.fisher_sequences,
-                                         progress=cfg.progress, timings=timings)
+                                         progress=cfg.progress, timings=timings, rundir=rundir)
             start.report, im = res.report, res.imatrix
         else:
             im = _imatrix_blockwise(cfg, source, ts, tokenizer, device, timings)
@@ -271,6 +278,8 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
         plan.fit = fit
         if cfg.save_plan is not None and rounds == 0:  # corrected: saved once, below
             write_json(plan.to_dict(), cfg.save_plan)
+        if rundir is not None:
+            write_json(plan.to_dict(), rundir.file("plan.json"))
     rounding = None
     if cfg.gptq:
         rounding = GPTQRounding(hf_model, tokenizer, cfg.spec(), stats, cfg.gptq_damp, device, cfg.progress, timings)
@@ -284,7 +293,8 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
             write_json(plan.to_dict(), cfg.save_plan)
     check_imatrix_needs(plan, set(imat))
     run = RunState(cfg, source, ts, plan, start.loaded is not None, im, imat, rounding, torch.device(device), start.report,
-                   hf_model if target.needs_model else None, tokenizer, imat_path if im is None and cfg.use_imatrix else None)
+                   hf_model if target.needs_model else None, tokenizer, imat_path if im is None and cfg.use_imatrix else None,
+                   rundir)
     hf_model = None  # the source model is not kept for the evaluation: it is loaded again at the end
     t2 = time.perf_counter()
     path, nbytes = write_output(run, target, output)
@@ -304,7 +314,29 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
             result.eval = evaluate_written_blockwise(path, source, ts, tokenizer, cfg, device)
         else:
             result.eval = evaluate_written(path, source, ts, tokenizer, cfg, device, checkpoint=target.name == "safetensors")
-    return pub.finish(result, run, target, imat_path)
+    done = pub.finish(result, run, target, imat_path)
+    if rundir is not None and not cfg.keep_work_dir:
+        rundir.delete()
+    return done
+
+
+def _open_rundir(cfg: QuantizeConfig, source: ModelSource, output: Path):
+    """The resumable work folder of a ``stream`` run, with what identifies the run (inputs and the options that change
+    the result): a folder of another run is refused (``InputError``)."""
+    import dataclasses
+
+    from dynaquant.pipeline.rundir import RunDir, default_work_dir, file_identity
+    from dynaquant.version import __version__
+
+    skip = {"output", "progress", "work_dir", "keep_work_dir", "command", "push_to_hub", "push_private", "push_branch",
+            "card", "save_plan"}
+    options = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
+    files = {k: file_identity(v) for k, v in (("calibration", cfg.calibration), ("plan", cfg.plan),
+                                              ("report", cfg.report), ("imatrix", cfg.imatrix))
+             if isinstance(v, (str, os.PathLike)) and Path(v).exists()}
+    identity = {"dynaquant": __version__, "source": file_identity(source.path), "inputs": files,
+                "options": json.loads(json.dumps(options, default=str))}
+    return RunDir(Path(cfg.work_dir) if cfg.work_dir is not None else default_work_dir(output), identity)
 
 
 def write_output(run: RunState, target: Target, path: Path) -> tuple[Path, int]:
@@ -317,11 +349,18 @@ def write_output(run: RunState, target: Target, path: Path) -> tuple[Path, int]:
     """
     target.begin(run, path)
     try:
-        for t in tqdm(target.tensors(), desc=target.progress_label(), unit="tensor", disable=not run.cfg.progress):
-            w = target.read(t)
-            rounded = target.gptq_round(t, w) if run.rounding is not None else None
-            target.add(t, target.encode(t, w, rounded))
-            del w, rounded
+        for i, t in enumerate(tqdm(target.tensors(), desc=target.progress_label(), unit="tensor",
+                                   disable=not run.cfg.progress)):
+            name = f"tensors/{i:05d}.npy"
+            encoded = run.rundir.load_array(name) if run.rundir is not None else None
+            if encoded is None:  # (a resumed run: encoded before it was stopped)
+                w = target.read(t)
+                rounded = target.gptq_round(t, w) if run.rounding is not None else None
+                encoded = target.encode(t, w, rounded)
+                del w, rounded
+                if run.rundir is not None:
+                    run.rundir.save_array(name, encoded)
+            target.add(t, encoded)
         return target.finish()
     except BaseException:
         target.abort()
@@ -345,6 +384,9 @@ def _check_options(cfg: QuantizeConfig) -> Target:
         raise ValueError(f"unknown preset {cfg.preset!r}; known presets: {', '.join(PRESETS)}")
     check_budget(cfg.bpw, cfg.size)
     check_correct_options(cfg.correct_rounds, cfg.correct_sequences)
+    if (cfg.work_dir is not None or cfg.keep_work_dir) and not cfg.stream:
+        raise ValueError("work_dir and keep_work_dir are the resumable folder of a stream (block by block) run: add "
+                         "stream")
     if cfg.stream and (target.needs_model or cfg.gptq or cfg.correct_rounds or cfg.allow_nonfinite or cfg.compare_presets):
         raise ValueError("stream (block by block) writes GGUF files without GPTQ, measured corrections, "
                          "allow_nonfinite or compare_presets for now: drop those options or stream")

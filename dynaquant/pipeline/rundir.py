@@ -78,7 +78,7 @@ class RunDir:
                 raise InputError(f"{self.path}: the work folder of another run (differs in {key}); remove it or give "
                                  "another --work-dir")
             self.resumed = True
-            log.info("%s: resuming the run this work folder holds", self.path)
+            log.warning("%s: resuming the run this work folder holds", self.path)
         else:
             if self.path.exists() and any(self.path.iterdir()):
                 raise InputError(f"{self.path}: exists and is not a dynaquant work folder (no {RUN_FILE}); give an "

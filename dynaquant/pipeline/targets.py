@@ -73,6 +73,7 @@ class RunState:
         report: the analysis report (dict) when one was used, else None.
         model, tokenizer: the loaded transformers model and tokenizer (None when not loaded).
         imatrix_file: the imatrix file the encoders read (when ``im`` is None), else None.
+        rundir: the resumable work folder (``stream``): each encoded tensor is kept there and reused, else None.
     """
 
     cfg: QuantizeConfig
@@ -88,6 +89,7 @@ class RunState:
     model: Any = None
     tokenizer: Any = None
     imatrix_file: Path | None = None
+    rundir: Any = None
 
 
 class Target(Protocol):
