@@ -134,3 +134,39 @@ def test_deferred_expert_errors_equal_direct():
             # (row_weights rounds G_e to float32; the deferred weighting keeps float64)
             assert got[f].kld_pred == pytest.approx(want[f].kld_pred, rel=1e-6) and got[f].kld_pred > 0
         assert fallback == st.unrouted()
+
+
+def test_experts_beyond_the_bound_keep_diagonal_second_moments(monkeypatch):
+    """Experts whose (E, K, K) second moments exceed EXPERT_HESSIAN_BYTES keep their diagonals (E, K) alone: the same
+    imatrix, and errors measured with H taken as diagonal (equal to passing the diagonal matrix)."""
+    from test_moe_analysis import _model
+
+    from dynaquant.analysis import experts as moe
+    from dynaquant.analysis.stats import collect_stats
+    from dynaquant.sources.experts import expert_weight
+
+    model = _model("qwen2moe")
+    chunks = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(2))
+    full = collect_stats(model, chunks, fisher_sequences=1, progress=False)
+    monkeypatch.setattr(moe, "EXPERT_HESSIAN_BYTES", 0)
+    diag = collect_stats(model, chunks, fisher_sequences=1, progress=False)
+    name = "model.layers.1.mlp.experts"
+    sf, sd = full.experts[name], diag.experts[name]
+    assert sf.hessian_sum["gate_up"].dim() == 3 and sd.hessian_sum["gate_up"].dim() == 2
+    for proj in ("gate_proj", "down_proj"):
+        torch.testing.assert_close(sd.imatrix(proj)[0], sf.imatrix(proj)[0], rtol=1e-5, atol=1e-6)
+    kw = dict(total_tokens=diag.tokens, fisher_total=diag.fisher_tokens)
+    mod = model.get_submodule(name)
+    got, _ = moe.measure_expert_errors(mod, "down_proj", sd, ["Q4_0"], **kw)
+    w = expert_weight(mod, "down_proj").detach()
+    per = []
+    for e in range(sd.n_expert):
+        rw, imp, _ = sd.row_weights("down_proj", e, **kw)
+        assert rw.hessian.dim() == 1
+        dense = RowWeights(rw.fisher, torch.diag(rw.hessian))
+        per.append(measure_errors(w[e], ["Q4_0"], dense, imatrix=imp, seed=e))
+    want = moe.combine_expert_errors(sd, per)["Q4_0"]
+    assert got["Q4_0"].kld_pred == pytest.approx(want.kld_pred, rel=1e-5) and got["Q4_0"].kld_pred > 0
+    assert got["Q4_0"].output_rel == pytest.approx(want.output_rel, rel=1e-5)
+    sd.drop_hessians()
+    assert sd.imatrix("up_proj")[0].shape == (sd.n_expert, 256)

@@ -71,7 +71,8 @@ class RowWeights:
 
     Attributes:
         fisher: (N,) float32 output Fisher per row (a linear layer's output channel), or None.
-        hessian: (K, K) float32 E[x x^T] of the inputs (required with ``fisher``).
+        hessian: (K, K) float32 E[x x^T] of the inputs (required with ``fisher``), or its (K,) diagonal alone (H taken
+            as diagonal: the MoE experts beyond :data:`dynaquant.analysis.experts.EXPERT_HESSIAN_BYTES`).
         lookup: (N,) float32 frequency of each row as an embedding lookup, or None.
         lookup_fisher: (K,) float32 Fisher per column at the embedding output (required with ``lookup``).
     """
@@ -95,7 +96,7 @@ class ErrorSample:
         constant: ``importance`` is constant (the IQ1/IQ2 encoders then use their no-imatrix weighting, decided
             over the whole chunk encoded together, so such a tensor is encoded on its own).
         imp: (K,) float32 column weights of ``weighted_rel``.
-        hessian: (K, K) float32 H of ``output_rel``.
+        hessian: (K, K) float32 H of ``output_rel`` (or its (K,) diagonal).
         row_weights: the RowWeights of the sampled rows (predicted KLD).
         ref: (2,) float64 the estimated ``sum H_jj W_ij^2`` and ``tr(W H W^T)`` (denominators of the relative errors).
         index: (n,) int64 the sampled rows' indices in the weight.
@@ -177,11 +178,18 @@ def sample_rows(score: torch.Tensor, n: int, top: int, seed: int) -> tuple[torch
     return idx, w
 
 
+def quad_rows(W: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
+    """(N,) float64 ``W_i H W_i^T`` of each row of W (N, K); ``H`` (K, K), or (K,) for a diagonal H."""
+    if H.dim() == 1:
+        return (W * W * H).sum(1).double()
+    return ((W @ H) * W).sum(1).double()
+
+
 def _row_terms(W: torch.Tensor, rw: RowWeights) -> torch.Tensor:
     """(n,) float64 per-row ``1/2 * sum`` weight of W's rows under rw (used for errors and sampling)."""
     t = torch.zeros(W.shape[0], dtype=torch.float64, device=W.device)
     if rw.fisher is not None:
-        t += 0.5 * rw.fisher.to(W.device, torch.float64) * ((W @ rw.hessian.to(W.device)) * W).sum(1).double()
+        t += 0.5 * rw.fisher.to(W.device, torch.float64) * quad_rows(W, rw.hessian.to(W.device))
     if rw.lookup is not None:
         t += 0.5 * rw.lookup.to(W.device, torch.float64) * (W * W * rw.lookup_fisher.to(W.device)).sum(1).double()
     return t
@@ -206,11 +214,11 @@ def sample_tensor(weight: torch.Tensor, rw: RowWeights, *, imatrix: torch.Tensor
     if H is None:
         H = torch.diag(imatrix if imatrix is not None else torch.ones(K))
     H = H.to(W.device, torch.float32)
-    imp = imatrix.to(W.device, torch.float32) if imatrix is not None else torch.diagonal(H).clone()
+    imp = imatrix.to(W.device, torch.float32) if imatrix is not None else (torch.diagonal(H) if H.dim() == 2 else H).clone()
     if rows is None:
         rows = N if N <= 64 else min(2048, max(32, N // 16))
     if score == "output":
-        score_v = ((W @ H) * W).sum(1).double() + 1e-30 * (W * W).sum(1).double()
+        score_v = quad_rows(W, H) + 1e-30 * (W * W).sum(1).double()
     elif score == "kld":
         score_v = _row_terms(W, rw) + 1e-30 * (W * W).sum(1).double()
     else:
@@ -218,7 +226,7 @@ def sample_tensor(weight: torch.Tensor, rw: RowWeights, *, imatrix: torch.Tensor
     idx, sw = sample_rows(score_v, rows, max(1, rows // 16), seed)
     idx, sw = idx.to(W.device), sw.to(W.device)
     Ws = W[idx]
-    ref = torch.stack([(sw * (Ws * Ws * imp).sum(1).double()).sum(), (sw * ((Ws @ H) * Ws).sum(1).double()).sum()])
+    ref = torch.stack([(sw * (Ws * Ws * imp).sum(1).double()).sum(), (sw * quad_rows(Ws, H)).sum()])
     sub = RowWeights(None if rw.fisher is None else rw.fisher.to(W.device)[idx],
                      None if rw.hessian is None else rw.hessian.to(W.device),
                      None if rw.lookup is None else rw.lookup.to(W.device)[idx],
@@ -291,7 +299,8 @@ def measure_errors(weight: torch.Tensor, formats: list[str], rw: RowWeights, *, 
         formats: format names to try; those that do not fit K are left out of the result.
         rw: row weights for the predicted KL divergence.
         imatrix: (K,) float32 importance passed to the encoders (and used for ``weighted_rel``).
-        hessian: (K, K) float32 E[x x^T] for ``output_rel`` (default: ``rw.hessian``; None: diag(imatrix)).
+        hessian: (K, K) float32 E[x x^T] for ``output_rel``, or its (K,) diagonal (default: ``rw.hessian``; None:
+            diag(imatrix)).
         rows: rows to measure (default: all when N <= 64, else max(32, N // 16) capped at 2048).
         seed: row sampling seed.
     Returns:
@@ -306,7 +315,7 @@ def _error_sums(s: ErrorSample, q: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     """((3,) float64 estimated sums of the error ``q - rows``: imatrix-weighted, output (H), predicted KLD;
     (n,) float64 each sampled row's output error ``d H d^T``)."""
     d = q - s.rows
-    per_row = ((d @ s.hessian) * d).sum(1).double()
+    per_row = quad_rows(d, s.hessian)
     return torch.stack([(s.weights * (d * d * s.imp).sum(1).double()).sum(), (s.weights * per_row).sum(),
                         (s.weights * _row_terms(d, s.row_weights)).sum()]), per_row
 

@@ -28,6 +28,12 @@ import torch
 from dynaquant.analysis.errors import ErrorSample, RowErrors, RowWeights, TensorError, measure_samples, sample_tensor
 from dynaquant.sources.experts import dispatch, expert_weight, find_experts, layout_of
 
+# Per experts module and input (gate/up's, down's), the full per-expert second moments (E, K, K) float32 are kept
+# up to this many bytes (Qwen3-30B-A3B's gate/up: 128 x 2048^2 x 4 = 2 GiB); beyond it (DeepSeek-V3's gate/up:
+# 256 x 7168^2 x 4 = 49 GiB a layer) only their diagonals (E, K), the per-expert imatrix: the experts' errors then
+# take H as diagonal (``output_rel`` and the predicted KLD weigh each input column by its E[x^2] alone).
+EXPERT_HESSIAN_BYTES = 4 << 30
+
 
 @dataclass
 class ExpertStats:
@@ -36,8 +42,9 @@ class ExpertStats:
     Attributes:
         module: HF name of the experts module.
         n_expert: E.
-        hessian_sum: ``"gate_up"`` (E, H, H) and ``"down"`` (E, I, I) float32 sums of x x^T over routed tokens
-            (emptied by :meth:`drop_hessians`, which keeps their diagonals in ``diag_sum``).
+        hessian_sum: ``"gate_up"`` (E, H, H) and ``"down"`` (E, I, I) float32 sums of x x^T over routed tokens, or
+            (E, K) sums of x^2 alone where the full matrices exceed :data:`EXPERT_HESSIAN_BYTES` (emptied by
+            :meth:`drop_hessians`, which keeps their diagonals in ``diag_sum``).
         tokens: (E,) int64 tokens routed to each expert.
         weight_sum: (E,) float64 sum of their routing weights.
         fisher_sum: proj -> (E, N) float64 sum of squared output gradients (Fisher sequences).
@@ -56,7 +63,7 @@ class ExpertStats:
     def drop_hessians(self) -> None:
         """Free the (E, K, K) matrices, keeping their diagonals (the per-expert imatrix)."""
         for key, h in self.hessian_sum.items():
-            self.diag_sum[key] = torch.diagonal(h, dim1=1, dim2=2).clone()
+            self.diag_sum[key] = torch.diagonal(h, dim1=1, dim2=2).clone() if h.dim() == 3 else h
         self.hessian_sum.clear()
 
     @staticmethod
@@ -74,7 +81,8 @@ class ExpertStats:
     def imatrix(self, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
         """((E, K) float64 sums of x^2, (E,) int64 tokens): llama.cpp's per-expert imatrix entry."""
         key = self.input_of(proj)
-        d = torch.diagonal(self.hessian_sum[key], dim1=1, dim2=2) if key in self.hessian_sum else self.diag_sum[key]
+        h = self.hessian_sum.get(key)
+        d = self.diag_sum[key] if h is None else torch.diagonal(h, dim1=1, dim2=2) if h.dim() == 3 else h
         return d.double().cpu(), self.tokens.cpu()
 
     def row_weights(self, proj: str, e: int, total_tokens: int, fisher_total: int) -> tuple[RowWeights, torch.Tensor, bool]:
@@ -96,8 +104,9 @@ class ExpertStats:
         else:
             h = hs.sum(0) / tok.sum().clamp_min(1)
         g = self.fisher(proj, e, total_tokens, fisher_total)
-        hf = h.float()
-        return RowWeights(fisher=None if g is None else g.float(), hessian=hf), torch.diagonal(hf).clone(), fallback
+        hf = h.float()  # (K, K), or (K,): the diagonal alone
+        return (RowWeights(fisher=None if g is None else g.float(), hessian=hf),
+                (torch.diagonal(hf) if hf.dim() == 2 else hf).clone(), fallback)
 
     def fisher(self, proj: str, e: int, total_tokens: int, fisher_total: int) -> torch.Tensor | None:
         """(N,) float64 ``G_e``: expert ``e``'s output Fisher per routed token times its share of the tokens (the
@@ -167,8 +176,12 @@ class _ExpertsForward:
             hs = st.hessian_sum.get(key)
             if hs is None:
                 k = v.shape[1]
-                hs = st.hessian_sum[key] = torch.zeros(st.n_expert, k, k, dtype=torch.float32, device=v.device)
-            hs[e].addmm_(v.T, v)
+                shape = (st.n_expert, k, k) if st.n_expert * k * k * 4 <= EXPERT_HESSIAN_BYTES else (st.n_expert, k)
+                hs = st.hessian_sum[key] = torch.zeros(shape, dtype=torch.float32, device=v.device)
+            if hs.dim() == 3:
+                hs[e].addmm_(v.T, v)
+            else:
+                hs[e] += (v * v).sum(0)
         st.tokens[e] += x.shape[0]
         st.weight_sum[e] += float(w.detach().double().sum())
 
