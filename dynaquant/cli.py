@@ -25,6 +25,17 @@ BUG_REPORT = ("this is a bug in dynaquant: please report it at the project's iss
               "and the traceback above")
 
 
+def _memory_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-cpu-memory", type=_size, metavar="SIZE",
+                   help="with --stream: memory the calibration's hidden states may take before they go to files "
+                        "(default: half the available memory)")
+    p.add_argument("--max-gpu-memory", type=_size, metavar="SIZE",
+                   help="with --stream: refuse before any work when the embedding, head and largest block need more")
+    p.add_argument("--offload-dir", metavar="DIR",
+                   help="with --stream: where hidden states beyond --max-cpu-memory go (default: the work folder's "
+                        "offload/)")
+
+
 def _size(text: str) -> int:
     """``80MB``, ``1.5GiB``, ``95000000`` -> bytes: a positive whole number below 2**63 (argparse type)."""
     units = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -173,6 +184,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --stream: the resumable work folder (default OUTPUT.work beside the output): a killed "
                         "run started again with the same arguments continues from it")
     q.add_argument("--keep-work-dir", action="store_true", help="with --stream: keep the work folder after success")
+    _memory_options(q)
 
     a = sub.add_parser("analyze", help="measure per-tensor errors, activations and super weights: DIR/report.json")
     a.add_argument("model", nargs="?", help="HF folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -196,6 +208,7 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"held-out calibration sequences the corrections measure on (default {config.CORRECT_SEQUENCES})")
     a.add_argument("--stream", action="store_true",
                    help="block by block: one decoder block's weights in memory at a time (models larger than memory)")
+    _memory_options(a)
     a.add_argument("--no-super-weights", action="store_true")
     a.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     a.add_argument("--device")
@@ -279,7 +292,8 @@ def _quantize(a, bare: bool, argv: list[str]) -> int:
                          push_branch=a.hub_branch, split_max_size=a.split_max_size,
                          split_max_tensors=a.split_max_tensors, source_revision=a.source_revision, solver=a.solver,
                          correct_rounds=a.correct, correct_sequences=a.correct_sequences, stream=a.stream,
-                         work_dir=a.work_dir, keep_work_dir=a.keep_work_dir, **_fit_options(a))
+                         work_dir=a.work_dir, keep_work_dir=a.keep_work_dir, max_cpu_memory=a.max_cpu_memory,
+                         max_gpu_memory=a.max_gpu_memory, offload_dir=a.offload_dir, **_fit_options(a))
     if cfg.push_to_hub:
         from dynaquant.pipeline.push import check_push_target
 
@@ -372,7 +386,8 @@ def _analyze(a) -> int:
                         sensitivity_formats=_names(a.sensitivity), validate_presets=_names(a.validate), device=a.device,
                         dtype=a.dtype, allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code,
                         progress=not a.json, allow_nonfinite=a.allow_nonfinite, correct_rounds=a.correct,
-                        correct_sequences=a.correct_sequences, stream=a.stream, **kw)
+                        correct_sequences=a.correct_sequences, stream=a.stream, max_cpu_memory=a.max_cpu_memory,
+                        max_gpu_memory=a.max_gpu_memory, offload_dir=a.offload_dir, **kw)
     res = run_analyze(a.model, a.output, cfg)
     rep = res.report
     if a.json:

@@ -59,6 +59,9 @@ class AnalyzeConfig:
             calibration sequences; the fitted factors go into the report's ``corrections`` section.
         stream: run block by block, one decoder block's weights in memory at a time
             (:mod:`dynaquant.pipeline.analyze_blocks`; no sensitivity, validation or corrections yet).
+        max_cpu_memory, max_gpu_memory, offload_dir: with ``stream``, bytes the hidden states may take in memory before
+            they go to files in ``offload_dir`` (None: half the available memory), and the GPU memory the embedding,
+            head and largest block must fit (``analyze_blocks.memory_plan``).
     """
 
     calibration: CalibrationSpec | None = None
@@ -76,6 +79,9 @@ class AnalyzeConfig:
     correct_rounds: int = 0
     correct_sequences: int = CORRECT_SEQUENCES
     stream: bool = False
+    max_cpu_memory: int | None = None
+    max_gpu_memory: int | None = None
+    offload_dir: PathLike | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,8 @@ class QuantizeConfig:
             (models larger than memory); GGUF target, no GPTQ or measured corrections yet.
         work_dir: with ``stream``, the resumable work folder (:mod:`dynaquant.pipeline.rundir`; None: ``OUTPUT.work``
             beside the output); keep_work_dir: keep it after success.
+        max_cpu_memory, max_gpu_memory, offload_dir: with ``stream``, as :class:`AnalyzeConfig` (``offload_dir``
+            None: the work folder's ``offload``).
     """
 
     output: PathLike | None = None
@@ -168,6 +176,9 @@ class QuantizeConfig:
     stream: bool = False
     work_dir: PathLike | None = None
     keep_work_dir: bool = False
+    max_cpu_memory: int | None = None
+    max_gpu_memory: int | None = None
+    offload_dir: PathLike | None = None
 
     @property
     def explicit_target(self) -> bool:

@@ -259,16 +259,24 @@ class _MemoryCheckpoints:
         self.files.pop(name, None)
 
 
-def test_blockwise_resumes_from_any_checkpoint_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("offload", [False, True])
+def test_blockwise_resumes_from_any_checkpoint_bit_for_bit(tmp_path, offload):
     """Killed after any checkpoint (forward sweep, head, backward sweep) and started again, the block-wise pass gives
-    the statistics of an uninterrupted one, bit for bit, and hands the caller's own state back."""
+    the statistics of an uninterrupted one, bit for bit, and hands the caller's own state back; also with the
+    hidden states in files (``offload_dir``)."""
     source, ts = _checkpoint(tmp_path / "ckpt", "qwen2moe")
     chunks = torch.randint(3, 320, (4, 17), generator=torch.Generator().manual_seed(5))
     what = Collect(fisher_sequences=2, imatrix=True)
     ref = collect_blockwise(build_skeleton(source, ts), chunks, what, progress=False)
+    off = {"offload_dir": tmp_path / "off"} if offload else {}
+    assert _differences(ref, collect_blockwise(build_skeleton(source, ts), chunks, what, progress=False, **off)) == []
     whole = _MemoryCheckpoints()
-    same = collect_blockwise(build_skeleton(source, ts), chunks, what, progress=False, checkpoints=whole)
+    same = collect_blockwise(build_skeleton(source, ts), chunks, what, progress=False, checkpoints=whole, **off)
     assert _differences(ref, same) == []
+    if offload:
+        # (the run without checkpoints keeps the Fisher inputs there too; with checkpoints they go with those)
+        assert sorted(p.name for p in (tmp_path / "off").iterdir()) == [
+            "fisher-in-00000", "fisher-in-00001", "hidden-0", "hidden-1", "hidden-in"]
     n_saves = whole.saves  # forward: 2 blocks (+ 2 Fisher inputs), head, backward: 2 blocks
     assert n_saves == 7
     for k in range(1, n_saves):
@@ -276,11 +284,11 @@ def test_blockwise_resumes_from_any_checkpoint_bit_for_bit(tmp_path):
         cp.kill_after = k
         seen = {"blocks": []}
         with pytest.raises(_Killed):
-            collect_blockwise(build_skeleton(source, ts), chunks, what, progress=False, checkpoints=cp,
+            collect_blockwise(build_skeleton(source, ts), chunks, what, progress=False, checkpoints=cp, **off,
                               on_block=lambda i, st: seen["blocks"].append(i), extra=(lambda: dict(seen), seen.update))
         cp.kill_after = None
         resumed = {"blocks": []}
-        got = collect_blockwise(build_skeleton(source, ts), chunks, what, progress=False, checkpoints=cp,
+        got = collect_blockwise(build_skeleton(source, ts), chunks, what, progress=False, checkpoints=cp, **off,
                                 on_block=lambda i, st: resumed["blocks"].append(i),
                                 extra=(lambda: dict(resumed), resumed.update))
         assert _differences(ref, got) == [], k

@@ -106,3 +106,29 @@ def test_work_dir_of_another_run_is_refused(ckpt, reference, tmp_path):
     _, err = p.communicate(timeout=300)
     assert p.returncode == 2 and "work folder of another run" in err and "bpw" in err, err
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_hidden_states_in_files_beyond_max_cpu_memory(ckpt, reference, tmp_path):
+    """--max-cpu-memory below the hidden states' size: they go to files (the work folder's offload/), same bytes."""
+    _, want = reference
+    _run([str(ckpt), *ARGS, "-o", "out.gguf", "--max-cpu-memory", "1KiB", "--work-dir", "w", "--keep-work-dir"],
+         tmp_path)
+    assert (tmp_path / "out.gguf").read_bytes() == want
+    assert sorted(p.name for p in (tmp_path / "w" / "offload").iterdir()) == ["hidden-0", "hidden-1", "hidden-in"]
+
+
+def test_max_gpu_memory_refuses_a_block_that_does_not_fit(ckpt):
+    from dynaquant.errors import InputError
+    from dynaquant.pipeline.analyze_blocks import memory_plan
+    from dynaquant.sources.checkpoint import resolve_source
+    from dynaquant.sources.open import open_hf_source
+    from dynaquant.sources.skeleton import build_skeleton
+
+    sk = build_skeleton(resolve_source(str(ckpt)), open_hf_source(ckpt), device="cuda")  # nothing materialized
+    need = sk.part_bytes("outer") + max(sk.part_bytes(i) for i in range(sk.n_blocks))
+    kw = dict(max_cpu_memory=None, offload_dir=None, checkpoints=False)
+    assert memory_plan(sk, 4, 32, 2, max_gpu_memory=need, **kw) is None
+    with pytest.raises(InputError, match="do not fit --max-gpu-memory"):
+        memory_plan(sk, 4, 32, 2, max_gpu_memory=need - 1, **kw)
+    with pytest.raises(InputError, match="give --offload-dir"):
+        memory_plan(sk, 4, 32, 2, max_gpu_memory=None, **{**kw, "max_cpu_memory": 1})

@@ -25,7 +25,9 @@ Fisher sequences, ``(n_blocks + 1) * fisher_sequences * T * hidden`` (:func:`hid
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -82,6 +84,30 @@ def hidden_bytes(n_seq: int, seq_len: int, hidden: int, n_blocks: int, fisher_se
     return per_seq * (n_seq + fisher_sequences * (n_blocks + 1))
 
 
+class SpillList:
+    """A list of per-sequence tensors kept as files in ``folder`` (``NNNNN.pt``, each written atomically), read back
+    one at a time: the hidden states beyond a memory limit (``--max-cpu-memory``)."""
+
+    def __init__(self, folder: Path, n: int):
+        self.folder, self.n = Path(folder), n
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, s: int) -> torch.Tensor:
+        return torch.load(self.folder / f"{s:05d}.pt", weights_only=True)
+
+    def __setitem__(self, s: int, x: torch.Tensor) -> None:
+        p = self.folder / f"{s:05d}.pt"
+        tmp = p.with_name(f".{p.name}.tmp")
+        torch.save(x.detach().cpu().clone(), tmp)
+        os.replace(tmp, p)
+
+    def __iter__(self):
+        return (self[s] for s in range(self.n))
+
+
 def _hidden(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out  # transformers >= 5 blocks return the hidden states
 
@@ -105,7 +131,8 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
                       progress: bool = True, store_device: str | torch.device = "cpu",
                       on_block: Callable[[int, ModelStats], None] | None = None,
                       checkpoints: Checkpoints | None = None,
-                      extra: tuple[Callable[[], dict], Callable[[dict], None]] | None = None) -> ModelStats:
+                      extra: tuple[Callable[[], dict], Callable[[dict], None]] | None = None,
+                      offload_dir: str | os.PathLike | None = None) -> ModelStats:
     """:func:`.stats.collect` on a skeleton, one decoder block in memory at a time (see the module docstring).
 
     Args:
@@ -122,6 +149,9 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
             gradients, the statistics, ``extra``'s state), the Fisher sequences' block inputs too (on disk, not in
             memory), and continue from the latest one found: the result is bit for bit an uninterrupted run's.
         extra: (get, set) of the caller's own state, saved with each checkpoint and handed back on resuming.
+        offload_dir: keep the hidden states between blocks (and without ``checkpoints`` the Fisher sequences' block
+            inputs) as files there, one sequence in memory at a time (:class:`SpillList`; the caller decides, e.g.
+            when :func:`hidden_bytes` exceeds ``--max-cpu-memory``); None: in memory on ``store_device``.
     Returns:
         ModelStats equal to ``collect(model, chunks, what, seed=seed)`` on the whole model (tensors on the
         skeleton's device; ``token_counts`` and the imatrix sums on CPU).
@@ -172,9 +202,16 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
         col.count_tokens = False
         # 2. forward sweep
         start = resume["block"] + 1 if stage == "forward" else (sk.n_blocks if resume is not None else 0)
+        spill = Path(offload_dir) if offload_dir is not None else None
         if stage == "forward":
-            hidden = [h.to(store_device) for h in resume["hidden"]]
-        fisher_in: list[list[torch.Tensor]] = [[] for _ in range(sk.n_blocks)]
+            hidden = SpillList(resume["hidden_dir"], n_seq) if "hidden_dir" in resume else \
+                [h.to(store_device) for h in resume["hidden"]]
+        elif spill is not None:  # the first block's inputs to files
+            first, hidden = hidden, SpillList(spill / "hidden-in", n_seq)
+            for s, h in enumerate(first):
+                hidden[s] = h
+            del first
+        fisher_in: list = [[] for _ in range(sk.n_blocks)]
         bar.update(start)
         for i in range(start, sk.n_blocks):
             blocks.restore()
@@ -182,17 +219,27 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
             layer = sk.layers[i]
             if checkpoints is not None and nf:
                 checkpoints.save(_fisher_in_name(i), {"x": [hidden[s] for s in range(nf)]})
+            elif spill is not None and nf:
+                fisher_in[i] = SpillList(spill / f"fisher-in-{i:05d}", nf)
+                for s in range(nf):
+                    fisher_in[i][s] = hidden[s]
             else:
                 fisher_in[i] = [hidden[s] for s in range(nf)]
+            # outputs into new storage (files: the other of two folders), so that the last checkpoint's stay whole
+            out = SpillList(spill / f"hidden-{i % 2}", n_seq) if spill is not None else [None] * n_seq
             for s in range(n_seq):
                 col.last = None
                 args, kwargs = calls[s][i]
                 with torch.no_grad():
-                    hidden[s] = _hidden(layer(hidden[s].to(dev), *args, **kwargs)).to(store_device)
+                    out[s] = _hidden(layer(hidden[s].to(dev), *args, **kwargs)).to(store_device)
+            hidden = out
             if on_block is not None:
                 on_block(i, st)
             sk.release(i)
-            save(_FORWARD, block=i, hidden=hidden)
+            if isinstance(hidden, SpillList):
+                save(_FORWARD, block=i, hidden_dir=str(hidden.folder))
+            else:
+                save(_FORWARD, block=i, hidden=hidden)
             bar.update(1)
         # 3. the head: its statistics; logits, labels and the last block's output gradient of the Fisher sequences
         grads: list[torch.Tensor] = []
@@ -236,7 +283,7 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
                 blocks.restore()
                 sk.materialize(i)
                 layer = sk.layers[i]
-                xs = fisher_in[i] if checkpoints is None else checkpoints.load(_fisher_in_name(i))["x"]
+                xs = fisher_in[i] if checkpoints is None else checkpoints.load(_fisher_in_name(i), dev)["x"]
                 for s in range(nf):
                     col.last = None
                     x = xs[s].to(dev).requires_grad_(True)

@@ -341,7 +341,8 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
             validate_presets: tuple[str, ...] = (), device: str | None = None, dtype: str = "float32",
             allow_pickle: bool = False, trust_remote_code: bool = False, progress: bool = True,
             allow_nonfinite: bool = False, correct_rounds: int = 0,
-            correct_sequences: int = CORRECT_SEQUENCES, stream: bool = False) -> AnalysisResult:
+            correct_sequences: int = CORRECT_SEQUENCES, stream: bool = False, max_cpu_memory: int | None = None,
+            max_gpu_memory: int | None = None, offload_dir: str | os.PathLike | None = None) -> AnalysisResult:
     """Analyse a model: calibration statistics, per-tensor errors of every candidate format, super weights.
 
     Args:
@@ -363,6 +364,7 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
         stream: block by block, one decoder block's weights in memory at a time (models larger than memory;
             :mod:`dynaquant.pipeline.analyze_blocks`): not with sensitivity, validation, corrections, allow_nonfinite
             or a vision-language model yet.
+        max_cpu_memory, max_gpu_memory, offload_dir: with ``stream``, see :func:`.analyze_blocks.memory_plan`.
     Returns:
         AnalysisResult.
     Raises:
@@ -375,7 +377,8 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
         calibration=calibration, candidates=candidates, fisher_sequences=fisher_sequences, super_weights=super_weights,
         sensitivity_formats=sensitivity_formats, validate_presets=validate_presets, device=device, dtype=dtype,
         allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, progress=progress, allow_nonfinite=allow_nonfinite,
-        correct_rounds=correct_rounds, correct_sequences=correct_sequences, stream=stream))
+        correct_rounds=correct_rounds, correct_sequences=correct_sequences, stream=stream,
+        max_cpu_memory=max_cpu_memory, max_gpu_memory=max_gpu_memory, offload_dir=offload_dir))
 
 
 def run_analyze(model: str | os.PathLike | None, output_dir: str | os.PathLike | None, cfg: AnalyzeConfig) -> AnalysisResult:
@@ -386,6 +389,9 @@ def run_analyze(model: str | os.PathLike | None, output_dir: str | os.PathLike |
     if cfg.correct_rounds and not cfg.validate_presets:
         raise ValueError(f"correct_rounds {cfg.correct_rounds}: the corrections correct the validate_presets plans: "
                          "give them")
+    if not cfg.stream and (cfg.max_cpu_memory or cfg.max_gpu_memory or cfg.offload_dir is not None):
+        raise ValueError("max_cpu_memory, max_gpu_memory and offload_dir belong to a stream (block by block) run: add "
+                         "stream")
     if cfg.stream and (cfg.sensitivity_formats or cfg.validate_presets or cfg.allow_nonfinite):
         raise ValueError("sensitivity rows, plan validation and allow_nonfinite need the whole model: not available "
                          "with stream (block by block) yet")
@@ -409,7 +415,9 @@ def run_analyze(model: str | os.PathLike | None, output_dir: str | os.PathLike |
         res = run_blockwise_analysis(source, ts, load_tokenizer(source), spec, device=cfg.device or default_device(),
                                      dtype=getattr(torch, cfg.dtype), candidates=cfg.candidates,
                                      fisher_sequences=cfg.fisher_sequences, super_weights=cfg.super_weights,
-                                     overhead_bytes=overhead, progress=cfg.progress, timings=timings)
+                                     overhead_bytes=overhead, progress=cfg.progress, timings=timings,
+                                     max_cpu_memory=cfg.max_cpu_memory, max_gpu_memory=cfg.max_gpu_memory,
+                                     offload_dir=cfg.offload_dir)
         return _finish_analysis(res, output_dir, ts, spec, timings, t0)
     hf_model = load_model(source, dtype=getattr(torch, cfg.dtype), device=cfg.device or default_device())
     check_model_finite(hf_model, source_names(ts), str(source.path), cfg.allow_nonfinite)  # before any forward pass

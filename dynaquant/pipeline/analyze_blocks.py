@@ -18,24 +18,30 @@ rows, plan validation and measured corrections, vision-language models.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from dynaquant.analysis import experts
-from dynaquant.analysis.blockwise import collect_blockwise
+from dynaquant.analysis.blockwise import collect_blockwise, hidden_bytes
 from dynaquant.analysis.calibration import CalibrationSpec, calibration_chunks
 from dynaquant.analysis.errors import RowErrors, RowWeights, TensorError, measure_samples, sample_tensor
 from dynaquant.analysis.stats import Collect, ModelStats, module_of, stats_from_state, stats_state
 from dynaquant.analysis.superweights import SuperWeight, confirm_blockwise, find_candidates
 from dynaquant.config import DEFAULT_CANDIDATES
+from dynaquant.errors import InputError
 from dynaquant.names import TensorName
 from dynaquant.pipeline.analyze import AnalysisResult, build_report, row_weights_of, tensor_entry, weight_of
 from dynaquant.pipeline.source import model_info
 from dynaquant.sources.experts import stacked_name
 from dynaquant.sources.gguf import TensorSource
 from dynaquant.sources.skeleton import build_skeleton
+
+log = logging.getLogger(__name__)
 
 MAX_SUPER_WEIGHTS = 8  # candidates confirmed by ablation (find_candidates' default)
 DONE = "analysis/done.pt"  # the finished analysis in a work folder: report and statistics
@@ -54,11 +60,16 @@ def _module_block(module: str) -> int | None:
 def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: CalibrationSpec, *, device: str,
                            dtype: torch.dtype = torch.float32, candidates: tuple[str, ...] = DEFAULT_CANDIDATES,
                            fisher_sequences: int = 16, super_weights: bool = True, overhead_bytes: int = 0,
-                           progress: bool = True, timings: dict | None = None, rundir=None) -> AnalysisResult:
+                           progress: bool = True, timings: dict | None = None, rundir=None,
+                           max_cpu_memory: int | None = None, max_gpu_memory: int | None = None,
+                           offload_dir: str | os.PathLike | None = None) -> AnalysisResult:
     """Analyse a model block by block (see the module docstring); the arguments are ``run_analysis``'s, the model
     being built here from ``source`` and ``ts`` on ``device`` in ``dtype``; ``rundir`` (a
     :class:`dynaquant.pipeline.rundir.RunDir`): checkpoints there, continuing from the latest (the result is an
-    uninterrupted run's, bit for bit), and the finished analysis kept there (reused as is).
+    uninterrupted run's, bit for bit), and the finished analysis kept there (reused as is). Memory
+    (:func:`memory_plan`): the hidden states go to files in ``offload_dir`` (default: ``rundir``'s ``offload``) when
+    they would exceed ``max_cpu_memory`` bytes (default: half the memory available now); a block whose weights exceed
+    ``max_gpu_memory`` (with the outer part) is refused before any work.
 
     Returns:
         AnalysisResult: the same report layout as ``run_analysis``; its ``stats`` hold no (K, K) matrices (GPTQ
@@ -78,6 +89,10 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
     held = all_chunks[-2:] if all_chunks.shape[0] > 2 else all_chunks[:1]
     chunks = all_chunks[:-2] if all_chunks.shape[0] > 2 else all_chunks
     sk = build_skeleton(source, ts, dtype=dtype, device=device)
+    offload = memory_plan(sk, chunks.shape[0], chunks.shape[1], min(fisher_sequences, chunks.shape[0]),
+                          max_cpu_memory=max_cpu_memory, max_gpu_memory=max_gpu_memory,
+                          offload_dir=offload_dir if offload_dir is not None or rundir is None else rundir.file("offload"),
+                          checkpoints=rundir is not None)
     info = model_info(ts)
     src_tensors = ts.tensors()
     entries = [tensor_entry(t, set()) for t in src_tensors]
@@ -130,7 +145,7 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
         spent[0] = state["spent"]
 
     stats = collect_blockwise(sk, chunks, Collect(fisher_sequences=fisher_sequences), progress=progress,
-                              on_block=on_block, checkpoints=rundir, extra=(get_state, set_state))
+                              on_block=on_block, checkpoints=rundir, extra=(get_state, set_state), offload_dir=offload)
     timings["calibration_s"] = time.perf_counter() - t0 - spent[0]
     t2 = time.perf_counter()
     for j, module, res in pending:  # the Fisher is known now: the predicted KL divergences
@@ -176,6 +191,48 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
     if rundir is not None:
         rundir.save(DONE, {"report": report, "stats": stats_state(stats)})
     return AnalysisResult(report, stats, stats.to_imatrix(spec.id))
+
+
+def available_memory() -> int:
+    """Bytes of physical memory available now (``/proc/meminfo`` MemAvailable; else free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_plan(sk, n_seq: int, seq_len: int, fisher_sequences: int, *, max_cpu_memory: int | None,
+                max_gpu_memory: int | None, offload_dir, checkpoints: bool):
+    """Where the block-wise pass keeps its hidden states: None (in memory) or ``offload_dir`` (files), computed from the
+    shapes: the current hidden states, plus the Fisher sequences' input of every block unless checkpoints keep those
+    on disk (:func:`dynaquant.analysis.blockwise.hidden_bytes`), against ``max_cpu_memory`` (default: half of
+    :func:`available_memory`).
+
+    Raises:
+        InputError: on a CUDA device, the outer part plus the largest block exceed ``max_gpu_memory`` (named, with
+            their sizes); or the hidden states must be offloaded and no folder was given.
+    """
+    hidden = sk.model.get_input_embeddings().weight.shape[1]
+    need = hidden_bytes(n_seq, seq_len, hidden, 0 if checkpoints else sk.n_blocks, 0 if checkpoints else fisher_sequences)
+    limit = max_cpu_memory if max_cpu_memory is not None else available_memory() // 2
+    if max_gpu_memory is not None and sk.device.type == "cuda":
+        outer = sk.part_bytes("outer")
+        block = max(range(sk.n_blocks), key=sk.part_bytes)
+        if outer + sk.part_bytes(block) > max_gpu_memory:
+            raise InputError(f"{sk.ts.source_id}: block {block} ({sk.part_bytes(block) / 2**30:.2f} GiB of weights) and "
+                             f"the embedding and head ({outer / 2**30:.2f} GiB) do not fit --max-gpu-memory "
+                             f"{max_gpu_memory / 2**30:.2f} GiB")
+    if need <= limit:
+        return None
+    if offload_dir is None:
+        raise InputError(f"the calibration's hidden states need {need / 2**30:.2f} GiB, over --max-cpu-memory "
+                         f"{limit / 2**30:.2f} GiB: give --offload-dir (or --work-dir)")
+    log.info("hidden states (%.2f GiB) kept in files under %s", need / 2**30, offload_dir)
+    return Path(offload_dir)
 
 
 def _rows_state(res):

@@ -119,7 +119,8 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
              split_max_size: int = SPLIT_MAX_SIZE, split_max_tensors: int = 0,
              source_revision: str | None = None, correct_rounds: int | None = None,
              correct_sequences: int = CORRECT_SEQUENCES, solver: str = "exact", stream: bool = False,
-             work_dir: str | os.PathLike | None = None, keep_work_dir: bool = False) -> QuantizeResult:
+             work_dir: str | os.PathLike | None = None, keep_work_dir: bool = False, max_cpu_memory: int | None = None,
+             max_gpu_memory: int | None = None, offload_dir: str | os.PathLike | None = None) -> QuantizeResult:
     """Quantize a model to a mixed-precision GGUF file (or, ``target="safetensors"``, a safetensors checkpoint).
 
     Targets (at most one): ``preset`` (a llama.cpp mix, tensor by tensor as llama-quantize decides),
@@ -184,6 +185,8 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         work_dir, keep_work_dir: with ``stream``, the resumable work folder (:mod:`dynaquant.pipeline.rundir`; None:
             ``OUTPUT.work`` beside the output; a killed run started again with the same arguments continues from it
             and writes the same bytes), kept after success with ``keep_work_dir``.
+        max_cpu_memory, max_gpu_memory, offload_dir: with ``stream``, the memory bounds
+            (:func:`dynaquant.pipeline.analyze_blocks.memory_plan`; ``offload_dir`` None: the work folder's ``offload``).
     Returns:
         QuantizeResult (``gptq`` says per format how many tensors took GPTQ and the mean error ratio,
         or ``plain_only`` for the vector-quantized formats).
@@ -206,7 +209,8 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         fit_memory=fit_memory, fit_ctx=fit_ctx, kv_type=kv_type, margin=margin, card=card,
         compare_presets=compare_presets, split_max_size=split_max_size, split_max_tensors=split_max_tensors,
         source_revision=source_revision, correct_rounds=correct_rounds, correct_sequences=correct_sequences,
-        solver=solver, stream=stream, work_dir=work_dir, keep_work_dir=keep_work_dir))
+        solver=solver, stream=stream, work_dir=work_dir, keep_work_dir=keep_work_dir, max_cpu_memory=max_cpu_memory,
+        max_gpu_memory=max_gpu_memory, offload_dir=offload_dir))
 
 
 def run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig) -> QuantizeResult:
@@ -261,7 +265,9 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
 
             res = run_blockwise_analysis(source, ts, tokenizer, cfg.spec(), device=device,
                                          candidates=target.analysis_candidates, fisher_sequences=cfg.fisher_sequences,
-                                         progress=cfg.progress, timings=timings, rundir=rundir)
+                                         progress=cfg.progress, timings=timings, rundir=rundir,
+                                         max_cpu_memory=cfg.max_cpu_memory, max_gpu_memory=cfg.max_gpu_memory,
+                                         offload_dir=cfg.offload_dir)
             start.report, im = res.report, res.imatrix
         else:
             im = _imatrix_blockwise(cfg, source, ts, tokenizer, device, timings)
@@ -329,7 +335,7 @@ def _open_rundir(cfg: QuantizeConfig, source: ModelSource, output: Path):
     from dynaquant.version import __version__
 
     skip = {"output", "progress", "work_dir", "keep_work_dir", "command", "push_to_hub", "push_private", "push_branch",
-            "card", "save_plan"}
+            "card", "save_plan", "max_cpu_memory", "max_gpu_memory", "offload_dir"}  # (no effect on the bytes)
     options = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
     files = {k: file_identity(v) for k, v in (("calibration", cfg.calibration), ("plan", cfg.plan),
                                               ("report", cfg.report), ("imatrix", cfg.imatrix))
@@ -384,9 +390,10 @@ def _check_options(cfg: QuantizeConfig) -> Target:
         raise ValueError(f"unknown preset {cfg.preset!r}; known presets: {', '.join(PRESETS)}")
     check_budget(cfg.bpw, cfg.size)
     check_correct_options(cfg.correct_rounds, cfg.correct_sequences)
-    if (cfg.work_dir is not None or cfg.keep_work_dir) and not cfg.stream:
-        raise ValueError("work_dir and keep_work_dir are the resumable folder of a stream (block by block) run: add "
-                         "stream")
+    if (cfg.work_dir is not None or cfg.keep_work_dir or cfg.max_cpu_memory or cfg.max_gpu_memory
+            or cfg.offload_dir is not None) and not cfg.stream:
+        raise ValueError("work_dir, keep_work_dir, max_cpu_memory, max_gpu_memory and offload_dir belong to a stream "
+                         "(block by block) run: add stream")
     if cfg.stream and (target.needs_model or cfg.gptq or cfg.correct_rounds or cfg.allow_nonfinite or cfg.compare_presets):
         raise ValueError("stream (block by block) writes GGUF files without GPTQ, measured corrections, "
                          "allow_nonfinite or compare_presets for now: drop those options or stream")
