@@ -293,3 +293,19 @@ def test_blockwise_resumes_from_any_checkpoint_bit_for_bit(tmp_path, offload):
                                 extra=(lambda: dict(resumed), resumed.update))
         assert _differences(ref, got) == [], k
         assert resumed["blocks"] == [0, 1], k  # each block measured once, in one run or the other
+
+
+def test_quantize_stream_vision_language_gguf(tmp_path):
+    """A Qwen2-VL folder to GGUF with --stream: the language model analysed block by block (the vision tower, which the
+    GGUF's tensor source does not hold, stays on the meta device), the same file and evaluation as the whole-model
+    run, and the mmproj beside it."""
+    import dynaquant
+    from test_vl_gguf import _tiny_vl_checkpoint
+
+    _tiny_vl_checkpoint(tmp_path / "ckpt")
+    kw = dict(bpw=6.5, calibration_chunks=4, n_ctx=32, evaluate=True, eval_chunks=2, device="cpu", progress=False)
+    whole = dynaquant.quantize(tmp_path / "ckpt", output=tmp_path / "a.gguf", **kw)
+    got = dynaquant.quantize(tmp_path / "ckpt", output=tmp_path / "b.gguf", stream=True, **kw)
+    assert (tmp_path / "b.gguf").read_bytes() == (tmp_path / "a.gguf").read_bytes()
+    assert got.eval.to_dict() == whole.eval.to_dict()
+    assert got.mmproj is not None and got.mmproj.read_bytes() == whole.mmproj.read_bytes()

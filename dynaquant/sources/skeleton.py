@@ -53,8 +53,13 @@ class ModelSkeleton:
             if t.hf_name is None:  # llama.cpp-only tensors (rope_freqs): nothing in the model
                 continue
             self._tensors.setdefault(self.part_of(t.gguf_name), []).append(t)
+        # a tower the source does not hold (a VL model's vision tower behind a language-model-only source) stays on the
+        # meta device: text-only forward passes never reach it
+        towers = {TensorName.from_gguf(t.gguf_name).tower for t in ts.tensors()}
         self._params: dict[object, list[str]] = {}
         for name, _ in model.named_parameters(remove_duplicate=False):
+            if TensorName.from_hf(name).tower not in towers:
+                continue
             b = _block_of_param(name)
             self._params.setdefault(OUTER if b is None else b, []).append(name)
         self.n_blocks = sum(1 for k in self._params if k != OUTER)
@@ -165,12 +170,15 @@ def build_skeleton(source, ts: TensorSource, *, dtype: torch.dtype = torch.float
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from dynaquant.sources.checkpoint import from_config, from_pretrained
+    from dynaquant.sources.vl_archs import vl_full_arch
 
     kw = {"gguf_file": source.path.name} if source.kind == "gguf" else {}
     config = from_pretrained(AutoConfig, source.folder, trust_remote_code=source.trust_remote_code, **kw)
+    auto = AutoModelForCausalLM
+    if source.kind == "hf" and vl_full_arch(source.path):  # as load_model: the vision tower is part of the outer part
+        from transformers import AutoModelForImageTextToText as auto
     with init_empty_weights(include_buffers=False):
-        model = from_config(AutoModelForCausalLM, config, trust_remote_code=source.trust_remote_code,
-                            folder=source.folder, dtype=dtype)
+        model = from_config(auto, config, trust_remote_code=source.trust_remote_code, folder=source.folder, dtype=dtype)
     model.tie_weights()  # as from_pretrained does (init_empty_weights builds the head untied)
     model.eval()
     for p in model.parameters():
