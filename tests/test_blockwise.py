@@ -309,3 +309,28 @@ def test_quantize_stream_vision_language_gguf(tmp_path):
     assert (tmp_path / "b.gguf").read_bytes() == (tmp_path / "a.gguf").read_bytes()
     assert got.eval.to_dict() == whole.eval.to_dict()
     assert got.mmproj is not None and got.mmproj.read_bytes() == whole.mmproj.read_bytes()
+
+
+def test_measured_corrections_blockwise_equal_whole_model(tmp_path, monkeypatch):
+    """``quantize(..., stream=True, correct_rounds=2)``: the plan measured block by block (original, whole plan and
+    each group alone as variants of one pass) gives the whole-model measurements, hence the same corrected plan and
+    file (every row measured, as above)."""
+    import dynaquant
+    import dynaquant.analysis.experts as moe_mod
+    import dynaquant.pipeline.analyze as an_mod
+    import dynaquant.pipeline.analyze_blocks as ab_mod
+    from dynaquant.analysis.errors import sample_tensor
+
+    def all_rows(w, rw, **kw):
+        return sample_tensor(w, rw, **{**kw, "rows": w.shape[0]})
+    for mod in (an_mod, ab_mod, moe_mod):
+        monkeypatch.setattr(mod, "sample_tensor", all_rows)
+    _tiny_checkpoint(tmp_path / "ckpt", "llama", hidden_size=256, intermediate_size=512)
+    kw = dict(bpw=6.0, calibration_chunks=4, n_ctx=32, correct_rounds=2, correct_sequences=2, device="cpu",
+              progress=False)
+    whole = dynaquant.quantize(tmp_path / "ckpt", output=tmp_path / "a.gguf", **kw)
+    got = dynaquant.quantize(tmp_path / "ckpt", output=tmp_path / "b.gguf", stream=True, **kw)
+    rounds = whole.plan.corrections["rounds"]
+    assert rounds and got.plan.corrections["rounds"] == rounds
+    assert all(r["kld_measured"] > 0 and r["groups_sum"] > 0 for r in rounds)
+    assert (tmp_path / "b.gguf").read_bytes() == (tmp_path / "a.gguf").read_bytes()

@@ -353,7 +353,7 @@ def _forward_to_head(model, col: Collector | None, ids: torch.Tensor, blocks: _B
 @torch.no_grad()
 def stream_logits(sk: ModelSkeleton, chunks: torch.Tensor, n_variants: int,
                   edit: Callable[[int, object, torch.nn.Module | None], Callable[[], None] | None],
-                  reduce: Callable[[int, list[torch.Tensor]], None], *, progress: bool = False,
+                  reduce: Callable[[int, int, torch.Tensor], None], *, progress: bool = False,
                   store_device: str | torch.device = "cpu") -> None:
     """Run token sequences through variants of a model, block by block, and hand the variants' logits on.
 
@@ -369,7 +369,8 @@ def stream_logits(sk: ModelSkeleton, chunks: torch.Tensor, n_variants: int,
         chunks: (n, T) int64 token ids.
         n_variants: V >= 1.
         edit: see above; per block called once per variant, in block order, variant 0 included.
-        reduce: ``reduce(s, logits)`` with the V variants' (T, vocab) float32 logits of sequence ``s``.
+        reduce: ``reduce(s, v, logits)`` with variant ``v``'s (T, vocab) float32 logits of sequence ``s``; for each
+            sequence in order, variants in order (variant 0 first: a caller comparing with it keeps that one).
         progress: show a progress bar (one step per block).
         store_device: where the hidden states between blocks are kept.
     """
@@ -416,15 +417,14 @@ def stream_logits(sk: ModelSkeleton, chunks: torch.Tensor, n_variants: int,
             sk.release(i)
         for s in range(chunks.shape[0]):
             ids = chunks[s : s + 1].to(dev)
-            out = []
             for v in range(n_variants):
                 blocks.output((hidden[v] if hidden[v] is not None else hidden[0])[s].to(dev))
                 undo = edit(v, OUTER, None)
                 try:
-                    out.append(model(input_ids=ids, use_cache=False).logits[0].to(torch.float32))
+                    logits = model(input_ids=ids, use_cache=False).logits[0].to(torch.float32)
                 finally:
                     if undo is not None:
                         undo()
-            reduce(s, out)
+                reduce(s, v, logits)
     finally:
         blocks.restore()

@@ -125,6 +125,74 @@ def measure_plan(model, ref: ReferenceLogits, formats: dict[str, str], groups: d
     return PlanMeasure(sum(m.kld_pred for m in out), whole, sum(m.kld_measured for m in out), out)
 
 
+@torch.no_grad()
+def measure_plan_blockwise(sk, chunks: torch.Tensor, formats: dict[str, str], groups: dict[str, str],
+                           kld_pred: dict[str, float], imatrix_of: Callable[[str], torch.Tensor | None], *,
+                           progress: bool = True) -> PlanMeasure:
+    """:func:`measure_plan` on a model skeleton, one block in memory at a time: the original, the whole plan and each
+    group quantized alone run as variants of one block-wise pass (:func:`dynaquant.analysis.blockwise.stream_logits`;
+    a group's states are the original's up to its block). Each planned parameter is encoded and decoded once per pass.
+    Same figures as :func:`measure_plan` on the whole model.
+
+    Args:
+        sk: the model's :class:`~dynaquant.sources.skeleton.ModelSkeleton`; chunks: (n, T) held-out token ids; the
+            rest as :func:`measure_plan`.
+    """
+    from dynaquant.analysis.blockwise import stream_logits
+    from dynaquant.names import TensorName
+    from dynaquant.sources.skeleton import OUTER
+
+    members: dict[str, list[str]] = {}
+    for name in formats:
+        members.setdefault(groups[name], []).append(name)
+    order = list(members)
+    part_of = {}
+    for name in formats:
+        tn = TensorName.from_hf(name)
+        part_of[name] = tn.block if tn.tower == "text" and tn.block is not None else OUTER
+    decoded: dict[object, dict[str, torch.Tensor]] = {}  # part -> its planned parameters decoded (this part only)
+
+    def edit(v: int, part, _module):
+        if v == 0:
+            return None
+        names = [n for n in (formats if v == 1 else members[order[v - 2]]) if part_of[n] == part]
+        if not names:
+            return None
+        params = sk.parameters_of(part)
+        if part not in decoded:
+            if part != OUTER:
+                decoded.clear()  # the previous block's are no longer needed
+            decoded[part] = {n: decoded_weight(params[n], formats[n], imatrix_of(n)) for n in formats
+                             if part_of[n] == part}
+        saved = {n: params[n].data for n in names}
+        for n in names:
+            params[n].data = decoded[part][n]
+
+        def undo():
+            for n in names:
+                params[n].data = saved[n]
+        return undo
+
+    tot = [0.0] * (len(order) + 2)
+    count = [0]
+    ref: list[torch.Tensor] = []
+
+    def reduce(s: int, v: int, logits: torch.Tensor) -> None:
+        lq = torch.log_softmax(logits, -1)
+        if v == 0:
+            ref[:] = [lq]
+            count[0] += lq.shape[0]
+            return
+        lp = ref[0]
+        tot[v] += float((lp.exp() * (lp - lq)).sum(-1).clamp_min(0).sum())
+
+    stream_logits(sk, chunks, len(order) + 2, edit, reduce, progress=progress)
+    n = max(count[0], 1)
+    out = [GroupMeasure(g, sum(float(kld_pred.get(x) or 0.0) for x in members[g]), tot[k + 2] / n)
+           for k, g in enumerate(order)]
+    return PlanMeasure(sum(m.kld_pred for m in out), tot[1] / n, sum(m.kld_measured for m in out), out)
+
+
 def factor_lookup(factors: dict[str, float]) -> Callable[[str], float]:
     """group -> correction factor: the group's fitted factor; a group never measured takes the geometric mean of the
     factors of its kind (:func:`group_kind`: the other blocks' ``attn`` or ``ffn``), else 1."""

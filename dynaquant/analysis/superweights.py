@@ -145,11 +145,10 @@ def confirm_blockwise(sk, candidates: list[SuperWeight], chunks: torch.Tensor, c
             w[s.row, s.column] = keep
         return undo
 
-    def reduce(s: int, logits: list[torch.Tensor]):
-        for v, lg in enumerate(logits):
-            ids = chunks[s].to(lg.device)
-            nll[v] += float(torch.nn.functional.cross_entropy(lg[:-1], ids[1:], reduction="sum"))
-            n[v] += ids.shape[0] - 1
+    def reduce(s: int, v: int, lg: torch.Tensor):
+        ids = chunks[s].to(lg.device)
+        nll[v] += float(torch.nn.functional.cross_entropy(lg[:-1], ids[1:], reduction="sum"))
+        n[v] += ids.shape[0] - 1
 
     stream_logits(sk, chunks, len(candidates) + 1, edit, reduce, progress=progress)
     base = math.exp(nll[0] / n[0])

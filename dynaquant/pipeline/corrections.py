@@ -29,7 +29,7 @@ from dataclasses import replace
 import torch
 
 from dynaquant.analysis.calibration import CalibrationSpec, calibration_chunks
-from dynaquant.analysis.corrections import PlanMeasure, correction_group, measure_plan
+from dynaquant.analysis.corrections import PlanMeasure, correction_group, measure_plan, measure_plan_blockwise
 from dynaquant.analysis.sensitivity import ReferenceLogits
 from dynaquant.config import QuantizeConfig
 from dynaquant.pipeline.plan import PlanStart, error_fn_from_report, plan_from_report
@@ -181,13 +181,15 @@ def correct_plan(report: dict, replan: Callable[[dict], Plan], measure: Measure,
     return plan, section
 
 
-def model_measure(model, ref: ReferenceLogits, tensors: list[TensorInfo], report: dict,
-                  imatrix_of: Callable[[str], torch.Tensor | None], progress: bool = True) -> Measure:
+def model_measure(model, ref: ReferenceLogits | torch.Tensor, tensors: list[TensorInfo], report: dict,
+                  imatrix_of: Callable[[str], torch.Tensor | None], progress: bool = True, sk=None) -> Measure:
     """The measure of :func:`correct_plan` on a loaded model: the plan's quantizable tensors that are parameters of
     ``model`` (a tied output head is the embedding's), grouped by ``correction_group``, predicted uncorrected.
 
     Args:
         tensors: the plan's tensors (their shapes and layers); imatrix_of: HF parameter name -> (K,) or None.
+        sk: a model skeleton (``stream``) instead: ``model`` is its model and ``ref`` the held-out token ids, measured
+            block by block (:func:`dynaquant.analysis.corrections.measure_plan_blockwise`).
     """
     base = error_fn_from_report(report, use_corrections=False)
     info = {t.name: t for t in tensors}
@@ -201,6 +203,8 @@ def model_measure(model, ref: ReferenceLogits, tensors: list[TensorInfo], report
                 fmts[e.hf_name], groups[e.hf_name] = e.format, correction_group(e.name)
                 v = base(t, e.format)
                 pred[e.hf_name] = v if math.isfinite(v) else 0.0
+        if sk is not None:
+            return measure_plan_blockwise(sk, ref, fmts, groups, pred, imatrix_of, progress=progress)
         return measure_plan(model, ref, fmts, groups, pred, imatrix_of, progress=progress, desc=desc)
 
     return measure
@@ -209,16 +213,19 @@ def model_measure(model, ref: ReferenceLogits, tensors: list[TensorInfo], report
 def correct_in_model(model, tokenizer, spec: CalibrationSpec, report: dict, tensors: list[TensorInfo],
                      replan: Callable[[dict], Plan], imatrix_of: Callable[[str], torch.Tensor | None], *, rounds: int,
                      sequences: int, label: str | None = None, progress: bool = True,
-                     first: Plan | None = None) -> tuple[Plan, dict]:
-    """:func:`correct_plan` on a loaded model, on ``sequences`` held-out calibration chunks (:func:`held_out_chunks`).
+                     first: Plan | None = None, sk=None) -> tuple[Plan, dict]:
+    """:func:`correct_plan` on a loaded model, on ``sequences`` held-out calibration chunks (:func:`held_out_chunks`);
+    with ``sk`` (a model skeleton; ``model`` None) block by block, the same figures.
 
     Cost: one forward pass over the held-out chunks for the reference, then per measured plan one per group
     (``2 * n_layers`` + embedding / output) and one for the whole plan, and one encode + decode per quantized
     parameter; at most ``rounds + 1`` plans are measured.
     """
     held = held_out_chunks(tokenizer, spec, sequences)
-    ref = ReferenceLogits(model, held)
-    measure = model_measure(model, ref, tensors, report, imatrix_of, progress)
+    if sk is not None:
+        measure = model_measure(sk.model, held, tensors, report, imatrix_of, progress, sk=sk)
+    else:
+        measure = model_measure(model, ReferenceLogits(model, held), tensors, report, imatrix_of, progress)
     info = {t.name: t for t in tensors}
 
     def repredict(rep: dict, plan: Plan) -> None:
@@ -234,8 +241,9 @@ def correct_in_model(model, tokenizer, spec: CalibrationSpec, report: dict, tens
 
 def correct_in_run(cfg: QuantizeConfig, target: Target, start: PlanStart, tensors: list[TensorInfo], info: ModelInfo,
                    model_id: str, model, tokenizer, importance: dict[str, torch.Tensor], rounds: int,
-                   first: Plan) -> tuple[Plan, dict]:
-    """A quantize run's dynamic plan corrected (:func:`correct_in_model`), re-planned as ``plan_from_report`` plans it.
+                   first: Plan, sk=None) -> tuple[Plan, dict]:
+    """A quantize run's dynamic plan corrected (:func:`correct_in_model`), re-planned as ``plan_from_report`` plans it;
+    with ``sk`` (``stream``: a model skeleton, ``model`` None) measured block by block.
 
     Args:
         importance: GGUF name -> (K,) importance the run's encoders use. rounds: ``auto_rounds``' answer (>= 1).
@@ -251,5 +259,5 @@ def correct_in_run(cfg: QuantizeConfig, target: Target, start: PlanStart, tensor
     plan, section = correct_in_model(model, tokenizer, cfg.spec(), start.report, tensors, replan,
                                      lambda n: importance.get(hf_to_gguf.get(n, "")), rounds=rounds,
                                      sequences=cfg.correct_sequences, label="this plan", progress=cfg.progress,
-                                     first=first)
+                                     first=first, sk=sk)
     return plan, {**start.report, "corrections": section}

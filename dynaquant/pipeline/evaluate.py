@@ -144,8 +144,15 @@ def evaluate_written_blockwise(path: Path, source: ModelSource, ts: TensorSource
     ids = tokenize_chunks(tokenizer, body, cfg.n_ctx, cfg.eval_chunks)
     sk = build_skeleton(source, ts, device=device)
     scores = Scores(ids.shape[1], text_id)
-    stream_logits(sk, ids, 2, DecodedVariant(path, ts, sk), lambda s, lg: scores.add(ids[s], lg[0], lg[1]),
-                  progress=cfg.progress)
+    ref: list[torch.Tensor] = []
+
+    def reduce(s: int, v: int, logits: torch.Tensor) -> None:
+        if v == 0:
+            ref[:] = [logits]
+        else:
+            scores.add(ids[s], ref[0], logits)
+
+    stream_logits(sk, ids, 2, DecodedVariant(path, ts, sk), reduce, progress=cfg.progress)
     return scores.result()
 
 

@@ -247,19 +247,17 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
     rundir = _open_rundir(cfg, source, final) if cfg.stream else None
     output = pub.stage(final, target, inputs, source)
     rounds = auto_rounds(cfg.correct_rounds, device) if start.dynamic else 0  # measured corrections of the plan
-    if cfg.stream:
-        rounds = 0 if cfg.correct_rounds is None else rounds  # not block-wise yet: off unless asked (refused above)
     model_needed = target.needs_model or needs_imatrix or needs_analysis or cfg.gptq or rounds > 0
     hf_model = load_model(source, device=device) if model_needed and not cfg.stream else None
     tokenizer = None
     if hf_model is not None:  # NaN/Inf: refused (or replaced) before any forward pass
         check_model_finite(hf_model, source_names(ts), str(source.path), cfg.allow_nonfinite)
         tokenizer = load_tokenizer(source)
+    elif cfg.stream and model_needed:
+        tokenizer = load_tokenizer(source)
     timings["load_s"] = time.perf_counter() - t0
     im, stats = None, None
     if cfg.stream and (needs_analysis or needs_imatrix):
-        tokenizer = load_tokenizer(source)
-        timings["load_s"] = time.perf_counter() - t0
         if needs_analysis:
             from dynaquant.pipeline.analyze_blocks import run_blockwise_analysis
 
@@ -292,8 +290,13 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
     imat = _importance(cfg, target, im, imat_path, ts, info)
     if rounds > 0:
         t1 = time.perf_counter()
+        sk = None
+        if cfg.stream:  # measured block by block
+            from dynaquant.sources.skeleton import build_skeleton
+
+            sk = build_skeleton(source, ts, device=device)
         plan, start.report = correct_in_run(cfg, target, start, tensors, info, source.model_id, hf_model, tokenizer, imat,
-                                            rounds, plan)
+                                            rounds, plan, sk=sk)
         plan.fit, timings["corrections_s"] = fit, time.perf_counter() - t1
         if cfg.save_plan is not None:
             write_json(plan.to_dict(), cfg.save_plan)
@@ -394,9 +397,9 @@ def _check_options(cfg: QuantizeConfig) -> Target:
             or cfg.offload_dir is not None) and not cfg.stream:
         raise ValueError("work_dir, keep_work_dir, max_cpu_memory, max_gpu_memory and offload_dir belong to a stream "
                          "(block by block) run: add stream")
-    if cfg.stream and (target.needs_model or cfg.gptq or cfg.correct_rounds or cfg.allow_nonfinite or cfg.compare_presets):
-        raise ValueError("stream (block by block) writes GGUF files without GPTQ, measured corrections, "
-                         "allow_nonfinite or compare_presets for now: drop those options or stream")
+    if cfg.stream and (target.needs_model or cfg.gptq or cfg.allow_nonfinite or cfg.compare_presets):
+        raise ValueError("stream (block by block) writes GGUF files without GPTQ, allow_nonfinite or compare_presets "
+                         "for now: drop those options or stream")
     if cfg.solver not in SOLVERS:
         raise ValueError(f"unknown solver {cfg.solver!r} (known: {', '.join(SOLVERS)})")
     if cfg.fit_memory is not None:
