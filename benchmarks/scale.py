@@ -1,0 +1,263 @@
+"""Scale benchmark: ``dynaquant quantize --stream`` on random checkpoints of real shapes, wall time per stage, peak
+host RSS and peak GPU memory, and the full models' times extrapolated per block.
+
+Checkpoints (made on ``--device``; every value random, none zero: projections ``N(0, 0.02^2)``, norms
+``1 + 0.2 N(0, 1)``; SmolLM2's 49152-token tokenizer; safetensors shards of at most 5 GB):
+
+* ``llama-1b`` / ``llama-8b`` (hidden 4096, FFN 14336, 32 / 8 heads, 32 blocks) / ``llama-70b`` (hidden 8192,
+  FFN 28672, 64 / 8 heads, 80 blocks), BF16;
+* ``deepseek-v3``: transformers' DeepseekV3Config (hidden 7168, MLA, 3 dense blocks of FFN 18432, then MoE blocks of
+  256 routed experts of 2048 and one shared expert, top-8, 61 blocks), stored as the release is: every projection in
+  FP8 (e4m3) with 128 x 128 block scales (``weight_scale_inv``), ``quantization_config.quant_method = fp8``;
+* ``tiny-llama`` / ``tiny-deepseek``: the same code on shapes a CPU runs in seconds (smoke test).
+
+``--blocks N[,M]`` cuts the model to N (and M) blocks. With two cuts the full model's time is extrapolated per block
+and stage: ``t(full) = t(N) + (t(M) - t(N)) / (M - N) * (L - N)``; reading the full checkpoint is reported apart at
+an assumed ``--read-gbps`` (3 GB/s: the benchmark reads from the page cache, a real 70B or DeepSeek-V3 run reads from
+disk). Each run: ``python -m dynaquant quantize DIR --stream --bpw B --device D --no-eval --json`` in a child process
+(peak RSS of the child; peak GPU memory: ``torch.cuda.max_memory_allocated`` at its end).
+
+Output: ``--out`` (JSON rows, rewritten after each run): a header (machine, versions, config), one row per run
+(shape, blocks, parameters, checkpoint bytes, wall time, the run's stage times, peak RSS and GPU bytes, file bytes),
+one ``extrapolated`` row per shape with two cuts. Peak RSS: the child's own ``ru_maxrss``.
+
+    python benchmarks/scale.py --shape tiny-llama --blocks 2,4 --device cpu --work /tmp/scale     # smoke test
+    python benchmarks/scale.py --shape llama-70b --blocks 2,4 --device cuda --work /root/dq/scale   # H100
+    python benchmarks/scale.py --shape deepseek-v3 --blocks 4,5 --device cuda --work /root/dq/scale
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from pipeline_speed import load_tokenizer  # noqa: E402
+from quality import machine_info, versions  # noqa: E402
+
+log = logging.getLogger("scale")
+
+LLAMA = dict(num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
+             max_position_embeddings=8192, tie_word_embeddings=False)
+SHAPES = {
+    "llama-1b": ("llama", dict(LLAMA, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16)),
+    "llama-8b": ("llama", dict(LLAMA, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32)),
+    "llama-70b": ("llama", dict(LLAMA, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                                num_hidden_layers=80)),
+    "deepseek-v3": ("deepseek", dict(num_hidden_layers=61)),  # DeepseekV3Config's defaults are V3's
+    "tiny-llama": ("llama", dict(LLAMA, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                 num_key_value_heads=2, num_hidden_layers=6)),
+    "tiny-deepseek": ("deepseek", dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                                       n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
+                                       first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+                                       kv_lora_rank=64, q_lora_rank=96, qk_rope_head_dim=32, qk_nope_head_dim=32,
+                                       v_head_dim=32, n_group=1, topk_group=1, num_hidden_layers=6)),
+}
+FP8_BLOCK = 128
+
+
+def make_config(shape: str, blocks: int, tokenizer):
+    """The transformers config of ``shape`` cut to ``blocks`` blocks, with the tokenizer's vocabulary."""
+    from transformers import DeepseekV3Config, LlamaConfig
+
+    kind, kw = SHAPES[shape]
+    common = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    if kind == "llama":
+        cfg = LlamaConfig(**{**kw, **common, "num_hidden_layers": blocks})
+        cfg.architectures = ["LlamaForCausalLM"]
+    else:
+        cfg = DeepseekV3Config(**{**kw, **common, "num_hidden_layers": blocks, "tie_word_embeddings": False})
+        cfg.architectures = ["DeepseekV3ForCausalLM"]
+    return cfg
+
+
+def make_checkpoint(folder: Path, shape: str, blocks: int, tokenizer, device: str, seed: int = 0) -> dict:
+    """A random checkpoint (see the module docstring) in ``folder``; {parameters, size_bytes, full_*, time_s}."""
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    cfg = make_config(shape, blocks, tokenizer)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32)
+            p.copy_(1 + 0.2 * r if "norm" in name else 0.02 * r)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, max_shard_size="5GB")
+    n = sum(p.numel() for p in model.parameters())
+    del model
+    if SHAPES[shape][0] == "deepseek":
+        to_fp8(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    return {"parameters": n, "size_bytes": size, "time_s": round(time.perf_counter() - t0, 2)}
+
+
+def _fp8_weight(name: str, x: torch.Tensor) -> bool:
+    return (x.ndim == 2 and name.endswith(".weight") and "norm" not in name and "embed_tokens" not in name
+            and not name.startswith("lm_head") and not name.endswith("mlp.gate.weight"))
+
+
+def to_fp8(folder: Path) -> None:
+    """Rewrite a BF16 checkpoint's projections as DeepSeek's release stores them: float8_e4m3fn with a float32
+    ``weight_scale_inv`` per 128 x 128 block (``w = fp8 * scale_inv``), shard by shard; config.json gets the
+    release's ``quantization_config``."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    fmax = torch.finfo(torch.float8_e4m3fn).max
+    for shard in sorted(folder.glob("*.safetensors")):
+        out = {}
+        with safe_open(shard, "pt") as f:
+            for name in f.keys():
+                x = f.get_tensor(name)
+                if not _fp8_weight(name, x):
+                    out[name] = x
+                    continue
+                n, k = x.shape
+                pad = torch.zeros(math.ceil(n / FP8_BLOCK) * FP8_BLOCK, math.ceil(k / FP8_BLOCK) * FP8_BLOCK)
+                pad[:n, :k] = x.float()
+                b = pad.view(pad.shape[0] // FP8_BLOCK, FP8_BLOCK, pad.shape[1] // FP8_BLOCK, FP8_BLOCK)
+                scale = (b.abs().amax(dim=(1, 3)) / fmax).clamp_min(1e-12)
+                q = (b / scale[:, None, :, None]).view_as(pad)[:n, :k].to(torch.float8_e4m3fn)
+                out[name], out[name + "_scale_inv"] = q, scale
+        save_file(out, shard, metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        idx = json.loads(index.read_text())
+        for name, file in list(idx["weight_map"].items()):
+            with safe_open(folder / file, "pt") as f:
+                if name + "_scale_inv" in f.keys():
+                    idx["weight_map"][name + "_scale_inv"] = file
+        index.write_text(json.dumps(idx, indent=2))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    cfg.pop("dtype", None)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+CHILD = """
+import json, resource, sys, torch
+from dynaquant.cli import main
+rc = main(sys.argv[1:])
+peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"scale_child": True, "rc": rc, "gpu_peak_bytes": int(peak), "peak_rss_bytes": rss}))
+sys.exit(rc)
+"""
+
+
+def run_quantize(ckpt: Path, out: Path, work: Path, args) -> dict:
+    """One ``quantize --stream`` in a child; the row's measurements."""
+    cmd = [sys.executable, "-c", CHILD, "quantize", str(ckpt), "--stream", "--bpw", str(args.bpw), "--device",
+           args.device, "--no-eval", "--json", "-o", str(out), "--work-dir", str(work),
+           "--calibration-chunks", str(args.calibration_chunks), "--ctx", str(args.ctx)]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    row: dict = {"time_s": round(time.perf_counter() - t0, 2)}
+    if p.returncode != 0:
+        row["error"] = (p.stderr + p.stdout)[-2000:]
+        return row
+    lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
+    child = json.loads(lines[-1])
+    res = json.loads("\n".join(lines[:-1]))
+    row.update(gpu_peak_bytes=child["gpu_peak_bytes"], peak_rss_bytes=child["peak_rss_bytes"],
+               timings_s=res.get("timings_s"), file_bytes=res.get("size_bytes"), bpw=res.get("bpw"))
+    return row
+
+
+def extrapolate(rows: list[dict], full_blocks: int, full_bytes: float, read_gbps: float) -> dict:
+    """The full model's times per stage from two cuts (linear in the blocks), and reading at ``read_gbps``."""
+    a, b = sorted(rows, key=lambda r: r["blocks"])[:2]
+    out = {"row": "extrapolated", "shape": a["shape"], "blocks": full_blocks, "from_blocks": [a["blocks"], b["blocks"]]}
+    stages = {}
+    for k in sorted(set(a.get("timings_s") or {}) & set(b.get("timings_s") or {})):
+        per = (b["timings_s"][k] - a["timings_s"][k]) / (b["blocks"] - a["blocks"])
+        stages[k] = round(a["timings_s"][k] + per * (full_blocks - a["blocks"]), 1)
+    per_wall = (b["time_s"] - a["time_s"]) / (b["blocks"] - a["blocks"])
+    out.update(stages_s=stages, time_s=round(a["time_s"] + per_wall * (full_blocks - a["blocks"]), 1),
+               read_s=round(full_bytes / (read_gbps * 1e9), 1), read_assumption_gbps=read_gbps,
+               per_block_s=round(per_wall, 2))
+    out["total_with_read_s"] = round(out["time_s"] + out["read_s"], 1)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", action="append", choices=list(SHAPES), required=True)
+    p.add_argument("--blocks", default="2,4", help="blocks of the cut checkpoints (one or two numbers)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--bpw", type=float, default=4.5)
+    p.add_argument("--calibration-chunks", type=int, default=32)
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--tokenizer", help="tokenizer folder or GGUF (default: the default model's)")
+    p.add_argument("--read-gbps", type=float, default=3.0, help="assumed disk read speed for the full model (GB/s)")
+    p.add_argument("--work", type=Path, default=HERE / "out" / "scale")
+    p.add_argument("--out", type=Path)
+    p.add_argument("--keep", action="store_true", help="keep checkpoints and outputs")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args.work.mkdir(parents=True, exist_ok=True)
+    out = args.out or args.work / "scale.json"
+    tokenizer = load_tokenizer(args.tokenizer)
+    rows: list[dict] = [{"row": "header", "benchmark": "scale", "machine": machine_info(),
+                         "versions": versions(None), "config": {k: str(v) for k, v in vars(args).items()}}]
+
+    def write():
+        out.write_text(json.dumps(rows, indent=1))
+
+    cuts = [int(x) for x in args.blocks.split(",")]
+    for shape in args.shape:
+        done = []
+        full_blocks = SHAPES[shape][1].get("num_hidden_layers") or make_config(shape, 61, tokenizer).num_hidden_layers
+        for n in cuts:
+            ckpt = args.work / f"{shape}-{n}"
+            log.info("=== %s cut to %d blocks: checkpoint", shape, n)
+            made = make_checkpoint(ckpt, shape, n, tokenizer, args.device)
+            log.info("=== %s cut to %d blocks: quantize --stream", shape, n)
+            row = {"row": "result", "shape": shape, "blocks": n, "checkpoint": made,
+                   **run_quantize(ckpt, args.work / f"{shape}-{n}.gguf", args.work / f"{shape}-{n}.work", args)}
+            rows.append(row)
+            done.append(row)
+            write()
+            if not args.keep:
+                shutil.rmtree(ckpt, ignore_errors=True)
+                (args.work / f"{shape}-{n}.gguf").unlink(missing_ok=True)
+        if len(done) == 2 and all("error" not in r for r in done):
+            a, b = sorted(done, key=lambda r: r["blocks"])
+            per_block_bytes = (b["checkpoint"]["size_bytes"] - a["checkpoint"]["size_bytes"]) / (b["blocks"] - a["blocks"])
+            full_bytes = a["checkpoint"]["size_bytes"] + per_block_bytes * (full_blocks - a["blocks"])
+            rows.append(extrapolate(done, full_blocks, full_bytes, args.read_gbps))
+            write()
+    for r in rows[1:]:
+        print(json.dumps({k: r.get(k) for k in ("row", "shape", "blocks", "time_s", "peak_rss_bytes", "gpu_peak_bytes",
+                                                "stages_s", "read_s", "total_with_read_s", "error")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

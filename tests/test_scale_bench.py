@@ -1,0 +1,55 @@
+"""benchmarks/scale.py's pieces on tiny shapes: the FP8 release format it writes reads back through the HF source,
+and the per-block extrapolation is linear in the blocks. (The benchmark itself runs on the device.)"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import scale  # noqa: E402
+from test_gguf_export import _tiny_tokenizer  # noqa: E402
+
+
+def test_fp8_checkpoint_reads_back_as_its_bf16_values(tmp_path):
+    """A tiny DeepSeek-V3 cut to 2 blocks, made as the benchmark makes it (BF16, then FP8 e4m3 with 128 x 128 block
+    scales as the release stores it): the HF source dequantizes each projection to within FP8's rounding of the BF16
+    value, and leaves embeddings, norms and routers as they were."""
+    from safetensors import safe_open
+
+    from dynaquant.sources.open import open_hf_source
+
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    _tiny_tokenizer(tok_dir)
+    tok = scale.load_tokenizer(str(tok_dir))
+    made = scale.make_checkpoint(tmp_path / "ds", "tiny-deepseek", 2, tok, "cpu")
+    assert made["parameters"] > 0 and made["size_bytes"] > 0
+    folder = tmp_path / "ds"
+    with safe_open(next(folder.glob("*.safetensors")), "pt") as f:
+        keys = set(f.keys())
+        q = "model.layers.0.self_attn.q_a_proj.weight"
+        assert f.get_tensor(q).dtype == torch.float8_e4m3fn and q + "_scale_inv" in keys
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+        assert not any(k.endswith("mlp.gate.weight_scale_inv") for k in keys)
+    src = open_hf_source(folder)
+    t = next(t for t in src.tensors() if t.gguf_name == "blk.0.attn_q_a.weight")
+    x = src.read(t)
+    assert x.dtype == torch.float32 and x.abs().max() > 0
+    assert float((x.abs() / x.abs().max()).max()) <= 1.0 and x.std() == pytest.approx(0.02, rel=0.2)
+    assert len({t.gguf_name for t in src.tensors() if "_exps" in t.gguf_name}) == 3  # block 1 is MoE
+
+
+def test_extrapolation_is_linear_in_the_blocks():
+    rows = [{"shape": "s", "blocks": 2, "time_s": 30.0, "timings_s": {"calibration_s": 10.0, "quantize_s": 4.0}},
+            {"shape": "s", "blocks": 4, "time_s": 50.0, "timings_s": {"calibration_s": 16.0, "quantize_s": 8.0}}]
+    got = scale.extrapolate(rows, 80, 160e9, 3.0)
+    assert got["per_block_s"] == 10.0 and got["time_s"] == 30.0 + 10.0 * 78
+    assert got["stages_s"] == {"calibration_s": 10.0 + 3.0 * 78, "quantize_s": 4.0 + 2.0 * 78}
+    assert got["read_s"] == pytest.approx(160 / 3, abs=0.1)
+    assert got["total_with_read_s"] == pytest.approx(got["time_s"] + got["read_s"], abs=0.1)
