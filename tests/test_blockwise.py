@@ -221,7 +221,7 @@ def test_stream_refuses_what_needs_the_whole_model(tmp_path):
 
     _checkpoint(tmp_path / "ckpt", "llama")
     with pytest.raises(ValueError, match="stream"):
-        dynaquant.quantize(tmp_path / "ckpt", output=tmp_path / "a.gguf", bpw=4.5, gptq=True, stream=True,
+        dynaquant.quantize(tmp_path / "ckpt", output=tmp_path / "a.gguf", bpw=4.5, allow_nonfinite=True, stream=True,
                            progress=False)
     with pytest.raises(ValueError, match="stream"):
         dynaquant.analyze(tmp_path / "ckpt", validate_presets=("Q4_K_M",), stream=True, progress=False)
@@ -333,4 +333,31 @@ def test_measured_corrections_blockwise_equal_whole_model(tmp_path, monkeypatch)
     rounds = whole.plan.corrections["rounds"]
     assert rounds and got.plan.corrections["rounds"] == rounds
     assert all(r["kld_measured"] > 0 and r["groups_sum"] > 0 for r in rounds)
+    assert (tmp_path / "b.gguf").read_bytes() == (tmp_path / "a.gguf").read_bytes()
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2moe"])
+def test_gptq_blockwise_equals_whole_model(case, tmp_path, monkeypatch):
+    """``quantize(..., stream=True, gptq=True)``: GPTQ block by block (H of each block from one more block-wise pass, the
+    held-out check's H from two sequences carried along) rounds every tensor as the whole-model run does: same file,
+    same per-format summary."""
+    import dynaquant
+    import dynaquant.analysis.experts as moe_mod
+    import dynaquant.pipeline.analyze as an_mod
+    import dynaquant.pipeline.analyze_blocks as ab_mod
+    from dynaquant.analysis.errors import sample_tensor
+
+    def all_rows(w, rw, **kw):
+        return sample_tensor(w, rw, **{**kw, "rows": w.shape[0]})
+    for mod in (an_mod, ab_mod, moe_mod):
+        monkeypatch.setattr(mod, "sample_tensor", all_rows)
+    if case == "llama":
+        _tiny_checkpoint(tmp_path / "ckpt", "llama", hidden_size=256, intermediate_size=512)
+    else:
+        _checkpoint(tmp_path / "ckpt", case)
+    kw = dict(bpw=6.0, calibration_chunks=4, n_ctx=32, gptq=True, device="cpu", progress=False)
+    whole = dynaquant.quantize(tmp_path / "ckpt", output=tmp_path / "a.gguf", **kw)
+    got = dynaquant.quantize(tmp_path / "ckpt", output=tmp_path / "b.gguf", stream=True, **kw)
+    assert whole.gptq and got.gptq == whole.gptq
+    assert sum(v["gptq"] for v in got.gptq.values()) > 0  # some tensors took GPTQ
     assert (tmp_path / "b.gguf").read_bytes() == (tmp_path / "a.gguf").read_bytes()

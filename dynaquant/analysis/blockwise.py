@@ -132,7 +132,8 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
                       on_block: Callable[[int, ModelStats], None] | None = None,
                       checkpoints: Checkpoints | None = None,
                       extra: tuple[Callable[[], dict], Callable[[dict], None]] | None = None,
-                      offload_dir: str | os.PathLike | None = None) -> ModelStats:
+                      offload_dir: str | os.PathLike | None = None,
+                      riders: tuple[torch.Tensor, ModelStats] | None = None) -> ModelStats:
     """:func:`.stats.collect` on a skeleton, one decoder block in memory at a time (see the module docstring).
 
     Args:
@@ -152,6 +153,9 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
         offload_dir: keep the hidden states between blocks (and without ``checkpoints`` the Fisher sequences' block
             inputs) as files there, one sequence in memory at a time (:class:`SpillList`; the caller decides, e.g.
             when :func:`hidden_bytes` exceeds ``--max-cpu-memory``); None: in memory on ``store_device``.
+        riders: (ids (m, seq_len), stats): more sequences carried through the forward sweep whose H and activation
+            statistics go to ``stats`` instead (GPTQ's held-out check), complete for block ``i`` when ``on_block(i,
+            ...)`` runs; they take the first sequence's block arguments (same length). Not with ``checkpoints``.
     Returns:
         ModelStats equal to ``collect(model, chunks, what, seed=seed)`` on the whole model (tensors on the
         skeleton's device; ``token_counts`` and the imatrix sums on CPU).
@@ -160,6 +164,8 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
     """
     if not isinstance(chunks, torch.Tensor) or chunks.dim() != 2:
         raise ValueError("block-wise calibration takes (n, seq_len) token ids")
+    if riders is not None and (checkpoints is not None or riders[0].shape[1] != chunks.shape[1]):
+        raise ValueError("riders: sequences of the calibration's length, without checkpoints")
     what = Collect() if what is None else what
     model, dev = sk.model, sk.device
     n_seq, nf = chunks.shape[0], min(what.fisher_sequences, chunks.shape[0])
@@ -179,6 +185,10 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
     gen = torch.Generator(device=dev).manual_seed(seed)
     sk.materialize(OUTER)
     col = Collector(model, st, what, device=dev)
+    rider_col = None
+    if riders is not None:
+        rider_col = Collector(model, riders[1], Collect(hessian=True, experts=False), device=dev)
+        rider_col.accumulate = rider_col.count_tokens = False
     blocks = _Blocks(sk.layers)
     bar = tqdm(total=2 * sk.n_blocks + 2, desc="calibration", disable=not progress, unit="step")
 
@@ -198,6 +208,10 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
                 _forward_to_head(model, col, chunks[s : s + 1].to(dev), blocks, first=hidden)
             hidden[-1] = hidden[-1].to(store_device)
             calls.append(list(blocks.calls))
+        rider_h: list[torch.Tensor] = []
+        for r in range(riders[0].shape[0] if riders is not None else 0):
+            with torch.no_grad():
+                _forward_to_head(model, None, riders[0][r : r + 1].to(dev), blocks, first=rider_h)
         bar.update(1)
         col.count_tokens = False
         # 2. forward sweep
@@ -233,6 +247,14 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
                 with torch.no_grad():
                     out[s] = _hidden(layer(hidden[s].to(dev), *args, **kwargs)).to(store_device)
             hidden = out
+            if rider_col is not None:  # the riders through the block, into their own statistics
+                col.accumulate, rider_col.accumulate = False, True
+                args, kwargs = calls[0][i]
+                for r, x in enumerate(rider_h):
+                    rider_col.last = None
+                    with torch.no_grad():
+                        rider_h[r] = _hidden(layer(x.to(dev), *args, **kwargs)).to(store_device)
+                col.accumulate, rider_col.accumulate = True, False
             if on_block is not None:
                 on_block(i, st)
             sk.release(i)
@@ -272,6 +294,14 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
                 if st.imatrix is not None:
                     st.imatrix.chunks += 1
             save(_HEAD, grads=grads)
+        if rider_col is not None:  # the riders' head input (its H for GPTQ's check)
+            col.accumulate, rider_col.accumulate = False, True
+            for r, h in enumerate(rider_h):
+                rider_col.last = None
+                blocks.output(h.to(dev))
+                with torch.no_grad():
+                    rider_col.forward_without_logits(model, {"input_ids": riders[0][r : r + 1].to(dev)})
+            col.accumulate, rider_col.accumulate = True, False
         del hidden
         bar.update(1)
         # 4. backward sweep over the Fisher sequences, then the embedding
@@ -309,6 +339,8 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
         bar.close()
         blocks.restore()
         col.remove()
+        if rider_col is not None:
+            rider_col.remove()
     if st.imatrix is not None:
         st.imatrix.sums = {k: v.cpu() for k, v in st.imatrix.sums.items()}
     return st

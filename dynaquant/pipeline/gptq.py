@@ -21,7 +21,11 @@ class GPTQRounding:
     """GPTQ rounding per tensor, kept where it lowers the layer-output error on held-out calibration inputs."""
 
     def __init__(self, model, tokenizer, spec: CalibrationSpec, stats, damp: float, device, progress: bool,
-                 timings: dict):
+                 timings: dict, *, fit=None, check=None):
+        if model is None:  # statistics given (the block-wise sweep sets them block by block)
+            self.fit, self.check, self.damp, self.device = fit, check, damp, device
+            self.ratios, self.used, self.plain_only = {}, {}, {}
+            return
         t0 = time.perf_counter()
         chunks = calibration_ids(tokenizer, replace(spec, n_sequences=spec.n_sequences + 2))
         if chunks.shape[0] < 3:
@@ -68,3 +72,75 @@ class GPTQRounding:
         for f, n in self.plain_only.items():
             out[f] = {"tensors": n, "gptq": 0, "mean_ratio": None, "plain_only": True}
         return out
+
+
+class StoredRounding:
+    """The GPTQ rounding of a ``stream`` run, done block by block beforehand (:func:`gptq_blockwise`): ``encode``
+    hands back the bytes kept in the work folder (None: plain rounding), ``summary`` the sweep's."""
+
+    def __init__(self, rundir, summary: dict):
+        self.rundir, self._summary = rundir, summary
+
+    def encode(self, t, w: torch.Tensor, fmt: Format, imp) -> torch.Tensor | None:
+        a = self.rundir.load_array(f"gptq/{t.gguf_name}.npy")
+        return None if a is None else torch.from_numpy(a)
+
+    def summary(self) -> dict:
+        return self._summary
+
+
+def gptq_blockwise(source, ts, tokenizer, spec: CalibrationSpec, plan, importance: dict, damp: float, device,
+                   rundir, progress: bool, timings: dict) -> StoredRounding:
+    """GPTQ rounding block by block (``stream``): one more block-wise pass over the calibration sequences (H of each
+    block's inputs) carrying the two held-out sequences (their H: the check), each block's planned tensors rounded as
+    :class:`GPTQRounding` rounds them while the block's statistics are at hand, the output head's at the end; the
+    bytes go to the work folder (``gptq/NAME.npy``), where the tensor loop finds them. Same bytes as the whole-model
+    rounding. A finished sweep (``gptq/summary.pt``) is not run again."""
+    from dynaquant.analysis.blockwise import collect_blockwise
+    from dynaquant.analysis.stats import Collect, ModelStats
+    from dynaquant.names import TensorName
+    from dynaquant.quant.formats import get_format
+    from dynaquant.sources.skeleton import build_skeleton
+
+    done = rundir.load("gptq/summary.pt")
+    if done is not None:
+        return StoredRounding(rundir, done["summary"])
+    t0 = time.perf_counter()
+    chunks = calibration_ids(tokenizer, replace(spec, n_sequences=spec.n_sequences + 2))
+    if chunks.shape[0] < 3:
+        raise ValueError(f"GPTQ needs at least 3 calibration sequences of {spec.seq_len} tokens; the text gives "
+                         f"{chunks.shape[0]}")
+    sk = build_skeleton(source, ts, device=device)
+    check = ModelStats()
+    rounding = GPTQRounding(None, None, spec, None, damp, device, progress, timings, check=check)
+    by_name = {t.gguf_name: t for t in ts.tensors()}
+    planned = {e.name: get_format(e.format) for e in plan.entries}
+
+    def block_of(name: str):
+        tn = TensorName.from_gguf(name)
+        return tn.block if tn.tower == "text" else None
+
+    def round_tensors(names: list[str]) -> None:
+        for name in names:
+            t, fmt = by_name[name], planned[name]
+            if fmt.kind == "float":
+                continue
+            q = rounding.encode(t, ts.read(t).to(device), fmt, importance.get(name))
+            if q is not None:
+                rundir.save_array(f"gptq/{name}.npy", q.cpu().numpy())
+
+    def on_block(i: int, st) -> None:
+        rounding.fit = st
+        round_tensors([n for n in planned if block_of(n) == i])
+        modules = [m for m in st.input_of if TensorName.from_hf(m).block == i]
+        st.drop_hessians(modules)
+        check.drop_hessians([m for m in check.input_of if TensorName.from_hf(m).block == i])
+
+    st = collect_blockwise(sk, chunks[:-2], Collect(fisher_sequences=0), progress=progress,
+                           on_block=on_block, riders=(chunks[-2:], check))
+    rounding.fit = st
+    round_tensors([n for n in planned if block_of(n) is None])
+    summary = rounding.summary()
+    rundir.save("gptq/summary.pt", {"summary": summary})
+    timings["gptq_s"] = time.perf_counter() - t0
+    return StoredRounding(rundir, summary)

@@ -285,7 +285,7 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
         if rundir is not None:
             write_json(plan.to_dict(), rundir.file("plan.json"))
     rounding = None
-    if cfg.gptq:
+    if cfg.gptq and not cfg.stream:
         rounding = GPTQRounding(hf_model, tokenizer, cfg.spec(), stats, cfg.gptq_damp, device, cfg.progress, timings)
     imat = _importance(cfg, target, im, imat_path, ts, info)
     if rounds > 0:
@@ -301,6 +301,11 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
         if cfg.save_plan is not None:
             write_json(plan.to_dict(), cfg.save_plan)
     check_imatrix_needs(plan, set(imat))
+    if cfg.gptq and cfg.stream:  # block by block, on the final plan; the bytes wait in the work folder
+        from dynaquant.pipeline.gptq import gptq_blockwise
+
+        rounding = gptq_blockwise(source, ts, tokenizer, cfg.spec(), plan, imat, cfg.gptq_damp, device, rundir,
+                                  cfg.progress, timings)
     run = RunState(cfg, source, ts, plan, start.loaded is not None, im, imat, rounding, torch.device(device), start.report,
                    hf_model if target.needs_model else None, tokenizer, imat_path if im is None and cfg.use_imatrix else None,
                    rundir)
@@ -397,9 +402,9 @@ def _check_options(cfg: QuantizeConfig) -> Target:
             or cfg.offload_dir is not None) and not cfg.stream:
         raise ValueError("work_dir, keep_work_dir, max_cpu_memory, max_gpu_memory and offload_dir belong to a stream "
                          "(block by block) run: add stream")
-    if cfg.stream and (target.needs_model or cfg.gptq or cfg.allow_nonfinite or cfg.compare_presets):
-        raise ValueError("stream (block by block) writes GGUF files without GPTQ, allow_nonfinite or compare_presets "
-                         "for now: drop those options or stream")
+    if cfg.stream and (target.needs_model or cfg.allow_nonfinite or cfg.compare_presets):
+        raise ValueError("stream (block by block) writes GGUF files without allow_nonfinite or compare_presets for "
+                         "now: drop those options or stream")
     if cfg.solver not in SOLVERS:
         raise ValueError(f"unknown solver {cfg.solver!r} (known: {', '.join(SOLVERS)})")
     if cfg.fit_memory is not None:
