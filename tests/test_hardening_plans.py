@@ -151,6 +151,30 @@ def test_nonfinite_weights_exit_2_on_the_dynamic_path_before_calibration(ckpts, 
     assert not (tmp_path / "o.gguf").exists() and not (tmp_path / "an" / "report.json").exists()
 
 
+def test_nonfinite_weights_stream_refused_or_replaced_as_without(ckpts, tmp_path, capsys):
+    """--stream: the weights are read block by block, each checked as it is read: refused (exit 2, the tensor and its
+    file named, no output), or with --allow-nonfinite replaced as the whole-model run replaces them."""
+    _, bad = ckpts
+    args = ["--no-eval", "--calibration-chunks", "2", "--ctx", "64", "--device", "cpu"]
+    rc, err = _main(capsys, "quantize", bad, *args, "--stream", "-o", tmp_path / "s.gguf")
+    assert rc == 2, err
+    _assert_names_the_bad_tensor(err, bad)
+    assert not (tmp_path / "s.gguf").exists()
+    rc, err = _main(capsys, "analyze", bad, "-o", tmp_path / "an", "--sequences", "2", "--ctx", "64", "--device", "cpu",
+                    "--stream")
+    assert rc == 2, err
+    _assert_names_the_bad_tensor(err, bad)
+    assert _main(capsys, "quantize", bad, *args, "--allow-nonfinite", "-o", tmp_path / "w.gguf")[0] == 0
+    # (s.gguf.work, the refused run's folder, holds a run of other options: refused; another output)
+    rc, err = _main(capsys, "quantize", bad, *args, "--allow-nonfinite", "--stream", "-o", tmp_path / "s.gguf")
+    assert rc == 2 and "work folder of another run" in err and "allow_nonfinite" in err, err
+    assert _main(capsys, "quantize", bad, *args, "--allow-nonfinite", "--stream", "-o", tmp_path / "t.gguf")[0] == 0
+    got, want = _dequantized(tmp_path / "t.gguf"), _dequantized(tmp_path / "w.gguf")
+    assert all(np.isfinite(v).all() for v in got.values()) and got.keys() == want.keys()
+    # (the plans may differ: the block-wise analysis samples rows by output energy); the replaced values agree
+    assert abs(got[BAD_GGUF][NAN_AT]) < 0.1 and abs(want[BAD_GGUF][NAN_AT]) < 0.1
+
+
 def test_allow_nonfinite_on_the_dynamic_path(ckpts, tmp_path, capsys):
     _, bad = ckpts
     out = tmp_path / "o.gguf"

@@ -362,8 +362,8 @@ def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLik
             re-plans each, 0: off; on this many held-out calibration sequences): the report's ``corrections`` section,
             which later ``dynaquant plan`` runs on the report use.
         stream: block by block, one decoder block's weights in memory at a time (models larger than memory;
-            :mod:`dynaquant.pipeline.analyze_blocks`): not with sensitivity, validation, corrections, allow_nonfinite
-            or a vision-language model yet.
+            :mod:`dynaquant.pipeline.analyze_blocks`): not with sensitivity, validation, corrections or a
+            vision-language model with images yet.
         max_cpu_memory, max_gpu_memory, offload_dir: with ``stream``, see :func:`.analyze_blocks.memory_plan`.
     Returns:
         AnalysisResult.
@@ -392,9 +392,9 @@ def run_analyze(model: str | os.PathLike | None, output_dir: str | os.PathLike |
     if not cfg.stream and (cfg.max_cpu_memory or cfg.max_gpu_memory or cfg.offload_dir is not None):
         raise ValueError("max_cpu_memory, max_gpu_memory and offload_dir belong to a stream (block by block) run: add "
                          "stream")
-    if cfg.stream and (cfg.sensitivity_formats or cfg.validate_presets or cfg.allow_nonfinite):
-        raise ValueError("sensitivity rows, plan validation and allow_nonfinite need the whole model: not available "
-                         "with stream (block by block) yet")
+    if cfg.stream and (cfg.sensitivity_formats or cfg.validate_presets):
+        raise ValueError("sensitivity rows and plan validation need the whole model: not available with stream (block "
+                         "by block) yet")
     spec = cfg.calibration or CalibrationSpec()
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -417,7 +417,7 @@ def run_analyze(model: str | os.PathLike | None, output_dir: str | os.PathLike |
                                      fisher_sequences=cfg.fisher_sequences, super_weights=cfg.super_weights,
                                      overhead_bytes=overhead, progress=cfg.progress, timings=timings,
                                      max_cpu_memory=cfg.max_cpu_memory, max_gpu_memory=cfg.max_gpu_memory,
-                                     offload_dir=cfg.offload_dir)
+                                     offload_dir=cfg.offload_dir, allow_nonfinite=cfg.allow_nonfinite)
         return _finish_analysis(res, output_dir, ts, spec, timings, t0)
     hf_model = load_model(source, dtype=getattr(torch, cfg.dtype), device=cfg.device or default_device())
     check_model_finite(hf_model, source_names(ts), str(source.path), cfg.allow_nonfinite)  # before any forward pass

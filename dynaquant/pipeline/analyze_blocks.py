@@ -62,14 +62,15 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
                            fisher_sequences: int = 16, super_weights: bool = True, overhead_bytes: int = 0,
                            progress: bool = True, timings: dict | None = None, rundir=None,
                            max_cpu_memory: int | None = None, max_gpu_memory: int | None = None,
-                           offload_dir: str | os.PathLike | None = None) -> AnalysisResult:
+                           offload_dir: str | os.PathLike | None = None, allow_nonfinite: bool = False) -> AnalysisResult:
     """Analyse a model block by block (see the module docstring); the arguments are ``run_analysis``'s, the model
     being built here from ``source`` and ``ts`` on ``device`` in ``dtype``; ``rundir`` (a
     :class:`dynaquant.pipeline.rundir.RunDir`): checkpoints there, continuing from the latest (the result is an
     uninterrupted run's, bit for bit), and the finished analysis kept there (reused as is). Memory
     (:func:`memory_plan`): the hidden states go to files in ``offload_dir`` (default: ``rundir``'s ``offload``) when
     they would exceed ``max_cpu_memory`` bytes (default: half the memory available now); a block whose weights exceed
-    ``max_gpu_memory`` (with the outer part) is refused before any work.
+    ``max_gpu_memory`` (with the outer part) is refused before any work. NaN / Inf weights: refused when read
+    (``InputError`` naming the tensor), or replaced with ``allow_nonfinite``.
 
     Returns:
         AnalysisResult: the same report layout as ``run_analysis``; its ``stats`` hold no (K, K) matrices (GPTQ
@@ -88,7 +89,7 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
     all_chunks = calibration_chunks(tokenizer, replace(spec, n_sequences=spec.n_sequences + 2))
     held = all_chunks[-2:] if all_chunks.shape[0] > 2 else all_chunks[:1]
     chunks = all_chunks[:-2] if all_chunks.shape[0] > 2 else all_chunks
-    sk = build_skeleton(source, ts, dtype=dtype, device=device)
+    sk = build_skeleton(source, ts, dtype=dtype, device=device, allow_nonfinite=allow_nonfinite)
     offload = memory_plan(sk, chunks.shape[0], chunks.shape[1], min(fisher_sequences, chunks.shape[0]),
                           max_cpu_memory=max_cpu_memory, max_gpu_memory=max_gpu_memory,
                           offload_dir=offload_dir if offload_dir is not None or rundir is None else rundir.file("offload"),

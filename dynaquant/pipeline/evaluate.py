@@ -142,7 +142,7 @@ def evaluate_written_blockwise(path: Path, source: ModelSource, ts: TensorSource
 
     body, text_id = read_text(cfg.eval_text, default_eval_text)
     ids = tokenize_chunks(tokenizer, body, cfg.n_ctx, cfg.eval_chunks)
-    sk = build_skeleton(source, ts, device=device)
+    sk = build_skeleton(source, ts, device=device, allow_nonfinite=cfg.allow_nonfinite)
     scores = Scores(ids.shape[1], text_id)
     ref: list[torch.Tensor] = []
 

@@ -90,7 +90,7 @@ class StoredRounding:
 
 
 def gptq_blockwise(source, ts, tokenizer, spec: CalibrationSpec, plan, importance: dict, damp: float, device,
-                   rundir, progress: bool, timings: dict) -> StoredRounding:
+                   rundir, progress: bool, timings: dict, allow_nonfinite: bool = False) -> StoredRounding:
     """GPTQ rounding block by block (``stream``): one more block-wise pass over the calibration sequences (H of each
     block's inputs) carrying the two held-out sequences (their H: the check), each block's planned tensors rounded as
     :class:`GPTQRounding` rounds them while the block's statistics are at hand, the output head's at the end; the
@@ -100,6 +100,7 @@ def gptq_blockwise(source, ts, tokenizer, spec: CalibrationSpec, plan, importanc
     from dynaquant.analysis.stats import Collect, ModelStats
     from dynaquant.names import TensorName
     from dynaquant.quant.formats import get_format
+    from dynaquant.sources.nonfinite import check_finite, tensor_label
     from dynaquant.sources.skeleton import build_skeleton
 
     done = rundir.load("gptq/summary.pt")
@@ -110,7 +111,7 @@ def gptq_blockwise(source, ts, tokenizer, spec: CalibrationSpec, plan, importanc
     if chunks.shape[0] < 3:
         raise ValueError(f"GPTQ needs at least 3 calibration sequences of {spec.seq_len} tokens; the text gives "
                          f"{chunks.shape[0]}")
-    sk = build_skeleton(source, ts, device=device)
+    sk = build_skeleton(source, ts, device=device, allow_nonfinite=allow_nonfinite)
     check = ModelStats()
     rounding = GPTQRounding(None, None, spec, None, damp, device, progress, timings, check=check)
     by_name = {t.gguf_name: t for t in ts.tensors()}
@@ -125,7 +126,8 @@ def gptq_blockwise(source, ts, tokenizer, spec: CalibrationSpec, plan, importanc
             t, fmt = by_name[name], planned[name]
             if fmt.kind == "float":
                 continue
-            q = rounding.encode(t, ts.read(t).to(device), fmt, importance.get(name))
+            w = check_finite(ts.read(t), tensor_label(t.hf_name, t.gguf_name), ts.file_of(t), allow_nonfinite)
+            q = rounding.encode(t, w.to(device), fmt, importance.get(name))
             if q is not None:
                 rundir.save_array(f"gptq/{name}.npy", q.cpu().numpy())
 

@@ -181,7 +181,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
             bound, recorded in ``plan.solver``) or ``greedy`` (``quant.planner``).
         stream: analysis, imatrix and evaluation block by block, one decoder block's weights in memory at a time
             (models larger than memory; :mod:`dynaquant.pipeline.analyze_blocks`); GGUF only, without GPTQ, measured
-            corrections, allow_nonfinite or compare_presets yet (``ValueError``).
+            compare_presets yet (``ValueError``).
         work_dir, keep_work_dir: with ``stream``, the resumable work folder (:mod:`dynaquant.pipeline.rundir`; None:
             ``OUTPUT.work`` beside the output; a killed run started again with the same arguments continues from it
             and writes the same bytes), kept after success with ``keep_work_dir``.
@@ -265,7 +265,7 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
                                          candidates=target.analysis_candidates, fisher_sequences=cfg.fisher_sequences,
                                          progress=cfg.progress, timings=timings, rundir=rundir,
                                          max_cpu_memory=cfg.max_cpu_memory, max_gpu_memory=cfg.max_gpu_memory,
-                                         offload_dir=cfg.offload_dir)
+                                         offload_dir=cfg.offload_dir, allow_nonfinite=cfg.allow_nonfinite)
             start.report, im = res.report, res.imatrix
         else:
             im = _imatrix_blockwise(cfg, source, ts, tokenizer, device, timings)
@@ -294,7 +294,7 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
         if cfg.stream:  # measured block by block
             from dynaquant.sources.skeleton import build_skeleton
 
-            sk = build_skeleton(source, ts, device=device)
+            sk = build_skeleton(source, ts, device=device, allow_nonfinite=cfg.allow_nonfinite)
         plan, start.report = correct_in_run(cfg, target, start, tensors, info, source.model_id, hf_model, tokenizer, imat,
                                             rounds, plan, sk=sk)
         plan.fit, timings["corrections_s"] = fit, time.perf_counter() - t1
@@ -305,7 +305,7 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
         from dynaquant.pipeline.gptq import gptq_blockwise
 
         rounding = gptq_blockwise(source, ts, tokenizer, cfg.spec(), plan, imat, cfg.gptq_damp, device, rundir,
-                                  cfg.progress, timings)
+                                  cfg.progress, timings, allow_nonfinite=cfg.allow_nonfinite)
     run = RunState(cfg, source, ts, plan, start.loaded is not None, im, imat, rounding, torch.device(device), start.report,
                    hf_model if target.needs_model else None, tokenizer, imat_path if im is None and cfg.use_imatrix else None,
                    rundir)
@@ -402,9 +402,9 @@ def _check_options(cfg: QuantizeConfig) -> Target:
             or cfg.offload_dir is not None) and not cfg.stream:
         raise ValueError("work_dir, keep_work_dir, max_cpu_memory, max_gpu_memory and offload_dir belong to a stream "
                          "(block by block) run: add stream")
-    if cfg.stream and (target.needs_model or cfg.allow_nonfinite or cfg.compare_presets):
-        raise ValueError("stream (block by block) writes GGUF files without allow_nonfinite or compare_presets for "
-                         "now: drop those options or stream")
+    if cfg.stream and (target.needs_model or cfg.compare_presets):
+        raise ValueError("stream (block by block) writes GGUF files, without compare_presets for now: drop it or "
+                         "stream")
     if cfg.solver not in SOLVERS:
         raise ValueError(f"unknown solver {cfg.solver!r} (known: {', '.join(SOLVERS)})")
     if cfg.fit_memory is not None:
@@ -458,7 +458,7 @@ def _imatrix_blockwise(cfg: QuantizeConfig, source: ModelSource, ts: TensorSourc
 
     t1 = time.perf_counter()
     spec = cfg.spec()
-    sk = build_skeleton(source, ts, device=device)
+    sk = build_skeleton(source, ts, device=device, allow_nonfinite=cfg.allow_nonfinite)
     im = collect_blockwise(sk, calibration_ids(tokenizer, spec), Collect(imatrix=True, hessian=False, experts=False),
                            progress=cfg.progress).imatrix
     im.dataset = spec.id

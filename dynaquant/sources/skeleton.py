@@ -20,6 +20,7 @@ import torch
 
 from dynaquant.names import TensorName
 from dynaquant.sources.gguf import SourceTensor, TensorSource
+from dynaquant.sources.nonfinite import check_finite, tensor_label
 from dynaquant.sources.params import ParamWriter
 
 log = logging.getLogger(__name__)
@@ -41,13 +42,16 @@ class ModelSkeleton:
         ts: the tensor source holding its weights.
         dtype: dtype of materialized parameters (float32 for the analysis).
         device: where materialized parts live.
+        allow_nonfinite: NaN / Inf weights replaced as :mod:`dynaquant.sources.nonfinite` says, instead of refused
+            (``InputError`` naming the tensor and its file) when their part is materialized.
     Raises:
         ValueError: the model has no decoder blocks the source's tensors map to.
     """
 
     def __init__(self, model, ts: TensorSource, *, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", allow_nonfinite: bool = False):
         self.model, self.ts, self.dtype, self.device = model, ts, dtype, torch.device(device)
+        self.allow_nonfinite = allow_nonfinite
         self._tensors: dict[object, list[SourceTensor]] = {}
         for t in ts.tensors():
             if t.hf_name is None:  # llama.cpp-only tensors (rope_freqs): nothing in the model
@@ -101,7 +105,9 @@ class ModelSkeleton:
             writer = ParamWriter(self.model, self.ts.arch, getattr(self.ts, "n_head", None),
                                  getattr(self.ts, "n_head_kv", None))
             for t in self._tensors.get(part, []):
-                writer.put(t, self.ts.read(t), origin=self.ts.file_of(t))
+                where = self.ts.file_of(t)
+                x = check_finite(self.ts.read(t), tensor_label(t.hf_name, t.gguf_name), where, self.allow_nonfinite)
+                writer.put(t, x, origin=where)
             writer.flush()
             params = dict(self.model.named_parameters(remove_duplicate=False))
             for name in names:
@@ -155,13 +161,13 @@ class ModelSkeleton:
 
 
 def build_skeleton(source, ts: TensorSource, *, dtype: torch.dtype = torch.float32,
-                   device: str | torch.device = "cpu") -> ModelSkeleton:
+                   device: str | torch.device = "cpu", allow_nonfinite: bool = False) -> ModelSkeleton:
     """The source's transformers model with every parameter on the meta device (no weight read).
 
     Args:
         source: a ``checkpoint.ModelSource`` (HF folder or GGUF file; its config gives the architecture).
         ts: its tensor source.
-        dtype, device: of the parts materialized later.
+        dtype, device, allow_nonfinite: of the parts materialized later (:class:`ModelSkeleton`).
     Raises:
         RemoteCodeError: the checkpoint needs its own code and ``source.trust_remote_code`` is off.
         ValueError: see :class:`ModelSkeleton`.
@@ -183,4 +189,4 @@ def build_skeleton(source, ts: TensorSource, *, dtype: torch.dtype = torch.float
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    return ModelSkeleton(model, ts, dtype=dtype, device=device)
+    return ModelSkeleton(model, ts, dtype=dtype, device=device, allow_nonfinite=allow_nonfinite)
