@@ -56,19 +56,24 @@ def test_batched_errors_equal_per_tensor(cases, monkeypatch):
         assert errs["IQ2_XXS" if "IQ2_XXS" in errs else "Q4_0"].kld_pred > errs["F16"].kld_pred > 0
 
 
-def test_expert_errors_batched_equal_per_expert():
+def _experts_layer():
+    """(ExpertStats, experts module, row-weight totals) of layer 1 of the tiny Qwen2-MoE after a short calibration."""
     from test_moe_analysis import _model
 
-    from dynaquant.analysis import experts as moe
     from dynaquant.analysis.stats import collect_stats
-    from dynaquant.sources.experts import PROJS, expert_weight
 
     model = _model("qwen2moe")
     chunks = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(2))
     stats = collect_stats(model, chunks, fisher_sequences=1, progress=False)
     name = "model.layers.1.mlp.experts"
-    st, mod = stats.experts[name], model.get_submodule(name)
-    kw = dict(total_tokens=stats.tokens, fisher_total=stats.fisher_tokens)
+    return stats.experts[name], model.get_submodule(name), dict(total_tokens=stats.tokens, fisher_total=stats.fisher_tokens)
+
+
+def test_expert_errors_batched_equal_per_expert():
+    from dynaquant.analysis import experts as moe
+    from dynaquant.sources.experts import PROJS, expert_weight
+
+    st, mod, kw = _experts_layer()
     for proj in PROJS:
         got, fallback = moe.measure_expert_errors(mod, proj, st, ["Q4_0", "Q8_0"], **kw)
         w = expert_weight(mod, proj).detach()
@@ -107,18 +112,10 @@ def test_deferred_fisher_equals_direct_measurement(cases):
 def test_deferred_expert_errors_equal_direct():
     """A stack of experts measured in the forward sweep (no Fisher yet) and weighted by each expert's Fisher at the
     end equals the measurement with the Fisher known, on the same rows."""
-    from test_moe_analysis import _model
-
     from dynaquant.analysis import experts as moe
-    from dynaquant.analysis.stats import collect_stats
     from dynaquant.sources.experts import PROJS, expert_weight
 
-    model = _model("qwen2moe")
-    chunks = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(2))
-    stats = collect_stats(model, chunks, fisher_sequences=1, progress=False)
-    name = "model.layers.1.mlp.experts"
-    st, mod = stats.experts[name], model.get_submodule(name)
-    kw = dict(total_tokens=stats.tokens, fisher_total=stats.fisher_tokens)
+    st, mod, kw = _experts_layer()
     for proj in PROJS:
         samples, fallback = moe.expert_samples(mod, proj, st, defer_fisher=True, **kw)
         got = moe.expert_errors_with_fisher(st, proj, measure_samples(samples, ["Q4_0", "Q8_0"], per_row=True), **kw)
