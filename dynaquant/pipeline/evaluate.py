@@ -140,6 +140,8 @@ def evaluate_written_blockwise(path: Path, source: ModelSource, ts: TensorSource
     from dynaquant.analysis.evaluate import Scores
     from dynaquant.sources.skeleton import build_skeleton
 
+    if tokenizer is None:
+        tokenizer = load_tokenizer(source)
     body, text_id = read_text(cfg.eval_text, default_eval_text)
     ids = tokenize_chunks(tokenizer, body, cfg.n_ctx, cfg.eval_chunks)
     sk = build_skeleton(source, ts, device=device, allow_nonfinite=cfg.allow_nonfinite)
