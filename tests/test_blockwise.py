@@ -33,6 +33,30 @@ def ckpt(request, tmp_path_factory):
     return request.param, *_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
 
 
+@pytest.fixture
+def every_row(monkeypatch):
+    """Every row of every tensor measured (the whole-model analysis samples rows by predicted KLD, the block-wise one
+    by output energy: with all rows both measure the same)."""
+    import dynaquant.analysis.experts as moe_mod
+    import dynaquant.pipeline.analyze as an_mod
+    import dynaquant.pipeline.analyze_blocks as ab_mod
+    from dynaquant.analysis.errors import sample_tensor
+
+    def all_rows(w, rw, **kw):
+        return sample_tensor(w, rw, **{**kw, "rows": w.shape[0]})
+    for mod in (an_mod, ab_mod, moe_mod):
+        monkeypatch.setattr(mod, "sample_tensor", all_rows)
+
+
+@pytest.fixture
+def cheap_formats(monkeypatch):
+    """Dense models' quantize runs choose among cheap formats (the i-quants' CPU encoders are slow; the equalities
+    hold for any formats)."""
+    from dynaquant.pipeline.targets import GGUFTarget
+
+    monkeypatch.setattr(GGUFTarget, "analysis_candidates", ("Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0"))
+
+
 def _equal(a, b, name: str) -> list[str]:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return [] if a is not None and b is not None and torch.equal(a, b) else [name]
@@ -151,21 +175,12 @@ def test_superweight_ablation_blockwise_equals_whole_model(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["llama", "qwen2moe", "deepseek-v3"])
-def test_blockwise_analysis_report_equals_whole_model(case, tmp_path, monkeypatch):
+def test_blockwise_analysis_report_equals_whole_model(case, tmp_path, every_row):
     """``analyze(..., stream=True)`` writes the whole-model analysis's report: same entries, formats, activation
     statistics, routing and imatrix. Every row measured (so that the two row samplings, by predicted KLD and by
     output energy, pick the same rows), the errors agree to rounding (float32 / float64 Fisher weighting)."""
     import dynaquant
-    import dynaquant.analysis.experts as moe_mod
-    import dynaquant.pipeline.analyze as an_mod
-    import dynaquant.pipeline.analyze_blocks as ab_mod
     from dynaquant.analysis.calibration import CalibrationSpec
-    from dynaquant.analysis.errors import sample_tensor
-
-    def all_rows(w, rw, **kw):
-        return sample_tensor(w, rw, **{**kw, "rows": w.shape[0]})
-    for mod in (an_mod, ab_mod, moe_mod):
-        monkeypatch.setattr(mod, "sample_tensor", all_rows)
     _checkpoint(tmp_path / "ckpt", case)
     kw = dict(calibration=CalibrationSpec((), 4, 32), candidates=("Q4_0", "Q8_0", "Q4_K"), fisher_sequences=2,
               progress=False)
@@ -193,20 +208,11 @@ def test_blockwise_analysis_report_equals_whole_model(case, tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("case", ["llama", "qwen2moe"])
-def test_quantize_stream_equals_whole_model(case, tmp_path, monkeypatch):
+def test_quantize_stream_equals_whole_model(case, tmp_path, every_row):
     """``quantize(..., stream=True)``: the block-wise analysis, plan, file and evaluation of the whole-model run (every
     row measured, as above): the same plan and bytes, the same KLD / perplexity / top-1, bit for bit; the block-wise
     evaluation of a file equals the whole-model evaluation of it."""
     import dynaquant
-    import dynaquant.analysis.experts as moe_mod
-    import dynaquant.pipeline.analyze as an_mod
-    import dynaquant.pipeline.analyze_blocks as ab_mod
-    from dynaquant.analysis.errors import sample_tensor
-
-    def all_rows(w, rw, **kw):
-        return sample_tensor(w, rw, **{**kw, "rows": w.shape[0]})
-    for mod in (an_mod, ab_mod, moe_mod):
-        monkeypatch.setattr(mod, "sample_tensor", all_rows)
     _checkpoint(tmp_path / "ckpt", case)
     kw = dict(bpw=6.5, calibration_chunks=4, n_ctx=32, evaluate=True, eval_chunks=3, device="cpu", progress=False)
     whole = dynaquant.quantize(tmp_path / "ckpt", output=tmp_path / "a.gguf", **kw)
@@ -221,7 +227,7 @@ def test_stream_refuses_what_needs_the_whole_model(tmp_path):
 
     _checkpoint(tmp_path / "ckpt", "llama")
     with pytest.raises(ValueError, match="stream"):
-        dynaquant.quantize(tmp_path / "ckpt", output=tmp_path / "a.gguf", bpw=4.5, allow_nonfinite=True, stream=True,
+        dynaquant.quantize(tmp_path / "ckpt", output=tmp_path / "a", bpw=6.5, target="safetensors", stream=True,
                            progress=False)
     with pytest.raises(ValueError, match="stream"):
         dynaquant.analyze(tmp_path / "ckpt", validate_presets=("Q4_K_M",), stream=True, progress=False)
@@ -279,18 +285,19 @@ def test_blockwise_resumes_from_any_checkpoint_bit_for_bit(tmp_path, offload):
             "fisher-in-00000", "fisher-in-00001", "hidden-0", "hidden-1", "hidden-in"]
     n_saves = whole.saves  # forward: 2 blocks (+ 2 Fisher inputs), head, backward: 2 blocks
     assert n_saves == 7
+
+    def run(cp, seen: dict):  # the caller's state: the blocks it was handed
+        return collect_blockwise(build_skeleton(source, ts), chunks, what, progress=False, checkpoints=cp, **off,
+                                 on_block=lambda i, st: seen["blocks"].append(i), extra=(lambda: dict(seen), seen.update))
+
     for k in range(1, n_saves):
         cp = _MemoryCheckpoints()
         cp.kill_after = k
-        seen = {"blocks": []}
         with pytest.raises(_Killed):
-            collect_blockwise(build_skeleton(source, ts), chunks, what, progress=False, checkpoints=cp, **off,
-                              on_block=lambda i, st: seen["blocks"].append(i), extra=(lambda: dict(seen), seen.update))
+            run(cp, {"blocks": []})
         cp.kill_after = None
         resumed = {"blocks": []}
-        got = collect_blockwise(build_skeleton(source, ts), chunks, what, progress=False, checkpoints=cp, **off,
-                                on_block=lambda i, st: resumed["blocks"].append(i),
-                                extra=(lambda: dict(resumed), resumed.update))
+        got = run(cp, resumed)
         assert _differences(ref, got) == [], k
         assert resumed["blocks"] == [0, 1], k  # each block measured once, in one run or the other
 
@@ -299,8 +306,9 @@ def test_quantize_stream_vision_language_gguf(tmp_path):
     """A Qwen2-VL folder to GGUF with --stream: the language model analysed block by block (the vision tower, which the
     GGUF's tensor source does not hold, stays on the meta device), the same file and evaluation as the whole-model
     run, and the mmproj beside it."""
-    import dynaquant
     from test_vl_gguf import _tiny_vl_checkpoint
+
+    import dynaquant
 
     _tiny_vl_checkpoint(tmp_path / "ckpt")
     kw = dict(bpw=6.5, calibration_chunks=4, n_ctx=32, evaluate=True, eval_chunks=2, device="cpu", progress=False)
@@ -311,22 +319,13 @@ def test_quantize_stream_vision_language_gguf(tmp_path):
     assert got.mmproj is not None and got.mmproj.read_bytes() == whole.mmproj.read_bytes()
 
 
-def test_measured_corrections_blockwise_equal_whole_model(tmp_path, monkeypatch):
+def test_measured_corrections_blockwise_equal_whole_model(tmp_path, every_row, cheap_formats):
     """``quantize(..., stream=True, correct_rounds=2)``: the plan measured block by block (original, whole plan and
     each group alone as variants of one pass) gives the whole-model measurements, hence the same corrected plan and
     file (every row measured, as above)."""
     import dynaquant
-    import dynaquant.analysis.experts as moe_mod
-    import dynaquant.pipeline.analyze as an_mod
-    import dynaquant.pipeline.analyze_blocks as ab_mod
-    from dynaquant.analysis.errors import sample_tensor
-
-    def all_rows(w, rw, **kw):
-        return sample_tensor(w, rw, **{**kw, "rows": w.shape[0]})
-    for mod in (an_mod, ab_mod, moe_mod):
-        monkeypatch.setattr(mod, "sample_tensor", all_rows)
     _tiny_checkpoint(tmp_path / "ckpt", "llama", hidden_size=256, intermediate_size=512)
-    kw = dict(bpw=6.0, calibration_chunks=4, n_ctx=32, correct_rounds=2, correct_sequences=2, device="cpu",
+    kw = dict(bpw=7.0, calibration_chunks=4, n_ctx=32, correct_rounds=2, correct_sequences=2, device="cpu",
               progress=False)
     whole = dynaquant.quantize(tmp_path / "ckpt", output=tmp_path / "a.gguf", **kw)
     got = dynaquant.quantize(tmp_path / "ckpt", output=tmp_path / "b.gguf", stream=True, **kw)
@@ -337,20 +336,11 @@ def test_measured_corrections_blockwise_equal_whole_model(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("case", ["llama", "qwen2moe"])
-def test_gptq_blockwise_equals_whole_model(case, tmp_path, monkeypatch):
+def test_gptq_blockwise_equals_whole_model(case, tmp_path, every_row):
     """``quantize(..., stream=True, gptq=True)``: GPTQ block by block (H of each block from one more block-wise pass, the
     held-out check's H from two sequences carried along) rounds every tensor as the whole-model run does: same file,
     same per-format summary."""
     import dynaquant
-    import dynaquant.analysis.experts as moe_mod
-    import dynaquant.pipeline.analyze as an_mod
-    import dynaquant.pipeline.analyze_blocks as ab_mod
-    from dynaquant.analysis.errors import sample_tensor
-
-    def all_rows(w, rw, **kw):
-        return sample_tensor(w, rw, **{**kw, "rows": w.shape[0]})
-    for mod in (an_mod, ab_mod, moe_mod):
-        monkeypatch.setattr(mod, "sample_tensor", all_rows)
     if case == "llama":
         _tiny_checkpoint(tmp_path / "ckpt", "llama", hidden_size=256, intermediate_size=512)
     else:
