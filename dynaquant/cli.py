@@ -179,7 +179,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="dynamic plans: exact allocation (default; the plan records its gap) or the greedy one")
     q.add_argument("--stream", action="store_true",
                    help="analysis, imatrix and evaluation block by block: one decoder block's weights in memory at a "
-                        "time (models larger than memory; GGUF, no --gptq or --correct yet)")
+                        "time (models larger than memory; GGUF; resumable: --work-dir)")
     q.add_argument("--work-dir", metavar="DIR",
                    help="with --stream: the resumable work folder (default OUTPUT.work beside the output): a killed "
                         "run started again with the same arguments continues from it")

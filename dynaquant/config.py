@@ -121,8 +121,8 @@ class QuantizeConfig:
             at most this many re-plans (None: 2 on CUDA, 0 = off on the CPU), measured on this many held-out
             calibration sequences (after those the statistics use).
         solver: the dynamic plan's allocation solver, ``exact`` or ``greedy`` (``quant.planner.make_plan``).
-        stream: analysis, imatrix and evaluation block by block, one decoder block's weights in memory at a time
-            (models larger than memory); GGUF target, no GPTQ or measured corrections yet.
+        stream: analysis, imatrix, corrections, GPTQ and evaluation block by block, one decoder block's weights in memory at a time
+            (models larger than memory; GPTQ and measured corrections too); GGUF target, no compare_presets yet.
         work_dir: with ``stream``, the resumable work folder (:mod:`dynaquant.pipeline.rundir`; None: ``OUTPUT.work``
             beside the output); keep_work_dir: keep it after success.
         max_cpu_memory, max_gpu_memory, offload_dir: with ``stream``, as :class:`AnalyzeConfig` (``offload_dir``

@@ -179,9 +179,9 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
             CUDA, 0 = off on the CPU); the rounds are in ``plan.corrections`` and the report's ``corrections``.
         solver: a dynamic plan's allocation solver: ``exact`` (the optimum of the predicted error, or a gap to a proved
             bound, recorded in ``plan.solver``) or ``greedy`` (``quant.planner``).
-        stream: analysis, imatrix and evaluation block by block, one decoder block's weights in memory at a time
-            (models larger than memory; :mod:`dynaquant.pipeline.analyze_blocks`); GGUF only, without GPTQ, measured
-            compare_presets yet (``ValueError``).
+        stream: analysis, imatrix, measured corrections, GPTQ and evaluation block by block, one decoder block's
+            weights in memory at a time (models larger than memory; :mod:`dynaquant.pipeline.analyze_blocks`); GGUF
+            only, without compare_presets yet (``ValueError``).
         work_dir, keep_work_dir: with ``stream``, the resumable work folder (:mod:`dynaquant.pipeline.rundir`; None:
             ``OUTPUT.work`` beside the output; a killed run started again with the same arguments continues from it
             and writes the same bytes), kept after success with ``keep_work_dir``.
