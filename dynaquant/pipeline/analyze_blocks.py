@@ -126,7 +126,8 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
             w = weight_of(sk.model, t)
             rw, imp = row_weights_of(t, st, info.tied_embeddings, st.token_counts)
             if w is None or rw is None or tuple(w.shape) != tuple(t.shape):
-                continue  # not measured (logged with the outer tensors' check below)
+                log.warning("%s: no calibration statistics or weight shape mismatch; not measured", t.gguf_name)
+                continue
             owners.append((j, module_of(t.hf_name), len(samples), len(samples) + 1))
             samples.append(sample_tensor(w.detach(), RowWeights(hessian=rw.hessian), imatrix=imp, score="output"))
             modules.add(module_of(t.hf_name))
@@ -158,6 +159,9 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
                                                      fisher_total=stats.fisher_tokens)
             fallback = [e for e in range(es.n_expert) if es.tokens[e] == 0 or es.fisher_tokens[e] == 0]
             entries[j]["experts"] = {"n_expert": es.n_expert, "fallback": fallback}
+            if fallback:
+                log.warning("%s: experts %s saw no calibration tokens (or none with gradients): measured with the "
+                            "layer's pooled statistics", t.gguf_name, fallback)
         else:
             fisher = stats.outputs[module].fisher
             errs = {f: re.with_fisher(fisher) for f, re in res.items()}
@@ -171,6 +175,8 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
         if w is not None and rw is not None and tuple(w.shape) == tuple(t.shape):
             owners.append(j)
             samples.append(sample_tensor(w.detach(), rw, imatrix=imp))
+        else:
+            log.warning("%s: no calibration statistics or weight shape mismatch; not measured", t.gguf_name)
     for j, errs in zip(owners, measure_samples(samples, list(candidates))):
         entries[j]["errors"] = {f: v.to_dict() for f, v in errs.items()}
     timings["errors_s"] = spent[0] + time.perf_counter() - t2
