@@ -19,7 +19,8 @@ from dynaquant.analysis.report.schema import tensor_group, tensor_kind
 from dynaquant.analysis.superweights import down_proj_layer
 from dynaquant.exporters.gguf.inspect import inspect_gguf
 from dynaquant.names import TensorName
-from dynaquant.pipeline.analyze import _layer, _layer_of_module
+from dynaquant.pipeline.analysis_report import layer_of as _layer
+from dynaquant.pipeline.analysis_report import layer_of_module as _layer_of_module
 from dynaquant.quant.plan import TensorInfo
 from dynaquant.quant.planner import tie_groups
 from dynaquant.sources.hf_vl_full import vision_plan_name

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -18,14 +18,22 @@ from tqdm.auto import tqdm
 
 from dynaquant.analysis import experts
 from dynaquant.analysis.calibration import CalibrationSpec, calibration_chunks
-from dynaquant.analysis.errors import ErrorSample, RowWeights, measure_samples, sample_tensor
+from dynaquant.analysis.errors import ErrorSample, measure_samples, sample_tensor
 from dynaquant.analysis.imatrix import Imatrix
-from dynaquant.analysis.report.schema import activation_entry, save_report, tensor_group, tensor_kind
+from dynaquant.analysis.report.schema import save_report, tensor_group
 from dynaquant.analysis.sensitivity import ReferenceLogits, group_sensitivity, kld_with_weights
-from dynaquant.analysis.stats import ModelStats, collect_stats, module_of
+from dynaquant.analysis.stats import ModelStats, collect_stats
 from dynaquant.analysis.superweights import confirm, find_candidates
 from dynaquant.config import CORRECT_SEQUENCES, DEFAULT_CANDIDATES, FISHER_SEQUENCES, AnalyzeConfig
 from dynaquant.names import TensorName
+from dynaquant.pipeline.analysis_report import (
+    AnalysisResult,
+    build_report,
+    layer_of,
+    row_weights_of,
+    tensor_entry,
+    weight_of,
+)
 from dynaquant.pipeline.corrections import check_options as check_correct_options
 from dynaquant.pipeline.corrections import correct_in_model
 from dynaquant.pipeline.plan import error_fn_from_report
@@ -40,7 +48,6 @@ from dynaquant.sources.checkpoint import ModelSource, load_model, load_tokenizer
 from dynaquant.sources.experts import stacked_name
 from dynaquant.sources.gguf import TensorSource
 from dynaquant.sources.nonfinite import check_model_finite, source_names
-from dynaquant.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -61,62 +68,6 @@ def expand_formats(text: str) -> tuple[str, ...]:
         names = groups[item.upper()] if item.upper() in groups else (get_format(item).name,)
         out += [n for n in names if n not in out]
     return tuple(out)
-
-
-@dataclass
-class AnalysisResult:
-    """What an analysis produced.
-
-    Attributes:
-        report: the report dict (``report.json`` layout).
-        stats: the calibration statistics (not serialised; for GPTQ and the encoders in the same run).
-        imatrix: the imatrix keyed by HF module name.
-        report_path, imatrix_path: files written (None when no output folder was given).
-    """
-
-    report: dict
-    stats: ModelStats
-    imatrix: Imatrix
-    report_path: Path | None = None
-    imatrix_path: Path | None = None
-
-
-def row_weights_of(t, stats: ModelStats, tied: bool, vocab_counts: torch.Tensor):
-    """(RowWeights, encoder imatrix (K,) or None) of a GGUF tensor; (None, None) without statistics."""
-    kind = tensor_kind(t.gguf_name)
-    if kind == "token_embd":
-        counts = vocab_counts.to(torch.float64)
-        freq = ((counts + 0.5) / (counts.sum() + 0.5 * counts.numel())).float()
-        rw = RowWeights(lookup=freq, lookup_fisher=stats.embed_fisher)
-        if tied and "lm_head" in stats.outputs:
-            inp = stats.input("lm_head")
-            rw.fisher, rw.hessian = stats.outputs["lm_head"].fisher, inp.hessian
-            return rw, inp.imatrix
-        return rw, None
-    module = "lm_head" if kind == "output" else module_of(t.hf_name)
-    if module is None or module not in stats.input_of:
-        return None, None
-    inp = stats.input(module)
-    return RowWeights(fisher=stats.outputs[module].fisher, hessian=inp.hessian), inp.imatrix
-
-
-def weight_of(model, t) -> torch.Tensor | None:
-    kind = tensor_kind(t.gguf_name)
-    if kind == "token_embd":
-        return model.get_input_embeddings().weight
-    if kind == "output":
-        return model.get_output_embeddings().weight
-    try:
-        return model.get_parameter(t.hf_name) if t.hf_name else None
-    except AttributeError:
-        return None
-
-
-def tensor_entry(t, sw_tensors: set) -> dict:
-    """The report's entry of one source tensor, its ``errors`` still empty."""
-    return {"name": t.gguf_name, "hf_name": t.hf_name, "shape": list(t.shape), "n_elements": t.numel,
-            "layer": _layer(t.gguf_name), "kind": tensor_kind(t.gguf_name), "group": tensor_group(t.gguf_name),
-            "quantizable": t.quantizable, "super_weight": t.gguf_name in sw_tensors, "errors": {}}
 
 
 def _error_groups(src_tensors) -> list[list[int]]:
@@ -224,8 +175,8 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
         groups: dict[str, list[str]] = {}
         for t in src_tensors:
             g = tensor_group(t.gguf_name)
-            if t.quantizable and t.hf_name and g in ("attn", "ffn") and _layer(t.gguf_name) is not None:
-                groups.setdefault(f"blk.{_layer(t.gguf_name)}.{g}", []).append(t.hf_name)
+            if t.quantizable and t.hf_name and g in ("attn", "ffn") and layer_of(t.gguf_name) is not None:
+                groups.setdefault(f"blk.{layer_of(t.gguf_name)}.{g}", []).append(t.hf_name)
         rows = group_sensitivity(model, ref, groups, sensitivity_formats, imatrix_of, progress)
         pred = {e["name"]: e["errors"] for e in entries}
         for r in rows:
@@ -262,45 +213,6 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
     return AnalysisResult(report, stats, stats.to_imatrix(spec.id))
 
 
-def build_report(source: ModelSource, ts: TensorSource, spec: CalibrationSpec, stats: ModelStats, entries: list[dict],
-                 sws: list, candidates: tuple[str, ...], *, device, dtype: torch.dtype, overhead_bytes: int,
-                 timings: dict) -> dict:
-    """The report dict (``report.json`` layout, :mod:`dynaquant.analysis.report.schema`) of one analysis: the tensor
-    entries with their errors, the activation statistics, the super weights, the MoE routing; no sensitivity rows
-    or plans yet."""
-    info = model_info(ts)
-    src_tensors = ts.tensors()
-    gguf_of_param = {t.hf_name: t.gguf_name for t in src_tensors if t.hf_name}
-    activations = []
-    for key, s in stats.inputs.items():
-        names = [gguf_of_param.get(m + ".weight", "output.weight" if m == "lm_head" else m) for m in s.modules]
-        activations.append(activation_entry(key, _layer(names[0]), tensor_kind(names[0]), names, s.absmax, s.sq_sum,
-                                            s.tokens, s.quant_rel_error()))
-
-    report = {
-        "version": 1,
-        "dynaquant_version": __version__,
-        "model": {"id": source.model_id, "revision": _revision(source), "arch": ts.arch, "n_layers": ts.n_layers,
-                  "tied_embeddings": info.tied_embeddings, "n_head": info.n_head, "n_head_kv": info.n_head_kv,
-                  "n_expert": info.n_expert, "expert_format": info.expert_format,
-                  "n_parameters": sum(t.numel for t in src_tensors),
-                  "gguf_overhead_bytes": overhead_bytes or None},
-        "calibration": {"id": spec.id, "sources": list(spec.sources), "n_sequences": stats.sequences,
-                        "seq_len": spec.seq_len, "tokens": stats.tokens, "chat_template": spec.chat_template,
-                        "fisher_sequences": stats.fisher_sequences, "device": str(device),
-                        "dtype": str(dtype).replace("torch.", "")},
-        "candidates": list(candidates),
-        "tensors": entries,
-        "activations": activations,
-        "super_weights": [s.to_dict() for s in sws],
-        "experts": [experts.routing_entry(es, _layer_of_module(name), stats.tokens) for name, es in stats.experts.items()],
-        "sensitivity": [],
-        "plans": [],
-        "timings_s": timings,
-    }
-    return report
-
-
 def _group_pred(group: str, fmt: str, src_tensors, pred: dict) -> float | None:
     from dynaquant.quant.formats import resolve_for_row
 
@@ -314,25 +226,6 @@ def _group_pred(group: str, fmt: str, src_tensors, pred: dict) -> float | None:
                 return None
             tot += e["kld_pred"]
     return tot
-
-
-def _layer_of_module(name: str) -> int | None:
-    prefix = TensorName.from_hf(name).prefix.split(".")  # [..., "layers", N] after at least one module
-    return int(prefix[-1]) if len(prefix) > 2 and prefix[-2] == "layers" else None
-
-
-def _layer(name: str) -> int | None:
-    tn = TensorName.from_gguf(name)
-    return tn.block if tn.tower == "text" else None
-
-
-def _revision(source: ModelSource) -> str | None:
-    """The hub revision (snapshot commit) when the source is a hub cache folder, else None."""
-    parts = Path(source.path).parts
-    if "snapshots" in parts:
-        i = parts.index("snapshots")
-        return parts[i + 1] if i + 1 < len(parts) else None
-    return None
 
 
 def analyze(model: str | os.PathLike | None = None, output_dir: str | os.PathLike | None = None, *,

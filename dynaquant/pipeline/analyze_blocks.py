@@ -35,7 +35,7 @@ from dynaquant.analysis.superweights import SuperWeight, confirm_blockwise, find
 from dynaquant.config import DEFAULT_CANDIDATES
 from dynaquant.errors import InputError
 from dynaquant.names import TensorName
-from dynaquant.pipeline.analyze import AnalysisResult, build_report, row_weights_of, tensor_entry, weight_of
+from dynaquant.pipeline.analysis_report import AnalysisResult, build_report, row_weights_of, tensor_entry, weight_of
 from dynaquant.pipeline.source import model_info
 from dynaquant.sources.experts import stacked_name
 from dynaquant.sources.gguf import TensorSource
