@@ -433,7 +433,10 @@ def test_full_disk_in_the_safetensors_writer_names_the_output(tmp_path, monkeypa
 
 def _cli_proc(args: list[str], cwd: Path, slow_s: float = 0.0, fsize: int | None = None, **kw) -> subprocess.Popen:
     """``python -m dynaquant.cli ARGS`` (each tensor's encoding slowed by ``slow_s``; file size limit ``fsize``)."""
-    code = ("import sys, time\n"
+    code = ("import signal, sys, time\n"
+            # a user's command starts with Python's own Ctrl-C handling, whatever this test process inherited or set
+            # (an ignored SIGINT would be inherited across exec)
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "import dynaquant.pipeline.targets as p\n"
             f"if {slow_s}:\n"
             "    real = p.encode_tensor\n"
