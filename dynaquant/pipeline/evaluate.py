@@ -89,18 +89,12 @@ class DecodedVariant:
         self._outer: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]] | None = None
 
     def _write(self, part) -> None:
-        import numpy as np
-
-        from dynaquant.quant.codecs import dequantize
-        from dynaquant.quant.formats import get_format
+        from dynaquant.runtime.decoded import decode_tensor
         from dynaquant.sources.params import ParamWriter
 
         writer = ParamWriter(self.sk.model, self.ts.arch, self.ts.n_head, self.ts.n_head_kv)
         for t, rt in self.parts[part]:
-            fmt = rt.tensor_type.name
-            shape = tuple(int(n) for n in reversed(rt.shape.tolist()))
-            raw = np.array(rt.data).view(np.uint8).reshape(-1, get_format(fmt).row_bytes(shape[-1]))
-            writer.put(t, dequantize(raw, fmt).reshape(shape), origin=f"{self.path} ({fmt})")
+            writer.put(t, decode_tensor(rt), origin=f"{self.path} ({rt.tensor_type.name})")
         writer.flush()
 
     def __call__(self, v: int, part, _module):

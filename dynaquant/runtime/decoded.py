@@ -26,6 +26,18 @@ def uses_own_decoder(ts) -> bool:
         "_exps." in t.gguf_name or "_b.weight" in t.gguf_name for t in ts.tensors())
 
 
+def decode_tensor(rt) -> torch.Tensor:
+    """A GGUF reader tensor decoded by our codecs (bit-exact with ``gguf.quants.dequantize``): float32 in torch
+    orientation (``ne`` reversed), as the source reads it (GGUF row order)."""
+    from dynaquant.quant.codecs import dequantize
+    from dynaquant.quant.formats import get_format
+
+    fmt = rt.tensor_type.name
+    shape = tuple(int(n) for n in reversed(rt.shape.tolist()))
+    raw = np.array(rt.data).view(np.uint8).reshape(-1, get_format(fmt).row_bytes(shape[-1]))
+    return dequantize(raw, fmt).reshape(shape)
+
+
 def load_decoded(gguf_path: str | os.PathLike, source, ts, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, model=None):
     """The source's transformers model holding the GGUF file's decoded weights.
@@ -41,8 +53,6 @@ def load_decoded(gguf_path: str | os.PathLike, source, ts, *, device: str | torc
     Raises:
         ValueError: a GGUF tensor the source does not list, or whose HF counterpart the model lacks.
     """
-    from dynaquant.quant.codecs import dequantize
-    from dynaquant.quant.formats import get_format
     from dynaquant.sources.checkpoint import load_model
     from dynaquant.sources.params import ParamWriter
     from dynaquant.sources.readers import open_gguf_shards
@@ -58,8 +68,6 @@ def load_decoded(gguf_path: str | os.PathLike, source, ts, *, device: str | torc
         t = by_name.get(rt.name)
         if t is None:
             raise ValueError(f"{gguf_path}: tensor {rt.name} is not in the source {ts.source_id}")
-        shape = tuple(int(n) for n in reversed(rt.shape.tolist()))
-        raw = np.array(rt.data).view(np.uint8).reshape(-1, get_format(fmt).row_bytes(shape[-1]))
-        writer.put(t, dequantize(raw, fmt).reshape(shape), origin=f"{gguf_path} ({fmt})")
+        writer.put(t, decode_tensor(rt), origin=f"{gguf_path} ({fmt})")
     writer.flush()
     return model.to(device=device, dtype=dtype).eval()
