@@ -14,8 +14,9 @@ Checkpoints (made on ``--device``; every value random, none zero: projections ``
 ``--blocks N[,M]`` cuts the model to N (and M) blocks. With two cuts the full model's time is extrapolated per block
 and stage: ``t(full) = t(N) + (t(M) - t(N)) / (M - N) * (L - N)``; reading the full checkpoint is reported apart at
 an assumed ``--read-gbps`` (3 GB/s: the benchmark reads from the page cache, a real 70B or DeepSeek-V3 run reads from
-disk). Each run: ``python -m dynaquant quantize DIR --stream --bpw B --device D --no-eval --json`` in a child process
-(peak RSS of the child; peak GPU memory: ``torch.cuda.max_memory_allocated`` at its end).
+disk). Each run: ``python -m dynaquant quantize DIR --stream --bpw B --device D --no-eval --correct 0 --json`` in a
+child process (peak RSS of the child; peak GPU memory: ``torch.cuda.max_memory_allocated`` at its end);
+``--modes stream,whole`` adds the whole-model pipeline on the same checkpoint for comparison.
 
 Output: ``--out`` (JSON rows, rewritten after each run): a header (machine, versions, config), one row per run
 (shape, blocks, parameters, checkpoint bytes, wall time, the run's stage times, peak RSS and GPU bytes, file bytes),
@@ -100,13 +101,16 @@ def make_checkpoint(folder: Path, shape: str, blocks: int, tokenizer, device: st
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            r = torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32)
-            p.copy_(1 + 0.2 * r if "norm" in name else 0.02 * r)
+            for part in (p.unbind(0) if p.ndim == 3 else [p]):  # stacked experts one at a time (28 GB in fp32)
+                r = torch.randn(part.shape, generator=g, device=p.device, dtype=torch.float32)
+                part.copy_(1 + 0.2 * r if "norm" in name else 0.02 * r)
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, max_shard_size="5GB")
     n = sum(p.numel() for p in model.parameters())
     del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the quantize child needs the GPU memory this process would keep cached
     if SHAPES[shape][0] == "deepseek":
         to_fp8(tmp)
     tokenizer.save_pretrained(tmp)
@@ -171,11 +175,14 @@ sys.exit(rc)
 """
 
 
-def run_quantize(ckpt: Path, out: Path, work: Path, args) -> dict:
-    """One ``quantize --stream`` in a child; the row's measurements."""
-    cmd = [sys.executable, "-c", CHILD, "quantize", str(ckpt), "--stream", "--bpw", str(args.bpw), "--device",
-           args.device, "--no-eval", "--json", "-o", str(out), "--work-dir", str(work),
+def run_quantize(ckpt: Path, out: Path, work: Path, args, mode: str = "stream") -> dict:
+    """One ``quantize --stream`` (``mode`` "stream") or whole-model ``quantize`` ("whole") in a child; the row's
+    measurements."""
+    cmd = [sys.executable, "-c", CHILD, "quantize", str(ckpt), "--bpw", str(args.bpw), "--device",
+           args.device, "--no-eval", "--json", "-o", str(out), "--correct", str(args.correct),
            "--calibration-chunks", str(args.calibration_chunks), "--ctx", str(args.ctx)]
+    if mode == "stream":
+        cmd[5:5] = ["--stream", "--work-dir", str(work)]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     row: dict = {"time_s": round(time.perf_counter() - t0, 2)}
@@ -219,6 +226,10 @@ def main(argv=None) -> int:
     p.add_argument("--work", type=Path, default=HERE / "out" / "scale")
     p.add_argument("--out", type=Path)
     p.add_argument("--keep", action="store_true", help="keep checkpoints and outputs")
+    p.add_argument("--modes", default="stream",
+                   help="comma-separated: stream (quantize --stream), whole (the whole-model pipeline, for comparison)")
+    p.add_argument("--correct", type=int, default=0,
+                   help="measured-correction rounds (default 0: they re-measure whole plans, minutes each on 8B)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args.work.mkdir(parents=True, exist_ok=True)
@@ -238,15 +249,19 @@ def main(argv=None) -> int:
             ckpt = args.work / f"{shape}-{n}"
             log.info("=== %s cut to %d blocks: checkpoint", shape, n)
             made = make_checkpoint(ckpt, shape, n, tokenizer, args.device)
-            log.info("=== %s cut to %d blocks: quantize --stream", shape, n)
-            row = {"row": "result", "shape": shape, "blocks": n, "checkpoint": made,
-                   **run_quantize(ckpt, args.work / f"{shape}-{n}.gguf", args.work / f"{shape}-{n}.work", args)}
-            rows.append(row)
-            done.append(row)
-            write()
+            for mode in args.modes.split(","):
+                log.info("=== %s cut to %d blocks: quantize (%s)", shape, n, mode)
+                gguf = args.work / f"{shape}-{n}-{mode}.gguf"
+                row = {"row": "result", "shape": shape, "blocks": n, "mode": mode, "checkpoint": made,
+                       **run_quantize(ckpt, gguf, args.work / f"{shape}-{n}-{mode}.work", args, mode)}
+                rows.append(row)
+                if mode == "stream":
+                    done.append(row)
+                write()
+                if not args.keep:
+                    gguf.unlink(missing_ok=True)
             if not args.keep:
                 shutil.rmtree(ckpt, ignore_errors=True)
-                (args.work / f"{shape}-{n}.gguf").unlink(missing_ok=True)
         if len(done) == 2 and all("error" not in r for r in done):
             a, b = sorted(done, key=lambda r: r["blocks"])
             per_block_bytes = (b["checkpoint"]["size_bytes"] - a["checkpoint"]["size_bytes"]) / (b["blocks"] - a["blocks"])
@@ -254,7 +269,7 @@ def main(argv=None) -> int:
             rows.append(extrapolate(done, full_blocks, full_bytes, args.read_gbps))
             write()
     for r in rows[1:]:
-        print(json.dumps({k: r.get(k) for k in ("row", "shape", "blocks", "time_s", "peak_rss_bytes", "gpu_peak_bytes",
+        print(json.dumps({k: r.get(k) for k in ("row", "shape", "blocks", "mode", "time_s", "peak_rss_bytes", "gpu_peak_bytes",
                                                 "stages_s", "read_s", "total_with_read_s", "error")}))
     return 0
 

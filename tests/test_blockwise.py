@@ -144,6 +144,34 @@ def test_missing_tensor_is_named(tmp_path, monkeypatch):
         sk.materialize(1)
 
 
+def test_skeleton_of_a_deepseek_v3_layer_allocates_no_parameter():
+    """DeepSeek-V3's real shapes cut to 4 blocks (3 dense, 1 MoE): one MoE layer's stacked experts alone are 45 GB
+    in float32, more than this machine's memory. Built on the meta device (transformers >= 5), nothing is allocated
+    (an allocation that size fails here), every parameter is meta, and the buffers (RoPE frequencies, the router's
+    score-correction bias) equal those of the same modules built normally."""
+    import transformers
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from dynaquant.sources.skeleton import _on_meta
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("transformers < 5 builds skeletons with accelerate's init_empty_weights")
+    cfg = DeepseekV3Config(num_hidden_layers=4, vocab_size=1024)
+
+    def build(ctx):
+        with ctx:
+            return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+    model = _on_meta(build)
+    assert model is not None
+    params = dict(model.named_parameters())
+    assert sum(p.numel() for p in params.values()) * 4 > 45e9 and all(p.is_meta for p in params.values())
+    buffers = dict(model.named_buffers())
+    ref = type(model.model.rotary_emb)(config=cfg)
+    assert torch.equal(buffers["model.rotary_emb.inv_freq"], ref.inv_freq)
+    assert torch.equal(buffers["model.layers.3.mlp.gate.e_score_correction_bias"], torch.zeros(cfg.n_routed_experts))
+
+
 def test_hidden_bytes():
     # 8 sequences of 512 tokens, hidden 4096, 32 blocks, 4 Fisher sequences: current states + Fisher inputs + grads
     assert hidden_bytes(8, 512, 4096, 32, 4) == 512 * 4096 * 4 * (8 + 4 * 33)

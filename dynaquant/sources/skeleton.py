@@ -1,8 +1,11 @@
 """A model's skeleton on the meta device, materialized one part at a time from its tensor source.
 
 Models larger than memory run block by block (:mod:`dynaquant.analysis.blockwise`): the transformers model is
-built from its config with accelerate's ``init_empty_weights`` (parameters on the meta device, no memory; buffers
-such as RoPE frequencies computed as usual), so every architecture keeps transformers' own module classes and
+built from its config on the meta device, as transformers' own ``from_pretrained`` builds it (transformers 5: under
+``torch.device("meta")``, no parameter ever allocated, even a DeepSeek-V3 layer's 30 GB of stacked experts; the
+buffers such as RoPE frequencies then recomputed by the model's ``initialize_weights``; older transformers and
+models whose buffers that does not recompute: accelerate's ``init_empty_weights``, buffers computed as usual), so
+every architecture keeps transformers' own module classes and
 forward code. A *part* is then given real weights, read tensor by tensor from the
 :class:`~dynaquant.sources.gguf.TensorSource` (memory-mapped safetensors or GGUF, release formats decoded per
 tensor) through :class:`~dynaquant.sources.params.ParamWriter`, and released back to the meta device when done.
@@ -160,6 +163,30 @@ class ModelSkeleton:
         return set(self._live)
 
 
+def _on_meta(build):
+    """The model built under ``torch.device("meta")`` (no parameter allocated, not even transiently) with its buffers
+    recomputed on the CPU by ``initialize_weights`` (transformers >= 5, as its ``from_pretrained`` does); None where
+    that is unavailable or leaves a buffer unset (NaN-filled beforehand), so the caller builds it the older way."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return None
+    model = build(torch.device("meta"))
+    if not hasattr(model, "initialize_weights"):
+        return None
+    buffers = list(model.named_buffers())
+    for name, buf in buffers:
+        mod_name, _, bname = name.rpartition(".")
+        mod = model.get_submodule(mod_name)
+        mod._buffers[bname] = torch.full(buf.shape, float("nan"), dtype=buf.dtype) if buf.is_floating_point() \
+            else torch.zeros(buf.shape, dtype=buf.dtype)
+    model.initialize_weights()
+    if any(b.is_floating_point() and torch.isnan(b).any() for _, b in model.named_buffers()):
+        log.debug("meta build: initialize_weights left a buffer unset; building with init_empty_weights")
+        return None
+    return model
+
+
 def build_skeleton(source, ts: TensorSource, *, dtype: torch.dtype = torch.float32,
                    device: str | torch.device = "cpu", allow_nonfinite: bool = False) -> ModelSkeleton:
     """The source's transformers model with every parameter on the meta device (no weight read).
@@ -183,8 +210,12 @@ def build_skeleton(source, ts: TensorSource, *, dtype: torch.dtype = torch.float
     auto = AutoModelForCausalLM
     if source.kind == "hf" and vl_full_arch(source.path):  # as load_model: the vision tower is part of the outer part
         from transformers import AutoModelForImageTextToText as auto
-    with init_empty_weights(include_buffers=False):
-        model = from_config(auto, config, trust_remote_code=source.trust_remote_code, folder=source.folder, dtype=dtype)
+    def build(ctx):
+        with ctx:
+            return from_config(auto, config, trust_remote_code=source.trust_remote_code, folder=source.folder,
+                               dtype=dtype)
+
+    model = _on_meta(build) or build(init_empty_weights(include_buffers=False))
     model.tie_weights()  # as from_pretrained does (init_empty_weights builds the head untied)
     model.eval()
     for p in model.parameters():
