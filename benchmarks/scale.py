@@ -178,11 +178,10 @@ sys.exit(rc)
 def run_quantize(ckpt: Path, out: Path, work: Path, args, mode: str = "stream") -> dict:
     """One ``quantize --stream`` (``mode`` "stream") or whole-model ``quantize`` ("whole") in a child; the row's
     measurements."""
-    cmd = [sys.executable, "-c", CHILD, "quantize", str(ckpt), "--bpw", str(args.bpw), "--device",
+    stream = ["--stream", "--work-dir", str(work)] if mode == "stream" else []
+    cmd = [sys.executable, "-c", CHILD, "quantize", str(ckpt), *stream, "--bpw", str(args.bpw), "--device",
            args.device, "--no-eval", "--json", "-o", str(out), "--correct", str(args.correct),
            "--calibration-chunks", str(args.calibration_chunks), "--ctx", str(args.ctx)]
-    if mode == "stream":
-        cmd[5:5] = ["--stream", "--work-dir", str(work)]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     row: dict = {"time_s": round(time.perf_counter() - t0, 2)}

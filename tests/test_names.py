@@ -19,8 +19,7 @@ from dynaquant.analysis.report.schema import tensor_group, tensor_kind
 from dynaquant.analysis.superweights import down_proj_layer
 from dynaquant.exporters.gguf.inspect import inspect_gguf
 from dynaquant.names import TensorName
-from dynaquant.pipeline.analysis_report import layer_of as _layer
-from dynaquant.pipeline.analysis_report import layer_of_module as _layer_of_module
+from dynaquant.pipeline.analysis_report import layer_of, layer_of_module
 from dynaquant.quant.plan import TensorInfo
 from dynaquant.quant.planner import tie_groups
 from dynaquant.sources.hf_vl_full import vision_plan_name
@@ -185,11 +184,11 @@ def test_analyze_layers(names):
     gg, hf = names
     for n in gg:
         if n.startswith("blk.") and n.count(".") >= 2 and n.split(".")[1].isdigit():  # old _layer: int of the 2nd field
-            assert _layer(n) == int(n.split(".")[1]), n
+            assert layer_of(n) == int(n.split(".")[1]), n
         elif not n.startswith("blk."):
-            assert _layer(n) is None, n
+            assert layer_of(n) is None, n
     for n in _modules(hf):
-        assert _layer_of_module(n) == _old_layer_of_module(n), n
+        assert layer_of_module(n) == _old_layer_of_module(n), n
 
 
 def test_superweight_down_proj_layer(names):

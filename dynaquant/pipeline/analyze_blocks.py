@@ -35,7 +35,14 @@ from dynaquant.analysis.superweights import SuperWeight, confirm_blockwise, find
 from dynaquant.config import DEFAULT_CANDIDATES
 from dynaquant.errors import InputError
 from dynaquant.names import TensorName
-from dynaquant.pipeline.analysis_report import AnalysisResult, build_report, row_weights_of, tensor_entry, weight_of
+from dynaquant.pipeline.analysis_report import (
+    AnalysisResult,
+    build_report,
+    layer_of,
+    row_weights_of,
+    tensor_entry,
+    weight_of,
+)
 from dynaquant.pipeline.source import model_info
 from dynaquant.sources.experts import stacked_name
 from dynaquant.sources.gguf import TensorSource
@@ -45,11 +52,6 @@ log = logging.getLogger(__name__)
 
 MAX_SUPER_WEIGHTS = 8  # candidates confirmed by ablation (find_candidates' default)
 DONE = "analysis/done.pt"  # the finished analysis in a work folder: report and statistics
-
-
-def _block_of(gguf_name: str) -> int | None:
-    tn = TensorName.from_gguf(gguf_name)
-    return tn.block if tn.tower == "text" else None
 
 
 def _module_block(module: str) -> int | None:
@@ -99,7 +101,7 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
     entries = [tensor_entry(t, set()) for t in src_tensors]
     by_block: dict[int, list[int]] = {}
     for j, t in enumerate(src_tensors):
-        if (b := _block_of(t.gguf_name)) is not None:
+        if (b := layer_of(t.gguf_name)) is not None:
             by_block.setdefault(b, []).append(j)
     pending: list[tuple[int, str | None, object]] = []  # (entry, module or None for experts, RowErrors / per expert)
     cands = []
@@ -166,7 +168,7 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
             fisher = stats.outputs[module].fisher
             errs = {f: re.with_fisher(fisher) for f, re in res.items()}
         entries[j]["errors"] = {f: v.to_dict() for f, v in errs.items()}
-    outer = [j for j, t in enumerate(src_tensors) if _block_of(t.gguf_name) is None and t.quantizable]
+    outer = [j for j, t in enumerate(src_tensors) if layer_of(t.gguf_name) is None and t.quantizable]
     samples, owners = [], []
     for j in outer:  # token embedding, output head (in memory throughout): measured with their Fisher at hand
         t = src_tensors[j]
