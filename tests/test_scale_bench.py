@@ -43,6 +43,11 @@ def test_fp8_checkpoint_reads_back_as_its_bf16_values(tmp_path):
     assert x.dtype == torch.float32 and x.abs().max() > 0
     assert float((x.abs() / x.abs().max()).max()) <= 1.0 and x.std() == pytest.approx(0.02, rel=0.2)
     assert len({t.gguf_name for t in src.tensors() if "_exps" in t.gguf_name}) == 3  # block 1 is MoE
+    # read_to (stored bytes moved, then decoded: a block's materialization) equals read, FP8 and BF16 alike
+    assert [t.gguf_name for t in src.tensors() if not torch.equal(src.read_to(t, "cpu"), src.read(t))] == []
+    experts = next(t for t in src.tensors() if t.gguf_name == "blk.1.ffn_up_exps.weight")
+    stored = src.read_stored(experts, 1, 3)
+    assert stored.values.dtype == torch.float8_e4m3fn and torch.equal(stored.decode(slice(None)), src.read(experts)[1:3])
 
 
 def test_extrapolation_is_linear_in_the_blocks():

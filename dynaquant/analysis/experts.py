@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dynaquant.analysis.errors import ErrorSample, RowErrors, RowWeights, TensorError, measure_samples, sample_tensor
-from dynaquant.sources.experts import dispatch, expert_weight, find_experts, layout_of
+from dynaquant.sources.experts import dispatch, expert_linear, expert_matrix, find_experts, layout_of
 
 # Per experts module and input (gate/up's, down's), the full per-expert second moments (E, K, K) float32 are kept
 # up to this many bytes (Qwen3-30B-A3B's gate/up: 128 x 2048^2 x 4 = 2 GiB); beyond it (DeepSeek-V3's gate/up:
@@ -154,10 +154,10 @@ class _ExpertsForward:
             gu = x @ m.gate_up_proj[e] + m.gate_up_proj_bias[e]
             h = m._apply_gate(gu)
         else:
-            gu = torch.nn.functional.linear(x, m.gate_up_proj[e])
+            gu = expert_linear(m, e, "gate_up", x)  # (a packed module's weights decoded for the call)
             gate, up = gu.chunk(2, dim=-1)
             h = m.act_fn(gate) * up
-        y = h @ m.down_proj[e] + m.down_proj_bias[e] if gpt else torch.nn.functional.linear(h, m.down_proj[e])
+        y = h @ m.down_proj[e] + m.down_proj_bias[e] if gpt else expert_linear(m, e, "down", h)
         if self.col.fisher and gu.requires_grad:
             i, n = gu.shape[-1] // 2, x.shape[0]
             gu.register_hook(self._grad_hook("gate_proj", e, n, slice(0, None, 2) if gpt else slice(0, i)))
@@ -241,15 +241,15 @@ def expert_samples(module: torch.nn.Module, proj: str, st: ExpertStats, *, total
     Returns:
         (one ErrorSample per expert, experts that used a fallback).
     """
-    w = expert_weight(module, proj).detach()
     samples, fallback = [], []
     for e in range(st.n_expert):
+        w = expert_matrix(module, proj, e).detach()  # one expert at a time (decoded if packed)
         rw, imp, fb = st.row_weights(proj, e, total_tokens, fisher_total)
         if fb and (not defer_fisher or st.tokens[e] == 0):  # deferred: no Fisher token is counted yet
             fallback.append(e)
         if defer_fisher:
             rw = RowWeights(hessian=rw.hessian)
-        samples.append(sample_tensor(w[e], rw, imatrix=imp, seed=seed + e, score="output" if defer_fisher else "kld"))
+        samples.append(sample_tensor(w, rw, imatrix=imp, seed=seed + e, score="output" if defer_fisher else "kld"))
     return samples, fallback
 
 

@@ -70,8 +70,9 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
     :class:`dynaquant.pipeline.rundir.RunDir`): checkpoints there, continuing from the latest (the result is an
     uninterrupted run's, bit for bit), and the finished analysis kept there (reused as is). Memory
     (:func:`memory_plan`): the hidden states go to files in ``offload_dir`` (default: ``rundir``'s ``offload``) when
-    they would exceed ``max_cpu_memory`` bytes (default: half the memory available now); a block whose weights exceed
-    ``max_gpu_memory`` (with the outer part) is refused before any work. NaN / Inf weights: refused when read
+    they would exceed ``max_cpu_memory`` bytes (default: half the memory available now); a MoE block whose weights exceed
+    ``max_gpu_memory`` (with the outer part) keeps its experts as stored, and one that still exceeds it is refused
+    before any work. NaN / Inf weights: refused when read
     (``InputError`` naming the tensor), or replaced with ``allow_nonfinite``.
 
     Returns:
@@ -151,6 +152,7 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
     stats = collect_blockwise(sk, chunks, Collect(fisher_sequences=fisher_sequences), progress=progress,
                               on_block=on_block, checkpoints=rundir, extra=(get_state, set_state), offload_dir=offload)
     timings["calibration_s"] = time.perf_counter() - t0 - spent[0]
+    log_gpu_peak(device, "calibration and the blocks' errors")
     t2 = time.perf_counter()
     for j, module, res in pending:  # the Fisher is known now: the predicted KL divergences
         t = src_tensors[j]
@@ -202,6 +204,12 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
     return AnalysisResult(report, stats, stats.to_imatrix(spec.id))
 
 
+def log_gpu_peak(device, stage: str) -> None:
+    """Log the peak GPU memory allocated so far (``torch.cuda.max_memory_allocated``) after ``stage``."""
+    if torch.device(device).type == "cuda":
+        log.info("peak GPU memory after %s: %.2f GiB", stage, torch.cuda.max_memory_allocated(device) / 2**30)
+
+
 def available_memory() -> int:
     """Bytes of physical memory available now (``/proc/meminfo`` MemAvailable; else free pages)."""
     try:
@@ -221,20 +229,20 @@ def memory_plan(sk, n_seq: int, seq_len: int, fisher_sequences: int, *, max_cpu_
     on disk (:func:`dynaquant.analysis.blockwise.hidden_bytes`), against ``max_cpu_memory`` (default: half of
     :func:`available_memory`).
 
+    On a CUDA device with ``max_gpu_memory``, the skeleton's parts are fitted to it
+    (:meth:`dynaquant.sources.skeleton.ModelSkeleton.fit`: a MoE block's routed experts kept as the checkpoint stores
+    them where the block does not fit in float32).
+
     Raises:
-        InputError: on a CUDA device, the outer part plus the largest block exceed ``max_gpu_memory`` (named, with
-            their sizes); or the hidden states must be offloaded and no folder was given.
+        InputError: on a CUDA device, the outer part plus the largest block exceed ``max_gpu_memory`` even with its
+            experts as stored (named, with their sizes); or the hidden states must be offloaded and no folder was
+            given.
     """
     hidden = sk.model.get_input_embeddings().weight.shape[1]
     need = hidden_bytes(n_seq, seq_len, hidden, 0 if checkpoints else sk.n_blocks, 0 if checkpoints else fisher_sequences)
     limit = max_cpu_memory if max_cpu_memory is not None else available_memory() // 2
     if max_gpu_memory is not None and sk.device.type == "cuda":
-        outer = sk.part_bytes("outer")
-        block = max(range(sk.n_blocks), key=sk.part_bytes)
-        if outer + sk.part_bytes(block) > max_gpu_memory:
-            raise InputError(f"{sk.ts.source_id}: block {block} ({sk.part_bytes(block) / 2**30:.2f} GiB of weights) and "
-                             f"the embedding and head ({outer / 2**30:.2f} GiB) do not fit --max-gpu-memory "
-                             f"{max_gpu_memory / 2**30:.2f} GiB")
+        sk.fit(max_gpu_memory)  # MoE experts kept as stored where a block does not fit otherwise
     if need <= limit:
         return None
     if offload_dir is None:

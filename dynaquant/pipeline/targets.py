@@ -208,6 +208,9 @@ def gguf_extra_kv(source: ModelSource, plan: Plan | None, im: Imatrix | None) ->
     return kv
 
 
+# a stacked expert tensor larger than this in float32 is read and encoded a group of experts (this many bytes) at a time
+# (DeepSeek-V3's ffn_gate_exps: 15 GB in float32)
+EXPERT_GROUP_BYTES = 1 << 30
 SHARD_OVERHEAD_BYTES = 256  # a shard's own header, split.* keys and alignment (an upper bound)
 
 
@@ -333,23 +336,57 @@ class GGUFTarget:
     def tensors(self) -> list[SourceTensor]:
         return self.writer.tensors
 
-    def read(self, t: SourceTensor) -> torch.Tensor:
+    def read(self, t: SourceTensor) -> torch.Tensor | None:
+        """The float32 weight, NaN/Inf checked; None for a stacked expert tensor over :data:`EXPERT_GROUP_BYTES` that
+        the source reads an expert at a time (:meth:`encode` reads and encodes it a group of experts at a time)."""
         ts = self.run.ts
+        if self._grouped(t):
+            return None
         return check_finite(ts.read(t), tensor_label(t.hf_name, t.gguf_name), ts.file_of(t), self.run.cfg.allow_nonfinite)
 
-    def gptq_round(self, t: SourceTensor, w: torch.Tensor) -> np.ndarray | None:
+    def _grouped(self, t: SourceTensor) -> bool:
+        return (len(t.shape) == 3 and t.shape[0] > 2 and 4 * t.numel > EXPERT_GROUP_BYTES and self.run.rounding is None
+                and self.run.ts.reads_experts(t))
+
+    def gptq_round(self, t: SourceTensor, w: torch.Tensor | None) -> np.ndarray | None:
         run, fmt = self.run, self.types[t.gguf_name]
         if run.rounding is None or fmt.kind == "float":
             return None
         q = run.rounding.encode(t, w.to(run.device), fmt, run.imat.get(t.gguf_name))
         return q.cpu().numpy() if q is not None else None
 
-    def encode(self, t: SourceTensor, w: torch.Tensor, rounded: np.ndarray | None) -> np.ndarray:
+    def encode(self, t: SourceTensor, w: torch.Tensor | None, rounded: np.ndarray | None) -> np.ndarray:
         if rounded is not None:
             return rounded
         run, fmt = self.run, self.types[t.gguf_name]
         imp = run.imat.get(t.gguf_name) if fmt.kind != "float" else None
+        if w is None:
+            return self._encode_groups(t, fmt, imp)
         return encode_tensor(w.to(run.device), fmt, imp).cpu().numpy()
+
+    def _encode_groups(self, t: SourceTensor, fmt, imp) -> np.ndarray:
+        """A stacked expert tensor encoded a group of experts at a time: the bytes of the whole tensor's encoding
+        (each expert is encoded with its own imatrix row; an unrouted expert's row, the mean of the routed ones, is
+        filled here, over all experts, as the whole-tensor encoder fills it)."""
+        run, ts = self.run, self.run.ts
+        n = t.shape[0]
+        if imp is not None and torch.as_tensor(imp).numel() == n * t.shape[-1]:
+            im = torch.as_tensor(imp, dtype=torch.float32).reshape(n, t.shape[-1])
+            seen = im.sum(-1) > 0
+            if seen.any() and not seen.all():
+                im = torch.where(seen[:, None], im, im[seen].mean(0))
+            imp = im
+        group = max(2, EXPERT_GROUP_BYTES // (4 * t.numel // n))
+        bounds = list(range(0, n, group)) + [n]
+        if bounds[-1] - bounds[-2] < 2:  # a group of one expert would take the imatrix as a shared one
+            del bounds[-2]
+        out = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            w = check_finite(ts.read_stored(t, lo, hi).decode(slice(None)), tensor_label(t.hf_name, t.gguf_name),
+                             ts.file_of(t), run.cfg.allow_nonfinite)
+            part = imp[lo:hi] if isinstance(imp, torch.Tensor) and imp.dim() == 2 else imp
+            out.append(encode_tensor(w.to(run.device), fmt, part).cpu().numpy())
+        return np.concatenate(out)
 
     def add(self, t: SourceTensor, encoded: np.ndarray) -> None:
         self.writer.add(t, encoded)

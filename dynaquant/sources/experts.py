@@ -10,13 +10,18 @@ module (``model.layers.N.mlp.experts``) and runs them in one call. Two layouts e
 
 The GGUF tensors ``ffn_{gate,up,down}_exps`` stack the experts as (E, rows, row_size): see
 :func:`expert_weight`; the HF sources name them after the experts module
-(:func:`stacked_name`). :func:`dispatch` is transformers' routing, shared by the calibration
-forward (:mod:`dynaquant.analysis.experts`) and the quantized runtime (:mod:`dynaquant.runtime.moe`).
+(:func:`stacked_name`). A block-by-block run whose MoE block does not fit ``--max-gpu-memory`` in the analysis
+dtype keeps a ``fused`` module's experts *packed*: as the checkpoint stores them (:class:`Stored`: BF16 / FP16, or
+FP8 with its block scales), each expert decoded to float32 when it runs (:func:`pack`, :func:`expert_matrix`,
+:func:`expert_linear`); the decoded values are the ones an unpacked read gives, bit for bit. :func:`dispatch` is
+transformers' routing, shared by the calibration forward (:mod:`dynaquant.analysis.experts`) and the quantized
+runtime (:mod:`dynaquant.runtime.moe`).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -91,3 +96,111 @@ def dispatch(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
         y = expert_fn(e, x_all[tok], w[tok, pos])
         out.index_add_(0, tok, (y * w[tok, pos, None]).to(out.dtype))
     return out.reshape(shape)
+
+
+@dataclass
+class Stored:
+    """Experts of one stacked projection as the checkpoint stores them.
+
+    Attributes:
+        values: (n, N, K) in the stored dtype (bfloat16, float16, float8_e4m3fn or float32), GGUF orientation.
+        scale: block-scaled FP8 (DeepSeek-V3's release): (n, ceil(N / b0), ceil(K / b1)) float32 multipliers
+            (``weight_scale_inv``); None otherwise.
+        block: the FP8 block size (b0, b1), or None.
+    """
+
+    values: torch.Tensor
+    scale: torch.Tensor | None = None
+    block: tuple[int, ...] | None = None
+
+    def decode(self, i: int | slice) -> torch.Tensor:
+        """Expert(s) ``i`` in float32 on the values' device, as :func:`dynaquant.sources.release.dequant_block_fp8`
+        (or a cast) decodes them on reading."""
+        from dynaquant.sources.release import dequant_block_fp8
+
+        x = self.values[i]
+        if self.scale is None:
+            return x.to(torch.float32)
+        return dequant_block_fp8(x, self.scale[i], self.block)
+
+    def to(self, device) -> Stored:
+        return Stored(self.values.to(device), None if self.scale is None else self.scale.to(device), self.block)
+
+    @property
+    def nbytes(self) -> int:
+        s = self.values.numel() * self.values.element_size()
+        return s + (0 if self.scale is None else self.scale.numel() * self.scale.element_size())
+
+
+_PACKED = "_dq_packed"  # the experts module's attribute: proj -> Stored (all E experts, on the module's device)
+
+
+def pack(module: torch.nn.Module, stored: dict[str, Stored]) -> None:
+    """Keep a ``fused`` experts module's weights packed (``gate_proj``, ``up_proj``, ``down_proj`` -> all E experts);
+    its ``gate_up_proj`` / ``down_proj`` parameters stay on the meta device. :func:`unpack` undoes it."""
+    if layout_of(module) != "fused":
+        raise ValueError("only the fused experts layout is kept packed")
+    setattr(module, _PACKED, stored)
+
+
+def unpack(module: torch.nn.Module) -> None:
+    module.__dict__.pop(_PACKED, None)
+
+
+def packed(module: torch.nn.Module) -> dict[str, Stored] | None:
+    """The module's packed experts (:func:`pack`), or None."""
+    return module.__dict__.get(_PACKED)
+
+
+def expert_matrix(module: torch.nn.Module, proj: str, e: int) -> torch.Tensor:
+    """Expert ``e``'s ``proj`` weight (N, K) as GGUF stacks it (:func:`expert_weight`), decoded to float32 where the
+    module is packed."""
+    st = packed(module)
+    return st[proj].decode(e) if st is not None else expert_weight(module, proj)[e]
+
+
+class _DecodedLinear(torch.autograd.Function):
+    """``linear(x, decode())`` whose backward decodes the weight again instead of keeping it (the weight needs no
+    gradient): a packed block's Fisher backward keeps its inputs, not 45 GB of decoded experts. The gradient is
+    autograd's own for ``linear`` (``grad @ weight``)."""
+
+    @staticmethod
+    def forward(ctx, x, decode):
+        ctx.decode = decode
+        return torch.nn.functional.linear(x, decode())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.matmul(ctx.decode()), None
+
+
+def expert_linear(module: torch.nn.Module, e: int, which: str, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x, W)`` for expert ``e`` of a ``fused`` module, ``which`` ``"gate_up"`` (W (2I, H)) or ``"down"``
+    (W (H, I)); a packed module's W is decoded for the call (and again in the backward, not kept)."""
+    st = packed(module)
+    if st is None:
+        return torch.nn.functional.linear(x, (module.gate_up_proj if which == "gate_up" else module.down_proj)[e])
+
+    def decode() -> torch.Tensor:
+        if which == "down":
+            return st["down_proj"].decode(e)
+        return torch.cat([st["gate_proj"].decode(e), st["up_proj"].decode(e)])
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _DecodedLinear.apply(x, decode)
+    return torch.nn.functional.linear(x, decode())
+
+
+class PackedForward:
+    """The forward of a packed ``fused`` experts module: transformers' (same routing order, same operations), each
+    expert decoded when it runs."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.m = module
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+        m = self.m
+
+        def run(e: int, x: torch.Tensor, _w: torch.Tensor) -> torch.Tensor:
+            gate, up = expert_linear(m, e, "gate_up", x).chunk(2, dim=-1)
+            return expert_linear(m, e, "down", m.act_fn(gate) * up)
+        return dispatch(hidden_states, top_k_index, top_k_weights, m.gate_up_proj.shape[0], run)

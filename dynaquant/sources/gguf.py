@@ -96,6 +96,28 @@ class TensorSource(ABC):
         """The file holding a tensor's data, for messages (default: the source itself)."""
         return self.source_id
 
+    def read_to(self, t: SourceTensor, device: str | torch.device) -> torch.Tensor:
+        """:meth:`read` onto ``device``, the same values bit for bit; a source may move the stored bytes (BF16, FP8)
+        and decode them there, which on a GPU halves the copy and spares the CPU the conversion (default: read, then
+        move)."""
+        return self.read(t).to(device)
+
+    def read_stored(self, t: SourceTensor, lo: int = 0, hi: int | None = None):
+        """Experts ``lo .. hi - 1`` of a stacked expert tensor (``ffn_{gate,up,down}_exps``, (E, rows, row)) as the
+        checkpoint stores them (:class:`dynaquant.sources.experts.Stored`: BF16 / FP16 / FP8 with block scales, on
+        the CPU); decoded, they equal ``read(t)[lo:hi]`` bit for bit. Default: that float32 slice (read whole)."""
+        from dynaquant.sources.experts import Stored
+
+        return Stored(self.read(t)[lo:hi].clone())
+
+    def stored_bytes(self, t: SourceTensor) -> int:
+        """Bytes :meth:`read_stored` of the whole tensor holds (default: float32)."""
+        return 4 * t.numel
+
+    def reads_experts(self, t: SourceTensor) -> bool:
+        """Whether :meth:`read_stored` reads only the experts asked for (default: no, it reads the whole tensor)."""
+        return False
+
     def tensor(self, gguf_name: str) -> SourceTensor:
         """Look a tensor up by GGUF name.
 

@@ -99,6 +99,10 @@ def identify_bpe_pre_tokenizer(tokenizer) -> str:
     return name
 
 
+# safetensors dtypes whose per-expert tensors are kept as stored when a MoE block's experts are packed
+_PACKED_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
+
+
 class HFCheckpointSource(TensorSource):
     """A HF checkpoint folder as a tensor source (see :func:`.open.open_hf_source`)."""
 
@@ -106,6 +110,7 @@ class HFCheckpointSource(TensorSource):
     _composites: dict = {}  # GGUF name -> hf_moe composite (stacked experts, MLA splits)
     _fp8_scale: dict = {}  # FP8 weight name -> its scale tensor's name
     _fp8_block = None
+    _dtypes: dict = {}  # HF name -> safetensors dtype
     trust_remote_code = False  # the user's --trust-remote-code, for transformers' config and tokenizer classes
 
     def __init__(self, folder: str | os.PathLike, *, trust_remote_code: bool = False):
@@ -180,13 +185,16 @@ class HFCheckpointSource(TensorSource):
 
     def _index_tensors(self) -> tuple[list[SourceTensor], dict[str, str]]:
         shapes: dict[str, tuple[int, ...]] = {}
+        self._dtypes: dict[str, str] = {}  # HF name -> safetensors dtype ("BF16", "F8_E4M3", ...)
         by_file: dict[Path, list[str]] = {}
         for name, p in self._files.items():
             by_file.setdefault(p, []).append(name)
         for p, names in by_file.items():
             with open_safetensors(p) as f:
                 for name in names:
-                    shapes[name] = tuple(int(n) for n in f.get_slice(name).get_shape())
+                    sl = f.get_slice(name)
+                    shapes[name] = tuple(int(n) for n in sl.get_shape())
+                    self._dtypes[name] = sl.get_dtype()
 
         shapes = self._fold_quantization_tensors(shapes)
         tensors: list[tuple[tuple, SourceTensor]] = []
@@ -278,6 +286,78 @@ class HFCheckpointSource(TensorSource):
         if tuple(x.shape) != t.shape:
             raise ValueError(f"{hf_name}: read shape {tuple(x.shape)}, expected {t.shape}")
         return x.contiguous()
+
+    def _packable(self, t: SourceTensor):
+        """The per-expert members of a stacked expert tensor stored in a packable dtype (same for all), else None."""
+        comp = self._composites.get(t.gguf_name)
+        if not isinstance(comp, hf_moe.ExpertStack):
+            return None
+        dtypes = {self._dtypes.get(m) for m in comp.members}
+        return comp.members if len(dtypes) == 1 and dtypes.pop() in _PACKED_ITEMSIZE else None
+
+    def read_stored(self, t: SourceTensor, lo: int = 0, hi: int | None = None):
+        """Experts ``lo .. hi - 1`` of a stacked expert tensor as stored (per-expert BF16 / FP16 / F32 tensors, or
+        FP8 with their ``weight_scale_inv``), read one expert at a time; see ``TensorSource.read_stored``.
+
+        Raises:
+            ValueError: an expert read back in another shape.
+        """
+        from dynaquant.sources.experts import Stored
+
+        members = self._packable(t)
+        if members is None:
+            return super().read_stored(t, lo, hi)
+        values, scales = [], []
+        for name in members[lo:hi]:
+            with open_safetensors(self._files[name]) as f:
+                x = f.get_tensor(name)
+            if tuple(x.shape) != tuple(t.shape[1:]):
+                raise ValueError(f"{name}: read shape {tuple(x.shape)}, expected {tuple(t.shape[1:])}")
+            values.append(x)
+            if (scale := self._fp8_scale.get(name)) is not None:
+                with open_safetensors(self._files[scale]) as f:
+                    scales.append(f.get_tensor(scale).to(torch.float32))
+        if scales and len(scales) != len(values):
+            return super().read_stored(t, lo, hi)
+        block = tuple(self._fp8_block) if scales and self._fp8_block else None
+        if scales and block is None:  # a per-tensor FP8 scale: decoded as read
+            return super().read_stored(t, lo, hi)
+        return Stored(torch.stack(values), torch.stack(scales) if scales else None, block)
+
+    def stored_bytes(self, t: SourceTensor) -> int:
+        members = self._packable(t)
+        if members is None:
+            return super().stored_bytes(t)
+        n = t.numel * _PACKED_ITEMSIZE[self._dtypes[members[0]]]
+        if members[0] in self._fp8_scale and self._fp8_block:
+            b0, b1 = self._fp8_block
+            n += 4 * t.shape[0] * -(-t.shape[1] // b0) * -(-t.shape[2] // b1)
+        return n
+
+    def read_to(self, t: SourceTensor, device: str | torch.device) -> torch.Tensor:
+        """:meth:`read` onto ``device``: a plain checkpoint tensor (BF16 / F16 / F32, or FP8 with its scales) is moved
+        as stored and converted (dequantized, q/k permuted) there: the same float32 values, bit for bit."""
+        hf_name = getattr(self, "_hf_of", {}).get(t.gguf_name)
+        if t.gguf_name in self._composites or hf_name not in getattr(self, "_files", {}) \
+                or self._dtypes.get(hf_name) not in _PACKED_ITEMSIZE:
+            return super().read_to(t, device)
+        with open_safetensors(self._files[hf_name]) as f:
+            x = f.get_tensor(hf_name).to(device)
+        if (scale := self._fp8_scale.get(hf_name)) is not None:
+            with open_safetensors(self._files[scale]) as f:
+                x = hf_dequant.dequant_block_fp8(x, f.get_tensor(scale).to(device), self._fp8_block)
+        x = x.to(torch.float32)
+        if self.arch == "llama":
+            if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+                x = permute_qk(x, self.n_head)
+            elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+                x = permute_qk(x, self.n_head_kv)
+        if tuple(x.shape) != t.shape:
+            raise ValueError(f"{hf_name}: read shape {tuple(x.shape)}, expected {t.shape}")
+        return x.contiguous()
+
+    def reads_experts(self, t: SourceTensor) -> bool:
+        return self._packable(t) is not None
 
     def file_of(self, t: SourceTensor) -> str:
         """The ``*.safetensors`` (or ``*.bin``) file holding the tensor, else the folder."""

@@ -12,7 +12,11 @@ tensor) through :class:`~dynaquant.sources.params.ParamWriter`, and released bac
 
 Parts: ``"outer"`` (everything outside the text decoder blocks: token embedding, final norm, output head, a vision
 tower) and each decoder block ``0 .. n_blocks - 1``. The memory a part holds is its parameters' bytes in the
-skeleton's dtype (:meth:`ModelSkeleton.part_bytes`), computed from the shapes.
+skeleton's dtype (:meth:`ModelSkeleton.part_bytes`), computed from the shapes. With ``pack_experts`` (set by
+:meth:`ModelSkeleton.fit` when a MoE block does not fit the GPU limit otherwise) a block's routed experts are kept as
+the checkpoint stores them (BF16, or FP8 with its block scales: DeepSeek-V3's 11 B expert weights a layer take 11 GB
+instead of 45 GB in float32), read a group of experts at a time, and decoded one expert at a time when they run
+(:mod:`dynaquant.sources.experts`): the same values, bit for bit.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import logging
 import torch
 
 from dynaquant.names import TensorName
+from dynaquant.sources import experts as xp
 from dynaquant.sources.gguf import SourceTensor, TensorSource
 from dynaquant.sources.nonfinite import check_finite, tensor_label
 from dynaquant.sources.params import ParamWriter
@@ -29,6 +34,7 @@ from dynaquant.sources.params import ParamWriter
 log = logging.getLogger(__name__)
 
 OUTER = "outer"
+GROUP_BYTES = 1 << 30  # packed experts are read (and checked in float32) this many float32 bytes at a time
 
 
 def _block_of_param(name: str) -> int | None:
@@ -74,6 +80,7 @@ class ModelSkeleton:
             raise ValueError(f"{ts.source_id}: the model has no decoder blocks")
         self.layers = self._find_layers()
         self._live: set = set()
+        self.pack_experts = False  # see fit()
 
     def _find_layers(self) -> torch.nn.ModuleList:
         name = next(n for n in self._params[0])
@@ -83,11 +90,54 @@ class ModelSkeleton:
             raise ValueError(f"{self.ts.source_id}: decoder blocks not found under {prefix.rsplit('.', 1)[0]}")
         return layers
 
-    def part_bytes(self, part) -> int:
-        """Bytes the part's parameters take when materialized (in the skeleton's dtype; shared ones counted once)."""
+    def part_bytes(self, part, packed: bool | None = None) -> int:
+        """Bytes the part's parameters take when materialized (in the skeleton's dtype; shared ones counted once);
+        ``packed`` (default: :attr:`pack_experts`): routed experts of the ``fused`` layout counted as stored
+        (``TensorSource.stored_bytes``)."""
+        packed = self.pack_experts if packed is None else packed
         params = dict(self.model.named_parameters())
         item = torch.empty((), dtype=self.dtype).element_size()
-        return sum(params[n].numel() * item for n in dict.fromkeys(self._params.get(part, [])) if n in params)
+        skip = self._packed_params(part) if packed else set()
+        n = sum(params[p].numel() * item for p in dict.fromkeys(self._params.get(part, [])) if p in params and p not in skip)
+        return n + sum(self.ts.stored_bytes(t) for t in self._tensors.get(part, []) if packed and self._packs(t, part))
+
+    def _fused_modules(self, part) -> dict[str, torch.nn.Module]:
+        """The part's experts modules of the ``fused`` layout, by name."""
+        if part == OUTER:
+            return {}
+        return {n: m for n, m in xp.find_experts(self.model).items()
+                if xp.layout_of(m) == "fused" and _block_of_param(n + ".x") == part}
+
+    def _packed_params(self, part) -> set[str]:
+        return {f"{n}.{p}" for n in self._fused_modules(part) for p in ("gate_up_proj", "down_proj")}
+
+    def _packs(self, t: SourceTensor, part) -> bool:
+        st = xp.stacked_name(t.hf_name)
+        return st is not None and st[0] in self._fused_modules(part)
+
+    def fit(self, max_gpu_memory: int) -> None:
+        """Choose how the parts live within ``max_gpu_memory`` bytes: unpacked where the outer part and the largest
+        block fit it in the skeleton's dtype, else with the experts packed (:attr:`pack_experts`).
+
+        Raises:
+            InputError: neither fits (names the block and both sizes).
+        """
+        from dynaquant.errors import InputError
+
+        outer = self.part_bytes(OUTER, packed=False)
+        block = max(range(self.n_blocks), key=lambda b: self.part_bytes(b, packed=False))
+        self.pack_experts = False
+        if outer + self.part_bytes(block, packed=False) <= max_gpu_memory:
+            return
+        packed = max(self.part_bytes(b, packed=True) for b in range(self.n_blocks))
+        if outer + packed <= max_gpu_memory and not self.allow_nonfinite:
+            log.info("MoE experts kept as stored (%.2f GiB a block instead of %.2f GiB) to fit %.2f GiB of GPU memory",
+                     packed / 2**30, self.part_bytes(block, packed=False) / 2**30, max_gpu_memory / 2**30)
+            self.pack_experts = True
+            return
+        raise InputError(f"{self.ts.source_id}: block {block} ({self.part_bytes(block, packed=False) / 2**30:.2f} GiB "
+                         f"of weights, {packed / 2**30:.2f} GiB with its experts as stored) and the embedding and head "
+                         f"({outer / 2**30:.2f} GiB) do not fit --max-gpu-memory {max_gpu_memory / 2**30:.2f} GiB")
 
     def materialize(self, part) -> None:
         """Give ``part``'s parameters real values from the source, on the skeleton's device.
@@ -98,6 +148,8 @@ class ModelSkeleton:
         if part in self._live:
             return
         names = self._params.get(part, [])
+        packed = self._packed_params(part) if self.pack_experts else set()
+        names = [n for n in names if n not in packed]
         with torch.no_grad():
             # NaN marks what no source tensor fills; a tied parameter (lm_head = embed_tokens) stays one object
             self._replace(names, lambda p: torch.full(p.shape, float("nan"), dtype=self.dtype, device=self.device))
@@ -107,9 +159,15 @@ class ModelSkeleton:
                         mod._buffers[bname] = buf.to(self.device)
             writer = ParamWriter(self.model, self.ts.arch, getattr(self.ts, "n_head", None),
                                  getattr(self.ts, "n_head_kv", None))
+            stored: dict[str, dict[str, xp.Stored]] = {}
             for t in self._tensors.get(part, []):
+                if packed and self._packs(t, part):
+                    name, proj = xp.stacked_name(t.hf_name)
+                    stored.setdefault(name, {})[proj] = self._read_packed(t)
+                    continue
                 where = self.ts.file_of(t)
-                x = check_finite(self.ts.read(t), tensor_label(t.hf_name, t.gguf_name), where, self.allow_nonfinite)
+                x = check_finite(self.ts.read_to(t, self.device), tensor_label(t.hf_name, t.gguf_name), where,
+                                 self.allow_nonfinite)
                 writer.put(t, x, origin=where)
             writer.flush()
             params = dict(self.model.named_parameters(remove_duplicate=False))
@@ -117,13 +175,42 @@ class ModelSkeleton:
                 if torch.isnan(params[name]).any():
                     raise ValueError(f"{self.ts.source_id}: parameter {name} of the model is not filled by any tensor "
                                      "of the source (or the source holds NaN in it)")
+            for name, mod in self._fused_modules(part).items() if packed else ():
+                if set(stored.get(name, {})) != set(xp.PROJS):
+                    raise ValueError(f"{self.ts.source_id}: experts {name}: the source holds "
+                                     f"{sorted(stored.get(name, {}))}, not gate, up and down")
+                xp.pack(mod, stored[name])
+                if "forward" not in mod.__dict__:  # (a collector's own forward reads packed experts itself)
+                    mod.forward = xp.PackedForward(mod)
         self._live.add(part)
+
+    def _read_packed(self, t: SourceTensor) -> xp.Stored:
+        """A stacked expert tensor as stored, on the device, read and checked a group of experts at a time."""
+        per_expert = max(1, t.numel // t.shape[0] * 4)
+        group = max(1, GROUP_BYTES // per_expert) if self.ts.reads_experts(t) else t.shape[0]
+        out = None
+        for lo in range(0, t.shape[0], group):
+            g = self.ts.read_stored(t, lo, min(lo + group, t.shape[0]))
+            check_finite(g.decode(slice(None)), tensor_label(t.hf_name, t.gguf_name), self.ts.file_of(t))
+            if out is None:
+                scale = None if g.scale is None else \
+                    torch.empty((t.shape[0], *g.scale.shape[1:]), dtype=g.scale.dtype, device=self.device)
+                out = xp.Stored(torch.empty(t.shape, dtype=g.values.dtype, device=self.device), scale, g.block)
+            out.values[lo : lo + g.values.shape[0]].copy_(g.values)
+            if g.scale is not None:
+                out.scale[lo : lo + g.values.shape[0]].copy_(g.scale)
+        return out
 
     def release(self, part) -> None:
         """Put ``part``'s parameters back on the meta device (their memory is freed)."""
         if part not in self._live:
             return
-        self._replace(self._params.get(part, []), lambda p: torch.empty_like(p, device="meta"))
+        for mod in self._fused_modules(part).values():
+            if xp.packed(mod) is not None:
+                xp.unpack(mod)
+                if isinstance(mod.__dict__.get("forward"), xp.PackedForward):
+                    del mod.forward
+        self._replace(self._params.get(part, []), lambda p: p if p.is_meta else torch.empty_like(p, device="meta"))
         self._live.discard(part)
 
     def _replace(self, names: list[str], make) -> None:
