@@ -179,7 +179,10 @@ def run_quantize(ckpt: Path, out: Path, work: Path, args, mode: str = "stream") 
     """One ``quantize --stream`` (``mode`` "stream") or whole-model ``quantize`` ("whole") in a child; the row's
     measurements."""
     stream = ["--stream", "--work-dir", str(work)] if mode == "stream" else []
-    cmd = [sys.executable, "-c", CHILD, "quantize", str(ckpt), *stream, "--bpw", str(args.bpw), "--device",
+    if mode == "stream" and args.max_gpu_memory:
+        stream += ["--max-gpu-memory", args.max_gpu_memory]
+    # -v: the stream pipeline logs its stages' GPU peaks
+    cmd = [sys.executable, "-c", CHILD, "-v", "quantize", str(ckpt), *stream, "--bpw", str(args.bpw), "--device",
            args.device, "--no-eval", "--json", "-o", str(out), "--correct", str(args.correct),
            "--calibration-chunks", str(args.calibration_chunks), "--ctx", str(args.ctx)]
     t0 = time.perf_counter()
@@ -191,6 +194,9 @@ def run_quantize(ckpt: Path, out: Path, work: Path, args, mode: str = "stream") 
     lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
     child = json.loads(lines[-1])
     res = json.loads("\n".join(lines[:-1]))
+    peaks = [ln.split("peak GPU memory after ", 1)[1] for ln in p.stderr.splitlines() if "peak GPU memory after " in ln]
+    if peaks:
+        row["gpu_peak_by_stage"] = peaks  # cumulative maxima, logged by the stream pipeline
     row.update(gpu_peak_bytes=child["gpu_peak_bytes"], peak_rss_bytes=child["peak_rss_bytes"],
                timings_s=res.get("timings_s"), file_bytes=res.get("size_bytes"), bpw=res.get("bpw"))
     return row
@@ -227,6 +233,8 @@ def main(argv=None) -> int:
     p.add_argument("--keep", action="store_true", help="keep checkpoints and outputs")
     p.add_argument("--modes", default="stream",
                    help="comma-separated: stream (quantize --stream), whole (the whole-model pipeline, for comparison)")
+    p.add_argument("--max-gpu-memory", help="quantize --stream's --max-gpu-memory (e.g. 40GiB: a DeepSeek-V3 MoE block "
+                   "then keeps its experts in FP8 as stored)")
     p.add_argument("--correct", type=int, default=0,
                    help="measured-correction rounds (default 0: they re-measure whole plans, minutes each on 8B)")
     args = p.parse_args(argv)

@@ -313,6 +313,10 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
     t2 = time.perf_counter()
     path, nbytes = write_output(run, target, output)
     timings["quantize_s"] = time.perf_counter() - t2
+    if cfg.stream:
+        from dynaquant.pipeline.analyze_blocks import log_gpu_peak
+
+        log_gpu_peak(device, "quantize")
     result = QuantizeResult(path, plan, nbytes, plan.bpw, time.perf_counter() - t0, im.chunks if im else 0,
                             timings_s=timings, gptq=rounding.summary() if rounding else None, fit=fit,
                             files=target.written, source_bytes=source_bytes(ts))
