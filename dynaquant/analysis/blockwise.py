@@ -26,15 +26,16 @@ Fisher sequences, ``(n_blocks + 1) * fisher_sequences * T * hidden`` (:func:`hid
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 import torch
-from tqdm.auto import tqdm
 
 from dynaquant.analysis.imatrix import Imatrix
 from dynaquant.analysis.stats import Collect, Collector, ModelStats, stats_from_state, stats_state
+from dynaquant.progress import RunProgress, stage_bar
 from dynaquant.sources.skeleton import OUTER, ModelSkeleton
 
 
@@ -128,7 +129,7 @@ def _fisher_in_name(i: int) -> str:
 
 
 def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | None = None, *, seed: int = 0,
-                      progress: bool = True, store_device: str | torch.device = "cpu",
+                      progress: bool | RunProgress = True, store_device: str | torch.device = "cpu",
                       on_block: Callable[[int, ModelStats], None] | None = None,
                       checkpoints: Checkpoints | None = None,
                       extra: tuple[Callable[[], dict], Callable[[dict], None]] | None = None,
@@ -141,7 +142,8 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
         chunks: (n, seq_len) int64 token ids.
         what: the statistics to gather (as :func:`.stats.collect`; default ``Collect()``).
         seed: label-sampling seed of the Fisher sequences.
-        progress: show a progress bar (one step per block and sweep).
+        progress: show a progress bar (one step per block and sweep), or the run's
+            (:class:`dynaquant.progress.RunProgress`, stage ``"calibration"``).
         store_device: where the hidden states between blocks are kept.
         on_block: called as ``on_block(i, stats)`` after the forward sweep of block ``i``, the block still
             materialized: its statistics are complete but for the Fisher diagonals (the analysis measures the
@@ -190,7 +192,7 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
         rider_col = Collector(model, riders[1], Collect(hessian=True, experts=False), device=dev)
         rider_col.accumulate = rider_col.count_tokens = False
     blocks = _Blocks(sk.layers)
-    bar = tqdm(total=2 * sk.n_blocks + 2, desc="calibration", disable=not progress, unit="step")
+    bar = stage_bar(progress, "calibration", 2 * sk.n_blocks + 2, "step")
 
     def save(name: str, **state) -> None:
         if checkpoints is not None:
@@ -228,6 +230,8 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
         fisher_in: list = [[] for _ in range(sk.n_blocks)]
         bar.update(start)
         for i in range(start, sk.n_blocks):
+            t_block = time.perf_counter()
+            bar.set_description(f"calibration: block {i + 1} of {sk.n_blocks}, forward")
             blocks.restore()
             sk.materialize(i)
             layer = sk.layers[i]
@@ -262,6 +266,7 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
                 save(_FORWARD, block=i, hidden_dir=str(hidden.folder))
             else:
                 save(_FORWARD, block=i, hidden=hidden)
+            bar.set_postfix_str(f"{chunks.numel() / (time.perf_counter() - t_block):.0f} tokens/s")
             bar.update(1)
         # 3. the head: its statistics; logits, labels and the last block's output gradient of the Fisher sequences
         grads: list[torch.Tensor] = []
@@ -307,8 +312,10 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
         # 4. backward sweep over the Fisher sequences, then the embedding
         col.fisher, col.accumulate = True, False
         top = resume["block"] - 1 if stage == "backward" else sk.n_blocks - 1
+        bar.set_postfix_str("")
         bar.update(sk.n_blocks - 1 - top)
         for i in range(top, -1, -1):
+            bar.set_description(f"calibration: block {i + 1} of {sk.n_blocks}, Fisher backward")
             if nf:
                 blocks.restore()
                 sk.materialize(i)
@@ -385,8 +392,8 @@ def _forward_to_head(model, col: Collector | None, ids: torch.Tensor, blocks: _B
 @torch.no_grad()
 def stream_logits(sk: ModelSkeleton, chunks: torch.Tensor, n_variants: int,
                   edit: Callable[[int, object, torch.nn.Module | None], Callable[[], None] | None],
-                  reduce: Callable[[int, int, torch.Tensor], None], *, progress: bool = False,
-                  store_device: str | torch.device = "cpu") -> None:
+                  reduce: Callable[[int, int, torch.Tensor], None], *, progress: bool | RunProgress = False,
+                  store_device: str | torch.device = "cpu", desc: str = "blocks") -> None:
     """Run token sequences through variants of a model, block by block, and hand the variants' logits on.
 
     Variant 0 is the model as the source holds it; ``edit(v, part, module)`` may change a materialized part's
@@ -403,7 +410,8 @@ def stream_logits(sk: ModelSkeleton, chunks: torch.Tensor, n_variants: int,
         edit: see above; per block called once per variant, in block order, variant 0 included.
         reduce: ``reduce(s, v, logits)`` with variant ``v``'s (T, vocab) float32 logits of sequence ``s``; for each
             sequence in order, variants in order (variant 0 first: a caller comparing with it keeps that one).
-        progress: show a progress bar (one step per block).
+        progress: show a progress bar (one step per block), or the run's (:class:`dynaquant.progress.RunProgress`;
+            ``desc`` names the stage).
         store_device: where the hidden states between blocks are kept.
     """
     model, dev = sk.model, sk.device
@@ -428,7 +436,9 @@ def stream_logits(sk: ModelSkeleton, chunks: torch.Tensor, n_variants: int,
                 if undo is not None:
                     undo()
             hidden[v] = first
-        for i in tqdm(range(sk.n_blocks), desc="blocks", disable=not progress, unit="block"):
+        bar = stage_bar(progress, desc, sk.n_blocks, "block")
+        for i in range(sk.n_blocks):
+            bar.set_description(f"{desc}: block {i + 1} of {sk.n_blocks}")
             blocks.restore()
             sk.materialize(i)
             layer = sk.layers[i]
@@ -447,6 +457,8 @@ def stream_logits(sk: ModelSkeleton, chunks: torch.Tensor, n_variants: int,
                         undo()
                 hidden[v] = states
             sk.release(i)
+            bar.update(1)
+        bar.close()
         for s in range(chunks.shape[0]):
             ids = chunks[s : s + 1].to(dev)
             for v in range(n_variants):

@@ -125,7 +125,7 @@ class DecodedVariant:
 
 
 def evaluate_written_blockwise(path: Path, source: ModelSource, ts: TensorSource, tokenizer, cfg: QuantizeConfig,
-                               device: str) -> EvalResult:
+                               device: str, progress=None) -> EvalResult:
     """:func:`evaluate_written` for a GGUF, block by block (``quantize --stream``): the source and the file's decoded
     weights run as two variants of one block-wise pass (:func:`dynaquant.analysis.blockwise.stream_logits`), one
     decoder block in memory at a time (twice: the source's and the decoded). Same figures as the whole-model
@@ -148,7 +148,8 @@ def evaluate_written_blockwise(path: Path, source: ModelSource, ts: TensorSource
         else:
             scores.add(ids[s], ref[0], logits)
 
-    stream_logits(sk, ids, 2, DecodedVariant(path, ts, sk), reduce, progress=cfg.progress)
+    stream_logits(sk, ids, 2, DecodedVariant(path, ts, sk), reduce,
+                  progress=cfg.progress if progress is None else progress, desc="evaluation")
     return scores.result()
 
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from dynaquant.analysis.calibration import CalibrationSpec
 from dynaquant.analysis.calibration import calibration_chunks as calibration_ids
@@ -42,6 +41,7 @@ from dynaquant.pipeline.source import (
     tensor_infos,
 )
 from dynaquant.pipeline.targets import RunState, Target, target_of
+from dynaquant.progress import RunProgress, stage_bar
 from dynaquant.quant.fit import FIT_CTX, KV_TYPES, MemoryFit
 from dynaquant.quant.formats import get_format
 from dynaquant.quant.plan import Plan
@@ -245,6 +245,10 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
         start.dynamic or target.name == "safetensors" or any(get_format(e.format).kind != "float" for e in start.plan.entries))
     final = _check_output(cfg, target, source, ts, tensors, start, inputs)
     rundir = _open_rundir(cfg, source, final) if cfg.stream else None
+    # one progress display for a stream run (shares: the stages' times on the 8B shape, benchmarks/scale.py)
+    run_bar = RunProgress({"calibration": 0.55, "writing": 0.45, "evaluation": 0.3 if cfg.evaluate else 0.0},
+                          enabled=cfg.progress) if cfg.stream else None
+    progress = run_bar if run_bar is not None else cfg.progress
     output = pub.stage(final, target, inputs, source)
     rounds = auto_rounds(cfg.correct_rounds, device) if start.dynamic else 0  # measured corrections of the plan
     model_needed = target.needs_model or needs_imatrix or needs_analysis or cfg.gptq or rounds > 0
@@ -263,7 +267,7 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
 
             res = run_blockwise_analysis(source, ts, tokenizer, cfg.spec(), device=device,
                                          candidates=target.analysis_candidates, fisher_sequences=cfg.fisher_sequences,
-                                         progress=cfg.progress, timings=timings, rundir=rundir,
+                                         progress=progress, timings=timings, rundir=rundir,
                                          max_cpu_memory=cfg.max_cpu_memory, max_gpu_memory=cfg.max_gpu_memory,
                                          offload_dir=cfg.offload_dir, allow_nonfinite=cfg.allow_nonfinite)
             start.report, im = res.report, res.imatrix
@@ -308,7 +312,7 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
                                   cfg.progress, timings, allow_nonfinite=cfg.allow_nonfinite)
     run = RunState(cfg, source, ts, plan, start.loaded is not None, im, imat, rounding, torch.device(device), start.report,
                    hf_model if target.needs_model else None, tokenizer, imat_path if im is None and cfg.use_imatrix else None,
-                   rundir)
+                   rundir, run_bar)
     hf_model = None  # the source model is not kept for the evaluation: it is loaded again at the end
     t2 = time.perf_counter()
     path, nbytes = write_output(run, target, output)
@@ -329,9 +333,11 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
         if cfg.stream:
             from dynaquant.pipeline.evaluate import evaluate_written_blockwise
 
-            result.eval = evaluate_written_blockwise(path, source, ts, tokenizer, cfg, device)
+            result.eval = evaluate_written_blockwise(path, source, ts, tokenizer, cfg, device, progress=progress)
         else:
             result.eval = evaluate_written(path, source, ts, tokenizer, cfg, device, checkpoint=target.name == "safetensors")
+    if run_bar is not None:
+        run_bar.close()
     done = pub.finish(result, run, target, imat_path)
     if rundir is not None and not cfg.keep_work_dir:
         rundir.delete()
@@ -366,9 +372,14 @@ def write_output(run: RunState, target: Target, path: Path) -> tuple[Path, int]:
         (``path`` is left as it was).
     """
     target.begin(run, path)
+    tensors = target.tensors()
+    if run.progress is not None:
+        bar = stage_bar(run.progress, "writing", len(tensors), "tensor")
+        bar.set_description(target.progress_label())
+    else:
+        bar = stage_bar(run.cfg.progress, target.progress_label(), len(tensors), "tensor")
     try:
-        for i, t in enumerate(tqdm(target.tensors(), desc=target.progress_label(), unit="tensor",
-                                   disable=not run.cfg.progress)):
+        for i, t in enumerate(tensors):
             name = f"tensors/{i:05d}.npy"
             encoded = run.rundir.load_array(name) if run.rundir is not None else None
             if encoded is None:  # (a resumed run: encoded before it was stopped)
@@ -379,10 +390,13 @@ def write_output(run: RunState, target: Target, path: Path) -> tuple[Path, int]:
                 if run.rundir is not None:
                     run.rundir.save_array(name, encoded)
             target.add(t, encoded)
+            bar.update(1)
         return target.finish()
     except BaseException:
         target.abort()
         raise
+    finally:
+        bar.close()
 
 
 def _check_options(cfg: QuantizeConfig) -> Target:

@@ -74,6 +74,8 @@ class RunState:
         model, tokenizer: the loaded transformers model and tokenizer (None when not loaded).
         imatrix_file: the imatrix file the encoders read (when ``im`` is None), else None.
         rundir: the resumable work folder (``stream``): each encoded tensor is kept there and reused, else None.
+        progress: the run's one progress display (:class:`dynaquant.progress.RunProgress`), or None (the tensor loop
+            shows a bar of its own when ``cfg.progress``).
     """
 
     cfg: QuantizeConfig
@@ -90,6 +92,7 @@ class RunState:
     tokenizer: Any = None
     imatrix_file: Path | None = None
     rundir: Any = None
+    progress: Any = None
 
 
 class Target(Protocol):
