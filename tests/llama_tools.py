@@ -140,7 +140,10 @@ def _ensure_installed(version: str) -> importlib.metadata.Distribution:
     if have != version:
         log.info("llama-cpp-python %s installed, %s pinned: installing the pin (builds llama.cpp: ~10 min on 2 cores)",
                  have, version)
-        _run([sys.executable, "-m", "pip", "install", f"llama-cpp-python=={version}"])
+        # a portable build (GGML_NATIVE off: AVX2/FMA/F16C, no AVX-512 or AMX): a native one compiled on a CPU that
+        # advertises AMX dies of SIGILL (``tilezero``) in virtual machines that do not enable the tile state
+        env = {**os.environ, "CMAKE_ARGS": f"{os.environ.get('CMAKE_ARGS', '')} -DGGML_NATIVE=OFF".strip()}
+        _run([sys.executable, "-m", "pip", "install", "--no-cache-dir", f"llama-cpp-python=={version}"], env=env)
         importlib.invalidate_caches()
     return importlib.metadata.distribution("llama-cpp-python")
 
