@@ -53,6 +53,9 @@ class ModelSkeleton:
         device: where materialized parts live.
         allow_nonfinite: NaN / Inf weights replaced as :mod:`dynaquant.sources.nonfinite` says, instead of refused
             (``InputError`` naming the tensor and its file) when their part is materialized.
+    Attributes:
+        pack_experts: a block's routed experts (``fused`` layout) are kept as stored and decoded per expert (set by
+            :meth:`fit`; off by default).
     Raises:
         ValueError: the model has no decoder blocks the source's tensors map to.
     """
@@ -81,6 +84,7 @@ class ModelSkeleton:
         self.layers = self._find_layers()
         self._live: set = set()
         self.pack_experts = False  # see fit()
+        self._fused: dict | None = None  # block -> its fused experts modules by name (_fused_modules)
 
     def _find_layers(self) -> torch.nn.ModuleList:
         name = next(n for n in self._params[0])
@@ -102,11 +106,13 @@ class ModelSkeleton:
         return n + sum(self.ts.stored_bytes(t) for t in self._tensors.get(part, []) if packed and self._packs(t, part))
 
     def _fused_modules(self, part) -> dict[str, torch.nn.Module]:
-        """The part's experts modules of the ``fused`` layout, by name."""
-        if part == OUTER:
-            return {}
-        return {n: m for n, m in xp.find_experts(self.model).items()
-                if xp.layout_of(m) == "fused" and _block_of_param(n + ".x") == part}
+        """The part's experts modules of the ``fused`` layout, by name (found once for the model)."""
+        if self._fused is None:
+            self._fused = {}
+            for n, m in xp.find_experts(self.model).items():
+                if xp.layout_of(m) == "fused" and (b := _block_of_param(n + ".x")) is not None:
+                    self._fused.setdefault(b, {})[n] = m
+        return self._fused.get(part, {}) if part != OUTER else {}
 
     def _packed_params(self, part) -> set[str]:
         return {f"{n}.{p}" for n in self._fused_modules(part) for p in ("gate_up_proj", "down_proj")}
