@@ -97,18 +97,21 @@ def test_built_llama_quantize_is_the_pinned_llama_cpp(tmp_path):
 
 @pytest.mark.parametrize("installed", [None, "0.3.16", "PIN"])
 def test_ensure_installed_installs_the_pin_only_when_needed(installed, monkeypatch):
-    """Another or no llama-cpp-python: the pin is installed by requirement (as the dev extra would, so pip's wheel
-    cache serves both); the pinned version already installed: nothing is installed."""
+    """Another or no llama-cpp-python: the pin is installed by requirement, built portable (GGML_NATIVE off, pip's
+    wheel cache bypassed so that a native wheel is not reused); the pinned version already installed: nothing is
+    installed."""
     pin = llama_tools.pinned_version()
+    monkeypatch.delenv("CMAKE_ARGS", raising=False)
     monkeypatch.setattr(llama_tools, "_installed_version", lambda: pin if installed == "PIN" else installed)
     ran = []
-    monkeypatch.setattr(llama_tools, "_run", lambda cmd, **kw: ran.append(cmd))
+    monkeypatch.setattr(llama_tools, "_run", lambda cmd, **kw: ran.append((cmd, kw.get("env", {}).get("CMAKE_ARGS"))))
     monkeypatch.setattr(llama_tools.importlib.metadata, "distribution", lambda name: name)
     assert llama_tools._ensure_installed(pin) == "llama-cpp-python"
     if installed == "PIN":
         assert ran == []
     else:
-        assert ran == [[llama_tools.sys.executable, "-m", "pip", "install", f"llama-cpp-python=={pin}"]]
+        assert ran == [([llama_tools.sys.executable, "-m", "pip", "install", "--no-cache-dir", f"llama-cpp-python=={pin}"],
+                        "-DGGML_NATIVE=OFF")]
 
 
 def test_unpack_takes_only_llama_cpp_headers_common_and_the_tools(tmp_path):
