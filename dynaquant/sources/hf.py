@@ -276,8 +276,12 @@ class HFCheckpointSource(TensorSource):
             return self._llama3_rope_factors()
         if (comp := self._composites.get(t.gguf_name)) is not None:
             return comp.read(self._read_hf)
-        hf_name = self._hf_of[t.gguf_name]
-        x = self._read_hf(hf_name)
+        return self._read_plain(t, self._hf_of[t.gguf_name])
+
+    def _read_plain(self, t: SourceTensor, hf_name: str, device: str | torch.device | None = None) -> torch.Tensor:
+        """A checkpoint tensor that is not a composite, as float32 (on ``device``, moved as stored and converted
+        there), q/k permuted for ``llama``, its shape checked."""
+        x = self._read_hf(hf_name, device)
         if self.arch == "llama":
             if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
                 x = permute_qk(x, self.n_head)
@@ -341,20 +345,7 @@ class HFCheckpointSource(TensorSource):
         if t.gguf_name in self._composites or hf_name not in getattr(self, "_files", {}) \
                 or self._dtypes.get(hf_name) not in _PACKED_ITEMSIZE:
             return super().read_to(t, device)
-        with open_safetensors(self._files[hf_name]) as f:
-            x = f.get_tensor(hf_name).to(device)
-        if (scale := self._fp8_scale.get(hf_name)) is not None:
-            with open_safetensors(self._files[scale]) as f:
-                x = hf_dequant.dequant_block_fp8(x, f.get_tensor(scale).to(device), self._fp8_block)
-        x = x.to(torch.float32)
-        if self.arch == "llama":
-            if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-                x = permute_qk(x, self.n_head)
-            elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-                x = permute_qk(x, self.n_head_kv)
-        if tuple(x.shape) != t.shape:
-            raise ValueError(f"{hf_name}: read shape {tuple(x.shape)}, expected {t.shape}")
-        return x.contiguous()
+        return self._read_plain(t, hf_name, device)
 
     def reads_experts(self, t: SourceTensor) -> bool:
         return self._packable(t) is not None
@@ -388,16 +379,19 @@ class HFCheckpointSource(TensorSource):
                         self._fp8_block)
         return out
 
-    def _read_hf(self, hf_name: str) -> torch.Tensor:
-        """One checkpoint tensor in float32 (block-FP8 weights dequantized); packed uint8 data
-        (MXFP4 blocks and scales) is returned as stored, for its reader to decode."""
+    def _read_hf(self, hf_name: str, device: str | torch.device | None = None) -> torch.Tensor:
+        """One checkpoint tensor in float32 (block-FP8 weights dequantized), moved to ``device`` as stored and
+        converted there (None: on the CPU); packed uint8 data (MXFP4 blocks and scales) is returned as stored, for
+        its reader to decode."""
         with open_safetensors(self._files[hf_name]) as f:
             x = f.get_tensor(hf_name)
+        if device is not None:
+            x = x.to(device)
         if x.dtype == torch.uint8:
             return x
         if (scale := self._fp8_scale.get(hf_name)) is not None:
             with open_safetensors(self._files[scale]) as f:
-                return hf_dequant.dequant_block_fp8(x, f.get_tensor(scale), self._fp8_block)
+                return hf_dequant.dequant_block_fp8(x, f.get_tensor(scale).to(x.device), self._fp8_block)
         return x.to(torch.float32)
 
     def _llama3_rope_factors(self) -> torch.Tensor:
