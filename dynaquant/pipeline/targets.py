@@ -31,6 +31,7 @@ from dynaquant.exporters.safetensors.writer import (
 from dynaquant.pipeline.gptq import GPTQRounding
 from dynaquant.pipeline.preflight import Output, side_files_bytes_bound
 from dynaquant.quant.codecs import quantize as encode_tensor
+from dynaquant.quant.codecs.base import fill_unrouted
 from dynaquant.quant.formats import get_format
 from dynaquant.quant.plan import Plan, PlanEntry, TensorInfo
 from dynaquant.quant.planner import GGUF_CANDIDATES, RUNTIME_CANDIDATES, default_rules
@@ -374,11 +375,7 @@ class GGUFTarget:
         run, ts = self.run, self.run.ts
         n = t.shape[0]
         if imp is not None and torch.as_tensor(imp).numel() == n * t.shape[-1]:
-            im = torch.as_tensor(imp, dtype=torch.float32).reshape(n, t.shape[-1])
-            seen = im.sum(-1) > 0
-            if seen.any() and not seen.all():
-                im = torch.where(seen[:, None], im, im[seen].mean(0))
-            imp = im
+            imp = fill_unrouted(torch.as_tensor(imp, dtype=torch.float32).reshape(n, t.shape[-1]))
         group = max(2, EXPERT_GROUP_BYTES // (4 * t.numel // n))
         bounds = list(range(0, n, group)) + [n]
         if bounds[-1] - bounds[-2] < 2:  # a group of one expert would take the imatrix as a shared one

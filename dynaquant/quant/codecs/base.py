@@ -163,11 +163,16 @@ def _expert_importance(imatrix, shape: torch.Size, device) -> torch.Tensor | Non
     im = torch.as_tensor(imatrix, dtype=torch.float32, device=device)
     if im.numel() != shape[0] * shape[-1] or shape[0] == 1:
         return None
-    im = im.reshape(shape[0], shape[-1])
-    seen = im.sum(-1) > 0  # an expert calibration never routed to takes the mean of the others
+    return torch.stack([_floored(row) for row in fill_unrouted(im.reshape(shape[0], shape[-1]))])
+
+
+def fill_unrouted(imatrix: torch.Tensor) -> torch.Tensor:
+    """(n_expert, K) per-expert imatrix with each all-zero row (an expert calibration never routed to) replaced by the
+    mean of the other rows (unchanged when none or all are zero)."""
+    seen = imatrix.sum(-1) > 0
     if seen.any() and not seen.all():
-        im = torch.where(seen[:, None], im, im[seen].mean(0))
-    return torch.stack([_floored(row) for row in im])
+        return torch.where(seen[:, None], imatrix, imatrix[seen].mean(0))
+    return imatrix
 
 
 def quantize(
