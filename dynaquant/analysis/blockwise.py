@@ -40,42 +40,63 @@ from dynaquant.sources.skeleton import OUTER, ModelSkeleton
 
 
 class _Caught(Exception):  # noqa: N818 - a signal: the embedding pass ends at the first block
-    def __init__(self, hidden: torch.Tensor):
+    def __init__(self, hidden: torch.Tensor, kwargs: dict):
         super().__init__("first block reached")
-        self.hidden = hidden
+        self.hidden, self.kwargs = hidden, kwargs
 
 
 class _Blocks:
-    """Replaces the decoder blocks' forwards (instance attribute; undone by :meth:`restore`)."""
+    """Replaces the decoder blocks' forwards (instance attribute; undone by :meth:`restore`).
+
+    A block the model's forward does not call for a sequence (Mllama's cross-attention layers on text-only
+    sequences) has no arguments recorded (``None``): the sweeps pass that sequence's hidden states (and gradients)
+    through it unchanged, as the whole model does."""
 
     def __init__(self, layers: torch.nn.ModuleList):
         self.layers = layers
-        self.calls: list[tuple[tuple, dict]] = [((), {})] * len(layers)
+        self.calls: list[tuple[tuple, dict] | None] = [None] * len(layers)
+        self.first: list | None = None
 
     def record(self):
-        """Blocks record their arguments and pass their input through."""
+        """Blocks record their arguments and pass their input through; the first block called appends its input to
+        :attr:`first` (when set)."""
         for i, layer in enumerate(self.layers):
             def fwd(hidden_states, *args, _i=i, **kwargs):
+                if self.first is not None and all(c is None for c in self.calls):
+                    self.first.append(hidden_states)
                 self.calls[_i] = (args, kwargs)
                 return hidden_states
             layer.forward = fwd
 
     def output(self, final: torch.Tensor):
-        """Blocks pass their input through, the last returns ``final``."""
-        n = len(self.layers)
-        for i, layer in enumerate(self.layers):
-            layer.forward = (lambda hidden_states, *a, **k: final) if i == n - 1 else \
-                (lambda hidden_states, *a, **k: hidden_states)
+        """Every block returns ``final`` (so the last block the forward calls does)."""
+        for layer in self.layers:
+            layer.forward = lambda hidden_states, *a, **k: final
 
     def catch(self):
-        """The first block raises :class:`_Caught` with its input."""
+        """The first block called raises :class:`_Caught` with its input and keyword arguments."""
         def fwd(hidden_states, *args, **kwargs):
-            raise _Caught(hidden_states)
-        self.layers[0].forward = fwd
+            raise _Caught(hidden_states, kwargs)
+        for layer in self.layers:
+            layer.forward = fwd
 
     def restore(self):
         for layer in self.layers:
             layer.__dict__.pop("forward", None)
+
+
+def _inputs(chunks, s: int, device) -> dict:
+    """Model inputs of calibration item ``s``: ``{"input_ids": (1, T)}`` of a token tensor, or a processor's batch
+    (a VL model's image + text item) on ``device``."""
+    if isinstance(chunks, (list, tuple)):
+        return {k: v.to(device) for k, v in chunks[s].items()}
+    return {"input_ids": chunks[s : s + 1].to(device)}
+
+
+def _grad_keys(kwargs: dict) -> list[str]:
+    """The keyword arguments of a block call that carry gradients to the outer part (Mllama's
+    ``cross_attention_states``, computed by the vision tower from ``pixel_values``)."""
+    return sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad)
 
 
 def hidden_bytes(n_seq: int, seq_len: int, hidden: int, n_blocks: int, fisher_sequences: int) -> int:
@@ -139,7 +160,11 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
 
     Args:
         sk: the model's skeleton (parts are materialized and released here; the outer part stays materialized).
-        chunks: (n, seq_len) int64 token ids.
+        chunks: (n, seq_len) int64 token ids, or a list of model-input dicts (``input_ids`` (1, T) int64 plus, for a
+            vision-language model, the processor's image tensors: :mod:`.vl_calibration`), as :func:`.stats.collect`.
+            Image items: the vision tower (outer part) runs once in the first step (its statistics) and once more in
+            the last (its Fisher diagonals, the gradients reaching the first block's input and, for Mllama, every
+            cross-attention layer's ``cross_attention_states``); the head step runs on the token ids alone.
         what: the statistics to gather (as :func:`.stats.collect`; default ``Collect()``).
         seed: label-sampling seed of the Fisher sequences.
         progress: show a progress bar (one step per block and sweep), or the run's
@@ -164,13 +189,18 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
     Raises:
         ValueError: ``chunks`` is not a 2-D token tensor.
     """
-    if not isinstance(chunks, torch.Tensor) or chunks.dim() != 2:
-        raise ValueError("block-wise calibration takes (n, seq_len) token ids")
-    if riders is not None and (checkpoints is not None or riders[0].shape[1] != chunks.shape[1]):
-        raise ValueError("riders: sequences of the calibration's length, without checkpoints")
+    items = isinstance(chunks, (list, tuple))
+    if items and not all(isinstance(c, dict) and isinstance(c.get("input_ids"), torch.Tensor) for c in chunks):
+        raise ValueError("block-wise calibration takes model-input dicts with input_ids")
+    if not items and (not isinstance(chunks, torch.Tensor) or chunks.dim() != 2):
+        raise ValueError("block-wise calibration takes (n, seq_len) token ids or a list of model-input dicts")
+    if riders is not None and (checkpoints is not None or items or riders[0].shape[1] != chunks.shape[1]):
+        raise ValueError("riders: sequences of the calibration's length, token ids, without checkpoints")
     what = Collect() if what is None else what
     model, dev = sk.model, sk.device
-    n_seq, nf = chunks.shape[0], min(what.fisher_sequences, chunks.shape[0])
+    n_seq = len(chunks) if items else chunks.shape[0]
+    nf = min(what.fisher_sequences, n_seq)
+    n_tokens = sum(c["input_ids"].numel() for c in chunks) if items else chunks.numel()
     resume, stage = None, None
     for kind, name in (("backward", _BACKWARD), ("head", _HEAD), ("forward", _FORWARD)):
         if checkpoints is not None and (resume := checkpoints.load(name, dev)) is not None:
@@ -201,19 +231,18 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
     try:
         # 1. the first block's inputs and every block's arguments, per sequence (the token counts: once)
         hidden: list[torch.Tensor] = []
-        calls: list[list[tuple[tuple, dict]]] = []
+        calls: list[list[tuple[tuple, dict] | None]] = []
         blocks.record()
         col.count_tokens = resume is None
         for s in range(n_seq):
             col.last = None
             with torch.no_grad():
-                _forward_to_head(model, col, chunks[s : s + 1].to(dev), blocks, first=hidden)
+                calls.append(_forward_to_head(model, col, _inputs(chunks, s, dev), blocks, hidden))
             hidden[-1] = hidden[-1].to(store_device)
-            calls.append(list(blocks.calls))
         rider_h: list[torch.Tensor] = []
         for r in range(riders[0].shape[0] if riders is not None else 0):
             with torch.no_grad():
-                _forward_to_head(model, None, riders[0][r : r + 1].to(dev), blocks, first=rider_h)
+                _forward_to_head(model, None, {"input_ids": riders[0][r : r + 1].to(dev)}, blocks, rider_h)
         bar.update(1)
         col.count_tokens = False
         # 2. forward sweep
@@ -247,11 +276,14 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
             out = SpillList(spill / f"hidden-{i % 2}", n_seq) if spill is not None else [None] * n_seq
             for s in range(n_seq):
                 col.last = None
+                if calls[s][i] is None:  # not called for this sequence (module docstring)
+                    out[s] = hidden[s]
+                    continue
                 args, kwargs = calls[s][i]
                 with torch.no_grad():
                     out[s] = _hidden(layer(hidden[s].to(dev), *args, **kwargs)).to(store_device)
             hidden = out
-            if rider_col is not None:  # the riders through the block, into their own statistics
+            if rider_col is not None and calls[0][i] is not None:  # the riders through the block, own statistics
                 col.accumulate, rider_col.accumulate = False, True
                 args, kwargs = calls[0][i]
                 for r, x in enumerate(rider_h):
@@ -266,16 +298,16 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
                 save(_FORWARD, block=i, hidden_dir=str(hidden.folder))
             else:
                 save(_FORWARD, block=i, hidden=hidden)
-            bar.set_postfix_str(f"{chunks.numel() / (time.perf_counter() - t_block):.0f} tokens/s")
+            bar.set_postfix_str(f"{n_tokens / (time.perf_counter() - t_block):.0f} tokens/s")
             bar.update(1)
         # 3. the head: its statistics; logits, labels and the last block's output gradient of the Fisher sequences
         grads: list[torch.Tensor] = []
         if stage in ("head", "backward"):
             grads = [g.to(store_device) for g in resume["grads"]]
         else:
-            for s in range(n_seq):
+            for s in range(n_seq):  # (the blocks give the final states: the token ids alone, no image, suffice)
                 col.last = None
-                ids = chunks[s : s + 1].to(dev)
+                ids = (chunks[s]["input_ids"] if items else chunks[s : s + 1]).to(dev)
                 if s < nf:
                     h = hidden[s].to(dev).requires_grad_(True)
                     blocks.output(h)
@@ -309,8 +341,12 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
             col.accumulate, rider_col.accumulate = True, False
         del hidden
         bar.update(1)
-        # 4. backward sweep over the Fisher sequences, then the embedding
+        # 4. backward sweep over the Fisher sequences, then the embedding (and a VL model's vision tower)
         col.fisher, col.accumulate = True, False
+        keys = [_outer_grad_keys(model, blocks, chunks[s], dev, col) if items else [] for s in range(nf)]
+        outer_grads: list[dict] = [{} for _ in range(nf)]  # per sequence: key -> gradient of a block argument
+        if stage == "backward":
+            outer_grads = [{k: v.to(store_device) for k, v in g.items()} for g in resume.get("outer_grads", outer_grads)]
         top = resume["block"] - 1 if stage == "backward" else sk.n_blocks - 1
         bar.set_postfix_str("")
         bar.update(sk.n_blocks - 1 - top)
@@ -322,14 +358,21 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
                 layer = sk.layers[i]
                 xs = fisher_in[i] if checkpoints is None else checkpoints.load(_fisher_in_name(i), dev)["x"]
                 for s in range(nf):
+                    if calls[s][i] is None:  # not called: the gradient passes through
+                        continue
                     col.last = None
                     x = xs[s].to(dev).requires_grad_(True)
                     args, kwargs = calls[s][i]
+                    leaves = {k: kwargs[k].detach().requires_grad_(True) for k in keys[s] if k in kwargs}
                     with torch.enable_grad():
-                        torch.autograd.backward(_hidden(layer(x, *args, **kwargs)), grads[s].to(dev))
+                        torch.autograd.backward(_hidden(layer(x, *args, **{**kwargs, **leaves})), grads[s].to(dev))
                     grads[s] = x.grad.to(store_device)
+                    for k, v in leaves.items():
+                        if v.grad is not None:
+                            g = v.grad.to(store_device)
+                            outer_grads[s][k] = g if k not in outer_grads[s] else outer_grads[s][k] + g
                 sk.release(i)
-                save(_BACKWARD, block=i, grads=grads)
+                save(_BACKWARD, block=i, grads=grads, outer_grads=outer_grads)
             fisher_in[i] = []
             bar.update(1)
         blocks.restore()
@@ -338,9 +381,11 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
             col.last = None
             with torch.enable_grad():
                 try:
-                    model(input_ids=chunks[s : s + 1].to(dev), use_cache=False)
+                    model(**_with_pixel_grad(_inputs(chunks, s, dev)), use_cache=False)
                 except _Caught as caught:
-                    torch.autograd.backward(caught.hidden, grads[s].to(dev))
+                    more = sorted(outer_grads[s].items())
+                    torch.autograd.backward([caught.hidden] + [caught.kwargs[k] for k, _ in more],
+                                            [grads[s].to(dev)] + [g.to(dev) for _, g in more])
         bar.update(1)
     finally:
         bar.close()
@@ -361,32 +406,53 @@ def _stop(*_):
     raise _Stop()
 
 
-def _forward_to_head(model, col: Collector | None, ids: torch.Tensor, blocks: _Blocks, first: list) -> None:
+def _forward_to_head(model, col: Collector | None, batch: dict, blocks: _Blocks, first: list) -> list:
     """The model's forward with recording blocks (:meth:`_Blocks.record`), stopped before the output head; the
-    first block's input is appended to ``first``. With a collector: its ``forward_without_logits`` (the embedding
-    hook counts the tokens), gathering nothing at the head."""
-    layer0 = blocks.layers[0]
-    rec = layer0.forward
-
-    def fwd0(hidden_states, *args, **kwargs):
-        first.append(hidden_states)
-        return rec(hidden_states, *args, **kwargs)
-
-    layer0.forward = fwd0
+    first block's input is appended to ``first``; returns the blocks' recorded arguments (None: a block not called).
+    With a collector: its ``forward_without_logits`` (the embedding hook counts the tokens), gathering nothing at
+    the head."""
+    blocks.calls, blocks.first = [None] * len(blocks.layers), first
     try:
         if col is not None:
-            col.forward_without_logits(model, {"input_ids": ids}, collect=False)
-            return
-        head = model.get_output_embeddings()
-        handle = head.register_forward_pre_hook(_stop)
-        try:
-            model(input_ids=ids, use_cache=False)
-        except _Stop:
-            pass
-        finally:
-            handle.remove()
+            col.forward_without_logits(model, batch, collect=False)
+        else:
+            handle = model.get_output_embeddings().register_forward_pre_hook(_stop)
+            try:
+                model(**batch, use_cache=False)
+            except _Stop:
+                pass
+            finally:
+                handle.remove()
     finally:
-        layer0.forward = rec
+        blocks.first = None
+    return list(blocks.calls)
+
+
+def _with_pixel_grad(batch: dict) -> dict:
+    """``batch`` with floating ``pixel_values`` requiring gradients (they reach the vision tower's linears), as the
+    whole-model pass does for its Fisher sequences."""
+    pv = batch.get("pixel_values")
+    if pv is not None and pv.is_floating_point():
+        batch["pixel_values"] = pv.detach().requires_grad_(True)
+    return batch
+
+
+def _outer_grad_keys(model, blocks: _Blocks, item: dict, dev, col: Collector) -> list[str]:
+    """The block arguments through which an item's gradients reach the outer part besides the hidden states
+    (:func:`_grad_keys`), found by a forward of the outer part that stops at the first block (nothing collected)."""
+    if "pixel_values" not in item:
+        return []
+    blocks.catch()
+    fisher, col.fisher = col.fisher, False
+    try:
+        with torch.enable_grad():
+            model(**_with_pixel_grad(_inputs([item], 0, dev)), use_cache=False)
+    except _Caught as caught:
+        return _grad_keys(caught.kwargs)
+    finally:
+        col.fisher = fisher
+        blocks.restore()
+    return []
 
 
 @torch.no_grad()
@@ -428,10 +494,10 @@ def stream_logits(sk: ModelSkeleton, chunks: torch.Tensor, n_variants: int,
             first: list[torch.Tensor] = []
             try:
                 for s in range(chunks.shape[0]):
-                    _forward_to_head(model, None, chunks[s : s + 1].to(dev), blocks, first)
+                    called = _forward_to_head(model, None, {"input_ids": chunks[s : s + 1].to(dev)}, blocks, first)
                     first[-1] = first[-1].to(store_device)
                     if v == 0:
-                        calls.append(list(blocks.calls))
+                        calls.append(called)
             finally:
                 if undo is not None:
                     undo()
@@ -450,6 +516,8 @@ def stream_logits(sk: ModelSkeleton, chunks: torch.Tensor, n_variants: int,
                 states = hidden[v] if hidden[v] is not None else list(base_in)
                 try:
                     for s, x in enumerate(states):
+                        if calls[s][i] is None:  # not called for this sequence: passed through
+                            continue
                         args, kwargs = calls[s][i]
                         states[s] = _hidden(layer(x.to(dev), *args, **kwargs)).to(store_device)
                 finally:

@@ -12,7 +12,9 @@ are confirmed by ablation in one more block-wise pass (:func:`dynaquant.analysis
 
 Memory: the outer part, one block's weights, one block's (K, K) matrices and the hidden states
 (:func:`dynaquant.analysis.blockwise.hidden_bytes`). Not yet block-wise (they need the whole model): sensitivity
-rows, plan validation and measured corrections, vision-language models.
+rows, plan validation and measured corrections. A vision-language model's vision tower and projector belong to the
+outer part (in memory throughout, its statistics gathered by the image + text items of the calibration and measured
+last, with the embedding and head).
 """
 
 from __future__ import annotations
@@ -79,12 +81,9 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
         AnalysisResult: the same report layout as ``run_analysis``; its ``stats`` hold no (K, K) matrices (GPTQ
         recomputes them block by block).
     Raises:
-        ValueError: a vision-language source (not analysed block by block yet), or what ``run_analysis`` raises.
+        ValueError: what ``run_analysis`` raises.
     """
     timings = {} if timings is None else timings
-    if getattr(ts, "vision", False):
-        raise ValueError(f"{ts.source_id}: vision-language models are not analysed block by block yet; run without "
-                         "streaming")
     if rundir is not None and (done := rundir.load(DONE)) is not None:
         stats = stats_from_state(done["stats"])
         return AnalysisResult(done["report"], stats, stats.to_imatrix(spec.id))
@@ -92,8 +91,15 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
     all_chunks = calibration_chunks(tokenizer, replace(spec, n_sequences=spec.n_sequences + 2))
     held = all_chunks[-2:] if all_chunks.shape[0] > 2 else all_chunks[:1]
     chunks = all_chunks[:-2] if all_chunks.shape[0] > 2 else all_chunks
+    samples = chunks
+    if getattr(ts, "vision", False):  # a VL source: image + text items first, as the whole-model analysis
+        from dynaquant.analysis.vl_calibration import vl_calibration_samples
+
+        samples = vl_calibration_samples(ts.folder, tokenizer, chunks, spec.images, spec.n_images,
+                                         trust_remote_code=source.trust_remote_code)
     sk = build_skeleton(source, ts, dtype=dtype, device=device, allow_nonfinite=allow_nonfinite)
-    offload = memory_plan(sk, chunks.shape[0], chunks.shape[1], min(fisher_sequences, chunks.shape[0]),
+    longest = max(x["input_ids"].shape[1] for x in samples) if isinstance(samples, list) else chunks.shape[1]
+    offload = memory_plan(sk, len(samples), longest, min(fisher_sequences, len(samples)),
                           max_cpu_memory=max_cpu_memory, max_gpu_memory=max_gpu_memory,
                           offload_dir=offload_dir if offload_dir is not None or rundir is None else rundir.file("offload"),
                           checkpoints=rundir is not None)
@@ -149,7 +155,7 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
         cands[:] = [SuperWeight(**c) for c in state["candidates"]]
         spent[0] = state["spent"]
 
-    stats = collect_blockwise(sk, chunks, Collect(fisher_sequences=fisher_sequences), progress=progress,
+    stats = collect_blockwise(sk, samples, Collect(fisher_sequences=fisher_sequences), progress=progress,
                               on_block=on_block, checkpoints=rundir, extra=(get_state, set_state), offload_dir=offload)
     timings["calibration_s"] = time.perf_counter() - t0 - spent[0]
     log_gpu_peak(device, "calibration and the blocks' errors")

@@ -140,6 +140,7 @@ class VLFullSource(TensorSource):
 
     vision = True
     n_expert = 0
+    hf_orientation = True  # tensors read as the model holds them (no llama.cpp q/k permutation)
 
     def __init__(self, folder: str | os.PathLike, *, trust_remote_code: bool = False):
         from accelerate import init_empty_weights

@@ -27,15 +27,23 @@ class ParamWriter:
 
     Args:
         model: a transformers model whose parameters the tensors go to (real tensors where written).
-        arch: the source's GGUF architecture (``"llama"`` un-permutes q/k rows).
+        arch: the source's GGUF architecture (``"llama"`` un-permutes q/k rows; None: no un-permutation).
         n_head, n_head_kv: attention heads (for the q/k un-permutation).
     """
 
-    def __init__(self, model, arch: str, n_head: int | None, n_head_kv: int | None):
+    def __init__(self, model, arch: str | None, n_head: int | None, n_head_kv: int | None):
         self.model, self.arch, self.n_head, self.n_head_kv = model, arch, n_head, n_head_kv
         self.params = dict(model.named_parameters())
         self.buffers = dict(model.named_buffers())
         self._kv_parts: dict[str, dict[str, torch.Tensor]] = {}
+
+    @classmethod
+    def of(cls, model, ts) -> ParamWriter:
+        """A writer of tensor source ``ts``'s tensors: q/k un-permuted where the source reads them in llama.cpp's
+        orientation (a vision-language source read whole, ``hf_orientation`` True, gives them as the model holds
+        them, vision tower included)."""
+        arch = None if getattr(ts, "hf_orientation", False) else ts.arch
+        return cls(model, arch, getattr(ts, "n_head", None), getattr(ts, "n_head_kv", None))
 
     def put(self, t: SourceTensor, x: torch.Tensor, origin: str = "") -> None:
         """Write one tensor.

@@ -163,8 +163,7 @@ class ModelSkeleton:
                 for bname, buf in list(mod._buffers.items()):
                     if buf is not None and buf.device != self.device:
                         mod._buffers[bname] = buf.to(self.device)
-            writer = ParamWriter(self.model, self.ts.arch, getattr(self.ts, "n_head", None),
-                                 getattr(self.ts, "n_head_kv", None))
+            writer = ParamWriter.of(self.model, self.ts)
             stored: dict[str, dict[str, xp.Stored]] = {}
             for t in self._tensors.get(part, []):
                 if packed and self._packs(t, part):
@@ -256,10 +255,18 @@ class ModelSkeleton:
         return set(self._live)
 
 
+def _unset(dtype: torch.dtype):
+    """The value marking a buffer ``initialize_weights`` has not set: NaN, the smallest integer, or False."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    return False if dtype == torch.bool else torch.iinfo(dtype).min
+
+
 def _on_meta(build):
     """The model built under ``torch.device("meta")`` (no parameter allocated, not even transiently) with its buffers
     recomputed on the CPU by ``initialize_weights`` (transformers >= 5, as its ``from_pretrained`` does); None where
-    that is unavailable or leaves a buffer unset (NaN-filled beforehand), so the caller builds it the older way."""
+    that is unavailable or leaves a buffer unset (filled with :func:`_unset` beforehand: CLIP's integer
+    ``position_ids`` are not recomputed), so the caller builds it the older way."""
     import transformers
 
     if int(transformers.__version__.split(".")[0]) < 5:
@@ -271,10 +278,9 @@ def _on_meta(build):
     for name, buf in buffers:
         mod_name, _, bname = name.rpartition(".")
         mod = model.get_submodule(mod_name)
-        mod._buffers[bname] = torch.full(buf.shape, float("nan"), dtype=buf.dtype) if buf.is_floating_point() \
-            else torch.zeros(buf.shape, dtype=buf.dtype)
+        mod._buffers[bname] = torch.full(buf.shape, _unset(buf.dtype), dtype=buf.dtype)
     model.initialize_weights()
-    if any(b.is_floating_point() and torch.isnan(b).any() for _, b in model.named_buffers()):
+    if any((torch.isnan(b) if b.is_floating_point() else b == _unset(b.dtype)).any() for _, b in model.named_buffers()):
         log.debug("meta build: initialize_weights left a buffer unset; building with init_empty_weights")
         return None
     return model
