@@ -264,8 +264,32 @@ def test_dynamic_moe_gguf_runs_in_llama_cpp(case, tmp_path):
     q = dynaquant.quantize(tmp_path / "ckpt", output=out, report=tmp_path / "an" / "report.json", rules=rules,
                            progress=False)
     assert "lifted" not in q.plan.method
-    model, formats = _decoded_model(tmp_path / "ckpt", out)
-    moe_layers = [x["layer"] for x in an.report["experts"]]
+    _check_runs_in_llama_cpp(tmp_path / "ckpt", out, [x["layer"] for x in an.report["experts"]])
+
+
+@pytest.mark.parametrize("case", ["qwen2moe", "deepseek-v3"])
+def test_streamed_moe_gguf_runs_in_llama_cpp(case, tmp_path, monkeypatch):
+    """``quantize --stream`` (analysis, plan and tensor loop block by block) of the MoE and MLA checkpoints: the GGUF
+    runs in llama.cpp, its logits matching transformers' on the decoded weights, as the whole-model run's do."""
+    pytest.importorskip("llama_cpp")
+    import dynaquant
+    from dynaquant.pipeline.targets import GGUFTarget
+
+    monkeypatch.setattr(GGUFTarget, "analysis_candidates", CANDIDATES)
+    _tiny_moe(tmp_path / "ckpt", case)
+    out = tmp_path / "moe.gguf"
+    q = dynaquant.quantize(tmp_path / "ckpt", output=out, stream=True, calibration=CalibrationSpec((), 4, 64),
+                           device="cpu", correct_rounds=0, progress=False)
+    assert "lifted" not in q.plan.method
+    _check_runs_in_llama_cpp(tmp_path / "ckpt", out, sorted({int(e.name.split(".")[1]) for e in q.plan.entries
+                                                              if "_exps." in e.name}))
+
+
+def _check_runs_in_llama_cpp(ckpt, out, moe_layers: list[int]) -> None:
+    """The GGUF's routed experts at ~2 bits and its llama.cpp logits matching transformers' on its decoded weights
+    (within llama.cpp's 8-bit activation effect)."""
+    assert moe_layers
+    model, formats = _decoded_model(ckpt, out)
     for i in moe_layers:
         assert formats[f"blk.{i}.ffn_up_exps.weight"] in ("IQ2_XXS", "Q2_K")
         assert formats[f"blk.{i}.ffn_gate_inp.weight"] == "F32"
