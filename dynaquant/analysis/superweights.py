@@ -71,15 +71,18 @@ class SuperWeight:
 
 
 def find_candidates(model, stats: ModelStats, *, spike_ratio: float = 50.0, max_candidates: int = 8,
-                    layer: int | None = None) -> list[SuperWeight]:
+                    layer: int | None = None, text: bool | None = None) -> list[SuperWeight]:
     """Super-weight candidates from down_proj input/output spikes, largest spike ratio first (``layer``: that block's
-    only, whose weights alone need to be in memory)."""
+    only, whose weights alone need to be in memory; ``text``: the text model's only (True) or the vision tower's
+    (False))."""
     mods = dict(model.named_modules())
     out = []
     want = layer
     for name, o in stats.outputs.items():
         layer = down_proj_layer(name)
         if layer is None or name not in stats.input_of or (want is not None and layer != want):
+            continue
+        if text is not None and (TensorName.from_hf(name).tower == "text") != text:
             continue
         ratio = float(o.absmax.max() / o.absmax.median().clamp_min(1e-12))
         if ratio < spike_ratio:

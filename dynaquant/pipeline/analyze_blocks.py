@@ -116,8 +116,8 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
 
     def on_block(i: int, st: ModelStats) -> None:
         t1 = time.perf_counter()
-        if super_weights:
-            cands.extend(find_candidates(sk.model, st, layer=i, max_candidates=1 << 30))
+        if super_weights:  # the text block's (a vision tower's layers: once, below)
+            cands.extend(find_candidates(sk.model, st, layer=i, max_candidates=1 << 30, text=True))
         samples, owners, modules = [], [], set()
         for j in by_block.get(i, []):
             t = src_tensors[j]
@@ -192,6 +192,8 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
     timings["errors_s"] = spent[0] + time.perf_counter() - t2
     t3 = time.perf_counter()
     sws = []
+    if super_weights:  # a vision tower's candidates (outer part: its statistics are complete)
+        cands.extend(find_candidates(sk.model, stats, max_candidates=1 << 30, text=False))
     if super_weights and cands:
         cands.sort(key=lambda s: -s.spike_ratio)
         sws = confirm_blockwise(sk, cands[:MAX_SUPER_WEIGHTS], held[:1])
