@@ -22,7 +22,7 @@ Output: ``--out`` (JSON rows, rewritten after each run): a header (machine, vers
 (shape, blocks, parameters, checkpoint bytes, wall time, the run's stage times, peak RSS and GPU bytes, file bytes),
 one ``extrapolated`` row per shape with two cuts. Peak RSS: the child's own ``ru_maxrss``.
 
-    python benchmarks/scale.py --shape tiny-llama --blocks 2,4 --device cpu --work /tmp/scale     # smoke test
+    python benchmarks/scale.py --shape tiny-llama --blocks 2,4 --device cpu --bpw 6.5 --work /tmp/scale  # smoke test
     python benchmarks/scale.py --shape llama-70b --blocks 2,4 --device cuda --work /root/dq/scale   # H100
     python benchmarks/scale.py --shape deepseek-v3 --blocks 4,5 --device cuda --work /root/dq/scale
 """
