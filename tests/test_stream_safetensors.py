@@ -16,7 +16,7 @@ import dynaquant.pipeline.quantize as quantize_mod
 from dynaquant.config import QuantizeConfig
 from dynaquant.pipeline.quantize import run_quantize
 from dynaquant.pipeline.targets import SafetensorsTarget
-from dynaquant.sources.skeleton import ModelSkeleton
+from dynaquant.sources.skeleton import OUTER, ModelSkeleton
 
 # (bpw 6.5 is below what the safetensors default rules need on these tiny models: 7.7 bpw for "llama")
 KW = dict(bpw=9.0, calibration_chunks=4, n_ctx=32, device="cpu", progress=False)
@@ -33,15 +33,15 @@ def _files(folder: Path) -> dict[str, bytes]:
 
 @pytest.fixture
 def watch_write(monkeypatch):
-    """The number of live skeleton parts after each ``materialize`` during the tensor loop (``write_output``)."""
-    seen: list[int] = []
+    """``(part, number of live parts)`` after each ``materialize`` during the tensor loop (``write_output``)."""
+    seen: list[tuple] = []
     writing = [False]
     real_mat, real_write = ModelSkeleton.materialize, quantize_mod.write_output
 
     def materialize(self, part):
         real_mat(self, part)
         if writing[0]:
-            seen.append(len(self.live))
+            seen.append((part, len(self.live)))
 
     def write_output(*a, **k):
         writing[0] = True
@@ -70,7 +70,8 @@ def test_stream_checkpoint_equals_whole_model(case, shard, tmp_path, every_row, 
     assert got.size_bytes == whole.size_bytes
     shards = [n for n in a if n.endswith(".safetensors")]
     assert (len(shards) > 1) == (shard is not None) and ("model.safetensors.index.json" in a) == (shard is not None)
-    assert watch_write and max(watch_write) == 1  # (a part materialized again after release counts again)
+    assert watch_write and max(n for _, n in watch_write) == 1
+    assert [p for p, _ in watch_write] == [OUTER, *range(2), OUTER]  # (the norm and head: the outer part again)
     if case == "qwen2":  # tied: the head is the embedding, not written twice
         from safetensors import safe_open
 
@@ -78,10 +79,11 @@ def test_stream_checkpoint_equals_whole_model(case, shard, tmp_path, every_row, 
             assert not any(k.startswith("lm_head") for k in f.keys())
 
 
-def test_stream_checkpoint_resumes_after_a_crash_mid_loop(tmp_path, monkeypatch):
+def test_stream_checkpoint_resumes_after_a_crash_mid_loop(tmp_path, monkeypatch, watch_write):
     """A run that fails in the middle of the tensor loop, started again with the same arguments and work folder,
-    encodes only the tensors not kept (encodings of every kind: a weight, stacked experts, a float weight's None) and
-    writes the uninterrupted run's bytes; the failed run leaves no output."""
+    encodes only the tensors not kept (encodings of every kind: a weight, stacked experts, a float weight kept as it
+    is) and reads only the parts they are in; it writes the uninterrupted run's bytes; the failed run leaves no
+    output."""
     import torch
 
     _checkpoint(tmp_path / "ckpt", "qwen2moe")
@@ -110,9 +112,11 @@ def test_stream_checkpoint_resumes_after_a_crash_mid_loop(tmp_path, monkeypatch)
     kinds = {torch.load(p, weights_only=True)["kind"] for p in kept}
     assert kinds == {"none", "weight", "experts"}
     calls.clear()
+    watch_write.clear()
     fail_at[0] = None
     got = _quantize(tmp_path / "ckpt", output=tmp_path / "b", work_dir=work, **kw)
     assert calls == everything[k:]  # the kept ones were not encoded again
+    assert [p for p, _ in watch_write] == [1, OUTER]  # nor their parts read: the embedding and block 0 were done
     a, b = _files(tmp_path / "ref"), _files(tmp_path / "b")
     assert list(b) == list(a) and [n for n in a if a[n] != b[n]] == []
     assert got.size_bytes == ref.size_bytes

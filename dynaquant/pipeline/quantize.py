@@ -180,8 +180,12 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         solver: a dynamic plan's allocation solver: ``exact`` (the optimum of the predicted error, or a gap to a proved
             bound, recorded in ``plan.solver``) or ``greedy`` (``quant.planner``).
         stream: analysis, imatrix, measured corrections, GPTQ and evaluation block by block, one decoder block's
-            weights in memory at a time (models larger than memory; :mod:`dynaquant.pipeline.analyze_blocks`); GGUF
-            only, without compare_presets yet (``ValueError``).
+            weights in memory at a time (models larger than memory; :mod:`dynaquant.pipeline.analyze_blocks`). With
+            ``target="safetensors"`` the checkpoint is written from the model's skeleton on the meta device, one part
+            holding real weights at a time (the embedding, final norm, head and a vision tower, or one decoder block,
+            in float32; :mod:`dynaquant.pipeline.part_weights`), tensors encoded and shards filled and closed as they
+            come: the same files, byte for byte, as the whole-model run; there without ``gptq`` and ``evaluate`` yet
+            (``ValueError`` before any work). Without compare_presets yet (``ValueError``).
         work_dir, keep_work_dir: with ``stream``, the resumable work folder (:mod:`dynaquant.pipeline.rundir`; None:
             ``OUTPUT.work`` beside the output; a killed run started again with the same arguments continues from it
             and writes the same bytes), kept after success with ``keep_work_dir``.
@@ -425,9 +429,10 @@ def _check_options(cfg: QuantizeConfig) -> Target:
     if cfg.stream and target.name == "safetensors" and (cfg.gptq or cfg.evaluate):
         # GPTQ block by block rounds the tensor source's GGUF-oriented weights (llama's q/k rows permuted), not the
         # model's; the block-by-block evaluation reads GGUF files
-        raise ValueError("stream with target safetensors writes the checkpoint without gptq and evaluate for now: "
-                         f"drop {' and '.join(k for k in ('gptq', 'evaluate') if getattr(cfg, k))} (or stream, or "
-                         "target safetensors)")
+        asked = " and ".join(k for k in ("gptq", "evaluate") if getattr(cfg, k))
+        raise ValueError(f"stream with target safetensors writes the checkpoint without gptq and evaluate for now: drop "
+                         f"{asked} (--gptq; the evaluation: --no-eval, which --card and a bare run turn on), or stream, "
+                         "or target safetensors")
     if cfg.solver not in SOLVERS:
         raise ValueError(f"unknown solver {cfg.solver!r} (known: {', '.join(SOLVERS)})")
     if cfg.fit_memory is not None:

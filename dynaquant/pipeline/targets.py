@@ -104,7 +104,8 @@ class Target(Protocol):
         full_vl: a vision-language source is read whole (vision tower and projector too).
         folder_output: the output is a folder.
         analysis_candidates: formats the analysis run here measures.
-        needs_model: the write reads a loaded transformers model (not only the tensor source).
+        needs_model: the write reads a loaded transformers model (not only the tensor source); with ``stream``, its
+            skeleton read a part at a time instead.
         written: set by :meth:`finish`: the files (or folder) written, the first being the output (a split GGUF: its
             shards in order).
     """
@@ -148,7 +149,8 @@ class Target(Protocol):
         """The tensors :meth:`add` takes, in order (GGUF: the source's; safetensors: the model's weight names)."""
 
     def read(self, t) -> torch.Tensor:
-        """Tensor ``t``'s weight (GGUF: float32 from the source, NaN/Inf checked; safetensors: the model's)."""
+        """Tensor ``t``'s weight (GGUF: float32 from the source, NaN/Inf checked; safetensors: the model's, with
+        ``stream`` its skeleton part materialized)."""
 
     def gptq_round(self, t, w: torch.Tensor) -> Any | None:
         """``t`` GPTQ-rounded in its planned format when the run asked for GPTQ and it beats plain rounding, else None."""
@@ -510,12 +512,14 @@ class SafetensorsTarget:
         self.ignore = unquantized_linears(model, write_plan)
         self.writer = SafetensorsFolderWriter(path, write_plan, weights, max_shard_bytes=run.cfg.max_shard_bytes,
                                               tied=tied)
+        self.names = list(weights)
+        self._resumed: dict[str, torch.Tensor] = {}  # weights written as they are, kept by a stopped run (load_encoded)
 
     def progress_label(self) -> str:
         return "safetensors"
 
     def tensors(self) -> list[str]:
-        return list(self.writer.weights)
+        return list(self.names)
 
     def read(self, name: str) -> torch.Tensor:
         """The model's weight (``stream``: its part materialized, the part held before released)."""
@@ -550,18 +554,28 @@ class SafetensorsTarget:
         return rw.to("cpu")
 
     def add(self, name: str, encoded: RuntimeWeight | list[RuntimeWeight] | None) -> None:
-        """Write the weight: its encoding, or (None) the weight itself, read here (``stream``: an encoded weight's
-        values are not read again: its meta tensor gives the shape)."""
-        w = self.writer.weights[name] if encoded is not None else self.read(name)
+        """Write the weight: its encoding, or (None) the weight itself (``stream``: as the work folder kept it for a
+        resumed run, else read here; an encoded weight's or a skipped tied copy's values are not read: the meta tensor
+        gives the shape)."""
+        if encoded is not None or self.writer.is_tied_copy(name):
+            w = self.writer.weights[name]
+        else:
+            w = self._resumed.pop(name, None)
+            w = self.read(name) if w is None else w
         if isinstance(encoded, RuntimeWeight) and encoded.super_weights is not None:  # kept in the config's extension
             self.kept[name.removesuffix(".weight")] = [[int(r), int(c), float(v)]
                                                        for r, c, v in zip(*(t.tolist() for t in encoded.super_weights))]
         self.writer.add(name, w, encoded)
 
     def save_encoded(self, rundir, i: int, encoded: RuntimeWeight | list[RuntimeWeight] | None) -> None:
-        """Kept as a checkpoint of plain dicts and tensors (``RuntimeWeight.to_state``), read with ``weights_only``."""
+        """Kept as a checkpoint of plain dicts and tensors (``RuntimeWeight.to_state``), read with ``weights_only``; a
+        weight written as it is (None) is kept too (its float32 values, a copy of its own), so that a resumed run
+        reads no part again for it (a tied copy: nothing kept, nothing read)."""
         if encoded is None:
+            name = self.names[i]
             state = {"kind": "none"}
+            if not self.writer.is_tied_copy(name):
+                state["weight"] = self.read(name).detach().clone(memory_format=torch.contiguous_format)
         elif isinstance(encoded, RuntimeWeight):
             state = {"kind": "weight", "weight": encoded.to_state()}
         else:
@@ -576,6 +590,8 @@ class SafetensorsTarget:
             return True, RuntimeWeight.from_state(state["weight"])
         if state["kind"] == "experts":
             return True, [RuntimeWeight.from_state(x) for x in state["experts"]]
+        if "weight" in state:  # taken by add
+            self._resumed[self.names[i]] = state["weight"]
         return True, None
 
     def finish(self) -> tuple[Path, int]:

@@ -361,6 +361,12 @@ class SafetensorsFolderWriter:
             raise ValueError(f"{name}: shape {list(w.shape)} in the model, {list(entry.shape)} in the plan")
         return entry if entry is not None and entry.format not in _FLOAT_DTYPES else None
 
+    def is_tied_copy(self, name: str) -> bool:
+        """Weight ``name`` is an unplanned parameter shared with a planned one (``tied``), which :meth:`add` skips (its
+        values are not needed); False when the writer finds ties by ``data_ptr()`` (no ``tied`` given)."""
+        return (self.tied is not None and name not in self.by_hf
+                and any(n in self.by_hf for n in self.tied.get(name, ())))
+
     def add(self, name: str, w: torch.Tensor, encoded: RuntimeWeight | list[RuntimeWeight] | None = None) -> None:
         """Add model weight ``name`` (``encoded``: its encoding when :meth:`to_encode` gives an entry); a shard is
         written once its data reaches ``max_shard_bytes``.
@@ -379,8 +385,7 @@ class SafetensorsFolderWriter:
         if stacked is not None and (entry is None or w.ndim == 3 or stacked[2] == "bias"):
             _write_experts(name, stacked, w, entry, lambda e, x: encoded, self._put, self.expert_formats)
         elif entry is None:
-            if (any(n in self.by_hf for n in self.tied.get(name, ())) if self.tied is not None
-                    else w.data_ptr() in self.planned_ptrs):
+            if self.is_tied_copy(name) if self.tied is not None else w.data_ptr() in self.planned_ptrs:
                 return  # a tied copy of a planned tensor (lm_head of a tied embedding)
             log.info("%s: not in the plan, written as %s", name, w.dtype)
             self._put(name, w)
