@@ -54,7 +54,8 @@ def watch_write(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("case,shard", [("llama", None), ("qwen2", None), ("qwen2moe", 20_000)])
+@pytest.mark.parametrize("case,shard", [("llama", None), ("qwen2", None), ("qwen2moe", 20_000), ("deepseek-v3", None),
+                                        ("gpt-oss", 50_000)])
 def test_stream_checkpoint_equals_whole_model(case, shard, tmp_path, every_row, watch_write):  # noqa: F811
     """Same plan, same files (shards, index, config.json, tokenizer and generation files), byte for byte; during the
     write one part live at a time (the tied head of "qwen2" skipped as in the whole-model run)."""
@@ -121,6 +122,24 @@ def test_stream_checkpoint_resumes_after_a_crash_mid_loop(tmp_path, monkeypatch,
     assert list(b) == list(a) and [n for n in a if a[n] != b[n]] == []
     assert got.size_bytes == ref.size_bytes
     assert not work.exists()  # removed after success
+
+
+def test_stream_checkpoint_of_a_vision_language_model(tmp_path, watch_write):
+    """A Qwen2-VL folder (its vision tower part of the outer part) with a given plan: the whole-model run's folder,
+    byte for byte (processor files included), one part live at a time. (The block-wise analysis of a vision-language
+    model is refused: ``analyze_blocks``.)"""
+    from test_vl_gguf import _tiny_vl_checkpoint
+
+    _tiny_vl_checkpoint(tmp_path / "ckpt")
+    kw = dict(KW, target="safetensors")
+    _quantize(tmp_path / "ckpt", output=tmp_path / "p", save_plan=tmp_path / "plan.json", **kw)
+    kw = dict(kw, bpw=None, plan=tmp_path / "plan.json", use_imatrix=False)
+    _quantize(tmp_path / "ckpt", output=tmp_path / "a", **kw)
+    _quantize(tmp_path / "ckpt", output=tmp_path / "b", stream=True, **kw)
+    a, b = _files(tmp_path / "a"), _files(tmp_path / "b")
+    assert "preprocessor_config.json" in a and list(b) == list(a)
+    assert [n for n in a if a[n] != b[n]] == []
+    assert max(n for _, n in watch_write) == 1 and [p for p, _ in watch_write][0] == OUTER
 
 
 @pytest.mark.parametrize("extra,names", [(dict(gptq=True), "gptq"), (dict(evaluate=True), "evaluate"),
