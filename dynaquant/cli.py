@@ -179,7 +179,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="dynamic plans: exact allocation (default; the plan records its gap) or the greedy one")
     q.add_argument("--stream", action="store_true",
                    help="analysis, imatrix and evaluation block by block: one decoder block's weights in memory at a "
-                        "time (models larger than memory; GGUF; resumable: --work-dir)")
+                        "time (models larger than memory; resumable: --work-dir); with --target safetensors the "
+                        "checkpoint is written a part at a time too (embedding and head, or one block), without "
+                        "--gptq and evaluation for now")
     q.add_argument("--work-dir", metavar="DIR",
                    help="with --stream: the resumable work folder (default OUTPUT.work beside the output): a killed "
                         "run started again with the same arguments continues from it")

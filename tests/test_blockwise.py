@@ -254,9 +254,10 @@ def test_stream_refuses_what_needs_the_whole_model(tmp_path):
     import dynaquant
 
     _checkpoint(tmp_path / "ckpt", "llama")
+    # the safetensors target streams now (tests/test_stream_safetensors.py); what it does not do yet is refused
     with pytest.raises(ValueError, match="stream"):
         dynaquant.quantize(tmp_path / "ckpt", output=tmp_path / "a", bpw=6.5, target="safetensors", stream=True,
-                           progress=False)
+                           gptq=True, progress=False)
     with pytest.raises(ValueError, match="stream"):
         dynaquant.analyze(tmp_path / "ckpt", validate_presets=("Q4_K_M",), stream=True, progress=False)
 

@@ -180,8 +180,12 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         solver: a dynamic plan's allocation solver: ``exact`` (the optimum of the predicted error, or a gap to a proved
             bound, recorded in ``plan.solver``) or ``greedy`` (``quant.planner``).
         stream: analysis, imatrix, measured corrections, GPTQ and evaluation block by block, one decoder block's
-            weights in memory at a time (models larger than memory; :mod:`dynaquant.pipeline.analyze_blocks`); GGUF
-            only, without compare_presets yet (``ValueError``).
+            weights in memory at a time (models larger than memory; :mod:`dynaquant.pipeline.analyze_blocks`). With
+            ``target="safetensors"`` the checkpoint is written from the model's skeleton on the meta device, one part
+            holding real weights at a time (the embedding, final norm, head and a vision tower, or one decoder block,
+            in float32; :mod:`dynaquant.pipeline.part_weights`), tensors encoded and shards filled and closed as they
+            come: the same files, byte for byte, as the whole-model run; there without ``gptq`` and ``evaluate`` yet
+            (``ValueError`` before any work). Without compare_presets yet (``ValueError``).
         work_dir, keep_work_dir: with ``stream``, the resumable work folder (:mod:`dynaquant.pipeline.rundir`; None:
             ``OUTPUT.work`` beside the output; a killed run started again with the same arguments continues from it
             and writes the same bytes), kept after success with ``keep_work_dir``.
@@ -380,15 +384,15 @@ def write_output(run: RunState, target: Target, path: Path) -> tuple[Path, int]:
         bar = stage_bar(run.cfg.progress, target.progress_label(), len(tensors), "tensor")
     try:
         for i, t in enumerate(tensors):
-            name = f"tensors/{i:05d}.npy"
-            encoded = run.rundir.load_array(name) if run.rundir is not None else None
-            if encoded is None:  # (a resumed run: encoded before it was stopped)
+            # (a resumed run: encoded before it was stopped, kept in the work folder)
+            done, encoded = target.load_encoded(run.rundir, i) if run.rundir is not None else (False, None)
+            if not done:
                 w = target.read(t)
                 rounded = target.gptq_round(t, w) if run.rounding is not None else None
                 encoded = target.encode(t, w, rounded)
                 del w, rounded
                 if run.rundir is not None:
-                    run.rundir.save_array(name, encoded)
+                    target.save_encoded(run.rundir, i, encoded)
             target.add(t, encoded)
             bar.update(1)
         return target.finish()
@@ -420,9 +424,15 @@ def _check_options(cfg: QuantizeConfig) -> Target:
             or cfg.offload_dir is not None) and not cfg.stream:
         raise ValueError("work_dir, keep_work_dir, max_cpu_memory, max_gpu_memory and offload_dir belong to a stream "
                          "(block by block) run: add stream")
-    if cfg.stream and (target.needs_model or cfg.compare_presets):
-        raise ValueError("stream (block by block) writes GGUF files, without compare_presets for now: drop it or "
-                         "stream")
+    if cfg.stream and cfg.compare_presets:
+        raise ValueError("stream (block by block) runs without compare_presets for now: drop compare_presets or stream")
+    if cfg.stream and target.name == "safetensors" and (cfg.gptq or cfg.evaluate):
+        # GPTQ block by block rounds the tensor source's GGUF-oriented weights (llama's q/k rows permuted), not the
+        # model's; the block-by-block evaluation reads GGUF files
+        asked = " and ".join(k for k in ("gptq", "evaluate") if getattr(cfg, k))
+        raise ValueError(f"stream with target safetensors writes the checkpoint without gptq and evaluate for now: drop "
+                         f"{asked} (--gptq; the evaluation: --no-eval, which --card and a bare run turn on), or stream, "
+                         "or target safetensors")
     if cfg.solver not in SOLVERS:
         raise ValueError(f"unknown solver {cfg.solver!r} (known: {', '.join(SOLVERS)})")
     if cfg.fit_memory is not None:

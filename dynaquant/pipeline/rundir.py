@@ -9,7 +9,8 @@ folder holds and writes the same bytes as an uninterrupted run. The folder holds
   the forward sweep the hidden states and statistics, each block's Fisher-sequence inputs, after each block of the
   backward sweep the gradients), then ``report.json`` and the imatrix when the analysis is complete;
 - ``plan.json``: the plan (for the reader; it is recomputed from the report);
-- ``tensors/NNNNN.npy``: each encoded tensor, in the file's tensor order, as it is done.
+- ``tensors/NNNNN.npy``: each encoded tensor, in the file's tensor order, as it is done (the safetensors target:
+  ``tensors/NNNNN.pt``, its runtime encodings, or a weight written as it is, as plain dicts and tensors).
 
 Every file is written under a temporary name and renamed when complete, so a file present is whole. Checkpoints are
 ``torch.save`` files of plain dicts and tensors, read back with ``weights_only=True`` (no code runs on loading).

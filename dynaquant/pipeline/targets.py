@@ -104,7 +104,8 @@ class Target(Protocol):
         full_vl: a vision-language source is read whole (vision tower and projector too).
         folder_output: the output is a folder.
         analysis_candidates: formats the analysis run here measures.
-        needs_model: the write reads a loaded transformers model (not only the tensor source).
+        needs_model: the write reads a loaded transformers model (not only the tensor source); with ``stream``, its
+            skeleton read a part at a time instead.
         written: set by :meth:`finish`: the files (or folder) written, the first being the output (a split GGUF: its
             shards in order).
     """
@@ -148,7 +149,8 @@ class Target(Protocol):
         """The tensors :meth:`add` takes, in order (GGUF: the source's; safetensors: the model's weight names)."""
 
     def read(self, t) -> torch.Tensor:
-        """Tensor ``t``'s weight (GGUF: float32 from the source, NaN/Inf checked; safetensors: the model's)."""
+        """Tensor ``t``'s weight (GGUF: float32 from the source, NaN/Inf checked; safetensors: the model's, with
+        ``stream`` its skeleton part materialized)."""
 
     def gptq_round(self, t, w: torch.Tensor) -> Any | None:
         """``t`` GPTQ-rounded in its planned format when the run asked for GPTQ and it beats plain rounding, else None."""
@@ -158,6 +160,12 @@ class Target(Protocol):
 
     def add(self, t, encoded: Any) -> None:
         """Write tensor ``t``'s encoding (the next in :meth:`tensors`' order)."""
+
+    def save_encoded(self, rundir, i: int, encoded: Any) -> None:
+        """Keep the ``i``-th tensor's encoding in the work folder (:class:`dynaquant.pipeline.rundir.RunDir`)."""
+
+    def load_encoded(self, rundir, i: int) -> tuple[bool, Any]:
+        """``(True, encoding)`` of the ``i``-th tensor as :meth:`save_encoded` kept it, ``(False, None)`` when absent."""
 
     def finish(self) -> tuple[Path, int]:
         """Complete the output and move it onto its path atomically; (path written, bytes counted for the budget)."""
@@ -391,6 +399,13 @@ class GGUFTarget:
     def add(self, t: SourceTensor, encoded: np.ndarray) -> None:
         self.writer.add(t, encoded)
 
+    def save_encoded(self, rundir, i: int, encoded: np.ndarray) -> None:
+        rundir.save_array(f"tensors/{i:05d}.npy", encoded)
+
+    def load_encoded(self, rundir, i: int) -> tuple[bool, np.ndarray | None]:
+        a = rundir.load_array(f"tensors/{i:05d}.npy")
+        return a is not None, a
+
     def finish(self) -> tuple[Path, int]:
         self.writer.finish()
         self.written = list(self.writer.paths)
@@ -432,7 +447,10 @@ class _EntryNames:
 
 class SafetensorsTarget:
     """A compressed-tensors checkpoint folder in the runtime formats
-    (:class:`dynaquant.exporters.safetensors.writer.SafetensorsFolderWriter`), tensors read from the loaded model.
+    (:class:`dynaquant.exporters.safetensors.writer.SafetensorsFolderWriter`), tensors read from the loaded model, or
+    with ``stream`` from the model's skeleton on the meta device one part at a time (:mod:`dynaquant.pipeline.part_weights`:
+    the outer part or one decoder block holds real weights, read from the tensor source; the same names, order and
+    bytes as the loaded model's).
 
     Mixture-of-experts models: stacked expert tensors are read from the model's experts modules
     (:func:`dynaquant.runtime.moe.checkpoint_weights`), encoded expert by expert with each expert's own imatrix row
@@ -468,7 +486,20 @@ class SafetensorsTarget:
         check_output_folder(path)
 
     def begin(self, run: RunState, path: Path) -> None:
-        self.run, model = run, run.model
+        self.run = run
+        self.parts = None
+        tied = None
+        if run.cfg.stream:  # the skeleton, float32 as load_model's (the same bytes as the whole-model run)
+            from dynaquant.pipeline.part_weights import PartWeights
+            from dynaquant.sources.skeleton import build_skeleton
+
+            self.parts = PartWeights(build_skeleton(run.source, run.ts, device="cpu", allow_nonfinite=run.cfg.allow_nonfinite))
+            model, weights, tied = self.parts.model, self.parts.meta, self.parts.tied
+            self.generation_config = _generation_config(model, run.source)
+        else:
+            model = run.model
+            weights = checkpoint_weights(model)
+            self.generation_config = getattr(model, "generation_config", None)
         self.keep = super_weights_of(run.report) if run.cfg.keep_super_weights else {}
         self.kept: dict[str, list] = {}
         config = model.config.to_dict()
@@ -477,19 +508,22 @@ class SafetensorsTarget:
         config.pop("_name_or_path", None)  # the local path transformers loaded it from: never published
         config["architectures"] = config.get("architectures") or [type(model).__name__]  # vLLM picks the class by it
         self.config = config
-        weights = checkpoint_weights(model)
         write_plan = in_memory_plan(run.plan, weights)  # the source's on-disk names -> the model's (Mixtral's router)
         self.ignore = unquantized_linears(model, write_plan)
-        self.writer = SafetensorsFolderWriter(path, write_plan, weights, max_shard_bytes=run.cfg.max_shard_bytes)
+        self.writer = SafetensorsFolderWriter(path, write_plan, weights, max_shard_bytes=run.cfg.max_shard_bytes,
+                                              tied=tied)
+        self.names = list(weights)
+        self._resumed: dict[str, torch.Tensor] = {}  # weights written as they are, kept by a stopped run (load_encoded)
 
     def progress_label(self) -> str:
         return "safetensors"
 
     def tensors(self) -> list[str]:
-        return list(self.writer.weights)
+        return list(self.names)
 
     def read(self, name: str) -> torch.Tensor:
-        return self.writer.weights[name]
+        """The model's weight (``stream``: its part materialized, the part held before released)."""
+        return self.parts.get(name) if self.parts is not None else self.writer.weights[name]
 
     def gptq_round(self, name: str, w: torch.Tensor) -> Any | None:
         """GPTQ records of a planned 2-D runtime weight (NVFP4's global scale is per tensor: plain rounding), or None."""
@@ -517,15 +551,53 @@ class SafetensorsTarget:
         else:
             rw = encode_runtime(w.to(run.device, torch.float32), fmt, run.imat.get(e.name),
                                 super_weights=tuple(zip(*sw)) if sw else None)
-        if rw.super_weights is not None:
-            self.kept[module] = [[int(r), int(c), float(v)] for r, c, v in zip(*(t.tolist() for t in rw.super_weights))]
         return rw.to("cpu")
 
     def add(self, name: str, encoded: RuntimeWeight | list[RuntimeWeight] | None) -> None:
-        self.writer.add(name, self.writer.weights[name], encoded)
+        """Write the weight: its encoding, or (None) the weight itself (``stream``: as the work folder kept it for a
+        resumed run, else read here; an encoded weight's or a skipped tied copy's values are not read: the meta tensor
+        gives the shape)."""
+        if encoded is not None or self.writer.is_tied_copy(name):
+            w = self.writer.weights[name]
+        else:
+            w = self._resumed.pop(name, None)
+            w = self.read(name) if w is None else w
+        if isinstance(encoded, RuntimeWeight) and encoded.super_weights is not None:  # kept in the config's extension
+            self.kept[name.removesuffix(".weight")] = [[int(r), int(c), float(v)]
+                                                       for r, c, v in zip(*(t.tolist() for t in encoded.super_weights))]
+        self.writer.add(name, w, encoded)
+
+    def save_encoded(self, rundir, i: int, encoded: RuntimeWeight | list[RuntimeWeight] | None) -> None:
+        """Kept as a checkpoint of plain dicts and tensors (``RuntimeWeight.to_state``), read with ``weights_only``; a
+        weight written as it is (None) is kept too (its float32 values, a copy of its own), so that a resumed run
+        reads no part again for it (a tied copy: nothing kept, nothing read)."""
+        if encoded is None:
+            name = self.names[i]
+            state = {"kind": "none"}
+            if not self.writer.is_tied_copy(name):
+                state["weight"] = self.read(name).detach().clone(memory_format=torch.contiguous_format)
+        elif isinstance(encoded, RuntimeWeight):
+            state = {"kind": "weight", "weight": encoded.to_state()}
+        else:
+            state = {"kind": "experts", "experts": [rw.to_state() for rw in encoded]}
+        rundir.save(f"tensors/{i:05d}.pt", state)
+
+    def load_encoded(self, rundir, i: int) -> tuple[bool, RuntimeWeight | list[RuntimeWeight] | None]:
+        state = rundir.load(f"tensors/{i:05d}.pt")
+        if state is None:
+            return False, None
+        if state["kind"] == "weight":
+            return True, RuntimeWeight.from_state(state["weight"])
+        if state["kind"] == "experts":
+            return True, [RuntimeWeight.from_state(x) for x in state["experts"]]
+        if "weight" in state:  # taken by add
+            self._resumed[self.names[i]] = state["weight"]
+        return True, None
 
     def finish(self) -> tuple[Path, int]:
         run = self.run
+        if self.parts is not None:
+            self.parts.release()
         written = self.writer.finish(self.config, ignore=self.ignore, super_weights=self.kept, extension={
             "source": run.source.model_id, "source_kind": run.source.origin, "source_sha256": run.source.sha256,
             "plan_method": run.plan.method, "bpw": round(run.plan.bpw, 4)},
@@ -534,25 +606,40 @@ class SafetensorsTarget:
         return written.path, written.size_bytes
 
     def abort(self) -> None:
+        if getattr(self, "parts", None) is not None:
+            self.parts.release()
         writer = getattr(self, "writer", None)
         if writer is not None:
             writer.abort()
 
-    @staticmethod
-    def _extra_files(run: RunState, folder: Path) -> None:
+    def _extra_files(self, run: RunState, folder: Path) -> None:
         run.tokenizer.save_pretrained(str(folder))
         if getattr(run.ts, "vision", False):  # processor configs, chat template (VL models)
             from dynaquant.sources.hf_vl_full import copy_processor_files
 
             copy_processor_files(run.source.path, folder)
-        if getattr(run.model, "generation_config", None) is not None:
-            run.model.generation_config.save_pretrained(str(folder))
+        if self.generation_config is not None:
+            self.generation_config.save_pretrained(str(folder))
 
     def discard(self, path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
     def extras(self, run: RunState, path: Path) -> Path | None:
         return None
+
+
+def _generation_config(model, source: ModelSource):
+    """The generation config ``from_pretrained`` would give the model: the folder's ``generation_config.json`` when it
+    has one, else the one made from the model's config (``model.generation_config``, None for a model that does not
+    generate)."""
+    if getattr(model, "generation_config", None) is None:
+        return None
+    folder = Path(source.folder) if source.kind == "hf" else None
+    if folder is not None and (folder / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        return GenerationConfig.from_pretrained(str(folder))
+    return model.generation_config
 
 
 TARGETS: dict[str, type] = {"gguf": GGUFTarget, "safetensors": SafetensorsTarget}

@@ -93,6 +93,24 @@ class RuntimeWeight:
         return RuntimeWeight(self.format, self.shape, self.codes.to(device), self.scales.to(device), mv(self.zeros),
                              mv(self.global_scale), sw)
 
+    def to_state(self) -> dict:
+        """The weight as a plain dict of strings, ints and tensors (``torch.load(weights_only=True)`` reads it back;
+        :meth:`from_state` inverts it, tensor for tensor)."""
+        state = {"format": self.format, "shape": [int(s) for s in self.shape], "codes": self.codes, "scales": self.scales}
+        for k in ("zeros", "global_scale"):
+            if getattr(self, k) is not None:
+                state[k] = getattr(self, k)
+        if self.super_weights is not None:
+            state["super_weights"] = list(self.super_weights)
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict) -> RuntimeWeight:
+        """The weight :meth:`to_state` gave."""
+        sw = state.get("super_weights")
+        return cls(state["format"], tuple(state["shape"]), state["codes"], state["scales"], state.get("zeros"),
+                   state.get("global_scale"), None if sw is None else tuple(sw))
+
     @property
     def nbytes(self) -> int:
         """Bytes of the packed file tensors (codes at their bit width, scales, zero points, global scale)."""

@@ -244,6 +244,13 @@ class ModelSkeleton:
         tn = TensorName.from_gguf(gguf_name)
         return tn.block if tn.tower == "text" and tn.block is not None else OUTER
 
+    def part_of_weight(self, name: str):
+        """The part a model weight belongs to, by its HF name (a parameter, a buffer, or a stacked expert name of
+        :func:`dynaquant.runtime.moe.checkpoint_weights` such as ``model.layers.3.mlp.experts.gate_proj.weight``): its
+        decoder block index, or :data:`OUTER` (embedding, final norm, head, a vision tower)."""
+        b = _block_of_param(name)
+        return OUTER if b is None else b
+
     def _modules_of(self, part) -> list[torch.nn.Module]:
         if part == OUTER:
             return [m for n, m in self.model.named_modules() if _block_of_param(n + ".x") is None]

@@ -204,6 +204,16 @@ def unquantized_linears(model: torch.nn.Module, plan: Plan) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in quantized]
 
 
+def tied_weights(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    """Parameter name -> the other names of the same parameter object (a tied head: ``lm_head.weight`` ->
+    ``("model.embed_tokens.weight",)`` and back); only names that share. Found by parameter identity, so it holds for a
+    model on the meta device too (where every ``data_ptr()`` is 0)."""
+    groups: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(n)
+    return {n: tuple(m for m in g if m != n) for g in groups.values() if len(g) > 1 for n in g}
+
+
 def safetensors_overhead_bytes(tensors: Iterable[TensorInfo]) -> int:
     """Upper bound of what the shards add to a plan's tensor data (``Plan.size_bytes``) for any formats:
     headers (five tensors per quantizable tensor, per expert for stacked experts), ``weight_shape``, global
@@ -295,14 +305,17 @@ def _write_experts(name: str, stacked: tuple[str, str, str], w: torch.Tensor, en
 class SafetensorsFolderWriter:
     """An incremental checkpoint folder writer: :meth:`add` per model weight (shards filled as weights come), then
     :meth:`finish` (index, ``config.json``, extra files, the atomic folder rename) or :meth:`abort` on an error.
-    :func:`write_safetensors` documents the arguments and the errors.
+    :func:`write_safetensors` documents the arguments and the errors; ``tied`` (:func:`tied_weights`): weight name ->
+    the names sharing its parameter, how tied copies are found when ``weights`` are not real tensors (a meta-device
+    model read part by part: the real weight is then passed to :meth:`add`); None: by ``data_ptr()``.
 
     Attributes:
         output: the checkpoint folder. tmp: the temporary folder written. weights: the weights :meth:`add` takes.
     """
 
     def __init__(self, output: str | os.PathLike, plan: Plan, weights: Mapping[str, torch.Tensor], *,
-                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, work_dir: str | os.PathLike | None = None):
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, work_dir: str | os.PathLike | None = None,
+                 tied: Mapping[str, Iterable[str]] | None = None):
         if plan.target != "safetensors":
             raise ValueError(f"plan target is {plan.target!r}; write_safetensors takes a safetensors plan")
         self.output = output = Path(output)
@@ -312,7 +325,8 @@ class SafetensorsFolderWriter:
         if missing:
             raise ValueError(f"plan tensors without a source weight: {', '.join(missing[:5])}")
         self.weights = weights
-        self.planned_ptrs = {weights[h].data_ptr() for h in self.by_hf}
+        self.tied = None if tied is None else {k: tuple(v) for k, v in tied.items()}
+        self.planned_ptrs = {weights[h].data_ptr() for h in self.by_hf} if tied is None else set()
         self.max_shard_bytes = max_shard_bytes
         self.shards: list[list[str]] = []
         self.weight_map: dict[str, int] = {}
@@ -347,6 +361,12 @@ class SafetensorsFolderWriter:
             raise ValueError(f"{name}: shape {list(w.shape)} in the model, {list(entry.shape)} in the plan")
         return entry if entry is not None and entry.format not in _FLOAT_DTYPES else None
 
+    def is_tied_copy(self, name: str) -> bool:
+        """Weight ``name`` is an unplanned parameter shared with a planned one (``tied``), which :meth:`add` skips (its
+        values are not needed); False when the writer finds ties by ``data_ptr()`` (no ``tied`` given)."""
+        return (self.tied is not None and name not in self.by_hf
+                and any(n in self.by_hf for n in self.tied.get(name, ())))
+
     def add(self, name: str, w: torch.Tensor, encoded: RuntimeWeight | list[RuntimeWeight] | None = None) -> None:
         """Add model weight ``name`` (``encoded``: its encoding when :meth:`to_encode` gives an entry); a shard is
         written once its data reaches ``max_shard_bytes``.
@@ -365,7 +385,7 @@ class SafetensorsFolderWriter:
         if stacked is not None and (entry is None or w.ndim == 3 or stacked[2] == "bias"):
             _write_experts(name, stacked, w, entry, lambda e, x: encoded, self._put, self.expert_formats)
         elif entry is None:
-            if w.data_ptr() in self.planned_ptrs:
+            if self.is_tied_copy(name) if self.tied is not None else w.data_ptr() in self.planned_ptrs:
                 return  # a tied copy of a planned tensor (lm_head of a tied embedding)
             log.info("%s: not in the plan, written as %s", name, w.dtype)
             self._put(name, w)
@@ -382,7 +402,10 @@ class SafetensorsFolderWriter:
                 self._put(f"{module}.{k}", t)
 
     def _put(self, name: str, t: torch.Tensor) -> None:
-        self.part[name] = t = t.detach().to("cpu").contiguous()
+        t = t.detach().to("cpu").contiguous()
+        if t.untyped_storage().nbytes() > t.numel() * t.element_size():  # a view (one expert of a stack): its own copy,
+            t = t.clone()                                                # so the shard holds only the bytes it counts
+        self.part[name] = t
         self.weight_map[name] = len(self.shards)
         self.part_bytes += t.numel() * t.element_size()
 
