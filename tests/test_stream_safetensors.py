@@ -124,22 +124,27 @@ def test_stream_checkpoint_resumes_after_a_crash_mid_loop(tmp_path, monkeypatch,
     assert not work.exists()  # removed after success
 
 
+@pytest.mark.usefixtures("every_row")
 def test_stream_checkpoint_of_a_vision_language_model(tmp_path, watch_write):
-    """A Qwen2-VL folder (its vision tower part of the outer part) with a given plan: the whole-model run's folder,
-    byte for byte (processor files included), one part live at a time. (The block-wise analysis of a vision-language
-    model is refused: ``analyze_blocks``.)"""
+    """A Qwen2-VL folder (its vision tower part of the outer part), planned here: the block-wise analysis with image +
+    text calibration gives the whole-model run's plan and folder, byte for byte (processor files included), one part
+    live at a time while writing; with a given plan too."""
     from test_vl_gguf import _tiny_vl_checkpoint
 
     _tiny_vl_checkpoint(tmp_path / "ckpt")
-    kw = dict(KW, target="safetensors")
-    _quantize(tmp_path / "ckpt", output=tmp_path / "p", save_plan=tmp_path / "plan.json", **kw)
-    kw = dict(kw, bpw=None, plan=tmp_path / "plan.json", use_imatrix=False)
-    _quantize(tmp_path / "ckpt", output=tmp_path / "a", **kw)
-    _quantize(tmp_path / "ckpt", output=tmp_path / "b", stream=True, **kw)
+    kw = dict(KW, target="safetensors", correct_rounds=0)
+    _quantize(tmp_path / "ckpt", output=tmp_path / "a", save_plan=tmp_path / "plan.json", **kw)
+    got = _quantize(tmp_path / "ckpt", output=tmp_path / "b", stream=True, **kw)
     a, b = _files(tmp_path / "a"), _files(tmp_path / "b")
     assert "preprocessor_config.json" in a and list(b) == list(a)
     assert [n for n in a if a[n] != b[n]] == []
+    assert any(n.startswith("v.") and f not in ("F32", "F16", "BF16") for n, f in got.plan.formats().items())
     assert max(n for _, n in watch_write) == 1 and [p for p, _ in watch_write][0] == OUTER
+    kw = dict(kw, bpw=None, plan=tmp_path / "plan.json", use_imatrix=False)
+    _quantize(tmp_path / "ckpt", output=tmp_path / "c", **kw)
+    _quantize(tmp_path / "ckpt", output=tmp_path / "d", stream=True, **kw)
+    c, d = _files(tmp_path / "c"), _files(tmp_path / "d")
+    assert list(d) == list(c) and [n for n in c if c[n] != d[n]] == []
 
 
 @pytest.mark.parametrize("extra,names", [(dict(gptq=True), "gptq"), (dict(evaluate=True), "evaluate"),
