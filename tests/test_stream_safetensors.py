@@ -15,7 +15,7 @@ from test_blockwise import _checkpoint, every_row  # noqa: F401 (a fixture)
 import dynaquant.pipeline.quantize as quantize_mod
 from dynaquant.config import QuantizeConfig
 from dynaquant.pipeline.quantize import run_quantize
-from dynaquant.pipeline.targets import SafetensorsTarget
+from dynaquant.pipeline.safetensors_target import SafetensorsTarget
 from dynaquant.sources.skeleton import OUTER, ModelSkeleton
 
 # (bpw 6.5 is below what the safetensors default rules need on these tiny models: 7.7 bpw for "llama")

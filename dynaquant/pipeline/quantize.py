@@ -154,7 +154,7 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
             IQ3_S, IQ2_*, IQ1_*) are GPTQ-rounded a super-block of columns at a time (``quant.gptq``).
         target: ``gguf``, or ``safetensors``: a compressed-tensors checkpoint folder in the runtime formats,
             planned by ``bpw`` / ``size`` / ``plan`` (no presets), run by ``dynaquant.load``
-            (:class:`dynaquant.pipeline.targets.SafetensorsTarget`).
+            (:class:`dynaquant.pipeline.safetensors_target.SafetensorsTarget`).
         save_plan: also write the plan as JSON here (atomically), as soon as it is made: before the encoding.
         allow_nonfinite: NaN and Inf weights are refused (``InputError`` naming the tensor and its file; a model
             loaded for calibration is checked before its first forward pass); with this they are written as

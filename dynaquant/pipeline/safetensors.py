@@ -1,5 +1,5 @@
 """The former entry of the safetensors target, kept for one release: use ``quantize(..., target="safetensors")``
-(:class:`dynaquant.pipeline.targets.SafetensorsTarget` says what the target does)."""
+(:class:`dynaquant.pipeline.safetensors_target.SafetensorsTarget` says what the target does)."""
 
 from __future__ import annotations
 
