@@ -46,8 +46,9 @@ from dynaquant.pipeline.analyze import save_imatrix
 from dynaquant.pipeline.evaluate import evaluate_written
 from dynaquant.pipeline.plan import check_imatrix_needs
 from dynaquant.pipeline.preflight import Output, check_outputs
+from dynaquant.pipeline.run_state import RunState
 from dynaquant.pipeline.source import default_device, model_info, tensor_infos
-from dynaquant.pipeline.targets import RunState, Target, target_of
+from dynaquant.pipeline.targets import Target, target_of
 from dynaquant.quant.plan import Plan
 from dynaquant.quant.planner import make_plan, preset_size_bytes
 from dynaquant.quant.presets import PRESETS

@@ -31,6 +31,7 @@ from dynaquant.pipeline.gptq import GPTQRounding
 from dynaquant.pipeline.plan import PlanStart, check_imatrix_needs, imatrix_path, plan_before_model, plan_from_report
 from dynaquant.pipeline.preflight import Output, check_budget, check_outputs, plan_json_bytes_bound, tensor_bytes_bound
 from dynaquant.pipeline.publish import Publisher
+from dynaquant.pipeline.run_state import RunState
 from dynaquant.pipeline.source import (
     default_device,
     imatrix_by_gguf_name,
@@ -40,7 +41,7 @@ from dynaquant.pipeline.source import (
     source_bytes,
     tensor_infos,
 )
-from dynaquant.pipeline.targets import RunState, Target, target_of
+from dynaquant.pipeline.targets import Target, target_of
 from dynaquant.progress import RunProgress, stage_bar
 from dynaquant.quant.fit import FIT_CTX, KV_TYPES, MemoryFit
 from dynaquant.quant.formats import get_format

@@ -18,7 +18,7 @@ from dynaquant.exporters.safetensors.writer import (
     unquantized_linears,
 )
 from dynaquant.pipeline.preflight import Output, side_files_bytes_bound
-from dynaquant.pipeline.targets import RunState
+from dynaquant.pipeline.run_state import RunState
 from dynaquant.quant.formats import get_format
 from dynaquant.quant.plan import PlanEntry, TensorInfo
 from dynaquant.quant.planner import RUNTIME_CANDIDATES, default_rules

@@ -11,7 +11,6 @@ size budget must leave, the output's default name, how MoE expert stacks and sup
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -22,8 +21,8 @@ import torch
 from dynaquant.analysis.imatrix import Imatrix
 from dynaquant.config import DEFAULT_CANDIDATES, QuantizeConfig
 from dynaquant.exporters.gguf.writer import GGUFFileWriter, header_bytes
-from dynaquant.pipeline.gptq import GPTQRounding
 from dynaquant.pipeline.preflight import Output
+from dynaquant.pipeline.run_state import RunState
 from dynaquant.quant.codecs import quantize as encode_tensor
 from dynaquant.quant.codecs.base import fill_unrouted
 from dynaquant.quant.formats import get_format
@@ -50,41 +49,6 @@ _FILE_TYPE_OF_FORMAT = {
     "IQ2_XXS": gguf.LlamaFileType.MOSTLY_IQ2_XXS, "IQ1_M": gguf.LlamaFileType.MOSTLY_IQ1_M,
     "IQ1_S": gguf.LlamaFileType.MOSTLY_IQ1_S,
 }
-
-
-@dataclass
-class RunState:
-    """What a target writes from: the run's source, plan and encoders.
-
-    Attributes:
-        cfg: the run's configuration. source, ts: the model and its tensor source.
-        plan: the plan. loaded_plan: the plan was given (not made from a preset or a report here).
-        im: the imatrix computed in this run (HF module names), or None.
-        imat: GGUF tensor name -> (K,) float32 importance for the encoders (empty: plain error).
-        rounding: GPTQ rounding, or None. device: torch device of the encoding.
-        report: the analysis report (dict) when one was used, else None.
-        model, tokenizer: the loaded transformers model and tokenizer (None when not loaded).
-        imatrix_file: the imatrix file the encoders read (when ``im`` is None), else None.
-        rundir: the resumable work folder (``stream``): each encoded tensor is kept there and reused, else None.
-        progress: the run's one progress display (:class:`dynaquant.progress.RunProgress`), or None (the tensor loop
-            shows a bar of its own when ``cfg.progress``).
-    """
-
-    cfg: QuantizeConfig
-    source: ModelSource
-    ts: TensorSource
-    plan: Plan
-    loaded_plan: bool
-    im: Imatrix | None
-    imat: dict[str, torch.Tensor]
-    rounding: GPTQRounding | None
-    device: torch.device
-    report: dict | None = None
-    model: Any = None
-    tokenizer: Any = None
-    imatrix_file: Path | None = None
-    rundir: Any = None
-    progress: Any = None
 
 
 class Target(Protocol):
