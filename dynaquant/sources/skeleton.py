@@ -269,6 +269,13 @@ def _unset(dtype: torch.dtype):
     return False if dtype == torch.bool else torch.iinfo(dtype).min
 
 
+def _left_unset(buf: torch.Tensor) -> bool:
+    """``buf`` still holds :func:`_unset`'s mark somewhere (NaN, complex ones included, is found by ``isnan``)."""
+    if buf.is_floating_point() or buf.is_complex():
+        return bool(torch.isnan(buf).any())
+    return bool((buf == _unset(buf.dtype)).any())
+
+
 def _on_meta(build):
     """The model built under ``torch.device("meta")`` (no parameter allocated, not even transiently) with its buffers
     recomputed on the CPU by ``initialize_weights`` (transformers >= 5, as its ``from_pretrained`` does); None where
@@ -287,7 +294,7 @@ def _on_meta(build):
         mod = model.get_submodule(mod_name)
         mod._buffers[bname] = torch.full(buf.shape, _unset(buf.dtype), dtype=buf.dtype)
     model.initialize_weights()
-    if any((torch.isnan(b) if b.is_floating_point() else b == _unset(b.dtype)).any() for _, b in model.named_buffers()):
+    if any(_left_unset(b) for _, b in model.named_buffers()):
         log.debug("meta build: initialize_weights left a buffer unset; building with init_empty_weights")
         return None
     return model
