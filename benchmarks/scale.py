@@ -18,6 +18,12 @@ disk). Each run: ``python -m dynaquant quantize DIR --stream --bpw B --device D 
 child process (peak RSS of the child; peak GPU memory: ``torch.cuda.max_memory_allocated`` at its end);
 ``--modes stream,whole`` adds the whole-model pipeline on the same checkpoint for comparison.
 
+``--nproc 1,2`` (issue 21) runs each stream quantize once per count: 1 is the single process, N > 1 ``torchrun
+--standalone --nproc-per-node N`` on the same checkpoint (one GPU a rank, ``dynaquant.distributed``); each row records
+every rank's peak GPU memory and RSS and the output's SHA-256 (the outputs of all counts must be the same bytes), and
+a ``speedup`` row per cut gives the single process's wall time and stage times over each count's. ``--gptq`` adds
+``--gptq`` to every run.
+
 Output: ``--out`` (JSON rows, rewritten after each run): a header (machine, versions, config), one row per run
 (shape, blocks, parameters, checkpoint bytes, wall time, the run's stage times, peak RSS and GPU bytes, file bytes),
 one ``extrapolated`` row per shape with two cuts. Peak RSS: the child's own ``ru_maxrss``.
@@ -25,11 +31,13 @@ one ``extrapolated`` row per shape with two cuts. Peak RSS: the child's own ``ru
     python benchmarks/scale.py --shape tiny-llama --blocks 2,4 --device cpu --bpw 6.5 --work /tmp/scale  # smoke test
     python benchmarks/scale.py --shape llama-70b --blocks 2,4 --device cuda --work /root/dq/scale   # H100
     python benchmarks/scale.py --shape deepseek-v3 --blocks 4,5 --device cuda --work /root/dq/scale
+    python benchmarks/scale.py --shape llama-8b --blocks 32 --nproc 1,2 --device cuda --work /root/dq/scale  # 2 GPUs
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
@@ -165,41 +173,70 @@ def to_fp8(folder: Path) -> None:
 
 
 CHILD = """
-import json, resource, sys, torch
+import json, os, resource, sys, torch
 from dynaquant.cli import main
 rc = main(sys.argv[1:])
 peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"scale_child": True, "rc": rc, "gpu_peak_bytes": int(peak), "peak_rss_bytes": rss}))
+rank = int(os.environ.get("RANK", "0"))
+with open(os.environ["DQ_SCALE_CHILD"] + f".{rank}", "w") as f:
+    json.dump({"rank": rank, "rc": rc, "gpu_peak_bytes": int(peak), "peak_rss_bytes": rss}, f)
 sys.exit(rc)
 """
 
 
-def run_quantize(ckpt: Path, out: Path, work: Path, args, mode: str = "stream") -> dict:
-    """One ``quantize --stream`` (``mode`` "stream") or whole-model ``quantize`` ("whole") in a child; the row's
-    measurements."""
+def run_quantize(ckpt: Path, out: Path, work: Path, args, mode: str = "stream", nproc: int = 1,
+                 torchrun: bool = False) -> dict:
+    """One ``quantize --stream`` (``mode`` "stream") or whole-model ``quantize`` ("whole") in a child (``nproc`` > 1
+    or ``torchrun``: torchrun with that many ranks); the row's measurements."""
     stream = ["--stream", "--work-dir", str(work)] if mode == "stream" else []
     if mode == "stream" and args.max_gpu_memory:
         stream += ["--max-gpu-memory", args.max_gpu_memory]
+    script = work.parent / "scale_child.py"
+    script.write_text(CHILD)
+    measured = work.parent / f"{out.stem}.child"
+    launch = [sys.executable] if nproc == 1 and not torchrun else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                   "--nproc-per-node", str(nproc)]
     # -v: the stream pipeline logs its stages' GPU peaks
-    cmd = [sys.executable, "-c", CHILD, "-v", "quantize", str(ckpt), *stream, "--bpw", str(args.bpw), "--device",
+    cmd = [*launch, str(script), "-v", "quantize", str(ckpt), *stream, "--bpw", str(args.bpw), "--device",
            args.device, "--no-eval", "--json", "-o", str(out), "--correct", str(args.correct),
-           "--calibration-chunks", str(args.calibration_chunks), "--ctx", str(args.ctx)]
+           "--calibration-chunks", str(args.calibration_chunks), "--ctx", str(args.ctx),
+           *(["--gptq"] if args.gptq else [])]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    row: dict = {"time_s": round(time.perf_counter() - t0, 2)}
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "DQ_SCALE_CHILD": str(measured)})
+    row: dict = {"nproc": nproc, **({"torchrun": True} if torchrun else {}), "time_s": round(time.perf_counter() - t0, 2)}
     if p.returncode != 0:
-        row["error"] = (p.stderr + p.stdout)[-2000:]
+        row["error"] = (p.stderr + p.stdout)[-3000:]
         return row
-    lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
-    child = json.loads(lines[-1])
-    res = json.loads("\n".join(lines[:-1]))
+    ranks = [json.loads(Path(f"{measured}.{r}").read_text()) for r in range(nproc)]
+    res = json.loads(p.stdout[p.stdout.index("{"):])
     peaks = [ln.split("peak GPU memory after ", 1)[1] for ln in p.stderr.splitlines() if "peak GPU memory after " in ln]
     if peaks:
-        row["gpu_peak_by_stage"] = peaks  # cumulative maxima, logged by the stream pipeline
-    row.update(gpu_peak_bytes=child["gpu_peak_bytes"], peak_rss_bytes=child["peak_rss_bytes"],
-               timings_s=res.get("timings_s"), file_bytes=res.get("size_bytes"), bpw=res.get("bpw"))
+        row["gpu_peak_by_stage"] = peaks  # cumulative maxima, logged by the stream pipeline (rank 0)
+    row.update(gpu_peak_bytes=max(r["gpu_peak_bytes"] for r in ranks), peak_rss_bytes=max(r["peak_rss_bytes"] for r in ranks),
+               timings_s=res.get("timings_s"), file_bytes=res.get("size_bytes"), bpw=res.get("bpw"), gptq=res.get("gptq"),
+               sha256=hashlib.sha256(out.read_bytes()).hexdigest())
+    if nproc > 1:
+        row.update(gpu_peak_bytes_by_rank=[r["gpu_peak_bytes"] for r in ranks],
+                   peak_rss_bytes_by_rank=[r["peak_rss_bytes"] for r in ranks])
     return row
+
+
+def speedup(rows: list[dict]) -> dict | None:
+    """The single process's wall and stage times over each rank count's (rows of one cut), and whether every count
+    wrote the same bytes."""
+    one = next((r for r in rows if r.get("nproc") == 1 and not r.get("torchrun") and "error" not in r), None)
+    more = [r for r in rows if (r.get("nproc", 1) > 1 or r.get("torchrun")) and "error" not in r]
+    if one is None or not more:
+        return None
+    out = {"row": "speedup", "shape": one["shape"], "blocks": one["blocks"],
+           "same_bytes": len({r["sha256"] for r in [one, *more]}) == 1}
+    for r in more:
+        st = {k: round(v / r["timings_s"][k], 2) for k, v in (one.get("timings_s") or {}).items()
+              if (r.get("timings_s") or {}).get(k)}
+        out[f"nproc_{r['nproc']}{'_torchrun' * (r['nproc'] == 1)}"] = {"wall": round(one["time_s"] / r["time_s"], 2), "stages": st}
+    return out
 
 
 def extrapolate(rows: list[dict], full_blocks: int, full_bytes: float, read_gbps: float) -> dict:
@@ -235,6 +272,9 @@ def main(argv=None) -> int:
                    help="comma-separated: stream (quantize --stream), whole (the whole-model pipeline, for comparison)")
     p.add_argument("--max-gpu-memory", help="quantize --stream's --max-gpu-memory (e.g. 40GiB: a DeepSeek-V3 MoE block "
                    "then keeps its experts in FP8 as stored)")
+    p.add_argument("--nproc", default="1", help="stream runs with these rank counts (1: one process; N: torchrun "
+                   "--nproc-per-node N, one GPU a rank; 1t: torchrun with one rank), e.g. 1,2")
+    p.add_argument("--gptq", action="store_true", help="quantize with --gptq")
     p.add_argument("--correct", type=int, default=0,
                    help="measured-correction rounds (default 0: they re-measure whole plans, minutes each on 8B)")
     args = p.parse_args(argv)
@@ -256,17 +296,24 @@ def main(argv=None) -> int:
             ckpt = args.work / f"{shape}-{n}"
             log.info("=== %s cut to %d blocks: checkpoint", shape, n)
             made = make_checkpoint(ckpt, shape, n, tokenizer, args.device)
-            for mode in args.modes.split(","):
-                log.info("=== %s cut to %d blocks: quantize (%s)", shape, n, mode)
-                gguf = args.work / f"{shape}-{n}-{mode}.gguf"
+            cut_rows = []
+            runs = [(m, x) for m in args.modes.split(",") for x in (args.nproc.split(",") if m == "stream" else ["1"])]
+            for mode, x in runs:
+                k, tr = int(x.rstrip("t")), x.endswith("t")
+                log.info("=== %s cut to %d blocks: quantize (%s, %s process%s)", shape, n, mode, x, "es" * (k > 1))
+                gguf = args.work / f"{shape}-{n}-{mode}-{x}.gguf"
                 row = {"row": "result", "shape": shape, "blocks": n, "mode": mode, "checkpoint": made,
-                       **run_quantize(ckpt, gguf, args.work / f"{shape}-{n}-{mode}.work", args, mode)}
+                       **run_quantize(ckpt, gguf, args.work / f"{shape}-{n}-{mode}-{x}.work", args, mode, k, tr)}
                 rows.append(row)
-                if mode == "stream":
+                cut_rows.append(row)
+                if mode == "stream" and k == 1 and not tr:
                     done.append(row)
                 write()
                 if not args.keep:
                     gguf.unlink(missing_ok=True)
+            if (sp := speedup([r for r in cut_rows if r["mode"] == "stream"])) is not None:
+                rows.append(sp)
+                write()
             if not args.keep:
                 shutil.rmtree(ckpt, ignore_errors=True)
         if len(done) == 2 and all("error" not in r for r in done):
@@ -276,8 +323,9 @@ def main(argv=None) -> int:
             rows.append(extrapolate(done, full_blocks, full_bytes, args.read_gbps))
             write()
     for r in rows[1:]:
-        print(json.dumps({**{k: r.get(k) for k in ("row", "shape", "blocks", "mode", "time_s", "peak_rss_bytes",
-                                                   "gpu_peak_bytes", "read_s", "total_with_read_s", "error")},
+        print(json.dumps({**{k: r.get(k) for k in ("row", "shape", "blocks", "mode", "nproc", "time_s", "peak_rss_bytes",
+                                                   "gpu_peak_bytes", "read_s", "total_with_read_s", "same_bytes",
+                                                   "nproc_2", "error")},
                           "stages_s": r.get("stages_s") or r.get("timings_s")}))
     return 0
 

@@ -11,12 +11,14 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import shlex
 import signal
 import sys
 import traceback
 
 import dynaquant.config as config
+from dynaquant import distributed
 
 log = logging.getLogger("dynaquant")
 
@@ -304,6 +306,8 @@ def _quantize(a, bare: bool, argv: list[str]) -> int:
         cfg = dataclasses.replace(cfg, card=a.card or bool(a.push_to_hub), compare_presets=a.compare_presets,
                                   command=shlex.join(["dynaquant", *argv]))
     res = run_quantize(a.model, cfg)
+    if res is None:  # a rank other than 0 of several (torchrun): rank 0 reports
+        return 0
     url = _push_output(res, cfg) if cfg.push_to_hub else None
     if a.json:
         print(json.dumps(res.to_dict() | ({"hub_url": url} if url else {}), indent=1))
@@ -391,6 +395,8 @@ def _analyze(a) -> int:
                         correct_sequences=a.correct_sequences, stream=a.stream, max_cpu_memory=a.max_cpu_memory,
                         max_gpu_memory=a.max_gpu_memory, offload_dir=a.offload_dir, **kw)
     res = run_analyze(a.model, a.output, cfg)
+    if not distributed.group().main:  # a rank other than 0 of several (torchrun): rank 0 reports
+        return 0
     rep = res.report
     if a.json:
         print(json.dumps({"report": str(res.report_path), "imatrix": str(res.imatrix_path),
@@ -531,7 +537,9 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     # On SIGTERM, unwind normally so temporary output files are removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    rank = int(os.environ.get("RANK", "0"))  # torchrun: the ranks other than 0 log errors only, with their rank
+    logging.basicConfig(level=logging.ERROR if rank else logging.INFO if a.verbose else logging.WARNING,
+                        format=(f"[rank {rank}] " if rank else "") + "%(levelname)s %(name)s: %(message)s")
     try:
         if a.command == "quantize":
             bare = argv == ["quantize"]
@@ -557,6 +565,8 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         print(f"dynaquant {a.command}: {BUG_REPORT}", file=sys.stderr)
         return EXIT_BUG
+    finally:
+        distributed.finish()
 
 
 if __name__ == "__main__":

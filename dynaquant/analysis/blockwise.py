@@ -34,7 +34,16 @@ from typing import Protocol
 import torch
 
 from dynaquant.analysis.imatrix import Imatrix
-from dynaquant.analysis.stats import Collect, Collector, ModelStats, stats_from_state, stats_state
+from dynaquant.analysis.stats import (
+    Collect,
+    Collector,
+    ModelStats,
+    label_generator,
+    merge_stats,
+    stats_from_state,
+    stats_state,
+)
+from dynaquant.distributed import group
 from dynaquant.progress import RunProgress, stage_bar
 from dynaquant.sources.skeleton import OUTER, ModelSkeleton
 
@@ -182,7 +191,7 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
             when :func:`hidden_bytes` exceeds ``--max-cpu-memory``); None: in memory on ``store_device``.
         riders: (ids (m, seq_len), stats): more sequences carried through the forward sweep whose H and activation
             statistics go to ``stats`` instead (GPTQ's held-out check), complete for block ``i`` when ``on_block(i,
-            ...)`` runs; they take the first sequence's block arguments (same length). Not with ``checkpoints``.
+            ...)`` runs; each runs with its own block arguments. Not with ``checkpoints``.
     Returns:
         ModelStats equal to ``collect(model, chunks, what, seed=seed)`` on the whole model (tensors on the
         skeleton's device; ``token_counts`` and the imatrix sums on CPU).
@@ -214,9 +223,15 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
             extra[1](resume["extra"])
     else:
         st = ModelStats(imatrix=Imatrix() if what.imatrix else None)
-    gen = torch.Generator(device=dev).manual_seed(seed)
+    grp = group()  # several ranks: each runs its sequences (s % world), the statistics folded in order on all
+    if grp.active and checkpoints is not None:
+        raise ValueError("block checkpoints are kept by a single process; with several ranks give checkpoints=None")
+
+    def merge(part: ModelStats) -> None:
+        merge_stats(st, part)
+
     sk.materialize(OUTER)
-    col = Collector(model, st, what, device=dev)
+    col = Collector(model, st, what, device=dev, partial=grp.active)  # (one process: the totals directly)
     rider_col = None
     if riders is not None:
         rider_col = Collector(model, riders[1], Collect(hessian=True, experts=False), device=dev)
@@ -229,20 +244,29 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
             checkpoints.save(name, {**state, "stats": stats_state(st), "extra": extra[0]() if extra else {}})
 
     try:
-        # 1. the first block's inputs and every block's arguments, per sequence (the token counts: once)
-        hidden: list[torch.Tensor] = []
-        calls: list[list[tuple[tuple, dict] | None]] = []
+        # 1. the first block's inputs and every block's arguments, per sequence (the token counts: once); this
+        # rank's sequences only (the others' entries stay None)
+        hidden: list = [None] * n_seq
+        calls: list = [None] * n_seq
         blocks.record()
         col.count_tokens = resume is None
-        for s in range(n_seq):
-            col.last = None
+
+        def inputs(s: int):
+            col.begin()
+            first: list[torch.Tensor] = []
             with torch.no_grad():
-                calls.append(_forward_to_head(model, col, _inputs(chunks, s, dev), blocks, hidden))
-            hidden[-1] = hidden[-1].to(store_device)
+                calls[s] = _forward_to_head(model, col, _inputs(chunks, s, dev), blocks, first)
+            hidden[s] = first[-1].to(store_device)
+            part = col.end()
+            return part if resume is None else None  # (resumed: its statistics are in the checkpoint's)
+
+        grp.fold(n_seq, inputs, merge)
         rider_h: list[torch.Tensor] = []
+        rider_calls: list = []  # (each rank runs every rider: their own block arguments)
         for r in range(riders[0].shape[0] if riders is not None else 0):
             with torch.no_grad():
-                _forward_to_head(model, None, {"input_ids": riders[0][r : r + 1].to(dev)}, blocks, rider_h)
+                rider_calls.append(_forward_to_head(model, None, {"input_ids": riders[0][r : r + 1].to(dev)}, blocks,
+                                                    rider_h))
         bar.update(1)
         col.count_tokens = False
         # 2. forward sweep
@@ -254,7 +278,8 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
         elif spill is not None:  # the first block's inputs to files
             first, hidden = hidden, SpillList(spill / "hidden-in", n_seq)
             for s, h in enumerate(first):
-                hidden[s] = h
+                if h is not None:
+                    hidden[s] = h
             del first
         fisher_in: list = [[] for _ in range(sk.n_blocks)]
         bar.update(start)
@@ -269,24 +294,30 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
             elif spill is not None and nf:
                 fisher_in[i] = SpillList(spill / f"fisher-in-{i:05d}", nf)
                 for s in range(nf):
-                    fisher_in[i][s] = hidden[s]
+                    if grp.owns(s):
+                        fisher_in[i][s] = hidden[s]
             else:
-                fisher_in[i] = [hidden[s] for s in range(nf)]
+                fisher_in[i] = [hidden[s] if grp.owns(s) else None for s in range(nf)]
             # outputs into new storage (files: the other of two folders), so that the last checkpoint's stay whole
             out = SpillList(spill / f"hidden-{i % 2}", n_seq) if spill is not None else [None] * n_seq
-            for s in range(n_seq):
-                col.last = None
+
+            def forward(s: int, out=out, layer=layer, i=i, hidden=hidden):
+                x = hidden[s]
                 if calls[s][i] is None:  # not called for this sequence (module docstring)
-                    out[s] = hidden[s]
-                    continue
+                    out[s] = x
+                    return None
                 args, kwargs = calls[s][i]
+                col.begin()
                 with torch.no_grad():
-                    out[s] = _hidden(layer(hidden[s].to(dev), *args, **kwargs)).to(store_device)
+                    out[s] = _hidden(layer(x.to(dev), *args, **kwargs)).to(store_device)
+                return col.end()
+
+            grp.fold(n_seq, forward, merge)
             hidden = out
-            if rider_col is not None and calls[0][i] is not None:  # the riders through the block, own statistics
+            if rider_col is not None and rider_calls[0][i] is not None:  # the riders through the block, own statistics
                 col.accumulate, rider_col.accumulate = False, True
-                args, kwargs = calls[0][i]
                 for r, x in enumerate(rider_h):
+                    args, kwargs = rider_calls[r][i]
                     rider_col.last = None
                     with torch.no_grad():
                         rider_h[r] = _hidden(layer(x.to(dev), *args, **kwargs)).to(store_device)
@@ -301,12 +332,13 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
             bar.set_postfix_str(f"{n_tokens / (time.perf_counter() - t_block):.0f} tokens/s")
             bar.update(1)
         # 3. the head: its statistics; logits, labels and the last block's output gradient of the Fisher sequences
-        grads: list[torch.Tensor] = []
+        grads: list = [None] * nf
         if stage in ("head", "backward"):
             grads = [g.to(store_device) for g in resume["grads"]]
         else:
-            for s in range(n_seq):  # (the blocks give the final states: the token ids alone, no image, suffice)
-                col.last = None
+            def head(s: int):  # (the blocks give the final states: the token ids alone, no image, suffice)
+                col.begin()
+                part = col.st
                 ids = (chunks[s]["input_ids"] if items else chunks[s : s + 1]).to(dev)
                 if s < nf:
                     h = hidden[s].to(dev).requires_grad_(True)
@@ -316,20 +348,23 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
                         logits = model(input_ids=ids, use_cache=False).logits[0].to(torch.float32)
                         logp = torch.log_softmax(logits, -1)
                         with torch.no_grad():
-                            y = torch.multinomial(logp.exp(), 1, generator=gen)
+                            y = torch.multinomial(logp.exp(), 1, generator=label_generator(dev, seed, s))
                         logp.gather(1, y).sum().backward()
-                    grads.append(h.grad.to(store_device))
+                    grads[s] = h.grad.to(store_device)
                     col.fisher = False
-                    st.fisher_sequences += 1
-                    st.fisher_tokens += ids.numel()
+                    part.fisher_sequences += 1
+                    part.fisher_tokens += ids.numel()
                 else:
                     blocks.output(hidden[s].to(dev))
                     with torch.no_grad():
                         col.forward_without_logits(model, {"input_ids": ids})
-                st.sequences += 1
-                st.tokens += ids.numel()
-                if st.imatrix is not None:
-                    st.imatrix.chunks += 1
+                part.sequences += 1
+                part.tokens += ids.numel()
+                if part.imatrix is not None:
+                    part.imatrix.chunks += 1
+                return col.end()
+
+            grp.fold(n_seq, head, merge)
             save(_HEAD, grads=grads)
         if rider_col is not None:  # the riders' head input (its H for GPTQ's check)
             col.accumulate, rider_col.accumulate = False, True
@@ -339,11 +374,12 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
                 with torch.no_grad():
                     rider_col.forward_without_logits(model, {"input_ids": riders[0][r : r + 1].to(dev)})
             col.accumulate, rider_col.accumulate = True, False
-        del hidden
+        hidden = None  # (freed)
         bar.update(1)
         # 4. backward sweep over the Fisher sequences, then the embedding (and a VL model's vision tower)
         col.fisher, col.accumulate = True, False
-        keys = [_outer_grad_keys(model, blocks, chunks[s], dev, col) if items else [] for s in range(nf)]
+        keys = [_outer_grad_keys(model, blocks, chunks[s], dev, col) if items and grp.owns(s) else []
+                for s in range(nf)]
         outer_grads: list[dict] = [{} for _ in range(nf)]  # per sequence: key -> gradient of a block argument
         if stage == "backward":
             outer_grads = [{k: v.to(store_device) for k, v in g.items()} for g in resume.get("outer_grads", outer_grads)]
@@ -357,10 +393,11 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
                 sk.materialize(i)
                 layer = sk.layers[i]
                 xs = fisher_in[i] if checkpoints is None else checkpoints.load(_fisher_in_name(i), dev)["x"]
-                for s in range(nf):
+
+                def backward(s: int, xs=xs, layer=layer, i=i):
                     if calls[s][i] is None:  # not called: the gradient passes through
-                        continue
-                    col.last = None
+                        return None
+                    col.begin()
                     x = xs[s].to(dev).requires_grad_(True)
                     args, kwargs = calls[s][i]
                     leaves = {k: kwargs[k].detach().requires_grad_(True) for k in keys[s] if k in kwargs}
@@ -371,14 +408,18 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
                         if v.grad is not None:
                             g = v.grad.to(store_device)
                             outer_grads[s][k] = g if k not in outer_grads[s] else outer_grads[s][k] + g
+                    return col.end()
+
+                grp.fold(nf, backward, merge)
                 sk.release(i)
                 save(_BACKWARD, block=i, grads=grads, outer_grads=outer_grads)
             fisher_in[i] = []
             bar.update(1)
         blocks.restore()
         blocks.catch()
-        for s in range(nf):
-            col.last = None
+
+        def embedding(s: int):
+            col.begin()
             with torch.enable_grad():
                 try:
                     model(**_with_pixel_grad(_inputs(chunks, s, dev)), use_cache=False)
@@ -386,6 +427,9 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
                     more = sorted(outer_grads[s].items())
                     torch.autograd.backward([caught.hidden] + [caught.kwargs[k] for k, _ in more],
                                             [grads[s].to(dev)] + [g.to(dev) for _, g in more])
+            return col.end()
+
+        grp.fold(nf, embedding, merge)
         bar.update(1)
     finally:
         bar.close()

@@ -125,9 +125,21 @@ class ExpertStats:
 class _ExpertsForward:
     """The replacement forward of one experts module (equivalent output, statistics on the side)."""
 
-    def __init__(self, name: str, module: torch.nn.Module, st: ExpertStats, collector):
-        self.name, self.m, self.st, self.col = name, module, st, collector
+    def __init__(self, name: str, module: torch.nn.Module, n_expert: int, device, collector, experts: dict):
+        self.name, self.m, self.n, self.dev, self.col, self.experts = name, module, n_expert, device, collector, experts
         self.layout = layout_of(module)
+
+    @property
+    def st(self) -> ExpertStats:
+        """The statistics filled now: the collector's (``expert_stats``: one sequence's in its partial mode), else
+        the ``experts`` dict given to :func:`install`."""
+        get = getattr(self.col, "expert_stats", None)
+        return get(self.name, self.n, self.dev) if get is not None else self.experts[self.name]
+
+    @property
+    def live(self) -> bool:
+        """False while the collector gathers nothing (between a partial's ``end`` and the next ``begin``)."""
+        return getattr(self.col, "st", True) is not None
 
     def _grad_hook(self, proj: str, e: int, n: int, sl=None):
         st = self.st
@@ -145,7 +157,7 @@ class _ExpertsForward:
         return fn
 
     def __call__(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-        return dispatch(hidden_states, top_k_index, top_k_weights, self.st.n_expert, self._expert)
+        return dispatch(hidden_states, top_k_index, top_k_weights, self.n, self._expert)
 
     def _expert(self, e: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         m = self.m
@@ -158,12 +170,12 @@ class _ExpertsForward:
             gate, up = gu.chunk(2, dim=-1)
             h = m.act_fn(gate) * up
         y = h @ m.down_proj[e] + m.down_proj_bias[e] if gpt else expert_linear(m, e, "down", h)
-        if self.col.fisher and gu.requires_grad:
+        if self.col.fisher and gu.requires_grad and self.live:
             i, n = gu.shape[-1] // 2, x.shape[0]
             gu.register_hook(self._grad_hook("gate_proj", e, n, slice(0, None, 2) if gpt else slice(0, i)))
             gu.register_hook(self._grad_hook("up_proj", e, n, slice(1, None, 2) if gpt else slice(i, None)))
             y.register_hook(self._grad_hook("down_proj", e, n))
-        if getattr(self.col, "accumulate", True):
+        if getattr(self.col, "accumulate", True) and self.live:
             with torch.no_grad():
                 self._accumulate(e, x, h, w)
         return y
@@ -178,12 +190,32 @@ class _ExpertsForward:
                 k = v.shape[1]
                 shape = (st.n_expert, k, k) if st.n_expert * k * k * 4 <= EXPERT_HESSIAN_BYTES else (st.n_expert, k)
                 hs = st.hessian_sum[key] = torch.zeros(shape, dtype=torch.float32, device=v.device)
-            if hs.dim() == 3:
-                hs[e].addmm_(v.T, v)
+            if hs.dim() == 3:  # this call's, then added (the same bits as a partial sum merged: stats.Collector)
+                hs[e] += torch.zeros(hs.shape[1:], dtype=hs.dtype, device=hs.device).addmm_(v.T, v)
             else:
                 hs[e] += (v * v).sum(0)
         st.tokens[e] += x.shape[0]
         st.weight_sum[e] += float(w.detach().double().sum())
+
+
+def new_expert_stats(name: str, n_expert: int, device) -> ExpertStats:
+    """An empty ExpertStats (zero counts on ``device``)."""
+    st = ExpertStats(name, n_expert)
+    st.tokens = torch.zeros(n_expert, dtype=torch.int64, device=device)
+    st.weight_sum = torch.zeros(n_expert, dtype=torch.float64, device=device)
+    st.fisher_tokens = torch.zeros(n_expert, dtype=torch.int64, device=device)
+    return st
+
+
+def merge_expert_stats(acc: ExpertStats, part: ExpertStats) -> None:
+    """Add ``part`` (one sequence's statistics of the same experts module) into ``acc`` in place."""
+    for key, h in part.hessian_sum.items():
+        acc.hessian_sum[key] = h if key not in acc.hessian_sum else acc.hessian_sum[key].add_(h)
+    for key, h in part.fisher_sum.items():
+        acc.fisher_sum[key] = h if key not in acc.fisher_sum else acc.fisher_sum[key].add_(h)
+    for attr in ("tokens", "weight_sum", "fisher_tokens"):
+        a, p = getattr(acc, attr), getattr(part, attr)
+        setattr(acc, attr, p if a is None else (a if p is None else a.add_(p.to(a.device))))
 
 
 def install(model, experts: dict[str, ExpertStats], collector, device: torch.device | None = None) -> list:
@@ -202,14 +234,11 @@ def install(model, experts: dict[str, ExpertStats], collector, device: torch.dev
     for name, mod in find_experts(model).items():
         dev = device if device is not None else mod.gate_up_proj.device
         n = mod.gate_up_proj.shape[0]
-        st = experts.setdefault(name, ExpertStats(name, n))
-        if st.tokens is None:
-            st.tokens = torch.zeros(n, dtype=torch.int64, device=dev)
-            st.weight_sum = torch.zeros(n, dtype=torch.float64, device=dev)
-            st.fisher_tokens = torch.zeros(n, dtype=torch.int64, device=dev)
+        if name not in experts:
+            experts[name] = new_expert_stats(name, n, dev)
         had = "forward" in mod.__dict__
         old = mod.__dict__.get("forward")
-        mod.forward = _ExpertsForward(name, mod, st, collector)
+        mod.forward = _ExpertsForward(name, mod, n, dev, collector, experts)
         undo.append((mod, had, old))
     return undo
 

@@ -173,6 +173,70 @@ class ModelStats:
         return im
 
 
+def _add(a, b):
+    """``a + b`` for the statistics' sums (in place into ``a``; None: absent)."""
+    if b is None:
+        return a
+    if a is None:
+        return b
+    if isinstance(a, torch.Tensor):
+        return a.add_(b.to(a.device))
+    return a + b
+
+
+def merge_stats(acc: ModelStats, part: ModelStats) -> None:
+    """Add ``part`` (one sequence's statistics: :meth:`Collector.begin`) into ``acc`` in place: sums added, maxima
+    taken, a module or experts module seen first in ``part`` taken over (its tensors then belong to ``acc``). The
+    calibration adds its sequences' statistics in sequence order this way, in one process or spread over ranks
+    (:meth:`dynaquant.distributed.Group.fold`), so the sums are the same bits whatever the number of ranks.
+
+    Raises:
+        ValueError: ``part`` brings the second moments of an input whose matrix ``acc`` has dropped.
+    """
+    for name, key in part.input_of.items():
+        acc.input_of.setdefault(name, key)
+    for key, p in part.inputs.items():
+        a = acc.inputs.get(key)
+        if a is None:
+            acc.inputs[key] = p
+            continue
+        if a.hessian_sum is None and p.hessian_sum is not None:
+            raise ValueError(f"{key}: statistics added after its second moments were dropped")
+        a.modules.extend(m for m in p.modules if m not in a.modules)
+        a.hessian_sum = _add(a.hessian_sum, p.hessian_sum)
+        a.diag_sum = _add(a.diag_sum, p.diag_sum)
+        a.tokens += p.tokens
+        a.absmax = p.absmax if a.absmax is None else torch.maximum(a.absmax, p.absmax.to(a.absmax.device))
+        a.sq_sum += p.sq_sum
+        for k in a.qerr_sum:
+            a.qerr_sum[k] += p.qerr_sum[k]
+    for name, p in part.outputs.items():
+        a = acc.outputs.get(name)
+        if a is None:
+            acc.outputs[name] = p
+            continue
+        a.absmax = torch.maximum(a.absmax, p.absmax.to(a.absmax.device))
+        a.fisher_sum = _add(a.fisher_sum, p.fisher_sum)
+        a.fisher_tokens += p.fisher_tokens
+    acc.embed_fisher_sum = _add(acc.embed_fisher_sum, part.embed_fisher_sum)
+    acc.token_counts = _add(acc.token_counts, part.token_counts)
+    for attr in ("sequences", "tokens", "fisher_sequences", "fisher_tokens"):
+        setattr(acc, attr, getattr(acc, attr) + getattr(part, attr))
+    for name, es in part.experts.items():
+        if name in acc.experts:
+            moe.merge_expert_stats(acc.experts[name], es)
+        else:
+            acc.experts[name] = es
+    if part.imatrix is not None:
+        if acc.imatrix is None:
+            acc.imatrix = Imatrix()
+        im = acc.imatrix
+        for k, v in part.imatrix.sums.items():
+            im.sums[k] = _add(im.sums.get(k), v)
+            im.counts[k] = im.counts.get(k, 0) + part.imatrix.counts.get(k, 0)
+        im.chunks += part.imatrix.chunks
+
+
 def module_of(param_name: str | None) -> str | None:
     """HF module of a weight parameter (``model.layers.3.mlp.down_proj.weight`` -> ``model.layers.3.mlp.down_proj``)."""
     return param_name[: -len(".weight")] if param_name and param_name.endswith(".weight") else None
@@ -226,10 +290,21 @@ class _HeadReached(Exception):  # noqa: N818 - a signal, not an error: ends a fo
 
 class Collector:
     """The forward hooks (and MoE experts forwards) that fill one ModelStats as ``what`` asks (driven by
-    :func:`collect` on a whole model, or block by block by :func:`dynaquant.analysis.blockwise.collect_blockwise`)."""
+    :func:`collect` on a whole model, or block by block by :func:`dynaquant.analysis.blockwise.collect_blockwise`).
 
-    def __init__(self, model, st: ModelStats, what: Collect, device: torch.device | None = None):
-        self.st, self.what = st, what
+    Every call's contribution to a sum (a module's ``x x^T``, ``x^2`` column sums, squared gradients) is computed on
+    its own and then added to the total, in sequence order. In partial mode (several ranks,
+    :mod:`dynaquant.distributed`) the hooks fill one sequence's statistics (:meth:`begin` .. :meth:`end`) and the
+    caller adds them to the totals in sequence order (:func:`merge_stats`): each module is called once per sequence,
+    so both modes add the same numbers in the same order and give the same bits.
+    """
+
+    def __init__(self, model, st: ModelStats, what: Collect, device: torch.device | None = None,
+                 partial: bool = False):
+        # partial: the hooks fill one sequence's statistics (:meth:`begin` .. :meth:`end`), which the caller adds
+        # into ``st`` in sequence order (:func:`merge_stats`; :meth:`dynaquant.distributed.Group.fold`)
+        self.main, self.what, self.partial = st, what, partial
+        self.st: ModelStats | None = None if partial else st
         self.fisher = False  # True while a Fisher sequence runs (read by the experts forwards too)
         # False while a block is recomputed for its gradients alone (the block-wise backward sweep): forward
         # statistics are not gathered twice (read by the experts forwards too)
@@ -242,10 +317,32 @@ class Collector:
         self.head = next(((n, m) for n, m in linears.items() if m is head), None)  # (name, module) or None
         if what.hessian:
             emb = model.get_input_embeddings()
+            self.vocab = emb.weight.shape[0]
             if st.token_counts is None:  # (a resumed block-wise run brings its counts)
-                st.token_counts = torch.zeros(emb.weight.shape[0], dtype=torch.int64)
+                st.token_counts = torch.zeros(self.vocab, dtype=torch.int64)
             self.handles.append(emb.register_forward_hook(self._embed_hook))
         self.experts_undo = moe.install(model, st.experts, self, device=device) if what.experts else []
+
+    def begin(self) -> None:
+        """Start one sequence: in partial mode the hooks fill a new, empty ModelStats (else the totals, as always)."""
+        self.last = None
+        if self.partial:
+            self.st = ModelStats(imatrix=Imatrix() if self.what.imatrix else None)
+
+    def end(self) -> ModelStats | None:
+        """Partial mode: the statistics since :meth:`begin` (the hooks fill nothing until the next ``begin``);
+        else None (the totals have them)."""
+        if not self.partial:
+            return None
+        part, self.st = self.st, None
+        return part
+
+    def expert_stats(self, name: str, n_expert: int, device) -> moe.ExpertStats:
+        """The ExpertStats the experts forward of ``name`` fills now (created empty in a partial)."""
+        es = self.st.experts.get(name)
+        if es is None:
+            es = self.st.experts[name] = moe.new_expert_stats(name, n_expert, device)
+        return es
 
     def remove(self):
         for h in self.handles:
@@ -255,9 +352,14 @@ class Collector:
     def _hook(self, name):
         def fn(_mod, inputs, out):
             x = inputs[0]
+            if self.st is None:
+                return
             if not self.accumulate:
-                if self.fisher and self.what.hessian and out is not None and name in self.st.outputs:
-                    self._fisher_hook(self.st.outputs[name], out)
+                if self.fisher and self.what.hessian and out is not None and name in self.main.outputs:
+                    o = self.st.outputs.get(name)
+                    if o is None:  # a partial: its own Fisher sums (absmax zeros: max-merged)
+                        o = self.st.outputs[name] = OutputStats(torch.zeros_like(self.main.outputs[name].absmax))
+                    self._fisher_hook(o, out)
                 return
             if self.what.imatrix:
                 self._accumulate_imatrix(name, x.detach())
@@ -316,11 +418,12 @@ class Collector:
     def _accumulate_input(self, name, x):
         x = x.reshape(-1, x.shape[-1]).to(torch.float32)
         s = self.st.inputs.get(name)
+        k = x.shape[1]
+        h = torch.zeros((k, k), dtype=torch.float32, device=x.device).addmm_(x.T, x)  # this call's, then added
         if s is None:
-            k = x.shape[1]
-            h = torch.zeros((k, k), dtype=torch.float32, device=x.device)
             s = self.st.inputs[name] = InputStats([name], h, absmax=torch.zeros(k, dtype=torch.float32, device=x.device))
-        s.hessian_sum.addmm_(x.T, x)
+        else:
+            s.hessian_sum += h
         s.tokens += x.shape[0]
         s.absmax = torch.maximum(s.absmax, x.abs().amax(0))
         s.sq_sum += float((x * x).sum())
@@ -351,7 +454,11 @@ class Collector:
 
     def _embed_hook(self, _mod, inputs, out):
         st = self.st
+        if st is None:
+            return None
         if self.count_tokens:
+            if st.token_counts is None:
+                st.token_counts = torch.zeros(self.vocab, dtype=torch.int64)
             st.token_counts += torch.bincount(inputs[0].reshape(-1).cpu(), minlength=st.token_counts.numel())
         if not self.fisher:
             return None
@@ -393,7 +500,6 @@ def collect(model, chunks, what: Collect = Collect(), *, seed: int = 0, progress
         raise ValueError("batch_size > 1 needs token-id chunks and no Fisher sequences")
     st = ModelStats(imatrix=Imatrix() if what.imatrix else None)
     device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
     col = Collector(model, st, what)
     req = {n: p.requires_grad for n, p in model.named_parameters()}
     for p in model.parameters():
@@ -405,7 +511,8 @@ def collect(model, chunks, what: Collect = Collect(), *, seed: int = 0, progress
             batch = _batch(chunks, i, batch_size, device)
             ids = batch["input_ids"]
             col.fisher = i < what.fisher_sequences
-            col.last = None
+            col.begin()
+            part = col.st  # (the totals: each module's contribution added as it comes, see Collector)
             if col.fisher:
                 with torch.enable_grad():
                     if batch.get("pixel_values") is not None and batch["pixel_values"].is_floating_point():
@@ -414,17 +521,17 @@ def collect(model, chunks, what: Collect = Collect(), *, seed: int = 0, progress
                     logits = model(**batch, use_cache=False).logits[0].to(torch.float32)
                     logp = torch.log_softmax(logits, -1)
                     with torch.no_grad():
-                        y = torch.multinomial(logp.exp(), 1, generator=gen)
+                        y = torch.multinomial(logp.exp(), 1, generator=label_generator(device, seed, i))
                     logp.gather(1, y).sum().backward()
-                st.fisher_sequences += 1
-                st.fisher_tokens += ids.numel()
+                part.fisher_sequences += 1
+                part.fisher_tokens += ids.numel()
             else:
                 with torch.no_grad():
                     col.forward_without_logits(model, batch)
-            st.sequences += ids.shape[0]
-            st.tokens += ids.numel()
-            if st.imatrix is not None:
-                st.imatrix.chunks += ids.shape[0]
+            part.sequences += ids.shape[0]
+            part.tokens += ids.numel()
+            if part.imatrix is not None:
+                part.imatrix.chunks += ids.shape[0]
     finally:
         col.remove()
         for n, p in model.named_parameters():
@@ -432,6 +539,12 @@ def collect(model, chunks, what: Collect = Collect(), *, seed: int = 0, progress
     if st.imatrix is not None:
         st.imatrix.sums = {k: v.cpu() for k, v in st.imatrix.sums.items()}
     return st
+
+
+def label_generator(device, seed: int, s: int) -> torch.Generator:
+    """The generator of Fisher sequence ``s``'s sampled labels: its own seed (``seed`` and ``s``), so that a sequence's
+    labels do not depend on which sequences ran before it (on this rank)."""
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + s)
 
 
 def collect_stats(model, chunks, *, fisher_sequences: int = 16, seed: int = 0,

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from dynaquant import distributed
 from dynaquant.analysis import experts
 from dynaquant.analysis.calibration import CalibrationSpec, calibration_chunks
 from dynaquant.analysis.errors import ErrorSample, measure_samples, sample_tensor
@@ -288,6 +289,11 @@ def run_analyze(model: str | os.PathLike | None, output_dir: str | os.PathLike |
     if cfg.stream and (cfg.sensitivity_formats or cfg.validate_presets):
         raise ValueError("sensitivity rows and plan validation need the whole model: not available with stream (block "
                          "by block) yet")
+    if distributed.launched():  # torchrun: this process is one rank of several (dynaquant.distributed)
+        if not cfg.stream:
+            raise ValueError("several ranks (torchrun) run the block-by-block analysis: add --stream")
+        if not distributed.init_from_env(cfg.device or default_device()).main:
+            cfg = replace(cfg, progress=False)
     spec = cfg.calibration or CalibrationSpec()
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -305,7 +311,8 @@ def run_analyze(model: str | os.PathLike | None, output_dir: str | os.PathLike |
     if cfg.stream:
         from dynaquant.pipeline.analyze_blocks import run_blockwise_analysis
 
-        res = run_blockwise_analysis(source, ts, load_tokenizer(source), spec, device=cfg.device or default_device(),
+        res = run_blockwise_analysis(source, ts, load_tokenizer(source), spec,
+                                     device=distributed.rank_device(cfg.device or default_device()),
                                      dtype=getattr(torch, cfg.dtype), candidates=cfg.candidates,
                                      fisher_sequences=cfg.fisher_sequences, super_weights=cfg.super_weights,
                                      overhead_bytes=overhead, progress=cfg.progress, timings=timings,
@@ -330,7 +337,7 @@ def _finish_analysis(res: AnalysisResult, output_dir, ts: TensorSource, spec: Ca
                      t0: float) -> AnalysisResult:
     """Write the report and the imatrix into ``output_dir`` (when given)."""
     timings["total_s"] = time.perf_counter() - t0
-    if output_dir is not None:
+    if output_dir is not None and distributed.group().main:  # (several ranks: rank 0 writes)
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
         res.imatrix_path = save_imatrix(out / "imatrix.gguf", res.imatrix, ts, spec)

@@ -35,6 +35,7 @@ from dynaquant.analysis.errors import RowErrors, RowWeights, TensorError, measur
 from dynaquant.analysis.stats import Collect, ModelStats, module_of, stats_from_state, stats_state
 from dynaquant.analysis.superweights import SuperWeight, confirm_blockwise, find_candidates
 from dynaquant.config import DEFAULT_CANDIDATES
+from dynaquant.distributed import group
 from dynaquant.errors import InputError
 from dynaquant.names import TensorName
 from dynaquant.pipeline.analysis_report import (
@@ -97,12 +98,16 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
 
         samples = vl_calibration_samples(ts.folder, tokenizer, chunks, spec.images, spec.n_images,
                                          trust_remote_code=source.trust_remote_code)
+    grp = group()  # several ranks: the sequences and each block's tensors split between them (dynaquant.distributed)
     sk = build_skeleton(source, ts, dtype=dtype, device=device, allow_nonfinite=allow_nonfinite)
+    if offload_dir is None and rundir is not None:
+        offload_dir = rundir.file("offload")
+    if offload_dir is not None and grp.active:
+        offload_dir = Path(offload_dir) / f"rank-{grp.rank}"
     longest = max(x["input_ids"].shape[1] for x in samples) if isinstance(samples, list) else chunks.shape[1]
     offload = memory_plan(sk, len(samples), longest, min(fisher_sequences, len(samples)),
                           max_cpu_memory=max_cpu_memory, max_gpu_memory=max_gpu_memory,
-                          offload_dir=offload_dir if offload_dir is not None or rundir is None else rundir.file("offload"),
-                          checkpoints=rundir is not None)
+                          offload_dir=offload_dir, checkpoints=rundir is not None and not grp.active)
     info = model_info(ts)
     src_tensors = ts.tensors()
     entries = [tensor_entry(t, set()) for t in src_tensors]
@@ -119,18 +124,20 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
         if super_weights:  # the text block's (a vision tower's layers: once, below)
             cands.extend(find_candidates(sk.model, st, layer=i, max_candidates=1 << 30, text=True))
         samples, owners, modules = [], [], set()
-        for j in by_block.get(i, []):
+        work = [j for j in by_block.get(i, []) if src_tensors[j].quantizable]
+        mine = {work[k] for k in grp.mine([src_tensors[j].numel for j in work])}  # this rank's share of the block
+        for j in work:
             t = src_tensors[j]
-            if not t.quantizable:
-                continue
             stacked = stacked_name(t.hf_name)
+            modules.add(stacked[0] if stacked else module_of(t.hf_name))
+            if j not in mine:
+                continue
             if stacked and stacked[0] in st.experts:
                 es = st.experts[stacked[0]]
                 ss, _ = experts.expert_samples(sk.model.get_submodule(stacked[0]), stacked[1], es, total_tokens=0,
                                                fisher_total=0, defer_fisher=True)
                 owners.append((j, None, len(samples), len(samples) + len(ss)))
                 samples += ss
-                modules.add(stacked[0])
                 continue
             w = weight_of(sk.model, t)
             rw, imp = row_weights_of(t, st, info.tied_embeddings, st.token_counts)
@@ -139,10 +146,9 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
                 continue
             owners.append((j, module_of(t.hf_name), len(samples), len(samples) + 1))
             samples.append(sample_tensor(w.detach(), RowWeights(hessian=rw.hessian), imatrix=imp, score="output"))
-            modules.add(module_of(t.hf_name))
         results = measure_samples(samples, list(candidates), per_row=True)
-        for j, module, a, b in owners:
-            pending.append((j, module, results[a] if module is not None else results[a:b]))
+        done = [(j, module, results[a] if module is not None else results[a:b]) for j, module, a, b in owners]
+        pending.extend(sorted((x for part in grp.gather(done) for x in part), key=lambda x: x[0]))
         st.drop_hessians(modules | {m for m in [*st.input_of, *st.experts] if _module_block(m) == i})  # routers too
         spent[0] += time.perf_counter() - t1
 
@@ -156,7 +162,8 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
         spent[0] = state["spent"]
 
     stats = collect_blockwise(sk, samples, Collect(fisher_sequences=fisher_sequences), progress=progress,
-                              on_block=on_block, checkpoints=rundir, extra=(get_state, set_state), offload_dir=offload)
+                              on_block=on_block, checkpoints=rundir if not grp.active else None,
+                              extra=(get_state, set_state), offload_dir=offload)
     timings["calibration_s"] = time.perf_counter() - t0 - spent[0]
     log_gpu_peak(device, "calibration and the blocks' errors")
     t2 = time.perf_counter()
@@ -177,6 +184,7 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
             errs = {f: re.with_fisher(fisher) for f, re in res.items()}
         entries[j]["errors"] = {f: v.to_dict() for f, v in errs.items()}
     outer = [j for j, t in enumerate(src_tensors) if layer_of(t.gguf_name) is None and t.quantizable]
+    outer = [outer[k] for k in grp.mine([src_tensors[j].numel for j in outer])]  # this rank's share
     samples, owners = [], []
     for j in outer:  # token embedding, output head (in memory throughout): measured with their Fisher at hand
         t = src_tensors[j]
@@ -187,8 +195,11 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
             samples.append(sample_tensor(w.detach(), rw, imatrix=imp))
         else:
             log.warning("%s: no calibration statistics or weight shape mismatch; not measured", t.gguf_name)
-    for j, errs in zip(owners, measure_samples(samples, list(candidates))):
-        entries[j]["errors"] = {f: v.to_dict() for f, v in errs.items()}
+    measured = [(j, {f: v.to_dict() for f, v in errs.items()})
+                for j, errs in zip(owners, measure_samples(samples, list(candidates)))]
+    for part in grp.gather(measured):
+        for j, errs in part:
+            entries[j]["errors"] = errs
     timings["errors_s"] = spent[0] + time.perf_counter() - t2
     t3 = time.perf_counter()
     sws = []
@@ -207,7 +218,7 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
     report = build_report(source, ts, spec, stats, entries, sws, candidates, device=device, dtype=dtype,
                           overhead_bytes=overhead_bytes, timings=timings)
     report["calibration"]["blockwise"] = True
-    if rundir is not None:
+    if rundir is not None and grp.main:
         rundir.save(DONE, {"report": report, "stats": stats_state(stats)})
     return AnalysisResult(report, stats, stats.to_imatrix(spec.id))
 

@@ -11,6 +11,7 @@ import torch
 from dynaquant.analysis.calibration import CalibrationSpec
 from dynaquant.analysis.calibration import calibration_chunks as calibration_ids
 from dynaquant.analysis.stats import collect_stats, module_of
+from dynaquant.distributed import group
 from dynaquant.quant.codecs import dequantize
 from dynaquant.quant.codecs import quantize as encode_tensor
 from dynaquant.quant.formats import Format
@@ -47,7 +48,7 @@ class GPTQRounding:
         if module not in self.check.input_of:  # a VL vision module: the held-out check is text only; plain rounding
             return None
         if not supports_gptq(fmt):
-            self.plain_only[fmt.name] = self.plain_only.get(fmt.name, 0) + 1
+            self.record(fmt.name, None, False)
             return None
         h_fit = self.fit.input(module).hessian.to(self.device)
         h_check = self.check.input(module).hessian.to(self.device)
@@ -55,11 +56,19 @@ class GPTQRounding:
         g = gptq_round(w, fmt, h_fit, imp, damp=self.damp)
         e_plain = output_error(w, dequantize(plain, fmt).to(w.device), h_check)
         e_gptq = output_error(w, g.decoded.to(w.device), h_check)
-        self.ratios.setdefault(fmt.name, []).append(e_gptq / e_plain if e_plain > 0 else 1.0)
-        if e_gptq < e_plain:
-            self.used[fmt.name] = self.used.get(fmt.name, 0) + 1
-            return g.data
-        return plain
+        self.record(fmt.name, e_gptq / e_plain if e_plain > 0 else 1.0, e_gptq < e_plain)
+        return g.data if e_gptq < e_plain else plain
+
+    def record(self, fmt: str, ratio: float | None, used: bool) -> None:
+        """Count one tensor for :meth:`summary` (``ratio`` None: a format GPTQ does not round); the last one is
+        :attr:`last` (the block-wise sweep over several ranks gathers them and replays them in order)."""
+        self.last = (fmt, ratio, used)
+        if ratio is None:
+            self.plain_only[fmt] = self.plain_only.get(fmt, 0) + 1
+            return
+        self.ratios.setdefault(fmt, []).append(ratio)
+        if used:
+            self.used[fmt] = self.used.get(fmt, 0) + 1
 
     def summary(self) -> dict:
         """Per format: tensors tried, tensors that took GPTQ, mean held-out output-error ratio GPTQ / plain.
@@ -121,13 +130,20 @@ def gptq_blockwise(source, ts, tokenizer, spec: CalibrationSpec, plan, importanc
         tn = TensorName.from_gguf(name)
         return tn.block if tn.tower == "text" else None
 
+    order = {n: k for k, n in enumerate(sorted(planned, key=lambda n: (block_of(n) is None, block_of(n) or 0)))}
+    grp = group()  # several ranks: each block's tensors split between them, their counts replayed in order
+    records: list[tuple[int, tuple]] = []  # (position in the single process's order, GPTQRounding.last)
+
     def round_tensors(names: list[str]) -> None:
-        for name in names:
+        names = [n for n in names if planned[n].kind != "float"]
+        for k in grp.mine([by_name[n].numel for n in names]):
+            name = names[k]
             t, fmt = by_name[name], planned[name]
-            if fmt.kind == "float":
-                continue
             w = check_finite(ts.read(t), tensor_label(t.hf_name, t.gguf_name), ts.file_of(t), allow_nonfinite)
+            rounding.last = None
             q = rounding.encode(t, w.to(device), fmt, importance.get(name))
+            if rounding.last is not None:
+                records.append((order[name], rounding.last))
             if q is not None:
                 rundir.save_array(f"gptq/{name}.npy", q.cpu().numpy())
 
@@ -142,7 +158,12 @@ def gptq_blockwise(source, ts, tokenizer, spec: CalibrationSpec, plan, importanc
                            on_block=on_block, riders=(chunks[-2:], check))
     rounding.fit = st
     round_tensors([n for n in planned if block_of(n) is None])
+    if grp.active:  # the counts of every rank's tensors, in the single process's order (the gather: all are done)
+        rounding.ratios, rounding.used, rounding.plain_only = {}, {}, {}
+        for _, rec in sorted(x for part in grp.gather(records) for x in part):
+            rounding.record(*rec)
     summary = rounding.summary()
-    rundir.save("gptq/summary.pt", {"summary": summary})
+    if grp.main:
+        rundir.save("gptq/summary.pt", {"summary": summary})
     timings["gptq_s"] = time.perf_counter() - t0
     return StoredRounding(rundir, summary)

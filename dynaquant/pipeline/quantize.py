@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from dynaquant import distributed
 from dynaquant.analysis.calibration import CalibrationSpec
 from dynaquant.analysis.calibration import calibration_chunks as calibration_ids
 from dynaquant.analysis.evaluate import EvalResult
@@ -225,15 +226,21 @@ def run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig) -> Quanti
         return _run_quantize(model, pub.config, pub)
 
 
-def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Publisher) -> QuantizeResult:
+def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Publisher) -> QuantizeResult | None:
     target = _check_options(cfg)
+    grp = distributed.group()
+    if distributed.launched():  # torchrun: this process is one rank of several (dynaquant.distributed)
+        _check_distributed(cfg, target)
+        grp = distributed.init_from_env(cfg.device or default_device())
+        if not grp.main:
+            cfg = replace(cfg, progress=False)
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     inputs = {"plan": cfg.plan, "report": cfg.report, "imatrix": cfg.imatrix, "calibration text": cfg.calibration,
               "evaluation text": cfg.eval_text}
     first = [Output(Path(cfg.output), folder=target.folder_output)] if cfg.output is not None else []
     check_outputs(first + ([Output(Path(cfg.save_plan))] if cfg.save_plan is not None else []), inputs=inputs, source=model)
-    device = cfg.device or default_device()
+    device = distributed.rank_device(cfg.device or default_device())
     source = resolve_source(model, allow_pickle=cfg.allow_pickle, trust_remote_code=cfg.trust_remote_code,
                             revision=cfg.source_revision)
     ts = open_tensor_source(source, full_vl=target.full_vl)
@@ -249,7 +256,13 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
     needs_imatrix = cfg.use_imatrix and imat_path is None and not needs_analysis and (
         start.dynamic or target.name == "safetensors" or any(get_format(e.format).kind != "float" for e in start.plan.entries))
     final = _check_output(cfg, target, source, ts, tensors, start, inputs)
-    rundir = _open_rundir(cfg, source, final) if cfg.stream else None
+    rundir = None
+    if cfg.stream:  # (several ranks: rank 0 makes the folder, the others open it after)
+        if grp.main:
+            rundir = _open_rundir(cfg, source, final)
+        grp.barrier()
+        if not grp.main:
+            rundir = _open_rundir(cfg, source, final)
     # one progress display for a stream run (shares: the stages' times on the 8B shape, benchmarks/scale.py)
     run_bar = RunProgress({"calibration": 0.55, "writing": 0.45, "evaluation": 0.3 if cfg.evaluate else 0.0},
                           enabled=cfg.progress) if cfg.stream else None
@@ -289,9 +302,9 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
         with fit_errors(fit):
             plan, size = plan_from_report(cfg, target, start, tensors, info, source.model_id)
         plan.fit = fit
-        if cfg.save_plan is not None and rounds == 0:  # corrected: saved once, below
+        if cfg.save_plan is not None and rounds == 0 and grp.main:  # corrected: saved once, below
             write_json(plan.to_dict(), cfg.save_plan)
-        if rundir is not None:
+        if rundir is not None and grp.main:
             write_json(plan.to_dict(), rundir.file("plan.json"))
     rounding = None
     if cfg.gptq and not cfg.stream:
@@ -307,7 +320,7 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
         plan, start.report = correct_in_run(cfg, target, start, tensors, info, source.model_id, hf_model, tokenizer, imat,
                                             rounds, plan, sk=sk)
         plan.fit, timings["corrections_s"] = fit, time.perf_counter() - t1
-        if cfg.save_plan is not None:
+        if cfg.save_plan is not None and grp.main:
             write_json(plan.to_dict(), cfg.save_plan)
     check_imatrix_needs(plan, set(imat))
     if cfg.gptq and cfg.stream:  # block by block, on the final plan; the bytes wait in the work folder
@@ -322,6 +335,8 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
     t2 = time.perf_counter()
     path, nbytes = write_output(run, target, output)
     timings["quantize_s"] = time.perf_counter() - t2
+    if not grp.main:  # its share of the tensors is in the work folder; rank 0 wrote the file
+        return None
     if cfg.stream:
         from dynaquant.pipeline.analyze_blocks import log_gpu_peak
 
@@ -344,7 +359,7 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
     if run_bar is not None:
         run_bar.close()
     done = pub.finish(result, run, target, imat_path)
-    if rundir is not None and not cfg.keep_work_dir:
+    if rundir is not None and not cfg.keep_work_dir:  # (several ranks: the others have finished their share)
         rundir.delete()
     return done
 
@@ -368,14 +383,17 @@ def _open_rundir(cfg: QuantizeConfig, source: ModelSource, output: Path):
     return RunDir(Path(cfg.work_dir) if cfg.work_dir is not None else default_work_dir(output), identity)
 
 
-def write_output(run: RunState, target: Target, path: Path) -> tuple[Path, int]:
+def write_output(run: RunState, target: Target, path: Path) -> tuple[Path, int] | tuple[None, int]:
     """The one tensor loop: each planned tensor read, GPTQ-rounded where asked, encoded and handed to ``target``,
-    which writes ``path`` atomically; (path written, bytes counted for the budget).
+    which writes ``path`` atomically; (path written, bytes counted for the budget). With several ranks
+    (:mod:`dynaquant.distributed`): :func:`write_output_ranks`.
 
     Raises:
         Any error of the reading, encoding or writing; the target's partial output is removed first
         (``path`` is left as it was).
     """
+    if distributed.group().active:
+        return write_output_ranks(run, target, path)
     target.begin(run, path)
     tensors = target.tensors()
     if run.progress is not None:
@@ -402,6 +420,104 @@ def write_output(run: RunState, target: Target, path: Path) -> tuple[Path, int]:
         raise
     finally:
         bar.close()
+
+
+def write_output_ranks(run: RunState, target: Target, path: Path) -> tuple[Path, int] | tuple[None, int]:
+    """The tensor loop over several ranks. Each tensor is encoded by the rank that claims it first (a file created
+    exclusively in the work folder's ``claims/``), kept in the work folder (``target.save_encoded``; a resumed run's
+    encodings are kept and not claimed again): the ranks other than 0 claim tensors in order while any is left; rank 0
+    writes the output from the work folder in order, each tensor as soon as it is there, and claims and encodes the
+    earliest unclaimed one whenever the next to write is not there yet. The encoding of a tensor does not depend on
+    who makes it: the bytes are the single process's. Returns what :func:`write_output` returns on rank 0,
+    ``(None, 0)`` on the others.
+
+    Raises:
+        TimeoutError: (rank 0) a tensor claimed by another rank is not in the work folder after the process group's
+            timeout (``DYNAQUANT_DIST_TIMEOUT``).
+        Any error of :func:`write_output`.
+    """
+    grp = distributed.group()
+    claims = run.rundir.file("claims/.keep").parent
+    if grp.main:  # the claims of a stopped run are void
+        for f in claims.glob("[0-9]*"):
+            f.unlink()
+        target.begin(run, path)
+    else:
+        target.prepare(run)
+    grp.barrier()
+    tensors = target.tensors()
+    label = target.progress_label() if grp.main else "encoding"
+    bar = (stage_bar(run.progress, "writing", len(tensors), "tensor") if run.progress is not None
+           else stage_bar(run.cfg.progress, label, len(tensors), "tensor"))
+    bar.set_description(label)
+    claimed = [False] * len(tensors)
+
+    def claim(i: int) -> bool:
+        if claimed[i]:
+            return False
+        claimed[i] = True
+        try:
+            os.close(os.open(claims / f"{i:05d}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False
+
+    def encode(i: int) -> None:
+        t = tensors[i]
+        w = target.read(t)
+        rounded = target.gptq_round(t, w) if run.rounding is not None else None
+        target.save_encoded(run.rundir, i, target.encode(t, w, rounded))
+
+    try:
+        if not grp.main:
+            for i in range(len(tensors)):
+                if not target.load_encoded(run.rundir, i)[0] and claim(i):
+                    encode(i)
+                bar.update(1)
+            return None, 0
+        added, nxt, deadline = 0, 0, time.monotonic() + distributed.timeout_s()
+        while added < len(tensors):
+            done, encoded = target.load_encoded(run.rundir, added)
+            if done:
+                target.add(tensors[added], encoded)
+                added += 1
+                bar.update(1)
+                deadline = time.monotonic() + distributed.timeout_s()
+                continue
+            nxt = max(nxt, added)
+            while nxt < len(tensors) and not claim(nxt):
+                nxt += 1
+            if nxt < len(tensors):
+                if not target.load_encoded(run.rundir, nxt)[0]:
+                    encode(nxt)
+                continue
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{run.rundir.path}: tensor {tensors[added].gguf_name} not encoded after "
+                                   f"{distributed.timeout_s():.0f} s; did the rank that claimed it stop?")
+            time.sleep(0.05)
+        return target.finish()
+    except BaseException:
+        if grp.main:
+            target.abort()
+        raise
+    finally:
+        bar.close()
+
+
+def _check_distributed(cfg: QuantizeConfig, target: Target) -> None:
+    """Several ranks run the stream pipeline to a GGUF file (before any work).
+
+    Raises:
+        ValueError: without ``stream``, with the safetensors target, or with ``card``.
+    """
+    if not cfg.stream:
+        raise ValueError("several ranks (torchrun) run the block-by-block pipeline: add --stream")
+    if target.name != "gguf":
+        raise ValueError("several ranks (torchrun) write GGUF files for now: drop --target safetensors, or run one "
+                         "process")
+    if cfg.card:
+        raise ValueError("several ranks (torchrun) write the model file without --card for now: quantize, then publish "
+                         "from one process (dynaquant push), or run one process")
 
 
 def _check_options(cfg: QuantizeConfig) -> Target:
@@ -457,7 +573,7 @@ def _check_output(cfg: QuantizeConfig, target: Target, source: ModelSource, ts: 
     plan_out = [Output(Path(cfg.save_plan), plan_json_bytes_bound(len(tensors)))] if cfg.save_plan is not None else []
     check_outputs([target.output(output, bound, source, ts)] + plan_out, inputs=inputs, source=source)
     target.check_output(output)
-    if cfg.save_plan is not None and start.plan is not None:
+    if cfg.save_plan is not None and start.plan is not None and distributed.group().main:
         write_json(start.plan.to_dict(), cfg.save_plan)
     return output
 

@@ -97,6 +97,9 @@ class Target(Protocol):
     def progress_label(self) -> str:
         """The progress bar's label."""
 
+    def prepare(self, run: RunState) -> None:
+        """Ready to read and encode ``run``'s tensors without writing anything (a rank other than 0 of several)."""
+
     def begin(self, run: RunState, path: Path) -> None:
         """Start writing ``path`` for ``run`` (header or folder in the run's work folder; nothing at ``path`` yet)."""
 
@@ -288,9 +291,15 @@ class GGUFTarget:
     def check_output(self, path: Path) -> None:
         pass
 
-    def begin(self, run: RunState, path: Path) -> None:
-        self.run, cfg = run, run.cfg
+    def prepare(self, run: RunState) -> None:
+        """Ready to read and encode ``run``'s tensors without writing (a rank other than 0 of several)."""
+        self.run = run
         self.types = {e.name: get_format(e.format) for e in run.plan.entries}
+        self._tensors = run.ts.tensors()
+
+    def begin(self, run: RunState, path: Path) -> None:
+        self.prepare(run)
+        cfg = run.cfg
         kv = {**gguf_extra_kv(run.source, run.plan, run.im),
               **provenance_kv(run.source, run.im, run.imatrix_file, bool(run.imat))}
         self.writer = GGUFFileWriter(path, run.ts, self.types, kv,
@@ -301,7 +310,7 @@ class GGUFTarget:
         return f"writing {self.writer.path.name}"
 
     def tensors(self) -> list[SourceTensor]:
-        return self.writer.tensors
+        return self._tensors
 
     def read(self, t: SourceTensor) -> torch.Tensor | None:
         """The float32 weight, NaN/Inf checked; None for a stacked expert tensor over :data:`EXPERT_GROUP_BYTES` that
