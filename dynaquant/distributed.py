@@ -224,41 +224,40 @@ def _split(obj) -> tuple[dict, list[torch.Tensor]]:
     """(layout: the structure with each tensor replaced by its slot, and the tensors' shapes, dtypes, devices;
     the tensors in slot order)."""
     tensors: list[torch.Tensor] = []
-
-    def walk(v):
-        if isinstance(v, torch.Tensor):
-            tensors.append(v.detach())
-            return _Slot(len(tensors) - 1)
-        if isinstance(v, dict):
-            return {k: walk(x) for k, x in v.items()}
-        if isinstance(v, list):
-            return [walk(x) for x in v]
-        if isinstance(v, tuple):
-            return tuple(walk(x) for x in v)
-        if hasattr(v, "__dataclass_fields__") and not isinstance(v, type):
-            out = object.__new__(type(v))
-            out.__dict__.update({k: walk(x) for k, x in v.__dict__.items()})
-            return out
-        return v
-
-    shell = walk(obj)
+    shell = _shell(obj, tensors)
     pickle.dumps(shell)  # fails here, on the sender, for what cannot be sent
     return {"obj": shell, "tensors": [(tuple(t.shape), t.dtype, str(t.device)) for t in tensors]}, tensors
 
 
-def _join(shell, tensors: list[torch.Tensor]):
-    def walk(v):
-        if isinstance(v, _Slot):
-            return tensors[v.k]
-        if isinstance(v, dict):
-            return {k: walk(x) for k, x in v.items()}
-        if isinstance(v, list):
-            return [walk(x) for x in v]
-        if isinstance(v, tuple):
-            return tuple(walk(x) for x in v)
-        if hasattr(v, "__dataclass_fields__") and not isinstance(v, type):
-            v.__dict__.update({k: walk(x) for k, x in v.__dict__.items()})
-            return v
-        return v
+# (module-level walks, no closures: a recursive closure is a reference cycle, and a cycle holding the tensors would
+# keep every partial sum allocated until Python's cycle collector happens to run)
+def _shell(v, tensors: list):
+    if isinstance(v, torch.Tensor):
+        tensors.append(v.detach())
+        return _Slot(len(tensors) - 1)
+    if isinstance(v, dict):
+        return {k: _shell(x, tensors) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_shell(x, tensors) for x in v]
+    if isinstance(v, tuple):
+        return tuple(_shell(x, tensors) for x in v)
+    if hasattr(v, "__dataclass_fields__") and not isinstance(v, type):
+        out = object.__new__(type(v))
+        out.__dict__.update({k: _shell(x, tensors) for k, x in v.__dict__.items()})
+        return out
+    return v
 
-    return walk(shell)
+
+def _join(v, tensors: list[torch.Tensor]):
+    if isinstance(v, _Slot):
+        return tensors[v.k]
+    if isinstance(v, dict):
+        return {k: _join(x, tensors) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_join(x, tensors) for x in v]
+    if isinstance(v, tuple):
+        return tuple(_join(x, tensors) for x in v)
+    if hasattr(v, "__dataclass_fields__") and not isinstance(v, type):
+        v.__dict__.update({k: _join(x, tensors) for k, x in v.__dict__.items()})
+        return v
+    return v

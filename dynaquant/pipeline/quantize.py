@@ -462,11 +462,13 @@ def write_output_ranks(run: RunState, target: Target, path: Path) -> tuple[Path,
         except FileExistsError:
             return False
 
-    def encode(i: int) -> None:
+    def encode(i: int):
         t = tensors[i]
         w = target.read(t)
         rounded = target.gptq_round(t, w) if run.rounding is not None else None
-        target.save_encoded(run.rundir, i, target.encode(t, w, rounded))
+        encoded = target.encode(t, w, rounded)
+        target.save_encoded(run.rundir, i, encoded)
+        return encoded
 
     try:
         if not grp.main:
@@ -489,7 +491,12 @@ def write_output_ranks(run: RunState, target: Target, path: Path) -> tuple[Path,
                 nxt += 1
             if nxt < len(tensors):
                 if not target.load_encoded(run.rundir, nxt)[0]:
-                    encode(nxt)
+                    encoded = encode(nxt)
+                    if nxt == added:  # the next to write: from memory, not read back
+                        target.add(tensors[added], encoded)
+                        added += 1
+                        bar.update(1)
+                        deadline = time.monotonic() + distributed.timeout_s()
                 continue
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{run.rundir.path}: tensor {tensors[added].gguf_name} not encoded after "
