@@ -58,3 +58,17 @@ def test_extrapolation_is_linear_in_the_blocks():
     assert got["stages_s"] == {"calibration_s": 10.0 + 3.0 * 78, "quantize_s": 4.0 + 2.0 * 78}
     assert got["read_s"] == pytest.approx(160 / 3, abs=0.1)
     assert got["total_with_read_s"] == pytest.approx(got["time_s"] + got["read_s"], abs=0.1)
+
+
+def test_speedup_compares_each_rank_count_with_the_single_process():
+    row = {"shape": "s", "blocks": 32, "mode": "stream"}
+    rows = [{**row, "nproc": 1, "time_s": 300.0, "sha256": "a", "timings_s": {"calibration_s": 90.0, "quantize_s": 120.0}},
+            {**row, "nproc": 1, "torchrun": True, "time_s": 310.0, "sha256": "a",
+             "timings_s": {"calibration_s": 90.0, "quantize_s": 125.0}},
+            {**row, "nproc": 2, "time_s": 160.0, "sha256": "a", "timings_s": {"calibration_s": 45.0, "quantize_s": 80.0}}]
+    got = scale.speedup(rows)
+    assert got["same_bytes"] and got["nproc_2"] == {"wall": 1.88, "stages": {"calibration_s": 2.0, "quantize_s": 1.5}}
+    assert got["nproc_1_torchrun"]["wall"] == round(300 / 310, 2)
+    rows[2]["sha256"] = "b"
+    assert scale.speedup(rows)["same_bytes"] is False
+    assert scale.speedup(rows[:1]) is None  # nothing to compare with
