@@ -472,8 +472,8 @@ def write_output_ranks(run: RunState, target: Target, path: Path) -> tuple[Path,
 
     try:
         if not grp.main:
-            for i in range(len(tensors)):
-                if not target.load_encoded(run.rundir, i)[0] and claim(i):
+            for i in range(len(tensors)):  # (claimed first: a tensor another rank encodes is not read here)
+                if claim(i) and not target.load_encoded(run.rundir, i)[0]:
                     encode(i)
                 bar.update(1)
             return None, 0
