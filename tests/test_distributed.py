@@ -21,8 +21,19 @@ from test_moe_gguf import _tiny_moe
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--stream", "--bpw", "6.5", "--calibration-chunks", "5", "--ctx", "32", "--no-eval", "--device", "cpu",
         "--gptq", "--json"]
-# rank 1 (of a torchrun) exits hard after encoding DIE_AFTER tensors (the hook of the resume test)
+# rank 1 (of a torchrun) exits hard after encoding DQ_DIE_AFTER tensors, or once calibration step DQ_DIE_AT_STEP is
+# committed (the hooks of the resume tests); each rank says at which committed step its calibration starts
 SCRIPT = """import os, sys
+import dynaquant.pipeline.rundir as rd
+init, save = rd.RankCheckpoints.__init__, rd.RankCheckpoints.save
+def init_(self, *a, **k):
+    init(self, *a, **k)
+    print(f"calibration from step {self.step}", file=sys.stderr, flush=True)
+def save_(self, name, state):
+    save(self, name, state)
+    if os.environ.get("RANK") == "1" and self.step == int(os.environ.get("DQ_DIE_AT_STEP", "-1")):
+        os._exit(3)
+rd.RankCheckpoints.__init__, rd.RankCheckpoints.save = init_, save_
 if os.environ.get("DQ_DIE_AFTER") and os.environ.get("RANK") == "1":
     import dynaquant.pipeline.targets as t
     enc, n = t.encode_tensor, [0]
@@ -108,6 +119,20 @@ def test_a_rank_that_dies_stops_the_run_and_the_restart_resumes(ckpt, single, tm
     assert p.returncode == 0, p.stderr[-4000:]
     assert (tmp_path / "two.gguf").read_bytes() == (one / "one.gguf").read_bytes()
     assert not (tmp_path / "w").exists()  # removed after success (no --keep-work-dir)
+
+
+def test_a_rank_that_dies_mid_calibration_resumes_at_the_committed_step(ckpt, single, tmp_path):
+    one, _ = single
+    args = [str(ckpt), *ARGS, "-o", "two.gguf", "--work-dir", "w"]
+    p = _torchrun(args, tmp_path, DQ_DIE_AT_STEP="3")  # steps: 2 blocks forward, the head (3), 2 blocks back
+    assert p.returncode != 0 and not (tmp_path / "two.gguf").exists()
+    assert "calibration from step 0" in p.stderr
+    commit = json.loads((tmp_path / "w" / "analysis" / "ranks-2" / "commit.json").read_text())
+    assert commit["step"] in (2, 3)  # rank 0 may not have committed step 3 before rank 1 was gone
+    p = _torchrun(args, tmp_path)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert f"calibration from step {commit['step']}" in p.stderr
+    assert (tmp_path / "two.gguf").read_bytes() == (one / "one.gguf").read_bytes()
 
 
 def test_several_ranks_refuse_what_they_cannot_do(ckpt, tmp_path):

@@ -224,8 +224,6 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
     else:
         st = ModelStats(imatrix=Imatrix() if what.imatrix else None)
     grp = group()  # several ranks: each runs its sequences (s % world), the statistics folded in order on all
-    if grp.active and checkpoints is not None:
-        raise ValueError("block checkpoints are kept by a single process; with several ranks give checkpoints=None")
 
     def merge(part: ModelStats) -> None:
         merge_stats(st, part)
@@ -274,7 +272,7 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
         spill = Path(offload_dir) if offload_dir is not None else None
         if stage == "forward":
             hidden = SpillList(resume["hidden_dir"], n_seq) if "hidden_dir" in resume else \
-                [h.to(store_device) for h in resume["hidden"]]
+                [h.to(store_device) if h is not None else None for h in resume["hidden"]]
         elif spill is not None:  # the first block's inputs to files
             first, hidden = hidden, SpillList(spill / "hidden-in", n_seq)
             for s, h in enumerate(first):
@@ -290,7 +288,7 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
             sk.materialize(i)
             layer = sk.layers[i]
             if checkpoints is not None and nf:
-                checkpoints.save(_fisher_in_name(i), {"x": [hidden[s] for s in range(nf)]})
+                checkpoints.save(_fisher_in_name(i), {"x": [hidden[s] if grp.owns(s) else None for s in range(nf)]})
             elif spill is not None and nf:
                 fisher_in[i] = SpillList(spill / f"fisher-in-{i:05d}", nf)
                 for s in range(nf):
@@ -334,7 +332,7 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
         # 3. the head: its statistics; logits, labels and the last block's output gradient of the Fisher sequences
         grads: list = [None] * nf
         if stage in ("head", "backward"):
-            grads = [g.to(store_device) for g in resume["grads"]]
+            grads = [g.to(store_device) if g is not None else None for g in resume["grads"]]
         else:
             def head(s: int):  # (the blocks give the final states: the token ids alone, no image, suffice)
                 col.begin()

@@ -107,7 +107,7 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
     longest = max(x["input_ids"].shape[1] for x in samples) if isinstance(samples, list) else chunks.shape[1]
     offload = memory_plan(sk, len(samples), longest, min(fisher_sequences, len(samples)),
                           max_cpu_memory=max_cpu_memory, max_gpu_memory=max_gpu_memory,
-                          offload_dir=offload_dir, checkpoints=rundir is not None and not grp.active)
+                          offload_dir=offload_dir, checkpoints=rundir is not None)
     info = model_info(ts)
     src_tensors = ts.tensors()
     entries = [tensor_entry(t, set()) for t in src_tensors]
@@ -161,8 +161,13 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
         cands[:] = [SuperWeight(**c) for c in state["candidates"]]
         spent[0] = state["spent"]
 
+    ckpts = rundir  # (several ranks: each its own, restarting at a step all of them completed)
+    if rundir is not None and grp.active:
+        from dynaquant.pipeline.rundir import RankCheckpoints
+
+        ckpts = RankCheckpoints(rundir, grp)
     stats = collect_blockwise(sk, samples, Collect(fisher_sequences=fisher_sequences), progress=progress,
-                              on_block=on_block, checkpoints=rundir if not grp.active else None,
+                              on_block=on_block, checkpoints=ckpts,
                               extra=(get_state, set_state), offload_dir=offload)
     timings["calibration_s"] = time.perf_counter() - t0 - spent[0]
     log_gpu_peak(device, "calibration and the blocks' errors")

@@ -126,6 +126,10 @@ class RunDir:
         p = self.path / name
         return np.load(p, allow_pickle=False) if p.is_file() else None
 
+    def write_text(self, name: str, text: str) -> None:
+        """Write a small text file atomically."""
+        self._write(self.file(name), text.encode())
+
     def remove(self, name: str) -> None:
         (self.path / name).unlink(missing_ok=True)
 
@@ -148,3 +152,50 @@ def _first_difference(a, b, where: str = "") -> str:
             if a.get(k) != b.get(k):
                 return _first_difference(a.get(k), b.get(k), f"{where}.{k}" if where else k)
     return where or "run.json"
+
+
+class RankCheckpoints:
+    """The block-wise calibration's checkpoints of one rank of several (:mod:`dynaquant.distributed`), in ``rundir``'s
+    ``analysis/ranks-N/R/``: each rank's hidden states are its own, so a restart must take the same step on every
+    rank. A stage checkpoint (forward / head / backward) is step ``k``, written to ``ckpt-{k % 2}.pt`` (the step before
+    it stays whole); once every rank has written it (a barrier), rank 0 records ``k`` in ``analysis/ranks-N/commit.json``
+    and the ranks go on after a second barrier.
+    A restart loads the committed step on every rank; a rank stopped between its write and the commit leaves the
+    previous step, whose files are still there. Other names (the Fisher inputs of a block) are written as they are, in
+    the rank's folder. Same interface as :class:`RunDir` for :func:`dynaquant.analysis.blockwise.collect_blockwise`.
+    """
+
+    STAGES = ("analysis/forward.pt", "analysis/head.pt", "analysis/backward.pt")
+
+    def __init__(self, rundir: RunDir, group):
+        self.rundir, self.group = rundir, group
+        self.top = f"analysis/ranks-{group.world}"
+        self.own = f"{self.top}/{group.rank}"
+        commit = rundir.path / self.top / "commit.json"
+        self.step = json.loads(commit.read_text())["step"] if commit.is_file() else 0
+        self._resume = self.step
+
+    def save(self, name: str, state: dict) -> None:
+        if name not in self.STAGES:
+            self.rundir.save(f"{self.own}/{name}", state)
+            return
+        self.step += 1
+        self.rundir.save(f"{self.own}/ckpt-{self.step % 2}.pt", {"name": name, "step": self.step, "state": state})
+        self.group.barrier()
+        if self.group.main:
+            self.rundir.write_text(f"{self.top}/commit.json", json.dumps({"step": self.step}))
+        self.group.barrier()  # no rank overwrites the step before (its files, its hidden states) until this is committed
+
+    def load(self, name: str, device: str | torch.device = "cpu") -> dict | None:
+        if name not in self.STAGES:
+            return self.rundir.load(f"{self.own}/{name}", device)
+        if self._resume == 0:
+            return None
+        held = self.rundir.load(f"{self.own}/ckpt-{self._resume % 2}.pt", device)
+        if held is None or held["step"] != self._resume:
+            raise InputError(f"{self.rundir.path}: rank {self.group.rank}'s checkpoint of step {self._resume} is "
+                             "missing; remove the work folder's analysis/ranks-* to restart the calibration")
+        return held["state"] if held["name"] == name else None
+
+    def remove(self, name: str) -> None:
+        self.rundir.remove(f"{self.own}/{name}")
