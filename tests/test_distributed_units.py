@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 from test_moe_analysis import _model
 
-from dynaquant.analysis.stats import Collect, Collector, ModelStats, collect, label_generator, merge_stats
+from dynaquant.analysis.fold import merge_stats
+from dynaquant.analysis.stats import Collect, Collector, ModelStats, collect, label_generator
 from dynaquant.distributed import Group, _join, _split
 
 

@@ -33,16 +33,9 @@ from typing import Protocol
 
 import torch
 
+from dynaquant.analysis.fold import merge_stats
 from dynaquant.analysis.imatrix import Imatrix
-from dynaquant.analysis.stats import (
-    Collect,
-    Collector,
-    ModelStats,
-    label_generator,
-    merge_stats,
-    stats_from_state,
-    stats_state,
-)
+from dynaquant.analysis.stats import Collect, Collector, ModelStats, label_generator, stats_from_state, stats_state
 from dynaquant.distributed import group
 from dynaquant.progress import RunProgress, stage_bar
 from dynaquant.sources.skeleton import OUTER, ModelSkeleton
