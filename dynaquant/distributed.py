@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -83,11 +82,8 @@ class Group:
         torch.distributed.all_gather_object(out, _to_cpu(obj))
         return out
 
-    def broadcast(self, obj, src: int = 0):
-        """Rank ``src``'s ``obj`` (picklable) on every rank."""
-        return self._pickled(_to_cpu(obj) if self.rank == src else None, src)
-
     def _pickled(self, obj, src: int):
+        """Rank ``src``'s picklable ``obj`` (no tensors) on every rank."""
         if not self.active:
             return obj
         box = [obj if self.rank == src else None]
@@ -205,12 +201,7 @@ def finish() -> None:
 
 
 def _to_cpu(obj):
-    return _join(*_cpu_split(obj))
-
-
-def _cpu_split(obj):
-    layout, tensors = _split(obj)
-    return layout["obj"], [t.cpu() for t in tensors]
+    return _walk(obj, lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v)
 
 
 class _Slot:
@@ -222,42 +213,36 @@ class _Slot:
 
 def _split(obj) -> tuple[dict, list[torch.Tensor]]:
     """(layout: the structure with each tensor replaced by its slot, and the tensors' shapes, dtypes, devices;
-    the tensors in slot order)."""
+    the tensors in slot order). Whatever cannot be pickled fails on the sender, in ``broadcast_object_list``."""
     tensors: list[torch.Tensor] = []
-    shell = _shell(obj, tensors)
-    pickle.dumps(shell)  # fails here, on the sender, for what cannot be sent
+
+    def slot(v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        tensors.append(v.detach())
+        return _Slot(len(tensors) - 1)
+
+    shell = _walk(obj, slot)
     return {"obj": shell, "tensors": [(tuple(t.shape), t.dtype, str(t.device)) for t in tensors]}, tensors
 
 
-# (module-level walks, no closures: a recursive closure is a reference cycle, and a cycle holding the tensors would
-# keep every partial sum allocated until Python's cycle collector happens to run)
-def _shell(v, tensors: list):
-    if isinstance(v, torch.Tensor):
-        tensors.append(v.detach())
-        return _Slot(len(tensors) - 1)
+def _join(shell, tensors: list[torch.Tensor]):
+    """The structure :func:`_split` took apart, with ``tensors`` in its slots."""
+    return _walk(shell, lambda v: tensors[v.k] if isinstance(v, _Slot) else v)
+
+
+def _walk(v, leaf):
+    """A copy of the nested structure ``v`` (dicts, lists, tuples, dataclasses) with ``leaf`` applied to every other
+    value. Module-level and not a recursive closure: a closure calling itself is a reference cycle, and a cycle
+    holding the tensors would keep every partial sum allocated until Python's cycle collector happens to run."""
     if isinstance(v, dict):
-        return {k: _shell(x, tensors) for k, x in v.items()}
+        return {k: _walk(x, leaf) for k, x in v.items()}
     if isinstance(v, list):
-        return [_shell(x, tensors) for x in v]
+        return [_walk(x, leaf) for x in v]
     if isinstance(v, tuple):
-        return tuple(_shell(x, tensors) for x in v)
+        return tuple(_walk(x, leaf) for x in v)
     if hasattr(v, "__dataclass_fields__") and not isinstance(v, type):
         out = object.__new__(type(v))
-        out.__dict__.update({k: _shell(x, tensors) for k, x in v.__dict__.items()})
+        out.__dict__.update({k: _walk(x, leaf) for k, x in v.__dict__.items()})
         return out
-    return v
-
-
-def _join(v, tensors: list[torch.Tensor]):
-    if isinstance(v, _Slot):
-        return tensors[v.k]
-    if isinstance(v, dict):
-        return {k: _join(x, tensors) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_join(x, tensors) for x in v]
-    if isinstance(v, tuple):
-        return tuple(_join(x, tensors) for x in v)
-    if hasattr(v, "__dataclass_fields__") and not isinstance(v, type):
-        v.__dict__.update({k: _join(x, tensors) for k, x in v.__dict__.items()})
-        return v
-    return v
+    return leaf(v)

@@ -207,17 +207,6 @@ def new_expert_stats(name: str, n_expert: int, device) -> ExpertStats:
     return st
 
 
-def merge_expert_stats(acc: ExpertStats, part: ExpertStats) -> None:
-    """Add ``part`` (one sequence's statistics of the same experts module) into ``acc`` in place."""
-    for key, h in part.hessian_sum.items():
-        acc.hessian_sum[key] = h if key not in acc.hessian_sum else acc.hessian_sum[key].add_(h)
-    for key, h in part.fisher_sum.items():
-        acc.fisher_sum[key] = h if key not in acc.fisher_sum else acc.fisher_sum[key].add_(h)
-    for attr in ("tokens", "weight_sum", "fisher_tokens"):
-        a, p = getattr(acc, attr), getattr(part, attr)
-        setattr(acc, attr, p if a is None else (a if p is None else a.add_(p.to(a.device))))
-
-
 def install(model, experts: dict[str, ExpertStats], collector, device: torch.device | None = None) -> list:
     """Replace every experts module's forward with the collecting one.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dynaquant.analysis import experts as moe
+from dynaquant.analysis.experts import ExpertStats
 from dynaquant.analysis.imatrix import Imatrix
 from dynaquant.analysis.stats import ModelStats
 
@@ -61,7 +61,7 @@ def merge_stats(acc: ModelStats, part: ModelStats) -> None:
         setattr(acc, attr, getattr(acc, attr) + getattr(part, attr))
     for name, es in part.experts.items():
         if name in acc.experts:
-            moe.merge_expert_stats(acc.experts[name], es)
+            _merge_experts(acc.experts[name], es)
         else:
             acc.experts[name] = es
     if part.imatrix is not None:
@@ -72,3 +72,13 @@ def merge_stats(acc: ModelStats, part: ModelStats) -> None:
             im.sums[k] = _add(im.sums.get(k), v)
             im.counts[k] = im.counts.get(k, 0) + part.imatrix.counts.get(k, 0)
         im.chunks += part.imatrix.chunks
+
+
+def _merge_experts(acc: ExpertStats, part: ExpertStats) -> None:
+    """Add ``part`` (one sequence's statistics of the same experts module) into ``acc`` in place."""
+    for key, h in part.hessian_sum.items():
+        acc.hessian_sum[key] = _add(acc.hessian_sum.get(key), h)
+    for key, h in part.fisher_sum.items():
+        acc.fisher_sum[key] = _add(acc.fisher_sum.get(key), h)
+    for attr in ("tokens", "weight_sum", "fisher_tokens"):
+        setattr(acc, attr, _add(getattr(acc, attr), getattr(part, attr)))

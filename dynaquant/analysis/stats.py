@@ -237,8 +237,6 @@ class Collector:
 
     def __init__(self, model, st: ModelStats, what: Collect, device: torch.device | None = None,
                  partial: bool = False):
-        # partial: the hooks fill one sequence's statistics (:meth:`begin` .. :meth:`end`), which the caller adds
-        # into ``st`` in sequence order (:func:`dynaquant.analysis.fold.merge_stats`; :meth:`dynaquant.distributed.Group.fold`)
         self.main, self.what, self.partial = st, what, partial
         self.st: ModelStats | None = None if partial else st
         self.fisher = False  # True while a Fisher sequence runs (read by the experts forwards too)
@@ -448,7 +446,6 @@ def collect(model, chunks, what: Collect = Collect(), *, seed: int = 0, progress
             ids = batch["input_ids"]
             col.fisher = i < what.fisher_sequences
             col.begin()
-            part = col.st  # (the totals: each module's contribution added as it comes, see Collector)
             if col.fisher:
                 with torch.enable_grad():
                     if batch.get("pixel_values") is not None and batch["pixel_values"].is_floating_point():
@@ -459,15 +456,15 @@ def collect(model, chunks, what: Collect = Collect(), *, seed: int = 0, progress
                     with torch.no_grad():
                         y = torch.multinomial(logp.exp(), 1, generator=label_generator(device, seed, i))
                     logp.gather(1, y).sum().backward()
-                part.fisher_sequences += 1
-                part.fisher_tokens += ids.numel()
+                st.fisher_sequences += 1
+                st.fisher_tokens += ids.numel()
             else:
                 with torch.no_grad():
                     col.forward_without_logits(model, batch)
-            part.sequences += ids.shape[0]
-            part.tokens += ids.numel()
-            if part.imatrix is not None:
-                part.imatrix.chunks += ids.shape[0]
+            st.sequences += ids.shape[0]
+            st.tokens += ids.numel()
+            if st.imatrix is not None:
+                st.imatrix.chunks += ids.shape[0]
     finally:
         col.remove()
         for n, p in model.named_parameters():

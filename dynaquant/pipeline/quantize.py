@@ -32,7 +32,7 @@ from dynaquant.pipeline.gptq import GPTQRounding
 from dynaquant.pipeline.plan import PlanStart, check_imatrix_needs, imatrix_path, plan_before_model, plan_from_report
 from dynaquant.pipeline.preflight import Output, check_budget, check_outputs, plan_json_bytes_bound, tensor_bytes_bound
 from dynaquant.pipeline.publish import Publisher
-from dynaquant.pipeline.ranks import check_distributed, write_output_ranks
+from dynaquant.pipeline.ranks import check_distributed, encode_planned, tensor_bar, write_output_ranks
 from dynaquant.pipeline.run_state import RunState
 from dynaquant.pipeline.source import (
     default_device,
@@ -44,7 +44,7 @@ from dynaquant.pipeline.source import (
     tensor_infos,
 )
 from dynaquant.pipeline.targets import Target, target_of
-from dynaquant.progress import RunProgress, stage_bar
+from dynaquant.progress import RunProgress
 from dynaquant.quant.fit import FIT_CTX, KV_TYPES, MemoryFit
 from dynaquant.quant.formats import get_format
 from dynaquant.quant.plan import Plan
@@ -397,20 +397,13 @@ def write_output(run: RunState, target: Target, path: Path) -> tuple[Path, int] 
         return write_output_ranks(run, target, path)
     target.begin(run, path)
     tensors = target.tensors()
-    if run.progress is not None:
-        bar = stage_bar(run.progress, "writing", len(tensors), "tensor")
-        bar.set_description(target.progress_label())
-    else:
-        bar = stage_bar(run.cfg.progress, target.progress_label(), len(tensors), "tensor")
+    bar = tensor_bar(run, target.progress_label(), len(tensors))
     try:
         for i, t in enumerate(tensors):
             # (a resumed run: encoded before it was stopped, kept in the work folder)
             done, encoded = target.load_encoded(run.rundir, i) if run.rundir is not None else (False, None)
             if not done:
-                w = target.read(t)
-                rounded = target.gptq_round(t, w) if run.rounding is not None else None
-                encoded = target.encode(t, w, rounded)
-                del w, rounded
+                encoded = encode_planned(run, target, t)
                 if run.rundir is not None:
                     target.save_encoded(run.rundir, i, encoded)
             target.add(t, encoded)

@@ -14,6 +14,23 @@ from dynaquant.pipeline.targets import Target
 from dynaquant.progress import stage_bar
 
 
+def encode_planned(run: RunState, target: Target, t):
+    """Tensor ``t`` read, GPTQ-rounded where the run asks and it wins, and encoded: what the tensor loops hand to
+    ``target`` (one process's :func:`dynaquant.pipeline.quantize.write_output` and :func:`write_output_ranks`)."""
+    w = target.read(t)
+    rounded = target.gptq_round(t, w) if run.rounding is not None else None
+    return target.encode(t, w, rounded)
+
+
+def tensor_bar(run: RunState, label: str, n: int):
+    """The tensor loop's progress: the run's display (its ``writing`` stage) when it has one, else a bar of its own."""
+    if run.progress is not None:
+        bar = stage_bar(run.progress, "writing", n, "tensor")
+        bar.set_description(label)
+        return bar
+    return stage_bar(run.cfg.progress, label, n, "tensor")
+
+
 def write_output_ranks(run: RunState, target: Target, path: Path) -> tuple[Path, int] | tuple[None, int]:
     """The tensor loop over several ranks. Each tensor is encoded by the rank that claims it first (a file created
     exclusively in the work folder's ``claims/``), kept in the work folder (``target.save_encoded``; a resumed run's
@@ -38,10 +55,7 @@ def write_output_ranks(run: RunState, target: Target, path: Path) -> tuple[Path,
         target.prepare(run)
     grp.barrier()
     tensors = target.tensors()
-    label = target.progress_label() if grp.main else "encoding"
-    bar = (stage_bar(run.progress, "writing", len(tensors), "tensor") if run.progress is not None
-           else stage_bar(run.cfg.progress, label, len(tensors), "tensor"))
-    bar.set_description(label)
+    bar = tensor_bar(run, target.progress_label() if grp.main else "encoding", len(tensors))
     claimed = [False] * len(tensors)
 
     def claim(i: int) -> bool:
@@ -55,10 +69,7 @@ def write_output_ranks(run: RunState, target: Target, path: Path) -> tuple[Path,
             return False
 
     def encode(i: int):
-        t = tensors[i]
-        w = target.read(t)
-        rounded = target.gptq_round(t, w) if run.rounding is not None else None
-        encoded = target.encode(t, w, rounded)
+        encoded = encode_planned(run, target, tensors[i])
         target.save_encoded(run.rundir, i, encoded)
         return encoded
 
@@ -70,13 +81,18 @@ def write_output_ranks(run: RunState, target: Target, path: Path) -> tuple[Path,
                 bar.update(1)
             return None, 0
         added, nxt, deadline = 0, 0, time.monotonic() + distributed.timeout_s()
+
+        def add(encoded) -> None:  # the next tensor into the file
+            nonlocal added, deadline
+            target.add(tensors[added], encoded)
+            added += 1
+            bar.update(1)
+            deadline = time.monotonic() + distributed.timeout_s()
+
         while added < len(tensors):
             done, encoded = target.load_encoded(run.rundir, added)
             if done:
-                target.add(tensors[added], encoded)
-                added += 1
-                bar.update(1)
-                deadline = time.monotonic() + distributed.timeout_s()
+                add(encoded)
                 continue
             nxt = max(nxt, added)
             while nxt < len(tensors) and not claim(nxt):
@@ -85,10 +101,7 @@ def write_output_ranks(run: RunState, target: Target, path: Path) -> tuple[Path,
                 if not target.load_encoded(run.rundir, nxt)[0]:
                     encoded = encode(nxt)
                     if nxt == added:  # the next to write: from memory, not read back
-                        target.add(tensors[added], encoded)
-                        added += 1
-                        bar.update(1)
-                        deadline = time.monotonic() + distributed.timeout_s()
+                        add(encoded)
                 continue
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{run.rundir.path}: tensor {tensors[added].gguf_name} not encoded after "
