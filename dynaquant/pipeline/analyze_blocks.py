@@ -119,13 +119,39 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
     cands = []
     spent = [0.0]
 
+    fmt_cost = {f: 1.0 for f in candidates}  # seconds each format took on the last block, the same on every rank
+
+    def measure(samples: list, per_row: bool) -> list[dict]:
+        """measure_samples; with several ranks the candidate formats are split between them by the time each took on
+        the last block (a format's results do not depend on the others measured with it) and gathered."""
+        if not grp.active:
+            return measure_samples(samples, list(candidates), per_row=per_row)
+        order = grp.assign([fmt_cost[f] for f in candidates])
+        res: list[dict] = [{} for _ in samples]
+        took = {}
+        for f in [f for f, r in zip(candidates, order) if r == grp.rank]:
+            t0 = time.perf_counter()
+            for d, r in zip(res, measure_samples(samples, [f], per_row=per_row)):
+                d.update(r)
+            if torch.device(device).type == "cuda":
+                torch.cuda.synchronize(device)
+            took[f] = time.perf_counter() - t0
+        parts = grp.gather((res, took))
+        for _, t in parts:
+            fmt_cost.update(t)
+        out = []
+        for a in range(len(samples)):  # each sample's formats from every rank, in the candidates' order
+            got = {k: v for rr, _ in parts for k, v in rr[a].items()}
+            out.append({f: got[f] for f in candidates if f in got})
+        return out
+
     def on_block(i: int, st: ModelStats) -> None:
         t1 = time.perf_counter()
         if super_weights:  # the text block's (a vision tower's layers: once, below)
             cands.extend(find_candidates(sk.model, st, layer=i, max_candidates=1 << 30, text=True))
         samples, owners, modules = [], [], set()
         work = [j for j in by_block.get(i, []) if src_tensors[j].quantizable]
-        mine = {work[k] for k in grp.mine([src_tensors[j].numel for j in work])}  # this rank's share of the block
+        mine = set(work)  # (several ranks: every tensor sampled, the formats split: measure)
         for j in work:
             t = src_tensors[j]
             stacked = stacked_name(t.hf_name)
@@ -146,9 +172,8 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
                 continue
             owners.append((j, module_of(t.hf_name), len(samples), len(samples) + 1))
             samples.append(sample_tensor(w.detach(), RowWeights(hessian=rw.hessian), imatrix=imp, score="output"))
-        results = measure_samples(samples, list(candidates), per_row=True)
-        done = [(j, module, results[a] if module is not None else results[a:b]) for j, module, a, b in owners]
-        pending.extend(sorted((x for part in grp.gather(done) for x in part), key=lambda x: x[0]))
+        results = measure(samples, per_row=True)
+        pending.extend((j, module, results[a] if module is not None else results[a:b]) for j, module, a, b in owners)
         st.drop_hessians(modules | {m for m in [*st.input_of, *st.experts] if _module_block(m) == i})  # routers too
         spent[0] += time.perf_counter() - t1
 
@@ -189,7 +214,6 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
             errs = {f: re.with_fisher(fisher) for f, re in res.items()}
         entries[j]["errors"] = {f: v.to_dict() for f, v in errs.items()}
     outer = [j for j, t in enumerate(src_tensors) if layer_of(t.gguf_name) is None and t.quantizable]
-    outer = [outer[k] for k in grp.mine([src_tensors[j].numel for j in outer])]  # this rank's share
     samples, owners = [], []
     for j in outer:  # token embedding, output head (in memory throughout): measured with their Fisher at hand
         t = src_tensors[j]
@@ -200,11 +224,8 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
             samples.append(sample_tensor(w.detach(), rw, imatrix=imp))
         else:
             log.warning("%s: no calibration statistics or weight shape mismatch; not measured", t.gguf_name)
-    measured = [(j, {f: v.to_dict() for f, v in errs.items()})
-                for j, errs in zip(owners, measure_samples(samples, list(candidates)))]
-    for part in grp.gather(measured):
-        for j, errs in part:
-            entries[j]["errors"] = errs
+    for j, errs in zip(owners, measure(samples, per_row=False)):
+        entries[j]["errors"] = {f: v.to_dict() for f, v in errs.items()}
     timings["errors_s"] = spent[0] + time.perf_counter() - t2
     t3 = time.perf_counter()
     sws = []
