@@ -176,7 +176,24 @@ def init_from_env(device: str | torch.device | None = None, timeout: float | Non
     torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout),
                                          **({"device_id": dev} if cuda else {}))
     _GROUP = Group(torch.distributed.get_rank(), torch.distributed.get_world_size(), dev, joined=True)
+    threads = rank_threads()
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
     return _GROUP
+
+
+def rank_threads() -> int:
+    """CPU threads for this rank's torch work: ``DYNAQUANT_RANK_THREADS`` if set; else, when torchrun left
+    ``OMP_NUM_THREADS=1`` (what it sets for several ranks a node) or nothing, the cores this process may use divided by
+    the ranks of this node (``LOCAL_WORLD_SIZE``), at least 1; else torch's own count (``OMP_NUM_THREADS`` given).
+    One thread a rank would leave the reading (bfloat16 to float32), the finite checks and the CPU side of the
+    encoding on one core of many."""
+    if os.environ.get("DYNAQUANT_RANK_THREADS"):
+        return max(1, int(os.environ["DYNAQUANT_RANK_THREADS"]))
+    if os.environ.get("OMP_NUM_THREADS", "1") != "1":
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def timeout_s() -> float:

@@ -3,7 +3,8 @@
 Oracles: the same command in one process (one thread each, as torchrun gives its ranks) on a tiny Qwen2-MoE checkpoint
 (routed experts: the per-expert statistics are folded too, GPTQ on): the GGUF file and the saved plan byte for byte,
 the analysis report (kept in the work folder) equal but for its timings; and a run whose rank 1 dies mid-encode stops
-with an error, then the same command again continues from the work folder to the same bytes.
+with an error, then the same command again continues from the work folder to the same bytes. Without GPTQ, the
+stacked expert tensors encoded a range of experts at a time are split between the ranks by range: the same bytes.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ def save_(self, name, state):
     if os.environ.get("RANK") == "1" and self.step == int(os.environ.get("DQ_DIE_AT_STEP", "-1")):
         os._exit(3)
 rd.RankCheckpoints.__init__, rd.RankCheckpoints.save = init_, save_
+if os.environ.get("DQ_GROUP_BYTES"):
+    import dynaquant.pipeline.targets as t
+    t.EXPERT_GROUP_BYTES = int(os.environ["DQ_GROUP_BYTES"])
 if os.environ.get("DQ_DIE_AFTER") and os.environ.get("RANK") == "1":
     import dynaquant.pipeline.targets as t
     enc, n = t.encode_tensor, [0]
@@ -104,6 +108,18 @@ def test_two_ranks_write_the_single_process_bytes(ckpt, single, tmp_path):
     assert any(t.get("experts") for t in rep["tensors"])  # the experts were measured (their statistics folded)
     # each rank encoded its share: both wrote tensors, rank 1's too (the balance is by size)
     assert len(list((tmp_path / "w" / "tensors").iterdir())) == len(list((one / "w" / "tensors").iterdir()))
+
+
+def test_two_ranks_split_the_expert_ranges_of_a_stacked_tensor(ckpt, tmp_path):
+    args = [str(ckpt), *[a for a in ARGS if a != "--gptq"], "--work-dir", "w", "--keep-work-dir"]
+    (tmp_path / "one").mkdir()
+    p = _single([*args, "-o", "one.gguf"], tmp_path / "one")
+    assert p.returncode == 0, p.stderr[-4000:]
+    p = _torchrun([*args, "-o", "two.gguf"], tmp_path, DQ_GROUP_BYTES="1")  # every stacked tensor: ranges of 2 experts
+    assert p.returncode == 0, p.stderr[-4000:]
+    parts = sorted(f.name for f in (tmp_path / "w" / "tensors").glob("*-*.npy"))
+    assert len(parts) > 4 and len({f.split("-")[0] for f in parts}) > 1  # several ranges of several tensors
+    assert (tmp_path / "two.gguf").read_bytes() == (tmp_path / "one" / "one.gguf").read_bytes()
 
 
 def test_a_rank_that_dies_stops_the_run_and_the_restart_resumes(ckpt, single, tmp_path):

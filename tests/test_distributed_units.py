@@ -12,7 +12,7 @@ from test_moe_analysis import _model
 
 from dynaquant.analysis.fold import merge_stats
 from dynaquant.analysis.stats import Collect, Collector, ModelStats, collect, label_generator
-from dynaquant.distributed import Group, _join, _split
+from dynaquant.distributed import Group, _join, _split, rank_threads
 
 
 def test_assign_is_longest_first_and_the_same_on_every_rank():
@@ -25,6 +25,20 @@ def test_assign_is_longest_first_and_the_same_on_every_rank():
     assert max(load) - min(load) <= max(costs)  # (in-order greedy gave 134 vs 84 here)
     assert max(load) < 0.55 * sum(costs)
     assert Group(0, 1).assign(costs) == [0] * len(costs)
+
+
+def test_rank_threads_share_the_cores_unless_told(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    monkeypatch.delenv("DYNAQUANT_RANK_THREADS", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what torchrun sets for several ranks a node
+    assert rank_threads() == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
+    assert rank_threads() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")  # the user's choice stands
+    assert rank_threads() == torch.get_num_threads()
+    monkeypatch.setenv("DYNAQUANT_RANK_THREADS", "5")
+    assert rank_threads() == 5
 
 
 @dataclass

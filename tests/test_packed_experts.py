@@ -156,9 +156,9 @@ def test_grouped_expert_encoding_writes_the_same_bytes(stored, tmp_path, monkeyp
     calls = []
     real = GGUFTarget._encode_groups
 
-    def spy(self, t, fmt, imp):
+    def spy(self, t):
         calls.append(t.gguf_name)
-        return real(self, t, fmt, imp)
+        return real(self, t)
     monkeypatch.setattr(tg, "EXPERT_GROUP_BYTES", 1)
     monkeypatch.setattr(GGUFTarget, "_encode_groups", spy)
     dynaquant.quantize(source.path, output=tmp_path / "b.gguf", **kw)

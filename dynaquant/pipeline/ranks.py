@@ -7,6 +7,8 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
+
 from dynaquant import distributed
 from dynaquant.config import QuantizeConfig
 from dynaquant.pipeline.run_state import RunState
@@ -32,16 +34,18 @@ def tensor_bar(run: RunState, label: str, n: int):
 
 
 def write_output_ranks(run: RunState, target: Target, path: Path) -> tuple[Path, int] | tuple[None, int]:
-    """The tensor loop over several ranks. Each tensor is encoded by the rank that claims it first (a file created
-    exclusively in the work folder's ``claims/``), kept in the work folder (``target.save_encoded``; a resumed run's
-    encodings are kept and not claimed again): the ranks other than 0 claim tensors in order while any is left; rank 0
-    writes the output from the work folder in order, each tensor as soon as it is there, and claims and encodes the
-    earliest unclaimed one whenever the next to write is not there yet. The encoding of a tensor does not depend on
-    who makes it: the bytes are the single process's. Returns what :func:`dynaquant.pipeline.quantize.write_output`
-    returns on rank 0, ``(None, 0)`` on the others.
+    """The tensor loop over several ranks. The work is split into items: a tensor, or one expert range of a stacked
+    expert tensor the target encodes a group of experts at a time (``target.expert_groups``; a DeepSeek-V3 block's
+    three expert tensors are ~15 items each). Each item is encoded by the rank that claims it first (a file created
+    exclusively in the work folder's ``claims/``) and kept in the work folder (``target.save_encoded``, or
+    ``tensors/IIIII-KKK.npy`` for an expert range; a resumed run's encodings are kept and not claimed again). The ranks
+    other than 0 claim items largest first while any is left; rank 0 writes the output in order, each tensor as soon as
+    all its items are there, and claims and encodes the earliest unclaimed item whenever the next tensor is not complete
+    yet. The encoding of an item does not depend on who makes it: the bytes are the single process's. Returns what
+    :func:`dynaquant.pipeline.quantize.write_output` returns on rank 0, ``(None, 0)`` on the others.
 
     Raises:
-        TimeoutError: (rank 0) a tensor claimed by another rank is not in the work folder after the process group's
+        TimeoutError: (rank 0) an item claimed by another rank is not in the work folder after the process group's
             timeout (``DYNAQUANT_DIST_TIMEOUT``).
         Any error of :func:`dynaquant.pipeline.quantize.write_output`.
     """
@@ -55,29 +59,60 @@ def write_output_ranks(run: RunState, target: Target, path: Path) -> tuple[Path,
         target.prepare(run)
     grp.barrier()
     tensors = target.tensors()
+    groups = getattr(target, "expert_groups", lambda t: None)
+    items = []  # (tensor, expert range's index or None, the range or None)
+    for i, t in enumerate(tensors):
+        g = groups(t)
+        items.extend([(i, None, None)] if g is None else [(i, k, r) for k, r in enumerate(g)])
+    of = {}  # tensor -> its items' indices
+    for n, (i, _, _) in enumerate(items):
+        of.setdefault(i, []).append(n)
     bar = tensor_bar(run, target.progress_label() if grp.main else "encoding", len(tensors))
-    claimed = [False] * len(tensors)
+    claimed = [False] * len(items)
 
-    def claim(i: int) -> bool:
-        if claimed[i]:
+    def name(n: int) -> str:
+        i, k, _ = items[n]
+        return f"{i:05d}" if k is None else f"{i:05d}-{k:03d}"
+
+    def claim(n: int) -> bool:
+        if claimed[n]:
             return False
-        claimed[i] = True
+        claimed[n] = True
         try:
-            os.close(os.open(claims / f"{i:05d}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.close(os.open(claims / name(n), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             return True
         except FileExistsError:
             return False
 
-    def encode(i: int):
-        encoded = encode_planned(run, target, tensors[i])
-        target.save_encoded(run.rundir, i, encoded)
-        return encoded
+    def saved(n: int) -> bool:
+        i, k, _ = items[n]
+        return (run.rundir.path / f"tensors/{name(n)}.npy").is_file() if k is not None else \
+            target.load_encoded(run.rundir, i)[0]
+
+    def encode(n: int):
+        i, k, r = items[n]
+        if k is None:
+            encoded = encode_planned(run, target, tensors[i])
+            target.save_encoded(run.rundir, i, encoded)
+            return encoded
+        run.rundir.save_array(f"tensors/{name(n)}.npy", target.encode_group(tensors[i], *r))
+        return None
+
+    def complete(i: int):
+        """Tensor ``i``'s encoding when all its items are in the work folder, else None."""
+        if items[of[i][0]][1] is None:
+            return target.load_encoded(run.rundir, i)[1]
+        if not all((run.rundir.path / f"tensors/{name(n)}.npy").is_file() for n in of[i]):
+            return None
+        return np.concatenate([run.rundir.load_array(f"tensors/{name(n)}.npy") for n in of[i]])
 
     try:
         if not grp.main:
-            for i in range(len(tensors)):  # (claimed first: a tensor another rank encodes is not read here)
-                if claim(i) and not target.load_encoded(run.rundir, i)[0]:
-                    encode(i)
+            size = [tensors[i].numel * ((r[1] - r[0]) / tensors[i].shape[0] if r else 1) for i, _, r in items]
+            for n in sorted(range(len(items)), key=lambda n: (-size[n], n)):  # largest first: no long tail
+                if claim(n) and not saved(n):  # (claimed first: an item another rank encodes is not read here)
+                    encode(n)
+            for _ in tensors:
                 bar.update(1)
             return None, 0
         added, nxt, deadline = 0, 0, time.monotonic() + distributed.timeout_s()
@@ -90,17 +125,17 @@ def write_output_ranks(run: RunState, target: Target, path: Path) -> tuple[Path,
             deadline = time.monotonic() + distributed.timeout_s()
 
         while added < len(tensors):
-            done, encoded = target.load_encoded(run.rundir, added)
-            if done:
+            encoded = complete(added)
+            if encoded is not None:
                 add(encoded)
                 continue
-            nxt = max(nxt, added)
-            while nxt < len(tensors) and not claim(nxt):
+            nxt = max(nxt, of[added][0])
+            while nxt < len(items) and not claim(nxt):
                 nxt += 1
-            if nxt < len(tensors):
-                if not target.load_encoded(run.rundir, nxt)[0]:
+            if nxt < len(items):
+                if not saved(nxt):
                     encoded = encode(nxt)
-                    if nxt == added:  # the next to write: from memory, not read back
+                    if encoded is not None and items[nxt][0] == added:  # the next to write: from memory
                         add(encoded)
                 continue
             if time.monotonic() > deadline:

@@ -334,31 +334,43 @@ class GGUFTarget:
     def encode(self, t: SourceTensor, w: torch.Tensor | None, rounded: np.ndarray | None) -> np.ndarray:
         if rounded is not None:
             return rounded
+        if w is None:
+            return self._encode_groups(t)
         run, fmt = self.run, self.types[t.gguf_name]
         imp = run.imat.get(t.gguf_name) if fmt.kind != "float" else None
-        if w is None:
-            return self._encode_groups(t, fmt, imp)
         return encode_tensor(w.to(run.device), fmt, imp).cpu().numpy()
 
-    def _encode_groups(self, t: SourceTensor, fmt, imp) -> np.ndarray:
-        """A stacked expert tensor encoded a group of experts at a time: the bytes of the whole tensor's encoding
-        (each expert is encoded with its own imatrix row; an unrouted expert's row, the mean of the routed ones, is
-        filled here, over all experts, as the whole-tensor encoder fills it)."""
-        run, ts = self.run, self.run.ts
+    def expert_groups(self, t: SourceTensor) -> list[tuple[int, int]] | None:
+        """The expert ranges ``[lo, hi)`` a stacked expert tensor over :data:`EXPERT_GROUP_BYTES` is read and encoded
+        in (:meth:`read` gives None for it), in order; None for any other tensor (read and encoded whole). A range holds
+        at least two experts (a group of one would take the imatrix as a shared one)."""
+        if not self._grouped(t):
+            return None
+        n = t.shape[0]
+        group = max(2, EXPERT_GROUP_BYTES // (4 * t.numel // n))
+        bounds = list(range(0, n, group)) + [n]
+        if bounds[-1] - bounds[-2] < 2:
+            del bounds[-2]
+        return list(zip(bounds, bounds[1:]))
+
+    def encode_group(self, t: SourceTensor, lo: int, hi: int) -> np.ndarray:
+        """Experts ``[lo, hi)`` of a stacked expert tensor (a range of :meth:`expert_groups`) read and encoded: their
+        rows of the whole tensor's encoding. Each expert is encoded with its own imatrix row; an unrouted expert's row,
+        the mean of the routed ones over all experts, is filled as the whole-tensor encoder fills it."""
+        run, ts, fmt = self.run, self.run.ts, self.types[t.gguf_name]
+        imp = run.imat.get(t.gguf_name) if fmt.kind != "float" else None
         n = t.shape[0]
         if imp is not None and torch.as_tensor(imp).numel() == n * t.shape[-1]:
             imp = fill_unrouted(torch.as_tensor(imp, dtype=torch.float32).reshape(n, t.shape[-1]))
-        group = max(2, EXPERT_GROUP_BYTES // (4 * t.numel // n))
-        bounds = list(range(0, n, group)) + [n]
-        if bounds[-1] - bounds[-2] < 2:  # a group of one expert would take the imatrix as a shared one
-            del bounds[-2]
-        out = []
-        for lo, hi in zip(bounds, bounds[1:]):
-            w = check_finite(ts.read_stored(t, lo, hi).decode(slice(None)), tensor_label(t.hf_name, t.gguf_name),
-                             ts.file_of(t), run.cfg.allow_nonfinite)
-            part = imp[lo:hi] if isinstance(imp, torch.Tensor) and imp.dim() == 2 else imp
-            out.append(encode_tensor(w.to(run.device), fmt, part).cpu().numpy())
-        return np.concatenate(out)
+        w = check_finite(ts.read_stored(t, lo, hi).decode(slice(None)), tensor_label(t.hf_name, t.gguf_name),
+                         ts.file_of(t), run.cfg.allow_nonfinite)
+        part = imp[lo:hi] if isinstance(imp, torch.Tensor) and imp.dim() == 2 else imp
+        return encode_tensor(w.to(run.device), fmt, part).cpu().numpy()
+
+    def _encode_groups(self, t: SourceTensor) -> np.ndarray:
+        """A stacked expert tensor encoded a group of experts at a time (:meth:`expert_groups`): the bytes of the whole
+        tensor's encoding."""
+        return np.concatenate([self.encode_group(t, lo, hi) for lo, hi in self.expert_groups(t)])
 
     def add(self, t: SourceTensor, encoded: np.ndarray) -> None:
         self.writer.add(t, encoded)
