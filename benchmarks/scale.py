@@ -173,9 +173,18 @@ def to_fp8(folder: Path) -> None:
 
 
 CHILD = """
-import json, os, resource, sys, torch
+import cProfile, io, json, os, pstats, resource, sys, torch
 from dynaquant.cli import main
-rc = main(sys.argv[1:])
+prof = cProfile.Profile() if os.environ.get("DQ_SCALE_PROFILE") else None
+rc = main(sys.argv[1:]) if prof is None else prof.runcall(main, sys.argv[1:])
+if prof is not None:  # the host's view: where each rank's Python spent (or waited for the GPU)
+    for key in ("cumulative", "tottime"):
+        buf = io.StringIO()
+        top, folder, tag = os.environ["DQ_SCALE_PROFILE"].split(":", 2)
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(int(top))
+        rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+        with open(os.path.join(folder, f"profile-{tag}-n{world}-r{rank}-{key}.txt"), "w") as f:
+            f.write(buf.getvalue())
 peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 rank = int(os.environ.get("RANK", "0"))
@@ -204,7 +213,9 @@ def run_quantize(ckpt: Path, out: Path, work: Path, args, mode: str = "stream", 
            *(["--gptq"] if args.gptq else [])]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), "DQ_SCALE_CHILD": str(measured)})
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "DQ_SCALE_CHILD": str(measured),
+                            **({"DQ_SCALE_PROFILE": f"{args.profile}:{args.profile_dir}:{out.stem}"} if getattr(args, "profile", 0)
+                               else {})})
     row: dict = {"nproc": nproc, **({"torchrun": True} if torchrun else {}), "time_s": round(time.perf_counter() - t0, 2)}
     if p.returncode != 0:
         row["error"] = (p.stderr + p.stdout)[-3000:]
@@ -275,12 +286,16 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", default="1", help="stream runs with these rank counts (1: one process; N: torchrun "
                    "--nproc-per-node N, one GPU a rank; 1t: torchrun with one rank), e.g. 1,2")
     p.add_argument("--gptq", action="store_true", help="quantize with --gptq")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="run each quantize under cProfile: the N top functions by cumulative and own time, per rank, "
+                   "in --out's folder (profile-OUTPUT-nN-rR-cumulative.txt, ...; the timings then include its overhead)")
     p.add_argument("--correct", type=int, default=0,
                    help="measured-correction rounds (default 0: they re-measure whole plans, minutes each on 8B)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args.work.mkdir(parents=True, exist_ok=True)
     out = args.out or args.work / "scale.json"
+    args.profile_dir = out.parent.resolve()
     tokenizer = load_tokenizer(args.tokenizer)
     rows: list[dict] = [{"row": "header", "benchmark": "scale", "machine": machine_info(),
                          "versions": versions(None), "config": {k: str(v) for k, v in vars(args).items()}}]
