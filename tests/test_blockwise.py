@@ -6,6 +6,8 @@ Oracle: :func:`dynaquant.analysis.stats.collect` on the model transformers loads
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from test_gguf_export import _tiny_checkpoint
@@ -329,6 +331,58 @@ def test_blockwise_resumes_from_any_checkpoint_bit_for_bit(tmp_path, offload):
         got = run(cp, resumed)
         assert _differences(ref, got) == [], k
         assert resumed["blocks"] == [0, 1], k  # each block measured once, in one run or the other
+
+
+def test_blockwise_checkpoints_by_time_resume_bit_for_bit(tmp_path, monkeypatch):
+    """``checkpoint_every``: a checkpoint of in-memory hidden states or gradients only once that many seconds have
+    passed since the last (the clock here: 1 s a call); the Fisher inputs are written after every block as before.
+    Killed after any save, the run continues from the last checkpoint written (or from the start) to the same bits."""
+    import dynaquant.analysis.blockwise as bw
+
+    source, ts = _checkpoint(tmp_path / "ckpt", "qwen2moe")
+    chunks = torch.randint(3, 320, (4, 17), generator=torch.Generator().manual_seed(5))
+    what = Collect(fisher_sequences=2, imatrix=True)
+    ref = collect_blockwise(build_skeleton(source, ts), chunks, what, progress=False)
+
+    class Clock:
+        t = 0.0
+
+        def monotonic(self):
+            self.t += 1.0
+            return self.t
+    monkeypatch.setattr(bw, "time", type("T", (), {"monotonic": Clock().monotonic, "perf_counter": time.perf_counter}))
+
+    def run(cp, every, seen):
+        return collect_blockwise(build_skeleton(source, ts), chunks, what, progress=False, checkpoints=cp,
+                                 checkpoint_every=every, on_block=lambda i, st: seen.append(i))
+
+    never = _MemoryCheckpoints()
+    assert _differences(ref, run(never, 1e9, [])) == []
+    assert sorted(never.files) == ["analysis/fisher-in-00000.pt", "analysis/fisher-in-00001.pt"]  # no stage checkpoint
+    some = _MemoryCheckpoints()
+    assert _differences(ref, run(some, 3.0, [])) == []
+    stages = [n for n in some.files if "fisher-in" not in n]
+    assert 0 < len(stages) and some.saves < 7  # fewer than one after every step (7 saves then)
+    for k in range(1, some.saves):
+        cp = _MemoryCheckpoints()
+        cp.kill_after = k
+        with pytest.raises(_Killed):
+            run(cp, 3.0, [])
+        cp.kill_after = None
+        assert _differences(ref, run(cp, 3.0, [])) == [], k
+
+
+def test_checkpoint_interval_comes_from_the_environment(monkeypatch):
+    from dynaquant.pipeline.rundir import CHECKPOINT_EVERY_S, checkpoint_interval_s
+
+    monkeypatch.delenv("DYNAQUANT_CHECKPOINT_S", raising=False)
+    assert checkpoint_interval_s() == CHECKPOINT_EVERY_S
+    monkeypatch.setenv("DYNAQUANT_CHECKPOINT_S", "0")
+    assert checkpoint_interval_s() == 0
+    for bad in ("-1", "soon", "nan"):
+        monkeypatch.setenv("DYNAQUANT_CHECKPOINT_S", bad)
+        with pytest.raises(ValueError, match="DYNAQUANT_CHECKPOINT_S"):
+            checkpoint_interval_s()
 
 
 def test_quantize_stream_vision_language_gguf(tmp_path):

@@ -54,7 +54,8 @@ sys.exit(main(sys.argv[1:]))
 
 def _env(**more) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
-           "DYNAQUANT_DIST_TIMEOUT": "120", "DYNAQUANT_RANK_THREADS": "1", **more}
+           "DYNAQUANT_DIST_TIMEOUT": "120", "DYNAQUANT_RANK_THREADS": "1",
+           "DYNAQUANT_CHECKPOINT_S": "0", **more}
     return env
 
 

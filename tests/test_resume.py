@@ -39,7 +39,8 @@ def _proc(args: list[str], cwd: Path, slow: str = "") -> subprocess.Popen:
             "    t.encode_tensor = lambda *a, **k: (time.sleep(0.7), enc(*a, **k))[1]\n"
             "from dynaquant.cli import main\n"
             "sys.exit(main(['quantize', *sys.argv[1:]]))\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
+           "DYNAQUANT_CHECKPOINT_S": "0"}  # (a checkpoint after every block: the kill comes after the first)
     return subprocess.Popen([sys.executable, "-c", code, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 

@@ -186,13 +186,13 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
         cands[:] = [SuperWeight(**c) for c in state["candidates"]]
         spent[0] = state["spent"]
 
+    from dynaquant.pipeline.rundir import RankCheckpoints, checkpoint_interval_s
+
     ckpts = rundir  # (several ranks: each its own, restarting at a step all of them completed)
     if rundir is not None and grp.active:
-        from dynaquant.pipeline.rundir import RankCheckpoints
-
         ckpts = RankCheckpoints(rundir, grp)
     stats = collect_blockwise(sk, samples, Collect(fisher_sequences=fisher_sequences), progress=progress,
-                              on_block=on_block, checkpoints=ckpts,
+                              on_block=on_block, checkpoints=ckpts, checkpoint_every=checkpoint_interval_s(),
                               extra=(get_state, set_state), offload_dir=offload)
     timings["calibration_s"] = time.perf_counter() - t0 - spent[0]
     log_gpu_peak(device, "calibration and the blocks' errors")

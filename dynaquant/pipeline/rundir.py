@@ -34,6 +34,24 @@ from dynaquant.errors import InputError
 log = logging.getLogger(__name__)
 
 RUN_FILE = "run.json"
+CHECKPOINT_EVERY_S = 60.0  # the block-wise calibration's checkpoint interval (DYNAQUANT_CHECKPOINT_S)
+
+
+def checkpoint_interval_s() -> float:
+    """Seconds between the block-wise calibration's checkpoints of in-memory hidden states (``DYNAQUANT_CHECKPOINT_S``,
+    default :data:`CHECKPOINT_EVERY_S`; 0: after every block): a stopped run redoes at most this much calibration.
+
+    Raises:
+        ValueError: the variable is not a number >= 0.
+    """
+    raw = os.environ.get("DYNAQUANT_CHECKPOINT_S", "")
+    try:
+        v = float(raw) if raw else CHECKPOINT_EVERY_S
+    except ValueError:
+        v = -1.0
+    if not v >= 0:
+        raise ValueError(f"DYNAQUANT_CHECKPOINT_S={raw!r}: give seconds, a number >= 0")
+    return v
 
 
 def default_work_dir(output: Path) -> Path:
