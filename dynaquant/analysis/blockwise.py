@@ -185,7 +185,7 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
             redoing what came after (the same bits). 0: after every block. A checkpoint of hidden states in files
             (``offload_dir``) names their folder and is written after every block. Several ranks: rank 0's clock
             decides for all. Each in-memory checkpoint writes every sequence's hidden states (a Llama-3-8B block's
-            32 x 512 tokens: 268 MB); written after every block they were most of the calibration's time on an H200.
+            32 x 512 tokens: 268 MB).
         offload_dir: keep the hidden states between blocks (and without ``checkpoints`` the Fisher sequences' block
             inputs) as files there, one sequence in memory at a time (:class:`SpillList`; the caller decides, e.g.
             when :func:`hidden_bytes` exceeds ``--max-cpu-memory``); None: in memory on ``store_device``.
