@@ -286,6 +286,10 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", default="1", help="stream runs with these rank counts (1: one process; N: torchrun "
                    "--nproc-per-node N, one GPU a rank; 1t: torchrun with one rank), e.g. 1,2")
     p.add_argument("--gptq", action="store_true", help="quantize with --gptq")
+    p.add_argument("--append", type=Path, action="append", default=[], metavar="JSON",
+                   help="result rows of an earlier scale.py run on the same cut (the same seed makes the same "
+                   "checkpoint): copied into this run's rows and its speedup row (e.g. --nproc 1 on one device call, "
+                   "--nproc 2 --append THAT on the next, each call within the device's time limit)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="run each quantize under cProfile: the N top functions by cumulative and own time, per rank, "
                    "in --out's folder (profile-OUTPUT-nN-rR-cumulative.txt, ...; the timings then include its overhead)")
@@ -304,6 +308,8 @@ def main(argv=None) -> int:
         out.write_text(json.dumps(rows, indent=1))
 
     cuts = [int(x) for x in args.blocks.split(",")]
+    earlier = [{**r, "appended_from": str(f)} for f in args.append for r in json.loads(f.read_text())
+               if r.get("row") == "result"]
     for shape in args.shape:
         done = []
         full_blocks = SHAPES[shape][1].get("num_hidden_layers") or make_config(shape, 61, tokenizer).num_hidden_layers
@@ -311,7 +317,8 @@ def main(argv=None) -> int:
             ckpt = args.work / f"{shape}-{n}"
             log.info("=== %s cut to %d blocks: checkpoint", shape, n)
             made = make_checkpoint(ckpt, shape, n, tokenizer, args.device)
-            cut_rows = []
+            cut_rows = [r for r in earlier if r.get("shape") == shape and r.get("blocks") == n]
+            rows.extend(cut_rows)
             runs = [(m, x) for m in args.modes.split(",") for x in (args.nproc.split(",") if m == "stream" else ["1"])]
             for mode, x in runs:
                 k, tr = int(x.rstrip("t")), x.endswith("t")

@@ -3,6 +3,7 @@ and the per-block extrapolation is linear in the blocks. (The benchmark itself r
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -72,3 +73,25 @@ def test_speedup_compares_each_rank_count_with_the_single_process():
     rows[2]["sha256"] = "b"
     assert scale.speedup(rows)["same_bytes"] is False
     assert scale.speedup(rows[:1]) is None  # nothing to compare with
+
+
+def test_append_brings_an_earlier_runs_rows_into_the_speedup(tmp_path, monkeypatch):
+    """``--nproc 2 --append EARLIER.json``: the single process's row of an earlier call (the same cut) is copied in and
+    the speedup row compares with it, so that each device call stays within its time limit."""
+    made = {"parameters": 1, "size_bytes": 2, "time_s": 0.1}
+    monkeypatch.setattr(scale, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(scale, "make_checkpoint", lambda *a, **k: made)
+
+    def fake_run(ckpt, out, work, args, mode="stream", nproc=1, torchrun=False):
+        t = 300.0 / nproc
+        return {"nproc": nproc, "time_s": t, "sha256": "same", "timings_s": {"calibration_s": t / 3}}
+    monkeypatch.setattr(scale, "run_quantize", fake_run)
+    first, second = tmp_path / "one.json", tmp_path / "two.json"
+    common = ["--shape", "tiny-llama", "--blocks", "2", "--device", "cpu", "--work", str(tmp_path / "w")]
+    assert scale.main([*common, "--nproc", "1", "--out", str(first)]) == 0
+    assert scale.main([*common, "--nproc", "2", "--out", str(second), "--append", str(first)]) == 0
+    rows = json.loads(second.read_text())
+    results = [r for r in rows if r["row"] == "result"]
+    assert [r["nproc"] for r in results] == [1, 2] and results[0]["appended_from"] == str(first)
+    sp = next(r for r in rows if r["row"] == "speedup")
+    assert sp["same_bytes"] and sp["nproc_2"]["wall"] == 2.0
