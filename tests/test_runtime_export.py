@@ -361,3 +361,72 @@ def test_fused_projections_equal_separate_calls(tmp_path, monkeypatch):
     assert torch.equal(attn.v_proj(x), ref[2]) and torch.equal(attn.q_proj(x), ref[0])  # out of order
     assert torch.equal(attn.k_proj(x), ref[1])
     assert torch.equal(attn.k_proj(x.clone()), ref[1])  # another tensor: recomputed
+
+
+def _real_kernel_op(monkeypatch):
+    """The kernels package's pack / linear / unpack as the op, on the CPU (its torch fallback): the release path."""
+    import dynaquant.kernels as kernels
+
+    monkeypatch.setattr(rt, "_kernel_device", lambda t: True)
+    monkeypatch.setattr(rt, "kernel_op", lambda fmt: rt._PackLinearOp(kernels))
+
+
+@pytest.mark.parametrize("fmt", MIXED)
+def test_dynalinear_keeps_one_copy_the_kernel_layout(monkeypatch, fmt):
+    """With a kernel that gives its weight back (``op.unprepare``), a prepared layer releases its checkpoint buffers:
+    the kernel layout is the one copy of the weight. ``state_dict`` still gives the checkpoint's tensors bit for bit
+    (rebuilt from the layout), the decoded weight is the checkpoint's, ``load_state_dict`` and ``prepare`` without
+    kernels bring the buffers back."""
+    from dynaquant.quant.runtime import to_compressed_tensors
+
+    w = torch.randn(96, 128, generator=torch.Generator().manual_seed(7))
+    rw = encode(w, fmt, super_weights=([2, 50], [5, 100]))
+    lin = DynaLinear(128, 96, fmt, bias=True)
+    for k, v in to_compressed_tensors(rw).items():
+        getattr(lin, k).copy_(v)
+    lin.bias.data = torch.randn(96)
+    lin.set_super_weights([[2, 5, float(w[2, 5])], [50, 100, float(w[50, 100])]])
+    want = {k: v.clone() for k, v in lin.state_dict().items()}
+    _real_kernel_op(monkeypatch)
+    lin.prepare()
+    assert lin._released and lin._op is not None
+    assert all(getattr(lin, n).numel() == 0 for n in rt._RELEASED if hasattr(lin, n))  # one copy: the layout
+    got = lin.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype
+                                             for k in want)
+    assert torch.equal(lin.dequantize(), decode(rw))
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    assert torch.allclose(lin(x).float(), torch.nn.functional.linear(x.float(), decode(rw), lin.bias), atol=0.1,
+                          rtol=0.05)
+    lin.load_state_dict(want)  # into a released layer: the buffers again, then prepared once more
+    assert not lin._released and torch.equal(lin.weight_packed, want["weight_packed"])
+    lin.prepare()
+    assert lin._released
+    lin.use_kernels = False
+    lin.prepare()  # no kernel now: the buffers are rebuilt from the layout
+    assert not lin._released and lin._op is None
+    assert all(torch.equal(v, want[k]) for k, v in lin.state_dict().items())
+
+
+def test_loaded_model_releases_its_buffers_and_saves_the_checkpoint(tmp_path, monkeypatch):
+    """``load`` with kernels that unprepare: every quantized layer (fused q/k/v and gate/up included) holds only its
+    kernel layout, and the model's ``state_dict`` is the checkpoint's tensors bit for bit."""
+    from safetensors.torch import load_file
+
+    model = _toy()
+    out = tmp_path / "ckpt"
+    _export(model, out, _plan(model, ("INT4_G64",)), super_weights={"model.layers.0.self_attn.k_proj": ([1], [2])})
+    stored = {}
+    for f in sorted(out.glob("*.safetensors")):
+        stored.update(load_file(f))
+    _real_kernel_op(monkeypatch)
+    m = load(out, device="cpu", dtype=torch.bfloat16)
+    layers = [x for x in m.modules() if isinstance(x, DynaLinear)]
+    assert layers and all(x._released for x in layers) and any(x._fused is not None for x in layers)
+    sd = m.state_dict()
+    quantized = [k for k in stored if k.rpartition(".")[2] in rt._RELEASED]
+    assert quantized and all(torch.equal(sd[k], stored[k]) for k in quantized)
+    ref = load(out, device="cpu", dtype=torch.bfloat16, kernels=False)
+    ids = torch.tensor([[1, 5, 9, 200, 7]])
+    with torch.no_grad():
+        assert torch.allclose(m(ids).logits.float(), ref(ids).logits.float(), atol=0.1, rtol=0.05)

@@ -17,6 +17,12 @@ time of this module). An op is any object with::
                                                          # weights included; None: no kernel for this shape
     op.linear(x: Tensor, packed, bias) -> Tensor         # x (..., K) bf16/fp16 -> (..., N) in x.dtype,
                                                          # bias and super weights applied
+    op.unprepare(packed) -> (codes, scales, zeros, global_scale)   # optional: the inverse of prepare, bit for bit
+                                                                   # (super weights aside)
+
+With ``unprepare`` a prepared layer keeps one copy of its weight on the GPU, the kernel's layout: the checkpoint
+buffers are released (zero-element placeholders) and rebuilt from the layout when read (``state_dict``,
+:meth:`DynaLinear.runtime_weight`, :meth:`DynaLinear.dequantize`).
 
 found as ``dynaquant.kernels.KERNELS[format]`` when the kernels package has such a registry, else made
 from its ``pack(codes, scales, zeros, fmt, *, global_scale, super_weights)`` and ``linear(x, packed, bias)``
@@ -40,7 +46,14 @@ from torch import nn
 
 from dynaquant.errors import InputError
 from dynaquant.quant.formats import get_format
-from dynaquant.quant.runtime import RuntimeWeight, decode, format_of_scheme, from_compressed_tensors, runtime_format
+from dynaquant.quant.runtime import (
+    RuntimeWeight,
+    decode,
+    format_of_scheme,
+    from_compressed_tensors,
+    runtime_format,
+    to_compressed_tensors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +70,12 @@ class _PackLinearOp:
 
     def linear(self, x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
         return self.kernels.linear(x, packed, bias)
+
+    def unprepare(self, packed):
+        codes, scales, zeros = self.kernels.unpack(packed)
+        gs = torch.tensor(packed.global_scale, dtype=torch.float32, device=codes.device) \
+            if packed.fmt.kind == "nvfp4" else None
+        return codes, scales, zeros, gs
 
 
 def kernel_op(fmt: str):
@@ -138,6 +157,9 @@ class DynaLinear(nn.Module):
         self._op = None
         self._packed = None
         self._fused: tuple[_FusedProjection, int] | None = None
+        self._released = False  # the checkpoint buffers are placeholders; the kernel layout holds the weight
+        _state_dict_hook(self, _released_state)
+        self._register_load_state_dict_pre_hook(_before_load, with_module=True)
 
     def extra_repr(self) -> str:
         fused = f", fused={self._fused[0].names[self._fused[1]]}" if self._fused is not None else ""
@@ -156,7 +178,10 @@ class DynaLinear(nn.Module):
         self.super_weights = (rows, cols, vals)
 
     def runtime_weight(self) -> RuntimeWeight:
-        """The weight unpacked from the buffers (on their device), super weights included."""
+        """The weight unpacked from the buffers (on their device), or from the kernel layout once the buffers are
+        released (on its device), super weights included."""
+        if self._released:
+            return self._from_layout()
         tensors = {n: b for n, b in self.named_buffers(recurse=False)}
         sw = None if self.super_weights is None else tuple(t.to(self.weight_packed.device) for t in self.super_weights)
         return from_compressed_tensors(self.format, tensors, (self.out_features, self.in_features), sw)
@@ -166,9 +191,12 @@ class DynaLinear(nn.Module):
         return decode(self._rw if self._rw is not None else self.runtime_weight())
 
     def prepare(self) -> None:
-        """Unpack the buffers once, and on CUDA build the kernel's layout when a kernel exists. Called by
-        :func:`load`; call again after changing buffers or moving the module."""
+        """Unpack the buffers once, and on CUDA build the kernel's layout when a kernel exists; when the kernel can
+        give the weight back (``op.unprepare``), release the buffers: one copy of the weight on the GPU. Called by
+        :func:`load`; call again after changing buffers (``load_state_dict`` restores them) or moving the module."""
         rw = self.runtime_weight()
+        if self._released:  # (from the layout: the buffers again, should no kernel take it now)
+            self._restore(to_compressed_tensors(rw))
         self._op = self._packed = self._fused = None
         self._rw = rw
         if _kernel_device(rw.codes) and self.use_kernels:
@@ -177,9 +205,66 @@ class DynaLinear(nn.Module):
             if packed is not None:
                 self._op, self._packed = op, packed
                 self._rw = None  # the kernel layout replaces the unpacked copy on the GPU
+                if hasattr(op, "unprepare"):
+                    self._release()
+
+    def _release(self) -> None:
+        for name in _RELEASED:
+            b = self._buffers.get(name)
+            if b is not None:
+                self._buffers[name] = b.new_empty(0)
+        self._released = True
+
+    def _restore(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The buffers from ``tensors`` (compressed-tensors names), after a release."""
+        for name in _RELEASED:
+            if name in self._buffers:
+                self._buffers[name] = tensors[name]
+        self._released = False
+
+    def _from_layout(self) -> RuntimeWeight:
+        """The weight from the kernel layout that holds it (its own, or its fused group's rows)."""
+        if self._fused is not None:
+            group, i = self._fused
+            op, packed, (a, b) = group.op, group.packed, group.bounds[i]
+        else:
+            op, packed, (a, b) = self._op, self._packed, (0, self.out_features)
+        codes, scales, zeros, gs = op.unprepare(packed)
+        sw = None if self.super_weights is None else tuple(t.to(codes.device) for t in self.super_weights)
+        return RuntimeWeight(self.format, (self.out_features, self.in_features), codes[a:b].contiguous(),
+                             scales[a:b].contiguous(), None if zeros is None else zeros[a:b].contiguous(), gs, sw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _eager_forward()(self, x)
+
+
+_RELEASED = ("weight_packed", "weight_scale", "weight_zero_point")  # the weight's bytes (the shape, global scale: kept)
+
+
+def _state_dict_hook(module: nn.Module, hook) -> None:
+    register = getattr(module, "register_state_dict_post_hook", None)
+    (register or module._register_state_dict_hook)(hook)
+
+
+def _released_state(module: DynaLinear, state_dict, prefix: str, local_metadata) -> None:
+    """``state_dict`` of a layer whose buffers are released: the checkpoint's tensors, rebuilt from the layout."""
+    if not module._released:
+        return
+    tensors = to_compressed_tensors(module.runtime_weight())
+    for name in _RELEASED:
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = tensors[name]
+
+
+def _before_load(module: DynaLinear, state_dict, prefix, *args) -> None:
+    """``load_state_dict`` into a released layer: empty buffers of the checkpoint's shapes to load into; the kernel
+    layout is dropped (:meth:`DynaLinear.prepare` builds it again)."""
+    if not module._released:
+        return
+    dev = module.weight_scale.device
+    specs = _buffer_specs(module.format, module.out_features, module.in_features)
+    module._restore({n: torch.empty(shape, dtype=dt, device=dev) for n, (shape, dt) in specs.items()})
+    module._op = module._packed = module._fused = module._rw = None
 
 
 def _dyna_forward(self: DynaLinear, x: torch.Tensor) -> torch.Tensor:
