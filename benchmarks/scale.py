@@ -214,8 +214,7 @@ def run_quantize(ckpt: Path, out: Path, work: Path, args, mode: str = "stream", 
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT), "DQ_SCALE_CHILD": str(measured),
-                            **({"DQ_SCALE_PROFILE": f"{args.profile}:{args.profile_dir}:{out.stem}"} if getattr(args, "profile", 0)
-                               else {})})
+                            **({"DQ_SCALE_PROFILE": f"{args.profile}:{args.profile_dir}:{out.stem}"} if args.profile else {})})
     row: dict = {"nproc": nproc, **({"torchrun": True} if torchrun else {}), "time_s": round(time.perf_counter() - t0, 2)}
     if p.returncode != 0:
         row["error"] = (p.stderr + p.stdout)[-3000:]

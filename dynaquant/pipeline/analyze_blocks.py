@@ -151,13 +151,10 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
             cands.extend(find_candidates(sk.model, st, layer=i, max_candidates=1 << 30, text=True))
         samples, owners, modules = [], [], set()
         work = [j for j in by_block.get(i, []) if src_tensors[j].quantizable]
-        mine = set(work)  # (several ranks: every tensor sampled, the formats split: measure)
-        for j in work:
+        for j in work:  # (several ranks: every tensor sampled here, the candidate formats split in measure)
             t = src_tensors[j]
             stacked = stacked_name(t.hf_name)
             modules.add(stacked[0] if stacked else module_of(t.hf_name))
-            if j not in mine:
-                continue
             if stacked and stacked[0] in st.experts:
                 es = st.experts[stacked[0]]
                 ss, _ = experts.expert_samples(sk.model.get_submodule(stacked[0]), stacked[1], es, total_tokens=0,

@@ -37,8 +37,8 @@ def write_output_ranks(run: RunState, target: Target, path: Path) -> tuple[Path,
     """The tensor loop over several ranks. The work is split into items: a tensor, or one expert range of a stacked
     expert tensor the target encodes a group of experts at a time (``target.expert_groups``; a DeepSeek-V3 block's
     three expert tensors are ~15 items each). Each item is encoded by the rank that claims it first (a file created
-    exclusively in the work folder's ``claims/``) and kept in the work folder (``target.save_encoded``, or
-    ``tensors/IIIII-KKK.npy`` for an expert range; a resumed run's encodings are kept and not claimed again). The ranks
+    exclusively in the work folder's ``claims/``) and kept in the work folder (``target.encoded_name``; a resumed run's
+    encodings are kept and not claimed again). The ranks
     other than 0 claim items largest first while any is left; rank 0 writes the output in order, each tensor as soon as
     all its items are there, and claims and encodes the earliest unclaimed item whenever the next tensor is not complete
     yet. The encoding of an item does not depend on who makes it: the bytes are the single process's. Returns what
@@ -84,27 +84,25 @@ def write_output_ranks(run: RunState, target: Target, path: Path) -> tuple[Path,
         except FileExistsError:
             return False
 
-    def saved(n: int) -> bool:
+    def kept(n: int) -> str:
         i, k, _ = items[n]
-        return (run.rundir.path / f"tensors/{name(n)}.npy").is_file() if k is not None else \
-            target.load_encoded(run.rundir, i)[0]
+        return target.encoded_name(i, k)
+
+    def saved(n: int) -> bool:
+        return (run.rundir.path / kept(n)).is_file()
 
     def encode(n: int):
         i, k, r = items[n]
-        if k is None:
-            encoded = encode_planned(run, target, tensors[i])
-            target.save_encoded(run.rundir, i, encoded)
-            return encoded
-        run.rundir.save_array(f"tensors/{name(n)}.npy", target.encode_group(tensors[i], *r))
-        return None
+        encoded = encode_planned(run, target, tensors[i]) if k is None else target.encode_group(tensors[i], *r)
+        run.rundir.save_array(kept(n), encoded)
+        return encoded
 
     def complete(i: int):
         """Tensor ``i``'s encoding when all its items are in the work folder, else None."""
-        if items[of[i][0]][1] is None:
-            return target.load_encoded(run.rundir, i)[1]
-        if not all((run.rundir.path / f"tensors/{name(n)}.npy").is_file() for n in of[i]):
+        if not all(saved(n) for n in of[i]):
             return None
-        return np.concatenate([run.rundir.load_array(f"tensors/{name(n)}.npy") for n in of[i]])
+        parts = [run.rundir.load_array(kept(n)) for n in of[i]]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     try:
         if not grp.main:
@@ -135,7 +133,7 @@ def write_output_ranks(run: RunState, target: Target, path: Path) -> tuple[Path,
             if nxt < len(items):
                 if not saved(nxt):
                     encoded = encode(nxt)
-                    if encoded is not None and items[nxt][0] == added:  # the next to write: from memory
+                    if items[nxt][1] is None and items[nxt][0] == added:  # the next to write: from memory
                         add(encoded)
                 continue
             if time.monotonic() > deadline:

@@ -375,11 +375,17 @@ class GGUFTarget:
     def add(self, t: SourceTensor, encoded: np.ndarray) -> None:
         self.writer.add(t, encoded)
 
+    @staticmethod
+    def encoded_name(i: int, part: int | None = None) -> str:
+        """The work-folder file of the ``i``-th tensor's encoding, or of its expert range ``part`` (a range of
+        :meth:`expert_groups`, encoded on its own by a run of several ranks)."""
+        return f"tensors/{i:05d}.npy" if part is None else f"tensors/{i:05d}-{part:03d}.npy"
+
     def save_encoded(self, rundir, i: int, encoded: np.ndarray) -> None:
-        rundir.save_array(f"tensors/{i:05d}.npy", encoded)
+        rundir.save_array(self.encoded_name(i), encoded)
 
     def load_encoded(self, rundir, i: int) -> tuple[bool, np.ndarray | None]:
-        a = rundir.load_array(f"tensors/{i:05d}.npy")
+        a = rundir.load_array(self.encoded_name(i))
         return a is not None, a
 
     def finish(self) -> tuple[Path, int]:
