@@ -167,3 +167,17 @@ def test_experts_beyond_the_bound_keep_diagonal_second_moments(monkeypatch):
     assert got["Q4_0"].output_rel == pytest.approx(want.output_rel, rel=1e-5)
     sd.drop_hessians()
     assert sd.imatrix("up_proj")[0].shape == (sd.n_expert, 256)
+
+
+def test_a_stored_type_is_measured_as_the_source_bytes(cases):
+    """A tensor of a GGUF source in the type it is stored in (``ErrorSample.stored``) keeps the source's bytes in the
+    file: that format's error is 0 without encoding (re-encoding an affine grid does not give it back exactly); the other
+    formats' errors are those measured without it."""
+    w, rw, im = cases[0]
+    x = dequantize(quantize(w, "Q4_1"), "Q4_1")  # weights on a Q4_1 grid, as a Q4_1 source decodes
+    plain = measure_samples([sample_tensor(x, rw, imatrix=im)], FORMATS + ["Q4_1"])[0]
+    kept = measure_samples([sample_tensor(x, rw, imatrix=im, stored="Q4_1")], FORMATS + ["Q4_1"])[0]
+    assert plain["Q4_1"].weighted_rel > 0
+    assert kept["Q4_1"].weighted_rel == kept["Q4_1"].output_rel == kept["Q4_1"].kld_pred == 0
+    assert kept["Q4_1"].size_bytes == plain["Q4_1"].size_bytes
+    assert {f: e for f, e in kept.items() if f != "Q4_1"} == {f: e for f, e in plain.items() if f != "Q4_1"}

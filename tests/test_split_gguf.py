@@ -295,3 +295,38 @@ def test_a_quantize_runs_evaluation_equals_dynaquant_eval(tiny, tmp_path):
              device="cpu")
     again = evaluate(res.output, gsrc, text=text, n_ctx=32, chunks=2, device="cpu", progress=False)
     assert res.eval.kld_mean == again.kld_mean and res.eval.kld_mean > 0
+
+
+def test_a_tensor_planned_in_its_stored_type_keeps_the_source_bytes(tiny, tmp_path, monkeypatch):
+    """A GGUF source's tensor planned in the type it is stored in is written with the source's own bytes (its decoding
+    is the source weight: error 0; GGUFTarget.source_records), whatever the imatrix; without that, re-encoding the
+    decoded weights with the imatrix gives other bytes for some tensor (so this test tells the two apart)."""
+    from dynaquant.pipeline.targets import GGUFTarget
+
+    src = tiny[1].output  # a Q8_0 GGUF (F32 norms)
+    kw = dict(preset="Q8_0", use_imatrix=True, calibration_chunks=2, n_ctx=32, device="cpu")
+    _q(src, tmp_path / "kept.gguf", **kw)
+    monkeypatch.setattr(GGUFTarget, "source_records", lambda self, t, lo=0, hi=None: None)
+    _q(src, tmp_path / "again.gguf", **kw)
+    source = {t.name: t for t in GGUFReader(src).tensors}
+    kept, again = GGUFReader(tmp_path / "kept.gguf").tensors, GGUFReader(tmp_path / "again.gguf").tensors
+    assert [t.tensor_type for t in kept] == [source[t.name].tensor_type for t in kept]
+    assert all(t.data.tobytes() == source[t.name].data.tobytes() for t in kept)
+    assert any(t.data.tobytes() != source[t.name].data.tobytes() for t in again)
+
+
+def test_a_quantize_run_loads_its_source_model_once(tiny, tmp_path, monkeypatch):
+    """The whole-model run's source model is the evaluation's reference: loaded once (the figures equal a separate
+    ``dynaquant eval``'s: test_a_quantize_runs_evaluation_equals_dynaquant_eval)."""
+    import dynaquant.pipeline.evaluate as ev
+    import dynaquant.pipeline.quantize as q
+
+    loads = []
+    for mod in (q, ev):
+        real = mod.load_model
+        monkeypatch.setattr(mod, "load_model", lambda *a, real=real, **k: loads.append(1) or real(*a, **k))
+    text = tmp_path / "eval.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    res = _q(tiny[0], tmp_path / "q.gguf", preset="Q4_0", use_imatrix=True, calibration_chunks=2, n_ctx=32,
+             evaluate=True, eval_text=text, eval_chunks=2, device="cpu")
+    assert res.eval.kld_mean > 0 and len(loads) == 1

@@ -100,6 +100,9 @@ class ErrorSample:
         row_weights: the RowWeights of the sampled rows (predicted KLD).
         ref: (2,) float64 the estimated ``sum H_jj W_ij^2`` and ``tr(W H W^T)`` (denominators of the relative errors).
         index: (n,) int64 the sampled rows' indices in the weight.
+        stored: the GGML type name the source stores the weight in, when the weight is the decoding of those bytes
+            (a GGUF source); that format's error is 0 without encoding: the file keeps the source's bytes
+            (:meth:`dynaquant.pipeline.targets.GGUFTarget.source_records`). None: not known.
     """
 
     rows: torch.Tensor
@@ -113,6 +116,7 @@ class ErrorSample:
     row_weights: RowWeights
     ref: torch.Tensor
     index: torch.Tensor | None = None
+    stored: str | None = None
 
 
 @dataclass(frozen=True)
@@ -197,12 +201,13 @@ def _row_terms(W: torch.Tensor, rw: RowWeights) -> torch.Tensor:
 
 def sample_tensor(weight: torch.Tensor, rw: RowWeights, *, imatrix: torch.Tensor | None = None,
                   hessian: torch.Tensor | None = None, rows: int | None = None, seed: int = 0,
-                  score: str = "kld") -> ErrorSample:
+                  score: str = "kld", stored: str | None = None) -> ErrorSample:
     """Draw the rows of one tensor whose errors :func:`measure_samples` measures (the weight itself is not kept).
 
     Args: as :func:`measure_errors`, and
         score: what the strata follow: ``"kld"`` each row's term of the predicted KL divergence under ``rw``;
             ``"output"`` its output energy ``W_i H W_i^T`` (the Fisher not known yet: :class:`RowErrors`).
+        stored: :attr:`ErrorSample.stored`.
     Returns:
         ErrorSample on the weight's device.
     Raises:
@@ -232,7 +237,7 @@ def sample_tensor(weight: torch.Tensor, rw: RowWeights, *, imatrix: torch.Tensor
                      None if rw.lookup is None else rw.lookup.to(W.device)[idx],
                      None if rw.lookup_fisher is None else rw.lookup_fisher.to(W.device))
     enc = block_importance(imatrix, 1, K, W.device).reshape(K)  # what quantize() gives the encoders
-    return ErrorSample(Ws, sw, N, imatrix, enc, bool((enc == enc[0]).all()), imp, H, sub, ref, idx)
+    return ErrorSample(Ws, sw, N, imatrix, enc, bool((enc == enc[0]).all()), imp, H, sub, ref, idx, stored)
 
 
 def measure_samples(samples: list[ErrorSample], formats: list[str], *, batch_weights: int = BATCH_WEIGHTS,
@@ -247,7 +252,8 @@ def measure_samples(samples: list[ErrorSample], formats: list[str], *, batch_wei
     (``measure_errors`` on each, same rows) as long as each block's encoding depends on that block
     only; the exceptions are encoded one tensor at a time (:data:`PER_TENSOR_FORMATS`, and tensors
     whose importance is constant, for which the IQ1/IQ2 encoders switch to their no-imatrix
-    weighting). The host waits for the device once per batch, not once per format.
+    weighting). A sample's own stored type (:attr:`ErrorSample.stored`) is not encoded: its rows are
+    that type's decoding, error 0. The host waits for the device once per batch, not once per format.
 
     Args:
         samples: from :func:`sample_tensor` (one device).
@@ -265,12 +271,13 @@ def measure_samples(samples: list[ErrorSample], formats: list[str], *, batch_wei
         for name in formats:
             f = get_format(name)
             fit = [i for i in batch if f.fits(samples[i].rows.shape[1])]
+            dec = {i: samples[i].rows for i in fit if samples[i].stored == f.name}  # the source's own bytes: exact
+            todo = [i for i in fit if i not in dec]
             if f.kind == "float":
-                dec = {i: dequantize(quantize(samples[i].rows, f), f) for i in fit}
+                dec.update({i: dequantize(quantize(samples[i].rows, f), f) for i in todo})
             else:
-                alone = [i for i in fit if f.name in PER_TENSOR_FORMATS or samples[i].constant]
-                together = [i for i in fit if i not in alone]
-                dec = {}
+                alone = [i for i in todo if f.name in PER_TENSOR_FORMATS or samples[i].constant]
+                together = [i for i in todo if i not in alone]
                 for g in ([together] if together else []) + [[i] for i in alone]:
                     dec.update(zip(g, _decode_rows([samples[i] for i in g], f, step)))
             for i in fit:  # in format order, as measure_errors returns them

@@ -81,10 +81,11 @@ def _error_groups(src_tensors) -> list[list[int]]:
 
 
 def _measure_tensors(model, src_tensors, stats: ModelStats, tied: bool, candidates: tuple[str, ...], sw_tensors: set,
-                     progress: bool) -> tuple[list[dict], dict[str, torch.Tensor | None]]:
+                     progress: bool, stored: dict[str, str]) -> tuple[list[dict], dict[str, torch.Tensor | None]]:
     """The report's tensor entries with the errors of every candidate format, and the encoder imatrix of each
     measured tensor (by HF name). A decoder block's tensors, and all experts of its MoE layer, are measured
-    together (:func:`dynaquant.analysis.errors.measure_samples`), with the results of one tensor at a time."""
+    together (:func:`dynaquant.analysis.errors.measure_samples`), with the results of one tensor at a time; a
+    tensor's stored GGUF type (``stored``, by GGUF name) is its source bytes, error 0."""
     entries = [tensor_entry(t, sw_tensors) for t in src_tensors]
     enc_imatrix: dict[str, torch.Tensor | None] = {}
     bar = tqdm(total=len(src_tensors), desc="errors", disable=not progress, unit="tensor")
@@ -109,7 +110,7 @@ def _measure_tensors(model, src_tensors, stats: ModelStats, tied: bool, candidat
                 rw, imp = row_weights_of(t, stats, tied, stats.token_counts)
                 if w is not None and rw is not None and tuple(w.shape) == tuple(t.shape):
                     owners.append((i, len(samples), len(samples) + 1, None))
-                    samples.append(sample_tensor(w.detach(), rw, imatrix=imp))
+                    samples.append(sample_tensor(w.detach(), rw, imatrix=imp, stored=stored.get(t.gguf_name)))
                     if t.hf_name:
                         enc_imatrix[t.hf_name] = imp
                 else:
@@ -128,10 +129,12 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
                  super_weights: bool = True, sensitivity_formats: tuple[str, ...] = (),
                  validate: tuple[tuple[str, int], ...] = (), overhead_bytes: int = 0,
                  progress: bool = True, timings: dict | None = None, correct_rounds: int = 0,
-                 correct_sequences: int = CORRECT_SEQUENCES) -> AnalysisResult:
+                 correct_sequences: int = CORRECT_SEQUENCES, allow_nonfinite: bool = False) -> AnalysisResult:
     """Analyse a loaded model (see ``analyze``); ``validate`` is (label, size_bytes) pairs of plans to check, each
     also corrected (:mod:`dynaquant.pipeline.corrections`) with ``correct_rounds`` > 0 (the report's ``corrections``
-    section gathers the rounds of every size; each ``plans`` row gets ``corrected``: the final plan's figures)."""
+    section gathers the rounds of every size; each ``plans`` row gets ``corrected``: the final plan's figures). A
+    tensor of a GGUF source planned in its stored type keeps the source's bytes, so that format's error is 0 (not with
+    ``allow_nonfinite``: the model's weights may then differ from the stored ones)."""
     timings = {} if timings is None else timings
     device = next(model.parameters()).device
     t0 = time.perf_counter()
@@ -161,7 +164,7 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
 
     t2 = time.perf_counter()
     entries, enc_imatrix = _measure_tensors(model, src_tensors, stats, info.tied_embeddings, candidates, sw_tensors,
-                                            progress)
+                                            progress, {} if allow_nonfinite else ts.stored_types())
     timings["errors_s"] = time.perf_counter() - t2
 
     report = build_report(source, ts, spec, stats, entries, sws, candidates, device=device,
@@ -329,7 +332,7 @@ def run_analyze(model: str | os.PathLike | None, output_dir: str | os.PathLike |
                        fisher_sequences=cfg.fisher_sequences, super_weights=cfg.super_weights,
                        sensitivity_formats=cfg.sensitivity_formats, validate=validate, overhead_bytes=overhead,
                        progress=cfg.progress, timings=timings, correct_rounds=cfg.correct_rounds,
-                       correct_sequences=cfg.correct_sequences)
+                       correct_sequences=cfg.correct_sequences, allow_nonfinite=cfg.allow_nonfinite)
     return _finish_analysis(res, output_dir, ts, spec, timings, t0)
 
 

@@ -89,6 +89,7 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
         stats = stats_from_state(done["stats"])
         return AnalysisResult(done["report"], stats, stats.to_imatrix(spec.id))
     t0 = time.perf_counter()
+    stored = {} if allow_nonfinite else ts.stored_types()  # a GGUF source's stored types: error 0 (run_analysis)
     all_chunks = calibration_chunks(tokenizer, replace(spec, n_sequences=spec.n_sequences + 2))
     held = all_chunks[-2:] if all_chunks.shape[0] > 2 else all_chunks[:1]
     chunks = all_chunks[:-2] if all_chunks.shape[0] > 2 else all_chunks
@@ -168,7 +169,8 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
                 log.warning("%s: no calibration statistics or weight shape mismatch; not measured", t.gguf_name)
                 continue
             owners.append((j, module_of(t.hf_name), len(samples), len(samples) + 1))
-            samples.append(sample_tensor(w.detach(), RowWeights(hessian=rw.hessian), imatrix=imp, score="output"))
+            samples.append(sample_tensor(w.detach(), RowWeights(hessian=rw.hessian), imatrix=imp, score="output",
+                                         stored=stored.get(t.gguf_name)))
         results = measure(samples, per_row=True)
         pending.extend((j, module, results[a] if module is not None else results[a:b]) for j, module, a, b in owners)
         st.drop_hessians(modules | {m for m in [*st.input_of, *st.experts] if _module_block(m) == i})  # routers too
@@ -218,7 +220,7 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
         rw, imp = row_weights_of(t, stats, info.tied_embeddings, stats.token_counts)
         if w is not None and rw is not None and tuple(w.shape) == tuple(t.shape):
             owners.append(j)
-            samples.append(sample_tensor(w.detach(), rw, imatrix=imp))
+            samples.append(sample_tensor(w.detach(), rw, imatrix=imp, stored=stored.get(t.gguf_name)))
         else:
             log.warning("%s: no calibration statistics or weight shape mismatch; not measured", t.gguf_name)
     for j, errs in zip(owners, measure(samples, per_row=False)):

@@ -38,17 +38,19 @@ def evaluate_models(reference, quantized, tokenizer, text, n_ctx, chunks, progre
 
 
 def evaluate_written(path: Path, source: ModelSource, ts: TensorSource, tokenizer, cfg: QuantizeConfig, device: str, *,
-                     checkpoint: bool) -> EvalResult:
+                     checkpoint: bool, reference=None) -> EvalResult:
     """A quantize run's evaluation of what it wrote (``path``: a GGUF file, or with ``checkpoint`` a safetensors
-    folder) against its source, loaded again here (NaN / Inf replaced as in the run when ``cfg.allow_nonfinite``);
-    a GGUF is evaluated as a copy of that model holding the file's decoded weights (``runtime.decoded.load_decoded``,
-    bit-exact with gguf-py's decoding), not loaded a second time.
+    folder) against its source: ``reference``, the run's source model (unchanged by the run; on ``device``), or
+    None: loaded again here (NaN / Inf replaced as in the run when ``cfg.allow_nonfinite``); a GGUF is evaluated as
+    a copy of that model holding the file's decoded weights (``runtime.decoded.load_decoded``, bit-exact with
+    gguf-py's decoding), not loaded a second time.
 
     Raises:
         InputError: the source holds NaN or Inf weights and not ``cfg.allow_nonfinite``.
     """
-    reference = load_model(source, device=device)
-    check_model_finite(reference, source_names(ts), str(source.path), cfg.allow_nonfinite)
+    if reference is None:
+        reference = load_model(source, device=device)
+        check_model_finite(reference, source_names(ts), str(source.path), cfg.allow_nonfinite)
     if tokenizer is None:
         tokenizer = load_tokenizer(source)
     if checkpoint:

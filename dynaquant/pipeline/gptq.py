@@ -134,8 +134,12 @@ def gptq_blockwise(source, ts, tokenizer, spec: CalibrationSpec, plan, importanc
     grp = group()  # several ranks: each block's tensors split between them, their counts replayed in order
     records: list[tuple[int, tuple]] = []  # (position in the single process's order, GPTQRounding.last)
 
+    def kept(name: str) -> bool:  # the file keeps the source's bytes (GGUFTarget.source_records): nothing to round
+        got = None if allow_nonfinite else ts.stored_records(by_name[name])
+        return got is not None and got[0] == planned[name].name
+
     def round_tensors(names: list[str]) -> None:
-        names = [n for n in names if planned[n].kind != "float"]
+        names = [n for n in names if planned[n].kind != "float" and not kept(n)]
         for k in grp.mine([by_name[n].numel for n in names]):
             name = names[k]
             t, fmt = by_name[name], planned[name]

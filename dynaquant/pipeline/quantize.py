@@ -294,7 +294,8 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
             im = _imatrix_blockwise(cfg, source, ts, tokenizer, device, timings)
     elif needs_analysis:
         res = analysis_stage.run_analysis(source, ts, hf_model, tokenizer, cfg.spec(), candidates=target.analysis_candidates,
-                           fisher_sequences=cfg.fisher_sequences, progress=cfg.progress, timings=timings)
+                           fisher_sequences=cfg.fisher_sequences, progress=cfg.progress, timings=timings,
+                           allow_nonfinite=cfg.allow_nonfinite)
         start.report, im, stats = res.report, res.imatrix, res.stats
     elif needs_imatrix:
         im, stats = _imatrix(cfg, target, hf_model, tokenizer, timings)
@@ -332,7 +333,10 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
     run = RunState(cfg, source, ts, plan, start.loaded is not None, im, imat, rounding, torch.device(device), start.report,
                    hf_model if target.needs_model else None, tokenizer, imat_path if im is None and cfg.use_imatrix else None,
                    rundir, run_bar)
-    hf_model = None  # the source model is not kept for the evaluation: it is loaded again at the end
+    # the whole-model path's source model is the evaluation's reference (not loaded a second time): kept through the
+    # writing, where it adds less than the evaluation's two models do (the reference and its decoded copy)
+    reference = hf_model if cfg.evaluate and grp.main else None
+    hf_model = None
     t2 = time.perf_counter()
     path, nbytes = write_output(run, target, output)
     timings["quantize_s"] = time.perf_counter() - t2
@@ -356,7 +360,9 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
 
             result.eval = evaluate_written_blockwise(path, source, ts, tokenizer, cfg, device, progress=progress)
         else:
-            result.eval = evaluate_written(path, source, ts, tokenizer, cfg, device, checkpoint=target.name == "safetensors")
+            result.eval = evaluate_written(path, source, ts, tokenizer, cfg, device, checkpoint=target.name == "safetensors",
+                                           reference=reference)
+            reference = None
     if run_bar is not None:
         run_bar.close()
     done = pub.finish(result, run, target, imat_path)

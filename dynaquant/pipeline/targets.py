@@ -316,7 +316,7 @@ class GGUFTarget:
         """The float32 weight, NaN/Inf checked; None for a stacked expert tensor over :data:`EXPERT_GROUP_BYTES` that
         the source reads an expert at a time (:meth:`encode` reads and encodes it a group of experts at a time)."""
         ts = self.run.ts
-        if self._grouped(t):
+        if self._grouped(t) or self.source_records(t) is not None:
             return None
         return check_finite(ts.read(t), tensor_label(t.hf_name, t.gguf_name), ts.file_of(t), self.run.cfg.allow_nonfinite)
 
@@ -324,9 +324,19 @@ class GGUFTarget:
         return (len(t.shape) == 3 and t.shape[0] > 2 and 4 * t.numel > EXPERT_GROUP_BYTES and self.run.rounding is None
                 and self.run.ts.reads_experts(t))
 
+    def source_records(self, t: SourceTensor, lo: int = 0, hi: int | None = None) -> np.ndarray | None:
+        """The source's own bytes of ``t`` (experts ``lo .. hi - 1``) where the plan gives it the GGUF type the source
+        stores it in (a GGUF source): their decoding is the source's weight itself, error 0, which no encoding betters,
+        and the analysis measured that format's error as 0 (:attr:`dynaquant.analysis.errors.ErrorSample.stored`).
+        None otherwise, and with ``allow_nonfinite`` (the run's weights may differ from the stored ones)."""
+        if self.run.cfg.allow_nonfinite:
+            return None
+        got = self.run.ts.stored_records(t, lo, hi)
+        return got[1] if got is not None and got[0] == self.types[t.gguf_name].name else None
+
     def gptq_round(self, t: SourceTensor, w: torch.Tensor | None) -> np.ndarray | None:
         run, fmt = self.run, self.types[t.gguf_name]
-        if run.rounding is None or fmt.kind == "float":
+        if run.rounding is None or fmt.kind == "float" or w is None:
             return None
         q = run.rounding.encode(t, w.to(run.device), fmt, run.imat.get(t.gguf_name))
         return q.cpu().numpy() if q is not None else None
@@ -334,6 +344,9 @@ class GGUFTarget:
     def encode(self, t: SourceTensor, w: torch.Tensor | None, rounded: np.ndarray | None) -> np.ndarray:
         if rounded is not None:
             return rounded
+        kept = self.source_records(t)
+        if kept is not None:
+            return np.ascontiguousarray(kept)
         if w is None:
             return self._encode_groups(t)
         run, fmt = self.run, self.types[t.gguf_name]
@@ -357,6 +370,9 @@ class GGUFTarget:
         """Experts ``[lo, hi)`` of a stacked expert tensor (a range of :meth:`expert_groups`) read and encoded: their
         rows of the whole tensor's encoding. Each expert is encoded with its own imatrix row; an unrouted expert's row,
         the mean of the routed ones over all experts, is filled as the whole-tensor encoder fills it."""
+        kept = self.source_records(t, lo, hi)
+        if kept is not None:
+            return np.ascontiguousarray(kept)
         run, ts, fmt = self.run, self.run.ts, self.types[t.gguf_name]
         imp = run.imat.get(t.gguf_name) if fmt.kind != "float" else None
         n = t.shape[0]

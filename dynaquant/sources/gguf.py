@@ -118,6 +118,16 @@ class TensorSource(ABC):
         """Whether :meth:`read_stored` reads only the experts asked for (default: no, it reads the whole tensor)."""
         return False
 
+    def stored_records(self, t: SourceTensor, lo: int = 0, hi: int | None = None) -> tuple[str, np.ndarray] | None:
+        """The tensor as the file stores it in a GGUF type: ``(GGML type name, uint8 (..., row_bytes))``, the bytes in
+        the GGUF layout of that type (experts ``lo .. hi - 1`` of a stacked expert tensor), whose decoding is
+        :meth:`read`'s values bit for bit. Default: None (the source does not store GGUF types)."""
+        return None
+
+    def stored_types(self) -> dict[str, str]:
+        """GGUF name -> GGML type name of each tensor :meth:`stored_records` gives (none by default)."""
+        return {t.gguf_name: got[0] for t in self.tensors() if (got := self.stored_records(t)) is not None}
+
     def tensor(self, gguf_name: str) -> SourceTensor:
         """Look a tensor up by GGUF name.
 
@@ -229,6 +239,12 @@ class GGUFFileSource(TensorSource):
     def stored_type(self, t: SourceTensor) -> gguf.GGMLQuantizationType:
         """The GGML type the tensor is stored in, in the source file."""
         return self._by_name[t.gguf_name].tensor_type
+
+    def stored_records(self, t: SourceTensor, lo: int = 0, hi: int | None = None) -> tuple[str, np.ndarray]:
+        """As :meth:`TensorSource.stored_records`: the file's own bytes (memory-mapped, not copied)."""
+        rt = self._by_name[t.gguf_name]
+        data = rt.data[lo:hi] if len(t.shape) == 3 else rt.data
+        return rt.tensor_type.name, data.view(np.uint8).reshape(*data.shape[:-1], -1)
 
     def read(self, t: SourceTensor) -> torch.Tensor:
         """Dequantize one tensor with ``gguf.quants.dequantize``.
