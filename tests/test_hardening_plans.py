@@ -389,3 +389,24 @@ def test_cli_passes_allow_nonfinite(monkeypatch, capsys, command):
     assert _main(capsys, command, "some-model", "--no-eval" if command == "quantize" else "--no-super-weights")[0] == 2
     assert _main(capsys, command, "some-model", "--allow-nonfinite")[0] == 2
     assert seen == [False, True]
+
+
+def test_all_finite_is_isfinite_all():
+    """The finiteness check by the tensor's sum (nonfinite.all_finite) agrees with ``isfinite(w).all()``: NaN, +-Inf,
+    both Infs (sum NaN), finite values whose sum overflows (settled by the full check), half and double precision."""
+    from dynaquant.sources.nonfinite import all_finite
+
+    big = torch.full((4,), 3e38)
+    cases = [torch.randn(1000), big, torch.full((3,), 60000.0, dtype=torch.float16), torch.randn(5, dtype=torch.float64),
+             torch.randn(7, dtype=torch.bfloat16)]
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            x = torch.randn(1000, dtype=dtype)
+            x[517] = bad
+            cases.append(x)
+    both = torch.randn(100)
+    both[3], both[9] = float("inf"), -float("inf")
+    cases += [both, torch.tensor([3e38, float("inf")])]
+    for x in cases:
+        assert all_finite(x) == bool(torch.isfinite(x).all()), x
+    assert all_finite(big) and all_finite(cases[2]) and not all_finite(both)

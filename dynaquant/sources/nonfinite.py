@@ -2,7 +2,7 @@
 
 A NaN or an Inf in a weight makes every format's block scale NaN or Inf: Q8_0 writes the whole block as
 zeros, the K-quants write NaNs, and a calibration forward pass produces NaN logits. So every tensor read
-for quantization is checked (``torch.isfinite(w).all()``, one pass over memory already read), and so is a
+for quantization is checked (:func:`all_finite`: its sum, one pass over memory already read), and so is a
 model loaded for calibration, before its first forward pass.
 
 With ``allow_nonfinite`` the values are replaced, with a logged warning per tensor:
@@ -47,6 +47,16 @@ def replace_nonfinite(w: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(w, nan=0.0, posinf=m, neginf=-m)
 
 
+def all_finite(w: torch.Tensor) -> bool:
+    """Whether every value of the float tensor ``w`` is finite: its sum is (NaN and Inf reach any sum: NaN + x is NaN,
+    Inf + finite is Inf, Inf - Inf is NaN), one reduction, many times faster on a CPU than ``isfinite(w).all()``;
+    a sum that overflows (finite values only) is settled by ``isfinite(w).all()``. float32 accumulation (float64
+    for float64 tensors)."""
+    if bool(torch.isfinite(w.sum(dtype=torch.float64 if w.dtype == torch.float64 else torch.float32))):
+        return True
+    return bool(torch.isfinite(w).all())
+
+
 def check_finite(w: torch.Tensor, tensor: str, file: str, allow_nonfinite: bool = False) -> torch.Tensor:
     """Return ``w`` if every value is finite; else raise, or (``allow_nonfinite``) return it with the
     non-finite values replaced (see the module docstring) and log a warning.
@@ -59,7 +69,7 @@ def check_finite(w: torch.Tensor, tensor: str, file: str, allow_nonfinite: bool 
         InputError: a NaN or Inf and not ``allow_nonfinite``; names the file, the tensor, the count of NaN and
             Inf values and the first position, and ``--allow-nonfinite``.
     """
-    if not w.is_floating_point() or bool(torch.isfinite(w).all()):
+    if not w.is_floating_point() or all_finite(w):
         return w
     bad = ~torch.isfinite(w)
     n_bad, n_nan = int(bad.sum()), int(torch.isnan(w).sum())
