@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dynaquant.analysis.imatrix_io import load_imatrix
-from dynaquant.sources.checkpoint import resolve_source
+from dynaquant.sources.checkpoint import default_model_path, resolve_source
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -108,8 +108,13 @@ def test_quantize_with_gptq_rounding(tmp_path):
     res = dynaquant.quantize(None, preset="Q4_0", gptq=True, calibration_chunks=4, n_ctx=128,
                              output=tmp_path / "g.gguf", progress=False)
     g = res.gptq["Q4_0"]
-    # llama.cpp's Q4_0 mix with an imatrix puts ffn_down of blocks 0-2 (n_layer / 8) in Q4_1
-    assert res.gptq["Q4_1"]["tensors"] == 3 and res.plan.formats()["blk.2.ffn_down.weight"] == "Q4_1"
+    # llama.cpp's Q4_0 mix with an imatrix puts ffn_down of blocks 0-2 (n_layer / 8) in Q4_1, the type the default
+    # model stores them in: the source's bytes are kept (error 0), not GPTQ-rounded
+    assert "Q4_1" not in res.gptq and res.plan.formats()["blk.2.ffn_down.weight"] == "Q4_1"
+    src = {t.name: t for t in gguf.GGUFReader(default_model_path()).tensors}
+    out = {t.name: t for t in gguf.GGUFReader(res.output).tensors}
+    assert all(out[f"blk.{i}.ffn_down.weight"].data.tobytes() == src[f"blk.{i}.ffn_down.weight"].data.tobytes()
+               for i in range(3))
     assert g["tensors"] == 7 * 30 - 3 and g["gptq"] > 0.5 * g["tensors"] and g["mean_ratio"] < 1.0  # 512 tokens: some overfit
     llm = llama_cpp.Llama(model_path=str(res.output), n_ctx=128, verbose=False, seed=0)
     assert llm("Python is", max_tokens=4, temperature=0)["choices"][0]["text"].strip()
