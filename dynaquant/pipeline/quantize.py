@@ -334,8 +334,9 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
                    hf_model if target.needs_model else None, tokenizer, imat_path if im is None and cfg.use_imatrix else None,
                    rundir, run_bar)
     # the whole-model path's source model is the evaluation's reference (not loaded a second time): kept through the
-    # writing, where it adds less than the evaluation's two models do (the reference and its decoded copy)
-    reference = hf_model if cfg.evaluate and grp.main else None
+    # writing, where it adds less than the evaluation's two models do (the reference and its decoded copy); not for a
+    # target that writes from the model (safetensors: loaded again, as before)
+    reference = hf_model if cfg.evaluate and grp.main and not target.needs_model else None
     hf_model = None
     t2 = time.perf_counter()
     path, nbytes = write_output(run, target, output)
