@@ -39,7 +39,7 @@ from dynaquant.pipeline.corrections import check_options as check_correct_option
 from dynaquant.pipeline.corrections import correct_in_model
 from dynaquant.pipeline.plan import error_fn_from_report
 from dynaquant.pipeline.preflight import Output, analysis_bytes_bound, check_outputs
-from dynaquant.pipeline.source import default_device, model_info, open_tensor_source, tensor_infos
+from dynaquant.pipeline.source import default_device, kept_types, model_info, open_tensor_source, tensor_infos
 from dynaquant.pipeline.targets import gguf_planning_overhead
 from dynaquant.quant.codecs import get_codec
 from dynaquant.quant.formats import get_format
@@ -164,7 +164,7 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
 
     t2 = time.perf_counter()
     entries, enc_imatrix = _measure_tensors(model, src_tensors, stats, info.tied_embeddings, candidates, sw_tensors,
-                                            progress, {} if allow_nonfinite else ts.stored_types())
+                                            progress, kept_types(ts, allow_nonfinite))
     timings["errors_s"] = time.perf_counter() - t2
 
     report = build_report(source, ts, spec, stats, entries, sws, candidates, device=device,

@@ -46,7 +46,7 @@ from dynaquant.pipeline.analysis_report import (
     tensor_entry,
     weight_of,
 )
-from dynaquant.pipeline.source import model_info
+from dynaquant.pipeline.source import kept_types, model_info
 from dynaquant.sources.experts import stacked_name
 from dynaquant.sources.gguf import TensorSource
 from dynaquant.sources.skeleton import build_skeleton
@@ -89,7 +89,7 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
         stats = stats_from_state(done["stats"])
         return AnalysisResult(done["report"], stats, stats.to_imatrix(spec.id))
     t0 = time.perf_counter()
-    stored = {} if allow_nonfinite else ts.stored_types()  # a GGUF source's stored types: error 0 (run_analysis)
+    stored = kept_types(ts, allow_nonfinite)  # a GGUF source's stored types: error 0
     all_chunks = calibration_chunks(tokenizer, replace(spec, n_sequences=spec.n_sequences + 2))
     held = all_chunks[-2:] if all_chunks.shape[0] > 2 else all_chunks[:1]
     chunks = all_chunks[:-2] if all_chunks.shape[0] > 2 else all_chunks

@@ -12,6 +12,7 @@ from dynaquant.analysis.calibration import CalibrationSpec
 from dynaquant.analysis.calibration import calibration_chunks as calibration_ids
 from dynaquant.analysis.stats import collect_stats, module_of
 from dynaquant.distributed import group
+from dynaquant.pipeline.source import kept_types
 from dynaquant.quant.codecs import dequantize
 from dynaquant.quant.codecs import quantize as encode_tensor
 from dynaquant.quant.formats import Format
@@ -134,12 +135,10 @@ def gptq_blockwise(source, ts, tokenizer, spec: CalibrationSpec, plan, importanc
     grp = group()  # several ranks: each block's tensors split between them, their counts replayed in order
     records: list[tuple[int, tuple]] = []  # (position in the single process's order, GPTQRounding.last)
 
-    def kept(name: str) -> bool:  # the file keeps the source's bytes (GGUFTarget.source_records): nothing to round
-        got = None if allow_nonfinite else ts.stored_records(by_name[name])
-        return got is not None and got[0] == planned[name].name
+    kept = kept_types(ts, allow_nonfinite)  # the file keeps the source's bytes of those in their stored type
 
     def round_tensors(names: list[str]) -> None:
-        names = [n for n in names if planned[n].kind != "float" and not kept(n)]
+        names = [n for n in names if planned[n].kind != "float" and kept.get(n) != planned[n].name]
         for k in grp.mine([by_name[n].numel for n in names]):
             name = names[k]
             t, fmt = by_name[name], planned[name]

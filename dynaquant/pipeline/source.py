@@ -67,6 +67,14 @@ def quantized_source(ts: TensorSource) -> bool:
     return 2 * quantized > sum(t.numel for t in tensors)
 
 
+def kept_types(ts: TensorSource, allow_nonfinite: bool) -> dict[str, str]:
+    """GGUF name -> the GGML type a GGUF source stores the tensor in: a tensor planned in that type keeps the source's
+    bytes (their decoding is the source weight itself, error 0; the analysis measures it so, the GGUF target writes
+    them, GPTQ leaves them). Empty with ``allow_nonfinite`` (the run's weights may then differ from the stored ones)
+    and for sources that do not store GGUF types."""
+    return {} if allow_nonfinite else ts.stored_types()
+
+
 def model_info(ts: TensorSource) -> ModelInfo:
     """Model facts for the planner, from the source's metadata (no model is loaded)."""
     names = {t.gguf_name for t in ts.tensors()}

@@ -23,6 +23,7 @@ from dynaquant.config import DEFAULT_CANDIDATES, QuantizeConfig
 from dynaquant.exporters.gguf.writer import GGUFFileWriter, header_bytes
 from dynaquant.pipeline.preflight import Output
 from dynaquant.pipeline.run_state import RunState
+from dynaquant.pipeline.source import kept_types
 from dynaquant.quant.codecs import quantize as encode_tensor
 from dynaquant.quant.codecs.base import fill_unrouted
 from dynaquant.quant.formats import get_format
@@ -296,6 +297,7 @@ class GGUFTarget:
         self.run = run
         self.types = {e.name: get_format(e.format) for e in run.plan.entries}
         self._tensors = run.ts.tensors()
+        self._kept = kept_types(run.ts, run.cfg.allow_nonfinite)
 
     def begin(self, run: RunState, path: Path) -> None:
         self.prepare(run)
@@ -328,11 +330,10 @@ class GGUFTarget:
         """The source's own bytes of ``t`` (experts ``lo .. hi - 1``) where the plan gives it the GGUF type the source
         stores it in (a GGUF source): their decoding is the source's weight itself, error 0, which no encoding betters,
         and the analysis measured that format's error as 0 (:attr:`dynaquant.analysis.errors.ErrorSample.stored`).
-        None otherwise, and with ``allow_nonfinite`` (the run's weights may differ from the stored ones)."""
-        if self.run.cfg.allow_nonfinite:
+        None otherwise (:func:`dynaquant.pipeline.source.kept_types`)."""
+        if self._kept.get(t.gguf_name) != self.types[t.gguf_name].name:
             return None
-        got = self.run.ts.stored_records(t, lo, hi)
-        return got[1] if got is not None and got[0] == self.types[t.gguf_name].name else None
+        return self.run.ts.stored_records(t, lo, hi)[1]
 
     def gptq_round(self, t: SourceTensor, w: torch.Tensor | None) -> np.ndarray | None:
         run, fmt = self.run, self.types[t.gguf_name]
