@@ -84,24 +84,24 @@ def write_output_ranks(run: RunState, target: Target, path: Path) -> tuple[Path,
         except FileExistsError:
             return False
 
-    def kept(n: int) -> str:
+    def file_of(n: int) -> str:
         i, k, _ = items[n]
         return target.encoded_name(i, k)
 
     def saved(n: int) -> bool:
-        return (run.rundir.path / kept(n)).is_file()
+        return (run.rundir.path / file_of(n)).is_file()
 
     def encode(n: int):
         i, k, r = items[n]
         encoded = encode_planned(run, target, tensors[i]) if k is None else target.encode_group(tensors[i], *r)
-        run.rundir.save_array(kept(n), encoded)
+        run.rundir.save_array(file_of(n), encoded)
         return encoded
 
     def complete(i: int):
         """Tensor ``i``'s encoding when all its items are in the work folder, else None."""
         if not all(saved(n) for n in of[i]):
             return None
-        parts = [run.rundir.load_array(kept(n)) for n in of[i]]
+        parts = [run.rundir.load_array(file_of(n)) for n in of[i]]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     try:
