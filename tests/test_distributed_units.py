@@ -121,3 +121,40 @@ def test_partial_sums_merged_in_order_equal_the_direct_totals():
         assert all(torch.equal(a.fisher_sum[k], b.fisher_sum[k]) for k in a.fisher_sum)
     assert all(torch.equal(direct.imatrix.sums[k], folded.imatrix.sums[k].cpu()) for k in direct.imatrix.sums)
     assert direct.imatrix.counts == folded.imatrix.counts and direct.imatrix.chunks == folded.imatrix.chunks
+
+
+def _fold_rank(rank: int, world: int, port: int, out: str) -> None:
+    import json
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        g = Group(rank, world, torch.device("cpu"), joined=True)
+        seen = []
+
+        def run(s: int):
+            assert g.owns(s)
+            if s == 2:
+                return None  # nothing to add
+            return {"s": s, "x": torch.full((3,), float(s)), "n": [torch.arange(s + 1)]}
+
+        g.fold(5, run, lambda p: seen.append([p["s"], p["x"].tolist(), p["n"][0].tolist()]))
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(seen, f)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_fold_over_ranks_merges_every_item_in_item_order_on_every_rank(tmp_path):
+    """Two ranks (gloo): each rank's items, sent while the next round runs, are merged on both in item order; a round
+    short of ``world`` items (5 items, 2 ranks) and an item with nothing to add (None) included."""
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_fold_rank, args=(2, port, str(tmp_path / "seen")), nprocs=2)
+    want = [[s, [float(s)] * 3, list(range(s + 1))] for s in (0, 1, 3, 4)]
+    assert [json.loads((tmp_path / f"seen.{r}").read_text()) for r in range(2)] == [want, want]

@@ -137,11 +137,24 @@ def gptq_blockwise(source, ts, tokenizer, spec: CalibrationSpec, plan, importanc
 
     kept = kept_types(ts, allow_nonfinite)  # the file keeps the source's bytes of those in their stored type
 
+    # several ranks: seconds and weights each format's tensors took so far, every rank's (gathered after each block,
+    # so the same on all): a tensor's cost is its weights times its format's seconds a weight (GPTQ's scale search
+    # makes a K-quant tensor many times slower than a Q8_0 one of the same size); before a format's first tensor, the
+    # mean over the formats timed, or 1 (the assignment does not change the bytes, only the ranks' balance)
+    spent: dict[str, list[float]] = {}
+
+    def cost(name: str) -> float:
+        rates = {f: s / w for f, (s, w) in spent.items() if w > 0}
+        rate = rates.get(planned[name].name, sum(rates.values()) / len(rates) if rates else 1.0)
+        return by_name[name].numel * rate
+
     def round_tensors(names: list[str]) -> None:
         names = [n for n in names if planned[n].kind != "float" and kept.get(n) != planned[n].name]
-        for k in grp.mine([by_name[n].numel for n in names]):
+        took: dict[str, list[float]] = {}
+        for k in grp.mine([cost(n) for n in names]):
             name = names[k]
             t, fmt = by_name[name], planned[name]
+            t0 = time.perf_counter()
             w = check_finite(ts.read(t), tensor_label(t.hf_name, t.gguf_name), ts.file_of(t), allow_nonfinite)
             rounding.last = None
             q = rounding.encode(t, w.to(device), fmt, importance.get(name))
@@ -149,6 +162,15 @@ def gptq_blockwise(source, ts, tokenizer, spec: CalibrationSpec, plan, importanc
                 records.append((order[name], rounding.last))
             if q is not None:
                 rundir.save_array(f"gptq/{name}.npy", q.cpu().numpy())
+            if grp.active:
+                if torch.device(device).type == "cuda":
+                    torch.cuda.synchronize(device)
+                d = took.setdefault(fmt.name, [0.0, 0.0])
+                d[0], d[1] = d[0] + time.perf_counter() - t0, d[1] + t.numel
+        for part in grp.gather(took) if grp.active else ():
+            for f, (sec, n) in part.items():
+                d = spent.setdefault(f, [0.0, 0.0])
+                d[0], d[1] = d[0] + sec, d[1] + n
 
     def on_block(i: int, st) -> None:
         rounding.fit = st
