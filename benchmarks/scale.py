@@ -185,6 +185,7 @@ if prof is not None:  # the host's view: where each rank's Python spent (or wait
         rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
         with open(os.path.join(folder, f"profile-{tag}-n{world}-r{rank}-{key}.txt"), "w") as f:
             f.write(buf.getvalue())
+    prof.dump_stats(os.path.join(folder, f"profile-{tag}-n{world}-r{rank}.pstats"))  # (for pstats queries later)
 peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 rank = int(os.environ.get("RANK", "0"))
@@ -291,7 +292,8 @@ def main(argv=None) -> int:
                    "--nproc 2 --append THAT on the next, each call within the device's time limit)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="run each quantize under cProfile: the N top functions by cumulative and own time, per rank, "
-                   "in --out's folder (profile-OUTPUT-nN-rR-cumulative.txt, ...; the timings then include its overhead)")
+                   "in --out's folder (profile-OUTPUT-nN-rR-cumulative.txt, ...; the whole profile: profile-OUTPUT-nN-rR.pstats); "
+                   "the timings then include its overhead")
     p.add_argument("--correct", type=int, default=0,
                    help="measured-correction rounds (default 0: they re-measure whole plans, minutes each on 8B)")
     args = p.parse_args(argv)
