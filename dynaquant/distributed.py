@@ -15,8 +15,8 @@ The split (the output is byte-identical whatever the number of ranks, on the sam
   result computed whole on one rank (a tensor's result does not depend on which others a rank computes) and
   shared (:meth:`Group.gather`) or left in the work folder, where rank 0 reads it to write the output.
 
-Memory: a fold holds two rounds' partial sums (the one being merged and the one being sent, ``world`` each) beside
-the accumulator.
+Memory: a fold holds this rank's partial sum and the one being received beside the accumulator (on CUDA the host
+waits for each round, so no more are allocated).
 """
 
 from __future__ import annotations
@@ -99,33 +99,20 @@ class Group:
 
         Item ``s`` runs on its owner (:meth:`owns`): ``run(s)`` returns its partial sum, a nested structure of dicts,
         lists, dataclasses, numbers and tensors (or None: nothing to add). Items go in rounds of ``world``, one per
-        rank; every rank calls ``merge(part)`` for each round's items in order, each partial sum sent from its owner.
-        The sending overlaps the next round: a round's tensors go out (NCCL on its own stream) while the next round's
-        items run, and are merged after them, so a fold holds two rounds' partial sums (``2 * world``) beside the
-        accumulator. With one rank: ``merge(run(s))`` for each ``s`` in order.
+        rank; after each round every rank calls ``merge(part)`` for the round's items in order, each partial sum
+        sent from its owner (:meth:`share`). With one rank: ``merge(run(s))`` for each ``s`` in order.
         """
-        if not self.active:
-            for s in range(n):
-                part = run(s)
-                if part is not None:
-                    merge(part)
-            return
-        posted: list = []  # the previous round's partial sums on their way
         for s0 in range(0, n, self.world):
             s = s0 + self.rank
-            layout, tensors = _split(run(s) if s < n else None)
-            # one collective for the round's layouts; its host wait also bounds how far the host runs ahead (the
-            # previous round's sends are queued before it on the same stream)
-            layouts = self.gather(layout)
-            current = [self._post(layouts[j], tensors if j == self.rank else None, j)
-                       for j in range(min(self.world, n - s0))]
-            for p in posted:
-                if (part := self._take(p)) is not None:
+            mine = run(s) if s < n else None
+            for j in range(min(self.world, n - s0)):
+                part = self.share(mine, j)
+                if part is not None:
                     merge(part)
-            posted = current
-        for p in posted:
-            if (part := self._take(p)) is not None:
-                merge(part)
+            if self.active and self.device.type == "cuda":
+                # the host waits for the round: a partial sum sent by NCCL is freed only once the send has run, so
+                # a host running ahead would keep many rounds' partial sums allocated
+                torch.cuda.synchronize(self.device)
 
     def share(self, obj, src: int):
         """Rank ``src``'s nested structure on every rank: its layout by pickle, its tensors by ``broadcast`` on
@@ -133,25 +120,15 @@ class Group:
         if not self.active:
             return obj
         layout, tensors = (_split(obj) if self.rank == src else (None, None))
-        return self._take(self._post(self._pickled(layout, src), tensors, src))
-
-    def _post(self, layout: dict, tensors: list | None, src: int):
-        """Start the broadcasts of rank ``src``'s tensors (``tensors`` there, None elsewhere) described by
-        ``layout`` (:func:`_split`); :meth:`_take` waits for them and rebuilds the structure."""
-        bufs, works = [], []
-        for k, (shape, dtype, _) in enumerate(layout["tensors"]):
+        layout = self._pickled(layout, src)
+        if layout is None:
+            return None
+        specs = layout["tensors"]
+        out = []
+        for k, (shape, dtype, dev) in enumerate(specs):
             t = tensors[k].to(self.device) if self.rank == src else torch.empty(shape, dtype=dtype, device=self.device)
-            works.append(torch.distributed.broadcast(t, src=src, async_op=True))
-            bufs.append(t)
-        return layout, bufs, works, src
-
-    def _take(self, posted):
-        """The structure :meth:`_post` started sending, once its broadcasts have arrived."""
-        layout, bufs, works, src = posted
-        for w in works:
-            w.wait()  # (CUDA: the current stream waits for the transfer; the host goes on)
-        out = [t if self.rank == src or torch.device(dev).type != "cpu" else t.to(dev)
-               for t, (_, _, dev) in zip(bufs, layout["tensors"])]
+            torch.distributed.broadcast(t, src=src)
+            out.append(t if self.rank == src else t.to(dev if torch.device(dev).type == "cpu" else self.device))
         return _join(layout["obj"], out)
 
 

@@ -147,7 +147,7 @@ def _fold_rank(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_a_fold_over_ranks_merges_every_item_in_item_order_on_every_rank(tmp_path):
-    """Two ranks (gloo): each rank's items, sent while the next round runs, are merged on both in item order; a round
+    """Two ranks (gloo): each rank's items are merged on both in item order; a round
     short of ``world`` items (5 items, 2 ranks) and an item with nothing to add (None) included."""
     import json
     import socket
