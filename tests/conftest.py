@@ -7,6 +7,12 @@ import sys
 
 # OpenMP threads that spin while waiting starve each other on small, busy machines.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# GGUF files' converted configs and tokenizers (dynaquant.sources.gguf_hf_cache) go to a folder of this session, not
+# the user's cache (subprocesses inherit it)
+if "DYNAQUANT_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["DYNAQUANT_CACHE"] = tempfile.mkdtemp(prefix="dynaquant-test-cache-")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

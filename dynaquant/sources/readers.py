@@ -168,8 +168,9 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
     """Open a GGUF file with gguf-py's ``GGUFReader`` (memory-mapped, read-only), after :func:`check_gguf_layout`.
 
     The reader of a file (up to 4 GiB) opened recently is returned again while the file is the same (inode, size,
-    and a digest of its header, metadata and tensor table: what the reader parsed; the tensor data stays mapped);
-    callers must not modify it.
+    and a digest of its header, metadata and tensor table: what the reader parsed; the tensor data stays mapped),
+    under any name (the GGUF writer's read-back of its temporary file serves the evaluation of the file renamed into
+    place); callers must not modify it.
 
     Raises:
         InputError: the file is missing, unreadable, not a GGUF file, or damaged; the message names it.
@@ -181,7 +182,7 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
     st = path.stat()
     with open(path, "rb") as f:
         digest = hashlib.blake2b(f.read(data_start), digest_size=16).digest()
-    key = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, digest)
+    key = (st.st_dev, st.st_ino, st.st_size, digest)  # (not the name: a file verified, then renamed, is found again)
     if key in _READERS:
         return _READERS[key]
     try:

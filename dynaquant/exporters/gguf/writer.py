@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_VERSION, SHARD_NAME_FORMAT, GGUFReader, GGUFValueType, GGUFWriter, WriterState
+from gguf import GGML_QUANT_VERSION, SHARD_NAME_FORMAT, GGUFValueType, GGUFWriter, WriterState
 from tqdm import tqdm
 
 from dynaquant.quant.formats import Format
@@ -148,8 +148,11 @@ def _as_bytes(t: SourceTensor, fmt: Format, out: Any) -> np.ndarray:
 
 
 def _verify(path: Path, tensors: Sequence[SourceTensor], types: Mapping[str, Format], file_type: int | None) -> None:
-    """Read ``path`` back: its tensors (names, types, shapes, in order) and, unless None, ``general.file_type``."""
-    reader = GGUFReader(path)
+    """Read ``path`` back: its tensors (names, types, shapes, in order) and, unless None, ``general.file_type``
+    (:func:`dynaquant.sources.readers.open_gguf`: the reader is kept for whoever opens the file next)."""
+    from dynaquant.sources.readers import open_gguf
+
+    reader = open_gguf(path)
     try:
         if len(reader.tensors) != len(tensors):
             raise ValueError(f"{path}: read back {len(reader.tensors)} tensors, wrote {len(tensors)}")
