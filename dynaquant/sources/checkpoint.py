@@ -466,6 +466,21 @@ def load_tokenizer(source: ModelSource):
     return direct()
 
 
+def load_config(source: ModelSource):
+    """The source's transformers config (a GGUF file's: from the cache, :mod:`.gguf_hf_cache`, as :func:`load_model`).
+
+    Raises:
+        RemoteCodeError: the config needs the checkpoint's own code and ``source.trust_remote_code`` is off.
+    """
+    from transformers import AutoConfig
+
+    from dynaquant.sources.gguf import is_split_gguf
+
+    if source.kind == "gguf" and not is_split_gguf(source.path) and (cfg := _gguf_config(source, True)) is not None:
+        return cfg
+    return from_pretrained(AutoConfig, source.folder, **_from_pretrained_kwargs(source))
+
+
 def _gguf_config(source: ModelSource, cache: bool):
     """A GGUF file's transformers config from the cache (:mod:`.gguf_hf_cache`), or None (no cache: transformers
     reads it from the file with the weights)."""

@@ -313,13 +313,12 @@ def build_skeleton(source, ts: TensorSource, *, dtype: torch.dtype = torch.float
         ValueError: see :class:`ModelSkeleton`.
     """
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from dynaquant.sources.checkpoint import from_config, from_pretrained
+    from dynaquant.sources.checkpoint import from_config, load_config
     from dynaquant.sources.vl_archs import vl_full_arch
 
-    kw = {"gguf_file": source.path.name} if source.kind == "gguf" else {}
-    config = from_pretrained(AutoConfig, source.folder, trust_remote_code=source.trust_remote_code, **kw)
+    config = load_config(source)
     auto = AutoModelForCausalLM
     if source.kind == "hf" and vl_full_arch(source.path):  # as load_model: the vision tower is part of the outer part
         from transformers import AutoModelForImageTextToText as auto
