@@ -10,9 +10,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # GGUF files' converted configs and tokenizers (dynaquant.sources.gguf_hf_cache) go to a folder of this session, not
 # the user's cache (subprocesses inherit it)
 if "DYNAQUANT_CACHE" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["DYNAQUANT_CACHE"] = tempfile.mkdtemp(prefix="dynaquant-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["DYNAQUANT_CACHE"], ignore_errors=True)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
