@@ -413,7 +413,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
         RemoteCodeError: the checkpoint needs its own code and ``source.trust_remote_code`` is off.
         InputError: a split GGUF with a shard missing or damaged.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from dynaquant.sources.gguf import is_split_gguf, merge_gguf_shards
 
@@ -435,7 +435,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
             kw["quantization_config"] = GgufConfig(dequantize=True)
         except ImportError:  # older transformers always dequantize
             pass
-        if (config := _gguf_config(source, cache=cache)) is not None:
+        if (config := _gguf_cached(source, "config", AutoConfig, cache)) is not None:
             kw["config"] = config  # (not parsed from the file again)
     try:
         model = from_pretrained(AutoModelForCausalLM, source.folder, dtype=dtype, **kw)
@@ -454,16 +454,8 @@ def load_tokenizer(source: ModelSource):
     """
     from transformers import AutoTokenizer
 
-    from dynaquant.sources.gguf import is_split_gguf
-    from dynaquant.sources.gguf_hf_cache import cached
-
-    def direct():
-        return from_pretrained(AutoTokenizer, source.folder, **_from_pretrained_kwargs(source))
-
-    if source.kind == "gguf" and not is_split_gguf(source.path):
-        if (folder := cached(source.path, "tokenizer", direct)) is not None:
-            return from_pretrained(AutoTokenizer, folder, trust_remote_code=False)
-    return direct()
+    tok = _gguf_cached(source, "tokenizer", AutoTokenizer)
+    return tok if tok is not None else from_pretrained(AutoTokenizer, source.folder, **_from_pretrained_kwargs(source))
 
 
 def load_config(source: ModelSource):
@@ -474,25 +466,21 @@ def load_config(source: ModelSource):
     """
     from transformers import AutoConfig
 
+    cfg = _gguf_cached(source, "config", AutoConfig)
+    return cfg if cfg is not None else from_pretrained(AutoConfig, source.folder, **_from_pretrained_kwargs(source))
+
+
+def _gguf_cached(source: ModelSource, part: str, cls, cache: bool = True):
+    """``cls`` (``AutoConfig`` for ``part`` "config", ``AutoTokenizer`` for "tokenizer") of a GGUF file from the cache
+    (:mod:`.gguf_hf_cache`; converted from the file and kept there the first time), or None: not a GGUF file, a split
+    one, ``cache`` False or no cache (the caller has transformers read the file)."""
     from dynaquant.sources.gguf import is_split_gguf
-
-    if source.kind == "gguf" and not is_split_gguf(source.path) and (cfg := _gguf_config(source, True)) is not None:
-        return cfg
-    return from_pretrained(AutoConfig, source.folder, **_from_pretrained_kwargs(source))
-
-
-def _gguf_config(source: ModelSource, cache: bool):
-    """A GGUF file's transformers config from the cache (:mod:`.gguf_hf_cache`), or None (no cache: transformers
-    reads it from the file with the weights)."""
-    from transformers import AutoConfig
-
     from dynaquant.sources.gguf_hf_cache import cached
 
-    if not cache:
+    if not cache or source.kind != "gguf" or is_split_gguf(source.path):
         return None
-    folder = cached(source.path, "config",
-                    lambda: from_pretrained(AutoConfig, source.folder, **_from_pretrained_kwargs(source)))
-    return None if folder is None else from_pretrained(AutoConfig, folder, trust_remote_code=False)
+    folder = cached(source.path, part, lambda: from_pretrained(cls, source.folder, **_from_pretrained_kwargs(source)))
+    return None if folder is None else from_pretrained(cls, folder, trust_remote_code=False)
 
 
 def read_config(source: ModelSource) -> dict:
