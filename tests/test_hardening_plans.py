@@ -175,6 +175,31 @@ def test_nonfinite_weights_stream_refused_or_replaced_as_without(ckpts, tmp_path
     assert abs(got[BAD_GGUF][NAN_AT]) < 0.1 and abs(want[BAD_GGUF][NAN_AT]) < 0.1
 
 
+def test_an_unchecked_skeleton_keeps_nonfinite_weights_for_the_caller(ckpts):
+    """``build_skeleton(checked=False)`` (the whole-model load of a GGUF file, ``checkpoint._gguf_model``) gives the
+    weights as stored, NaN and Inf included, for ``check_model_finite`` to refuse naming the tensor as after
+    transformers' loader; a checked skeleton refuses them as it reads the part."""
+    from dynaquant.errors import InputError
+    from dynaquant.sources.checkpoint import resolve_source
+    from dynaquant.sources.nonfinite import check_model_finite, source_names
+    from dynaquant.sources.open import open_hf_source
+    from dynaquant.sources.skeleton import OUTER, build_skeleton
+
+    _, bad = ckpts
+    source, ts = resolve_source(bad), open_hf_source(bad)
+    sk = build_skeleton(source, ts, checked=False)
+    for part in (OUTER, *range(sk.n_blocks)):
+        sk.materialize(part)
+    w = sk.model.get_parameter(BAD_HF)
+    assert torch.isnan(w[NAN_AT]) and torch.isinf(w[INF_AT]) and int((~torch.isfinite(w)).sum()) == 2
+    with pytest.raises(InputError) as e:
+        check_model_finite(sk.model, source_names(ts), str(bad / "model.safetensors"))
+    _assert_names_the_bad_tensor(str(e.value), bad)
+    with pytest.raises(InputError) as e:
+        build_skeleton(source, ts).materialize(0)
+    _assert_names_the_bad_tensor(str(e.value), bad)
+
+
 def test_allow_nonfinite_on_the_dynamic_path(ckpts, tmp_path, capsys):
     _, bad = ckpts
     out = tmp_path / "o.gguf"

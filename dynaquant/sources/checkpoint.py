@@ -428,6 +428,8 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
 
             model = from_pretrained(AutoModelForImageTextToText, source.folder, dtype=dtype, **kw)
             return model.to(device).eval()
+    if source.kind == "gguf" and cache and (model := _gguf_model(source, dtype, device)) is not None:
+        return model
     if source.kind == "gguf":
         try:
             from transformers import GgufConfig
@@ -443,6 +445,29 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
         kw.pop("quantization_config", None)
         model = from_pretrained(AutoModelForCausalLM, source.folder, dtype=dtype, **kw)
     return model.to(device).eval()
+
+
+def _gguf_model(source: ModelSource, dtype: torch.dtype, device: str | torch.device):
+    """A single GGUF file's model built from its cached config (:func:`load_config`) and filled tensor by tensor from
+    the file (:mod:`.skeleton`: the reader dynaquant already keeps for it, each tensor dequantized straight into its
+    parameter); the same parameters as transformers' GGUF loader gives (which parses the file again, builds gguf's
+    name map once per tensor and holds a whole dequantized state dict), NaN and Inf included, left for the caller to
+    check. None where dynaquant's name map does not cover the file (transformers' loader is used)."""
+    from dynaquant.sources.gguf import open_gguf_source
+    from dynaquant.sources.skeleton import OUTER, build_skeleton
+
+    ts = open_gguf_source(source.path)
+    try:
+        sk = build_skeleton(source, ts, dtype=dtype, device=device, checked=False)
+        for part in (OUTER, *range(sk.n_blocks)):
+            sk.materialize(part)
+    except ValueError as e:
+        log.debug("%s: built by transformers' GGUF loader (%s)", source.path, e)
+        return None
+    for p in sk.model.parameters():  # (as from_pretrained leaves them)
+        p.requires_grad_(p.is_floating_point())
+    sk.model.config._name_or_path = sk.model.name_or_path = str(source.folder)
+    return sk.model
 
 
 def load_tokenizer(source: ModelSource):

@@ -53,6 +53,8 @@ class ModelSkeleton:
         device: where materialized parts live.
         allow_nonfinite: NaN / Inf weights replaced as :mod:`dynaquant.sources.nonfinite` says, instead of refused
             (``InputError`` naming the tensor and its file) when their part is materialized.
+        checked: False: weights as stored, NaN and Inf included, unchecked (as transformers' loader gives them, for a
+            caller that checks the whole model after, :func:`dynaquant.sources.nonfinite.check_model_finite`).
     Attributes:
         pack_experts: a block's routed experts (``fused`` layout) are kept as stored and decoded per expert (set by
             :meth:`fit`; off by default).
@@ -61,9 +63,9 @@ class ModelSkeleton:
     """
 
     def __init__(self, model, ts: TensorSource, *, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", allow_nonfinite: bool = False):
+                 device: str | torch.device = "cpu", allow_nonfinite: bool = False, checked: bool = True):
         self.model, self.ts, self.dtype, self.device = model, ts, dtype, torch.device(device)
-        self.allow_nonfinite = allow_nonfinite
+        self.allow_nonfinite, self.checked = allow_nonfinite, checked
         self._tensors: dict[object, list[SourceTensor]] = {}
         for t in ts.tensors():
             if t.hf_name is None:  # llama.cpp-only tensors (rope_freqs): nothing in the model
@@ -171,13 +173,17 @@ class ModelSkeleton:
                     stored.setdefault(name, {})[proj] = self._read_packed(t)
                     continue
                 where = self.ts.file_of(t)
-                x = check_finite(self.ts.read_to(t, self.device), tensor_label(t.hf_name, t.gguf_name), where,
-                                 self.allow_nonfinite)
+                x = self.ts.read_to(t, self.device)
+                if self.checked:
+                    x = check_finite(x, tensor_label(t.hf_name, t.gguf_name), where, self.allow_nonfinite)
                 writer.put(t, x, origin=where)
             writer.flush()
             params = dict(self.model.named_parameters(remove_duplicate=False))
-            for name in names:  # (a NaN makes the sum NaN: one pass; the exact check only then, Inf - Inf too)
-                if torch.isnan(params[name].sum()) and torch.isnan(params[name]).any():
+            # (a NaN makes the sum NaN: one pass; the exact check only then, Inf - Inf too; unchecked weights may hold
+            # NaN: only a parameter left all NaN is unfilled)
+            unfilled = torch.Tensor.any if self.checked else torch.Tensor.all
+            for name in names:
+                if torch.isnan(params[name].sum()) and unfilled(torch.isnan(params[name])):
                     raise ValueError(f"{self.ts.source_id}: parameter {name} of the model is not filled by any tensor "
                                      "of the source (or the source holds NaN in it)")
             for name, mod in self._fused_modules(part).items() if packed else ():
@@ -301,13 +307,13 @@ def _on_meta(build):
 
 
 def build_skeleton(source, ts: TensorSource, *, dtype: torch.dtype = torch.float32,
-                   device: str | torch.device = "cpu", allow_nonfinite: bool = False) -> ModelSkeleton:
+                   device: str | torch.device = "cpu", allow_nonfinite: bool = False, checked: bool = True) -> ModelSkeleton:
     """The source's transformers model with every parameter on the meta device (no weight read).
 
     Args:
         source: a ``checkpoint.ModelSource`` (HF folder or GGUF file; its config gives the architecture).
         ts: its tensor source.
-        dtype, device, allow_nonfinite: of the parts materialized later (:class:`ModelSkeleton`).
+        dtype, device, allow_nonfinite, checked: of the parts materialized later (:class:`ModelSkeleton`).
     Raises:
         RemoteCodeError: the checkpoint needs its own code and ``source.trust_remote_code`` is off.
         ValueError: see :class:`ModelSkeleton`.
@@ -332,4 +338,4 @@ def build_skeleton(source, ts: TensorSource, *, dtype: torch.dtype = torch.float
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    return ModelSkeleton(model, ts, dtype=dtype, device=device, allow_nonfinite=allow_nonfinite)
+    return ModelSkeleton(model, ts, dtype=dtype, device=device, allow_nonfinite=allow_nonfinite, checked=checked)
