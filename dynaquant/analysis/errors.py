@@ -189,11 +189,13 @@ def quad_rows(W: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
     return ((W @ H) * W).sum(1).double()
 
 
-def _row_terms(W: torch.Tensor, rw: RowWeights) -> torch.Tensor:
-    """(n,) float64 per-row ``1/2 * sum`` weight of W's rows under rw (used for errors and sampling)."""
+def _row_terms(W: torch.Tensor, rw: RowWeights, quad: torch.Tensor | None = None) -> torch.Tensor:
+    """(n,) float64 per-row ``1/2 * sum`` weight of W's rows under rw (used for errors and sampling); ``quad``: the
+    caller's ``quad_rows(W, rw.hessian)`` where it has it."""
     t = torch.zeros(W.shape[0], dtype=torch.float64, device=W.device)
     if rw.fisher is not None:
-        t += 0.5 * rw.fisher.to(W.device, torch.float64) * quad_rows(W, rw.hessian.to(W.device))
+        q = quad if quad is not None else quad_rows(W, rw.hessian.to(W.device))
+        t += 0.5 * rw.fisher.to(W.device, torch.float64) * q
     if rw.lookup is not None:
         t += 0.5 * rw.lookup.to(W.device, torch.float64) * (W * W * rw.lookup_fisher.to(W.device)).sum(1).double()
     return t
@@ -323,8 +325,9 @@ def _error_sums(s: ErrorSample, q: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     (n,) float64 each sampled row's output error ``d H d^T``)."""
     d = q - s.rows
     per_row = quad_rows(d, s.hessian)
+    same = s.row_weights.hessian is s.hessian  # (sample_tensor's: one H for both sums)
     return torch.stack([(s.weights * (d * d * s.imp).sum(1).double()).sum(), (s.weights * per_row).sum(),
-                        (s.weights * _row_terms(d, s.row_weights)).sum()]), per_row
+                        (s.weights * _row_terms(d, s.row_weights, per_row if same else None)).sum()]), per_row
 
 
 def _batches(samples: list[ErrorSample], limit: int) -> list[list[int]]:

@@ -52,6 +52,11 @@ from dynaquant.sources.nonfinite import check_model_finite, source_names
 
 log = logging.getLogger(__name__)
 
+# Sampled weights whose errors are measured in one call at least (consecutive decoder blocks gathered until then): a
+# small model's block is a few hundred thousand sampled weights, and each call encodes them once per format. Held at
+# once: the samples, their importance and one format's decoded copy (12 bytes a weight, ~200 MB).
+GROUP_WEIGHTS = 1 << 24
+
 
 
 def expand_formats(text: str) -> tuple[str, ...]:
@@ -89,9 +94,20 @@ def _measure_tensors(model, src_tensors, stats: ModelStats, tied: bool, candidat
     entries = [tensor_entry(t, sw_tensors) for t in src_tensors]
     enc_imatrix: dict[str, torch.Tensor | None] = {}
     bar = tqdm(total=len(src_tensors), desc="errors", disable=not progress, unit="tensor")
+    samples: list[ErrorSample] = []
+    owners = []  # (entry index, its samples' range, the experts' statistics or None)
+    pending = 0  # tensors whose samples wait
+
+    def measure():  # the samples gathered so far, in one measure_samples call
+        results = measure_samples(samples, list(candidates))
+        for i, a, b, st in owners:
+            errs = results[a] if st is None else experts.combine_expert_errors(st, results[a:b])
+            entries[i]["errors"] = {f: v.to_dict() for f, v in errs.items()}
+        bar.update(pending)
+        samples.clear()
+        owners.clear()
+
     for group in _error_groups(src_tensors):
-        samples: list[ErrorSample] = []
-        owners = []  # (entry index, its samples' range, the experts' statistics or None)
         for i in group:
             t, e = src_tensors[i], entries[i]
             stacked = stacked_name(t.hf_name)
@@ -115,11 +131,13 @@ def _measure_tensors(model, src_tensors, stats: ModelStats, tied: bool, candidat
                         enc_imatrix[t.hf_name] = imp
                 else:
                     log.warning("%s: no calibration statistics or weight shape mismatch; not measured", t.gguf_name)
-        results = measure_samples(samples, list(candidates))
-        for i, a, b, st in owners:
-            errs = results[a] if st is None else experts.combine_expert_errors(st, results[a:b])
-            entries[i]["errors"] = {f: v.to_dict() for f, v in errs.items()}
-        bar.update(len(group))
+        pending += len(group)
+        # several small groups in one call (fewer, larger codec calls; the same results): until GROUP_WEIGHTS
+        if sum(x.rows.numel() for x in samples) >= GROUP_WEIGHTS:
+            measure()
+            pending = 0
+    if samples or pending:
+        measure()
     bar.close()
     return entries, enc_imatrix
 
