@@ -9,6 +9,7 @@ as context.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import asdict, dataclass
 
@@ -46,9 +47,13 @@ class EvalResult:
 
 
 @torch.no_grad()
-def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+def _logits(model, ids: torch.Tensor, keep: int = 0) -> torch.Tensor:
+    """(T, V) float32 logits of ``ids`` (T,) on the CPU; ``keep`` > 0: of the last ``keep`` positions alone, (keep, V),
+    where the model's forward takes transformers' ``logits_to_keep`` (the output head, a vocabulary-wide matmul, then
+    runs on those positions only), else all T."""
     device = next(model.parameters()).device
-    return model(ids.to(device)[None], use_cache=False).logits[0].to(torch.float32).cpu()
+    kw = {"logits_to_keep": keep} if keep and "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    return model(ids.to(device)[None], use_cache=False, **kw).logits[0].to(torch.float32).cpu()
 
 
 class Scores:
@@ -66,13 +71,15 @@ class Scores:
 
     @torch.no_grad()
     def add(self, ids: torch.Tensor, lr: torch.Tensor, lq: torch.Tensor) -> None:
-        """One chunk: ``ids`` (n_ctx,) int64, the reference's and the quantized model's (n_ctx, vocab) logits.
+        """One chunk: ``ids`` (n_ctx,) int64, the reference's and the quantized model's logits: (n_ctx, vocab), or
+        those of the last ``n_ctx - n_ctx // 2`` positions (the scored half) alone.
 
         Raises:
             ValueError: the two vocabularies differ in size.
         """
         first, n_ctx = self.n_ctx // 2, self.n_ctx
-        lr, lq = lr[first : n_ctx - 1].to(torch.float32).cpu(), lq[first : n_ctx - 1].to(torch.float32).cpu()
+        scored = slice(first - n_ctx, -1)  # positions first .. n_ctx - 2 of either
+        lr, lq = lr[scored].to(torch.float32).cpu(), lq[scored].to(torch.float32).cpu()
         if lr.shape[-1] != lq.shape[-1]:
             raise ValueError(f"vocabularies differ: reference {lr.shape[-1]}, quantized {lq.shape[-1]}")
         target = ids.cpu()[first + 1 :]
@@ -107,6 +114,7 @@ def compare_models(reference, quantized, chunks: torch.Tensor, text_id: str = ""
         ValueError: the two models' vocabularies differ in size.
     """
     scores = Scores(chunks.shape[1], text_id)
+    keep = chunks.shape[1] - chunks.shape[1] // 2  # the scored half
     for c in tqdm(range(chunks.shape[0]), desc="eval", disable=not progress, unit="chunk"):
-        scores.add(chunks[c], _logits(reference, chunks[c]), _logits(quantized, chunks[c]))
+        scores.add(chunks[c], _logits(reference, chunks[c], keep), _logits(quantized, chunks[c], keep))
     return scores.result()
