@@ -58,7 +58,6 @@ log = logging.getLogger(__name__)
 GROUP_WEIGHTS = 1 << 24
 
 
-
 def expand_formats(text: str) -> tuple[str, ...]:
     """Candidate formats from a comma-separated list of names, where ``gguf`` stands for the GGUF
     candidates and ``safetensors`` for the runtime ones (``"gguf,safetensors"``, ``"Q4_K,INT4_G128"``).
@@ -96,9 +95,10 @@ def _measure_tensors(model, src_tensors, stats: ModelStats, tied: bool, candidat
     bar = tqdm(total=len(src_tensors), desc="errors", disable=not progress, unit="tensor")
     samples: list[ErrorSample] = []
     owners = []  # (entry index, its samples' range, the experts' statistics or None)
-    pending = 0  # tensors whose samples wait
+    pending = 0  # tensors of the groups whose samples wait
 
     def measure():  # the samples gathered so far, in one measure_samples call
+        nonlocal pending
         results = measure_samples(samples, list(candidates))
         for i, a, b, st in owners:
             errs = results[a] if st is None else experts.combine_expert_errors(st, results[a:b])
@@ -106,6 +106,7 @@ def _measure_tensors(model, src_tensors, stats: ModelStats, tied: bool, candidat
         bar.update(pending)
         samples.clear()
         owners.clear()
+        pending = 0
 
     for group in _error_groups(src_tensors):
         for i in group:
@@ -135,8 +136,7 @@ def _measure_tensors(model, src_tensors, stats: ModelStats, tied: bool, candidat
         # several small groups in one call (fewer, larger codec calls; the same results): until GROUP_WEIGHTS
         if sum(x.rows.numel() for x in samples) >= GROUP_WEIGHTS:
             measure()
-            pending = 0
-    if samples or pending:
+    if pending:
         measure()
     bar.close()
     return entries, enc_imatrix
