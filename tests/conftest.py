@@ -55,7 +55,7 @@ def default_source():
 
 @pytest.fixture(scope="session")
 def default_model(default_source):
-    from dynaquant.sources.checkpoint import load_model
+    from dynaquant.sources.model import load_model
 
     return load_model(default_source)
 

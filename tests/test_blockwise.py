@@ -15,7 +15,8 @@ from test_moe_gguf import _tiny_moe
 
 from dynaquant.analysis.blockwise import collect_blockwise, hidden_bytes
 from dynaquant.analysis.stats import Collect, collect
-from dynaquant.sources.checkpoint import load_model, resolve_source
+from dynaquant.sources.checkpoint import resolve_source
+from dynaquant.sources.model import load_model
 from dynaquant.sources.open import open_hf_source
 from dynaquant.sources.skeleton import OUTER, build_skeleton
 

@@ -16,8 +16,9 @@ from dynaquant.analysis.blockwise import collect_blockwise
 from dynaquant.analysis.calibration import CalibrationSpec, calibration_chunks
 from dynaquant.analysis.stats import Collect, collect
 from dynaquant.analysis.vl_calibration import vl_calibration_samples
-from dynaquant.sources.checkpoint import load_model, load_tokenizer, resolve_source
+from dynaquant.sources.checkpoint import load_tokenizer, resolve_source
 from dynaquant.sources.hf_vl_full import open_vl_full_source
+from dynaquant.sources.model import load_model
 from dynaquant.sources.skeleton import build_skeleton
 
 ARCHS = ("qwen2vl", "llava", "mllama")

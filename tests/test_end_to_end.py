@@ -22,7 +22,8 @@ import pytest
 import torch
 
 import dynaquant
-from dynaquant.sources.checkpoint import load_model, resolve_source
+from dynaquant.sources.checkpoint import resolve_source
+from dynaquant.sources.model import load_model
 
 llama_cpp = pytest.importorskip("llama_cpp")
 

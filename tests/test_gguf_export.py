@@ -583,7 +583,8 @@ def test_hf_folder_quantized_q8_0_greedy_matches_transformers(smollm_hf, tmp_pat
     from transformers import AutoTokenizer
 
     import dynaquant
-    from dynaquant.sources.checkpoint import load_model, resolve_source
+    from dynaquant.sources.checkpoint import resolve_source
+    from dynaquant.sources.model import load_model
 
     res = dynaquant.quantize(str(smollm_hf), preset="Q8_0", output=tmp_path / "hf-q8.gguf",
                              calibration_chunks=2, progress=False)

@@ -7,7 +7,7 @@ import os
 
 from transformers import AutoConfig
 
-from dynaquant.sources.checkpoint import _gguf_cached, load_tokenizer
+from dynaquant.sources.checkpoint import gguf_cached, load_tokenizer
 from dynaquant.sources.gguf_hf_cache import entry
 
 TEXT = "def f(x):\n    return x ** 2  # héllo <|im_start|>user\n\tTabs,   spaces and 12345 digits."
@@ -29,14 +29,14 @@ def test_cached_config_and_tokenizer_equal_the_files_own(default_source, tmp_pat
     assert first(TEXT)["input_ids"] == second(TEXT)["input_ids"] == direct(TEXT)["input_ids"]
     assert second.eos_token_id == direct.eos_token_id and second.bos_token_id == direct.bos_token_id
     assert len(second) == len(direct)
-    assert _gguf_cached(default_source, "config", AutoConfig) is None  # off: none, transformers reads the file
+    assert gguf_cached(default_source, "config", AutoConfig) is None  # off: none, transformers reads the file
     monkeypatch.setenv("DYNAQUANT_CACHE", str(tmp_path / "cache"))
-    cfg = _gguf_cached(default_source, "config", AutoConfig)
+    cfg = gguf_cached(default_source, "config", AutoConfig)
     assert (folder / "config" / "config.json").is_file()
     skip = {"transformers_version", "_name_or_path"}
     want = {k: v for k, v in _direct_config(default_source).to_dict().items() if k not in skip}
     assert {k: v for k, v in cfg.to_dict().items() if k not in skip} == want
-    assert _gguf_cached(default_source, "config", AutoConfig, cache=False) is None
+    assert gguf_cached(default_source, "config", AutoConfig, cache=False) is None
 
 
 def test_a_file_changed_in_place_gets_a_new_entry_and_an_unwritable_cache_is_skipped(default_source, tmp_path,
@@ -60,7 +60,7 @@ def test_a_gguf_model_built_from_the_file_is_transformers_own(default_source):
     flag as transformers' loader gives them, the head tied, the same logits."""
     import torch
 
-    from dynaquant.sources.checkpoint import _gguf_model, load_model
+    from dynaquant.sources.model import _gguf_model, load_model
 
     ours = _gguf_model(default_source, torch.float32, "cpu")
     assert ours is not None  # (None: the fallback to transformers' loader)

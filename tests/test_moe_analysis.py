@@ -150,7 +150,8 @@ def test_analysis_report_has_routing_and_expert_errors(analysed):
 
 def test_unrouted_experts_fall_back(tmp_path):
     from dynaquant.pipeline.analyze import run_analysis
-    from dynaquant.sources.checkpoint import load_model, load_tokenizer, resolve_source
+    from dynaquant.sources.checkpoint import load_tokenizer, resolve_source
+    from dynaquant.sources.model import load_model
     from dynaquant.sources.open import open_hf_source
 
     _tiny_moe(tmp_path / "ckpt", "qwen2moe")

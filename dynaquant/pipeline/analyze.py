@@ -45,9 +45,10 @@ from dynaquant.quant.codecs import get_codec
 from dynaquant.quant.formats import get_format
 from dynaquant.quant.plan import Plan
 from dynaquant.quant.planner import default_rules, make_plan
-from dynaquant.sources.checkpoint import ModelSource, load_model, load_tokenizer, resolve_source
+from dynaquant.sources.checkpoint import ModelSource, load_tokenizer, resolve_source
 from dynaquant.sources.experts import stacked_name
 from dynaquant.sources.gguf import TensorSource
+from dynaquant.sources.model import load_model
 from dynaquant.sources.nonfinite import check_model_finite, source_names
 
 log = logging.getLogger(__name__)

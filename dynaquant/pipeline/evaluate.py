@@ -20,11 +20,11 @@ from dynaquant.sources.checkpoint import (
     ModelSource,
     SourceRecord,
     find_reference,
-    load_model,
     load_tokenizer,
     resolve_source,
 )
 from dynaquant.sources.gguf import TensorSource
+from dynaquant.sources.model import load_model
 from dynaquant.sources.nonfinite import check_model_finite, source_names
 from dynaquant.sources.readers import read_json_object
 

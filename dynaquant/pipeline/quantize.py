@@ -50,8 +50,9 @@ from dynaquant.quant.formats import get_format
 from dynaquant.quant.plan import Plan
 from dynaquant.quant.planner import SOLVERS
 from dynaquant.quant.presets import PRESETS
-from dynaquant.sources.checkpoint import ModelSource, load_model, load_tokenizer, resolve_source
+from dynaquant.sources.checkpoint import ModelSource, load_tokenizer, resolve_source
 from dynaquant.sources.gguf import TensorSource
+from dynaquant.sources.model import load_model
 from dynaquant.sources.nonfinite import check_model_finite, source_names
 
 log = logging.getLogger(__name__)

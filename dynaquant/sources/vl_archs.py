@@ -2,7 +2,7 @@
 
 Two sets: :data:`VL_ARCHS`, whose language model converts to a GGUF (:mod:`.hf_vl`; the vision tower goes to
 an mmproj file), and :data:`VL_FULL_ARCHS`, whose every tensor the analysis and the safetensors target read
-(:mod:`.hf_vl_full`); :data:`SAFETENSORS_ONLY_ARCHS` have no GGUF export. The sources, ``checkpoint.load_model``
+(:mod:`.hf_vl_full`); :data:`SAFETENSORS_ONLY_ARCHS` have no GGUF export. The sources, ``model.load_model``
 and the pipeline ask here which source class or transformers auto class a folder needs.
 """
 
