@@ -3,6 +3,8 @@
 Public API (importing this package does not import Triton):
     KernelFormat.parse(name) -> KernelFormat           the format as the kernels see it
     pack(codes, scales, zeros, fmt, *, global_scale=None, super_weights=None) -> PackedWeight
+    stack([packed, ...]) -> PackedWeight                weights stacked along N (a MoE layer's experts)
+    grouped.route / grouped.grouped_linear             every routed expert of a MoE layer in one launch
     linear(x, packed, bias=None, *, config=None) -> y  y = x @ dequant(W).T + bias (Triton on CUDA)
     dequantize(packed, dtype=torch.bfloat16) -> W      (N, K)
     dequantize_ref(codes, scales, zeros, fmt, *, global_scale=None) -> (N, K) float32
@@ -17,7 +19,7 @@ import it.
 
 from dynaquant.kernels.formats import KernelFormat
 from dynaquant.kernels.ops import dequantize, dequantize_packed_ref, linear, linear_ref, uses_triton
-from dynaquant.kernels.packing import PackedWeight, pack, unpack
+from dynaquant.kernels.packing import PackedWeight, pack, stack, unpack
 from dynaquant.kernels.reference import dequantize_ref, e2m1_to_float, e8m0_to_float
 from dynaquant.kernels.tuning import DeviceInfo, LaunchConfig, choose_config, device_info, valid_config
 from dynaquant.quant.codecs import fastpaths
@@ -38,6 +40,6 @@ for _name, _attr in (("lattice.nearest_codewords", "nearest_codewords"), ("latti
                      ("lattice.subset_min_costs", "subset_min_costs"), ("iq1.ternary_nearest", "ternary_nearest")):
     fastpaths.register(_name, _lattice_loader(_attr))
 
-__all__ = ["KernelFormat", "PackedWeight", "LaunchConfig", "DeviceInfo", "pack", "unpack", "linear", "dequantize",
+__all__ = ["KernelFormat", "PackedWeight", "LaunchConfig", "DeviceInfo", "pack", "unpack", "stack", "linear", "dequantize",
            "uses_triton", "dequantize_ref", "dequantize_packed_ref", "linear_ref", "e2m1_to_float", "e8m0_to_float",
            "choose_config", "device_info", "valid_config"]

@@ -28,7 +28,7 @@ import torch
 from dynaquant.kernels.formats import KernelFormat
 from dynaquant.kernels.reference import dequantize_ref
 
-__all__ = ["PackedWeight", "pack", "unpack", "pack_bits", "unpack_bits"]
+__all__ = ["PackedWeight", "pack", "unpack", "stack", "pack_bits", "unpack_bits"]
 
 
 def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -99,6 +99,21 @@ class PackedWeight:
         """Bytes a matrix product reads for the weight: codes, scales and zero points."""
         t = [self.qweight, self.qweight_hi, self.scales, self.zeros]
         return sum(x.numel() * x.element_size() for x in t if x is not None)
+
+    def rows(self, start: int, stop: int) -> PackedWeight:
+        """Rows ``start .. stop - 1`` of the weight as a PackedWeight of views (rows are contiguous: no copy), its
+        super weights those rows' (re-indexed), its own split-K counters. One expert of a stacked layout
+        (:mod:`.grouped`)."""
+        def cut(t):
+            return None if t is None else t[start:stop]
+        sw = None
+        if self.super_weights is not None:
+            r, c, d = self.super_weights
+            keep = (r >= start) & (r < stop)
+            sw = (r[keep] - start, c[keep], d[keep]) if bool(keep.any()) else None
+        return PackedWeight(self.fmt, stop - start, self.in_features, cut(self.qweight), cut(self.qweight_hi),
+                            cut(self.scales), cut(self.zeros), self.global_scale, sw,
+                            torch.zeros(-(-(stop - start) // 16), dtype=torch.int32, device=self.device))
 
     def to(self, device) -> PackedWeight:
         """A copy with every tensor on ``device``."""
@@ -210,3 +225,32 @@ def unpack(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     if f.kind == "nvfp4":
         scales = scales.view(torch.float8_e4m3fn)
     return codes, scales, packed.zeros
+
+
+def stack(weights: list[PackedWeight]) -> PackedWeight:
+    """Weights of one format and K stacked along N (the first's rows, then the second's, ...): the layout :func:`pack`
+    gives the concatenated codes, without unpacking (rows are independent). Super weights keep their rows, offset.
+    A mixture-of-experts layer's experts of one projection become one weight this way (:mod:`.grouped`).
+
+    Raises:
+        ValueError: no weights, or their formats, K or (NVFP4) global scales differ.
+    """
+    if not weights:
+        raise ValueError("no weights to stack")
+    f, k, gs = weights[0].fmt, weights[0].in_features, weights[0].global_scale
+    if any(w.fmt != f or w.in_features != k or w.global_scale != gs for w in weights):
+        raise ValueError("weights of different formats, K or global scales do not stack")
+
+    def cat(attr):
+        parts = [getattr(w, attr) for w in weights]
+        return None if parts[0] is None else torch.cat(parts)
+
+    offsets, sw = 0, []
+    for w in weights:
+        if w.super_weights is not None:
+            r, c, d = w.super_weights
+            sw.append((r + offsets, c, d))
+        offsets += w.out_features
+    supers = tuple(torch.cat(parts) for parts in zip(*sw)) if sw else None
+    return PackedWeight(f, offsets, k, cat("qweight"), cat("qweight_hi"), cat("scales"), cat("zeros"), gs, supers,
+                        torch.zeros(-(-offsets // 16), dtype=torch.int32, device=weights[0].device))

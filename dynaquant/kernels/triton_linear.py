@@ -314,6 +314,59 @@ def _mm_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_pt
 
 
 # ----------------------------------------------------------------------------------------------
+# mixture of experts: every routed expert of a layer in one launch
+
+
+@triton.jit
+def _grouped_kernel(x_ptr, tok_ptr, be_ptr, bs_ptr, bend_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, y_ptr,
+                    N, KW, KH, NG, stride_xm, stride_ym, out_mul, magic, NG_C: tl.constexpr,
+                    KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ZC: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
+    """Program (N tile, routing block): the block's slots (rows ``start .. end - 1`` of the expert-sorted order, all
+    routed to expert ``e``) times rows ``e N .. e N + N - 1`` of the experts' stacked layout; the slots' activation
+    rows gathered through ``tok``. A block with ``end <= start`` (past the routing table's last) does nothing."""
+    EPW: tl.constexpr = 16 if BITS == 3 else 32 // BITS
+    WPG: tl.constexpr = G // EPW
+    DT: tl.constexpr = tl.float32 if DOT_F32 else x_ptr.dtype.element_ty
+    pid_n = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    start = tl.load(bs_ptr + pid_b)
+    end = tl.load(bend_ptr + pid_b)
+    if end > start:
+        e = tl.load(be_ptr + pid_b).to(tl.int64)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = rn < N
+        rowv = tl.minimum(rn, N - 1) + e * N
+        row = rowv[:, None]
+        rm = start + tl.arange(0, BLOCK_M)
+        m_mask = rm < end
+        tok = tl.load(tok_ptr + rm, mask=m_mask, other=0).to(tl.int64)
+        rw = tl.arange(0, WPG)
+        rk = tl.arange(0, G)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for gi in range(0, NG_C if NG_C > 0 else NG):
+            word = gi * WPG + rw
+            w = tl.load(qw_ptr + row * KW + word[None, :])  # [BLOCK_N, WPG]
+            if ASYM:
+                zoff = tl.load(z_ptr + row * NG + gi).to(tl.float32)
+            else:
+                zoff = ZC
+            if BITS == 3:
+                hw = tl.load(qh_ptr + row * KH + (word // 2)[None, :])
+                hsrc = hw >> ((word % 2) * 16)[None, :]
+            else:
+                hsrc = w
+            wt = _tile_values(w, hsrc, zoff, magic, KIND, BITS, EPW, DT)  # [BLOCK_N, G]
+            xt = tl.load(x_ptr + tok[None, :] * stride_xm + (gi * G + rk)[:, None], mask=m_mask[None, :], other=0.0)
+            d = tl.dot(wt, xt.to(DT))  # [BLOCK_N, BLOCK_M]
+            sc = _scale(tl.load(s_ptr + rowv * NG + gi), KIND)
+            acc += d * sc[:, None]
+        out = acc * out_mul
+        tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], out.to(y_ptr.dtype.element_ty),
+                 mask=n_mask[:, None] & m_mask[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
 # large batches: dequantize, then cuBLAS
 
 
@@ -451,3 +504,21 @@ def compile_linear(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | 
     kernel, grid, args, kwargs, _ = _launch_args(x2[:1], packed, bias, cfg) if cfg.path == "gemv" else \
         _launch_args(x2, packed, bias, cfg)
     kernel.warmup(*args, grid=grid, **kwargs)
+
+
+def run_grouped(x2: torch.Tensor, rows: torch.Tensor, packed: PackedWeight, num_experts: int, block_expert: torch.Tensor,
+                block_start: torch.Tensor, block_end: torch.Tensor, slots: int, block_m: int, block_n: int = 64,
+                num_warps: int = 4) -> torch.Tensor:
+    """(slots, N) = for each sorted slot ``s``: ``x2[rows[s]] @ dequant(W_e).T`` with ``e`` its block's expert, for
+    the experts' stacked layout ``packed`` (E N rows); rows of slots in no block are left unwritten."""
+    n = packed.out_features // num_experts
+    kw, kh, ng = _words(packed)
+    y = torch.empty(slots, n, dtype=x2.dtype, device=x2.device)
+    qh = packed.qweight_hi if packed.qweight_hi is not None else packed.qweight
+    z = packed.zeros if packed.zeros is not None else packed.scales
+    grid = (triton.cdiv(n, block_n), block_expert.numel())
+    _grouped_kernel[grid](x2, rows, block_expert, block_start, block_end, packed.qweight, qh, packed.scales, z, y,
+                          n, kw, kh, ng, x2.stride(0), y.stride(0), _out_mul(packed, False), MAGIC,
+                          NG_C=ng if _interpreting() else 0, BLOCK_M=block_m, BLOCK_N=block_n,
+                          DOT_F32=_interpreting(), num_warps=num_warps, **_consts(packed))
+    return y

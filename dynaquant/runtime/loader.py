@@ -197,6 +197,8 @@ class DynaLinear(nn.Module):
         rw = self.runtime_weight()
         if self._released:  # (from the layout: the buffers again, should no kernel take it now)
             self._restore(to_compressed_tensors(rw))
+        if self._fused is not None:  # (its group no longer holds this layer's weight)
+            self._fused[0].intact = False
         self._op = self._packed = self._fused = None
         self._rw = rw
         if _kernel_device(rw.codes) and self.use_kernels:
@@ -227,6 +229,8 @@ class DynaLinear(nn.Module):
         if self._fused is not None:
             group, i = self._fused
             op, packed, (a, b) = group.op, group.packed, group.bounds[i]
+            if hasattr(packed, "rows"):  # (a kernels layout: this member's rows only, not a whole experts layer's)
+                packed, (a, b) = packed.rows(a, b), (0, b - a)
         else:
             op, packed, (a, b) = self._op, self._packed, (0, self.out_features)
         codes, scales, zeros, gs = op.unprepare(packed)
@@ -298,12 +302,20 @@ class _FusedProjection:
     with another tensor, or twice, recomputes, so the result never depends on the call order.
     """
 
-    def __init__(self, names: tuple[str, ...], op, packed, bounds: list[tuple[int, int]], bias: torch.Tensor | None):
+    def __init__(self, names: tuple[str, ...], op, packed, bounds: list[tuple[int, int]], bias: torch.Tensor | None,
+                 separate: bool = False):
         self.names, self.op, self.packed, self.bounds, self.bias = names, op, packed, bounds, bias
+        self.intact = True  # every member still reads its rows here (False once one is prepared again)
+        self.separate = separate  # members take different inputs (experts): each runs on its own rows (views)
+        self._views: dict[int, object] = {}
         self._x: torch.Tensor | None = None
         self._pending: dict[int, torch.Tensor] = {}
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        if self.separate:
+            if index not in self._views:
+                self._views[index] = self.packed.rows(*self.bounds[index])
+            return self.op.linear(x, self._views[index], None)
         if self._x is not x or index not in self._pending:
             y = self.op.linear(x, self.packed, None if self.bias is None else self.bias.to(x.dtype))
             self._x, self._pending = x, {i: y[..., a:b] for i, (a, b) in enumerate(self.bounds)}
@@ -440,6 +452,58 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
         raise KeyError(name)
 
 
+def fuse_experts(model: nn.Module) -> int:
+    """Run each mixture-of-experts layer's routed experts as two grouped kernel launches (:mod:`dynaquant.kernels.grouped`)
+    instead of a loop over experts: for every :class:`~dynaquant.runtime.moe.DynaExperts` (layout ``fused``) whose
+    experts' projections are all :class:`DynaLinear` layers with the kernels' layout, one format, one K (and, for
+    NVFP4, one global scale) per projection kind, the experts' layouts are stacked (gate and up of expert ``e`` at rows
+    ``2 e I .. 2 e I + 2 I - 1``, down at ``e H ..``; :func:`dynaquant.kernels.stack`, no unpacking) and replace
+    theirs: one copy of the weights. Each expert layer still answers alone (its rows of the group) and its
+    ``state_dict`` is its checkpoint tensors, bit for bit.
+
+    Args:
+        model: a model from :func:`load` (layers prepared), before :func:`fuse_projections`.
+    Returns:
+        The number of experts modules grouped.
+    """
+    from dynaquant.runtime.moe import DynaExperts
+
+    done = 0
+    for _, mod in model.named_modules():
+        if not isinstance(mod, DynaExperts) or mod.layout != "fused":
+            continue
+        experts = [mod.expert(e) for e in range(mod.num_experts)]
+        gate_up = [getattr(x, p) for x in experts for p in ("gate_proj", "up_proj")]
+        down = [x.down_proj for x in experts]
+        groups = [_stacked_group(gate_up, ("gate_proj", "up_proj")), _stacked_group(down, ("down_proj",))]
+        if None in groups:
+            continue
+        for group, members in zip(groups, (gate_up, down)):
+            for i, m in enumerate(members):
+                m._op = m._packed = None
+                m._fused = (group, i)
+        mod.grouped = tuple(groups)
+        done += 1
+    return done
+
+
+def _stacked_group(members: list, names: tuple[str, ...]) -> _FusedProjection | None:
+    """The members' kernel layouts stacked along N as one group, or None where they are not all stackable."""
+    if not all(isinstance(m, DynaLinear) and isinstance(m._op, _PackLinearOp) and m._fused is None
+               and m.bias is None for m in members):
+        return None
+    op = members[0]._op
+    try:
+        packed = op.kernels.stack([m._packed for m in members])
+    except (AttributeError, ValueError):  # (a kernels package without stack; formats or scales that differ)
+        return None
+    bounds, start = [], 0
+    for m in members:
+        bounds.append((start, start + m.out_features))
+        start += m.out_features
+    return _FusedProjection(names, op, packed, bounds, None, separate=True)
+
+
 def load(path: str | os.PathLike, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
          kernels: bool = True, fuse: bool = True, trust_remote_code: bool = False):
     """Load a safetensors checkpoint written by ``dynaquant quantize --format safetensors`` (or any
@@ -450,7 +514,8 @@ def load(path: str | os.PathLike, *, device: str | torch.device | None = None, d
         device: where the model runs (default: CUDA when available, else CPU).
         dtype: of activations and unquantized weights (default: bfloat16 on CUDA, float32 on CPU).
         kernels: use ``dynaquant.kernels`` where it has a kernel (CUDA only); False: torch reference everywhere.
-        fuse: with kernels, run q/k/v and gate/up as one call each (:func:`fuse_projections`).
+        fuse: with kernels, run q/k/v and gate/up as one call each (:func:`fuse_projections`), and each MoE layer's
+            experts as two grouped launches (:func:`fuse_experts`).
         trust_remote_code: allow the checkpoint's own code (``auto_map``) in transformers' classes.
     Returns:
         The model in eval mode, quantized linear layers replaced by :class:`DynaLinear`, MoE experts modules
@@ -533,11 +598,12 @@ def load(path: str | os.PathLike, *, device: str | torch.device | None = None, d
             module.use_kernels = kernels
             module.set_super_weights(sw.get(name, ()))
             module.prepare()
+    n_grouped = fuse_experts(model) if kernels and fuse else 0
     n_fused = fuse_projections(model) if kernels and fuse else 0
     if (folder / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(folder))
-    log.info("loaded %s: %d quantized linear layers (%d experts modules), %d with kernels (%d fused groups)", folder,
-             len(formats), len(moe),
+    log.info("loaded %s: %d quantized linear layers (%d experts modules, %d grouped), %d with kernels (%d fused groups)",
+             folder, len(formats), len(moe), n_grouped,
              sum(isinstance(m, DynaLinear) and (m._op is not None or m._fused is not None) for m in model.modules()),
              n_fused)
     return model.eval()

@@ -216,6 +216,9 @@ class DynaExperts(nn.Module):
             self._gate_fn = type(source)._apply_gate
         else:
             self.act_fn = source.act_fn
+        self.inter, self.hidden = inter, hidden
+        # (gate/up group, down group) of the experts' stacked kernel layouts, set by loader.fuse_experts
+        self.grouped = None
 
     def expert(self, e: int) -> nn.Module:
         """Expert ``e``'s module (``gate_proj``, ``up_proj``, ``down_proj``)."""
@@ -234,7 +237,33 @@ class DynaExperts(nn.Module):
         Returns:
             (same shape as hidden_states) ``sum_j w[t, j] * expert_{idx[t, j]}(x_t)`` in the input's dtype.
         """
+        g = self.grouped
+        if g is not None and g[0].intact and g[1].intact:
+            return self._grouped_forward(hidden_states, top_k_index, top_k_weights)
         return dispatch(hidden_states, top_k_index, top_k_weights, self.num_experts, self._expert)
+
+    def _grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The forward as two grouped launches over all routed experts (:mod:`dynaquant.kernels.grouped`): tokens
+        sorted by expert, gate/up of every slot, the activation, down of every slot, then each token's k outputs
+        weighted and summed in choice order (deterministic: no atomics)."""
+        from dynaquant.kernels.grouped import grouped_linear, route
+
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        t = x.shape[0]
+        idx = top_k_index.reshape(t, -1)
+        k, e, inter = idx.shape[1], self.num_experts, self.inter
+        per_expert = t * k // e
+        r = route(idx, e, block_m=16 if per_expert <= 16 else 32 if per_expert <= 32 else 64)
+        gu = grouped_linear(x, self.grouped[0].packed, r)  # (S, 2I): gate then up, slots in expert order
+        h = self.act_fn(gu[:, :inter]) * gu[:, inter:]
+        y = grouped_linear(h, self.grouped[1].packed, r, sorted_input=True)  # (S, H)
+        w = top_k_weights.reshape(-1)[r.order].to(y.dtype)
+        y = torch.where((r.expert < e)[:, None], y * w[:, None], 0)
+        out = torch.empty_like(y)
+        out[r.order] = y
+        return out.view(t, k, -1).sum(1).to(hidden_states.dtype).reshape(shape)
 
     def _expert(self, e: int, x: torch.Tensor, _w: torch.Tensor) -> torch.Tensor:
         ex = self.expert(e)

@@ -1,0 +1,182 @@
+"""dynaquant.kernels.grouped: the routing table and the grouped mixture-of-experts kernel against per-expert products.
+
+Without a GPU the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is first imported).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from test_kernels import packed_weight, rel_err  # noqa: E402
+
+from dynaquant.kernels import linear_ref, pack, stack, unpack  # noqa: E402
+from dynaquant.kernels.grouped import grouped_linear, grouped_linear_ref, route  # noqa: E402
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def _stacked(fmt: str, e: int, n: int, k: int, gen: torch.Generator, super_weights=None):
+    """E experts' random weights, each packed alone, and the same codes packed as one (E N, K) stacked layout."""
+    experts = [packed_weight(fmt, n, k, gen) for _ in range(e)]
+    parts = [unpack(p) for p in experts]
+    cat = [None if parts[0][i] is None else torch.cat([p[i] for p in parts]) for i in range(3)]
+    stacked = pack(*cat, fmt, global_scale=experts[0].global_scale if experts[0].fmt.kind == "nvfp4" else None,
+                   super_weights=super_weights)
+    return experts, stacked
+
+
+def test_route_blocks_cover_every_slot_once_in_expert_order():
+    idx = torch.tensor([[3, 0], [3, 1], [-1, 3], [0, 7], [3, 3]])  # -1 and 7 (E = 4) are skipped choices
+    r = route(idx, 4, block_m=16)
+    flat = idx.reshape(-1)
+    assert torch.equal(r.token, r.order // 2)
+    assert torch.equal(r.expert, torch.tensor([0, 0, 1, 3, 3, 3, 3, 3, 4, 4]))
+    assert torch.equal(r.order[:8], torch.tensor([1, 6, 3, 0, 2, 5, 8, 9]))  # stable: token order within an expert
+    assert torch.equal(flat[r.order[:8]], r.expert[:8])
+    covered = torch.zeros(10, dtype=torch.int64)
+    for e, a, b in zip(r.block_expert.tolist(), r.block_start.tolist(), r.block_end.tolist()):
+        covered[a:b] += 1
+        assert (r.expert[a:b] == e).all()
+    assert covered.tolist() == [1] * 8 + [0, 0]  # skipped choices in no block
+    assert r.block_expert.numel() == 1 + 4  # ceil(10 / 16) + min(E, S): the fixed bound
+
+
+def test_route_splits_an_expert_longer_than_a_block():
+    idx = torch.zeros(40, 1, dtype=torch.int64)
+    idx[::3] = 2
+    r = route(idx, 3, block_m=16)
+    spans = [(e, a, b) for e, a, b in zip(r.block_expert.tolist(), r.block_start.tolist(), r.block_end.tolist())
+             if b > a]
+    assert spans == [(0, 0, 16), (0, 16, 26), (2, 26, 40)]
+    with pytest.raises(ValueError):
+        route(idx, 3, block_m=24)
+
+
+@pytest.mark.parametrize("fmt", ["INT4_G128", "INT2_G128", "INT3_G128", "INT4_G64_ASYM", "MXFP4_G32", "NVFP4_G16"])
+def test_grouped_linear_equals_each_experts_product(fmt):
+    gen = torch.Generator().manual_seed(7)
+    e, n, k, t, top = 4, 48, 128, 9, 2
+    experts, stacked = _stacked(fmt, e, n, k, gen)
+    x = torch.randn(t, k, generator=gen).to(DEVICE)
+    idx = torch.randint(0, e, (t, top), generator=gen)
+    idx[2, 1] = -1  # a masked choice
+    r = route(idx.to(DEVICE), e)
+    want = torch.zeros(r.slots, n, dtype=torch.float64)
+    for s in range(r.slots):
+        ex = int(r.expert[s])
+        if ex < e:
+            want[s] = linear_ref(x[r.token[s]][None], experts[ex])[0].double()
+    ref = grouped_linear_ref(x, stacked, r)
+    assert rel_err(ref, want) < 1e-6
+    got = grouped_linear(x.to(torch.bfloat16), stacked, r).float()
+    valid = r.expert < e
+    assert rel_err(got[valid], want[valid]) < 1e-2
+    ys = grouped_linear(x[r.token].to(torch.bfloat16), stacked, r, sorted_input=True).float()
+    assert torch.equal(ys[valid], got[valid])
+
+
+def test_grouped_linear_adds_super_weights_to_their_expert_only():
+    gen = torch.Generator().manual_seed(3)
+    e, n, k = 3, 32, 128
+    sw = (torch.tensor([5, 32 + 7, 64 + 31]), torch.tensor([0, 100, 127]), torch.tensor([0.5, -2.0, 1.25]))
+    experts, stacked = _stacked("INT4_G128", e, n, k, gen, super_weights=tuple(t.to(DEVICE) for t in sw))
+    x = torch.randn(6, k, generator=gen).to(DEVICE)
+    idx = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 0], [1, 1], [2, 2]], device=DEVICE)
+    r = route(idx, e)
+    plain = grouped_linear(x.to(torch.bfloat16), pack(*unpack(stacked), "INT4_G128"), r).float()
+    got = grouped_linear(x.to(torch.bfloat16), stacked, r).float()
+    ref = grouped_linear_ref(x, stacked, r)
+    assert rel_err(got, ref) < 1e-2
+    d = got - plain
+    deltas = stacked.super_weights[2].tolist()  # value - decoded weight, each in its expert's rows
+    for s in range(r.slots):
+        ex = int(r.expert[s])
+        row, col, delta = [5, 7, 31][ex], [0, 100, 127][ex], deltas[ex]
+        expect = torch.zeros(n)
+        expect[row] = float(x[r.token[s], col].to(torch.bfloat16)) * delta
+        assert torch.allclose(d[s].cpu(), expect, atol=2e-2)
+
+
+def test_grouped_linear_refuses_shapes_that_do_not_fit():
+    gen = torch.Generator().manual_seed(1)
+    _, stacked = _stacked("INT4_G128", 2, 16, 128, gen)
+    r = route(torch.zeros(3, 1, dtype=torch.int64, device=DEVICE), 3)
+    with pytest.raises(ValueError, match="rows"):
+        grouped_linear(torch.zeros(3, 128, device=DEVICE), stacked, r)
+    r = route(torch.zeros(3, 1, dtype=torch.int64, device=DEVICE), 2)
+    with pytest.raises(ValueError, match="x must be"):
+        grouped_linear(torch.zeros(3, 64, device=DEVICE), stacked, r)
+
+
+def test_stack_is_the_layout_of_the_concatenated_codes():
+    gen = torch.Generator().manual_seed(5)
+    for fmt in ("INT3_G128", "INT4_G64_ASYM", "NVFP4_G16"):
+        experts, stacked = _stacked(fmt, 3, 16, 128, gen)
+        got = stack(experts)
+        for attr in ("qweight", "qweight_hi", "scales", "zeros"):
+            a, b = getattr(got, attr), getattr(stacked, attr)
+            assert (a is None and b is None) or torch.equal(a, b)
+        assert got.shape == stacked.shape and got.global_scale == stacked.global_scale
+        assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(unpack(got.rows(16, 32)), unpack(experts[1])))
+    with pytest.raises(ValueError):
+        stack([packed_weight("INT4_G128", 16, 128, gen), packed_weight("INT2_G128", 16, 128, gen)])
+
+
+def test_a_loaded_moe_model_runs_its_experts_grouped(tmp_path, monkeypatch):
+    """``dynaquant.load`` of a Qwen3-MoE checkpoint (the kernels' op, their CPU interpreter standing in for CUDA):
+    every experts module runs as two grouped launches, its experts' layouts stacked (one copy: no expert keeps its
+    own), its outputs the per-expert loop's, ``state_dict`` the checkpoint's bit for bit."""
+    import transformers
+    from test_moe_gguf import _BASE, MOE
+    from test_moe_runtime import _direct_plan
+
+    import dynaquant.kernels as kernels
+    import dynaquant.runtime.loader as rt
+    from dynaquant.exporters.safetensors.writer import unquantized_linears, write_safetensors
+    from dynaquant.quant.runtime import encode
+    from dynaquant.runtime.moe import DynaExperts, checkpoint_weights, encode_experts
+
+    arch, cfg, _ = MOE["qwen3moe"]
+    cls = getattr(transformers, arch)
+    config = cls.config_class(**{**_BASE, **cfg})
+    config.architectures = [arch]
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    weights = checkpoint_weights(model)
+    plan = _direct_plan(model, weights, bpw=5.5)
+    write_safetensors(tmp_path / "q", plan, weights,
+                      lambda e, w: encode_experts(w, e.format) if w.ndim == 3 else encode(w, e.format),
+                      model.config.to_dict(), ignore=unquantized_linears(model, plan), progress=False)
+    monkeypatch.setattr(rt, "_kernel_device", lambda t: True)
+    monkeypatch.setattr(rt, "kernel_op", lambda fmt: rt._PackLinearOp(kernels))
+    loop = rt.load(tmp_path / "q", device="cpu", dtype=torch.bfloat16, fuse=False)
+    grouped = rt.load(tmp_path / "q", device="cpu", dtype=torch.bfloat16)
+    mods = [m for m in grouped.modules() if isinstance(m, DynaExperts)]
+    assert mods and all(m.grouped is not None for m in mods)
+    assert all(lin._packed is None and lin._fused is not None
+               for m in mods for lin in m.modules() if isinstance(lin, rt.DynaLinear))
+    sa, sb = loop.state_dict(), grouped.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(7, 256, generator=gen).to(torch.bfloat16)  # (the experts alone: the interpreter is slow)
+    idx = torch.randint(0, 4, (7, 2), generator=gen)
+    idx[3, 0] = -1  # a masked choice
+    w = torch.rand(7, 2, generator=gen).to(torch.bfloat16)
+    one, ref = mods[0], loop.model.layers[0].mlp.experts
+    with torch.no_grad():
+        want = ref(x, idx, w).float()
+        got = one(x, idx, w).float()
+        assert float((got - want).abs().max()) <= 0.02 * float(want.abs().max())
+        one.expert(1).up_proj.prepare()  # taken out of its group: the experts loop again, each on its own rows
+        assert not one.grouped[0].intact
+        again = one(x, idx, w).float()
+    assert float((again - want).abs().max()) <= 0.02 * float(want.abs().max())
