@@ -43,20 +43,19 @@ def test_route_blocks_cover_every_slot_once_in_expert_order():
     assert torch.equal(r.order[:8], torch.tensor([1, 6, 3, 0, 2, 5, 8, 9]))  # stable: token order within an expert
     assert torch.equal(flat[r.order[:8]], r.expert[:8])
     covered = torch.zeros(10, dtype=torch.int64)
-    for e, a, b in zip(r.block_expert.tolist(), r.block_start.tolist(), r.block_end.tolist()):
+    for e, a, b in r.blocks():
         covered[a:b] += 1
         assert (r.expert[a:b] == e).all()
     assert covered.tolist() == [1] * 8 + [0, 0]  # skipped choices in no block
     assert r.block_expert.numel() == 1 + 4  # ceil(10 / 16) + min(E, S): the fixed bound
+    assert r.blocks() == [(0, 0, 2), (1, 2, 3), (3, 3, 8)]
 
 
 def test_route_splits_an_expert_longer_than_a_block():
     idx = torch.zeros(40, 1, dtype=torch.int64)
     idx[::3] = 2
     r = route(idx, 3, block_m=16)
-    spans = [(e, a, b) for e, a, b in zip(r.block_expert.tolist(), r.block_start.tolist(), r.block_end.tolist())
-             if b > a]
-    assert spans == [(0, 0, 16), (0, 16, 26), (2, 26, 40)]
+    assert r.blocks() == [(0, 0, 16), (0, 16, 26), (2, 26, 40)]
     with pytest.raises(ValueError):
         route(idx, 3, block_m=24)
 
@@ -70,7 +69,7 @@ def test_grouped_linear_equals_each_experts_product(fmt):
     idx = torch.randint(0, e, (t, top), generator=gen)
     idx[2, 1] = -1  # a masked choice
     r = route(idx.to(DEVICE), e)
-    want = torch.zeros(r.slots, n, dtype=torch.float64)
+    want = torch.zeros(r.slots, n, dtype=torch.float64, device=DEVICE)
     for s in range(r.slots):
         ex = int(r.expert[s])
         if ex < e:
@@ -82,6 +81,12 @@ def test_grouped_linear_equals_each_experts_product(fmt):
     assert rel_err(got[valid], want[valid]) < 1e-2
     ys = grouped_linear(x[r.token].to(torch.bfloat16), stacked, r, sorted_input=True).float()
     assert torch.equal(ys[valid], got[valid])
+    w = torch.rand(t * top, generator=gen).to(DEVICE).to(torch.bfloat16)  # the epilogue: weighted, in slot order
+    scattered = grouped_linear(x.to(torch.bfloat16), stacked, r, slot_weights=w).float()
+    want_w = torch.zeros_like(want)
+    want_w[r.order[valid]] = want[valid] * w[r.order[valid]].double()[:, None]
+    assert rel_err(scattered, want_w) < 1e-2 and not scattered[2 * top + 1].any()  # the masked choice: zero
+    assert rel_err(grouped_linear(x, stacked, r, slot_weights=w), want_w) < 1e-2  # float32: the torch reference
 
 
 def test_grouped_linear_adds_super_weights_to_their_expert_only():
@@ -96,6 +101,9 @@ def test_grouped_linear_adds_super_weights_to_their_expert_only():
     got = grouped_linear(x.to(torch.bfloat16), stacked, r).float()
     ref = grouped_linear_ref(x, stacked, r)
     assert rel_err(got, ref) < 1e-2
+    w = torch.rand(r.slots, generator=gen).to(DEVICE).to(torch.bfloat16)  # super weights: weighted in torch after
+    scattered = grouped_linear(x.to(torch.bfloat16), stacked, r, slot_weights=w).float()
+    assert torch.allclose(scattered[r.order], got * w[r.order].float()[:, None], atol=1e-2, rtol=1e-2)
     d = got - plain
     deltas = stacked.super_weights[2].tolist()  # value - decoded weight, each in its expert's rows
     for s in range(r.slots):

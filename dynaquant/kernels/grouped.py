@@ -35,9 +35,13 @@ class Routing:
             ``0 .. E-1``) last.
         token: (S,) int64, the token of each sorted slot.
         expert: (S,) int64, the expert of each sorted slot (E for a skipped choice).
-        block_expert, block_start, block_end: (B,) int32, each block's expert and its slots ``start .. end - 1``
-            of the sorted order (``end == start`` for the unused blocks at the end).
-        block_m: slots a block at most.
+        block_expert: (B,) int64, each block's expert (``E - 1`` for the unused blocks at the end).
+        expert_block: (E,) int64, each expert's first block.
+        expert_bounds: (E + 1,) int64, expert ``e``'s slots are ``expert_bounds[e] .. expert_bounds[e + 1] - 1`` of
+            the sorted order.
+        block_m: slots a block at most. Block ``b`` of expert ``e`` holds slots ``start .. end - 1``, ``start =
+            expert_bounds[e] + (b - expert_block[e]) * block_m``, ``end = min(start + block_m, expert_bounds[e + 1])``,
+            none where ``end <= start`` (:meth:`blocks`).
     """
 
     num_experts: int
@@ -45,18 +49,40 @@ class Routing:
     token: torch.Tensor
     expert: torch.Tensor
     block_expert: torch.Tensor
-    block_start: torch.Tensor
-    block_end: torch.Tensor
+    expert_block: torch.Tensor
+    expert_bounds: torch.Tensor
     block_m: int
 
     @property
     def slots(self) -> int:
         return self.order.numel()
 
+    def blocks(self) -> list[tuple[int, int, int]]:
+        """The used blocks as ``(expert, start, end)`` (waits for the device: for tests and references)."""
+        e = self.block_expert
+        b = torch.arange(e.numel(), device=e.device)
+        start = self.expert_bounds[e] + (b - self.expert_block[e]) * self.block_m
+        end = torch.minimum(start + self.block_m, self.expert_bounds[e + 1])
+        return [(x, a, z) for x, a, z in zip(e.tolist(), start.tolist(), end.tolist()) if z > a]
+
+
+_CONSTANT_RANGES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """``torch.arange(n)`` kept per size and device (read only; one launch fewer a call, and safe in CUDA graphs)."""
+    key = (n, device)
+    if key not in _CONSTANT_RANGES:
+        if len(_CONSTANT_RANGES) > 64:
+            _CONSTANT_RANGES.clear()
+        _CONSTANT_RANGES[key] = torch.arange(n, device=device)
+    return _CONSTANT_RANGES[key]
+
 
 def route(top_k_index: torch.Tensor, num_experts: int, block_m: int = 16) -> Routing:
     """The slots of ``top_k_index`` (T, k) sorted by expert, and their blocks of at most ``block_m`` (a power of two,
-    at least 16: the kernel's ``tl.dot`` tile). Torch operations on the index's device; no host synchronisation.
+    at least 16: the kernel's ``tl.dot`` tile). A dozen torch operations on the index's device; no host
+    synchronisation (the block count is the fixed bound ``ceil(S / block_m) + min(E, S)``).
 
     Raises:
         ValueError: ``top_k_index`` not 2-D integer, or ``block_m`` not a power of two >= 16.
@@ -67,24 +93,15 @@ def route(top_k_index: torch.Tensor, num_experts: int, block_m: int = 16) -> Rou
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
     dev = top_k_index.device
     t, k = top_k_index.shape
-    flat = top_k_index.reshape(-1).to(torch.int64)
-    key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
-    order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
-    first = torch.cumsum(counts, 0) - counts  # each expert's first sorted slot
-    blocks = (counts + block_m - 1) // block_m
+    e = num_experts
+    key = top_k_index.reshape(-1).to(torch.int64).clamp(-1, e).remainder_(e + 1)  # skipped choices (< 0, >= E): E
+    expert, order = torch.sort(key, stable=True)
+    bounds = torch.searchsorted(expert, _arange(e + 1, dev))  # each expert's first sorted slot; [E]: the skipped
+    blocks = (bounds[1:] - bounds[:-1] + (block_m - 1)).floor_divide_(block_m)
     ends = torch.cumsum(blocks, 0)
-    n_blocks = -(-(t * k) // block_m) + min(num_experts, t * k)
-    b = torch.arange(n_blocks, device=dev)
-    be = torch.searchsorted(ends, b, right=True)
-    used = be < num_experts
-    e = be.clamp(max=num_experts - 1)
-    start = first[e] + (b - (ends[e] - blocks[e])) * block_m
-    end = torch.minimum(start + block_m, first[e] + counts[e])
-    start = torch.where(used, start, 0)
-    end = torch.where(used, end, 0)
-    i32 = torch.int32
-    return Routing(num_experts, order, order // k, key[order], e.to(i32), start.to(i32), end.to(i32), block_m)
+    n_blocks = -(-(t * k) // block_m) + min(e, t * k)
+    block_expert = torch.searchsorted(ends, _arange(n_blocks, dev), right=True).clamp_(max=e - 1)
+    return Routing(e, order, order // k, expert, block_expert, ends - blocks, bounds, block_m)
 
 
 def _check(x2: torch.Tensor, packed: PackedWeight, routing: Routing) -> int:
@@ -97,7 +114,8 @@ def _check(x2: torch.Tensor, packed: PackedWeight, routing: Routing) -> int:
 
 
 def grouped_linear(x2: torch.Tensor, packed: PackedWeight, routing: Routing, *, sorted_input: bool = False,
-                   block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+                   slot_weights: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4,
+                   num_stages: int = 1) -> torch.Tensor:
     """Each sorted slot's expert product: ``y[s] = x2[r] @ dequant(W_e).T`` for slot ``s`` of ``routing`` (expert
     ``e``), ``r`` its token (``sorted_input``: ``r = s``, x2 already in sorted slot order), super weights added.
 
@@ -106,23 +124,44 @@ def grouped_linear(x2: torch.Tensor, packed: PackedWeight, routing: Routing, *, 
             Triton kernel (CUDA, or the interpreter), other dtypes the torch reference.
         packed: the experts' stacked weight, (E N, K) (module docstring).
         routing: from :func:`route`.
+        slot_weights: (S,) routing weights in the original slot order (``t k + j``), or None. Given, each product
+            is multiplied by its slot's weight and written back to the original slot order (the kernel's epilogue:
+            no gather or scatter of its own), skipped choices' rows zero: a MoE layer's output is then the sum over
+            each token's k rows.
+        block_n, num_warps, num_stages: the kernel's launch shape.
     Returns:
-        (S, N) in x2's dtype, in sorted slot order; the rows of skipped choices are unspecified (the caller masks
-        them).
+        (S, N) in x2's dtype: in sorted slot order, the rows of skipped choices unspecified (the caller masks
+        them); with ``slot_weights``, in the original slot order (above).
     Raises:
         ValueError: shapes that do not fit.
     """
     n = _check(x2, packed, routing)
+    if slot_weights is not None and slot_weights.shape != (routing.slots,):
+        raise ValueError(f"slot_weights must be ({routing.slots},), got {tuple(slot_weights.shape)}")
     if not uses_triton(x2):
-        return grouped_linear_ref(x2, packed, routing, sorted_input=sorted_input)
+        return _weighted(grouped_linear_ref(x2, packed, routing, sorted_input=sorted_input), routing, slot_weights)
     from dynaquant.kernels import triton_linear
 
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    rows = torch.arange(routing.slots, device=x2.device) if sorted_input else routing.token
-    y = triton_linear.run_grouped(x2, rows, packed, routing.num_experts, routing.block_expert, routing.block_start,
-                                  routing.block_end, routing.slots, routing.block_m, block_n, num_warps)
-    return _add_super(y, x2[rows], packed, routing, n)
+    rows = _arange(routing.slots, x2.device) if sorted_input else routing.token
+    scatter = slot_weights is not None and packed.super_weights is None
+    y = triton_linear.run_grouped(x2, rows, packed, routing, block_n, num_warps, num_stages,
+                                  slot_weights=slot_weights if scatter else None)
+    if scatter:
+        return y
+    return _weighted(_add_super(y, x2[rows], packed, routing, n), routing, slot_weights)
+
+
+def _weighted(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | None) -> torch.Tensor:
+    """Sorted products weighted and put back in the original slot order (skipped choices zero), as the kernel's
+    epilogue does; ``y`` itself without weights."""
+    if slot_weights is None:
+        return y
+    w = slot_weights[routing.order].to(y.dtype)
+    out = torch.zeros_like(y)
+    out[routing.order] = torch.where((routing.expert < routing.num_experts)[:, None], y * w[:, None], 0)
+    return out
 
 
 def _add_super(y: torch.Tensor, xs: torch.Tensor, packed: PackedWeight, routing: Routing, n: int) -> torch.Tensor:

@@ -318,22 +318,23 @@ def _mm_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_pt
 
 
 @triton.jit
-def _grouped_kernel(x_ptr, tok_ptr, be_ptr, bs_ptr, bend_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, y_ptr,
+def _grouped_kernel(x_ptr, tok_ptr, be_ptr, eb_ptr, bounds_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, y_ptr, dst_ptr, w_ptr,
                     N, KW, KH, NG, stride_xm, stride_ym, out_mul, magic, NG_C: tl.constexpr,
                     KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ZC: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
-    """Program (N tile, routing block): the block's slots (rows ``start .. end - 1`` of the expert-sorted order, all
-    routed to expert ``e``) times rows ``e N .. e N + N - 1`` of the experts' stacked layout; the slots' activation
-    rows gathered through ``tok``. A block with ``end <= start`` (past the routing table's last) does nothing."""
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, SCATTER: tl.constexpr):
+    """Program (N tile, routing block ``b``): the block's slots (rows ``start .. end - 1`` of the expert-sorted order,
+    all routed to expert ``e``; :class:`dynaquant.kernels.grouped.Routing`) times rows ``e N .. e N + N - 1`` of the
+    experts' stacked layout; the slots' activation rows gathered through ``tok``. ``end <= start``: nothing to do.
+    SCATTER: each product times its slot's weight ``w[dst]``, stored at row ``dst`` (the slot's original index)."""
     EPW: tl.constexpr = 16 if BITS == 3 else 32 // BITS
     WPG: tl.constexpr = G // EPW
     DT: tl.constexpr = tl.float32 if DOT_F32 else x_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
-    start = tl.load(bs_ptr + pid_b)
-    end = tl.load(bend_ptr + pid_b)
+    e = tl.load(be_ptr + pid_b)
+    start = tl.load(bounds_ptr + e) + (pid_b - tl.load(eb_ptr + e)) * BLOCK_M
+    end = tl.minimum(start + BLOCK_M, tl.load(bounds_ptr + e + 1))
     if end > start:
-        e = tl.load(be_ptr + pid_b).to(tl.int64)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = rn < N
         rowv = tl.minimum(rn, N - 1) + e * N
@@ -362,7 +363,12 @@ def _grouped_kernel(x_ptr, tok_ptr, be_ptr, bs_ptr, bend_ptr, qw_ptr, qh_ptr, s_
             sc = _scale(tl.load(s_ptr + rowv * NG + gi), KIND)
             acc += d * sc[:, None]
         out = acc * out_mul
-        tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], out.to(y_ptr.dtype.element_ty),
+        if SCATTER:
+            dst = tl.load(dst_ptr + rm, mask=m_mask, other=0)
+            out = out * tl.load(w_ptr + dst, mask=m_mask, other=0.0).to(tl.float32)[None, :]
+        else:
+            dst = rm
+        tl.store(y_ptr + dst[None, :] * stride_ym + rn[:, None], out.to(y_ptr.dtype.element_ty),
                  mask=n_mask[:, None] & m_mask[None, :])
 
 
@@ -506,19 +512,24 @@ def compile_linear(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | 
     kernel.warmup(*args, grid=grid, **kwargs)
 
 
-def run_grouped(x2: torch.Tensor, rows: torch.Tensor, packed: PackedWeight, num_experts: int, block_expert: torch.Tensor,
-                block_start: torch.Tensor, block_end: torch.Tensor, slots: int, block_m: int, block_n: int = 64,
-                num_warps: int = 4) -> torch.Tensor:
-    """(slots, N) = for each sorted slot ``s``: ``x2[rows[s]] @ dequant(W_e).T`` with ``e`` its block's expert, for
-    the experts' stacked layout ``packed`` (E N rows); rows of slots in no block are left unwritten."""
-    n = packed.out_features // num_experts
+def run_grouped(x2: torch.Tensor, rows: torch.Tensor, packed: PackedWeight, routing, block_n: int = 64,
+                num_warps: int = 4, num_stages: int = 1, slot_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """(S, N) = for each sorted slot ``s`` of ``routing`` (:class:`dynaquant.kernels.grouped.Routing`):
+    ``x2[rows[s]] @ dequant(W_e).T`` with ``e`` its expert, for the experts' stacked layout ``packed`` (E N rows);
+    rows of skipped slots left unwritten. ``slot_weights`` (S,): each product times its slot's weight, at its
+    original slot index (rows of skipped slots zero)."""
+    n = packed.out_features // routing.num_experts
     kw, kh, ng = _words(packed)
-    y = torch.empty(slots, n, dtype=x2.dtype, device=x2.device)
+    scatter = slot_weights is not None
+    alloc = torch.zeros if scatter else torch.empty
+    y = alloc(routing.slots, n, dtype=x2.dtype, device=x2.device)
     qh = packed.qweight_hi if packed.qweight_hi is not None else packed.qweight
     z = packed.zeros if packed.zeros is not None else packed.scales
-    grid = (triton.cdiv(n, block_n), block_expert.numel())
-    _grouped_kernel[grid](x2, rows, block_expert, block_start, block_end, packed.qweight, qh, packed.scales, z, y,
+    grid = (triton.cdiv(n, block_n), routing.block_expert.numel())
+    _grouped_kernel[grid](x2, rows, routing.block_expert, routing.expert_block, routing.expert_bounds, packed.qweight,
+                          qh, packed.scales, z, y, routing.order, slot_weights if scatter else y,
                           n, kw, kh, ng, x2.stride(0), y.stride(0), _out_mul(packed, False), MAGIC,
-                          NG_C=ng if _interpreting() else 0, BLOCK_M=block_m, BLOCK_N=block_n,
-                          DOT_F32=_interpreting(), num_warps=num_warps, **_consts(packed))
+                          NG_C=ng if _interpreting() else 0, BLOCK_M=routing.block_m, BLOCK_N=block_n,
+                          DOT_F32=_interpreting(), SCATTER=scatter, num_warps=num_warps, num_stages=num_stages,
+                          **_consts(packed))
     return y

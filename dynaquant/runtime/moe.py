@@ -245,8 +245,8 @@ class DynaExperts(nn.Module):
     def _grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                          top_k_weights: torch.Tensor) -> torch.Tensor:
         """The forward as two grouped launches over all routed experts (:mod:`dynaquant.kernels.grouped`): tokens
-        sorted by expert, gate/up of every slot, the activation, down of every slot, then each token's k outputs
-        weighted and summed in choice order (deterministic: no atomics)."""
+        sorted by expert, gate/up of every slot, the activation, down of every slot weighted and written back in slot
+        order by the kernel, then each token's k outputs summed in choice order (deterministic: no atomics)."""
         from dynaquant.kernels.grouped import grouped_linear, route
 
         shape = hidden_states.shape
@@ -256,14 +256,13 @@ class DynaExperts(nn.Module):
         k, e, inter = idx.shape[1], self.num_experts, self.inter
         per_expert = t * k // e
         r = route(idx, e, block_m=16 if per_expert <= 16 else 32 if per_expert <= 32 else 64)
-        gu = grouped_linear(x, self.grouped[0].packed, r)  # (S, 2I): gate then up, slots in expert order
+        # launch shape: measured on an H100 (benchmarks/moe_kernels.py; kernels/NOTES.md)
+        launch = dict(block_n=64 if t < 4 else 128, num_stages=3)
+        gu = grouped_linear(x, self.grouped[0].packed, r, **launch)  # (S, 2I): gate then up, slots in expert order
         h = self.act_fn(gu[:, :inter]) * gu[:, inter:]
-        y = grouped_linear(h, self.grouped[1].packed, r, sorted_input=True)  # (S, H)
-        w = top_k_weights.reshape(-1)[r.order].to(y.dtype)
-        y = torch.where((r.expert < e)[:, None], y * w[:, None], 0)
-        out = torch.empty_like(y)
-        out[r.order] = y
-        return out.view(t, k, -1).sum(1).to(hidden_states.dtype).reshape(shape)
+        y = grouped_linear(h, self.grouped[1].packed, r, sorted_input=True, slot_weights=top_k_weights.reshape(-1),
+                           **launch)  # (S, H): each slot's output times its weight, in slot order t k + j
+        return y.view(t, k, -1).sum(1).to(hidden_states.dtype).reshape(shape)
 
     def _expert(self, e: int, x: torch.Tensor, _w: torch.Tensor) -> torch.Tensor:
         ex = self.expert(e)
