@@ -60,8 +60,9 @@ def test_route_splits_an_expert_longer_than_a_block():
         route(idx, 3, block_m=24)
 
 
+@pytest.mark.parametrize("gemv", [False, True])
 @pytest.mark.parametrize("fmt", ["INT4_G128", "INT2_G128", "INT3_G128", "INT4_G64_ASYM", "MXFP4_G32", "NVFP4_G16"])
-def test_grouped_linear_equals_each_experts_product(fmt):
+def test_grouped_linear_equals_each_experts_product(fmt, gemv):
     gen = torch.Generator().manual_seed(7)
     e, n, k, t, top = 4, 48, 128, 9, 2
     experts, stacked = _stacked(fmt, e, n, k, gen)
@@ -76,13 +77,13 @@ def test_grouped_linear_equals_each_experts_product(fmt):
             want[s] = linear_ref(x[r.token[s]][None], experts[ex])[0].double()
     ref = grouped_linear_ref(x, stacked, r)
     assert rel_err(ref, want) < 1e-6
-    got = grouped_linear(x.to(torch.bfloat16), stacked, r).float()
+    got = grouped_linear(x.to(torch.bfloat16), stacked, r, gemv=gemv).float()
     valid = r.expert < e
     assert rel_err(got[valid], want[valid]) < 1e-2
-    ys = grouped_linear(x[r.token].to(torch.bfloat16), stacked, r, sorted_input=True).float()
+    ys = grouped_linear(x[r.token].to(torch.bfloat16), stacked, r, sorted_input=True, gemv=gemv).float()
     assert torch.equal(ys[valid], got[valid])
     w = torch.rand(t * top, generator=gen).to(DEVICE).to(torch.bfloat16)  # the epilogue: weighted, in slot order
-    scattered = grouped_linear(x.to(torch.bfloat16), stacked, r, slot_weights=w).float()
+    scattered = grouped_linear(x.to(torch.bfloat16), stacked, r, slot_weights=w, gemv=gemv).float()
     want_w = torch.zeros_like(want)
     want_w[r.order[valid]] = want[valid] * w[r.order[valid]].double()[:, None]
     assert rel_err(scattered, want_w) < 1e-2 and not scattered[2 * top + 1].any()  # the masked choice: zero

@@ -8,7 +8,7 @@ expert's run into blocks of ``block_m`` slots, the kernel's routing table. :func
 slot's product in expert-sorted order, one program per (N tile, block), the weight tile decoded once for all the
 block's slots (the fused-MoE scheme of vLLM and SGLang, on this package's layout).
 
-Pure torch here (importing it does not import Triton); the kernel is :func:`.triton_linear.run_grouped`, the torch
+Pure torch here (importing it does not import Triton); the kernels are :mod:`.triton_grouped`'s, the torch
 reference :func:`grouped_linear_ref`. Nothing waits for the device: the routing table has a fixed upper bound of
 ``ceil(S / block_m) + min(E, S)`` blocks, the unused ones empty.
 """
@@ -115,7 +115,7 @@ def _check(x2: torch.Tensor, packed: PackedWeight, routing: Routing) -> int:
 
 def grouped_linear(x2: torch.Tensor, packed: PackedWeight, routing: Routing, *, sorted_input: bool = False,
                    slot_weights: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4,
-                   num_stages: int = 1) -> torch.Tensor:
+                   num_stages: int = 1, gemv: bool = False) -> torch.Tensor:
     """Each sorted slot's expert product: ``y[s] = x2[r] @ dequant(W_e).T`` for slot ``s`` of ``routing`` (expert
     ``e``), ``r`` its token (``sorted_input``: ``r = s``, x2 already in sorted slot order), super weights added.
 
@@ -129,6 +129,8 @@ def grouped_linear(x2: torch.Tensor, packed: PackedWeight, routing: Routing, *, 
             no gather or scatter of its own), skipped choices' rows zero: a MoE layer's output is then the sum over
             each token's k rows.
         block_n, num_warps, num_stages: the kernel's launch shape.
+        gemv: one program a slot (and N tile) on the CUDA cores instead of tensor-core tiles of a routing block:
+            for a few slots an expert (decoding), where a 16-slot tile would decode its weights for one live row.
     Returns:
         (S, N) in x2's dtype: in sorted slot order, the rows of skipped choices unspecified (the caller masks
         them); with ``slot_weights``, in the original slot order (above).
@@ -140,14 +142,14 @@ def grouped_linear(x2: torch.Tensor, packed: PackedWeight, routing: Routing, *, 
         raise ValueError(f"slot_weights must be ({routing.slots},), got {tuple(slot_weights.shape)}")
     if not uses_triton(x2):
         return _weighted(grouped_linear_ref(x2, packed, routing, sorted_input=sorted_input), routing, slot_weights)
-    from dynaquant.kernels import triton_linear
+    from dynaquant.kernels import triton_grouped
 
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = _arange(routing.slots, x2.device) if sorted_input else routing.token
     scatter = slot_weights is not None and packed.super_weights is None
-    y = triton_linear.run_grouped(x2, rows, packed, routing, block_n, num_warps, num_stages,
-                                  slot_weights=slot_weights if scatter else None)
+    y = triton_grouped.run_grouped(x2, rows, packed, routing, block_n, num_warps, num_stages,
+                                  slot_weights=slot_weights if scatter else None, gemv=gemv)
     if scatter:
         return y
     return _weighted(_add_super(y, x2[rows], packed, routing, n), routing, slot_weights)

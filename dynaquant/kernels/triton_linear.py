@@ -73,7 +73,7 @@ def _fp4_field(w, IDX: tl.constexpr):
 
 
 @triton.jit
-def _value(w, hsrc, zoff, magic, IDX: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr):
+def code_value(w, hsrc, zoff, magic, IDX: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr):
     """Code IDX of the words as float32: ``code - zero`` for integer formats (``zoff`` holds
     ``zero`` per row/group, or is the symmetric constant), ``e2m1 * 2**-126`` for FP4."""
     if KIND != 0:
@@ -87,7 +87,7 @@ def _value(w, hsrc, zoff, magic, IDX: tl.constexpr, KIND: tl.constexpr, BITS: tl
 
 
 @triton.jit
-def _scale(sc, KIND: tl.constexpr):
+def group_scale(sc, KIND: tl.constexpr):
     """Loaded scales -> float32 (INT: fp16/bf16; MXFP4: E8M0 byte; NVFP4: E4M3 byte)."""
     if KIND == 0:
         s = sc.to(tl.float32)
@@ -109,7 +109,7 @@ def _il8(a0, a1, a2, a3, a4, a5, a6, a7):
 
 
 @triton.jit
-def _tile_values(w, hsrc, zoff, magic, KIND: tl.constexpr, BITS: tl.constexpr, EPW: tl.constexpr, DT: tl.constexpr):
+def tile_values(w, hsrc, zoff, magic, KIND: tl.constexpr, BITS: tl.constexpr, EPW: tl.constexpr, DT: tl.constexpr):
     """Words [R, W] -> values [R, W * EPW] in natural K order, dtype DT (exact; FP4 scaled to e2m1)."""
     if KIND != 0:
         c = FP4_UP
@@ -123,38 +123,38 @@ def _tile_values(w, hsrc, zoff, magic, KIND: tl.constexpr, BITS: tl.constexpr, E
         v7 = (_fp4_field(w, 7) * c).to(DT)
         out = _il8(v0, v1, v2, v3, v4, v5, v6, v7)
     elif EPW == 4:
-        v0 = _value(w, hsrc, zoff, magic, 0, KIND, BITS).to(DT)
-        v1 = _value(w, hsrc, zoff, magic, 1, KIND, BITS).to(DT)
-        v2 = _value(w, hsrc, zoff, magic, 2, KIND, BITS).to(DT)
-        v3 = _value(w, hsrc, zoff, magic, 3, KIND, BITS).to(DT)
+        v0 = code_value(w, hsrc, zoff, magic, 0, KIND, BITS).to(DT)
+        v1 = code_value(w, hsrc, zoff, magic, 1, KIND, BITS).to(DT)
+        v2 = code_value(w, hsrc, zoff, magic, 2, KIND, BITS).to(DT)
+        v3 = code_value(w, hsrc, zoff, magic, 3, KIND, BITS).to(DT)
         out = tl.interleave(tl.interleave(v0, v2), tl.interleave(v1, v3))
     elif EPW == 8:
-        v0 = _value(w, hsrc, zoff, magic, 0, KIND, BITS).to(DT)
-        v1 = _value(w, hsrc, zoff, magic, 1, KIND, BITS).to(DT)
-        v2 = _value(w, hsrc, zoff, magic, 2, KIND, BITS).to(DT)
-        v3 = _value(w, hsrc, zoff, magic, 3, KIND, BITS).to(DT)
-        v4 = _value(w, hsrc, zoff, magic, 4, KIND, BITS).to(DT)
-        v5 = _value(w, hsrc, zoff, magic, 5, KIND, BITS).to(DT)
-        v6 = _value(w, hsrc, zoff, magic, 6, KIND, BITS).to(DT)
-        v7 = _value(w, hsrc, zoff, magic, 7, KIND, BITS).to(DT)
+        v0 = code_value(w, hsrc, zoff, magic, 0, KIND, BITS).to(DT)
+        v1 = code_value(w, hsrc, zoff, magic, 1, KIND, BITS).to(DT)
+        v2 = code_value(w, hsrc, zoff, magic, 2, KIND, BITS).to(DT)
+        v3 = code_value(w, hsrc, zoff, magic, 3, KIND, BITS).to(DT)
+        v4 = code_value(w, hsrc, zoff, magic, 4, KIND, BITS).to(DT)
+        v5 = code_value(w, hsrc, zoff, magic, 5, KIND, BITS).to(DT)
+        v6 = code_value(w, hsrc, zoff, magic, 6, KIND, BITS).to(DT)
+        v7 = code_value(w, hsrc, zoff, magic, 7, KIND, BITS).to(DT)
         out = _il8(v0, v1, v2, v3, v4, v5, v6, v7)
     else:
-        v0 = _value(w, hsrc, zoff, magic, 0, KIND, BITS).to(DT)
-        v1 = _value(w, hsrc, zoff, magic, 1, KIND, BITS).to(DT)
-        v2 = _value(w, hsrc, zoff, magic, 2, KIND, BITS).to(DT)
-        v3 = _value(w, hsrc, zoff, magic, 3, KIND, BITS).to(DT)
-        v4 = _value(w, hsrc, zoff, magic, 4, KIND, BITS).to(DT)
-        v5 = _value(w, hsrc, zoff, magic, 5, KIND, BITS).to(DT)
-        v6 = _value(w, hsrc, zoff, magic, 6, KIND, BITS).to(DT)
-        v7 = _value(w, hsrc, zoff, magic, 7, KIND, BITS).to(DT)
-        v8 = _value(w, hsrc, zoff, magic, 8, KIND, BITS).to(DT)
-        v9 = _value(w, hsrc, zoff, magic, 9, KIND, BITS).to(DT)
-        v10 = _value(w, hsrc, zoff, magic, 10, KIND, BITS).to(DT)
-        v11 = _value(w, hsrc, zoff, magic, 11, KIND, BITS).to(DT)
-        v12 = _value(w, hsrc, zoff, magic, 12, KIND, BITS).to(DT)
-        v13 = _value(w, hsrc, zoff, magic, 13, KIND, BITS).to(DT)
-        v14 = _value(w, hsrc, zoff, magic, 14, KIND, BITS).to(DT)
-        v15 = _value(w, hsrc, zoff, magic, 15, KIND, BITS).to(DT)
+        v0 = code_value(w, hsrc, zoff, magic, 0, KIND, BITS).to(DT)
+        v1 = code_value(w, hsrc, zoff, magic, 1, KIND, BITS).to(DT)
+        v2 = code_value(w, hsrc, zoff, magic, 2, KIND, BITS).to(DT)
+        v3 = code_value(w, hsrc, zoff, magic, 3, KIND, BITS).to(DT)
+        v4 = code_value(w, hsrc, zoff, magic, 4, KIND, BITS).to(DT)
+        v5 = code_value(w, hsrc, zoff, magic, 5, KIND, BITS).to(DT)
+        v6 = code_value(w, hsrc, zoff, magic, 6, KIND, BITS).to(DT)
+        v7 = code_value(w, hsrc, zoff, magic, 7, KIND, BITS).to(DT)
+        v8 = code_value(w, hsrc, zoff, magic, 8, KIND, BITS).to(DT)
+        v9 = code_value(w, hsrc, zoff, magic, 9, KIND, BITS).to(DT)
+        v10 = code_value(w, hsrc, zoff, magic, 10, KIND, BITS).to(DT)
+        v11 = code_value(w, hsrc, zoff, magic, 11, KIND, BITS).to(DT)
+        v12 = code_value(w, hsrc, zoff, magic, 12, KIND, BITS).to(DT)
+        v13 = code_value(w, hsrc, zoff, magic, 13, KIND, BITS).to(DT)
+        v14 = code_value(w, hsrc, zoff, magic, 14, KIND, BITS).to(DT)
+        v15 = code_value(w, hsrc, zoff, magic, 15, KIND, BITS).to(DT)
         out = tl.interleave(_il8(v0, v2, v4, v6, v8, v10, v12, v14), _il8(v1, v3, v5, v7, v9, v11, v13, v15))
     return out
 
@@ -220,7 +220,7 @@ def _gemv_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
         # the group of each word, as (scalar + per-element constant): words of one group then load
         # their scale from one address, which the compiler merges into one load a thread
         goff = row * NG + (base // WPG + rw // WPG)[None, :]
-        sc = _scale(tl.load(s_ptr + goff), KIND)
+        sc = group_scale(tl.load(s_ptr + goff), KIND)
         if BITS == 3:
             hw = tl.load(qh_ptr + row * KH + (base // 2 + rw // 2)[None, :])
             hsrc = hw >> ((rw % 2) * 16)[None, :]
@@ -233,7 +233,7 @@ def _gemv_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
             xi = tl.load(x_ptr + kb + i).to(tl.float32)
             if KIND != 0:
                 xi = xi * X_SCALE
-            part += xi[None, :] * _value(w, hsrc, ZC, magic, i, KIND, BITS)
+            part += xi[None, :] * code_value(w, hsrc, ZC, magic, i, KIND, BITS)
             if ASYM:
                 xs += xi
         if ASYM:  # sum x (code - zero) = sum x code - zero * sum x; the tile lies in one group (valid_config),
@@ -284,11 +284,11 @@ def _mm_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_pt
                 hsrc = hw >> ((word % 2) * 16)[None, :]
             else:
                 hsrc = w
-            wt = _tile_values(w, hsrc, zoff, magic, KIND, BITS, EPW, DT)  # [BLOCK_N, G]
+            wt = tile_values(w, hsrc, zoff, magic, KIND, BITS, EPW, DT)  # [BLOCK_N, G]
             xt = tl.load(x_ptr + rm[None, :] * stride_xm + (gi * G + rk)[:, None], mask=m_mask[None, :], other=0.0)
             xt = xt.to(DT)
             d = tl.dot(wt, xt)  # [BLOCK_N, BLOCK_M]
-            sc = _scale(tl.load(s_ptr + rowv * NG + gi), KIND)
+            sc = group_scale(tl.load(s_ptr + rowv * NG + gi), KIND)
             acc += d * sc[:, None]
     out = acc * out_mul
     if SPLIT_K == 1:
@@ -311,65 +311,6 @@ def _mm_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_pt
                 tot += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
             tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], tot.to(y_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
-
-
-# ----------------------------------------------------------------------------------------------
-# mixture of experts: every routed expert of a layer in one launch
-
-
-@triton.jit
-def _grouped_kernel(x_ptr, tok_ptr, be_ptr, eb_ptr, bounds_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, y_ptr, dst_ptr, w_ptr,
-                    N, KW, KH, NG, stride_xm, stride_ym, out_mul, magic, NG_C: tl.constexpr,
-                    KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ZC: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, SCATTER: tl.constexpr):
-    """Program (N tile, routing block ``b``): the block's slots (rows ``start .. end - 1`` of the expert-sorted order,
-    all routed to expert ``e``; :class:`dynaquant.kernels.grouped.Routing`) times rows ``e N .. e N + N - 1`` of the
-    experts' stacked layout; the slots' activation rows gathered through ``tok``. ``end <= start``: nothing to do.
-    SCATTER: each product times its slot's weight ``w[dst]``, stored at row ``dst`` (the slot's original index)."""
-    EPW: tl.constexpr = 16 if BITS == 3 else 32 // BITS
-    WPG: tl.constexpr = G // EPW
-    DT: tl.constexpr = tl.float32 if DOT_F32 else x_ptr.dtype.element_ty
-    pid_n = tl.program_id(0)
-    pid_b = tl.program_id(1)
-    e = tl.load(be_ptr + pid_b)
-    start = tl.load(bounds_ptr + e) + (pid_b - tl.load(eb_ptr + e)) * BLOCK_M
-    end = tl.minimum(start + BLOCK_M, tl.load(bounds_ptr + e + 1))
-    if end > start:
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = rn < N
-        rowv = tl.minimum(rn, N - 1) + e * N
-        row = rowv[:, None]
-        rm = start + tl.arange(0, BLOCK_M)
-        m_mask = rm < end
-        tok = tl.load(tok_ptr + rm, mask=m_mask, other=0).to(tl.int64)
-        rw = tl.arange(0, WPG)
-        rk = tl.arange(0, G)
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for gi in range(0, NG_C if NG_C > 0 else NG):
-            word = gi * WPG + rw
-            w = tl.load(qw_ptr + row * KW + word[None, :])  # [BLOCK_N, WPG]
-            if ASYM:
-                zoff = tl.load(z_ptr + row * NG + gi).to(tl.float32)
-            else:
-                zoff = ZC
-            if BITS == 3:
-                hw = tl.load(qh_ptr + row * KH + (word // 2)[None, :])
-                hsrc = hw >> ((word % 2) * 16)[None, :]
-            else:
-                hsrc = w
-            wt = _tile_values(w, hsrc, zoff, magic, KIND, BITS, EPW, DT)  # [BLOCK_N, G]
-            xt = tl.load(x_ptr + tok[None, :] * stride_xm + (gi * G + rk)[:, None], mask=m_mask[None, :], other=0.0)
-            d = tl.dot(wt, xt.to(DT))  # [BLOCK_N, BLOCK_M]
-            sc = _scale(tl.load(s_ptr + rowv * NG + gi), KIND)
-            acc += d * sc[:, None]
-        out = acc * out_mul
-        if SCATTER:
-            dst = tl.load(dst_ptr + rm, mask=m_mask, other=0)
-            out = out * tl.load(w_ptr + dst, mask=m_mask, other=0.0).to(tl.float32)[None, :]
-        else:
-            dst = rm
-        tl.store(y_ptr + dst[None, :] * stride_ym + rn[:, None], out.to(y_ptr.dtype.element_ty),
-                 mask=n_mask[:, None] & m_mask[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -403,8 +344,8 @@ def _dequant_kernel(qw_ptr, qh_ptr, s_ptr, z_ptr, out_ptr, N, K, KW, KH, NG, out
             hsrc = hw >> ((word % 2) * 16)[None, :]
         else:
             hsrc = w
-        v = _tile_values(w, hsrc, zoff, magic, KIND, BITS, EPW, tl.float32)
-        sc = _scale(tl.load(s_ptr + row * NG + gi), KIND) * out_mul  # [BLOCK_N, 1]
+        v = tile_values(w, hsrc, zoff, magic, KIND, BITS, EPW, tl.float32)
+        sc = group_scale(tl.load(s_ptr + row * NG + gi), KIND) * out_mul  # [BLOCK_N, 1]
         tl.store(out_ptr + row * K + (gi * G + rk)[None, :], (v * sc).to(DT), mask=n_mask[:, None])
 
 
@@ -412,20 +353,20 @@ def _dequant_kernel(qw_ptr, qh_ptr, s_ptr, z_ptr, out_ptr, N, K, KW, KH, NG, out
 # launchers
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
     # Triton 3.6's interpreter multiplies bf16 tl.dot operands as raw integers (it gets float32 ones),
     # and cannot take a loop bound from a run-time argument under numpy 2.4 (it gets a constexpr one)
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _consts(packed: PackedWeight) -> dict:
+def format_constants(packed: PackedWeight) -> dict:
     f: KernelFormat = packed.fmt
     kind = {"int": KIND_INT, "mxfp4": KIND_MX, "nvfp4": KIND_NV}[f.kind]
     zc = (1 << (f.bits - 1)) if (f.kind == "int" and f.symmetric) else 0
     return dict(KIND=kind, BITS=f.bits, G=f.group_size, ASYM=not f.symmetric, ZC=zc)
 
 
-def _out_mul(packed: PackedWeight, gemv: bool) -> float:
+def out_multiplier(packed: PackedWeight, gemv: bool) -> float:
     f = packed.fmt
     if f.kind == "int":
         return 1.0
@@ -433,7 +374,7 @@ def _out_mul(packed: PackedWeight, gemv: bool) -> float:
     return m / packed.global_scale if f.kind == "nvfp4" else m
 
 
-def _words(packed: PackedWeight) -> tuple[int, int, int]:
+def packed_words(packed: PackedWeight) -> tuple[int, int, int]:
     kw = packed.qweight.shape[1]
     kh = packed.qweight_hi.shape[1] if packed.qweight_hi is not None else 0
     return kw, kh, packed.in_features // packed.fmt.group_size
@@ -442,15 +383,15 @@ def _words(packed: PackedWeight) -> tuple[int, int, int]:
 def dequantize(packed: PackedWeight, dtype: torch.dtype, config: LaunchConfig | None = None) -> torch.Tensor:
     """The weight (N, K) in ``dtype`` (bf16/fp16/fp32), dequantized by a Triton kernel (super weights not applied)."""
     n, k = packed.shape
-    kw, kh, ng = _words(packed)
+    kw, kh, ng = packed_words(packed)
     block_n = config.block_n if config is not None else 64
     ngt = config.groups if config is not None and ng % config.groups == 0 else 1
     out = torch.empty(n, k, dtype=dtype, device=packed.device)
     qh = packed.qweight_hi if packed.qweight_hi is not None else packed.qweight
     z = packed.zeros if packed.zeros is not None else packed.scales
     grid = (triton.cdiv(n, block_n), ng // ngt)
-    _dequant_kernel[grid](packed.qweight, qh, packed.scales, z, out, n, k, kw, kh, ng, _out_mul(packed, False), MAGIC,
-                          BLOCK_N=block_n, NGT=ngt, num_warps=4, **_consts(packed))
+    _dequant_kernel[grid](packed.qweight, qh, packed.scales, z, out, n, k, kw, kh, ng, out_multiplier(packed, False), MAGIC,
+                          BLOCK_N=block_n, NGT=ngt, num_warps=4, **format_constants(packed))
     return out
 
 
@@ -458,7 +399,7 @@ def _launch_args(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     """(kernel, grid, args, kwargs, y) of one call on the gemv or mm path."""
     m, k = x2.shape
     n = packed.out_features
-    kw, kh, ng = _words(packed)
+    kw, kh, ng = packed_words(packed)
     y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     split = cfg.split_k
     ws = torch.empty(split * m * n if split > 1 else 1, dtype=torch.float32, device=x2.device)
@@ -466,23 +407,23 @@ def _launch_args(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     z = packed.zeros if packed.zeros is not None else packed.scales
     b = bias if bias is not None else y
     gps = ng // split
-    gps_c = gps if _interpreting() else 0  # the 3.6 interpreter cannot loop to a run-time bound (numpy 2.4)
+    gps_c = gps if interpreting() else 0  # the 3.6 interpreter cannot loop to a run-time bound (numpy 2.4)
     common = dict(HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, SPLIT_K=split, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages, **_consts(packed))
+                  num_stages=cfg.num_stages, **format_constants(packed))
     if cfg.path == "gemv":
         f = packed.fmt
         wpg = f.group_size // (16 if f.bits == 3 else 32 // f.bits)
         nt = gps // cfg.groups
         grid = (triton.cdiv(n, cfg.block_n), split)
         args = (x2, packed.qweight, qh, packed.scales, z, b, y, ws, packed.counters, n, kw, kh, ng,
-                _out_mul(packed, True), MAGIC, nt)
+                out_multiplier(packed, True), MAGIC, nt)
         return _gemv_kernel, grid, args, dict(common, NT_C=nt if gps_c else 0, BLOCK_KW=cfg.groups * wpg,
                                               PREFETCH=cfg.prefetch), y
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
     args = (x2, packed.qweight, qh, packed.scales, z, b, y, ws, packed.counters, m, n, kw, kh, ng, x2.stride(0),
-            y.stride(0), _out_mul(packed, False), MAGIC, gps)
+            y.stride(0), out_multiplier(packed, False), MAGIC, gps)
     return _mm_kernel, grid, args, dict(common, GPS_C=gps_c, BLOCK_M=cfg.block_m, NGT=cfg.groups,
-                                        DOT_F32=_interpreting()), y
+                                        DOT_F32=interpreting()), y
 
 
 def run_linear(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig) -> torch.Tensor:
@@ -499,37 +440,14 @@ def compile_linear(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | 
     """Compile (without running) the kernel :func:`run_linear` would launch; safe to call from threads."""
     if cfg.path == "dequant":
         n, k = packed.shape
-        kw, kh, ng = _words(packed)
+        kw, kh, ng = packed_words(packed)
         ngt = cfg.groups if ng % cfg.groups == 0 else 1
         out = torch.empty(1, dtype=x2.dtype, device=x2.device)
         qh = packed.qweight_hi if packed.qweight_hi is not None else packed.qweight
         z = packed.zeros if packed.zeros is not None else packed.scales
-        _dequant_kernel.warmup(packed.qweight, qh, packed.scales, z, out, n, k, kw, kh, ng, _out_mul(packed, False), MAGIC,
-                               BLOCK_N=cfg.block_n, NGT=ngt, num_warps=4, grid=(1,), **_consts(packed))
+        _dequant_kernel.warmup(packed.qweight, qh, packed.scales, z, out, n, k, kw, kh, ng, out_multiplier(packed, False), MAGIC,
+                               BLOCK_N=cfg.block_n, NGT=ngt, num_warps=4, grid=(1,), **format_constants(packed))
         return
     kernel, grid, args, kwargs, _ = _launch_args(x2[:1], packed, bias, cfg) if cfg.path == "gemv" else \
         _launch_args(x2, packed, bias, cfg)
     kernel.warmup(*args, grid=grid, **kwargs)
-
-
-def run_grouped(x2: torch.Tensor, rows: torch.Tensor, packed: PackedWeight, routing, block_n: int = 64,
-                num_warps: int = 4, num_stages: int = 1, slot_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """(S, N) = for each sorted slot ``s`` of ``routing`` (:class:`dynaquant.kernels.grouped.Routing`):
-    ``x2[rows[s]] @ dequant(W_e).T`` with ``e`` its expert, for the experts' stacked layout ``packed`` (E N rows);
-    rows of skipped slots left unwritten. ``slot_weights`` (S,): each product times its slot's weight, at its
-    original slot index (rows of skipped slots zero)."""
-    n = packed.out_features // routing.num_experts
-    kw, kh, ng = _words(packed)
-    scatter = slot_weights is not None
-    alloc = torch.zeros if scatter else torch.empty
-    y = alloc(routing.slots, n, dtype=x2.dtype, device=x2.device)
-    qh = packed.qweight_hi if packed.qweight_hi is not None else packed.qweight
-    z = packed.zeros if packed.zeros is not None else packed.scales
-    grid = (triton.cdiv(n, block_n), routing.block_expert.numel())
-    _grouped_kernel[grid](x2, rows, routing.block_expert, routing.expert_block, routing.expert_bounds, packed.qweight,
-                          qh, packed.scales, z, y, routing.order, slot_weights if scatter else y,
-                          n, kw, kh, ng, x2.stride(0), y.stride(0), _out_mul(packed, False), MAGIC,
-                          NG_C=ng if _interpreting() else 0, BLOCK_M=routing.block_m, BLOCK_N=block_n,
-                          DOT_F32=_interpreting(), SCATTER=scatter, num_warps=num_warps, num_stages=num_stages,
-                          **_consts(packed))
-    return y

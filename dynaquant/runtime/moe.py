@@ -256,8 +256,9 @@ class DynaExperts(nn.Module):
         k, e, inter = idx.shape[1], self.num_experts, self.inter
         per_expert = t * k // e
         r = route(idx, e, block_m=16 if per_expert <= 16 else 32 if per_expert <= 32 else 64)
-        # launch shape: measured on an H100 (benchmarks/moe_kernels.py; kernels/NOTES.md)
-        launch = dict(block_n=64 if t < 4 else 128, num_stages=3)
+        # launch shape: measured on an H100 (benchmarks/moe_kernels.py; kernels/NOTES.md): up to 16 tokens one
+        # program a slot on the CUDA cores, above that tensor-core tiles of a routing block
+        launch = dict(gemv=True, block_n=64, num_warps=2) if t <= 16 else dict(block_n=128, num_stages=3)
         gu = grouped_linear(x, self.grouped[0].packed, r, **launch)  # (S, 2I): gate then up, slots in expert order
         h = self.act_fn(gu[:, :inter]) * gu[:, inter:]
         y = grouped_linear(h, self.grouped[1].packed, r, sorted_input=True, slot_weights=top_k_weights.reshape(-1),

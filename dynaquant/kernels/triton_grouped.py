@@ -1,0 +1,188 @@
+"""Triton kernels of :mod:`dynaquant.kernels.grouped`: every routed expert of a mixture-of-experts layer in one launch,
+on the layout of :mod:`dynaquant.kernels.packing` (the experts' weights stacked along N) and with the element
+decoders of :mod:`.triton_linear` (imported lazily, as that module: importing this one imports Triton).
+
+Two kernels: :func:`_grouped_kernel`, the tensor-core tile of ``triton_linear``'s small-batch kernel with its rows
+taken from a routing block's expert-sorted slots, and :func:`_grouped_gemv_kernel`, one program a slot on the CUDA
+cores (the dense GEMV's loop), for a few slots an expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dynaquant.kernels.packing import PackedWeight
+from dynaquant.kernels.triton_linear import (
+    MAGIC,
+    X_SCALE,
+    code_value,
+    format_constants,
+    group_scale,
+    interpreting,
+    out_multiplier,
+    packed_words,
+    tile_values,
+)
+
+# ----------------------------------------------------------------------------------------------
+# mixture of experts: every routed expert of a layer in one launch
+
+
+@triton.jit
+def _grouped_gemv_kernel(x_ptr, tok_ptr, exp_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, y_ptr, dst_ptr, w_ptr,
+                         E, N, KW, KH, NG, stride_xm, stride_ym, out_mul, magic, NT, NT_C: tl.constexpr,
+                         KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ZC: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SCATTER: tl.constexpr):
+    """Program (N tile, sorted slot ``s``): the slot's product on the CUDA cores, the dense GEMV's loop over words
+    [BLOCK_N, BLOCK_KW] of its expert's rows (for a few slots an expert, where a 16-slot tensor-core tile would
+    decode for one live row). A skipped choice (expert ``E``) does nothing."""
+    EPW: tl.constexpr = 16 if BITS == 3 else 32 // BITS
+    WPG: tl.constexpr = G // EPW
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    e = tl.load(exp_ptr + pid_s)
+    if e < E:
+        tok = tl.load(tok_ptr + pid_s)
+        xrow = x_ptr + tok * stride_xm
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = rn < N
+        row = (tl.minimum(rn, N - 1) + e * N)[:, None]
+        rw = tl.arange(0, BLOCK_KW)
+        wrow = qw_ptr + row * KW
+        acc = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+        for t in range(0, NT_C if NT_C > 0 else NT):
+            base = t * BLOCK_KW
+            word = base + rw
+            w = tl.load(wrow + word[None, :])
+            goff = row * NG + (base // WPG + rw // WPG)[None, :]
+            sc = group_scale(tl.load(s_ptr + goff), KIND)
+            if BITS == 3:
+                hw = tl.load(qh_ptr + row * KH + (base // 2 + rw // 2)[None, :])
+                hsrc = hw >> ((rw % 2) * 16)[None, :]
+            else:
+                hsrc = w
+            kb = word * EPW
+            part = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+            xs = tl.zeros([BLOCK_KW], dtype=tl.float32)
+            for i in tl.static_range(EPW):
+                xi = tl.load(xrow + kb + i).to(tl.float32)
+                if KIND != 0:
+                    xi = xi * X_SCALE
+                part += xi[None, :] * code_value(w, hsrc, ZC, magic, i, KIND, BITS)
+                if ASYM:
+                    xs += xi
+            if ASYM:  # (the tile lies in one group: BLOCK_KW <= WPG)
+                part -= tl.load(z_ptr + goff).to(tl.float32) * (tl.sum(xs, axis=0) / BLOCK_KW)
+            acc += part * sc
+        y = tl.sum(acc, axis=1) * out_mul
+        if SCATTER:
+            dst = tl.load(dst_ptr + pid_s)
+            y = y * tl.load(w_ptr + dst).to(tl.float32)
+        else:
+            dst = pid_s
+        tl.store(y_ptr + dst * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _grouped_kernel(x_ptr, tok_ptr, be_ptr, eb_ptr, bounds_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, y_ptr, dst_ptr, w_ptr,
+                    N, KW, KH, NG, stride_xm, stride_ym, out_mul, magic, NG_C: tl.constexpr,
+                    KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ZC: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, SCATTER: tl.constexpr):
+    """Program (N tile, routing block ``b``): the block's slots (rows ``start .. end - 1`` of the expert-sorted order,
+    all routed to expert ``e``; :class:`dynaquant.kernels.grouped.Routing`) times rows ``e N .. e N + N - 1`` of the
+    experts' stacked layout; the slots' activation rows gathered through ``tok``. ``end <= start``: nothing to do.
+    SCATTER: each product times its slot's weight ``w[dst]``, stored at row ``dst`` (the slot's original index)."""
+    EPW: tl.constexpr = 16 if BITS == 3 else 32 // BITS
+    WPG: tl.constexpr = G // EPW
+    DT: tl.constexpr = tl.float32 if DOT_F32 else x_ptr.dtype.element_ty
+    pid_n = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    e = tl.load(be_ptr + pid_b)
+    start = tl.load(bounds_ptr + e) + (pid_b - tl.load(eb_ptr + e)) * BLOCK_M
+    end = tl.minimum(start + BLOCK_M, tl.load(bounds_ptr + e + 1))
+    if end > start:
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = rn < N
+        rowv = tl.minimum(rn, N - 1) + e * N
+        row = rowv[:, None]
+        rm = start + tl.arange(0, BLOCK_M)
+        m_mask = rm < end
+        tok = tl.load(tok_ptr + rm, mask=m_mask, other=0).to(tl.int64)
+        rw = tl.arange(0, WPG)
+        rk = tl.arange(0, G)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for gi in range(0, NG_C if NG_C > 0 else NG):
+            word = gi * WPG + rw
+            w = tl.load(qw_ptr + row * KW + word[None, :])  # [BLOCK_N, WPG]
+            if ASYM:
+                zoff = tl.load(z_ptr + row * NG + gi).to(tl.float32)
+            else:
+                zoff = ZC
+            if BITS == 3:
+                hw = tl.load(qh_ptr + row * KH + (word // 2)[None, :])
+                hsrc = hw >> ((word % 2) * 16)[None, :]
+            else:
+                hsrc = w
+            wt = tile_values(w, hsrc, zoff, magic, KIND, BITS, EPW, DT)  # [BLOCK_N, G]
+            xt = tl.load(x_ptr + tok[None, :] * stride_xm + (gi * G + rk)[:, None], mask=m_mask[None, :], other=0.0)
+            d = tl.dot(wt, xt.to(DT))  # [BLOCK_N, BLOCK_M]
+            sc = group_scale(tl.load(s_ptr + rowv * NG + gi), KIND)
+            acc += d * sc[:, None]
+        out = acc * out_mul
+        if SCATTER:
+            dst = tl.load(dst_ptr + rm, mask=m_mask, other=0)
+            out = out * tl.load(w_ptr + dst, mask=m_mask, other=0.0).to(tl.float32)[None, :]
+        else:
+            dst = rm
+        tl.store(y_ptr + dst[None, :] * stride_ym + rn[:, None], out.to(y_ptr.dtype.element_ty),
+                 mask=n_mask[:, None] & m_mask[None, :])
+
+
+def _gemv_words(packed: PackedWeight, kw: int) -> int:
+    """Words a row per GEMV iteration: whole groups (up to 16 words, dividing the row), or one group for asymmetric
+    formats (their zero point is one per tile)."""
+    f = packed.fmt
+    wpg = f.group_size // (16 if f.bits == 3 else 32 // f.bits)
+    if not f.symmetric:
+        return wpg
+    m = 1
+    while wpg * m * 2 <= 16 and kw % (wpg * m * 2) == 0:
+        m *= 2
+    return wpg * m
+
+
+def run_grouped(x2: torch.Tensor, rows: torch.Tensor, packed: PackedWeight, routing, block_n: int = 64,
+                num_warps: int = 4, num_stages: int = 1, slot_weights: torch.Tensor | None = None,
+                gemv: bool = False) -> torch.Tensor:
+    """(S, N) = for each sorted slot ``s`` of ``routing`` (:class:`dynaquant.kernels.grouped.Routing`):
+    ``x2[rows[s]] @ dequant(W_e).T`` with ``e`` its expert, for the experts' stacked layout ``packed`` (E N rows);
+    rows of skipped slots left unwritten. ``slot_weights`` (S,): each product times its slot's weight, at its
+    original slot index (rows of skipped slots zero). ``gemv``: one program a slot and N tile on the CUDA cores
+    (:func:`_grouped_gemv_kernel`) instead of the routing blocks' tensor-core tiles."""
+    n = packed.out_features // routing.num_experts
+    kw, kh, ng = packed_words(packed)
+    scatter = slot_weights is not None
+    alloc = torch.zeros if scatter else torch.empty
+    y = alloc(routing.slots, n, dtype=x2.dtype, device=x2.device)
+    qh = packed.qweight_hi if packed.qweight_hi is not None else packed.qweight
+    z = packed.zeros if packed.zeros is not None else packed.scales
+    if gemv:
+        bkw = _gemv_words(packed, kw)
+        nt = kw // bkw
+        grid = (triton.cdiv(n, block_n), routing.slots)
+        _grouped_gemv_kernel[grid](x2, rows, routing.expert, packed.qweight, qh, packed.scales, z, y, routing.order,
+                                   slot_weights if scatter else y, routing.num_experts, n, kw, kh, ng, x2.stride(0),
+                                   y.stride(0), out_multiplier(packed, True), MAGIC, nt, NT_C=nt if interpreting() else 0,
+                                   BLOCK_N=block_n, BLOCK_KW=bkw, SCATTER=scatter, num_warps=num_warps,
+                                   num_stages=num_stages, **format_constants(packed))
+        return y
+    grid = (triton.cdiv(n, block_n), routing.block_expert.numel())
+    _grouped_kernel[grid](x2, rows, routing.block_expert, routing.expert_block, routing.expert_bounds, packed.qweight,
+                          qh, packed.scales, z, y, routing.order, slot_weights if scatter else y,
+                          n, kw, kh, ng, x2.stride(0), y.stride(0), out_multiplier(packed, False), MAGIC,
+                          NG_C=ng if interpreting() else 0, BLOCK_M=routing.block_m, BLOCK_N=block_n,
+                          DOT_F32=interpreting(), SCATTER=scatter, num_warps=num_warps, num_stages=num_stages,
+                          **format_constants(packed))
+    return y
