@@ -165,21 +165,28 @@ def test_a_loaded_moe_model_runs_its_experts_grouped(tmp_path, monkeypatch):
     write_safetensors(tmp_path / "q", plan, weights,
                       lambda e, w: encode_experts(w, e.format) if w.ndim == 3 else encode(w, e.format),
                       model.config.to_dict(), ignore=unquantized_linears(model, plan), progress=False)
-    monkeypatch.setattr(rt, "_kernel_device", lambda t: True)
-    monkeypatch.setattr(rt, "kernel_op", lambda fmt: rt._PackLinearOp(kernels))
-    loop = rt.load(tmp_path / "q", device="cpu", dtype=torch.bfloat16, fuse=False)
-    grouped = rt.load(tmp_path / "q", device="cpu", dtype=torch.bfloat16)
+    if not HAS_CUDA:  # (on CUDA: the kernels as dynaquant.load picks them)
+        monkeypatch.setattr(rt, "_kernel_device", lambda t: True)
+        monkeypatch.setattr(rt, "kernel_op", lambda fmt: rt._PackLinearOp(kernels))
+    loop = rt.load(tmp_path / "q", device=DEVICE, dtype=torch.bfloat16, fuse=False)
+    grouped = rt.load(tmp_path / "q", device=DEVICE, dtype=torch.bfloat16)
     mods = [m for m in grouped.modules() if isinstance(m, DynaExperts)]
     assert mods and all(m.grouped is not None for m in mods)
     assert all(lin._packed is None and lin._fused is not None
                for m in mods for lin in m.modules() if isinstance(lin, rt.DynaLinear))
     sa, sb = loop.state_dict(), grouped.state_dict()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    if HAS_CUDA:  # the whole model natively (the interpreter would take minutes)
+        ids = torch.tensor([[1, 5, 9, 200, 7, 33, 2, 64]], device=DEVICE)
+        with torch.no_grad():
+            a, b = loop(ids).logits.float(), grouped(ids).logits.float()
+        assert float((a - b).abs().max()) <= 0.02 * float(a.abs().max())
     gen = torch.Generator().manual_seed(2)
-    x = torch.randn(7, 256, generator=gen).to(torch.bfloat16)  # (the experts alone: the interpreter is slow)
+    x = torch.randn(7, 256, generator=gen).to(torch.bfloat16).to(DEVICE)  # (the experts alone: the interpreter is slow)
     idx = torch.randint(0, 4, (7, 2), generator=gen)
     idx[3, 0] = -1  # a masked choice
-    w = torch.rand(7, 2, generator=gen).to(torch.bfloat16)
+    idx = idx.to(DEVICE)
+    w = torch.rand(7, 2, generator=gen).to(torch.bfloat16).to(DEVICE)
     one, ref = mods[0], loop.model.layers[0].mlp.experts
     with torch.no_grad():
         want = ref(x, idx, w).float()
