@@ -15,6 +15,7 @@ reference :func:`grouped_linear_ref`. Nothing waits for the device: the routing 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -66,17 +67,10 @@ class Routing:
         return [(x, a, z) for x, a, z in zip(e.tolist(), start.tolist(), end.tolist()) if z > a]
 
 
-_CONSTANT_RANGES: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
+@functools.lru_cache(maxsize=64)
 def _arange(n: int, device: torch.device) -> torch.Tensor:
     """``torch.arange(n)`` kept per size and device (read only; one launch fewer a call, and safe in CUDA graphs)."""
-    key = (n, device)
-    if key not in _CONSTANT_RANGES:
-        if len(_CONSTANT_RANGES) > 64:
-            _CONSTANT_RANGES.clear()
-        _CONSTANT_RANGES[key] = torch.arange(n, device=device)
-    return _CONSTANT_RANGES[key]
+    return torch.arange(n, device=device)
 
 
 def route(top_k_index: torch.Tensor, num_experts: int, block_m: int = 16) -> Routing:
