@@ -6,7 +6,8 @@ concatenated along N). A layer's T tokens with their top-k choices make ``S = T 
 ``t``'s ``j``-th choice); :func:`route` sorts the slots by expert (stable: token order within an expert) and cuts each
 expert's run into blocks of ``block_m`` slots, the kernel's routing table. :func:`grouped_linear` then computes every
 slot's product in expert-sorted order, one program per (N tile, block), the weight tile decoded once for all the
-block's slots (the fused-MoE scheme of vLLM and SGLang, on this package's layout).
+block's slots (the fused-MoE scheme of vLLM and SGLang, on this package's layout), or, for a few slots an expert
+(``gemv``), one program per (N tile, slot) on the CUDA cores.
 
 Pure torch here (importing it does not import Triton); the kernels are :mod:`.triton_grouped`'s, the torch
 reference :func:`grouped_linear_ref`. Nothing waits for the device: the routing table has a fixed upper bound of
