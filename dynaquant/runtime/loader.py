@@ -369,17 +369,11 @@ def fuse_projections(model: nn.Module, groups: tuple[tuple[str, ...], ...] = FUS
             packed = members[0]._op.prepare(rw) if rw is not None else None
             if packed is None:
                 continue
-            bounds, start = [], 0
-            for m in members:
-                bounds.append((start, start + m.out_features))
-                start += m.out_features
+            bounds = _row_bounds(members)
             ref = next((m.bias for m in members if m.bias is not None), None)
             bias = None if ref is None else torch.cat([
                 m.bias.detach() if m.bias is not None else ref.new_zeros(m.out_features) for m in members])
-            group = _FusedProjection(names, members[0]._op, packed, bounds, bias)
-            for i, m in enumerate(members):
-                m._op = m._packed = None
-                m._fused = (group, i)
+            _join(_FusedProjection(names, members[0]._op, packed, bounds, bias), members)
             fused += 1
     return fused
 
@@ -479,9 +473,7 @@ def fuse_experts(model: nn.Module) -> int:
         if None in groups:
             continue
         for group, members in zip(groups, (gate_up, down)):
-            for i, m in enumerate(members):
-                m._op = m._packed = None
-                m._fused = (group, i)
+            _join(group, members)
         mod.grouped = tuple(groups)
         done += 1
     return done
@@ -497,11 +489,23 @@ def _stacked_group(members: list, names: tuple[str, ...]) -> _FusedProjection | 
         packed = op.kernels.stack([m._packed for m in members])
     except (AttributeError, ValueError):  # (a kernels package without stack; formats or scales that differ)
         return None
+    return _FusedProjection(names, op, packed, _row_bounds(members), None, separate=True)
+
+
+def _row_bounds(members: list) -> list[tuple[int, int]]:
+    """Each member's rows ``(start, stop)`` in the members' weights stacked along N, in order."""
     bounds, start = [], 0
     for m in members:
         bounds.append((start, start + m.out_features))
         start += m.out_features
-    return _FusedProjection(names, op, packed, bounds, None, separate=True)
+    return bounds
+
+
+def _join(group: _FusedProjection, members: list) -> None:
+    """The members give up their own kernel layouts and read their rows of the group's."""
+    for i, m in enumerate(members):
+        m._op = m._packed = None
+        m._fused = (group, i)
 
 
 def load(path: str | os.PathLike, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None,

@@ -216,7 +216,7 @@ class DynaExperts(nn.Module):
             self._gate_fn = type(source)._apply_gate
         else:
             self.act_fn = source.act_fn
-        self.inter, self.hidden = inter, hidden
+        self.inter = inter
         # (gate/up group, down group) of the experts' stacked kernel layouts, set by loader.fuse_experts
         self.grouped = None
 
