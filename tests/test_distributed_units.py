@@ -11,7 +11,7 @@ import torch
 from test_moe_analysis import _model
 
 from dynaquant.analysis.fold import merge_stats
-from dynaquant.analysis.stats import Collect, Collector, ModelStats, collect, label_generator
+from dynaquant.analysis.stats import Collect, Collector, ModelStats, collect, label_generator, sample_labels
 from dynaquant.distributed import Group, _join, _split, rank_threads
 
 
@@ -88,7 +88,7 @@ def test_partial_sums_merged_in_order_equal_the_direct_totals():
             if col.fisher:
                 with torch.enable_grad():
                     logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0].float(), -1)
-                    y = torch.multinomial(logp.exp().detach(), 1, generator=label_generator(ids.device, 0, s))
+                    y = sample_labels(logp, label_generator(ids.device, 0, s))
                     logp.gather(1, y).sum().backward()
                 part.fisher_sequences += 1
                 part.fisher_tokens += ids.numel()

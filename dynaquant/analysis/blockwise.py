@@ -35,7 +35,7 @@ import torch
 
 from dynaquant.analysis.fold import merge_stats
 from dynaquant.analysis.imatrix import Imatrix
-from dynaquant.analysis.stats import Collect, Collector, ModelStats, label_generator, stats_from_state, stats_state
+from dynaquant.analysis.stats import Collect, Collector, ModelStats, label_generator, sample_labels, stats_from_state, stats_state
 from dynaquant.distributed import group
 from dynaquant.progress import RunProgress, stage_bar
 from dynaquant.sources.skeleton import OUTER, ModelSkeleton
@@ -353,7 +353,7 @@ def collect_blockwise(sk: ModelSkeleton, chunks: torch.Tensor, what: Collect | N
                         logits = model(input_ids=ids, use_cache=False).logits[0].to(torch.float32)
                         logp = torch.log_softmax(logits, -1)
                         with torch.no_grad():
-                            y = torch.multinomial(logp.exp(), 1, generator=label_generator(dev, seed, s))
+                            y = sample_labels(logp, label_generator(dev, seed, s))
                         logp.gather(1, y).sum().backward()
                     grads[s] = h.grad.to(store_device)
                     col.fisher = False

@@ -454,7 +454,7 @@ def collect(model, chunks, what: Collect = Collect(), *, seed: int = 0, progress
                     logits = model(**batch, use_cache=False).logits[0].to(torch.float32)
                     logp = torch.log_softmax(logits, -1)
                     with torch.no_grad():
-                        y = torch.multinomial(logp.exp(), 1, generator=label_generator(device, seed, i))
+                        y = sample_labels(logp, label_generator(device, seed, i))
                     logp.gather(1, y).sum().backward()
                 st.fisher_sequences += 1
                 st.fisher_tokens += ids.numel()
@@ -472,6 +472,17 @@ def collect(model, chunks, what: Collect = Collect(), *, seed: int = 0, progress
     if st.imatrix is not None:
         st.imatrix.sums = {k: v.cpu() for k, v in st.imatrix.sums.items()}
     return st
+
+
+def sample_labels(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One label a row drawn from ``softmax`` of ``logp`` (T, V) float32 log-probabilities: (T, 1) int64.
+
+    Inverse-CDF sampling (a uniform draw per row placed in the row's cumulative probabilities), the distribution
+    ``torch.multinomial(logp.exp(), 1)`` draws from at a fraction of its cost on a CPU (0.7 s against ~0.05 s for
+    512 x 49 152 on the 2-core machine); deterministic for a given generator."""
+    c = logp.detach().exp().cumsum(-1)
+    u = torch.rand(c.shape[0], 1, generator=generator, device=c.device, dtype=c.dtype) * c[:, -1:]
+    return torch.searchsorted(c, u, right=True).clamp_max(c.shape[-1] - 1)
 
 
 def label_generator(device, seed: int, s: int) -> torch.Generator:
