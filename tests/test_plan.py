@@ -306,3 +306,16 @@ def test_default_target_plan_once_equals_the_retry(rules):
         new = make_plan(ts, m, rules=rules, size_bytes=new_size, overhead_bytes=1000, error_fn=_toy_error,
                         candidates=cands, defaults=defaults, error_source="toy", has_imatrix=True, lift_expert_caps=False)
         assert (new.to_dict(), new_size) == (old.to_dict(), old_size)
+
+
+def test_the_gaussian_prior_table_is_what_the_encoders_measure():
+    """planner.GAUSSIAN_REL_MSE (the prior of a plan without measurements, kept as numbers so that no run spends
+    seconds measuring it) holds every quantized format, each its encoder's error on the Gaussian rows; a codec whose
+    error moved fails here (then measure the table again)."""
+    from dynaquant.quant.planner import GAUSSIAN_REL_MSE, gaussian_rel_mse, measure_gaussian_rel_mse
+
+    assert set(GAUSSIAN_REL_MSE) == {n for n, f in FORMATS.items() if f.kind != "float"}
+    for name, value in GAUSSIAN_REL_MSE.items():
+        assert measure_gaussian_rel_mse(name) == pytest.approx(value, rel=1e-5), name
+        assert gaussian_rel_mse(name) == value
+    assert gaussian_rel_mse("F16") == 1e-7 and gaussian_rel_mse("F32") == 0.0
