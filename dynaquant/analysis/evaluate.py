@@ -102,12 +102,15 @@ class Scores:
 
 
 @torch.no_grad()
-def compare_models(reference, quantized, chunks: torch.Tensor, text_id: str = "", progress: bool = True) -> EvalResult:
+def compare_models(reference, quantized, chunks: torch.Tensor, text_id: str = "", progress: bool = True,
+                   reference_cache: bool = True) -> EvalResult:
     """Score ``quantized`` against ``reference`` on token chunks.
 
     Args:
         reference, quantized: transformers causal LMs with the same vocabulary (any device).
         chunks: (n, n_ctx) int64 token ids (``calibration.tokenize_chunks``).
+        reference_cache: keep the reference's hidden states at its output head between runs, and use kept ones
+            (:mod:`dynaquant.analysis.reference_cache`: a CPU reference only; the same logits bit for bit).
     Returns:
         EvalResult.
     Raises:
@@ -115,6 +118,14 @@ def compare_models(reference, quantized, chunks: torch.Tensor, text_id: str = ""
     """
     scores = Scores(chunks.shape[1], text_id)
     keep = chunks.shape[1] - chunks.shape[1] // 2  # the scored half
+    if reference_cache:
+        from dynaquant.analysis.reference_cache import ReferenceLogits
+
+        ref = ReferenceLogits(reference, chunks, keep, _logits)
+    else:
+        ref = lambda c, ids: _logits(reference, ids, keep)  # noqa: E731
     for c in tqdm(range(chunks.shape[0]), desc="eval", disable=not progress, unit="chunk"):
-        scores.add(chunks[c], _logits(reference, chunks[c], keep), _logits(quantized, chunks[c], keep))
+        scores.add(chunks[c], ref(c, chunks[c]), _logits(quantized, chunks[c], keep))
+    if reference_cache:
+        ref.close()
     return scores.result()
