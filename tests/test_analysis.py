@@ -118,6 +118,41 @@ def test_super_weight_found_and_confirmed(stats, default_model, chunks):
     assert float(w.detach()[507, 1229]) == pytest.approx(sw.value)  # restored
 
 
+
+def test_ablations_replay_the_blocks_before_theirs(stats, default_model, chunks):
+    """confirm runs each ablation from its own block on (the blocks before it replay the unablated outputs): the
+    perplexities equal whole ablated forwards bit for bit, and the blocks before a candidate's are not run."""
+    from dynaquant.analysis.superweights import perplexity
+
+    text = chunks[:1, :96]
+    cands = confirm(default_model, find_candidates(default_model, stats), text)
+    assert len({c.layer for c in cands}) > 1
+    mods = dict(default_model.named_modules())
+    runs = [0] * len(default_model.model.layers)
+    hooks = [b.self_attn.register_forward_pre_hook(lambda *a, i=i: runs.__setitem__(i, runs[i] + 1))
+             for i, b in enumerate(default_model.model.layers)]  # (a replayed block's own pre-hooks still run)
+    try:
+        late = max(cands, key=lambda c: c.layer)
+        again = confirm(default_model, [late], text)[0]
+    finally:
+        for h in hooks:
+            h.remove()
+    # recorded forward (every block), the replay check (the last block), the ablation (its block onwards)
+    assert runs[: late.layer] == [1] * late.layer
+    assert runs[late.layer] == 2 + (late.layer == len(runs) - 1)
+    assert again.ppl_ablated == late.ppl_ablated and again.ppl_base == late.ppl_base
+    for c in cands:
+        w = mods[c.module].weight
+        keep = w.detach()[c.row, c.column].clone()
+        with torch.no_grad():
+            w[c.row, c.column] = 0
+        try:
+            assert perplexity(default_model, text) == c.ppl_ablated, c.module
+        finally:
+            with torch.no_grad():
+                w[c.row, c.column] = keep
+    assert perplexity(default_model, text) == cands[0].ppl_base
+
 def test_calibration_sources(tmp_path, default_tokenizer):
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text("alpha beta gamma. " * 300)

@@ -108,17 +108,67 @@ def perplexity(model, chunks: torch.Tensor) -> float:
     return math.exp(nll / n)
 
 
+def _layer_list(mods: dict, module: str, layer: int) -> torch.nn.ModuleList | None:
+    """The ModuleList holding block ``layer`` of ``module``'s name (``model.layers.11.mlp.down_proj`` ->
+    ``model.layers``), or None."""
+    parts = module.split(".")
+    for i, p in enumerate(parts):
+        holder = mods.get(".".join(parts[:i]))
+        if p == str(layer) and isinstance(holder, torch.nn.ModuleList) and len(holder) > layer:
+            return holder
+    return None
+
+
+class _Prefix:
+    """Blocks before an ablated one replay their outputs of the unablated forward (an ablation changes nothing
+    before its block), so each ablation runs its own block onwards only. Kept only where replaying gives the
+    unablated perplexity bit for bit (checked once, every block replayed but the last): a model whose blocks are
+    not a plain chain runs whole forwards as before."""
+
+    def __init__(self, blocks: torch.nn.ModuleList):
+        self.blocks = blocks
+        self.outputs: list = []
+
+    def record(self, model, chunks: torch.Tensor) -> float:
+        """The unablated perplexity, each block's output kept (one chunk; several: nothing kept)."""
+        if chunks.shape[0] != 1:
+            return perplexity(model, chunks)
+        hooks = [b.register_forward_hook(lambda _m, _a, out: self.outputs.append(out)) for b in self.blocks]
+        try:
+            base = perplexity(model, chunks)
+        finally:
+            for h in hooks:
+                h.remove()
+        if len(self.outputs) != len(self.blocks) or self.run(model, chunks, len(self.blocks) - 1) != base:
+            self.outputs = []
+        return base
+
+    def run(self, model, chunks: torch.Tensor, first: int) -> float:
+        """Perplexity with blocks ``0 .. first - 1`` replaying their kept outputs."""
+        for i in range(first):
+            self.blocks[i].forward = (lambda out: lambda *a, **k: out)(self.outputs[i])
+        try:
+            return perplexity(model, chunks)
+        finally:
+            for i in range(first):
+                del self.blocks[i].forward
+
+
 @torch.no_grad()
 def confirm(model, candidates: list[SuperWeight], chunks: torch.Tensor, confirm_ratio: float = 1.1) -> list[SuperWeight]:
-    """Ablate each candidate (zero it, measure perplexity on ``chunks``, restore it); fills the ppl fields."""
+    """Ablate each candidate (zero it, measure perplexity on ``chunks``, restore it); fills the ppl fields. With one
+    chunk, each ablation runs from its own block on (:class:`_Prefix`: the same perplexities bit for bit)."""
     mods = dict(model.named_modules())
-    base = perplexity(model, chunks)
+    blocks = _layer_list(mods, candidates[0].module, candidates[0].layer) if candidates else None
+    prefix = _Prefix(blocks) if blocks is not None else None
+    base = prefix.record(model, chunks) if prefix is not None else perplexity(model, chunks)
     for s in candidates:
         w = mods[s.module].weight
         keep = w[s.row, s.column].clone()
         w[s.row, s.column] = 0
         try:
-            s.ppl_ablated = perplexity(model, chunks)
+            replay = prefix is not None and prefix.outputs and _layer_list(mods, s.module, s.layer) is blocks
+            s.ppl_ablated = prefix.run(model, chunks, s.layer) if replay else perplexity(model, chunks)
         finally:
             w[s.row, s.column] = keep
         s.ppl_base = base
