@@ -30,8 +30,8 @@ CORRECT_SEQUENCES = 8  # held-out calibration sequences the measured corrections
 # On a CPU (no GPU) the forward passes dominate a run (a 512-token forward of the 135M default model is ~140 GFLOP), so a
 # quantize run whose counts are not given uses fewer: README's first command in ~90 s on 2 cores (issue 16; the plan's
 # measured KLD against the counts above: README "Speed").
-CPU_CALIBRATION_CHUNKS = 12
-CPU_FISHER_SEQUENCES = 4
+CPU_CALIBRATION_CHUNKS = 8
+CPU_FISHER_SEQUENCES = 2
 CPU_EVAL_CHUNKS = 8
 TARGETS = ("gguf", "safetensors")
 DEFAULT_SIZE_PRESET = "Q4_K_M"  # the default target of a dynamic plan: this llama.cpp mix's file size ...
