@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
+from dynaquant.analysis.reference_cache import ReferenceLogits
+
 
 @dataclass
 class EvalResult:
@@ -118,14 +120,8 @@ def compare_models(reference, quantized, chunks: torch.Tensor, text_id: str = ""
     """
     scores = Scores(chunks.shape[1], text_id)
     keep = chunks.shape[1] - chunks.shape[1] // 2  # the scored half
-    if reference_cache:
-        from dynaquant.analysis.reference_cache import ReferenceLogits
-
-        ref = ReferenceLogits(reference, chunks, keep, _logits)
-    else:
-        ref = lambda c, ids: _logits(reference, ids, keep)  # noqa: E731
+    ref = ReferenceLogits(reference, chunks, keep, _logits, cached=reference_cache)
     for c in tqdm(range(chunks.shape[0]), desc="eval", disable=not progress, unit="chunk"):
         scores.add(chunks[c], ref(c, chunks[c]), _logits(quantized, chunks[c], keep))
-    if reference_cache:
-        ref.close()
+    ref.close()
     return scores.result()

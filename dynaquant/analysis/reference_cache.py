@@ -62,15 +62,16 @@ class ReferenceLogits:
         model: the reference (a transformers causal LM with an output embedding).
         chunks: (n, n_ctx) int64 token ids; keep: scored positions (the ``logits_to_keep`` of each forward).
         forward: ``forward(model, ids, keep)`` -> (keep, vocab) float32 logits on the CPU (``evaluate._logits``).
+        cached: False: every chunk from the forward, nothing read or kept.
     """
 
-    def __init__(self, model, chunks: torch.Tensor, keep: int, forward):
+    def __init__(self, model, chunks: torch.Tensor, keep: int, forward, cached: bool = True):
         self.model, self.keep, self.forward, self.n = model, keep, forward, chunks.shape[0]
         self.head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self.path: Path | None = None
         self.states: list[torch.Tensor] | None = None  # kept (hit) or recorded (miss) head inputs
         self.hit = False
-        root = cache_root()
+        root = cache_root() if cached else None
         key = fingerprint(model, chunks, keep) if root is not None and self.head is not None else None
         if key is None:
             return

@@ -108,15 +108,12 @@ def perplexity(model, chunks: torch.Tensor) -> float:
     return math.exp(nll / n)
 
 
-def _layer_list(mods: dict, module: str, layer: int) -> torch.nn.ModuleList | None:
-    """The ModuleList holding block ``layer`` of ``module``'s name (``model.layers.11.mlp.down_proj`` ->
-    ``model.layers``), or None."""
-    parts = module.split(".")
-    for i, p in enumerate(parts):
-        holder = mods.get(".".join(parts[:i]))
-        if p == str(layer) and isinstance(holder, torch.nn.ModuleList) and len(holder) > layer:
-            return holder
-    return None
+def _block_list(mods: dict, module: str) -> torch.nn.ModuleList | None:
+    """The ModuleList holding the block of ``module`` (``model.layers.11.mlp.down_proj`` -> ``model.layers``, by
+    :class:`TensorName`'s parse of the name), or None."""
+    tn = TensorName.from_hf(module)
+    holder = mods.get(tn.prefix.rsplit(".", 1)[0]) if tn.block is not None else None
+    return holder if isinstance(holder, torch.nn.ModuleList) and len(holder) > tn.block else None
 
 
 class _Prefix:
@@ -159,7 +156,7 @@ def confirm(model, candidates: list[SuperWeight], chunks: torch.Tensor, confirm_
     """Ablate each candidate (zero it, measure perplexity on ``chunks``, restore it); fills the ppl fields. With one
     chunk, each ablation runs from its own block on (:class:`_Prefix`: the same perplexities bit for bit)."""
     mods = dict(model.named_modules())
-    blocks = _layer_list(mods, candidates[0].module, candidates[0].layer) if candidates else None
+    blocks = _block_list(mods, candidates[0].module) if candidates else None
     prefix = _Prefix(blocks) if blocks is not None else None
     base = prefix.record(model, chunks) if prefix is not None else perplexity(model, chunks)
     for s in candidates:
@@ -167,7 +164,7 @@ def confirm(model, candidates: list[SuperWeight], chunks: torch.Tensor, confirm_
         keep = w[s.row, s.column].clone()
         w[s.row, s.column] = 0
         try:
-            replay = prefix is not None and prefix.outputs and _layer_list(mods, s.module, s.layer) is blocks
+            replay = prefix is not None and prefix.outputs and _block_list(mods, s.module) is blocks
             s.ppl_ablated = prefix.run(model, chunks, s.layer) if replay else perplexity(model, chunks)
         finally:
             w[s.row, s.column] = keep

@@ -86,7 +86,7 @@ class BudgetError(ValueError):
 
 # gaussian_rel_mse of every quantized format, as measure_gaussian_rel_mse gives it on the 2-core CPU machine
 # (2026-11-27): measuring the 47 formats takes ~9 s there, paid by every plan that uses the prior (the budget check of
-# each dynamic run); tests/test_planner_prior.py measures them again and compares.
+# each dynamic run); tests/test_plan.py measures them again and compares.
 GAUSSIAN_REL_MSE: dict[str, float] = {
     'Q8_0': 2.4042125005507842e-05,
     'Q5_1': 0.001138794468715787,
