@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import subprocess
 import sys
 
@@ -127,7 +126,8 @@ def test_transformers_loader_agrees(checkpoint, default_tokenizer):
         rt = theirs(ids).logits[0].float()  # the first forward decompresses their weights
         ro = ours16(ids).logits[0].float()
         lt, lo = torch.log_softmax(rt, -1), torch.log_softmax(ro, -1)
-        l32 = torch.log_softmax(ours32(ids).logits[0].float(), -1)
+        r32 = ours32(ids).logits[0].float()
+        l32 = torch.log_softmax(r32, -1)
     # weights: FP4 decodes to the same bf16 values; integers differ by their two bf16 roundings at most
     u = 2.0 ** -8  # bf16 unit roundoff
     for name, mod in ours32.named_modules():
@@ -140,16 +140,15 @@ def test_transformers_loader_agrees(checkpoint, default_tokenizer):
     # logits: closer to ours in bf16 than bf16 arithmetic itself is to float32 on the same weights
     kl = (lo.exp() * (lo - lt)).sum(-1).mean()
     assert kl < (l32.exp() * (l32 - lo)).sum(-1).mean()
-    # top-1: the same token at every position but ties at bf16's resolution: where the two models' tokens differ,
-    # they are at most two bf16 units in the last place apart in both models' logits (a fixed 90 % agreement held
-    # on one CI machine and failed on another, 13 of 15 positions, both misses at gaps of 0 and 1-2 units)
+    # top-1: the same token at every position but near-ties: where the two bf16 models' tokens differ, the float32
+    # forward on the same weights ranks the two tokens closer than bf16 arithmetic's own error at that position (ours
+    # in bf16 against float32). A fixed bound of two bf16 units failed on a CPU without native bf16: there bf16's
+    # error reaches ~8 units at logits near 26 and a float32 gap of 0.32 came out a tie in ours, 0.5 in theirs.
     a, b = ro.argmax(-1), rt.argmax(-1)
     for pos in torch.nonzero(a != b).flatten().tolist():
         ta, tb = int(a[pos]), int(b[pos])
-        top = max(abs(float(x[pos, t])) for x in (ro, rt) for t in (ta, tb))
-        ulp = 2.0 ** (math.floor(math.log2(top)) - 7)  # bf16: 8 significant bits
-        gaps = (float(ro[pos, ta] - ro[pos, tb]), float(rt[pos, tb] - rt[pos, ta]))
-        assert max(gaps) <= 2 * ulp, (pos, ta, tb, gaps, ulp)
+        gap32, noise = abs(float(r32[pos, ta] - r32[pos, tb])), float((ro[pos] - r32[pos]).abs().max())
+        assert gap32 <= noise, (pos, ta, tb, gap32, noise)
 
 
 def test_eval_cli(checkpoint):
