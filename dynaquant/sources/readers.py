@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import gguf
+import numpy as np
 
 from dynaquant.errors import InputError
 
@@ -155,6 +156,46 @@ def _check_layout(path: Path, buf) -> int:
     return data_start
 
 
+class FastGGUFReader(gguf.GGUFReader):
+    """gguf-py's ``GGUFReader`` with the same fields, parts, types and tensors, parsed ~4x faster.
+
+    gguf-py slices its ``np.memmap`` once or twice per metadata value, and every memmap slice runs numpy's
+    ``memmap.__array_finalize__`` (a 49k-token vocabulary and its merges, ~250 000 parts, took 3.4 s of a 4.1 s
+    parse on a 2-core CPU). Here the slices are taken from a plain ``ndarray`` view of the same map (still zero-copy,
+    read-only) and an array of strings is walked in one loop; anything else (other arrays, a byte-swapped file) goes
+    through gguf-py's own code. ``tests/test_readers.py`` compares every field and tensor with ``GGUFReader``'s.
+    """
+
+    def _plain(self) -> np.ndarray:
+        plain = self.__dict__.get("_plain_data")
+        if plain is None:
+            plain = self.__dict__["_plain_data"] = self.data.view(np.ndarray)
+        return plain
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        count, dt = int(count), np.dtype(dtype)
+        arr = self._plain()[offset : offset + dt.itemsize * count].view(dt)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    def _get_field_parts(self, orig_offs, raw_type):
+        if raw_type != gguf.GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        if raw_itype[0] != gguf.GGUFValueType.STRING or alen[0] == 0:
+            return super()._get_field_parts(orig_offs, raw_type)
+        plain, u64 = self._plain(), np.dtype(np.uint64)
+        view = memoryview(plain)
+        parts, offs = [raw_itype, alen], orig_offs + 12
+        for _ in range(int(alen[0])):  # as gguf-py: each string's length (uint64 [1]) and its bytes (uint8 [n])
+            n = int.from_bytes(view[offs : offs + 8], "little")
+            if offs + 8 + n > len(plain):
+                raise ValueError(f"string at offset {offs} runs past the end of the file")
+            parts += (plain[offs : offs + 8].view(u64), plain[offs + 8 : offs + 8 + n])
+            offs += 8 + n
+        return offs - orig_offs, parts, list(range(3, len(parts), 2)), [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]
+
+
 # The last few GGUFReaders opened, by (path, device, inode, size, digest of the header bytes): gguf-py parses every
 # metadata field in Python
 # (a 49k-token vocabulary takes seconds), and one run opens its source several times. Only files up to
@@ -165,7 +206,8 @@ _READERS_MAX_BYTES = 4 << 30
 
 
 def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
-    """Open a GGUF file with gguf-py's ``GGUFReader`` (memory-mapped, read-only), after :func:`check_gguf_layout`.
+    """Open a GGUF file with gguf-py's ``GGUFReader`` (:class:`FastGGUFReader`; memory-mapped, read-only), after
+    :func:`check_gguf_layout`.
 
     The reader of a file (up to 4 GiB) opened recently is returned again while the file is the same (inode, size,
     and a digest of its header, metadata and tensor table: what the reader parsed; the tensor data stays mapped),
@@ -186,7 +228,7 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
     if key in _READERS:
         return _READERS[key]
     try:
-        reader = gguf.GGUFReader(path)
+        reader = FastGGUFReader(path)
     except (MemoryError, RecursionError):
         raise
     except Exception as e:  # noqa: BLE001 - gguf-py raises KeyError, ValueError, UnicodeDecodeError, ... on damaged files

@@ -1,0 +1,46 @@
+"""FastGGUFReader parses every field and tensor as gguf-py's GGUFReader does (dynaquant.sources.readers)."""
+
+import gguf
+import numpy as np
+
+from dynaquant.sources.readers import FastGGUFReader
+
+
+def _same(path):
+    ref, ours = gguf.GGUFReader(path), FastGGUFReader(path)
+    assert list(ref.fields) == list(ours.fields)
+    for key, a in ref.fields.items():
+        b = ours.fields[key]
+        assert (a.name, a.offset, a.types, a.data) == (b.name, b.offset, b.types, b.data), key
+        assert len(a.parts) == len(b.parts), key
+        for x, y in zip(a.parts, b.parts):
+            assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y), key
+        assert a.contents() == b.contents(), key
+    assert len(ref.tensors) == len(ours.tensors) > 0
+    for a, b in zip(ref.tensors, ours.tensors):
+        assert (a.name, a.tensor_type, a.data_offset, a.n_bytes) == (b.name, b.tensor_type, b.data_offset, b.n_bytes)
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
+        assert not isinstance(b.data, np.memmap) or np.shares_memory(b.data, ours.data)
+
+
+def test_fast_reader_matches_gguf_py_on_the_default_model(default_source):
+    _same(default_source.path)
+
+
+def test_fast_reader_matches_gguf_py_on_every_value_kind(tmp_path):
+    path = tmp_path / "kinds.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_string("a.string", "héllo")
+    w.add_array("a.strings", ["", "x", "a longer string", "ünïcode"])
+    w.add_array("a.empty_strings", [])
+    w.add_array("a.ints", [1, -2, 3])
+    w.add_array("a.floats", [0.5, 1.5])
+    w.add_array("a.nested", [[1, 2], [3]])
+    w.add_uint64("a.u64", 2**40)
+    w.add_bool("a.bool", True)
+    w.add_tensor("t", np.arange(64, dtype=np.float32).reshape(2, 32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _same(path)
