@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, replace
 
 from dynaquant.analysis.calibration import CalibrationSpec
+from dynaquant.analysis.errors import SAMPLE_FRACTION
 from dynaquant.exporters.safetensors.writer import DEFAULT_SHARD_BYTES
 from dynaquant.quant.fit import FIT_CTX
 from dynaquant.quant.formats import get_format
@@ -33,6 +34,7 @@ CORRECT_SEQUENCES = 8  # held-out calibration sequences the measured corrections
 CPU_CALIBRATION_CHUNKS = 8
 CPU_FISHER_SEQUENCES = 2
 CPU_EVAL_CHUNKS = 8
+CPU_SAMPLE_FRACTION = 32  # ... and measures the errors on half the rows (dynaquant.analysis.errors.sample_size)
 TARGETS = ("gguf", "safetensors")
 DEFAULT_SIZE_PRESET = "Q4_K_M"  # the default target of a dynamic plan: this llama.cpp mix's file size ...
 QUANTIZED_SOURCE_SIZE_PRESETS = ("Q3_K_M", "Q2_K")  # ... of an already-quantized source: the first of these below it
@@ -97,8 +99,10 @@ class QuantizeConfig:
         calibration: a text file or CalibrationSpec; calibration_chunks sequences of n_ctx tokens.
         use_imatrix, default_rules_on: as their names say.
         evaluate, eval_text, eval_chunks: measure KLD / perplexity / top-1 at the end.
-        calibration_chunks, eval_chunks, fisher_sequences: None: the device's default (:meth:`for_device`: 32, 16, 8
-            on a GPU; 12, 8, 4 on the CPU).
+        calibration_chunks, eval_chunks, fisher_sequences, sample_fraction: None: the device's default
+            (:meth:`for_device`: 32, 16, 8, 16 on a GPU; 8, 8, 2, 32 on the CPU); sample_fraction: the analysis
+            measures each tensor's errors on about 1 / sample_fraction of its rows
+            (:func:`dynaquant.analysis.errors.sample_size`).
         gptq, gptq_damp: error-compensating rounding and its damping.
         target: ``gguf`` or ``safetensors``.
         save_plan: also write the plan JSON here.
@@ -157,6 +161,7 @@ class QuantizeConfig:
     keep_super_weights: bool = True
     max_shard_bytes: int = DEFAULT_SHARD_BYTES
     fisher_sequences: int | None = None
+    sample_fraction: int | None = None
     push_to_hub: str | None = None
     push_private: bool = False
     push_branch: str | None = None
@@ -187,11 +192,13 @@ class QuantizeConfig:
 
     def for_device(self, device: str) -> QuantizeConfig:
         """This config with the counts left None set for ``device`` (a torch device string): on a CUDA device
-        :data:`CALIBRATION_CHUNKS`, :data:`EVAL_CHUNKS`, :data:`FISHER_SEQUENCES`; elsewhere the ``CPU_`` ones."""
+        :data:`CALIBRATION_CHUNKS`, :data:`EVAL_CHUNKS`, :data:`FISHER_SEQUENCES`, :data:`SAMPLE_FRACTION`; elsewhere
+        the ``CPU_`` ones."""
         gpu = str(device).startswith("cuda")
         counts = {"calibration_chunks": CALIBRATION_CHUNKS if gpu else CPU_CALIBRATION_CHUNKS,
                   "eval_chunks": EVAL_CHUNKS if gpu else CPU_EVAL_CHUNKS,
-                  "fisher_sequences": FISHER_SEQUENCES if gpu else CPU_FISHER_SEQUENCES}
+                  "fisher_sequences": FISHER_SEQUENCES if gpu else CPU_FISHER_SEQUENCES,
+                  "sample_fraction": SAMPLE_FRACTION if gpu else CPU_SAMPLE_FRACTION}
         return replace(self, **{k: v for k, v in counts.items() if getattr(self, k) is None})
 
     def spec(self) -> CalibrationSpec:

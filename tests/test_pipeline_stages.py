@@ -133,5 +133,24 @@ def test_counts_left_unset_follow_the_device():
     assert (cpu.calibration_chunks, cpu.eval_chunks, cpu.fisher_sequences) == (
         config.CPU_CALIBRATION_CHUNKS, config.CPU_EVAL_CHUNKS, config.CPU_FISHER_SEQUENCES)
     assert cpu.calibration_chunks < gpu.calibration_chunks and cpu.spec().n_sequences == config.CPU_CALIBRATION_CHUNKS
-    given = QuantizeConfig(calibration_chunks=5, eval_chunks=3, fisher_sequences=0).for_device("cpu")
-    assert (given.calibration_chunks, given.eval_chunks, given.fisher_sequences) == (5, 3, 0)
+    assert (gpu.sample_fraction, cpu.sample_fraction) == (config.SAMPLE_FRACTION, config.CPU_SAMPLE_FRACTION)
+    given = QuantizeConfig(calibration_chunks=5, eval_chunks=3, fisher_sequences=0, sample_fraction=8).for_device("cpu")
+    assert (given.calibration_chunks, given.eval_chunks, given.fisher_sequences, given.sample_fraction) == (5, 3, 0, 8)
+
+
+def test_sample_size_keeps_the_sixteenth_and_scales_with_the_fraction():
+    """sample_size: 1/16 of the rows between 32 and 2048 by default (every row up to 64); other fractions scale all
+    three; sample_tensor draws that many."""
+    import pytest
+    import torch
+
+    from dynaquant.analysis.errors import RowWeights, sample_size, sample_tensor
+
+    assert [sample_size(n) for n in (10, 64, 65, 576, 1536, 49152)] == [10, 64, 32, 36, 96, 2048]
+    assert [sample_size(n, 32) for n in (10, 64, 65, 576, 1536, 49152)] == [10, 64, 16, 18, 48, 1024]
+    for bad in (0, 513):
+        with pytest.raises(ValueError, match="sample fraction"):
+            sample_size(100, bad)
+    w = torch.randn(1536, 64)
+    s16, s32 = (sample_tensor(w, RowWeights(), imatrix=torch.ones(64), fraction=f) for f in (16, 32))
+    assert s16.rows.shape == (96, 64) and s32.rows.shape == (48, 64)

@@ -41,6 +41,24 @@ from dynaquant.quant.formats import Format, get_format
 BATCH_WEIGHTS = 1 << 27
 # Formats whose encoder looks across blocks, measured one tensor at a time (as quantize encodes it): NVFP4_G16
 # takes its global scale from the largest magnitude of the blocks it is given.
+# Rows of an (N, K) tensor whose errors are measured (:func:`sample_size`): N // SAMPLE_FRACTION, between 512 // and
+# 32768 // SAMPLE_FRACTION rows (32 and 2048), every row of a tensor of at most 64. A quantize run on the CPU measures
+# half as many (CPU_SAMPLE_FRACTION in dynaquant.config).
+SAMPLE_FRACTION = 16
+
+
+def sample_size(n_rows: int, fraction: int = SAMPLE_FRACTION) -> int:
+    """Rows sampled of a tensor of ``n_rows`` rows: all up to 64, else ``n_rows // fraction`` clamped to
+    ``[512 // fraction, 32768 // fraction]`` (``fraction`` 16: 32 to 2048 rows).
+
+    Raises:
+        ValueError: ``fraction`` is not between 1 and 512.
+    """
+    if not 1 <= fraction <= 512:
+        raise ValueError(f"sample fraction {fraction}: expected 1 to 512")
+    return n_rows if n_rows <= 64 else min(32768 // fraction, max(512 // fraction, n_rows // fraction))
+
+
 PER_TENSOR_FORMATS = frozenset({"NVFP4_G16"})
 
 
@@ -203,13 +221,14 @@ def _row_terms(W: torch.Tensor, rw: RowWeights, quad: torch.Tensor | None = None
 
 def sample_tensor(weight: torch.Tensor, rw: RowWeights, *, imatrix: torch.Tensor | None = None,
                   hessian: torch.Tensor | None = None, rows: int | None = None, seed: int = 0,
-                  score: str = "kld", stored: str | None = None) -> ErrorSample:
+                  score: str = "kld", stored: str | None = None, fraction: int = SAMPLE_FRACTION) -> ErrorSample:
     """Draw the rows of one tensor whose errors :func:`measure_samples` measures (the weight itself is not kept).
 
     Args: as :func:`measure_errors`, and
         score: what the strata follow: ``"kld"`` each row's term of the predicted KL divergence under ``rw``;
             ``"output"`` its output energy ``W_i H W_i^T`` (the Fisher not known yet: :class:`RowErrors`).
         stored: :attr:`ErrorSample.stored`.
+        fraction: with ``rows`` None, :func:`sample_size`'s.
     Returns:
         ErrorSample on the weight's device.
     Raises:
@@ -223,7 +242,7 @@ def sample_tensor(weight: torch.Tensor, rw: RowWeights, *, imatrix: torch.Tensor
     H = H.to(W.device, torch.float32)
     imp = imatrix.to(W.device, torch.float32) if imatrix is not None else (torch.diagonal(H) if H.dim() == 2 else H).clone()
     if rows is None:
-        rows = N if N <= 64 else min(2048, max(32, N // 16))
+        rows = sample_size(N, fraction)
     if score == "output":
         score_v = quad_rows(W, H) + 1e-30 * (W * W).sum(1).double()
     elif score == "kld":
@@ -310,7 +329,7 @@ def measure_errors(weight: torch.Tensor, formats: list[str], rw: RowWeights, *, 
         imatrix: (K,) float32 importance passed to the encoders (and used for ``weighted_rel``).
         hessian: (K, K) float32 E[x x^T] for ``output_rel``, or its (K,) diagonal (default: ``rw.hessian``; None:
             diag(imatrix)).
-        rows: rows to measure (default: all when N <= 64, else max(32, N // 16) capped at 2048).
+        rows: rows to measure (default :func:`sample_size`: all when N <= 64, else max(32, N // 16) capped at 2048).
         seed: row sampling seed.
     Returns:
         format name -> TensorError (sizes for the whole tensor, errors estimated from the sampled rows).

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from dynaquant import distributed
 from dynaquant.analysis import experts
 from dynaquant.analysis.calibration import CalibrationSpec, calibration_chunks
-from dynaquant.analysis.errors import ErrorSample, measure_samples, sample_tensor
+from dynaquant.analysis.errors import SAMPLE_FRACTION, ErrorSample, measure_samples, sample_tensor
 from dynaquant.analysis.imatrix import Imatrix
 from dynaquant.analysis.report.schema import save_report, tensor_group
 from dynaquant.analysis.sensitivity import ReferenceLogits, group_sensitivity, kld_with_weights
@@ -86,11 +86,13 @@ def _error_groups(src_tensors) -> list[list[int]]:
 
 
 def _measure_tensors(model, src_tensors, stats: ModelStats, tied: bool, candidates: tuple[str, ...], sw_tensors: set,
-                     progress: bool, stored: dict[str, str]) -> tuple[list[dict], dict[str, torch.Tensor | None]]:
+                     progress: bool, stored: dict[str, str], fraction: int = SAMPLE_FRACTION,
+                     ) -> tuple[list[dict], dict[str, torch.Tensor | None]]:
     """The report's tensor entries with the errors of every candidate format, and the encoder imatrix of each
     measured tensor (by HF name). A decoder block's tensors, and all experts of its MoE layer, are measured
     together (:func:`dynaquant.analysis.errors.measure_samples`), with the results of one tensor at a time; a
-    tensor's stored GGUF type (``stored``, by GGUF name) is its source bytes, error 0."""
+    tensor's stored GGUF type (``stored``, by GGUF name) is its source bytes, error 0; ``fraction``: the rows
+    sampled (:func:`dynaquant.analysis.errors.sample_size`)."""
     entries = [tensor_entry(t, sw_tensors) for t in src_tensors]
     enc_imatrix: dict[str, torch.Tensor | None] = {}
     bar = tqdm(total=len(src_tensors), desc="errors", disable=not progress, unit="tensor")
@@ -128,7 +130,8 @@ def _measure_tensors(model, src_tensors, stats: ModelStats, tied: bool, candidat
                 rw, imp = row_weights_of(t, stats, tied, stats.token_counts)
                 if w is not None and rw is not None and tuple(w.shape) == tuple(t.shape):
                     owners.append((i, len(samples), len(samples) + 1, None))
-                    samples.append(sample_tensor(w.detach(), rw, imatrix=imp, stored=stored.get(t.gguf_name)))
+                    samples.append(sample_tensor(w.detach(), rw, imatrix=imp, stored=stored.get(t.gguf_name),
+                                                 fraction=fraction))
                     if t.hf_name:
                         enc_imatrix[t.hf_name] = imp
                 else:
@@ -148,12 +151,14 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
                  super_weights: bool = True, sensitivity_formats: tuple[str, ...] = (),
                  validate: tuple[tuple[str, int], ...] = (), overhead_bytes: int = 0,
                  progress: bool = True, timings: dict | None = None, correct_rounds: int = 0,
-                 correct_sequences: int = CORRECT_SEQUENCES, allow_nonfinite: bool = False) -> AnalysisResult:
+                 correct_sequences: int = CORRECT_SEQUENCES, allow_nonfinite: bool = False,
+                 sample_fraction: int = SAMPLE_FRACTION) -> AnalysisResult:
     """Analyse a loaded model (see ``analyze``); ``validate`` is (label, size_bytes) pairs of plans to check, each
     also corrected (:mod:`dynaquant.pipeline.corrections`) with ``correct_rounds`` > 0 (the report's ``corrections``
     section gathers the rounds of every size; each ``plans`` row gets ``corrected``: the final plan's figures). A
     tensor of a GGUF source planned in its stored type keeps the source's bytes, so that format's error is 0 (not with
-    ``allow_nonfinite``: the model's weights may then differ from the stored ones)."""
+    ``allow_nonfinite``: the model's weights may then differ from the stored ones); ``sample_fraction``: the rows
+    of each tensor whose errors are measured (:func:`dynaquant.analysis.errors.sample_size`)."""
     timings = {} if timings is None else timings
     device = next(model.parameters()).device
     t0 = time.perf_counter()
@@ -183,7 +188,7 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
 
     t2 = time.perf_counter()
     entries, enc_imatrix = _measure_tensors(model, src_tensors, stats, info.tied_embeddings, candidates, sw_tensors,
-                                            progress, kept_types(ts, allow_nonfinite))
+                                            progress, kept_types(ts, allow_nonfinite), sample_fraction)
     timings["errors_s"] = time.perf_counter() - t2
 
     report = build_report(source, ts, spec, stats, entries, sws, candidates, device=device,

@@ -142,8 +142,9 @@ def quantize(model: str | os.PathLike | None = None, *, output: str | os.PathLik
         rules: ``'REGEX=FORMAT'`` (or ``>=``, ``<=``) matched against GGUF tensor names, first match wins,
             before the default rules (``planner.default_rules``; off with ``default_rules_on=False``).
         report: an analysis report (``report.json`` path or dict) for dynamic plans; without one, the
-            analysis runs here on ``calibration_chunks`` sequences (None: 32 on a GPU, 12 on the CPU; with 8 / 4 of
-            them also given a backward pass for the Fisher diagonals: ``QuantizeConfig.for_device``).
+            analysis runs here on ``calibration_chunks`` sequences (None: 32 on a GPU, 8 on the CPU; with 8 / 2 of
+            them also given a backward pass for the Fisher diagonals, and the errors measured on 1 / 16 / 1 / 32 of
+            each tensor's rows: ``QuantizeConfig.for_device``).
         imatrix: an imatrix file (llama.cpp GGUF or legacy ``.dat``) for the encoders; default: the one
             beside the report or named by the plan, else computed on the calibration text.
         calibration: calibration text file, or a CalibrationSpec; default: stdlib docstrings.
@@ -296,7 +297,7 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
     elif needs_analysis:
         res = analysis_stage.run_analysis(source, ts, hf_model, tokenizer, cfg.spec(), candidates=target.analysis_candidates,
                            fisher_sequences=cfg.fisher_sequences, progress=cfg.progress, timings=timings,
-                           allow_nonfinite=cfg.allow_nonfinite)
+                           allow_nonfinite=cfg.allow_nonfinite, sample_fraction=cfg.sample_fraction)
         start.report, im, stats = res.report, res.imatrix, res.stats
     elif needs_imatrix:
         im, stats = _imatrix(cfg, target, hf_model, tokenizer, timings)
