@@ -44,3 +44,28 @@ def test_fast_reader_matches_gguf_py_on_every_value_kind(tmp_path):
     w.write_tensors_to_file()
     w.close()
     _same(path)
+
+
+def test_layout_check_names_the_string_that_runs_past_the_end(tmp_path):
+    import struct
+
+    import pytest
+
+    from dynaquant.errors import InputError
+    from dynaquant.sources.readers import check_gguf_layout
+
+    path = tmp_path / "strings.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_array("a.strings", ["first", "second-one", "third"])
+    w.add_tensor("t", np.zeros((2, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    raw = bytearray(path.read_bytes())
+    assert check_gguf_layout(path) > 0
+    at = raw.index(struct.pack("<Q", 10) + b"second-one")
+    raw[at:at + 8] = struct.pack("<Q", 1 << 40)
+    path.write_bytes(bytes(raw))
+    with pytest.raises(InputError, match=r"a\.strings.*\[1\]"):
+        check_gguf_layout(path)

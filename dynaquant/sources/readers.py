@@ -30,6 +30,7 @@ from dynaquant.errors import InputError
 # GGUFValueType -> bytes of one scalar (llama.cpp gguf.cpp GGUF_TYPE_SIZE); STRING (8) and ARRAY (9) have none.
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
+_U64 = struct.Struct("<Q")
 _MAX_DIMS = 4  # GGML_MAX_DIMS: llama.cpp refuses tensors of more dimensions
 
 
@@ -72,8 +73,13 @@ class _Cursor:
                 self.pos += count * _SCALAR_BYTES[itype]
             elif itype == _STRING:
                 self.need(count * 8, f"{what}: {count} strings")  # each string has at least its 8-byte length
-                for i in range(count):
-                    self.string(f"{what}[{i}]")
+                pos, size, length = self.pos, self.size, _U64.unpack_from
+                for i in range(count):  # self.string(f"{what}[{i}]") without copying the bytes (a vocabulary's loop)
+                    if size - pos < 8 or length(self.buf, pos)[0] > size - pos - 8:
+                        self.pos = pos
+                        self.string(f"{what}[{i}]")  # raises, naming the string
+                    pos += 8 + length(self.buf, pos)[0]
+                self.pos = pos
             else:  # llama.cpp reads no arrays of arrays either
                 raise InputError(f"{self.path}: damaged GGUF file: {what} is an array of value type {itype}")
         else:
