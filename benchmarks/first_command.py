@@ -20,6 +20,11 @@ Usage::
 
     python benchmarks/first_command.py --repeats 3 --out benchmarks/out/first_command-cpu.json
     python benchmarks/first_command.py --code /path/to/older/checkout --out before.json   # the same for other code
+    python benchmarks/first_command.py --against /path/to/older/checkout    # interleaved: this code, that code, ...
+
+``--against DIR`` runs DIR's code too, alternating with this code's runs (a warm-up of each first), so that both see
+the same load (this box's speed drifts by 20-40 % within an hour); its row is ``dynaquant quantize (against)`` and the
+header gets ``ratio_against``: this code's median over DIR's.
 """
 
 from __future__ import annotations
@@ -100,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--code", type=Path, default=None, help="run this checkout's dynaquant (PYTHONPATH) instead")
+    p.add_argument("--against", type=Path, default=None, help="also run this checkout's code, interleaved")
     p.add_argument("--llama-bin", type=Path, default=llama_tools.bin_dir())
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--out", type=Path, default=HERE / "out" / "first_command-cpu.json")
@@ -115,16 +121,24 @@ def main(argv: list[str] | None = None) -> int:
     header = {"row": "header", "machine": platform.node(), "cpu": _cpu_model(), "cores": os.cpu_count(),
               "torch": torch.__version__, "commit": commit, "code": str(a.code or HERE.parent),
               "source": str(source), "repeats": a.repeats, "loadavg_before": os.getloadavg()}
-    run_dynaquant(a.code)  # warm-up: the caches a user's second run finds
-    runs = [run_dynaquant(a.code) for _ in range(a.repeats)]
-    rows = [header, {"row": "dynaquant quantize", "median_s": statistics.median(r["wall_s"] for r in runs),
-                     "wall_s": [r["wall_s"] for r in runs], "runs": runs}]
+    codes = [a.code] + ([a.against] if a.against is not None else [])
+    for code in codes:
+        run_dynaquant(code)  # warm-up: the caches a user's second run finds
+    runs: list[list[dict]] = [[] for _ in codes]
+    for _ in range(a.repeats):
+        for i, code in enumerate(codes):
+            runs[i].append(run_dynaquant(code))
+    rows = [header] + [{"row": "dynaquant quantize" + (" (against)" if i else ""), "code": str(code or HERE.parent),
+                        "median_s": statistics.median(r["wall_s"] for r in rr), "wall_s": [r["wall_s"] for r in rr],
+                        "runs": rr} for i, (code, rr) in enumerate(zip(codes, runs))]
+    if a.against is not None:
+        header["ratio_against"] = rows[1]["median_s"] / rows[2]["median_s"]
     tool = a.llama_bin / "llama-quantize"
     if tool.is_file():
         walls = [run_llama_quantize(tool, source, a.threads) for _ in range(a.repeats)]
         rows.append({"row": "llama-quantize Q3_K_M", "threads": a.threads, "wall_s": walls,
                      "median_s": statistics.median(walls)})
-        header["ratio_median"] = rows[1]["median_s"] / rows[2]["median_s"]
+        header["ratio_median"] = rows[1]["median_s"] / rows[-1]["median_s"]
     else:
         header["llama"] = f"no {tool} (python tests/llama_tools.py builds it)"
     header["loadavg_after"] = os.getloadavg()
@@ -133,9 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     tmp.write_text(json.dumps(rows, indent=1) + "\n")
     tmp.replace(a.out)
     for r in rows[1:]:
-        print(f"{r['row']:24s} median {r['median_s']:7.1f} s  runs {', '.join(f'{w:.1f}' for w in r['wall_s'])}")
-    if "ratio_median" in header:
-        print(f"ratio {header['ratio_median']:.1f}x")
+        print(f"{r['row']:34s} median {r['median_s']:7.1f} s  runs {', '.join(f'{w:.1f}' for w in r['wall_s'])}")
+    for k in ("ratio_median", "ratio_against"):
+        if k in header:
+            print(f"{k} {header[k]:.2f}")
     return 0
 
 

@@ -31,7 +31,7 @@ import torch
 from dynaquant.analysis import experts
 from dynaquant.analysis.blockwise import collect_blockwise, hidden_bytes
 from dynaquant.analysis.calibration import CalibrationSpec, calibration_chunks
-from dynaquant.analysis.errors import RowErrors, RowWeights, TensorError, measure_samples, sample_tensor
+from dynaquant.analysis.errors import SAMPLE_FRACTION, RowErrors, RowWeights, TensorError, measure_samples, sample_tensor
 from dynaquant.analysis.stats import Collect, ModelStats, module_of, stats_from_state, stats_state
 from dynaquant.analysis.superweights import SuperWeight, confirm_blockwise, find_candidates
 from dynaquant.config import DEFAULT_CANDIDATES
@@ -67,7 +67,8 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
                            fisher_sequences: int = 16, super_weights: bool = True, overhead_bytes: int = 0,
                            progress: bool = True, timings: dict | None = None, rundir=None,
                            max_cpu_memory: int | None = None, max_gpu_memory: int | None = None,
-                           offload_dir: str | os.PathLike | None = None, allow_nonfinite: bool = False) -> AnalysisResult:
+                           offload_dir: str | os.PathLike | None = None, allow_nonfinite: bool = False,
+                           sample_fraction: int = SAMPLE_FRACTION) -> AnalysisResult:
     """Analyse a model block by block (see the module docstring); the arguments are ``run_analysis``'s, the model
     being built here from ``source`` and ``ts`` on ``device`` in ``dtype``; ``rundir`` (a
     :class:`dynaquant.pipeline.rundir.RunDir`): checkpoints there, continuing from the latest (the result is an
@@ -170,7 +171,7 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
                 continue
             owners.append((j, module_of(t.hf_name), len(samples), len(samples) + 1))
             samples.append(sample_tensor(w.detach(), RowWeights(hessian=rw.hessian), imatrix=imp, score="output",
-                                         stored=stored.get(t.gguf_name)))
+                                         stored=stored.get(t.gguf_name), fraction=sample_fraction))
         results = measure(samples, per_row=True)
         pending.extend((j, module, results[a] if module is not None else results[a:b]) for j, module, a, b in owners)
         st.drop_hessians(modules | {m for m in [*st.input_of, *st.experts] if _module_block(m) == i})  # routers too
@@ -220,7 +221,8 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
         rw, imp = row_weights_of(t, stats, info.tied_embeddings, stats.token_counts)
         if w is not None and rw is not None and tuple(w.shape) == tuple(t.shape):
             owners.append(j)
-            samples.append(sample_tensor(w.detach(), rw, imatrix=imp, stored=stored.get(t.gguf_name)))
+            samples.append(sample_tensor(w.detach(), rw, imatrix=imp, stored=stored.get(t.gguf_name),
+                                         fraction=sample_fraction))
         else:
             log.warning("%s: no calibration statistics or weight shape mismatch; not measured", t.gguf_name)
     for j, errs in zip(owners, measure(samples, per_row=False)):

@@ -290,7 +290,8 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
                                          candidates=target.analysis_candidates, fisher_sequences=cfg.fisher_sequences,
                                          progress=progress, timings=timings, rundir=rundir,
                                          max_cpu_memory=cfg.max_cpu_memory, max_gpu_memory=cfg.max_gpu_memory,
-                                         offload_dir=cfg.offload_dir, allow_nonfinite=cfg.allow_nonfinite)
+                                         offload_dir=cfg.offload_dir, allow_nonfinite=cfg.allow_nonfinite,
+                                         sample_fraction=cfg.sample_fraction)
             start.report, im = res.report, res.imatrix
         else:
             im = _imatrix_blockwise(cfg, source, ts, tokenizer, device, timings)
