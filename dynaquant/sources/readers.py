@@ -18,6 +18,7 @@ import mmap
 import os
 import re
 import struct
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -194,7 +195,7 @@ class FastGGUFReader(gguf.GGUFReader):
         view = memoryview(plain)
         parts, offs = [raw_itype, alen], orig_offs + 12
         for _ in range(int(alen[0])):  # as gguf-py: each string's length (uint64 [1]) and its bytes (uint8 [n])
-            n = int.from_bytes(view[offs : offs + 8], "little")
+            n = int.from_bytes(view[offs : offs + 8], sys.byteorder)  # byte_order "I": the host's
             if offs + 8 + n > len(plain):
                 raise ValueError(f"string at offset {offs} runs past the end of the file")
             parts += (plain[offs : offs + 8].view(u64), plain[offs + 8 : offs + 8 + n])
