@@ -65,10 +65,9 @@ def parse_output(text: str) -> dict:
 
 
 def run_dynaquant(code: Path | None) -> dict:
-    """One ``dynaquant quantize`` in a new temporary folder: wall seconds, the printed figures, the file's bytes."""
-    env = dict(os.environ)
-    if code is not None:
-        env["PYTHONPATH"] = str(code)
+    """One ``dynaquant quantize`` of ``code``'s checkout (None: this one) in a new temporary folder: wall seconds, the
+    printed figures, the file's bytes."""
+    env = dict(os.environ, PYTHONPATH=str(code or HERE.parent))  # this checkout's code, whatever is installed
     with tempfile.TemporaryDirectory(prefix="dq-first-") as d:
         t = time.perf_counter()
         p = subprocess.run([sys.executable, "-m", "dynaquant.cli", "quantize"], cwd=d, env=env,

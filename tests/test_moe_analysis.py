@@ -366,3 +366,32 @@ def test_make_dynamic_plan_applies_the_moe_rules():
         assert get_format(fmt["blk.1.ffn_up_exps.weight"]).bpw <= get_format("IQ2_XXS").bpw
         assert get_format(fmt["blk.1.ffn_down_exps.weight"]).bpw <= get_format("IQ2_XS").bpw
         assert get_format(fmt["blk.1.attn_q.weight"]).bpw >= get_format("Q5_K").bpw
+
+
+def test_cpu_quantize_samples_every_tensor_at_the_cpu_fraction(tmp_path, monkeypatch):
+    """A quantize run on the CPU measures every tensor's errors, the routed experts' too, on the CPU's share of its
+    rows (``QuantizeConfig.for_device``), in the whole-model and the block-by-block analysis alike."""
+    import dynaquant
+    from dynaquant import config
+    from dynaquant.analysis import errors, experts
+    from dynaquant.pipeline import analyze, analyze_blocks
+    from dynaquant.pipeline.targets import GGUFTarget
+
+    monkeypatch.setattr(GGUFTarget, "analysis_candidates", CANDIDATES)
+    _tiny_moe(tmp_path / "ckpt", "qwen2moe")
+    seen = []
+
+    def spy(module):
+        def sample_tensor(*args, **kw):
+            seen.append((module, kw.get("fraction")))
+            return errors.sample_tensor(*args, **kw)
+        return sample_tensor
+
+    for mod in (analyze, analyze_blocks, experts):
+        monkeypatch.setattr(mod, "sample_tensor", spy(mod.__name__))
+    for stream in (False, True):
+        seen.clear()
+        dynaquant.quantize(tmp_path / "ckpt", output=tmp_path / f"moe-{stream}.gguf", stream=stream, device="cpu",
+                           calibration=CalibrationSpec((), 4, 64), correct_rounds=0, progress=False)
+        assert {m for m, _ in seen} == {experts.__name__, (analyze_blocks if stream else analyze).__name__}
+        assert {f for _, f in seen} == {config.CPU_SAMPLE_FRACTION}

@@ -39,8 +39,6 @@ from dynaquant.quant.formats import Format, get_format
 # Sampled weights measured together at most (:func:`measure_samples`): the samples, their importance and one
 # format's decoded copy are held at once.
 BATCH_WEIGHTS = 1 << 27
-# Formats whose encoder looks across blocks, measured one tensor at a time (as quantize encodes it): NVFP4_G16
-# takes its global scale from the largest magnitude of the blocks it is given.
 # Rows of an (N, K) tensor whose errors are measured (:func:`sample_size`): N // SAMPLE_FRACTION, between 512 // and
 # 32768 // SAMPLE_FRACTION rows (32 and 2048), every row of a tensor of at most 64. A quantize run on the CPU measures
 # half as many (CPU_SAMPLE_FRACTION in dynaquant.config).
@@ -59,6 +57,8 @@ def sample_size(n_rows: int, fraction: int = SAMPLE_FRACTION) -> int:
     return n_rows if n_rows <= 64 else min(32768 // fraction, max(512 // fraction, n_rows // fraction))
 
 
+# Formats whose encoder looks across blocks, measured one tensor at a time (as quantize encodes it): NVFP4_G16
+# takes its global scale from the largest magnitude of the blocks it is given.
 PER_TENSOR_FORMATS = frozenset({"NVFP4_G16"})
 
 

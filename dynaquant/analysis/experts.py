@@ -25,7 +25,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dynaquant.analysis.errors import ErrorSample, RowErrors, RowWeights, TensorError, measure_samples, sample_tensor
+from dynaquant.analysis.errors import (
+    SAMPLE_FRACTION,
+    ErrorSample,
+    RowErrors,
+    RowWeights,
+    TensorError,
+    measure_samples,
+    sample_tensor,
+)
 from dynaquant.sources.experts import dispatch, expert_linear, expert_matrix, find_experts, layout_of
 
 # Per experts module and input (gate/up's, down's), the full per-expert second moments (E, K, K) float32 are kept
@@ -242,7 +250,8 @@ def uninstall(undo: list) -> None:
 
 
 def expert_samples(module: torch.nn.Module, proj: str, st: ExpertStats, *, total_tokens: int, fisher_total: int,
-                   seed: int = 0, defer_fisher: bool = False) -> tuple[list[ErrorSample], list[int]]:
+                   seed: int = 0, defer_fisher: bool = False,
+                   fraction: int = SAMPLE_FRACTION) -> tuple[list[ErrorSample], list[int]]:
     """The sampled rows of each expert of a stacked expert tensor (``ffn_{gate,up,down}_exps``).
 
     Each expert is sampled as a linear layer with its own statistics (:meth:`ExpertStats.row_weights`,
@@ -256,6 +265,7 @@ def expert_samples(module: torch.nn.Module, proj: str, st: ExpertStats, *, total
         defer_fisher: the Fisher is not known yet (the block-by-block forward sweep): rows are sampled by their
             output energy and measured with ``per_row``; weigh them later with :meth:`ExpertStats.fisher`
             (:func:`combine_expert_errors` ``fisher_of``).
+        fraction: the rows sampled of each expert (:func:`.errors.sample_size`).
     Returns:
         (one ErrorSample per expert, experts that used a fallback).
     """
@@ -267,7 +277,8 @@ def expert_samples(module: torch.nn.Module, proj: str, st: ExpertStats, *, total
             fallback.append(e)
         if defer_fisher:
             rw = RowWeights(hessian=rw.hessian)
-        samples.append(sample_tensor(w, rw, imatrix=imp, seed=seed + e, score="output" if defer_fisher else "kld"))
+        samples.append(sample_tensor(w, rw, imatrix=imp, seed=seed + e, score="output" if defer_fisher else "kld",
+                                     fraction=fraction))
     return samples, fallback
 
 

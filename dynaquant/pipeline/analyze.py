@@ -118,7 +118,8 @@ def _measure_tensors(model, src_tensors, stats: ModelStats, tied: bool, candidat
             if t.quantizable and stacked and stacked[0] in stats.experts:
                 st = stats.experts[stacked[0]]
                 ss, fallback = experts.expert_samples(model.get_submodule(stacked[0]), stacked[1], st,
-                                                      total_tokens=stats.tokens, fisher_total=stats.fisher_tokens)
+                                                      total_tokens=stats.tokens, fisher_total=stats.fisher_tokens,
+                                                      fraction=fraction)
                 owners.append((i, len(samples), len(samples) + len(ss), st))
                 samples += ss
                 e["experts"] = {"n_expert": st.n_expert, "fallback": fallback}

@@ -160,7 +160,7 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
             if stacked and stacked[0] in st.experts:
                 es = st.experts[stacked[0]]
                 ss, _ = experts.expert_samples(sk.model.get_submodule(stacked[0]), stacked[1], es, total_tokens=0,
-                                               fisher_total=0, defer_fisher=True)
+                                               fisher_total=0, defer_fisher=True, fraction=sample_fraction)
                 owners.append((j, None, len(samples), len(samples) + len(ss)))
                 samples += ss
                 continue

@@ -170,7 +170,7 @@ class FastGGUFReader(gguf.GGUFReader):
     ``memmap.__array_finalize__`` (a 49k-token vocabulary and its merges, ~250 000 parts, took 3.4 s of a 4.1 s
     parse on a 2-core CPU). Here the slices are taken from a plain ``ndarray`` view of the same map (still zero-copy,
     read-only) and an array of strings is walked in one loop; anything else (other arrays, a byte-swapped file) goes
-    through gguf-py's own code. ``tests/test_readers.py`` compares every field and tensor with ``GGUFReader``'s.
+    through gguf-py's own code. ``tests/test_gguf_reader.py`` compares every field and tensor with ``GGUFReader``'s.
     """
 
     def _plain(self) -> np.ndarray:
