@@ -386,10 +386,10 @@ def test_checkpoint_interval_comes_from_the_environment(monkeypatch):
             checkpoint_interval_s()
 
 
-def test_quantize_stream_vision_language_gguf(tmp_path):
+def test_quantize_stream_vision_language_gguf(tmp_path, every_row):
     """A Qwen2-VL folder to GGUF with --stream: the language model analysed block by block (the vision tower, which the
     GGUF's tensor source does not hold, stays on the meta device), the same file and evaluation as the whole-model
-    run, and the mmproj beside it."""
+    run (every row measured, as above: the two analyses sample rows by different scores), and the mmproj beside it."""
     from test_vl_gguf import _tiny_vl_checkpoint
 
     import dynaquant
