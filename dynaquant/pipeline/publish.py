@@ -53,7 +53,7 @@ from dynaquant.quant.plan import Plan
 from dynaquant.quant.planner import make_plan, preset_size_bytes
 from dynaquant.quant.presets import PRESETS
 from dynaquant.sources.checkpoint import ModelSource
-from dynaquant.sources.readers import GGUF_SHARD_NAME
+from dynaquant.sources.readers import GGUF_SHARD_NAME, open_gguf
 from dynaquant.workdir import run_workdir
 
 log = logging.getLogger(__name__)
@@ -113,9 +113,7 @@ def source_metadata(source: ModelSource) -> tuple[str | None, tuple[str, ...]]:
     ``license`` / ``language``, or a GGUF file's ``general.license`` / ``general.languages``; (None, ()) if none."""
     license_, language = None, ()
     if source.kind == "gguf":
-        import gguf
-
-        fields = gguf.GGUFReader(source.path).fields
+        fields = open_gguf(source.path).fields  # the run's reader of the source, kept
         lic, lang = fields.get("general.license"), fields.get("general.languages")
         license_ = str(lic.contents()) if lic is not None else None
         language = tuple(str(x) for x in lang.contents()) if lang is not None else ()

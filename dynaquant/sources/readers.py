@@ -12,6 +12,7 @@ becomes :class:`~dynaquant.errors.InputError` naming the file, which the command
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import mmap
@@ -76,10 +77,11 @@ class _Cursor:
                 self.need(count * 8, f"{what}: {count} strings")  # each string has at least its 8-byte length
                 pos, size, length = self.pos, self.size, _U64.unpack_from
                 for i in range(count):  # self.string(f"{what}[{i}]") without copying the bytes (a vocabulary's loop)
-                    if size - pos < 8 or length(self.buf, pos)[0] > size - pos - 8:
+                    n = length(self.buf, pos)[0] if size - pos >= 8 else size
+                    if n > size - pos - 8:
                         self.pos = pos
                         self.string(f"{what}[{i}]")  # raises, naming the string
-                    pos += 8 + length(self.buf, pos)[0]
+                    pos += 8 + n
                 self.pos = pos
             else:  # llama.cpp reads no arrays of arrays either
                 raise InputError(f"{self.path}: damaged GGUF file: {what} is an array of value type {itype}")
@@ -173,15 +175,13 @@ class FastGGUFReader(gguf.GGUFReader):
     through gguf-py's own code. ``tests/test_gguf_reader.py`` compares every field and tensor with ``GGUFReader``'s.
     """
 
-    def _plain(self) -> np.ndarray:
-        plain = self.__dict__.get("_plain_data")
-        if plain is None:
-            plain = self.__dict__["_plain_data"] = self.data.view(np.ndarray)
-        return plain
+    @functools.cached_property
+    def _plain(self) -> np.ndarray:  # (gguf-py's __init__ parses: set on first use, after self.data)
+        return self.data.view(np.ndarray)
 
     def _get(self, offset, dtype, count=1, override_order=None):
         count, dt = int(count), np.dtype(dtype)
-        arr = self._plain()[offset : offset + dt.itemsize * count].view(dt)[:count]
+        arr = self._plain[offset : offset + dt.itemsize * count].view(dt)[:count]
         return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
     def _get_field_parts(self, orig_offs, raw_type):
@@ -191,7 +191,7 @@ class FastGGUFReader(gguf.GGUFReader):
         alen = self._get(orig_offs + 4, np.uint64)
         if raw_itype[0] != gguf.GGUFValueType.STRING or alen[0] == 0:
             return super()._get_field_parts(orig_offs, raw_type)
-        plain, u64 = self._plain(), np.dtype(np.uint64)
+        plain, u64 = self._plain, np.dtype(np.uint64)
         view = memoryview(plain)
         parts, offs = [raw_itype, alen], orig_offs + 12
         for _ in range(int(alen[0])):  # as gguf-py: each string's length (uint64 [1]) and its bytes (uint8 [n])
