@@ -12,7 +12,8 @@ Public API (importing this package does not import Triton):
     choose_config(fmt, m, n, k, device_info(device)) -> LaunchConfig   cached launch tuning
 
 Importing this package also registers the fused lattice searches of :mod:`.lattice_search`
-(Triton, loaded on first use) as the fast paths of the i-quant codecs
+and the fused K-quant scale searches of :mod:`.kquant_search` (Triton, loaded on first use) as
+the fast paths of the i-quant and K-quant codecs
 (:mod:`dynaquant.quant.codecs.fastpaths`); the layers that encode (pipeline, analysis, runtime)
 import it.
 """
@@ -25,20 +26,22 @@ from dynaquant.kernels.tuning import DeviceInfo, LaunchConfig, choose_config, de
 from dynaquant.quant.codecs import fastpaths
 
 
-def _lattice_loader(attr: str):
-    """A loader of :mod:`.lattice_search`'s ``attr`` (imports Triton when called)."""
+def _loader(module: str, attr: str):
+    """A loader of ``module``'s ``attr`` (imports the module, and Triton, when called)."""
 
     def load():
-        from dynaquant.kernels import lattice_search
+        import importlib
 
-        return getattr(lattice_search, attr)
+        return getattr(importlib.import_module(module), attr)
 
     return load
 
 
 for _name, _attr in (("lattice.nearest_codewords", "nearest_codewords"), ("lattice.candidate_terms", "candidate_terms"),
                      ("lattice.subset_min_costs", "subset_min_costs"), ("iq1.ternary_nearest", "ternary_nearest")):
-    fastpaths.register(_name, _lattice_loader(_attr))
+    fastpaths.register(_name, _loader("dynaquant.kernels.lattice_search", _attr))
+for _attr in ("aff_search_scales", "aff_pick", "aff_refine", "sym_search_scales", "sym_pick", "sym_refine"):
+    fastpaths.register(f"kquant.{_attr}", _loader("dynaquant.kernels.kquant_search", _attr))
 
 __all__ = ["KernelFormat", "PackedWeight", "LaunchConfig", "DeviceInfo", "pack", "unpack", "stack", "linear", "dequantize",
            "uses_triton", "dequantize_ref", "dequantize_packed_ref", "linear_ref", "e2m1_to_float", "e8m0_to_float",

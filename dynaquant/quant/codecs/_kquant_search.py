@@ -37,6 +37,8 @@ from functools import partial
 
 import torch
 
+from dynaquant.quant.codecs.fastpaths import fast_path
+
 _F16_MAX = 65504.0
 _F16_TINY = 2.0**-24  # smallest positive float16 (subnormal)
 # Candidate evaluations (n_super * C * n_sub * options) per chunk in step 2, to bound memory: on a CPU a chunk that
@@ -171,7 +173,23 @@ def sym_error(x: torch.Tensor, w: torch.Tensor, dl: torch.Tensor, q: torch.Tenso
     return (w * r * r).sum(-1).double()
 
 
-def sym_search_scales(x: torch.Tensor, w: torch.Tensor, spec: SymSearch, iters: int = 2) -> torch.Tensor:
+def exhaustive_mids(x: torch.Tensor, qlo: int, qhi: int) -> torch.Tensor:
+    """The exhaustive step 1's inverse scales (positive side): the middle of every interval
+    between consecutive code breakpoints ``(l + 1/2) / |x_i|`` and a point past the last,
+    ``(..., sub_size)`` float32 -> ``(..., sub_size * max(-qlo, qhi))`` ascending."""
+    half = torch.arange(max(-qlo, qhi), dtype=x.dtype, device=x.device) + 0.5
+    bp = (inv(x.abs()).unsqueeze(-1) * half).flatten(-2).sort(-1).values
+    return torch.cat([(bp[..., :-1] + bp[..., 1:]) * 0.5, bp[..., -1:] * 1.25], -1)
+
+
+def sym_search_scales(x: torch.Tensor, w: torch.Tensor, spec: SymSearch, iters: int = 2, backend: str = "auto"):
+    """:func:`sym_search_scales_torch`, or its fast path ``kquant.sym_search_scales`` as ``backend``
+    chooses (:func:`dynaquant.quant.codecs.fastpaths.fast_path`)."""
+    fn = fast_path("kquant.sym_search_scales", x, backend)
+    return (fn or sym_search_scales_torch)(x, w, spec, iters)
+
+
+def sym_search_scales_torch(x: torch.Tensor, w: torch.Tensor, spec: SymSearch, iters: int = 2) -> torch.Tensor:
     """Step 1, symmetric: the best continuous scale per sub-block.
 
     Args:
@@ -202,9 +220,7 @@ def sym_search_scales(x: torch.Tensor, w: torch.Tensor, spec: SymSearch, iters: 
         # Codes change where |x_i| * iscale crosses l + 1/2; between consecutive breakpoints
         # they are constant, so the middle of every interval (and a point past the last one),
         # with both signs, covers every distinct code vector.
-        half = torch.arange(max(-qlo, qhi), dtype=x.dtype, device=x.device) + 0.5
-        bp = (inv(x.abs()).unsqueeze(-1) * half).flatten(-2).sort(-1).values
-        mids = torch.cat([(bp[..., :-1] + bp[..., 1:]) * 0.5, bp[..., -1:] * 1.25], -1)
+        mids = exhaustive_mids(x, qlo, qhi)
         for i in range(mids.shape[-1]):
             for sign in (1.0, -1.0):
                 consider(sign * mids[..., i : i + 1])
@@ -236,7 +252,27 @@ def sym_eval(a, sqq, klo, khi, d):
     return e.sum(-1), (d, k.gather(-1, i.unsqueeze(-1)).squeeze(-1).long())
 
 
-def _sym_refine(x, w, cfg: SymConfig, spec: SymSearch):
+def sym_pick_torch(a: torch.Tensor, sqq: torch.Tensor, klo: int, khi: int, cand: torch.Tensor):
+    """Step 2, symmetric: per super-block the first candidate ``d`` of ``cand`` (n_super, C)
+    float32 with the lowest :func:`sym_eval` error (``a``, ``sqq`` (n_super, n_sub) float32);
+    returns ``d`` (n_super,) float32 and ``k`` (n_super, n_sub) int64."""
+    n_super, n_sub = a.shape
+    step = max(1, eval_chunk(a.device) // max(1, n_super * n_sub * 2))
+    d, k = pick_best(chunks(step, cand), partial(sym_eval, a, sqq, klo, khi))
+    return d, k
+
+
+def sym_pick(a, sqq, klo, khi, cand, backend: str = "auto"):
+    """:func:`sym_pick_torch`, or its fast path ``kquant.sym_pick`` as ``backend`` chooses."""
+    return (fast_path("kquant.sym_pick", a, backend) or sym_pick_torch)(a, sqq, klo, khi, cand)
+
+
+def sym_refine(x, w, cfg: SymConfig, spec: SymSearch, backend: str = "auto"):
+    """:func:`sym_refine_torch`, or its fast path ``kquant.sym_refine`` as ``backend`` chooses."""
+    return (fast_path("kquant.sym_refine", x, backend) or sym_refine_torch)(x, w, cfg, spec)
+
+
+def sym_refine_torch(x, w, cfg: SymConfig, spec: SymSearch):
     """Step 3, symmetric: try ``k_j +- 1`` on the elements; returns (config, error per super-block)."""
     dl = cfg.sub_scales()
     err = sym_error(x, w, dl, sym_codes(x, dl, spec.qlo, spec.qhi))
@@ -251,13 +287,13 @@ def _sym_refine(x, w, cfg: SymConfig, spec: SymSearch):
     return SymConfig(cfg.d, k), err.sum(-1)
 
 
-def sym_encode(x: torch.Tensor, w: torch.Tensor, spec: SymSearch) -> SymConfig:
-    """Symmetric model, steps 1-3 (module docstring); x, w: (n_super, n_sub, sub_size) float32."""
-    a = sym_search_scales(x, w, spec)
+def sym_encode(x: torch.Tensor, w: torch.Tensor, spec: SymSearch, backend: str = "auto") -> SymConfig:
+    """Symmetric model, steps 1-3 (module docstring); x, w: (n_super, n_sub, sub_size) float32;
+    ``backend`` chooses the steps' fast paths (:func:`dynaquant.quant.codecs.fastpaths.fast_path`)."""
+    a = sym_search_scales(x, w, spec, backend=backend)
     q = sym_codes(x, a.float(), spec.qlo, spec.qhi)
     wx = w * x
     ts = torch.tensor(spec.d_steps, dtype=torch.float64, device=x.device)
-    n_super, n_sub = a.shape
     best: SymConfig | None = None
     best_err = None
     for r in range(spec.rounds):
@@ -272,10 +308,8 @@ def sym_encode(x: torch.Tensor, w: torch.Tensor, spec: SymSearch) -> SymConfig:
             d_ls = safe_div((kf * sxq).sum(1), (kf * kf * sqq).sum(1))
             cand += [best.d.double().unsqueeze(1), d_ls.unsqueeze(1)]
         cand = f16_candidates(torch.cat(cand, 1))
-        step = max(1, eval_chunk(x.device) // max(1, n_super * n_sub * 2))
-        af, sqqf = a.float(), sqq.float()
-        d, k = pick_best(chunks(step, cand), partial(sym_eval, af, sqqf, spec.klo, spec.khi))
-        cfg, err = _sym_refine(x, w, SymConfig(d, k), spec)
+        d, k = sym_pick(a.float(), sqq.float(), spec.klo, spec.khi, cand, backend)
+        cfg, err = sym_refine(x, w, SymConfig(d, k), spec, backend)
         best, best_err = keep_best(best, best_err, cfg, err)
         if r + 1 < spec.rounds:
             q = sym_codes(x, best.sub_scales(), spec.qlo, spec.qhi)
@@ -364,7 +398,12 @@ def aff_quad(sw, sq, sqq, sx, sxq, sxx, a, b):
     return sxx - 2 * a * sxq - 2 * b * sx + a * a * sqq + 2 * a * b * sq + b * b * sw
 
 
-def aff_search_scales(x: torch.Tensor, w: torch.Tensor, spec: AffSearch, iters: int = 3):
+def aff_search_scales(x: torch.Tensor, w: torch.Tensor, spec: AffSearch, iters: int = 3, backend: str = "auto"):
+    """:func:`aff_search_scales_torch`, or its fast path ``kquant.aff_search_scales`` as ``backend`` chooses."""
+    return (fast_path("kquant.aff_search_scales", x, backend) or aff_search_scales_torch)(x, w, spec, iters)
+
+
+def aff_search_scales_torch(x: torch.Tensor, w: torch.Tensor, spec: AffSearch, iters: int = 3):
     """Step 1, affine: the best continuous ``(A, B)`` per sub-block, ``x ~ A q + B``.
 
     Args:
@@ -465,7 +504,27 @@ def aff_ls_super(st, cfg: AffConfig):
     return torch.where(bad, cfg.d.double(), d), torch.where(bad, cfg.dmin.double(), m)
 
 
-def _aff_refine(x, w, cfg: AffConfig, spec: AffSearch):
+def aff_pick_torch(ref, kmax: int, dc: torch.Tensor, mc: torch.Tensor):
+    """Step 2, affine: per super-block the first candidate pair ``(dc, mc)`` (n_super, C) float32
+    with the lowest :func:`aff_eval` error on ``ref`` (:func:`aff_reference`); returns ``d``,
+    ``dmin`` (n_super,) float32 and ``ks``, ``km`` (n_super, n_sub) int64."""
+    n_super, n_sub = ref[0].shape
+    step = max(1, eval_chunk(dc.device) // max(1, n_super * n_sub * 4))
+    d, dm, ks, km = pick_best(chunks(step, dc, mc), partial(aff_eval, ref, kmax))
+    return d, dm, ks, km
+
+
+def aff_pick(ref, kmax: int, dc: torch.Tensor, mc: torch.Tensor, backend: str = "auto"):
+    """:func:`aff_pick_torch`, or its fast path ``kquant.aff_pick`` as ``backend`` chooses."""
+    return (fast_path("kquant.aff_pick", dc, backend) or aff_pick_torch)(ref, kmax, dc, mc)
+
+
+def aff_refine(x, w, cfg: AffConfig, spec: AffSearch, backend: str = "auto"):
+    """:func:`aff_refine_torch`, or its fast path ``kquant.aff_refine`` as ``backend`` chooses."""
+    return (fast_path("kquant.aff_refine", x, backend) or aff_refine_torch)(x, w, cfg, spec)
+
+
+def aff_refine_torch(x, w, cfg: AffConfig, spec: AffSearch):
     """Step 3, affine: try the moves of each sub-block's ``(ks, km)`` on the elements.
 
     Returns (config, error per super-block (n_super,) float64)."""
@@ -508,28 +567,26 @@ def aff_round_candidates(w, wx, q, sw, sx, ts, kmax: int, best: AffConfig | None
     return ref, torch.cat([grid_d, *extra_d], 1), torch.cat([m_cur.expand_as(grid_d), *extra_m], 1), grid_m
 
 
-def aff_encode(x: torch.Tensor, w: torch.Tensor, spec: AffSearch) -> AffConfig:
-    """Affine model, steps 1-3 (module docstring); x, w: (n_super, n_sub, sub_size) float32."""
+def aff_encode(x: torch.Tensor, w: torch.Tensor, spec: AffSearch, backend: str = "auto") -> AffConfig:
+    """Affine model, steps 1-3 (module docstring); x, w: (n_super, n_sub, sub_size) float32;
+    ``backend`` chooses the steps' fast paths (:func:`dynaquant.quant.codecs.fastpaths.fast_path`)."""
     kmax = spec.kmax
-    a, b = aff_search_scales(x, w, spec)
+    a, b = aff_search_scales(x, w, spec, backend=backend)
     q = aff_codes(x, a.float(), (-b).float(), spec.qmax)
     wx = w * x
     sw = w.sum(-1).double()
     sx = wx.sum(-1).double()
     ts = torch.tensor(spec.d_steps, dtype=torch.float32, device=x.device)
-    n_super, n_sub = a.shape
-    step = max(1, eval_chunk(x.device) // max(1, n_super * n_sub * 4))
     best: AffConfig | None = None
     best_err = None
     for r in range(spec.rounds):
         ref, dc, mc, grid_m = aff_round_candidates(w, wx, q, sw, sx, ts, kmax, best)
-        evaluate = partial(aff_eval, ref, kmax)
         # coordinate search: d over its grid (dmin kept), then dmin over its grid (d kept)
-        d, dm, _, _ = pick_best(chunks(step, dc, mc), evaluate)
+        d, dm, _, _ = aff_pick(ref, kmax, dc, mc, backend)
         dc = d.unsqueeze(1).expand(-1, grid_m.shape[1] + 1)
         mc = torch.cat([grid_m, dm.unsqueeze(1)], 1)
-        cfg = AffConfig(*pick_best(chunks(step, dc, mc), evaluate))
-        cfg, err = _aff_refine(x, w, cfg, spec)
+        cfg = AffConfig(*aff_pick(ref, kmax, dc, mc, backend))
+        cfg, err = aff_refine(x, w, cfg, spec, backend)
         best, best_err = keep_best(best, best_err, cfg, err)
         if r + 1 < spec.rounds:
             q = aff_codes(x, *best.sub_scales(), spec.qmax)

@@ -43,7 +43,7 @@ from functools import cache
 import numpy as np
 import torch
 
-from dynaquant.quant.codecs import fastpaths
+from dynaquant.quant.codecs.fastpaths import fast_path
 
 # Elements of one (groups, G) float32 tensor a codec should hold at a time: small on CPU
 # (cache), large on GPUs (few, big kernels; 512 MiB a tensor).
@@ -266,31 +266,6 @@ def nearest_codewords_torch(
             c, i = full_costs(x[r0:r1], w[r0:r1], grid, sc[t0 : t0 + per, r0:r1], extra)
             cost[t0 : t0 + per, r0:r1], idx[t0 : t0 + per, r0:r1] = c, i
     return cost.reshape(*lead, n), idx.reshape(*lead, n)
-
-
-def fast_path(name: str, x: torch.Tensor, backend: str = "auto"):
-    """The registered fast implementation of search ``name`` (:mod:`.fastpaths`) to run on
-    ``x``'s device, or None for the torch reference.
-
-    Args:
-        name: a search of :data:`dynaquant.quant.codecs.fastpaths.NAMES`.
-        x: a tensor the search takes (its device decides under ``"auto"``).
-        backend: ``"auto"`` (the fast path on CUDA tensors when one is registered and loads,
-            else None), ``"torch"`` (None) or ``"triton"`` (the fast path on any device; on CPU
-            it needs ``TRITON_INTERPRET=1``).
-    Raises:
-        ValueError: an unknown backend.
-        RuntimeError: ``"triton"`` and no fast path is registered (import
-            :mod:`dynaquant.kernels`) or it does not load (no Triton).
-    """
-    if backend not in fastpaths.BACKENDS:
-        raise ValueError(f"backend must be one of {fastpaths.BACKENDS}, got {backend!r}")
-    if backend == "torch" or (backend == "auto" and not x.is_cuda):
-        return None
-    fn = fastpaths.lookup(name)
-    if fn is None and backend == "triton":
-        raise RuntimeError(f"backend='triton': no fast {name} is registered or it does not load (import dynaquant.kernels; Triton)")
-    return fn
 
 
 def fused(x: torch.Tensor, backend: str = "auto") -> bool:

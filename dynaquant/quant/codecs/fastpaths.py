@@ -13,8 +13,12 @@ backend) leaves the torch reference in charge.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-# How a codec runs a search that has a fast path (``_lattice.fast_path``): the fast path on CUDA
+if TYPE_CHECKING:
+    import torch
+
+# How a codec runs a search that has a fast path (:func:`fast_path`): the fast path on CUDA
 # tensors when one is registered and loads ("auto"), the torch reference ("torch"), the fast path
 # on any device ("triton").
 BACKENDS = ("auto", "torch", "triton")
@@ -25,6 +29,12 @@ NAMES = {
     "lattice.candidate_terms": "dynaquant.quant.codecs._lattice.candidate_terms_torch",
     "lattice.subset_min_costs": "dynaquant.quant.codecs._lattice.subset_min_costs_torch",
     "iq1.ternary_nearest": "dynaquant.quant.codecs.iq1.nearest_points (its indices)",
+    "kquant.aff_search_scales": "dynaquant.quant.codecs._kquant_search.aff_search_scales_torch",
+    "kquant.aff_pick": "dynaquant.quant.codecs._kquant_search.aff_pick_torch",
+    "kquant.aff_refine": "dynaquant.quant.codecs._kquant_search.aff_refine_torch",
+    "kquant.sym_search_scales": "dynaquant.quant.codecs._kquant_search.sym_search_scales_torch",
+    "kquant.sym_pick": "dynaquant.quant.codecs._kquant_search.sym_pick_torch",
+    "kquant.sym_refine": "dynaquant.quant.codecs._kquant_search.sym_refine_torch",
 }
 
 _LOADERS: dict[str, Callable[[], Callable]] = {}
@@ -58,3 +68,28 @@ def lookup(name: str) -> Callable | None:
         except Exception:  # no Triton, or no usable backend: the torch reference serves
             _LOADED[name] = None
     return _LOADED[name]
+
+
+def fast_path(name: str, x: torch.Tensor, backend: str = "auto"):
+    """The registered fast implementation of search ``name`` (:mod:`.fastpaths`) to run on
+    ``x``'s device, or None for the torch reference.
+
+    Args:
+        name: a search of :data:`NAMES`.
+        x: a tensor the search takes (its device decides under ``"auto"``).
+        backend: ``"auto"`` (the fast path on CUDA tensors when one is registered and loads,
+            else None), ``"torch"`` (None) or ``"triton"`` (the fast path on any device; on CPU
+            it needs ``TRITON_INTERPRET=1``).
+    Raises:
+        ValueError: an unknown backend.
+        RuntimeError: ``"triton"`` and no fast path is registered (import
+            :mod:`dynaquant.kernels`) or it does not load (no Triton).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch" or (backend == "auto" and not x.is_cuda):
+        return None
+    fn = lookup(name)
+    if fn is None and backend == "triton":
+        raise RuntimeError(f"backend='triton': no fast {name} is registered or it does not load (import dynaquant.kernels; Triton)")
+    return fn

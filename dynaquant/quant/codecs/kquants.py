@@ -167,17 +167,26 @@ class _KQuant(Codec):
     search: kqs.AffSearch | kqs.SymSearch
     fast: kqf.FastAff | kqf.FastSym
 
-    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor, thorough: bool = True) -> torch.Tensor:
-        """As :meth:`Codec.encode_blocks`; ``thorough=False`` runs the fast search of :mod:`.kquant_fast`."""
-        params = self.fit_params(x, w, thorough=thorough)
+    fast_paths = True
+
+    def encode_blocks(
+        self, x: torch.Tensor, w: torch.Tensor, thorough: bool = True, backend: str = "auto", variant: str | None = None
+    ) -> torch.Tensor:
+        """As :meth:`Codec.encode_blocks`; ``thorough=False`` runs the fast search of :mod:`.kquant_fast`;
+        ``backend`` chooses the thorough search's fused kernels (``kquant.*`` of
+        :mod:`.fastpaths`: on CUDA tensors under ``"auto"``); ``variant`` is unused."""
+        params = self.fit_params(x, w, thorough=thorough, backend=backend)
         return self.pack(params, self.round_to_grid(x, params)[0])
 
-    def fit_params(self, x: torch.Tensor, w: torch.Tensor, thorough: bool = True) -> kqs.AffConfig | kqs.SymConfig:
+    def fit_params(
+        self, x: torch.Tensor, w: torch.Tensor, thorough: bool = True, backend: str = "auto"
+    ) -> kqs.AffConfig | kqs.SymConfig:
         """Search the scales of (n, 256) blocks; raises ValueError on other shapes.
 
         The default (``thorough=True``) is the search of ``_kquant_search`` (more candidates
         and element-level refinement moves); ``thorough=False`` the fast search of
-        :mod:`.kquant_fast` (module docstring).
+        :mod:`.kquant_fast` (module docstring). ``backend``: the thorough search's fused
+        kernels (:func:`dynaquant.quant.codecs.fastpaths.fast_path`; ``"auto"`` runs them on CUDA).
         """
         if x.ndim != 2 or x.shape[1] != QK_K or w.shape != x.shape:
             raise ValueError(
@@ -188,7 +197,9 @@ class _KQuant(Codec):
         w3 = w.float().reshape(n, self.n_sub, -1)
         if thorough:
             sp = self.search
-            return kqs.aff_encode(x3, w3, sp) if isinstance(sp, kqs.AffSearch) else kqs.sym_encode(x3, w3, sp)
+            if isinstance(sp, kqs.AffSearch):
+                return kqs.aff_encode(x3, w3, sp, backend)
+            return kqs.sym_encode(x3, w3, sp, backend)
         fp = self.fast
         return kqf.aff_fast(x3, w3, fp) if isinstance(fp, kqf.FastAff) else kqf.sym_fast(x3, w3, fp)
 

@@ -1,0 +1,167 @@
+"""Fused K-quant scale searches (Triton): each step of the search of
+:mod:`dynaquant.quant.codecs._kquant_search` in one launch for all its candidates.
+
+The reference runs every candidate as a handful of batched torch operations (for a 16 M-weight
+Q4_K chunk some 9 000 small kernels, two thirds of the time in step 1's 81 candidates); here a
+program keeps its tile of ``x`` and ``w`` in registers, walks the candidates and keeps the
+running best, so a step reads its inputs once and writes only the result. Same signatures
+and results as the torch references (each function names its own); the floats are computed
+in the same order except inside the sums over a sub-block (or over a super-block's
+sub-blocks), whose order differs, so a block whose two best candidates are within rounding
+may keep the other one (a tie either way). The tests compare with the references.
+
+Functions (shapes as the references): :func:`aff_search_scales`, :func:`aff_pick`,
+:func:`aff_refine`, :func:`sym_search_scales`, :func:`sym_pick`, :func:`sym_refine`.
+:mod:`dynaquant.kernels` registers them into :mod:`dynaquant.quant.codecs.fastpaths`
+(``kquant.*``). Importing this module imports Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from dynaquant.kernels.kquant_triton import (
+    aff_pick_kernel,
+    aff_refine_kernel,
+    aff_step1_kernel,
+    sym_pick_kernel,
+    sym_refine_kernel,
+    sym_step1_kernel,
+)
+from dynaquant.quant.codecs import _kquant_search as kqs
+
+__all__ = ["aff_search_scales", "aff_pick", "aff_refine", "sym_search_scales", "sym_pick", "sym_refine"]
+
+_TILE = 2048  # elements of a (rows, sub_size) register tile
+_PICK_ROWS = 64  # super-blocks a step-2 program
+_NUM_WARPS = 4
+_OPTS = {"num_warps": _NUM_WARPS, "enable_fp_fusion": False}
+
+
+def _flat(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+    if x.ndim != 3 or w.shape != x.shape:
+        raise ValueError(f"expected x and w of shape (n_super, n_sub, sub_size), got {tuple(x.shape)} and {tuple(w.shape)}")
+    n_super, n_sub, sub = x.shape
+    if sub & (sub - 1) or n_sub & (n_sub - 1):
+        raise ValueError(f"sub-blocks of {sub} and {n_sub} sub-blocks: both must be powers of two")
+    xc = x.to(torch.float32).reshape(-1, sub).contiguous()
+    wc = w.to(device=x.device, dtype=torch.float32).reshape(-1, sub).contiguous()
+    return xc, wc, n_super, n_sub, sub
+
+
+def _rows_grid(r: int, sub: int) -> tuple[int, tuple[int]]:
+    block = max(1, min(_TILE // sub, triton.next_power_of_2(max(r, 1))))
+    return block, (triton.cdiv(r, block),)
+
+
+def aff_search_scales(x: torch.Tensor, w: torch.Tensor, spec: kqs.AffSearch, iters: int = 3):
+    """Affine step 1 (fused): as :func:`dynaquant.quant.codecs._kquant_search.aff_search_scales`
+    ((n_super, n_sub, sub_size) float32 -> (A, B) (n_super, n_sub) float64)."""
+    xc, wc, n_super, n_sub, sub = _flat(x, w)
+    r = xc.shape[0]
+    a = torch.empty(r, dtype=torch.float64, device=x.device)
+    b = torch.empty_like(a)
+    if r:
+        steps = torch.tensor(spec.steps, dtype=torch.float32, device=x.device)
+        shifts = torch.tensor(spec.shifts, dtype=torch.float32, device=x.device)
+        eps = torch.tensor([1e-12], dtype=torch.float64, device=x.device)
+        block, grid = _rows_grid(r, sub)
+        aff_step1_kernel[grid](
+            xc, wc, steps, shifts, eps, a, b, r, len(spec.steps), len(spec.shifts),
+            QMAX=spec.qmax, ITERS=iters, SUB=sub, BLOCK_R=block, **_OPTS,
+        )
+    return a.view(n_super, n_sub), b.view(n_super, n_sub)
+
+
+def sym_search_scales(x: torch.Tensor, w: torch.Tensor, spec: kqs.SymSearch, iters: int = 2) -> torch.Tensor:
+    """Symmetric step 1 (fused): as :func:`dynaquant.quant.codecs._kquant_search.sym_search_scales`
+    ((n_super, n_sub, sub_size) float32 -> (n_super, n_sub) float64). The exhaustive search's
+    interval midpoints are sorted in torch (:func:`~dynaquant.quant.codecs._kquant_search.exhaustive_mids`)
+    and walked in the kernel."""
+    xc, wc, n_super, n_sub, sub = _flat(x, w)
+    r = xc.shape[0]
+    a = torch.empty(r, dtype=torch.float64, device=x.device)
+    if r:
+        signed = [s * t for t in spec.steps for s in (1.0, -1.0)]
+        steps = torch.tensor(signed or [0.0], dtype=torch.float32, device=x.device)
+        mids = kqs.exhaustive_mids(xc, spec.qlo, spec.qhi).contiguous() if spec.exhaustive else xc
+        m = mids.shape[1] if spec.exhaustive else 0
+        block, grid = _rows_grid(r, sub)
+        sym_step1_kernel[grid](
+            xc, wc, steps, mids, a, r, len(signed), m,
+            N_ELEM=min(spec.n_elem, sub), QLO=spec.qlo, QHI=spec.qhi, ITERS=iters, SUB=sub, BLOCK_R=block, **_OPTS,
+        )
+    return a.view(n_super, n_sub)
+
+
+def aff_pick(ref: tuple[torch.Tensor, ...], kmax: int, dc: torch.Tensor, mc: torch.Tensor):
+    """Affine step 2 (fused): as :func:`dynaquant.quant.codecs._kquant_search.aff_pick_torch`
+    (``ref`` seven (n_super, n_sub) float32, candidates (n_super, C) float32 -> d, dmin
+    (n_super,) float32, ks, km (n_super, n_sub) int64)."""
+    n_super, n_sub = ref[0].shape
+    dev = dc.device
+    d = torch.zeros(n_super, dtype=torch.float32, device=dev)
+    dm = torch.zeros_like(d)
+    ks = torch.zeros(n_super, n_sub, dtype=torch.int64, device=dev)
+    km = torch.zeros_like(ks)
+    if n_super:
+        refc = torch.stack([t.to(torch.float32) for t in ref]).contiguous()
+        block = min(_PICK_ROWS, triton.next_power_of_2(n_super))
+        aff_pick_kernel[(triton.cdiv(n_super, block),)](
+            refc, dc.to(torch.float32).contiguous(), mc.to(torch.float32).contiguous(), d, dm, ks, km,
+            n_super, dc.shape[1], KMAX=kmax, NSUB=n_sub, BLOCK_B=block, **_OPTS,
+        )
+    return d, dm, ks, km
+
+
+def sym_pick(a: torch.Tensor, sqq: torch.Tensor, klo: int, khi: int, cand: torch.Tensor):
+    """Symmetric step 2 (fused): as :func:`dynaquant.quant.codecs._kquant_search.sym_pick_torch`
+    (``a``, ``sqq`` (n_super, n_sub) float32, candidates (n_super, C) float32 -> d (n_super,)
+    float32, k (n_super, n_sub) int64)."""
+    n_super, n_sub = a.shape
+    d = torch.zeros(n_super, dtype=torch.float32, device=a.device)
+    k = torch.zeros(n_super, n_sub, dtype=torch.int64, device=a.device)
+    if n_super:
+        block = min(_PICK_ROWS, triton.next_power_of_2(n_super))
+        sym_pick_kernel[(triton.cdiv(n_super, block),)](
+            a.to(torch.float32).contiguous(), sqq.to(torch.float32).contiguous(), cand.to(torch.float32).contiguous(),
+            d, k, n_super, cand.shape[1], KLO=klo, KHI=khi, NSUB=n_sub, BLOCK_B=block, **_OPTS,
+        )
+    return d, k
+
+
+def aff_refine(x: torch.Tensor, w: torch.Tensor, cfg: kqs.AffConfig, spec: kqs.AffSearch):
+    """Affine step 3 (fused): as :func:`dynaquant.quant.codecs._kquant_search.aff_refine_torch`
+    (returns the config and its error per super-block, (n_super,) float64)."""
+    xc, wc, n_super, n_sub, sub = _flat(x, w)
+    r = xc.shape[0]
+    ks = torch.empty(r, dtype=torch.int64, device=x.device)
+    km = torch.empty_like(ks)
+    err = torch.empty(r, dtype=torch.float64, device=x.device)
+    if r:
+        moves = torch.tensor(spec.moves, dtype=torch.int32, device=x.device).reshape(-1)
+        block, grid = _rows_grid(r, sub)
+        aff_refine_kernel[grid](
+            xc, wc, cfg.d.float().contiguous(), cfg.dmin.float().contiguous(), cfg.ks.contiguous(), cfg.km.contiguous(),
+            moves, ks, km, err, r, len(spec.moves),
+            QMAX=spec.qmax, KMAX=spec.kmax, SUB=sub, NSUB=n_sub, BLOCK_R=block, **_OPTS,
+        )
+    out = kqs.AffConfig(cfg.d, cfg.dmin, ks.view(n_super, n_sub), km.view(n_super, n_sub))
+    return out, err.view(n_super, n_sub).sum(-1)
+
+
+def sym_refine(x: torch.Tensor, w: torch.Tensor, cfg: kqs.SymConfig, spec: kqs.SymSearch):
+    """Symmetric step 3 (fused): as :func:`dynaquant.quant.codecs._kquant_search.sym_refine_torch`
+    (returns the config and its error per super-block, (n_super,) float64)."""
+    xc, wc, n_super, n_sub, sub = _flat(x, w)
+    r = xc.shape[0]
+    k = torch.empty(r, dtype=torch.int64, device=x.device)
+    err = torch.empty(r, dtype=torch.float64, device=x.device)
+    if r:
+        block, grid = _rows_grid(r, sub)
+        sym_refine_kernel[grid](
+            xc, wc, cfg.d.float().contiguous(), cfg.k.contiguous(), k, err, r,
+            QLO=spec.qlo, QHI=spec.qhi, KLO=spec.klo, KHI=spec.khi, SUB=sub, NSUB=n_sub, BLOCK_R=block, **_OPTS,
+        )
+    return kqs.SymConfig(cfg.d, k.view(n_super, n_sub)), err.view(n_super, n_sub).sum(-1)

@@ -1,0 +1,427 @@
+"""Triton kernels of the K-quant scale searches (the launches, shapes and checks are in
+:mod:`dynaquant.kernels.kquant_search`; the torch references in
+:mod:`dynaquant.quant.codecs._kquant_search`).
+
+Each kernel runs one step of the search for all of its candidates in one launch, keeping the
+running best in registers; the float operations repeat the reference's in the same order
+(float32 element work and sums, float64 least squares), so only the order inside a sum
+differs. Launch with ``enable_fp_fusion=False`` (no multiply-add contraction, as the
+reference's separate kernels).
+
+- :func:`aff_step1_kernel`: affine step 1, one sub-block a row of a (BLOCK_R, SUB) tile;
+- :func:`sym_step1_kernel`: symmetric step 1 (scaled steps, listed inverse scales, the
+  ``n_elem`` most important elements put on every level);
+- :func:`aff_pick_kernel` / :func:`sym_pick_kernel`: step 2, the best candidate ``d`` (and
+  ``dmin``) of each super-block by the closed-form error, one super-block a row;
+- :func:`aff_refine_kernel` / :func:`sym_refine_kernel`: step 3, the moves of each
+  sub-block's integer scale (and min) tried on the elements.
+
+Memory layout: ``x``, ``w`` (R, SUB) float32 row-major (R = n_super * NSUB sub-blocks);
+per-sub-block values (R,) (= (n_super, NSUB) row-major); candidates (n_super, C) row-major.
+Importing this module imports Triton.
+"""
+
+import triton
+import triton.language as tl
+
+__all__ = [
+    "aff_step1_kernel",
+    "sym_step1_kernel",
+    "aff_pick_kernel",
+    "sym_pick_kernel",
+    "aff_refine_kernel",
+    "sym_refine_kernel",
+]
+
+# 1.5 * 2**23: adding and subtracting it rounds a float32 of magnitude below 2**22 to the
+# nearest integer, ties to even (torch.round's rule).
+_MAGIC = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def _round_clamp(v, lo, hi):
+    """``clamp(round(v), lo, hi)`` with ties to even; clamping to ``[lo - 1, hi + 1]`` first
+    keeps the rounding trick in range and gives the same result."""
+    v = tl.minimum(tl.maximum(v, lo - 1.0), hi + 1.0)
+    r = (v + _MAGIC) - _MAGIC
+    return tl.minimum(tl.maximum(r, lo), hi)
+
+
+@triton.jit
+def _clampf(v, lo, hi):
+    return tl.minimum(tl.maximum(v, lo), hi)
+
+
+@triton.jit
+def _safe_div(a, b):
+    nz = b != 0
+    return tl.where(nz, a / tl.where(nz, b, 1.0), 0.0)
+
+
+@triton.jit
+def _inv(b):
+    nz = b != 0
+    return tl.where(nz, 1.0 / tl.where(nz, b, 1.0), 0.0)
+
+
+@triton.jit
+def _aff_consider(q, w, wx, sw, sx, sxx, eps, best_e, best_a, best_b):
+    """One affine step-1 candidate (codes ``q``): least squares ``x ~ A q + B`` (A >= 0,
+    B <= 0) in float64, kept where its error is lower."""
+    wq = w * q
+    sq = tl.sum(wq, 1).to(tl.float64)
+    sqq = tl.sum(wq * q, 1).to(tl.float64)
+    sxq = tl.sum(wx * q, 1).to(tl.float64)
+    det = sw * sqq - sq * sq
+    ok = det > eps * sw * sqq
+    det = tl.where(ok, det, 0.0)
+    a = _safe_div(sw * sxq - sq * sx, det)
+    b = _safe_div(sqq * sx - sq * sxq, det)
+    fix = (ok == 0) | (b > 0) | (a < 0)
+    a2 = tl.maximum(_safe_div(sxq, sqq), 0.0)
+    b2 = tl.minimum(_safe_div(sx - a2 * sq, sw), 0.0)
+    a = tl.where(fix, a2, a)
+    b = tl.where(fix, b2, b)
+    e = sxx - 2.0 * a * sxq - 2.0 * b * sx + a * a * sqq + 2.0 * a * b * sq + b * b * sw
+    take = e < best_e
+    return tl.where(take, e, best_e), tl.where(take, a, best_a), tl.where(take, b, best_b)
+
+
+@triton.jit
+def aff_step1_kernel(
+    x_ptr,
+    w_ptr,
+    steps_ptr,
+    shifts_ptr,
+    eps_ptr,
+    a_ptr,
+    b_ptr,
+    R,
+    T,
+    S,
+    QMAX: tl.constexpr,
+    ITERS: tl.constexpr,
+    SUB: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    rmask = rows < R
+    offs = rows[:, None] * SUB + tl.arange(0, SUB)[None, :]
+    x = tl.load(x_ptr + offs, mask=rmask[:, None], other=0.0)
+    w = tl.load(w_ptr + offs, mask=rmask[:, None], other=0.0)
+    eps = tl.load(eps_ptr)
+    wx = w * x
+    sw = tl.sum(w, 1).to(tl.float64)
+    sx = tl.sum(wx, 1).to(tl.float64)
+    sxx = tl.sum(wx * x, 1).to(tl.float64)
+    lo = tl.minimum(tl.min(x, 1), 0.0)
+    rng = tl.max(x, 1) - lo
+    inv_rng = _inv(rng)
+    best_e = tl.full((BLOCK_R,), float("inf"), dtype=tl.float64)
+    best_a = tl.zeros((BLOCK_R,), dtype=tl.float64)
+    best_b = tl.zeros((BLOCK_R,), dtype=tl.float64)
+    for i in range(T):
+        t = tl.load(steps_ptr + i)
+        iscale = t * inv_rng
+        for j in range(S):
+            s = tl.load(shifts_ptr + j)
+            b0 = lo + s * rng / t
+            q = _round_clamp((x - b0[:, None]) * iscale[:, None], 0.0, QMAX)
+            best_e, best_a, best_b = _aff_consider(q, w, wx, sw, sx, sxx, eps, best_e, best_a, best_b)
+    for _ in tl.static_range(ITERS):
+        dl = best_a.to(tl.float32)
+        ml = (-best_b).to(tl.float32)
+        q = _round_clamp((x + ml[:, None]) * _inv(dl)[:, None], 0.0, QMAX)
+        best_e, best_a, best_b = _aff_consider(q, w, wx, sw, sx, sxx, eps, best_e, best_a, best_b)
+    tl.store(a_ptr + rows, best_a, mask=rmask)
+    tl.store(b_ptr + rows, best_b, mask=rmask)
+
+
+@triton.jit
+def _sym_consider(iscale, x, w, wx, best_g, best_a, QLO: tl.constexpr, QHI: tl.constexpr):
+    """One symmetric step-1 candidate inverse scale per row: kept where ``Sxq**2 / Sqq`` gains."""
+    q = _round_clamp(x * iscale[:, None], QLO, QHI)
+    sxq = tl.sum(wx * q, 1).to(tl.float64)
+    sqq = tl.sum(w * q * q, 1).to(tl.float64)
+    gain = _safe_div(sxq * sxq, sqq)
+    better = gain > best_g
+    return tl.where(better, gain, best_g), tl.where(better, _safe_div(sxq, sqq), best_a)
+
+
+@triton.jit
+def sym_step1_kernel(
+    x_ptr,
+    w_ptr,
+    steps_ptr,
+    mids_ptr,
+    a_ptr,
+    R,
+    T,
+    M,
+    N_ELEM: tl.constexpr,
+    QLO: tl.constexpr,
+    QHI: tl.constexpr,
+    ITERS: tl.constexpr,
+    SUB: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    rmask = rows < R
+    cols = tl.arange(0, SUB)
+    offs = rows[:, None] * SUB + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=rmask[:, None], other=0.0)
+    w = tl.load(w_ptr + offs, mask=rmask[:, None], other=0.0)
+    wx = w * x
+    inv_amax = _inv(tl.max(tl.abs(x), 1))
+    best_g = tl.full((BLOCK_R,), -1.0, dtype=tl.float64)
+    best_a = tl.zeros((BLOCK_R,), dtype=tl.float64)
+    # steps_ptr holds the signed multipliers in the reference's order (t, -t for each step)
+    for i in range(T):
+        st = tl.load(steps_ptr + i)
+        best_g, best_a = _sym_consider(st * inv_amax, x, w, wx, best_g, best_a, QLO, QHI)
+    for i in range(M):
+        m = tl.load(mids_ptr + rows * M + i, mask=rmask, other=0.0)
+        best_g, best_a = _sym_consider(m, x, w, wx, best_g, best_a, QLO, QHI)
+        best_g, best_a = _sym_consider(-1.0 * m, x, w, wx, best_g, best_a, QLO, QHI)
+    if N_ELEM > 0:
+        v = w * x * x
+        for _e in tl.static_range(N_ELEM):
+            am = tl.argmax(v, 1)
+            hit = cols[None, :] == am[:, None]
+            inv_xi = _inv(tl.sum(tl.where(hit, x, 0.0), 1))
+            v = tl.where(hit, -float("inf"), v)
+            # every nonzero level in ascending order (two loops: no level 0)
+            for lev in range(QLO, 0):
+                best_g, best_a = _sym_consider(lev * inv_xi, x, w, wx, best_g, best_a, QLO, QHI)
+            for lev in range(1, QHI + 1):
+                best_g, best_a = _sym_consider(lev * inv_xi, x, w, wx, best_g, best_a, QLO, QHI)
+    for _ in tl.static_range(ITERS):
+        best_g, best_a = _sym_consider(_inv(best_a.to(tl.float32)), x, w, wx, best_g, best_a, QLO, QHI)
+    tl.store(a_ptr + rows, best_a, mask=rmask)
+
+
+@triton.jit
+def _aff_option(d, a, b, ga, gb, sqq, sq, sw, inv_dm, neg_dm, ks, KMAX: tl.constexpr):
+    """The two min options of integer scale ``ks``: (error, km) of each."""
+    da = d[:, None] * ks - a
+    mopt = tl.maximum(-(b - (gb + sq * da) / sw), 0.0)
+    m0 = _clampf(tl.floor(mopt * inv_dm[:, None]), 0.0, KMAX)
+    m1 = tl.minimum(m0 + 1.0, KMAX)
+    db0 = neg_dm[:, None] * m0 - b
+    db1 = neg_dm[:, None] * m1 - b
+    e0 = 2.0 * (ga * da + gb * db0) + sqq * da * da
+    e0 = e0 + (2.0 * sq * da * db0 + sw * db0 * db0)
+    e1 = 2.0 * (ga * da + gb * db1) + sqq * da * da
+    e1 = e1 + (2.0 * sq * da * db1 + sw * db1 * db1)
+    return e0, m0, e1, m1
+
+
+@triton.jit
+def aff_pick_kernel(
+    ref_ptr,
+    dc_ptr,
+    mc_ptr,
+    d_ptr,
+    dm_ptr,
+    ks_ptr,
+    km_ptr,
+    B,
+    C,
+    KMAX: tl.constexpr,
+    NSUB: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    # ref_ptr: (7, B, NSUB) float32, the reference's (a, b, gA, gB, Sqq, Sq, Sw)
+    pid = tl.program_id(0)
+    sb = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
+    bmask = sb < B
+    offs = sb[:, None] * NSUB + tl.arange(0, NSUB)[None, :]
+    m2 = bmask[:, None]
+    plane = B * NSUB
+    a = tl.load(ref_ptr + offs, mask=m2, other=0.0)
+    b = tl.load(ref_ptr + plane + offs, mask=m2, other=0.0)
+    ga = tl.load(ref_ptr + 2 * plane + offs, mask=m2, other=0.0)
+    gb = tl.load(ref_ptr + 3 * plane + offs, mask=m2, other=0.0)
+    sqq = tl.load(ref_ptr + 4 * plane + offs, mask=m2, other=0.0)
+    sq = tl.load(ref_ptr + 5 * plane + offs, mask=m2, other=0.0)
+    sw = tl.load(ref_ptr + 6 * plane + offs, mask=m2, other=1.0)
+    best_e = tl.full((BLOCK_B,), float("inf"), dtype=tl.float32)
+    best_d = tl.zeros((BLOCK_B,), dtype=tl.float32)
+    best_dm = tl.zeros((BLOCK_B,), dtype=tl.float32)
+    best_ks = tl.zeros((BLOCK_B, NSUB), dtype=tl.float32)
+    best_km = tl.zeros((BLOCK_B, NSUB), dtype=tl.float32)
+    for c in range(C):
+        d = tl.load(dc_ptr + sb * C + c, mask=bmask, other=0.0)
+        dm = tl.load(mc_ptr + sb * C + c, mask=bmask, other=0.0)
+        inv_dm = _inv(dm)
+        neg_dm = -dm
+        k0 = _clampf(tl.floor(a * _inv(d)[:, None]), 0.0, KMAX)
+        k1 = tl.minimum(k0 + 1.0, KMAX)
+        e00, m00, e01, m01 = _aff_option(d, a, b, ga, gb, sqq, sq, sw, inv_dm, neg_dm, k0, KMAX)
+        e10, m10, e11, m11 = _aff_option(d, a, b, ga, gb, sqq, sq, sw, inv_dm, neg_dm, k1, KMAX)
+        # first minimum in the reference's order (k0, m0), (k0, m1), (k1, m0), (k1, m1)
+        e = e00
+        ks = k0
+        km = m00
+        t = e01 < e
+        e = tl.where(t, e01, e)
+        km = tl.where(t, m01, km)
+        t = e10 < e
+        e = tl.where(t, e10, e)
+        ks = tl.where(t, k1, ks)
+        km = tl.where(t, m10, km)
+        t = e11 < e
+        e = tl.where(t, e11, e)
+        ks = tl.where(t, k1, ks)
+        km = tl.where(t, m11, km)
+        tot = tl.sum(e, 1)
+        take = tot < best_e
+        best_e = tl.where(take, tot, best_e)
+        best_d = tl.where(take, d, best_d)
+        best_dm = tl.where(take, dm, best_dm)
+        best_ks = tl.where(take[:, None], ks, best_ks)
+        best_km = tl.where(take[:, None], km, best_km)
+    tl.store(d_ptr + sb, best_d, mask=bmask)
+    tl.store(dm_ptr + sb, best_dm, mask=bmask)
+    tl.store(ks_ptr + offs, best_ks.to(tl.int64), mask=m2)
+    tl.store(km_ptr + offs, best_km.to(tl.int64), mask=m2)
+
+
+@triton.jit
+def sym_pick_kernel(
+    a_ptr,
+    sqq_ptr,
+    cand_ptr,
+    d_ptr,
+    k_ptr,
+    B,
+    C,
+    KLO: tl.constexpr,
+    KHI: tl.constexpr,
+    NSUB: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    sb = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
+    bmask = sb < B
+    offs = sb[:, None] * NSUB + tl.arange(0, NSUB)[None, :]
+    m2 = bmask[:, None]
+    a = tl.load(a_ptr + offs, mask=m2, other=0.0)
+    sqq = tl.load(sqq_ptr + offs, mask=m2, other=0.0)
+    best_e = tl.full((BLOCK_B,), float("inf"), dtype=tl.float32)
+    best_d = tl.zeros((BLOCK_B,), dtype=tl.float32)
+    best_k = tl.zeros((BLOCK_B, NSUB), dtype=tl.float32)
+    for c in range(C):
+        d = tl.load(cand_ptr + sb * C + c, mask=bmask, other=0.0)
+        k0 = _clampf(tl.floor(a * _inv(d)[:, None]), KLO, KHI)
+        k1 = tl.minimum(k0 + 1.0, KHI)
+        r0 = d[:, None] * k0 - a
+        r1 = d[:, None] * k1 - a
+        e0 = sqq * r0 * r0
+        e1 = sqq * r1 * r1
+        t = e1 < e0
+        e = tl.where(t, e1, e0)
+        k = tl.where(t, k1, k0)
+        tot = tl.sum(e, 1)
+        take = tot < best_e
+        best_e = tl.where(take, tot, best_e)
+        best_d = tl.where(take, d, best_d)
+        best_k = tl.where(take[:, None], k, best_k)
+    tl.store(d_ptr + sb, best_d, mask=bmask)
+    tl.store(k_ptr + offs, best_k.to(tl.int64), mask=m2)
+
+
+@triton.jit
+def _aff_err(x, w, dl, ml, QMAX: tl.constexpr):
+    q = _round_clamp((x + ml[:, None]) * _inv(dl)[:, None], 0.0, QMAX)
+    r = x - (dl[:, None] * q - ml[:, None])
+    return tl.sum(w * r * r, 1).to(tl.float64)
+
+
+@triton.jit
+def aff_refine_kernel(
+    x_ptr,
+    w_ptr,
+    d_ptr,
+    dmin_ptr,
+    ks_ptr,
+    km_ptr,
+    moves_ptr,
+    ks_out,
+    km_out,
+    err_ptr,
+    R,
+    M,
+    QMAX: tl.constexpr,
+    KMAX: tl.constexpr,
+    SUB: tl.constexpr,
+    NSUB: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    rmask = rows < R
+    offs = rows[:, None] * SUB + tl.arange(0, SUB)[None, :]
+    x = tl.load(x_ptr + offs, mask=rmask[:, None], other=0.0)
+    w = tl.load(w_ptr + offs, mask=rmask[:, None], other=0.0)
+    d = tl.load(d_ptr + rows // NSUB, mask=rmask, other=0.0)
+    dmin = tl.load(dmin_ptr + rows // NSUB, mask=rmask, other=0.0)
+    ks = tl.load(ks_ptr + rows, mask=rmask, other=0).to(tl.float32)
+    km = tl.load(km_ptr + rows, mask=rmask, other=0).to(tl.float32)
+    err = _aff_err(x, w, d * ks, dmin * km, QMAX)
+    for i in range(M):
+        kst = _clampf(ks + tl.load(moves_ptr + 2 * i).to(tl.float32), 0.0, KMAX)
+        kmt = _clampf(km + tl.load(moves_ptr + 2 * i + 1).to(tl.float32), 0.0, KMAX)
+        et = _aff_err(x, w, d * kst, dmin * kmt, QMAX)
+        take = et < err
+        err = tl.where(take, et, err)
+        ks = tl.where(take, kst, ks)
+        km = tl.where(take, kmt, km)
+    tl.store(ks_out + rows, ks.to(tl.int64), mask=rmask)
+    tl.store(km_out + rows, km.to(tl.int64), mask=rmask)
+    tl.store(err_ptr + rows, err, mask=rmask)
+
+
+@triton.jit
+def _sym_err(x, w, dl, QLO: tl.constexpr, QHI: tl.constexpr):
+    q = _round_clamp(x * _inv(dl)[:, None], QLO, QHI)
+    r = x - dl[:, None] * q
+    return tl.sum(w * r * r, 1).to(tl.float64)
+
+
+@triton.jit
+def sym_refine_kernel(
+    x_ptr,
+    w_ptr,
+    d_ptr,
+    k_ptr,
+    k_out,
+    err_ptr,
+    R,
+    QLO: tl.constexpr,
+    QHI: tl.constexpr,
+    KLO: tl.constexpr,
+    KHI: tl.constexpr,
+    SUB: tl.constexpr,
+    NSUB: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    rmask = rows < R
+    offs = rows[:, None] * SUB + tl.arange(0, SUB)[None, :]
+    x = tl.load(x_ptr + offs, mask=rmask[:, None], other=0.0)
+    w = tl.load(w_ptr + offs, mask=rmask[:, None], other=0.0)
+    d = tl.load(d_ptr + rows // NSUB, mask=rmask, other=0.0)
+    k = tl.load(k_ptr + rows, mask=rmask, other=0).to(tl.float32)
+    err = _sym_err(x, w, d * k, QLO, QHI)
+    for delta in tl.static_range(2):
+        kt = _clampf(k + (1.0 - 2.0 * delta), KLO, KHI)
+        et = _sym_err(x, w, d * kt, QLO, QHI)
+        take = et < err
+        err = tl.where(take, et, err)
+        k = tl.where(take, kt, k)
+    tl.store(k_out + rows, k.to(tl.int64), mask=rmask)
+    tl.store(err_ptr + rows, err, mask=rmask)
