@@ -51,7 +51,8 @@ def _flat(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def _rows_grid(r: int, sub: int) -> tuple[int, tuple[int]]:
-    block = max(1, min(_TILE // sub, triton.next_power_of_2(max(r, 1))))
+    # one tile shape per sub-block size (one compiled kernel per format; small inputs are masked)
+    block = _TILE // sub
     return block, (triton.cdiv(r, block),)
 
 
@@ -107,7 +108,7 @@ def aff_pick(ref: tuple[torch.Tensor, ...], kmax: int, dc: torch.Tensor, mc: tor
     km = torch.zeros_like(ks)
     if n_super:
         refc = torch.stack([t.to(torch.float32) for t in ref]).contiguous()
-        block = min(_PICK_ROWS, triton.next_power_of_2(n_super))
+        block = _PICK_ROWS
         aff_pick_kernel[(triton.cdiv(n_super, block),)](
             refc, dc.to(torch.float32).contiguous(), mc.to(torch.float32).contiguous(), d, dm, ks, km,
             n_super, dc.shape[1], KMAX=kmax, NSUB=n_sub, BLOCK_B=block, **_OPTS,
@@ -123,7 +124,7 @@ def sym_pick(a: torch.Tensor, sqq: torch.Tensor, klo: int, khi: int, cand: torch
     d = torch.zeros(n_super, dtype=torch.float32, device=a.device)
     k = torch.zeros(n_super, n_sub, dtype=torch.int64, device=a.device)
     if n_super:
-        block = min(_PICK_ROWS, triton.next_power_of_2(n_super))
+        block = _PICK_ROWS
         sym_pick_kernel[(triton.cdiv(n_super, block),)](
             a.to(torch.float32).contiguous(), sqq.to(torch.float32).contiguous(), cand.to(torch.float32).contiguous(),
             d, k, n_super, cand.shape[1], KLO=klo, KHI=khi, NSUB=n_sub, BLOCK_B=block, **_OPTS,

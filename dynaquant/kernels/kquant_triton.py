@@ -18,6 +18,8 @@ reference's separate kernels).
 
 Memory layout: ``x``, ``w`` (R, SUB) float32 row-major (R = n_super * NSUB sub-blocks);
 per-sub-block values (R,) (= (n_super, NSUB) row-major); candidates (n_super, C) row-major.
+The run-time sizes are not specialized on (``do_not_specialize``) and the launcher keeps the
+tiles fixed, so each format compiles each kernel once, whatever its chunks' sizes.
 Importing this module imports Triton.
 """
 
@@ -87,7 +89,7 @@ def _aff_consider(q, w, wx, sw, sx, sxx, eps, best_e, best_a, best_b):
     return tl.where(take, e, best_e), tl.where(take, a, best_a), tl.where(take, b, best_b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "T", "S"])
 def aff_step1_kernel(
     x_ptr,
     w_ptr,
@@ -149,7 +151,7 @@ def _sym_consider(iscale, x, w, wx, best_g, best_a, QLO: tl.constexpr, QHI: tl.c
     return tl.where(better, gain, best_g), tl.where(better, _safe_div(sxq, sqq), best_a)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "T", "M"])
 def sym_step1_kernel(
     x_ptr,
     w_ptr,
@@ -218,7 +220,7 @@ def _aff_option(d, a, b, ga, gb, sqq, sq, sw, inv_dm, neg_dm, ks, KMAX: tl.const
     return e0, m0, e1, m1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "C"])
 def aff_pick_kernel(
     ref_ptr,
     dc_ptr,
@@ -289,7 +291,7 @@ def aff_pick_kernel(
     tl.store(km_ptr + offs, best_km.to(tl.int64), mask=m2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "C"])
 def sym_pick_kernel(
     a_ptr,
     sqq_ptr,
@@ -340,7 +342,7 @@ def _aff_err(x, w, dl, ml, QMAX: tl.constexpr):
     return tl.sum(w * r * r, 1).to(tl.float64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "M"])
 def aff_refine_kernel(
     x_ptr,
     w_ptr,
@@ -391,7 +393,7 @@ def _sym_err(x, w, dl, QLO: tl.constexpr, QHI: tl.constexpr):
     return tl.sum(w * r * r, 1).to(tl.float64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def sym_refine_kernel(
     x_ptr,
     w_ptr,
