@@ -206,6 +206,41 @@ def test_measure_plan_on_a_tiny_llama_matches_kld_with_weights_and_restores(tiny
     assert m.interaction == pytest.approx(m.kld_measured / m.kld_groups_sum) and m.kld_measured > 0
 
 
+def test_measure_plan_reuses_the_decoded_weights_of_an_earlier_round(tiny_model, monkeypatch):
+    """With ``keep``, a second plan encodes only the parameters whose format changed, and measures what a fresh call
+    measures (bit for bit); ``keep`` then holds exactly this plan's parameters in their formats."""
+    import dynaquant.analysis.corrections as corr
+
+    model = tiny_model
+    chunks = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    ref = ReferenceLogits(model, chunks)
+    params = {n: p for n, p in model.named_parameters() if p.ndim == 2}
+    groups = {n: n.split(".")[2] if "layers" in n else "token_embd" for n in params}
+    pred = dict.fromkeys(params, 0.01)
+    encoded = []
+    real = corr.decoded_weight
+
+    def spy(p, fmt, imatrix):
+        encoded.append(fmt)
+        return real(p, fmt, imatrix)
+
+    monkeypatch.setattr(corr, "decoded_weight", spy)
+    first = dict.fromkeys(params, "Q4_0")
+    keep: dict = {}
+    measure_plan(model, ref, first, groups, pred, lambda n: None, progress=False, keep=keep)
+    assert len(encoded) == len(params) and {n: f for n, (f, _) in keep.items()} == first
+    changed = sorted(params)[:2]
+    second = {**first, **dict.fromkeys(changed, "Q8_0")}
+    second.pop(sorted(params)[-1])  # a parameter no longer planned leaves ``keep``
+    encoded.clear()
+    again = measure_plan(model, ref, second, groups, pred, lambda n: None, progress=False, keep=keep)
+    assert encoded == ["Q8_0", "Q8_0"]
+    assert {n: f for n, (f, _) in keep.items()} == second
+    fresh = measure_plan(model, ref, second, groups, pred, lambda n: None, progress=False)
+    assert again.kld_measured == fresh.kld_measured
+    assert [g.kld_measured for g in again.groups] == [g.kld_measured for g in fresh.groups]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_measure_plan_on_the_gpu_keeps_one_copy_of_the_weights_there(tiny_model):
     """Decoded weights kept on the CPU are swapped through it: while swapped the GPU holds exactly the bytes it held

@@ -86,7 +86,8 @@ class PlanMeasure:
 @torch.no_grad()
 def measure_plan(model, ref: ReferenceLogits, formats: dict[str, str], groups: dict[str, str],
                  kld_pred: dict[str, float], imatrix_of: Callable[[str], torch.Tensor | None], *,
-                 progress: bool = True, desc: str = "corrections") -> PlanMeasure:
+                 progress: bool = True, desc: str = "corrections",
+                 keep: dict[str, tuple[str, torch.Tensor]] | None = None) -> PlanMeasure:
     """Measure a plan's KL divergence as a whole and per group quantized alone.
 
     Args:
@@ -98,10 +99,16 @@ def measure_plan(model, ref: ReferenceLogits, formats: dict[str, str], groups: d
         kld_pred: HF parameter name -> predicted KL divergence (nats/token) in its planned format (0 when absent).
         imatrix_of: HF parameter name -> (K,) importance for the encoder, or None.
         progress: a tqdm bar over the groups (``desc``).
+        keep: the decoded weights of an earlier call of the same run (HF name -> (format, host tensor)), filled
+            by this call: a parameter planned in the same format as then is not encoded again (a round of
+            corrections changes a few tensors' formats; the imatrix and the model are the run's own). It holds
+            this plan's decoded weights when the call returns (the entries of other formats and parameters
+            dropped), so the host keeps one model's worth, as within a call; emptied on error.
     Returns:
         PlanMeasure, groups in first-appearance order of ``formats``. Cost: ``len(groups) + 1`` forward passes over
-        the held-out sequences, one encode and decode per parameter; memory: the decoded weights on the host (one
-        model's worth), the model's device holding each weight once (:class:`SwappedWeights`).
+        the held-out sequences, one encode and decode per parameter (not kept in ``keep`` in its format); memory:
+        the decoded weights on the host (one model's worth), the model's device holding each weight once
+        (:class:`SwappedWeights`).
     Raises:
         KeyError: a parameter of ``formats`` not in the model, or without a group.
     """
@@ -110,17 +117,25 @@ def measure_plan(model, ref: ReferenceLogits, formats: dict[str, str], groups: d
     for name in formats:
         members.setdefault(groups[name], []).append(name)
     cache: dict[str, torch.Tensor] = {}  # decoded weights, kept on the CPU: a GPU holds the model once
+    earlier = {n: t for n, (f, t) in (keep or {}).items() if formats.get(n) == f}
+    if keep is not None:
+        keep.clear()  # the entries of other formats go now, before this plan's are made
     out = []
+    ok = False
     try:
         for g, names in tqdm(members.items(), desc=desc, disable=not progress, unit="group"):
             for n in names:
-                cache[n] = decoded_weight(params[n], formats[n], imatrix_of(n)).cpu()
+                hit = earlier.pop(n, None)
+                cache[n] = hit if hit is not None else decoded_weight(params[n], formats[n], imatrix_of(n)).cpu()
             with SwappedWeights(params, cache, names):
                 kld = ref.kld(model)
             out.append(GroupMeasure(g, sum(float(kld_pred.get(n) or 0.0) for n in names), kld))
         with SwappedWeights(params, cache, list(cache)):
             whole = ref.kld(model)
+        ok = True
     finally:
+        if keep is not None and ok:
+            keep.update({n: (formats[n], t) for n, t in cache.items()})
         cache.clear()
     return PlanMeasure(sum(m.kld_pred for m in out), whole, sum(m.kld_measured for m in out), out)
 

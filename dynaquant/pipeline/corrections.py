@@ -194,6 +194,7 @@ def model_measure(model, ref: ReferenceLogits | torch.Tensor, tensors: list[Tens
     base = error_fn_from_report(report, use_corrections=False)
     info = {t.name: t for t in tensors}
     params = {n for n, _ in model.named_parameters()}
+    keep: dict[str, tuple[str, torch.Tensor]] = {}  # decoded weights reused across the rounds (measure_plan)
 
     def measure(plan: Plan, desc: str) -> PlanMeasure:
         fmts, groups, pred = {}, {}, {}
@@ -205,7 +206,7 @@ def model_measure(model, ref: ReferenceLogits | torch.Tensor, tensors: list[Tens
                 pred[e.hf_name] = v if math.isfinite(v) else 0.0
         if sk is not None:
             return measure_plan_blockwise(sk, ref, fmts, groups, pred, imatrix_of, progress=progress)
-        return measure_plan(model, ref, fmts, groups, pred, imatrix_of, progress=progress, desc=desc)
+        return measure_plan(model, ref, fmts, groups, pred, imatrix_of, progress=progress, desc=desc, keep=keep)
 
     return measure
 
@@ -219,7 +220,9 @@ def correct_in_model(model, tokenizer, spec: CalibrationSpec, report: dict, tens
 
     Cost: one forward pass over the held-out chunks for the reference, then per measured plan one per group
     (``2 * n_layers`` + embedding / output) and one for the whole plan, and one encode + decode per quantized
-    parameter; at most ``rounds + 1`` plans are measured.
+    parameter (on a loaded model, only the parameters whose format changed since the last plan measured: the
+    decoded weights are kept on the host between rounds, one model's worth); at most ``rounds + 1`` plans are
+    measured.
     """
     held = held_out_chunks(tokenizer, spec, sequences)
     if sk is not None:
