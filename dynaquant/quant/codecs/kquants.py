@@ -25,7 +25,9 @@ is the thorough search of ``_kquant_search`` (each codec's ``search`` settings);
 :mod:`.kquant_fast` (each codec's ``fast`` settings: a few stacked candidate tensors a step; 2-10x
 faster), not the default yet: its plans lost quality on the tiny-MoE tests (Q4_K_M output error
 0.17 against 0.15 allowed; a router margin) that the thorough search passes. Everything is
-batched torch on the input's device.
+batched torch on the input's device; on CUDA the thorough search's three steps run as fused
+Triton kernels (the ``kquant.*`` fast paths of :mod:`.fastpaths`, registered by
+:mod:`dynaquant.kernels`; ``backend`` chooses, as for the lattice i-quants).
 """
 
 from __future__ import annotations
