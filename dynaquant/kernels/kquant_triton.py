@@ -67,6 +67,24 @@ def _inv(b):
 
 
 @triton.jit
+def _rows(n, BLOCK: tl.constexpr):
+    """This program's BLOCK row indices (int64) and their mask (``< n``)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    return rows, rows < n
+
+
+@triton.jit
+def _row_tile(x_ptr, w_ptr, R, SUB: tl.constexpr, BLOCK_R: tl.constexpr):
+    """This program's (BLOCK_R, SUB) tiles of the (R, SUB) ``x`` and ``w`` (masked rows 0), with
+    the rows and their mask."""
+    rows, rmask = _rows(R, BLOCK_R)
+    offs = rows[:, None] * SUB + tl.arange(0, SUB)[None, :]
+    x = tl.load(x_ptr + offs, mask=rmask[:, None], other=0.0)
+    w = tl.load(w_ptr + offs, mask=rmask[:, None], other=0.0)
+    return rows, rmask, x, w
+
+
+@triton.jit
 def _aff_consider(q, w, wx, sw, sx, sxx, eps, best_e, best_a, best_b):
     """One affine step-1 candidate (codes ``q``): least squares ``x ~ A q + B`` (A >= 0,
     B <= 0) in float64, kept where its error is lower."""
@@ -106,12 +124,7 @@ def aff_step1_kernel(
     SUB: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-    rmask = rows < R
-    offs = rows[:, None] * SUB + tl.arange(0, SUB)[None, :]
-    x = tl.load(x_ptr + offs, mask=rmask[:, None], other=0.0)
-    w = tl.load(w_ptr + offs, mask=rmask[:, None], other=0.0)
+    rows, rmask, x, w = _row_tile(x_ptr, w_ptr, R, SUB, BLOCK_R)
     eps = tl.load(eps_ptr)
     wx = w * x
     sw = tl.sum(w, 1).to(tl.float64)
@@ -168,13 +181,8 @@ def sym_step1_kernel(
     SUB: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-    rmask = rows < R
+    rows, rmask, x, w = _row_tile(x_ptr, w_ptr, R, SUB, BLOCK_R)
     cols = tl.arange(0, SUB)
-    offs = rows[:, None] * SUB + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=rmask[:, None], other=0.0)
-    w = tl.load(w_ptr + offs, mask=rmask[:, None], other=0.0)
     wx = w * x
     inv_amax = _inv(tl.max(tl.abs(x), 1))
     best_g = tl.full((BLOCK_R,), -1.0, dtype=tl.float64)
@@ -236,9 +244,7 @@ def aff_pick_kernel(
     BLOCK_B: tl.constexpr,
 ):
     # ref_ptr: (7, B, NSUB) float32, the reference's (a, b, gA, gB, Sqq, Sq, Sw)
-    pid = tl.program_id(0)
-    sb = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
-    bmask = sb < B
+    sb, bmask = _rows(B, BLOCK_B)
     offs = sb[:, None] * NSUB + tl.arange(0, NSUB)[None, :]
     m2 = bmask[:, None]
     plane = B * NSUB
@@ -305,9 +311,7 @@ def sym_pick_kernel(
     NSUB: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    sb = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
-    bmask = sb < B
+    sb, bmask = _rows(B, BLOCK_B)
     offs = sb[:, None] * NSUB + tl.arange(0, NSUB)[None, :]
     m2 = bmask[:, None]
     a = tl.load(a_ptr + offs, mask=m2, other=0.0)
@@ -362,12 +366,7 @@ def aff_refine_kernel(
     NSUB: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-    rmask = rows < R
-    offs = rows[:, None] * SUB + tl.arange(0, SUB)[None, :]
-    x = tl.load(x_ptr + offs, mask=rmask[:, None], other=0.0)
-    w = tl.load(w_ptr + offs, mask=rmask[:, None], other=0.0)
+    rows, rmask, x, w = _row_tile(x_ptr, w_ptr, R, SUB, BLOCK_R)
     d = tl.load(d_ptr + rows // NSUB, mask=rmask, other=0.0)
     dmin = tl.load(dmin_ptr + rows // NSUB, mask=rmask, other=0.0)
     ks = tl.load(ks_ptr + rows, mask=rmask, other=0).to(tl.float32)
@@ -410,12 +409,7 @@ def sym_refine_kernel(
     NSUB: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-    rmask = rows < R
-    offs = rows[:, None] * SUB + tl.arange(0, SUB)[None, :]
-    x = tl.load(x_ptr + offs, mask=rmask[:, None], other=0.0)
-    w = tl.load(w_ptr + offs, mask=rmask[:, None], other=0.0)
+    rows, rmask, x, w = _row_tile(x_ptr, w_ptr, R, SUB, BLOCK_R)
     d = tl.load(d_ptr + rows // NSUB, mask=rmask, other=0.0)
     k = tl.load(k_ptr + rows, mask=rmask, other=0).to(tl.float32)
     err = _sym_err(x, w, d * k, QLO, QHI)
