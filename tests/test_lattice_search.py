@@ -30,12 +30,7 @@ from dynaquant.quant.codecs import _lattice as lat  # noqa: E402
 CASES = [("IQ2_XXS", True), ("IQ2_XS", True), ("IQ2_S", False), ("IQ3_XXS", False)]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.fixture(scope="module")

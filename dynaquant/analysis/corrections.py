@@ -121,7 +121,6 @@ def measure_plan(model, ref: ReferenceLogits, formats: dict[str, str], groups: d
     if keep is not None:
         keep.clear()  # the entries of other formats go now, before this plan's are made
     out = []
-    ok = False
     try:
         for g, names in tqdm(members.items(), desc=desc, disable=not progress, unit="group"):
             for n in names:
@@ -132,10 +131,9 @@ def measure_plan(model, ref: ReferenceLogits, formats: dict[str, str], groups: d
             out.append(GroupMeasure(g, sum(float(kld_pred.get(n) or 0.0) for n in names), kld))
         with SwappedWeights(params, cache, list(cache)):
             whole = ref.kld(model)
-        ok = True
-    finally:
-        if keep is not None and ok:
+        if keep is not None:
             keep.update({n: (formats[n], t) for n, t in cache.items()})
+    finally:
         cache.clear()
     return PlanMeasure(sum(m.kld_pred for m in out), whole, sum(m.kld_measured for m in out), out)
 
