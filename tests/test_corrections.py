@@ -266,6 +266,38 @@ def test_measure_plan_on_the_gpu_keeps_one_copy_of_the_weights_there(tiny_model)
                                            rel=1e-3)
 
 
+
+def test_device_room_is_zero_off_cuda():
+    from dynaquant.analysis.corrections import device_room
+
+    assert device_room("cpu") == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_measure_plan_keeps_decoded_weights_on_the_gpu_while_it_has_room(tiny_model, monkeypatch):
+    """With room on the GPU the decoded weights stay there (swapped by pointer: no copy to the host); with none
+    (``device_room`` 0) they go to the host; the two measure the same KLDs bit for bit and restore the weights."""
+    import dynaquant.analysis.corrections as corr
+
+    model = tiny_model.cuda()
+    params = {n: p for n, p in model.named_parameters() if p.ndim == 2}
+    before = {n: p.detach().clone() for n, p in params.items()}
+    chunks = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1)).cuda()
+    ref = ReferenceLogits(model, chunks)
+    fmts, groups = dict.fromkeys(params, "Q4_0"), {n: n.split(".")[2] if "layers" in n else "token_embd" for n in params}
+    measured, places = [], []
+    for room in (None, 0):
+        if room is not None:
+            monkeypatch.setattr(corr, "device_room", lambda device: room)
+        keep: dict = {}
+        measured.append(measure_plan(model, ref, fmts, groups, dict.fromkeys(params, 0.01), lambda n: None,
+                                     progress=False, keep=keep))
+        places.append({t.device.type for _, t in keep.values()})
+        assert all(torch.equal(p, before[n]) for n, p in params.items())
+    assert places == [{"cuda"}, {"cpu"}]
+    assert measured[0].kld_measured == measured[1].kld_measured
+    assert [g.kld_measured for g in measured[0].groups] == [g.kld_measured for g in measured[1].groups]
+
 def test_the_loop_on_a_tiny_llama_returns_a_plan_within_budget(tiny_model):
     model = tiny_model
     names = {n: n.replace("model.embed_tokens", "token_embd").replace("model.layers", "blk").replace("self_attn.", "attn_")

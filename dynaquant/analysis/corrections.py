@@ -83,6 +83,23 @@ class PlanMeasure:
         return self.kld_measured / self.kld_groups_sum if self.kld_groups_sum > 0 else None
 
 
+# Kept free on a CUDA device beside the decoded weights of a measured plan: the encoders' chunks (sized by the free
+# memory, ``chunk_weights``) and the held-out forward passes.
+DEVICE_RESERVE_FRACTION = 0.25
+
+
+def device_room(device: torch.device | str) -> int:
+    """Bytes of ``device`` memory that :func:`measure_plan` may fill with decoded weights: on CUDA the free memory (the
+    driver's free bytes plus the caching allocator's reserved but unused ones) less :data:`DEVICE_RESERVE_FRACTION`
+    of the device's total, at least 0; 0 on other devices (the host holds them: on the CPU that is no copy)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return max(0, int(free + cached - DEVICE_RESERVE_FRACTION * total))
+
+
 @torch.no_grad()
 def measure_plan(model, ref: ReferenceLogits, formats: dict[str, str], groups: dict[str, str],
                  kld_pred: dict[str, float], imatrix_of: Callable[[str], torch.Tensor | None], *,
@@ -99,16 +116,17 @@ def measure_plan(model, ref: ReferenceLogits, formats: dict[str, str], groups: d
         kld_pred: HF parameter name -> predicted KL divergence (nats/token) in its planned format (0 when absent).
         imatrix_of: HF parameter name -> (K,) importance for the encoder, or None.
         progress: a tqdm bar over the groups (``desc``).
-        keep: the decoded weights of an earlier call of the same run (HF name -> (format, host tensor)), filled
+        keep: the decoded weights of an earlier call of the same run (HF name -> (format, tensor)), filled
             by this call: a parameter planned in the same format as then is not encoded again (a round of
             corrections changes a few tensors' formats; the imatrix and the model are the run's own). It holds
             this plan's decoded weights when the call returns (the entries of other formats and parameters
-            dropped), so the host keeps one model's worth, as within a call; emptied on error.
+            dropped), so one model's worth is kept, as within a call; emptied on error.
     Returns:
         PlanMeasure, groups in first-appearance order of ``formats``. Cost: ``len(groups) + 1`` forward passes over
         the held-out sequences, one encode and decode per parameter (not kept in ``keep`` in its format); memory:
-        the decoded weights on the host (one model's worth), the model's device holding each weight once
-        (:class:`SwappedWeights`).
+        the decoded weights (one model's worth) on the model's device as far as :func:`device_room` allows (swapped
+        in and out by pointer), the rest on the host (copied in and out at each swap, the device holding each of those
+        weights once: :class:`SwappedWeights`).
     Raises:
         KeyError: a parameter of ``formats`` not in the model, or without a group.
     """
@@ -116,16 +134,26 @@ def measure_plan(model, ref: ReferenceLogits, formats: dict[str, str], groups: d
     members: dict[str, list[str]] = {}
     for name in formats:
         members.setdefault(groups[name], []).append(name)
-    cache: dict[str, torch.Tensor] = {}  # decoded weights, kept on the CPU: a GPU holds the model once
+    cache: dict[str, torch.Tensor] = {}  # decoded weights: on the model's device while it has room, else the host
     earlier = {n: t for n, (f, t) in (keep or {}).items() if formats.get(n) == f}
     if keep is not None:
         keep.clear()  # the entries of other formats go now, before this plan's are made
+    room = device_room(next(iter(params.values())).device) if params else 0
+
+    def place(t: torch.Tensor) -> torch.Tensor:
+        nonlocal room
+        nbytes = t.numel() * t.element_size()
+        if nbytes <= room:
+            room -= nbytes
+            return t
+        return t.cpu()
+
     out = []
     try:
         for g, names in tqdm(members.items(), desc=desc, disable=not progress, unit="group"):
             for n in names:
                 hit = earlier.pop(n, None)
-                cache[n] = hit if hit is not None else decoded_weight(params[n], formats[n], imatrix_of(n)).cpu()
+                cache[n] = hit if hit is not None else place(decoded_weight(params[n], formats[n], imatrix_of(n)))
             with SwappedWeights(params, cache, names):
                 kld = ref.kld(model)
             out.append(GroupMeasure(g, sum(float(kld_pred.get(n) or 0.0) for n in names), kld))
