@@ -222,6 +222,73 @@ def test_iq2_encoder_on_fused_path(interpreted, name):
     assert e_ours <= e_ref * 1.001
 
 
+@pytest.mark.parametrize("name", ["IQ3_XXS", "IQ3_S"])
+@pytest.mark.parametrize("variants", ["none", "full", "one"])
+def test_iq3_nearest_variants_against_the_reference(interpreted, name, variants):
+    """The fused IQ3 assignment gives the torch reference's grid points for every variant (unflipped; every weight
+    flipped, or the named one, on the odd groups; -inf / 0 on the even ones), scores equal up to float32 rounding."""
+    from dynaquant.kernels.iq3_search import nearest_variants
+    from dynaquant.quant.codecs import iq3
+
+    g = torch.Generator().manual_seed(5)
+    r = 300  # three programs of 128, the last one partial
+    v = torch.rand(r, 4, generator=g) * 60
+    v[:50] = torch.tensor([4.0, 12.0, 20.0, 4.0]) * (1 + 0.01 * torch.rand(50, 4, generator=g))  # near grid points
+    w = torch.rand(r, 4, generator=g) + 0.1
+    a = torch.rand(r, 1, generator=g) * 2 + 0.5
+    a[:50] = 1.0 if name == "IQ3_XXS" else 4.0
+    f, t = torch.cat([2 * w * v, -a * w], 1), v / a
+    odd = None if variants == "none" else torch.rand(r, generator=g) < 0.5
+    at = torch.randint(0, 4, (r,), generator=g) if variants == "one" else None
+    tables = (*iq3._grid_map(name, "cpu"), *iq3._grid_table(name, "cpu"))
+    s_ref, i_ref = iq3.nearest_variants_torch(f, t, odd, at, *tables)
+    s, i = nearest_variants(f.to(DEVICE), t.to(DEVICE), None if odd is None else odd.to(DEVICE),
+                            None if at is None else at.to(DEVICE), *(x.to(DEVICE) for x in tables))
+    s, i = s.cpu(), i.cpu()
+    assert s.shape == i.shape == (r, {"none": 1, "full": 5, "one": 2}[variants])
+    assert torch.equal(i, i_ref)
+    fin = torch.isfinite(s_ref)
+    assert torch.equal(torch.isfinite(s), fin) and (variants == "none" or not fin[:, 1:][~odd].any())
+    torch.testing.assert_close(s[fin], s_ref[fin], rtol=1e-5, atol=1e-2)
+    # on-grid rows exist and the reference's exhaustive search agrees with their lookups
+    kmap, mids = tables[:2]
+    lev = torch.bucketize(t, mids)
+    assert (kmap[(lev << (3 * torch.arange(4))).sum(1)] >= 0).sum() >= 20
+
+
+@pytest.mark.parametrize("name", ["IQ3_XXS", "IQ3_S"])
+def test_iq3_encoder_on_fused_path(interpreted, name, monkeypatch):
+    """IQ3's assignment through the fused kernel (forced on CPU, interpreted; the torch side on CPU searches the exact
+    candidate lists): the kernel is called, the bytes decode as gguf-py does and are as good as torch's."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from dynaquant.quant.codecs import dequantize, fastpaths, quantize
+
+    calls = []
+    real = fastpaths.lookup("iq3.nearest_variants")
+
+    def spy(*a, **k):
+        calls.append((a[2] is None, a[3] is None))
+        return real(*a, **k)
+
+    monkeypatch.setitem(fastpaths._LOADED, "iq3.nearest_variants", spy)
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(3, 512, generator=g) * 0.02).to(DEVICE)
+    x[0, :32] = 0.0  # a zero sub-block (scale 0)
+    im = torch.exp(torch.randn(512, generator=g)).to(DEVICE)
+    ref = quantize(x, name, im, backend="torch").cpu()
+    assert not calls
+    ours = quantize(x, name, im, backend="triton").cpu()
+    assert calls and all(c == ((True, True) if name == "IQ3_S" else (False, c[1])) for c in calls)
+    x, im = x.cpu(), im.cpu()
+    y = dequantize(ours, name)
+    assert torch.equal(y, torch.from_numpy(gguf_dequantize(ours.numpy(), GGMLQuantizationType[name])))
+    e_ours = float((im * (x - y) ** 2).sum())
+    e_ref = float((im * (x - dequantize(ref, name)) ** 2).sum())
+    assert e_ours <= e_ref * 1.001
+
+
 def test_backend_argument(monkeypatch):
     """``backend`` chooses the implementation: "auto" is torch on CPU, "torch" always, an unknown name is refused;
     "triton" with no fast path registered is an error, not a silent fallback."""

@@ -11,8 +11,9 @@ Public API (importing this package does not import Triton):
     linear_ref(x, packed, bias=None) -> y              torch reference of ``linear``
     choose_config(fmt, m, n, k, device_info(device)) -> LaunchConfig   cached launch tuning
 
-Importing this package also registers the fused lattice searches of :mod:`.lattice_search`
-and the fused K-quant scale searches of :mod:`.kquant_search` (Triton, loaded on first use) as
+Importing this package also registers the fused lattice searches of :mod:`.lattice_search`,
+IQ3's fused assignment of :mod:`.iq3_search` and the fused K-quant scale searches of
+:mod:`.kquant_search` (Triton, loaded on first use) as
 the fast paths of the i-quant and K-quant codecs
 (:mod:`dynaquant.quant.codecs.fastpaths`); the layers that encode (pipeline, analysis, runtime)
 import it.
@@ -40,6 +41,7 @@ def _loader(module: str, attr: str):
 for _name, _attr in (("lattice.nearest_codewords", "nearest_codewords"), ("lattice.candidate_terms", "candidate_terms"),
                      ("lattice.subset_min_costs", "subset_min_costs"), ("iq1.ternary_nearest", "ternary_nearest")):
     fastpaths.register(_name, _loader("dynaquant.kernels.lattice_search", _attr))
+fastpaths.register("iq3.nearest_variants", _loader("dynaquant.kernels.iq3_search", "nearest_variants"))
 for _attr in ("aff_search_scales", "aff_pick", "aff_refine", "sym_search_scales", "sym_pick", "sym_refine"):
     fastpaths.register(f"kquant.{_attr}", _loader("dynaquant.kernels.kquant_search", _attr))
 

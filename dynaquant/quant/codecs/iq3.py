@@ -110,6 +110,46 @@ def _grid_map(name: str, device) -> tuple[torch.Tensor, torch.Tensor]:
     return _tables[key]
 
 
+def nearest_variants_torch(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None, flip_at: torch.Tensor | None,
+                           kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor,
+                           g8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best grid point of every group of 4 and of its sign-flip variants (the torch reference of the fused search
+    ``iq3.nearest_variants``, :mod:`.fastpaths`).
+
+    Args:
+        f: (R, 8) float32 features ``[2 w v, -A w]``; t: (R, 4) float32 targets ``v / A`` (``v = |x|``).
+        odd: (R,) bool groups whose 8-group has an odd number of negative weights (their flip variants are
+            scored), or None: variant 0 only (V = 1).
+        flip_at: (R,) int64 the weight (0-3) flipped in variant 1 (V = 2), or None with ``odd``: variant ``1 + i``
+            flips weight ``i`` (V = 5). A flip negates ``f[:, i]`` and ``t[:, i]``.
+        kmap, mids: :func:`_grid_map`'s (4096,) int64 level pattern -> grid index (-1 off the grid) and (7,)
+            float32 level midpoints; grid, g8: :func:`_grid_table`'s (P, 4) float32 points and (8, P) ``[g; g**2]``.
+    Returns:
+        (score (R, V) float32, idx (R, V) int64): ``sum w v**2 - score`` is the variant's error; a group whose
+        per-weight nearest levels form a grid point takes that point, the others the best of the whole grid (the
+        first on an exact tie); variants > 0 of even groups score -inf with index 0.
+    """
+    r = f.shape[0]
+    nv = 1 if odd is None else (5 if flip_at is None else 2)
+    flips = torch.zeros(r, nv, 4, dtype=torch.bool, device=f.device)
+    if nv == 5:
+        flips[:, 1:] = torch.eye(4, dtype=torch.bool, device=f.device)
+    elif nv == 2:
+        flips[:, 1] = torch.nn.functional.one_hot(flip_at, 4).bool()
+    sign = torch.where(flips, -1.0, 1.0)
+    fv = torch.cat([f[:, None, :4] * sign, f[:, None, 4:].expand(r, nv, 4)], -1)  # (R, V, 8)
+    lev = torch.bucketize(t[:, None, :] * sign, mids)
+    idx = kmap[(lev << (3 * torch.arange(4, device=f.device))).sum(-1)]
+    on = idx >= 0
+    s_on = (fv * g8.T[idx.clamp_min(0)]).sum(-1)
+    s_all, i_all = (fv @ g8).max(-1)
+    score, idx = torch.where(on, s_on, s_all), torch.where(on, idx, i_all)
+    if nv > 1:
+        keep = odd[:, None] | (torch.arange(nv, device=f.device) == 0)
+        score, idx = torch.where(keep, score, -torch.inf), torch.where(keep, idx, 0)
+    return score, idx
+
+
 def _candidates(name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact candidate lists of the CPU nearest-point search (cached; CPU tensors):
     :func:`._lattice.dominance_candidates` of the grid's 8 levels.
@@ -235,7 +275,8 @@ class _IQ3(Codec):
             score[sel] = s
             idx[sel] = ck.gather(1, j[:, None]).squeeze(1)
 
-    def _assign(self, xa: torch.Tensor, w: torch.Tensor, neg: torch.Tensor, a: torch.Tensor, full: bool):
+    def _assign(self, xa: torch.Tensor, w: torch.Tensor, neg: torch.Tensor, a: torch.Tensor, full: bool,
+                backend: str = "auto"):
         """Best grid points and signs for sub-block scales ``a``.
 
         Args:
@@ -243,6 +284,9 @@ class _IQ3(Codec):
             a: (n, 8) float32 sub-block scales (>= 0) in grid units.
             full: IQ3_XXS: try every weight of an odd 8-group as the flipped one (else the
                 least ``w x**2`` of each half).
+            backend: ``"auto"`` (on CUDA) or ``"triton"``: every group's variants scored by the fused search
+                ``iq3.nearest_variants`` (:func:`nearest_variants_torch` is its reference); ``"torch"``: by
+                :meth:`_variants` (:meth:`_nearest`'s matmul, or its candidate lists on CPU).
         Returns:
             (idx (n, 8, 8) int64 grid indices, flip (n, 8, 32) bool: weight decoded with the
             sign opposite to ``x``'s).
@@ -252,8 +296,14 @@ class _IQ3(Codec):
         wg = w.reshape(n, _N_SUB, _N_GRP, 4)
         f = torch.cat([2 * wg * xg, -a[:, :, None, None] * wg], -1)  # (n, 8, 8, 8)
         inv_a = torch.where(a > 0, 1.0 / torch.where(a > 0, a, 1.0), 0.0)[:, :, None, None]
+        tg = xg * inv_a
+        kernel = lat.fast_path("iq3.nearest_variants", xa, backend)
+        tables = (*_grid_map(self.grid_name, xa.device), *_grid_table(self.grid_name, xa.device)) if kernel else None
         if not self.parity:
-            _, idx = self._nearest(f.reshape(-1, 8), (xg * inv_a).reshape(-1, 4))
+            if kernel is not None:
+                idx = kernel(f.reshape(-1, 8), tg.reshape(-1, 4), None, None, *tables)[1]
+            else:
+                idx = self._nearest(f.reshape(-1, 8), tg.reshape(-1, 4))[1]
             return idx.reshape(n, _N_SUB, _N_GRP), torch.zeros_like(neg)
         if full:
             # variants: no flip, flip weight i of the group (i = 0..3)
@@ -265,22 +315,13 @@ class _IQ3(Codec):
             one = torch.nn.functional.one_hot(imin, 4).bool()
             flips = torch.stack([torch.zeros_like(one), one], -2)  # (n, 8, 8, 2, 4)
         nv = flips.shape[-2]
-        sign = torch.cat([torch.where(flips, -1.0, 1.0), torch.ones_like(flips, dtype=f.dtype)], -1)
-        tg = xg * inv_a
-        score0, idx0 = self._nearest(f.reshape(-1, 8), tg.reshape(-1, 4))
         # Flip variants only where the 8-group has an odd number of negative weights.
         odd = (neg.reshape(n, _N_SUB, 4, 8).sum(-1) % 2) == 1  # (n, 8, 4)
-        rows = odd.repeat_interleave(2, dim=-1).reshape(-1).nonzero().squeeze(1)
-        score = torch.full((n * _N_SUB * _N_GRP, nv), -torch.inf, dtype=f.dtype, device=f.device)
-        idx = torch.zeros((n * _N_SUB * _N_GRP, nv), dtype=torch.int64, device=f.device)
-        score[:, 0], idx[:, 0] = score0, idx0
-        if rows.numel():
-            sg = sign.reshape(-1, nv, 8)[rows, 1:]  # (R, V-1, 8)
-            fv = f.reshape(-1, 1, 8)[rows] * sg
-            tv = tg.reshape(-1, 1, 4)[rows] * sg[..., :4]
-            sv, iv = self._nearest(fv.reshape(-1, 8), tv.reshape(-1, 4))
-            score[rows, 1:] = sv.reshape(-1, nv - 1)
-            idx[rows, 1:] = iv.reshape(-1, nv - 1)
+        odd_rows = odd.repeat_interleave(2, dim=-1).reshape(-1)
+        if kernel is not None:
+            score, idx = kernel(f.reshape(-1, 8), tg.reshape(-1, 4), odd_rows, None if full else imin.reshape(-1), *tables)
+        else:
+            score, idx = self._variants(f, tg, flips, odd_rows)
         score, idx = score.reshape(n, _N_SUB, 4, 2, nv), idx.reshape(n, _N_SUB, 4, 2, nv)
         flips = flips.reshape(n, _N_SUB, 4, 2, nv, 4)
         # Per 8-group (pair of halves): even parity -> no flip; odd -> flip in one half.
@@ -295,6 +336,25 @@ class _IQ3(Codec):
         flip = flips.gather(-2, v[..., None, None].expand(-1, -1, -1, -1, 1, 4)).squeeze(-2)
         return idx, flip.reshape(n, _N_SUB, 32)
 
+    def _variants(self, f, tg, flips, odd_rows):
+        """Torch side of :meth:`_assign`: (score, idx) (R, V) of each group's flip variants (variant 0 unflipped;
+        the others on the odd rows only, -inf and 0 elsewhere), as :func:`nearest_variants_torch` gives them."""
+        nv = flips.shape[-2]
+        sign = torch.cat([torch.where(flips, -1.0, 1.0), torch.ones_like(flips, dtype=f.dtype)], -1)
+        score0, idx0 = self._nearest(f.reshape(-1, 8), tg.reshape(-1, 4))
+        rows = odd_rows.nonzero().squeeze(1)
+        score = torch.full((odd_rows.shape[0], nv), -torch.inf, dtype=f.dtype, device=f.device)
+        idx = torch.zeros((odd_rows.shape[0], nv), dtype=torch.int64, device=f.device)
+        score[:, 0], idx[:, 0] = score0, idx0
+        if rows.numel():
+            sg = sign.reshape(-1, nv, 8)[rows, 1:]  # (R, V-1, 8)
+            fv = f.reshape(-1, 1, 8)[rows] * sg
+            tv = tg.reshape(-1, 1, 4)[rows] * sg[..., :4]
+            sv, iv = self._nearest(fv.reshape(-1, 8), tv.reshape(-1, 4))
+            score[rows, 1:] = sv.reshape(-1, nv - 1)
+            idx[rows, 1:] = iv.reshape(-1, nv - 1)
+        return score, idx
+
     def _points(self, idx: torch.Tensor) -> torch.Tensor:
         """(n, 8, 8) grid indices -> (n, 8, 32) float32 grid values."""
         g, _ = _grid_table(self.grid_name, idx.device)
@@ -306,15 +366,15 @@ class _IQ3(Codec):
         """Decode's float32 sub-block scale for fp16 ``d`` (n,) float32 and ``l`` (n, 8) int64."""
         raise NotImplementedError
 
-    def _exact_error(self, x, w, xa, neg, d, lsc, full):
+    def _exact_error(self, x, w, xa, neg, d, lsc, full, backend: str = "auto"):
         """Assignment under the stored scales and its exact error per sub-block (n, 8) float64."""
         dl = self._sub_scale(d, lsc)
-        idx, flip = self._assign(xa, w, neg, dl, full)
+        idx, flip = self._assign(xa, w, neg, dl, full, backend)
         y = (dl.unsqueeze(-1) * self._points(idx)) * torch.where(neg ^ flip, -1.0, 1.0)
         r = x - y
         return (w * r * r).sum(-1).double(), idx, flip
 
-    def _step1(self, xa, w, neg) -> torch.Tensor:
+    def _step1(self, xa, w, neg, backend: str = "auto") -> torch.Tensor:
         """Step 1: the best continuous sub-block scales ``A`` (n, 8) float32 (0 for an all-zero sub-block)."""
         amax = xa.amax(-1)
         best_gain = torch.full(amax.shape, -1.0, dtype=torch.float64, device=xa.device)
@@ -322,7 +382,7 @@ class _IQ3(Codec):
 
         def consider(a):
             nonlocal best_gain, best_a
-            idx, flip = self._assign(xa, w, neg, a, False)
+            idx, flip = self._assign(xa, w, neg, a, False, backend)
             g = self._points(idx)
             v = torch.where(flip, -xa, xa)
             sxg = (w * v * g).sum(-1).double()
@@ -363,13 +423,13 @@ class _IQ3(Codec):
         lsc = lsc.gather(1, best.unsqueeze(-1).expand(-1, 1, _N_SUB)).squeeze(1).long()
         return d, lsc
 
-    def _encode(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _encode(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, ...]:
         n = x.shape[0]
         x = x.reshape(n, _N_SUB, 32)
         w = w.reshape(n, _N_SUB, 32)
         xa, neg = x.abs(), x < 0
-        a = self._step1(xa, w, neg)
-        idx, flip = self._assign(xa, w, neg, a, False)
+        a = self._step1(xa, w, neg, backend)
+        idx, flip = self._assign(xa, w, neg, a, False, backend)
         best = None
         rounds = self._knob("rounds", x.device)
         for r in range(rounds):
@@ -381,10 +441,10 @@ class _IQ3(Codec):
                 d_ls = kqs.safe_div((kf * sxg).sum(1), (kf * kf * sgg).sum(1))
                 extra = [best[0].double().unsqueeze(1), d_ls.unsqueeze(1)]
             d, lsc = self._pick_d(a, sgg, extra)
-            err, idx, flip = self._exact_error(x, w, xa, neg, d, lsc, False)
+            err, idx, flip = self._exact_error(x, w, xa, neg, d, lsc, False, backend)
             for delta in self._knob("l_deltas", x.device):
                 lt = (lsc + delta).clamp(0, 15)
-                et, it, ft = self._exact_error(x, w, xa, neg, d, lt, False)
+                et, it, ft = self._exact_error(x, w, xa, neg, d, lt, False, backend)
                 take = et < err
                 err = torch.where(take, et, err)
                 lsc = torch.where(take, lt, lsc)
@@ -401,7 +461,7 @@ class _IQ3(Codec):
         d, lsc, idx, flip, err0 = best
         if self.parity and self._knob("full_flip", x.device):
             # Final assignment with every flip choice, kept where it is better.
-            err1, idx1, flip1 = self._exact_error(x, w, xa, neg, d, lsc, True)
+            err1, idx1, flip1 = self._exact_error(x, w, xa, neg, d, lsc, True, backend)
             take = (err1.sum(-1) < err0).view(-1, 1, 1)
             idx, flip = torch.where(take, idx1, idx), torch.where(take, flip1, flip)
         zero = d == 0
@@ -421,12 +481,16 @@ class _IQ3(Codec):
         if b.dtype != torch.uint8 or b.ndim != 2 or b.shape[1] != ts:
             raise ValueError(f"{self.format_name}: expected (n_blocks, {ts}) uint8, got {tuple(b.shape)} {b.dtype}")
 
-    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """(n, 256) float32 weights and importance (> 0) -> (n, type_size) uint8; ValueError on other shapes."""
+    fast_paths = True
+
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto", variant: str | None = None) -> torch.Tensor:
+        """(n, 256) float32 weights and importance (> 0) -> (n, type_size) uint8; ValueError on other shapes.
+        ``backend``: the whole-grid search's fused kernel (:meth:`_nearest`; ``"auto"``: on CUDA);
+        ``variant`` is unused (the kernel's default, ``"rows"``)."""
         self._check_blocks(x, w)
         x, w = x.to(torch.float32), w.to(torch.float32)
         step = _CPU_BLOCKS if x.device.type == "cpu" else max(1, x.shape[0])
-        parts = [self._encode(x[i : i + step], w[i : i + step])[0] for i in range(0, x.shape[0], step)]
+        parts = [self._encode(x[i : i + step], w[i : i + step], backend)[0] for i in range(0, x.shape[0], step)]
         return torch.cat(parts, 0) if parts else torch.empty(0, self.format.type_size, dtype=torch.uint8, device=x.device)
 
     def fit_params(self, x: torch.Tensor, w: torch.Tensor):
