@@ -288,7 +288,7 @@ def test_measure_plan_keeps_decoded_weights_on_the_gpu_while_it_has_room(tiny_mo
     measured, places = [], []
     for room in (None, 0):
         if room is not None:
-            monkeypatch.setattr(corr, "device_room", lambda device: room)
+            monkeypatch.setattr(corr, "device_room", lambda device, room=room: room)
         keep: dict = {}
         measured.append(measure_plan(model, ref, fmts, groups, dict.fromkeys(params, 0.01), lambda n: None,
                                      progress=False, keep=keep))

@@ -84,20 +84,21 @@ class PlanMeasure:
 
 
 # Kept free on a CUDA device beside the decoded weights of a measured plan: the encoders' chunks (sized by the free
-# memory, ``chunk_weights``) and the held-out forward passes.
-DEVICE_RESERVE_FRACTION = 0.25
+# memory, ``chunk_weights``: 1 GiB at the least) and the held-out forward passes (a sequence's activations and logits).
+DEVICE_RESERVE_BYTES = 8 << 30
 
 
 def device_room(device: torch.device | str) -> int:
     """Bytes of ``device`` memory that :func:`measure_plan` may fill with decoded weights: on CUDA the free memory (the
-    driver's free bytes plus the caching allocator's reserved but unused ones) less :data:`DEVICE_RESERVE_FRACTION`
-    of the device's total, at least 0; 0 on other devices (the host holds them: on the CPU that is no copy)."""
+    driver's free bytes plus the caching allocator's reserved but unused ones) less :data:`DEVICE_RESERVE_BYTES` (or
+    a quarter of a smaller device's total), at least 0; 0 on other devices (the host holds them: on the CPU that is
+    no copy)."""
     device = torch.device(device)
     if device.type != "cuda":
         return 0
     free, total = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return max(0, int(free + cached - DEVICE_RESERVE_FRACTION * total))
+    return max(0, free + cached - min(DEVICE_RESERVE_BYTES, total // 4))
 
 
 @torch.no_grad()

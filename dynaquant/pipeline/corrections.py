@@ -221,8 +221,8 @@ def correct_in_model(model, tokenizer, spec: CalibrationSpec, report: dict, tens
     Cost: one forward pass over the held-out chunks for the reference, then per measured plan one per group
     (``2 * n_layers`` + embedding / output) and one for the whole plan, and one encode + decode per quantized
     parameter (on a loaded model, only the parameters whose format changed since the last plan measured: the
-    decoded weights are kept between rounds, one model's worth, on the device as far as it has room, else on the host); at most ``rounds + 1`` plans are
-    measured.
+    decoded weights are kept between rounds, one model's worth, on the device as far as it has room, else on the
+    host); at most ``rounds + 1`` plans are measured.
     """
     held = held_out_chunks(tokenizer, spec, sequences)
     if sk is not None:

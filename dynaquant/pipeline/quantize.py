@@ -314,6 +314,9 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
     rounding = None
     if cfg.gptq and not cfg.stream:
         rounding = GPTQRounding(hf_model, tokenizer, cfg.spec(), stats, cfg.gptq_damp, device, cfg.progress, timings)
+    # the calibration's (K, K) input moments serve the analysis and GPTQ (whose rounding holds what it needs): let go
+    # here, so the corrections' decoded weights can use the device memory they held (~33 GB for a float32 8B)
+    res = stats = None
     imat = _importance(cfg, target, im, imat_path, ts, info)
     if rounds > 0:
         t1 = time.perf_counter()
