@@ -267,6 +267,46 @@ def test_measure_plan_on_the_gpu_keeps_one_copy_of_the_weights_there(tiny_model)
 
 
 
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_prefix_states_measure_a_group_from_its_first_layer_bit_for_bit(tied):
+    """With ``prefix_states`` a group is measured from its first decoder layer (an untied head after the last one):
+    the same KLD as the whole forward pass, bit for bit, for layer groups, the head and the embedding; the layers'
+    own forwards are back afterwards."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied)
+    model = LlamaForCausalLM(cfg).eval()
+    chunks = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    ref, whole = ReferenceLogits(model, chunks, prefix_states=True), ReferenceLogits(model, chunks)
+    assert ref.states is not None and len(ref.states[0]) == 4
+    assert all(a.equal(b) for a, b in zip(ref.logp, whole.logp))
+    params = dict(model.named_parameters())
+    cases = [(["model.layers.2.mlp.down_proj.weight"], 2), (["model.layers.3.mlp.up_proj.weight",
+              "model.layers.1.self_attn.o_proj.weight"], 1), (["model.layers.0.self_attn.q_proj.weight"], 0),
+             (["model.embed_tokens.weight"], 0)] + ([] if tied else [(["lm_head.weight"], 4)])
+    g = torch.Generator().manual_seed(4)
+    for names, start in cases:
+        moved = {n: params[n].detach() + 0.05 * torch.randn(params[n].shape, generator=g) for n in names}
+        with SwappedWeights(params, moved, names):
+            assert ref.start_of(model, names) == start
+            assert ref.kld(model, start=start) == whole.kld(model) > 0
+    assert not any("forward" in m.__dict__ for m in model.model.layers)
+    assert ReferenceLogits(model, chunks).start_of(model, ["model.layers.2.mlp.down_proj.weight"]) == 0
+
+
+def test_measure_plan_with_prefix_states_measures_what_whole_passes_measure(tiny_model):
+    model = tiny_model
+    chunks = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    params = {n: p for n, p in model.named_parameters() if p.ndim == 2}
+    fmts, groups = dict.fromkeys(params, "Q4_0"), {n: n.split(".")[2] if "layers" in n else "token_embd" for n in params}
+    got = [measure_plan(model, ReferenceLogits(model, chunks, prefix_states=pre), fmts, groups,
+                        dict.fromkeys(params, 0.01), lambda n: None, progress=False) for pre in (False, True)]
+    assert got[0].kld_measured == got[1].kld_measured
+    assert [g.kld_measured for g in got[0].groups] == [g.kld_measured for g in got[1].groups]
+
 def test_device_room_is_zero_off_cuda():
     from dynaquant.analysis.corrections import device_room
 

@@ -124,10 +124,11 @@ def measure_plan(model, ref: ReferenceLogits, formats: dict[str, str], groups: d
             dropped), so one model's worth is kept, as within a call; emptied on error.
     Returns:
         PlanMeasure, groups in first-appearance order of ``formats``. Cost: ``len(groups) + 1`` forward passes over
-        the held-out sequences, one encode and decode per parameter (not kept in ``keep`` in its format); memory:
-        the decoded weights (one model's worth) on the model's device as far as :func:`device_room` allows (swapped
-        in and out by pointer), the rest on the host (copied in and out at each swap, the device holding each of those
-        weights once: :class:`SwappedWeights`).
+        the held-out sequences (a group's from its first decoder layer on where ``ref`` keeps prefix states:
+        :meth:`ReferenceLogits.start_of`; about half the layers on average), one encode and decode per parameter
+        (not kept in ``keep`` in its format); memory: the decoded weights (one model's worth) on the model's device
+        as far as :func:`device_room` allows (swapped in and out by pointer), the rest on the host (copied in and out
+        at each swap, the device holding each of those weights once: :class:`SwappedWeights`).
     Raises:
         KeyError: a parameter of ``formats`` not in the model, or without a group.
     """
@@ -156,7 +157,7 @@ def measure_plan(model, ref: ReferenceLogits, formats: dict[str, str], groups: d
                 hit = earlier.pop(n, None)
                 cache[n] = hit if hit is not None else place(decoded_weight(params[n], formats[n], imatrix_of(n)))
             with SwappedWeights(params, cache, names):
-                kld = ref.kld(model)
+                kld = ref.kld(model, start=ref.start_of(model, names))
             out.append(GroupMeasure(g, sum(float(kld_pred.get(n) or 0.0) for n in names), kld))
         with SwappedWeights(params, cache, list(cache)):
             whole = ref.kld(model)

@@ -10,6 +10,7 @@ divergence is scored on held-out calibration sequences, every position.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 
 import torch
 from tqdm.auto import tqdm
@@ -23,31 +24,157 @@ class ReferenceLogits:
 
     Args:
         model: transformers causal LM; chunks: (n, T) int64 token ids.
+        prefix_states: also keep the output of every decoder layer on every sequence (:attr:`states`), so that a
+            model whose weights differ only from decoder layer ``b`` on is measured from there (``kld(model,
+            start=b)``): the layers before ``b`` are skipped and layer ``b - 1``'s output is the kept one. The
+            result is the full forward's bit for bit: checked once here (a pass from the middle layer with the
+            weights unchanged must give the reference itself), else the states are dropped and every pass is whole
+            (as for models whose decoder layers cannot be found, or return more than a tensor, or whose states
+            would take more than :data:`PREFIX_STATES_FRACTION` of the device's free memory).
 
     The reference log-probabilities stay on the model's device (n x T x vocab float32: 8 x 512 x 49152 x 4 bytes =
     0.8 GB for SmolLM2, 2.1 GB for a 128k vocabulary), so each KL divergence is computed where the logits are, not
-    copied to the host and reduced there (which dominated the measured corrections' time on a GPU).
+    copied to the host and reduced there (which dominated the measured corrections' time on a GPU). The prefix states
+    take ``n_layers x n x T x hidden`` of the model's dtype (8 x 512 tokens of a float32 Llama-3-8B: 2.1 GB).
     """
 
     @torch.no_grad()
-    def __init__(self, model, chunks: torch.Tensor):
+    def __init__(self, model, chunks: torch.Tensor, prefix_states: bool = False):
         self.chunks = chunks
         self.device = next(model.parameters()).device
-        self.logp = [self._logp(model, c) for c in chunks]
+        self.layers = decoder_layers(model) if prefix_states else None
+        self.states: list[list[torch.Tensor]] | None = None
+        if self.layers is not None and _states_fit(model, chunks, len(self.layers[1]), self.device):
+            self.states = [[] for _ in range(chunks.shape[0])]
+            self.logp = []
+            for i, c in enumerate(chunks):
+                with _recording(self.layers[1], self.states[i]) as ok:
+                    self.logp.append(self._logp(model, c))
+                if not ok[0]:
+                    self.states = None
+            if self.states is not None and not self._check(model):
+                self.states = None
+        else:
+            self.logp = [self._logp(model, c) for c in chunks]
+        self._chunk = 0
 
     def _logp(self, model, c: torch.Tensor) -> torch.Tensor:
         """(T, vocab) float32 log-probabilities of ``model`` on one (T,) chunk, on the model's device."""
         return torch.log_softmax(model(c.to(self.device)[None], use_cache=False).logits[0].float(), -1)
 
+    def _check(self, model) -> bool:
+        """A pass from the middle layer, weights unchanged, gives the reference bit for bit."""
+        b = max(1, len(self.layers[1]) // 2)
+        with self._skipping(b):
+            self._chunk = 0
+            return torch.equal(self._logp(model, self.chunks[0]), self.logp[0])
+
+    def start_of(self, model, names: Iterable[str]) -> int:
+        """The first decoder layer the parameters ``names`` (HF names) can change: their layers' least index; the
+        number of layers for an untied output head (only the final norm and the head run after the kept states);
+        0 (the whole pass) for anything else, and always without :attr:`states`."""
+        if self.states is None:
+            return 0
+        prefix, layers = self.layers[0] + ".", self.layers[1]
+        head = model.get_output_embeddings()
+        head = head.weight if head is not None else None
+        embed = model.get_input_embeddings().weight
+        params = dict(model.named_parameters())
+        start = len(layers)
+        for n in names:
+            if n.startswith(prefix):
+                start = min(start, int(n[len(prefix):].split(".", 1)[0]))
+            elif not (head is not None and params.get(n) is head and head is not embed):
+                return 0
+        return start
+
+    @contextmanager
+    def _skipping(self, b: int):
+        """Decoder layers ``0 .. b - 1`` pass their input through, and layer ``b - 1`` gives its kept output for the
+        chunk :attr:`_chunk` (``b`` = 0: nothing changed)."""
+        if not b:
+            yield
+            return
+        layers = self.layers[1]
+        saved, handle = {}, None
+        try:
+            for i in range(b):
+                saved[i] = layers[i].__dict__.get("forward")
+                layers[i].forward = _pass_through
+            handle = layers[b - 1].register_forward_hook(lambda m, a, out: self.states[self._chunk][b - 1])
+            yield
+        finally:
+            if handle is not None:
+                handle.remove()
+            for i, f in saved.items():
+                if f is None:
+                    del layers[i].forward
+                else:
+                    layers[i].forward = f
+
     @torch.no_grad()
-    def kld(self, model) -> float:
-        """Mean KL(reference || model) per token (nats) over all positions of the chunks."""
+    def kld(self, model, start: int = 0) -> float:
+        """Mean KL(reference || model) per token (nats) over all positions of the chunks; ``start``: the first decoder
+        layer whose weights differ from the reference's (:meth:`start_of`; used only with :attr:`states`)."""
         tot, n = 0.0, 0
-        for c, lp in zip(self.chunks, self.logp):
-            lq = self._logp(model, c)
-            tot += float((lp.exp() * (lp - lq)).sum(-1).clamp_min(0).sum())
-            n += lp.shape[0]
+        with self._skipping(start if self.states is not None else 0):
+            for i, (c, lp) in enumerate(zip(self.chunks, self.logp)):
+                self._chunk = i
+                lq = self._logp(model, c)
+                tot += float((lp.exp() * (lp - lq)).sum(-1).clamp_min(0).sum())
+                n += lp.shape[0]
         return tot / n
+
+
+# The prefix states of ReferenceLogits take at most this fraction of the device's free memory (else none are kept).
+PREFIX_STATES_FRACTION = 0.25
+
+
+def _pass_through(hidden_states, *args, **kwargs):
+    return hidden_states
+
+
+def decoder_layers(model) -> tuple[str, torch.nn.ModuleList] | None:
+    """The model's decoder layers: (qualified name, ModuleList) of the one ``ModuleList`` named ``*layers`` with
+    ``config.num_hidden_layers`` (or its ``text_config``'s) members, or None when there is not exactly one."""
+    cfg = getattr(model, "config", None)
+    n = getattr(cfg, "num_hidden_layers", None) or getattr(getattr(cfg, "text_config", None), "num_hidden_layers", None)
+    found = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, torch.nn.ModuleList) and name.endswith("layers") and len(m) == n]
+    return found[0] if n and len(found) == 1 else None
+
+
+def _states_fit(model, chunks: torch.Tensor, n_layers: int, device: torch.device) -> bool:
+    cfg = model.config
+    hidden = getattr(cfg, "hidden_size", None) or getattr(getattr(cfg, "text_config", None), "hidden_size", None)
+    if not hidden:
+        return False
+    nbytes = n_layers * chunks.numel() * hidden * next(model.parameters()).element_size()
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return nbytes <= PREFIX_STATES_FRACTION * free
+    return nbytes <= 2 << 30
+
+
+@contextmanager
+def _recording(layers: torch.nn.ModuleList, into: list):
+    """Hooks keeping each layer's output (a tensor) in ``into``, in layer order; yields ``[ok]``: False once a layer
+    returned anything else."""
+    ok = [True]
+
+    def keep(m, a, out):
+        if isinstance(out, torch.Tensor):
+            into.append(out)
+        else:
+            ok[0] = False
+
+    handles = [m.register_forward_hook(keep) for m in layers]
+    try:
+        yield ok
+    finally:
+        for h in handles:
+            h.remove()
+    ok[0] = ok[0] and len(into) == len(layers)
 
 
 @torch.no_grad()

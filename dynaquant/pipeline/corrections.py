@@ -218,17 +218,18 @@ def correct_in_model(model, tokenizer, spec: CalibrationSpec, report: dict, tens
     """:func:`correct_plan` on a loaded model, on ``sequences`` held-out calibration chunks (:func:`held_out_chunks`);
     with ``sk`` (a model skeleton; ``model`` None) block by block, the same figures.
 
-    Cost: one forward pass over the held-out chunks for the reference, then per measured plan one per group
-    (``2 * n_layers`` + embedding / output) and one for the whole plan, and one encode + decode per quantized
-    parameter (on a loaded model, only the parameters whose format changed since the last plan measured: the
-    decoded weights are kept between rounds, one model's worth, on the device as far as it has room, else on the
-    host); at most ``rounds + 1`` plans are measured.
+    Cost: one forward pass over the held-out chunks for the reference (keeping every decoder layer's output on a
+    loaded model: :class:`ReferenceLogits` ``prefix_states``), then per measured plan one per group (``2 * n_layers``
+    + embedding / output; on a loaded model from the group's first layer on) and one for the whole plan, and one
+    encode + decode per quantized parameter (on a loaded model, only the parameters whose format changed since the
+    last plan measured: the decoded weights are kept between rounds, one model's worth, on the device as far as it
+    has room, else on the host); at most ``rounds + 1`` plans are measured.
     """
     held = held_out_chunks(tokenizer, spec, sequences)
     if sk is not None:
         measure = model_measure(sk.model, held, tensors, report, imatrix_of, progress, sk=sk)
     else:
-        measure = model_measure(model, ReferenceLogits(model, held), tensors, report, imatrix_of, progress)
+        measure = model_measure(model, ReferenceLogits(model, held, prefix_states=True), tensors, report, imatrix_of, progress)
     info = {t.name: t for t in tensors}
 
     def repredict(rep: dict, plan: Plan) -> None:
