@@ -200,26 +200,34 @@ def test_cuda_matches_reference(name, parity, variant):
     _check(cost, idx, ref_cost, ref_idx, x, w, grid, scale, odd)
 
 
-@pytest.mark.parametrize("name", ["IQ2_XXS", "IQ2_XS"])
-def test_iq2_encoder_on_fused_path(interpreted, name):
-    """The IQ2 encoder through the kernel (forced on CPU, interpreted) gives valid bytes of
-    the same quality as through the torch reference."""
+def _assert_as_good_as_torch(x, im, name, ours, ref):
+    """The fused path's bytes ``ours`` decode as gguf-py decodes them, at most 0.1 % more weighted error than the
+    torch path's ``ref`` on weights ``x`` with importance ``im``."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
-    from dynaquant.quant.codecs import dequantize, quantize
+    from dynaquant.quant.codecs import dequantize
 
-    g = torch.Generator().manual_seed(3)
-    x = (torch.randn(3, 512, generator=g) * 0.02).to(DEVICE)
-    im = torch.exp(torch.randn(512, generator=g)).to(DEVICE)
-    ref = quantize(x, name, im, backend="torch").cpu()
-    ours = quantize(x, name, im, backend="triton").cpu()  # all three kernels
     x, im = x.cpu(), im.cpu()
     y = dequantize(ours, name)
     assert torch.equal(y, torch.from_numpy(gguf_dequantize(ours.numpy(), GGMLQuantizationType[name])))
     e_ours = float((im * (x - y) ** 2).sum())
     e_ref = float((im * (x - dequantize(ref, name)) ** 2).sum())
     assert e_ours <= e_ref * 1.001
+
+
+@pytest.mark.parametrize("name", ["IQ2_XXS", "IQ2_XS"])
+def test_iq2_encoder_on_fused_path(interpreted, name):
+    """The IQ2 encoder through the kernel (forced on CPU, interpreted) gives valid bytes of
+    the same quality as through the torch reference."""
+    from dynaquant.quant.codecs import quantize
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 512, generator=g) * 0.02).to(DEVICE)
+    im = torch.exp(torch.randn(512, generator=g)).to(DEVICE)
+    ref = quantize(x, name, im, backend="torch").cpu()
+    ours = quantize(x, name, im, backend="triton").cpu()  # all three kernels
+    _assert_as_good_as_torch(x, im, name, ours, ref)
 
 
 @pytest.mark.parametrize("name", ["IQ3_XXS", "IQ3_S"])
@@ -260,10 +268,7 @@ def test_iq3_nearest_variants_against_the_reference(interpreted, name, variants)
 def test_iq3_encoder_on_fused_path(interpreted, name, monkeypatch):
     """IQ3's assignment through the fused kernel (forced on CPU, interpreted; the torch side on CPU searches the exact
     candidate lists): the kernel is called, the bytes decode as gguf-py does and are as good as torch's."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize as gguf_dequantize
-
-    from dynaquant.quant.codecs import dequantize, fastpaths, quantize
+    from dynaquant.quant.codecs import fastpaths, quantize
 
     calls = []
     real = fastpaths.lookup("iq3.nearest_variants")
@@ -281,12 +286,7 @@ def test_iq3_encoder_on_fused_path(interpreted, name, monkeypatch):
     assert not calls
     ours = quantize(x, name, im, backend="triton").cpu()
     assert calls and all(c == ((True, True) if name == "IQ3_S" else (False, c[1])) for c in calls)
-    x, im = x.cpu(), im.cpu()
-    y = dequantize(ours, name)
-    assert torch.equal(y, torch.from_numpy(gguf_dequantize(ours.numpy(), GGMLQuantizationType[name])))
-    e_ours = float((im * (x - y) ** 2).sum())
-    e_ref = float((im * (x - dequantize(ref, name)) ** 2).sum())
-    assert e_ours <= e_ref * 1.001
+    _assert_as_good_as_torch(x, im, name, ours, ref)
 
 
 def test_backend_argument(monkeypatch):

@@ -136,17 +136,16 @@ def _pass_through(hidden_states, *args, **kwargs):
 
 def decoder_layers(model) -> tuple[str, torch.nn.ModuleList] | None:
     """The model's decoder layers: (qualified name, ModuleList) of the one ``ModuleList`` named ``*layers`` with
-    ``config.num_hidden_layers`` (or its ``text_config``'s) members, or None when there is not exactly one."""
-    cfg = getattr(model, "config", None)
-    n = getattr(cfg, "num_hidden_layers", None) or getattr(getattr(cfg, "text_config", None), "num_hidden_layers", None)
+    ``num_hidden_layers`` members (of the config's text config: transformers' ``get_text_config``), or None when there
+    is not exactly one."""
+    n = getattr(model.config.get_text_config(), "num_hidden_layers", None)
     found = [(name, m) for name, m in model.named_modules()
              if isinstance(m, torch.nn.ModuleList) and name.endswith("layers") and len(m) == n]
     return found[0] if n and len(found) == 1 else None
 
 
 def _states_fit(model, chunks: torch.Tensor, n_layers: int, device: torch.device) -> bool:
-    cfg = model.config
-    hidden = getattr(cfg, "hidden_size", None) or getattr(getattr(cfg, "text_config", None), "hidden_size", None)
+    hidden = getattr(model.config.get_text_config(), "hidden_size", None)
     if not hidden:
         return False
     nbytes = n_layers * chunks.numel() * hidden * next(model.parameters()).element_size()
