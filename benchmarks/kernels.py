@@ -46,7 +46,7 @@ except ImportError:
 
 from dynaquant.kernels import KernelFormat, PackedWeight, choose_config, device_info, linear, pack  # noqa: E402
 from dynaquant.kernels.ops import dequantize_packed_ref  # noqa: E402
-from dynaquant.kernels.tuning import gemv_candidates, mm_candidates, valid_config  # noqa: E402
+from dynaquant.kernels.tuning import gemm_candidates, gemv_candidates, mm_candidates, valid_config  # noqa: E402
 
 log = logging.getLogger("kernels")
 
@@ -320,6 +320,7 @@ def main(argv=None) -> int:
         cands = gemv_candidates(f, n, k, info) if m == 1 else []
         cands += [c for c in mm_candidates(f, max(m, 2), n, k, info)
                   if (c.num_warps == 4 or m > 64) and c.groups * f.group_size <= 128]
+        cands += gemm_candidates(f, m, n, k, info) if m >= 16 else []
         return [c for c in dict.fromkeys([default] + cands) if valid_config(c, f, m, n, k)]
 
     def jobs_for(fmt: str, sweep: bool) -> list:

@@ -28,6 +28,7 @@ from dynaquant.kernels import (  # noqa: E402
     dequantize,
     dequantize_packed_ref,
     dequantize_ref,
+    gemm_candidates,
     linear,
     linear_ref,
     pack,
@@ -218,6 +219,43 @@ def test_gemv_tiles_and_prefetch(fmt, groups, prefetch, split):
             linear(x, pw, config=cfg)
         return
     assert rel_err(linear(x, pw, config=cfg), fp32_ref(x, pw)) < tolerance(torch.float16)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("block_k,split", [(32, 2), (128, 1)])
+def test_gemm_path(fmt, block_k, split):
+    """The fused dequant-GEMM: K tiles inside one group and across several, a K split (counters reset for
+    the next call), a partial token tile and a partial row tile (masked stores, clamped loads), bias."""
+    f = KernelFormat.parse(fmt)
+    gen = torch.Generator().manual_seed(27)
+    n, k, m = 56, 512, 19  # 2 x 2 output tiles, one semaphore each (ceil(56 / 16) = 4)
+    pw = packed_weight(fmt, n, k, gen)
+    cfg = LaunchConfig("gemm", 16, 32, 1, split, 4, 2, False, block_k)
+    assert valid_config(cfg, f, m, n, k)
+    bias = torch.randn(n, generator=gen).to(DEVICE, torch.bfloat16)
+    for _ in range(2):
+        x = torch.randn(m, k, generator=gen).to(DEVICE, torch.bfloat16)
+        assert rel_err(linear(x, pw, bias, config=cfg), fp32_ref(x, pw, bias)) < tolerance(torch.bfloat16)
+    assert int(pw.counters.abs().sum()) == 0
+
+
+def test_gemm_config_checks():
+    f = KernelFormat.parse("INT4_G128")
+    ok = LaunchConfig("gemm", 64, 128, 1, 1, 4, 3, False, 128)
+    assert valid_config(ok, f, 256, 4096, 4096)
+    assert not valid_config(LaunchConfig("gemm", 64, 128, 1, 1, 4, 3), f, 256, 4096, 4096)  # no K tile
+    assert not valid_config(LaunchConfig("gemm", 64, 128, 1, 1, 4, 3, False, 16), f, 256, 4096, 4096)  # 2 words, 16
+    assert not valid_config(LaunchConfig("gemm", 64, 128, 1, 1, 4, 3, False, 192), f, 256, 4096, 4096)  # 24 words
+    assert valid_config(LaunchConfig("gemm", 64, 128, 1, 1, 4, 3, False, 256), f, 256, 4096, 4096)
+    assert not valid_config(LaunchConfig("gemm", 64, 128, 1, 1, 4, 3, False, 256), f, 256, 4096, 4224)  # 16.5 tiles
+    assert valid_config(LaunchConfig("gemm", 64, 128, 1, 4, 4, 3, False, 128), f, 256, 4096, 4096)
+    assert not valid_config(LaunchConfig("gemm", 64, 128, 1, 3, 4, 3, False, 128), f, 256, 4096, 4096)  # 32 tiles / 3
+    assert not valid_config(LaunchConfig("gemm", 16, 16, 1, 2, 4, 3, False, 128), f, 256, 4096, 4096)  # 4096 tiles
+    dev = DeviceInfo("NVIDIA H100 80GB HBM3", 132, (9, 0))
+    for fmt in FORMATS:
+        cands = gemm_candidates(KernelFormat.parse(fmt), 256, 4096, 4096, dev)
+        assert cands and all(c.path == "gemm" and c.block_m <= 256 for c in cands)
+        assert any(c.split_k > 1 for c in cands)  # 4096 rows of 256 tokens: too few tiles of 128 x 128
 
 
 def test_batched_input_and_super_weights():

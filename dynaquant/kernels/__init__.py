@@ -23,7 +23,14 @@ from dynaquant.kernels.formats import KernelFormat
 from dynaquant.kernels.ops import dequantize, dequantize_packed_ref, linear, linear_ref, uses_triton
 from dynaquant.kernels.packing import PackedWeight, pack, stack, unpack
 from dynaquant.kernels.reference import dequantize_ref, e2m1_to_float, e8m0_to_float
-from dynaquant.kernels.tuning import DeviceInfo, LaunchConfig, choose_config, device_info, valid_config
+from dynaquant.kernels.tuning import (
+    DeviceInfo,
+    LaunchConfig,
+    choose_config,
+    device_info,
+    gemm_candidates,
+    valid_config,
+)
 from dynaquant.quant.codecs import fastpaths
 
 
@@ -47,4 +54,4 @@ for _attr in ("aff_search_scales", "aff_pick", "aff_refine", "sym_search_scales"
 
 __all__ = ["KernelFormat", "PackedWeight", "LaunchConfig", "DeviceInfo", "pack", "unpack", "stack", "linear", "dequantize",
            "uses_triton", "dequantize_ref", "dequantize_packed_ref", "linear_ref", "e2m1_to_float", "e8m0_to_float",
-           "choose_config", "device_info", "valid_config"]
+           "choose_config", "device_info", "valid_config", "gemm_candidates"]

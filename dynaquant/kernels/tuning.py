@@ -9,6 +9,8 @@ override it (the benchmark's sweeps do). Paths:
 - ``mm`` (small batches): dequantize a (BLOCK_N, group) tile to bf16/fp16 in registers and
   multiply on the tensor cores with the tokens as the narrow side (``W_tile @ X_tile^T``), one
   group per ``tl.dot``, scales applied to the fp32 partial products; split-K as above.
+- ``gemm`` (large batches): the fused dequant-GEMM of :mod:`dynaquant.kernels.triton_gemm`, each weight
+  tile decoded and scaled in registers and multiplied for a wide token tile, one float32 accumulator.
 - ``dequant`` (large batches): dequantize to the activation dtype, then ``torch`` matmul (cuBLAS).
 """
 
@@ -22,7 +24,7 @@ import torch
 from dynaquant.kernels.formats import KernelFormat
 
 __all__ = ["LaunchConfig", "DeviceInfo", "device_info", "choose_config", "valid_config", "gemv_candidates",
-           "mm_candidates"]
+           "mm_candidates", "gemm_candidates"]
 
 
 @dataclass(frozen=True)
@@ -30,13 +32,15 @@ class LaunchConfig:
     """How one call is launched.
 
     Attributes:
-        path: ``gemv``, ``mm`` or ``dequant``.
-        block_m: tokens per program (``mm``; 1 for ``gemv``).
+        path: ``gemv``, ``mm``, ``gemm`` or ``dequant``.
+        block_m: tokens per program (``mm``, ``gemm``; 1 for ``gemv``).
         block_n: output rows (weight rows) per program.
         groups: quantization groups per loop iteration (the K tile is ``groups * group_size``).
         split_k: programs along K per output tile (partials in float32, reduced by the last one).
         num_warps, num_stages: Triton's launch options.
         prefetch: ``gemv``: load the next K tile's words before decoding the current one (registers).
+        block_k: ``gemm``: weights along K a loop iteration (at least 32, a power-of-two number of packed
+            words that divides a group or is made of whole groups; 0 elsewhere).
     """
 
     path: str
@@ -47,6 +51,7 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 1
     prefetch: bool = False
+    block_k: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,8 +82,22 @@ def _words_per_group(fmt: KernelFormat) -> int:
     return fmt.group_size // epw
 
 
+def _gemm_valid(cfg: LaunchConfig, fmt: KernelFormat, m: int, n: int, k: int) -> bool:
+    """K tiles of 32 or more weights in a power-of-two number of words that divide a group or hold whole
+    ones; a K split of whole
+    tiles, with a split-K semaphore for every output tile (``ceil(N / 16)`` of them)."""
+    epw = 16 if fmt.bits == 3 else 32 // fmt.bits
+    bk, g, s = cfg.block_k, fmt.group_size, cfg.split_k
+    words = bk // epw if bk % epw == 0 else 0
+    tiles = -(-m // max(cfg.block_m, 1)) * -(-n // max(cfg.block_n, 1))
+    return (min(cfg.block_m, cfg.block_n) >= 16 and bk >= 32 and k % bk == 0 and words > 0 and words & (words - 1) == 0
+            and (g % bk == 0 or bk % g == 0) and s >= 1 and (k // bk) % s == 0 and (s == 1 or tiles <= -(-n // 16)))
+
+
 def valid_config(cfg: LaunchConfig, fmt: KernelFormat, m: int, n: int, k: int) -> bool:
     """Whether ``cfg`` can run this shape: the K split and the K tile divide the row's groups."""
+    if cfg.path == "gemm":
+        return _gemm_valid(cfg, fmt, m, n, k)
     n_groups = k // fmt.group_size
     if cfg.split_k < 1 or n_groups % cfg.split_k or (n_groups // cfg.split_k) % cfg.groups:
         return False
@@ -145,12 +164,71 @@ def _mm_config(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) -> La
         return LaunchConfig("mm", block_m, 16, 1, _split_for(n_groups, 1, 1, 2, 2) if m <= block_m else 1, 4, 1)
     block_m = min(block_m, 64)
     block_n = 128 if (m > 32 or fmt.is_fp4) else 64  # measured at M = 16: 64 for integers, 128 for FP4
+    if m > 32 and n < 28672 and dev.capability >= (9, 0):  # H200 sweep at M = 64: 64 rows and a K split, 4-20 %
+        block_n = 64
     groups = max(1, 128 // fmt.group_size)
     while n_groups % groups:
         groups //= 2
     tiles = -(-n // block_n) * -(-m // block_m)
     split = _split_for(n_groups, groups, tiles, dev.sm_count) if m <= block_m else 1
     return LaunchConfig("mm", block_m, block_n, groups, split, 4, 3)
+
+
+def _split_to(tiles: int, k_tiles: int, dev: DeviceInfo, most: int = 8) -> int:
+    """The smallest power-of-two K split (at most ``most``, dividing ``k_tiles``) giving one program an SM."""
+    split = 1
+    while tiles * split < dev.sm_count and k_tiles % (2 * split) == 0 and split < most:
+        split *= 2
+    return split
+
+
+def _gemm(m: int, n: int, k: int, bm: int, bn: int, bk: int, warps: int, stages: int, dev: DeviceInfo,
+          split: bool) -> LaunchConfig:
+    bm = min(bm, _pow2_at_least(m, 16))
+    s = _split_to(-(-m // bm) * -(-n // bn), k // bk, dev) if split else 1
+    return LaunchConfig("gemm", bm, bn, 1, s, warps, stages, False, bk)
+
+
+def _fused_gemm_config(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) -> LaunchConfig | None:
+    """The fused dequant-GEMM where it beat the mm and dequant paths in the H200 sweep (2026-11-28,
+    ``benchmarks/kernels.py --sweep --sweep-m 16,64,256``, Llama-3-8B shapes; INT4/INT2 group 128 and
+    MXFP4); None elsewhere (other formats and devices keep the earlier paths until measured)."""
+    if dev.capability < (9, 0) or m < 9:
+        return None
+    int_g128 = fmt.kind == "int" and fmt.symmetric and fmt.group_size == 128 and fmt.bits in (2, 4)
+    if int_g128:
+        if m <= 16:  # gate/up 2-10 % faster, down and q/k/v 4-8 %; q/o and k/v stay on mm
+            if n >= 14336:
+                return _gemm(m, n, k, 16, 64, 128, 4, 3, dev, False)
+            if n * k >= 6144 * 4096:
+                return _gemm(m, n, k, 16, 128, 128, 8, 3, dev, True)
+            return None
+        if m <= 64:  # k/v 35 %, gate/up 7-14 %, down 6-12 % faster; gate+up stacked, q/o and q/k/v stay on mm
+            if n >= 28672:
+                return None
+            if n >= 8192:
+                return _gemm(m, n, k, 64, 64, 128, 4, 3, dev, False)
+            if k >= 8192:
+                return _gemm(m, n, k, 64, 128, 128, 8, 3, dev, True)
+            if n <= 2048:
+                return _gemm(m, n, k, 64, 64, 128, 4, 3, dev, True)
+            return None
+        if n >= 14336:  # M = 256: gate/up 20-22 % faster than dequantize + cuBLAS
+            return _gemm(m, n, k, 128, 128, 64, 8, 4, dev, False) if fmt.bits == 4 else \
+                _gemm(m, n, k, 128, 64, 128, 4, 3, dev, False)
+        if k >= 8192:  # down 2-4 %
+            return LaunchConfig("gemm", min(128, _pow2_at_least(m, 16)), 64, 1, 2 if (k // 128) % 2 == 0 else 1, 4, 3,
+                                False, 128)
+        return None
+    if fmt.kind == "mxfp4" and fmt.group_size == 32 and m <= 64:  # 8-20 % at M = 16, 13-22 % at M = 64
+        if m <= 16:
+            return _gemm(m, n, k, 16, 64, 128, 4, 3, dev, True)
+        if n <= 2048:
+            return _gemm(m, n, k, 64, 64, 128, 4, 3, dev, True)
+        if n * k <= 4096 * 4096:
+            return None
+        return _gemm(m, n, k, 64, 128, 64, 4, 3, dev, True)
+    return None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -164,12 +242,11 @@ def choose_config(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) ->
     """
     if m == 1:
         return _gemv_config(fmt, n, k, dev)
+    fused = _fused_gemm_config(fmt, m, n, k, dev)
+    if fused is not None and valid_config(fused, fmt, m, n, k):
+        return fused
     if m <= 64 or dev.name == "cpu":
         return _mm_config(fmt, m, n, k, dev)
-    if fmt.kind == "int" and fmt.symmetric and fmt.group_size == 128 and n >= 14336 and m >= 128:
-        # H100 sweep at M = 256 (int2/int4, group 128): a (256 x 64) tile a program beat dequantize + cuBLAS by 5-7 %
-        # on gate/up, lost on the smaller shapes
-        return LaunchConfig("mm", 256 if m > 128 else 128, 64, 1, 1, 8, 3)
     return LaunchConfig("dequant", 1, 64, max(1, 128 // fmt.group_size) if (k // fmt.group_size) % 2 == 0 else 1)
 
 
@@ -224,3 +301,22 @@ def mm_candidates(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) ->
             for stages in (2, 3):
                 out.append(LaunchConfig("mm", min(bm, _pow2_at_least(m, 16)), bn, groups, 1, warps, stages))
     return list(dict.fromkeys(out))
+
+
+def gemm_candidates(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) -> list[LaunchConfig]:
+    """Fused dequant-GEMM configurations worth timing for a shape (the benchmark's sweep; M >= 16):
+    token tiles up to 256, weight tiles of 64-128 rows, K tiles of 64 or 128 weights, 4 or 8 warps, and a
+    K split where the output tiles are fewer than the multiprocessors."""
+    top = min(_pow2_at_least(m, 16), 256)
+    tiles = ((64, 64, 128, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 4, 3), (64, 128, 128, 8, 3), (128, 64, 128, 4, 3),
+             (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (256, 128, 64, 8, 3))
+    out = []
+    for bm, bn, bk, warps, stages in tiles:
+        bm = min(bm, top)
+        n_tiles = -(-m // bm) * -(-n // bn)
+        split = 1
+        while n_tiles * split < dev.sm_count and (k // bk) % (2 * split) == 0 and split < 8:
+            split *= 2
+        for s in dict.fromkeys((1, split)):
+            out.append(LaunchConfig("gemm", bm, bn, 1, s, warps, stages, False, bk))
+    return [c for c in dict.fromkeys(out) if valid_config(c, fmt, m, n, k)]

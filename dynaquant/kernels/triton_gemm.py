@@ -1,0 +1,172 @@
+"""Large batches (M >= 64): a fused dequant-GEMM that never writes the full-precision weight.
+
+A program owns a (BLOCK_N weight rows) x (BLOCK_M tokens) output tile and walks K in tiles of
+BLOCK_K: it loads the tile's packed words, decodes them in registers with the decoders of
+:mod:`dynaquant.kernels.triton_linear` (no ``I2F``), multiplies each word's codes by its group's
+scale in float32, rounds once to the activations' dtype and accumulates ``W_tile @ X_tile^T`` on the
+tensor cores into one float32 accumulator (``tl.dot`` with ``acc``; on Hopper Triton issues
+``wgmma``). The weight values entering the product are therefore exactly those of
+dequantize-then-cuBLAS (``round((code - zero) * scale)``); only the float32 summation order differs.
+Programs run with the token tile fastest, so the programs sharing a weight tile run together and its
+bytes come from L2 after the first. NVFP4's global scale is applied to the float32 result.
+
+Imported lazily, like :mod:`dynaquant.kernels.triton_linear` (``TRITON_INTERPRET=1`` first for CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dynaquant.kernels.packing import PackedWeight
+from dynaquant.kernels.triton_linear import (
+    FP4_UP,
+    MAGIC,
+    _il8,
+    code_value,
+    format_constants,
+    group_scale,
+    interpreting,
+    out_multiplier,
+    packed_words,
+)
+from dynaquant.kernels.tuning import LaunchConfig
+
+
+@triton.jit
+def _scaled(w, hsrc, zoff, sc, magic, IDX: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
+    """Code IDX of the words times its word's scale, rounded once to DT (FP4 lifted to e2m1 first: a
+    scale times 2**126 could overflow)."""
+    v = code_value(w, hsrc, zoff, magic, IDX, KIND, BITS)
+    if KIND != 0:
+        v = v * FP4_UP
+    return (v * sc).to(DT)
+
+
+@triton.jit
+def scaled_tile(w, hsrc, zoff, sc, magic, KIND: tl.constexpr, BITS: tl.constexpr, EPW: tl.constexpr,
+                DT: tl.constexpr):
+    """Words [R, W] with per-word scales ``sc`` (and zero offsets ``zoff``) -> weights [R, W * EPW] in
+    natural K order, ``round_DT((code - zero) * scale)``."""
+    if EPW == 4:
+        v0 = _scaled(w, hsrc, zoff, sc, magic, 0, KIND, BITS, DT)
+        v1 = _scaled(w, hsrc, zoff, sc, magic, 1, KIND, BITS, DT)
+        v2 = _scaled(w, hsrc, zoff, sc, magic, 2, KIND, BITS, DT)
+        v3 = _scaled(w, hsrc, zoff, sc, magic, 3, KIND, BITS, DT)
+        out = tl.interleave(tl.interleave(v0, v2), tl.interleave(v1, v3))
+    elif EPW == 8:
+        out = _il8(_scaled(w, hsrc, zoff, sc, magic, 0, KIND, BITS, DT), _scaled(w, hsrc, zoff, sc, magic, 1, KIND, BITS, DT),
+                   _scaled(w, hsrc, zoff, sc, magic, 2, KIND, BITS, DT), _scaled(w, hsrc, zoff, sc, magic, 3, KIND, BITS, DT),
+                   _scaled(w, hsrc, zoff, sc, magic, 4, KIND, BITS, DT), _scaled(w, hsrc, zoff, sc, magic, 5, KIND, BITS, DT),
+                   _scaled(w, hsrc, zoff, sc, magic, 6, KIND, BITS, DT), _scaled(w, hsrc, zoff, sc, magic, 7, KIND, BITS, DT))
+    else:
+        ev = _il8(_scaled(w, hsrc, zoff, sc, magic, 0, KIND, BITS, DT), _scaled(w, hsrc, zoff, sc, magic, 2, KIND, BITS, DT),
+                  _scaled(w, hsrc, zoff, sc, magic, 4, KIND, BITS, DT), _scaled(w, hsrc, zoff, sc, magic, 6, KIND, BITS, DT),
+                  _scaled(w, hsrc, zoff, sc, magic, 8, KIND, BITS, DT), _scaled(w, hsrc, zoff, sc, magic, 10, KIND, BITS, DT),
+                  _scaled(w, hsrc, zoff, sc, magic, 12, KIND, BITS, DT), _scaled(w, hsrc, zoff, sc, magic, 14, KIND, BITS, DT))
+        od = _il8(_scaled(w, hsrc, zoff, sc, magic, 1, KIND, BITS, DT), _scaled(w, hsrc, zoff, sc, magic, 3, KIND, BITS, DT),
+                  _scaled(w, hsrc, zoff, sc, magic, 5, KIND, BITS, DT), _scaled(w, hsrc, zoff, sc, magic, 7, KIND, BITS, DT),
+                  _scaled(w, hsrc, zoff, sc, magic, 9, KIND, BITS, DT), _scaled(w, hsrc, zoff, sc, magic, 11, KIND, BITS, DT),
+                  _scaled(w, hsrc, zoff, sc, magic, 13, KIND, BITS, DT), _scaled(w, hsrc, zoff, sc, magic, 15, KIND, BITS, DT))
+        out = tl.interleave(ev, od)
+    return out
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+                 M, N, KW, KH, NG, stride_xm, stride_ym, out_mul, magic, NKT, NKT_C: tl.constexpr,
+                 KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ZC: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr):
+    EPW: tl.constexpr = 16 if BITS == 3 else 32 // BITS
+    WPG: tl.constexpr = G // EPW  # words a group
+    KWT: tl.constexpr = BLOCK_K // EPW  # words a K tile
+    ONE_GROUP: tl.constexpr = KWT <= WPG  # the tile lies inside one group: one scale (and zero) a row
+    DT: tl.constexpr = tl.float32 if DOT_F32 else x_ptr.dtype.element_ty
+    pid_m = tl.program_id(0)  # fastest: the programs of one weight tile run together
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    row = tl.minimum(rn, N - 1)[:, None]
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = rm < M
+    xrow = x_ptr + tl.minimum(rm, M - 1)[None, :] * stride_xm + tl.arange(0, BLOCK_K)[:, None]  # [BLOCK_K, BLOCK_M]
+    rw = tl.arange(0, KWT)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    nkt = NKT_C if NKT_C > 0 else NKT
+    t0 = pid_k * nkt
+    for t in range(t0, t0 + nkt):  # pipelined by the launch's num_stages
+        word = t * KWT + rw
+        w = tl.load(qw_ptr + row * KW + word[None, :])  # [BLOCK_N, KWT]
+        if ONE_GROUP:
+            goff = row * NG + (t * KWT) // WPG  # [BLOCK_N, 1]
+        else:
+            goff = row * NG + (word // WPG)[None, :]  # [BLOCK_N, KWT]
+        sc = group_scale(tl.load(s_ptr + goff), KIND)
+        if ASYM:
+            zoff = tl.load(z_ptr + goff).to(tl.float32)
+        else:
+            zoff = ZC
+        if BITS == 3:
+            hw = tl.load(qh_ptr + row * KH + (word // 2)[None, :])
+            hsrc = hw >> ((word % 2) * 16)[None, :]
+        else:
+            hsrc = w
+        wt = scaled_tile(w, hsrc, zoff, sc, magic, KIND, BITS, EPW, DT)  # [BLOCK_N, BLOCK_K]
+        xt = tl.load(xrow + t * BLOCK_K).to(DT)  # [BLOCK_K, BLOCK_M]
+        acc = tl.dot(wt, xt, acc)
+    out = acc * out_mul
+    mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT_K > 1:  # float32 partials; the last program of the tile adds them up (counter reset for the next call)
+        tile = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
+        part = ws_ptr + rm[None, :] * N + rn[:, None]
+        tl.store(part + pid_k * M * N, out, mask=mask)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            out = tl.zeros_like(out)
+            for s in range(SPLIT_K):
+                out += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+            if HAS_BIAS:
+                out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], out.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        if HAS_BIAS:
+            out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_args(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig):
+    m, k = x2.shape
+    n = packed.out_features
+    kw, kh, ng = packed_words(packed)
+    y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    split = cfg.split_k
+    ws = torch.empty(split * m * n if split > 1 else 1, dtype=torch.float32, device=x2.device)
+    qh = packed.qweight_hi if packed.qweight_hi is not None else packed.qweight
+    z = packed.zeros if packed.zeros is not None else packed.scales
+    b = bias if bias is not None else y
+    nkt = k // cfg.block_k // split
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
+    args = (x2, packed.qweight, qh, packed.scales, z, b, y, ws, packed.counters, m, n, kw, kh, ng, x2.stride(0),
+            y.stride(0), out_multiplier(packed, False), MAGIC, nkt)
+    kwargs = dict(NKT_C=nkt if interpreting() else 0, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, DOT_F32=interpreting(),
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **format_constants(packed))
+    return grid, args, kwargs, y
+
+
+def run_gemm(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig) -> torch.Tensor:
+    """``x2 (M, K) @ dequant(W).T + bias`` on the fused GEMM path (``cfg.path == "gemm"``; no super weights)."""
+    grid, args, kwargs, y = _launch_args(x2, packed, bias, cfg)
+    _gemm_kernel[grid](*args, **kwargs)
+    return y
+
+
+def compile_gemm(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig) -> None:
+    """Compile (without running) the kernel :func:`run_gemm` would launch."""
+    grid, args, kwargs, _ = _launch_args(x2, packed, bias, cfg)
+    _gemm_kernel.warmup(*args, grid=grid, **kwargs)
