@@ -42,7 +42,7 @@ def test_batched_errors_equal_per_tensor(cases, monkeypatch):
     # small chunks (cut inside tensors and across them; quantize's own too: NVFP4_G16's global scale is the chunk's)
     # and batches (a batch boundary inside the list)
     for mod in (errors, base):
-        monkeypatch.setattr(mod, "chunk_weights", lambda device: 2560)
+        monkeypatch.setattr(mod, "chunk_weights", lambda device, *args, **kwargs: 2560)
     alone = [measure_errors(w, FORMATS, rw, imatrix=im, seed=i) for i, (w, rw, im) in enumerate(cases)]
     samples = [sample_tensor(w, rw, imatrix=im, seed=i) for i, (w, rw, im) in enumerate(cases)]
     together = measure_samples(samples, FORMATS, batch_weights=6 * 256 * 40)

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from dynaquant.quant.codecs import dequantize, get_codec, quantize
-from dynaquant.quant.codecs.base import block_importance, chunk_weights
+from dynaquant.quant.codecs.base import block_importance, chunk_weights, encode_workers, for_each_chunk
 from dynaquant.quant.formats import Format, get_format
 
 # Sampled weights measured together at most (:func:`measure_samples`): the samples, their importance and one
@@ -288,9 +288,11 @@ def measure_samples(samples: list[ErrorSample], formats: list[str], *, batch_wei
     for batch in _batches(samples, batch_weights):
         sums: dict[tuple[int, str], torch.Tensor] = {}
         rows_out: dict[tuple[int, str], torch.Tensor] = {}
-        step = chunk_weights(samples[batch[0]].rows.device)
+        dev0 = samples[batch[0]].rows.device
         for name in formats:
             f = get_format(name)
+            step = chunk_weights(dev0, sum(samples[i].rows.numel() for i in batch), encode_workers(dev0),
+                                 f.kind != "float" and get_codec(f.name).cross_block)
             fit = [i for i in batch if f.fits(samples[i].rows.shape[1])]
             dec = {i: samples[i].rows for i in fit if samples[i].stored == f.name}  # the source's own bytes: exact
             todo = [i for i in fit if i not in dec]
@@ -391,8 +393,12 @@ def _decode_rows(samples: list[ErrorSample], f: Format, step: int) -> list[torch
     xb = torch.cat([s.rows.reshape(-1) for s in samples]).view(-1, bs)
     wb = torch.cat([s.importance.expand(s.rows.shape).reshape(-1) for s in samples]).view(-1, bs)
     dec = torch.empty_like(xb)
-    for b0, b1 in _chunks(samples, bs, max(1, step // bs)):
+
+    def one(span: tuple[int, int]) -> None:
+        b0, b1 = span
         dec[b0:b1] = codec.decode_blocks(codec.encode_blocks(xb[b0:b1], wb[b0:b1], **opts))
+
+    for_each_chunk(one, _chunks(samples, bs, max(1, step // bs)), xb.device)
     flat, out, pos = dec.view(-1), [], 0
     for s in samples:
         out.append(flat[pos:pos + s.rows.numel()].view(s.rows.shape))

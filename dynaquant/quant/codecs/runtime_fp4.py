@@ -95,6 +95,7 @@ class NVFP4_G16(Codec):
     """
 
     format_name = "NVFP4_G16"
+    cross_block = True  # the global scale, without one given, comes from all the blocks of the call
     grid = Grid(MX_LEVELS)  # doubled E2M1 values
     offsets = (-3, -2, -1, 0, 1, 2)
 

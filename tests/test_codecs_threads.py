@@ -1,0 +1,72 @@
+"""CPU encoding in chunks on threads of their own (``dynaquant.quant.codecs.base.for_each_chunk``).
+
+The bytes must not depend on the chunk size or the thread count (each block's encoding is its own; a
+``cross_block`` codec keeps its chunks), torch's thread count is restored, and a chunk's error reaches the
+caller.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynaquant.quant.codecs import base, get_codec, quantize
+
+FORMATS = ["Q8_0", "Q4_1", "Q5_0", "Q3_K", "Q4_K", "Q6_K", "IQ4_XS", "IQ3_S", "IQ2_XXS", "IQ1_M", "MXFP4",
+           "INT4_G128", "NVFP4_G16"]
+
+
+@pytest.fixture
+def weight():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(24, 2048, generator=gen) * 0.02
+    x[3, 100] = 0.9  # an outlier in one chunk only
+    return x, torch.rand(2048, generator=gen) + 0.05
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bytes_do_not_depend_on_chunks_or_threads(fmt, weight, monkeypatch):
+    x, im = weight
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = quantize(x, fmt, im)  # 2 chunks of 12 rows, one a thread
+        assert torch.get_num_threads() == 2
+        torch.set_num_threads(1)
+        one = quantize(x, fmt, im)
+        monkeypatch.setattr(base, "CPU_CHUNK_WEIGHTS", 1 << 24)
+        monkeypatch.setattr(base, "CPU_MIN_CHUNK_WEIGHTS", 1 << 24)
+        whole = quantize(x, fmt, im)  # one chunk
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(two, one) and torch.equal(one, whole)
+
+
+def test_chunk_sizes():
+    assert base.chunk_weights("cpu", 24 * 2048, 2) == 24 * 1024  # one chunk a thread
+    assert base.chunk_weights("cpu", 1 << 24, 2) == base.CPU_CHUNK_WEIGHTS
+    assert base.chunk_weights("cpu", 1000, 8) == base.CPU_MIN_CHUNK_WEIGHTS
+    assert base.chunk_weights("cpu", 1 << 24, 2, cross_block=True) == base.CHUNK_WEIGHTS
+    assert get_codec("NVFP4_G16").cross_block and not get_codec("Q4_K").cross_block
+
+
+def test_chunk_error_reaches_the_caller_and_threads_restored(weight, monkeypatch):
+    x, im = weight
+    codec = get_codec("Q8_0")
+    calls = []
+
+    def failing(xb, wb):
+        calls.append(xb.shape[0])
+        if len(calls) == 2:
+            raise RuntimeError("chunk failed")
+        return type(codec).encode_blocks(codec, xb, wb)
+
+    monkeypatch.setattr(codec, "encode_blocks", failing)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with pytest.raises(RuntimeError, match="chunk failed"):
+            quantize(x, "Q8_0", im)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(old)
