@@ -1,8 +1,7 @@
 """CPU encoding in chunks on threads of their own (``dynaquant.quant.codecs.base.for_each_chunk``).
 
-The bytes must not depend on the chunk size or the thread count (each block's encoding is its own; a
-``cross_block`` codec keeps its chunks), torch's thread count is restored, and a chunk's error reaches the
-caller.
+The bytes must not depend on the thread count (the chunks are a function of the shape; a ``cross_block``
+codec keeps its 1M-weight chunks), torch's thread count is restored, and a chunk's error reaches the caller.
 """
 
 from __future__ import annotations
@@ -25,28 +24,28 @@ def weight():
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_bytes_do_not_depend_on_chunks_or_threads(fmt, weight, monkeypatch):
+def test_bytes_do_not_depend_on_threads(fmt, weight, monkeypatch):
+    """Chunks run on two threads or one give the same bytes: the chunks are a function of the shape only."""
     x, im = weight
     old = torch.get_num_threads()
+    got = {}
     try:
-        torch.set_num_threads(2)
-        two = quantize(x, fmt, im)  # 2 chunks of 12 rows, one a thread
-        assert torch.get_num_threads() == 2
-        torch.set_num_threads(1)
-        one = quantize(x, fmt, im)
-        monkeypatch.setattr(base, "CPU_CHUNK_WEIGHTS", 1 << 24)
-        monkeypatch.setattr(base, "CPU_MIN_CHUNK_WEIGHTS", 1 << 24)
-        whole = quantize(x, fmt, im)  # one chunk
+        for rows in (24, 12):  # one chunk; two chunks of 12 rows, one a thread
+            monkeypatch.setattr(base, "CPU_CHUNK_WEIGHTS", rows * 2048)
+            for threads in (2, 1):
+                torch.set_num_threads(threads)
+                got[rows, threads] = quantize(x, fmt, im)
+                assert torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(old)
-    assert torch.equal(two, one) and torch.equal(one, whole)
+    assert torch.equal(got[24, 2], got[24, 1]) and torch.equal(got[12, 2], got[12, 1])
+    if fmt == "NVFP4_G16":  # cross_block: never cut below 1M weights, so its global scale is the tensor's
+        assert torch.equal(got[24, 1], got[12, 1])
 
 
 def test_chunk_sizes():
-    assert base.chunk_weights("cpu", 24 * 2048, 2) == 24 * 1024  # one chunk a thread
-    assert base.chunk_weights("cpu", 1 << 24, 2) == base.CPU_CHUNK_WEIGHTS
-    assert base.chunk_weights("cpu", 1000, 8) == base.CPU_MIN_CHUNK_WEIGHTS
-    assert base.chunk_weights("cpu", 1 << 24, 2, cross_block=True) == base.CHUNK_WEIGHTS
+    assert base.chunk_weights("cpu") == base.CPU_CHUNK_WEIGHTS  # whatever the thread count: the same bytes everywhere
+    assert base.chunk_weights("cpu", cross_block=True) == base.CHUNK_WEIGHTS
     assert get_codec("NVFP4_G16").cross_block and not get_codec("Q4_K").cross_block
 
 
@@ -62,6 +61,7 @@ def test_chunk_error_reaches_the_caller_and_threads_restored(weight, monkeypatch
         return type(codec).encode_blocks(codec, xb, wb)
 
     monkeypatch.setattr(codec, "encode_blocks", failing)
+    monkeypatch.setattr(base, "CPU_CHUNK_WEIGHTS", 12 * 2048)  # two chunks
     old = torch.get_num_threads()
     try:
         torch.set_num_threads(2)

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from dynaquant.quant.codecs import dequantize, get_codec, quantize
-from dynaquant.quant.codecs.base import block_importance, chunk_weights, encode_workers, for_each_chunk
+from dynaquant.quant.codecs.base import block_importance, chunk_weights, for_each_chunk
 from dynaquant.quant.formats import Format, get_format
 
 # Sampled weights measured together at most (:func:`measure_samples`): the samples, their importance and one
@@ -291,8 +291,7 @@ def measure_samples(samples: list[ErrorSample], formats: list[str], *, batch_wei
         dev0 = samples[batch[0]].rows.device
         for name in formats:
             f = get_format(name)
-            step = chunk_weights(dev0, sum(samples[i].rows.numel() for i in batch), encode_workers(dev0),
-                                 f.kind != "float" and get_codec(f.name).cross_block)
+            step = chunk_weights(dev0, f.kind != "float" and get_codec(f.name).cross_block)
             fit = [i for i in batch if f.fits(samples[i].rows.shape[1])]
             dec = {i: samples[i].rows for i in fit if samples[i].stored == f.name}  # the source's own bytes: exact
             todo = [i for i in fit if i not in dec]
@@ -365,6 +364,18 @@ def _batches(samples: list[ErrorSample], limit: int) -> list[list[int]]:
     return out
 
 
+def _row_chunks(samples: list[ErrorSample], block_size: int, step_weights: int):
+    """(first, end) block ranges of the samples' concatenated rows, each sample cut on its own from its first
+    row in :func:`~dynaquant.quant.codecs.quantize`'s chunks (``step_weights // K`` rows, at least one)."""
+    pos = 0
+    for s in samples:
+        n, k = s.rows.shape
+        per_row, rows = k // block_size, max(1, step_weights // k)
+        for r0 in range(0, n, rows):
+            yield pos + r0 * per_row, pos + min(n, r0 + rows) * per_row
+        pos += n * per_row
+
+
 def _chunks(samples: list[ErrorSample], block_size: int, max_blocks: int):
     """(first, end) block ranges of the samples' concatenated rows: whole rows, at most ``max_blocks`` blocks
     (at least one row), as :func:`~dynaquant.quant.codecs.quantize` chunks one tensor."""
@@ -398,7 +409,10 @@ def _decode_rows(samples: list[ErrorSample], f: Format, step: int) -> list[torch
         b0, b1 = span
         dec[b0:b1] = codec.decode_blocks(codec.encode_blocks(xb[b0:b1], wb[b0:b1], **opts))
 
-    for_each_chunk(one, _chunks(samples, bs, max(1, step // bs)), xb.device)
+    # on a CPU each tensor's rows are chunked as quantize chunks them (the same blocks in the same calls: its
+    # bytes bit for bit, whatever the batch); on a GPU chunks run across tensors (fewer, larger launches)
+    spans = _row_chunks(samples, bs, step) if xb.device.type == "cpu" else _chunks(samples, bs, max(1, step // bs))
+    for_each_chunk(one, spans, xb.device)
     flat, out, pos = dec.view(-1), [], 0
     for s in samples:
         out.append(flat[pos:pos + s.rows.numel()].view(s.rows.shape))

@@ -137,21 +137,21 @@ CUDA_CHUNK_WEIGHTS = 1 << 24
 CUDA_BYTES_PER_WEIGHT = 1024
 # On a CPU: the chunk size at which one thread encoded fastest (2-core box, 1M weights, one thread:
 # Q8_0 8.0e6 -> 1.5e7 weights/s, Q4_K 3.9e5 -> 5.7e5, Q6_K 4.7e5 -> 7.2e5 from 1M-weight chunks; 16K was
-# slower again), and the smallest, so that a tensor of a few chunks still gives every thread one.
+# slower again); 2048 blocks of 32, the blockfit codecs' own CPU sub-chunk.
 CPU_CHUNK_WEIGHTS = 1 << 16
-CPU_MIN_CHUNK_WEIGHTS = 1 << 14
 
 
-def chunk_weights(device: torch.device | str, n_weights: int | None = None, workers: int = 1,
-                  cross_block: bool = False) -> int:
+def chunk_weights(device: torch.device | str, cross_block: bool = False) -> int:
     """Weights per encode chunk on ``device``: :data:`CHUNK_WEIGHTS`; on CUDA up to
     :data:`CUDA_CHUNK_WEIGHTS` as free memory allows (``torch.cuda.mem_get_info``); on a CPU
-    :data:`CPU_CHUNK_WEIGHTS`, smaller (down to :data:`CPU_MIN_CHUNK_WEIGHTS`) when ``n_weights`` would
-    otherwise give fewer chunks than ``workers``, unless the codec is ``cross_block`` (:class:`Codec`)."""
+    :data:`CPU_CHUNK_WEIGHTS` unless the codec is ``cross_block`` (:class:`Codec`).
+
+    On a CPU the size is fixed, not taken from the thread count: a block's bytes can depend, in the last
+    float bits, on where it lies in its call (torch's vectorised reductions add the tail lanes in another
+    order), so the chunks must be the same on every machine for the same bytes."""
     device = torch.device(device)
     if device.type == "cpu" and not cross_block:
-        share = -(-n_weights // max(1, workers)) if n_weights else CPU_CHUNK_WEIGHTS
-        return max(CPU_MIN_CHUNK_WEIGHTS, min(CPU_CHUNK_WEIGHTS, share))
+        return CPU_CHUNK_WEIGHTS
     if device.type != "cuda":
         return CHUNK_WEIGHTS
     free, _ = torch.cuda.mem_get_info(device)
@@ -244,7 +244,7 @@ def quantize(
     if fmt.kind == "float":  # plain conversion: no search, no importance
         blocks = codec.encode_blocks(x.reshape(-1, 1), x.reshape(-1, 1))
         return blocks.reshape(*shape[:-1], row_bytes)
-    step = max(1, chunk_weights(x.device, x.numel(), encode_workers(x.device), codec.cross_block) // k)
+    step = max(1, chunk_weights(x.device, codec.cross_block) // k)
     per_expert = _expert_importance(imatrix, shape, x.device)
 
     def encode(r0: int) -> None:
