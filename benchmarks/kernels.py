@@ -192,6 +192,7 @@ def prewarm(jobs, threads: int = 16) -> float:
     """Compile the kernels of ``jobs`` [(fmt, n, k, m, config)] in a thread pool; returns seconds taken."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from dynaquant.kernels.triton_gemm import compile_gemm
     from dynaquant.kernels.triton_linear import compile_linear
 
     t0 = time.time()
@@ -203,7 +204,7 @@ def prewarm(jobs, threads: int = 16) -> float:
         fmt, n, k, m, cfg = job
         try:
             x = torch.empty(m, k, dtype=torch.bfloat16, device=DEVICE)
-            compile_linear(x, dummy_packed(fmt, n, k), None, cfg)
+            (compile_gemm if cfg.path == "gemm" else compile_linear)(x, dummy_packed(fmt, n, k), None, cfg)
         except Exception as e:  # reported when the call runs
             log.warning("prewarm %s: %r", job, e)
 

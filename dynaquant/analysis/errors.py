@@ -266,8 +266,9 @@ def measure_samples(samples: list[ErrorSample], formats: list[str], *, batch_wei
     """Errors of many tensors in each format, their sampled rows encoded together.
 
     For each format, the sampled rows of every tensor it fits are cut into the format's blocks and
-    encoded and decoded as one sequence of blocks (in chunks of whole rows of at most
-    ``chunk_weights`` weights, as :func:`~dynaquant.quant.codecs.quantize` chunks one tensor), each
+    encoded and decoded as one sequence of blocks (on a GPU in chunks of whole rows of at most
+    ``chunk_weights`` weights across tensors; on a CPU each tensor's rows in the chunks
+    :func:`~dynaquant.quant.codecs.quantize` gives it, run on threads of their own), each
     block with its own tensor's importance; the decoded rows are split back per tensor and their
     errors summed as :func:`measure_errors` does. The results equal per-tensor measurement
     (``measure_errors`` on each, same rows) as long as each block's encoding depends on that block

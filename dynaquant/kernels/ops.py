@@ -72,9 +72,14 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = No
     cfg = config if config is not None else choose_config(packed.fmt, m, n, k, device_info(x.device))
     if not valid_config(cfg, packed.fmt, m, n, k):
         raise ValueError(f"launch configuration {cfg} does not fit m={m}, n={n}, k={k} in {packed.fmt.name}")
-    from dynaquant.kernels import triton_linear
+    if cfg.path == "gemm":
+        from dynaquant.kernels import triton_gemm
 
-    y = triton_linear.run_linear(x2, packed, bias, cfg)
+        y = triton_gemm.run_gemm(x2, packed, bias, cfg)
+    else:
+        from dynaquant.kernels import triton_linear
+
+        y = triton_linear.run_linear(x2, packed, bias, cfg)
     return _apply_super(y, x2, packed).reshape(*lead, n)
 
 

@@ -427,14 +427,11 @@ def _launch_args(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
 
 
 def run_linear(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig) -> torch.Tensor:
-    """``x2 (M, K) @ dequant(W).T + bias`` with the given launch configuration (no super weights)."""
+    """``x2 (M, K) @ dequant(W).T + bias`` with the given launch configuration (no super weights; the ``gemm``
+    path is :func:`dynaquant.kernels.triton_gemm.run_gemm`)."""
     if cfg.path == "dequant":
         w = dequantize(packed, x2.dtype, cfg)
         return torch.nn.functional.linear(x2, w, bias)
-    if cfg.path == "gemm":
-        from dynaquant.kernels.triton_gemm import run_gemm
-
-        return run_gemm(x2, packed, bias, cfg)
     kernel, grid, args, kwargs, y = _launch_args(x2, packed, bias, cfg)
     kernel[grid](*args, **kwargs)
     return y
@@ -451,11 +448,6 @@ def compile_linear(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | 
         z = packed.zeros if packed.zeros is not None else packed.scales
         _dequant_kernel.warmup(packed.qweight, qh, packed.scales, z, out, n, k, kw, kh, ng, out_multiplier(packed, False), MAGIC,
                                BLOCK_N=cfg.block_n, NGT=ngt, num_warps=4, grid=(1,), **format_constants(packed))
-        return
-    if cfg.path == "gemm":
-        from dynaquant.kernels.triton_gemm import compile_gemm
-
-        compile_gemm(x2, packed, bias, cfg)
         return
     kernel, grid, args, kwargs, _ = _launch_args(x2[:1], packed, bias, cfg) if cfg.path == "gemv" else \
         _launch_args(x2, packed, bias, cfg)
