@@ -135,10 +135,11 @@ CHUNK_WEIGHTS = 1 << 20
 # CHUNK_WEIGHTS.
 CUDA_CHUNK_WEIGHTS = 1 << 24
 CUDA_BYTES_PER_WEIGHT = 1024
-# On a CPU: the chunk size at which one thread encoded fastest (2-core box, 1M weights, one thread:
-# Q8_0 8.0e6 -> 1.5e7 weights/s, Q4_K 3.9e5 -> 5.7e5, Q6_K 4.7e5 -> 7.2e5 from 1M-weight chunks; 16K was
-# slower again); 2048 blocks of 32, the blockfit codecs' own CPU sub-chunk.
-CPU_CHUNK_WEIGHTS = 1 << 16
+# On a CPU: chunks small enough for their temporaries to stay in cache and large enough that the Python
+# between ops stays small beside the ops (2-core box, idle, two threads, 2M weights: Q4_K 6.0e5 / 8.3e5 /
+# 6.8e5 weights/s with 64K / 128K / 256K-weight chunks, Q6_K 7.3e5 / 8.4e5 / 9.3e5, Q8_0 1.6e7 / 1.5e7 /
+# 1.4e7); a multiple of the blockfit codecs' own CPU sub-chunk (2048 blocks of 32).
+CPU_CHUNK_WEIGHTS = 1 << 17
 
 
 def chunk_weights(device: torch.device | str, cross_block: bool = False) -> int:
