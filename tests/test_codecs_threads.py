@@ -45,7 +45,7 @@ def test_bytes_do_not_depend_on_threads(fmt, weight, monkeypatch):
 
 def test_chunk_sizes():
     assert base.chunk_weights("cpu") == base.CPU_CHUNK_WEIGHTS  # whatever the thread count: the same bytes everywhere
-    assert base.chunk_weights("cpu", cross_block=True) == base.CHUNK_WEIGHTS
+    assert base.chunk_weights("cpu", large=True) == base.CHUNK_WEIGHTS
     assert get_codec("NVFP4_G16").cross_block and not get_codec("Q4_K").cross_block
 
 

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from dynaquant.quant.codecs import dequantize, get_codec, quantize
-from dynaquant.quant.codecs.base import block_importance, chunk_weights, for_each_chunk
+from dynaquant.quant.codecs.base import block_importance, chunk_weights
 from dynaquant.quant.formats import Format, get_format
 
 # Sampled weights measured together at most (:func:`measure_samples`): the samples, their importance and one
@@ -266,9 +266,8 @@ def measure_samples(samples: list[ErrorSample], formats: list[str], *, batch_wei
     """Errors of many tensors in each format, their sampled rows encoded together.
 
     For each format, the sampled rows of every tensor it fits are cut into the format's blocks and
-    encoded and decoded as one sequence of blocks (on a GPU in chunks of whole rows of at most
-    ``chunk_weights`` weights across tensors; on a CPU each tensor's rows in the chunks
-    :func:`~dynaquant.quant.codecs.quantize` gives it, run on threads of their own), each
+    encoded and decoded as one sequence of blocks (in chunks of whole rows of at most
+    ``chunk_weights`` weights, as :func:`~dynaquant.quant.codecs.quantize` chunks one tensor), each
     block with its own tensor's importance; the decoded rows are split back per tensor and their
     errors summed as :func:`measure_errors` does. The results equal per-tensor measurement
     (``measure_errors`` on each, same rows) as long as each block's encoding depends on that block
@@ -289,10 +288,11 @@ def measure_samples(samples: list[ErrorSample], formats: list[str], *, batch_wei
     for batch in _batches(samples, batch_weights):
         sums: dict[tuple[int, str], torch.Tensor] = {}
         rows_out: dict[tuple[int, str], torch.Tensor] = {}
-        dev0 = samples[batch[0]].rows.device
+        # on a CPU 1M-weight chunks across tensors on torch's own threads (faster here than quantize's threaded
+        # 128K chunks on the many small samples: README's first command 77 against 89 s, 2-core box)
+        step = chunk_weights(samples[batch[0]].rows.device, large=True)
         for name in formats:
             f = get_format(name)
-            step = chunk_weights(dev0, f.kind != "float" and get_codec(f.name).cross_block)
             fit = [i for i in batch if f.fits(samples[i].rows.shape[1])]
             dec = {i: samples[i].rows for i in fit if samples[i].stored == f.name}  # the source's own bytes: exact
             todo = [i for i in fit if i not in dec]
@@ -365,18 +365,6 @@ def _batches(samples: list[ErrorSample], limit: int) -> list[list[int]]:
     return out
 
 
-def _row_chunks(samples: list[ErrorSample], block_size: int, step_weights: int):
-    """(first, end) block ranges of the samples' concatenated rows, each sample cut on its own from its first
-    row in :func:`~dynaquant.quant.codecs.quantize`'s chunks (``step_weights // K`` rows, at least one)."""
-    pos = 0
-    for s in samples:
-        n, k = s.rows.shape
-        per_row, rows = k // block_size, max(1, step_weights // k)
-        for r0 in range(0, n, rows):
-            yield pos + r0 * per_row, pos + min(n, r0 + rows) * per_row
-        pos += n * per_row
-
-
 def _chunks(samples: list[ErrorSample], block_size: int, max_blocks: int):
     """(first, end) block ranges of the samples' concatenated rows: whole rows, at most ``max_blocks`` blocks
     (at least one row), as :func:`~dynaquant.quant.codecs.quantize` chunks one tensor."""
@@ -405,15 +393,8 @@ def _decode_rows(samples: list[ErrorSample], f: Format, step: int) -> list[torch
     xb = torch.cat([s.rows.reshape(-1) for s in samples]).view(-1, bs)
     wb = torch.cat([s.importance.expand(s.rows.shape).reshape(-1) for s in samples]).view(-1, bs)
     dec = torch.empty_like(xb)
-
-    def one(span: tuple[int, int]) -> None:
-        b0, b1 = span
+    for b0, b1 in _chunks(samples, bs, max(1, step // bs)):
         dec[b0:b1] = codec.decode_blocks(codec.encode_blocks(xb[b0:b1], wb[b0:b1], **opts))
-
-    # on a CPU each tensor's rows are chunked as quantize chunks them (the same blocks in the same calls: its
-    # bytes bit for bit, whatever the batch); on a GPU chunks run across tensors (fewer, larger launches)
-    spans = _row_chunks(samples, bs, step) if xb.device.type == "cpu" else _chunks(samples, bs, max(1, step // bs))
-    for_each_chunk(one, spans, xb.device)
     flat, out, pos = dec.view(-1), [], 0
     for s in samples:
         out.append(flat[pos:pos + s.rows.numel()].view(s.rows.shape))

@@ -142,16 +142,17 @@ CUDA_BYTES_PER_WEIGHT = 1024
 CPU_CHUNK_WEIGHTS = 1 << 17
 
 
-def chunk_weights(device: torch.device | str, cross_block: bool = False) -> int:
+def chunk_weights(device: torch.device | str, large: bool = False) -> int:
     """Weights per encode chunk on ``device``: :data:`CHUNK_WEIGHTS`; on CUDA up to
     :data:`CUDA_CHUNK_WEIGHTS` as free memory allows (``torch.cuda.mem_get_info``); on a CPU
-    :data:`CPU_CHUNK_WEIGHTS` unless the codec is ``cross_block`` (:class:`Codec`).
+    :data:`CPU_CHUNK_WEIGHTS`, or :data:`CHUNK_WEIGHTS` when ``large`` (a ``cross_block`` codec (:class:`Codec`);
+    the analysis's batched samples, faster in large chunks on torch's own threads).
 
     On a CPU the size is fixed, not taken from the thread count: a block's bytes can depend, in the last
     float bits, on where it lies in its call (torch's vectorised reductions add the tail lanes in another
     order), so the chunks must be the same on every machine for the same bytes."""
     device = torch.device(device)
-    if device.type == "cpu" and not cross_block:
+    if device.type == "cpu" and not large:
         return CPU_CHUNK_WEIGHTS
     if device.type != "cuda":
         return CHUNK_WEIGHTS
@@ -245,7 +246,7 @@ def quantize(
     if fmt.kind == "float":  # plain conversion: no search, no importance
         blocks = codec.encode_blocks(x.reshape(-1, 1), x.reshape(-1, 1))
         return blocks.reshape(*shape[:-1], row_bytes)
-    step = max(1, chunk_weights(x.device, codec.cross_block) // k)
+    step = max(1, chunk_weights(x.device, large=codec.cross_block) // k)
     per_expert = _expert_importance(imatrix, shape, x.device)
 
     def encode(r0: int) -> None:
