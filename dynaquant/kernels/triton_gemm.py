@@ -24,12 +24,13 @@ from dynaquant.kernels.triton_linear import (
     FP4_UP,
     MAGIC,
     _il8,
+    call_buffers,
     code_value,
     format_constants,
     group_scale,
+    hi_source,
     interpreting,
     out_multiplier,
-    packed_words,
 )
 from dynaquant.kernels.tuning import LaunchConfig
 
@@ -109,11 +110,7 @@ def _gemm_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
             zoff = tl.load(z_ptr + goff).to(tl.float32)
         else:
             zoff = ZC
-        if BITS == 3:
-            hw = tl.load(qh_ptr + row * KH + (word // 2)[None, :])
-            hsrc = hw >> ((word % 2) * 16)[None, :]
-        else:
-            hsrc = w
+        hsrc = hi_source(w, qh_ptr, row, KH, word, BITS)
         wt = scaled_tile(w, hsrc, zoff, sc, magic, KIND, BITS, EPW, DT)  # [BLOCK_N, BLOCK_K]
         xt = tl.load(xrow + t * BLOCK_K).to(DT)  # [BLOCK_K, BLOCK_M]
         acc = tl.dot(wt, xt, acc)
@@ -142,13 +139,8 @@ def _gemm_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
 def _launch_args(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig):
     m, k = x2.shape
     n = packed.out_features
-    kw, kh, ng = packed_words(packed)
-    y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     split = cfg.split_k
-    ws = torch.empty(split * m * n if split > 1 else 1, dtype=torch.float32, device=x2.device)
-    qh = packed.qweight_hi if packed.qweight_hi is not None else packed.qweight
-    z = packed.zeros if packed.zeros is not None else packed.scales
-    b = bias if bias is not None else y
+    kw, kh, ng, y, ws, qh, z, b = call_buffers(x2, packed, bias, split)
     nkt = k // cfg.block_k // split
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
     args = (x2, packed.qweight, qh, packed.scales, z, b, y, ws, packed.counters, m, n, kw, kh, ng, x2.stride(0),

@@ -20,6 +20,7 @@ from dynaquant.kernels.triton_linear import (
     code_value,
     format_constants,
     group_scale,
+    hi_source,
     interpreting,
     out_multiplier,
     packed_words,
@@ -120,11 +121,7 @@ def _grouped_kernel(x_ptr, tok_ptr, be_ptr, eb_ptr, bounds_ptr, qw_ptr, qh_ptr, 
                 zoff = tl.load(z_ptr + row * NG + gi).to(tl.float32)
             else:
                 zoff = ZC
-            if BITS == 3:
-                hw = tl.load(qh_ptr + row * KH + (word // 2)[None, :])
-                hsrc = hw >> ((word % 2) * 16)[None, :]
-            else:
-                hsrc = w
+            hsrc = hi_source(w, qh_ptr, row, KH, word, BITS)
             wt = tile_values(w, hsrc, zoff, magic, KIND, BITS, EPW, DT)  # [BLOCK_N, G]
             xt = tl.load(x_ptr + tok[None, :] * stride_xm + (gi * G + rk)[:, None], mask=m_mask[None, :], other=0.0)
             d = tl.dot(wt, xt.to(DT))  # [BLOCK_N, BLOCK_M]

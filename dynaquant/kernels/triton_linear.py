@@ -102,6 +102,18 @@ def group_scale(sc, KIND: tl.constexpr):
 
 
 @triton.jit
+def hi_source(w, qh_ptr, row, KH, word, BITS: tl.constexpr):
+    """What :func:`code_value` reads high bits from for words ``word`` [W] of rows ``row`` [R, 1]: INT3's 1-bit
+    plane (two 16-bit halves a word of it, shifted into place), else the words ``w`` themselves."""
+    if BITS == 3:
+        hw = tl.load(qh_ptr + row * KH + (word // 2)[None, :])
+        hsrc = hw >> ((word % 2) * 16)[None, :]
+    else:
+        hsrc = w
+    return hsrc
+
+
+@triton.jit
 def _il8(a0, a1, a2, a3, a4, a5, a6, a7):
     """Interleave 8 tensors along the last axis: element j of a_i lands at 8 j + i."""
     return tl.interleave(tl.interleave(tl.interleave(a0, a4), tl.interleave(a2, a6)),
@@ -279,11 +291,7 @@ def _mm_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_pt
                 zoff = tl.load(z_ptr + row * NG + gi).to(tl.float32)  # [BLOCK_N, 1]
             else:
                 zoff = ZC
-            if BITS == 3:
-                hw = tl.load(qh_ptr + row * KH + (word // 2)[None, :])
-                hsrc = hw >> ((word % 2) * 16)[None, :]
-            else:
-                hsrc = w
+            hsrc = hi_source(w, qh_ptr, row, KH, word, BITS)
             wt = tile_values(w, hsrc, zoff, magic, KIND, BITS, EPW, DT)  # [BLOCK_N, G]
             xt = tl.load(x_ptr + rm[None, :] * stride_xm + (gi * G + rk)[:, None], mask=m_mask[None, :], other=0.0)
             xt = xt.to(DT)
@@ -339,11 +347,7 @@ def _dequant_kernel(qw_ptr, qh_ptr, s_ptr, z_ptr, out_ptr, N, K, KW, KH, NG, out
             zoff = tl.load(z_ptr + row * NG + gi).to(tl.float32)
         else:
             zoff = ZC
-        if BITS == 3:
-            hw = tl.load(qh_ptr + row * KH + (word // 2)[None, :])
-            hsrc = hw >> ((word % 2) * 16)[None, :]
-        else:
-            hsrc = w
+        hsrc = hi_source(w, qh_ptr, row, KH, word, BITS)
         v = tile_values(w, hsrc, zoff, magic, KIND, BITS, EPW, tl.float32)
         sc = group_scale(tl.load(s_ptr + row * NG + gi), KIND) * out_mul  # [BLOCK_N, 1]
         tl.store(out_ptr + row * K + (gi * G + rk)[None, :], (v * sc).to(DT), mask=n_mask[:, None])
@@ -395,17 +399,25 @@ def dequantize(packed: PackedWeight, dtype: torch.dtype, config: LaunchConfig | 
     return out
 
 
+def call_buffers(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, split: int):
+    """What a linear kernel's launch passes besides the weight: ``(KW, KH, NG)`` (:func:`packed_words`), the output
+    ``y`` (M, N) in x's dtype, the float32 split-K workspace (one element without a split), and the high-bit plane,
+    zero points and bias pointers (stand-ins where the format or call has none)."""
+    m = x2.shape[0]
+    n = packed.out_features
+    y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    ws = torch.empty(split * m * n if split > 1 else 1, dtype=torch.float32, device=x2.device)
+    qh = packed.qweight_hi if packed.qweight_hi is not None else packed.qweight
+    z = packed.zeros if packed.zeros is not None else packed.scales
+    return (*packed_words(packed), y, ws, qh, z, bias if bias is not None else y)
+
+
 def _launch_args(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig):
     """(kernel, grid, args, kwargs, y) of one call on the gemv or mm path."""
     m, k = x2.shape
     n = packed.out_features
-    kw, kh, ng = packed_words(packed)
-    y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     split = cfg.split_k
-    ws = torch.empty(split * m * n if split > 1 else 1, dtype=torch.float32, device=x2.device)
-    qh = packed.qweight_hi if packed.qweight_hi is not None else packed.qweight
-    z = packed.zeros if packed.zeros is not None else packed.scales
-    b = bias if bias is not None else y
+    kw, kh, ng, y, ws, qh, z, b = call_buffers(x2, packed, bias, split)
     gps = ng // split
     gps_c = gps if interpreting() else 0  # the 3.6 interpreter cannot loop to a run-time bound (numpy 2.4)
     common = dict(HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, SPLIT_K=split, num_warps=cfg.num_warps,

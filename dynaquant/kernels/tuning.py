@@ -313,10 +313,6 @@ def gemm_candidates(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) 
     out = []
     for bm, bn, bk, warps, stages in tiles:
         bm = min(bm, top)
-        n_tiles = -(-m // bm) * -(-n // bn)
-        split = 1
-        while n_tiles * split < dev.sm_count and (k // bk) % (2 * split) == 0 and split < 8:
-            split *= 2
-        for s in dict.fromkeys((1, split)):
+        for s in dict.fromkeys((1, _split_to(-(-m // bm) * -(-n // bn), k // bk, dev))):
             out.append(LaunchConfig("gemm", bm, bn, 1, s, warps, stages, False, bk))
     return [c for c in dict.fromkeys(out) if valid_config(c, fmt, m, n, k)]
