@@ -29,6 +29,7 @@ from dynaquant.kernels import (  # noqa: E402
     dequantize_packed_ref,
     dequantize_ref,
     gemm_candidates,
+    gemv_candidates,
     linear,
     linear_ref,
     pack,
@@ -219,6 +220,42 @@ def test_gemv_tiles_and_prefetch(fmt, groups, prefetch, split):
             linear(x, pw, config=cfg)
         return
     assert rel_err(linear(x, pw, config=cfg), fp32_ref(x, pw)) < tolerance(torch.float16)
+
+
+@pytest.mark.parametrize("fmt", ["INT4_G128", "INT4_G32", "INT2_G128", "INT2_G64", "MXFP4_G32", "NVFP4_G16"])
+@pytest.mark.parametrize("groups,prefetch,split", [(1, False, 2), (2, True, 1)])
+def test_gemv_half2(fmt, groups, prefetch, split):
+    """The packed-fp16 word products (``half2``): every code position paired with its activation (E2M1 codes: every
+    magnitude and both signs), bf16 and fp16 inputs, activations up to 3000 in magnitude (fp16 partial sums stay
+    finite), bias; natively the PTX."""
+    f = KernelFormat.parse(fmt)
+    gen = torch.Generator().manual_seed(28)
+    n, k = 40, 8 * f.group_size
+    pw = packed_weight(fmt, n, k, gen)
+    cfg = LaunchConfig("gemv", 1, 16, groups, split, 4, 1, prefetch, half2=True)
+    assert valid_config(cfg, f, 1, n, k)
+    bias = torch.randn(n, generator=gen)
+    for dtype, scale in ((torch.bfloat16, 1.0), (torch.float16, 1.0), (torch.bfloat16, 1000.0)):
+        x = torch.randn(1, k, generator=gen) * scale
+        x[0, 7] = 3000.0  # a massive activation (Sun et al. 2024)
+        x = x.to(DEVICE, dtype)
+        b = bias.to(DEVICE, dtype)
+        for _ in range(2):
+            assert rel_err(linear(x, pw, b, config=cfg), fp32_ref(x, pw, b)) < tolerance(dtype) * 2
+    assert int(pw.counters.abs().sum()) == 0
+
+
+def test_half2_config_checks():
+    """``half2`` only on the GEMV path of symmetric INT4 / INT2 and FP4 formats."""
+    cfg = LaunchConfig("gemv", 1, 64, 1, 1, half2=True)
+    for fmt, ok in (("INT4_G128", True), ("INT2_G32", True), ("INT4_G128_ASYM", False), ("INT3_G128", False),
+                    ("INT8_G128", False), ("MXFP4_G32", True), ("NVFP4_G16", True)):
+        assert valid_config(cfg, KernelFormat.parse(fmt), 1, 256, 4096) is ok, fmt
+    f = KernelFormat.parse("INT4_G128")
+    assert not valid_config(LaunchConfig("mm", 16, 64, 1, 1, half2=True), f, 16, 256, 4096)
+    dev = DeviceInfo("NVIDIA H100 80GB HBM3", 132, (9, 0))
+    assert any(c.half2 for c in gemv_candidates(f, 4096, 4096, dev))
+    assert not any(c.half2 for c in gemv_candidates(KernelFormat.parse("INT8_G128"), 4096, 4096, dev))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -90,6 +90,30 @@ def test_grouped_linear_equals_each_experts_product(fmt, gemv):
     assert rel_err(grouped_linear(x, stacked, r, slot_weights=w), want_w) < 1e-2  # float32: the torch reference
 
 
+@pytest.mark.parametrize("fmt,words", [("INT4_G64", 16), ("INT4_G128", 64), ("INT2_G128", 16), ("MXFP4_G32", 64)])
+def test_grouped_gemv_half2(fmt, words):
+    """The grouped GEMV with the packed-fp16 word products and wide K tiles: each slot's expert product, weighted
+    in slot order; formats without that decode refused."""
+    gen = torch.Generator().manual_seed(8)
+    e, n, k, t, top = 4, 48, 512, 5, 2
+    experts, stacked = _stacked(fmt, e, n, k, gen)
+    x = torch.randn(t, k, generator=gen).to(DEVICE)
+    idx = torch.randint(0, e, (t, top), generator=gen)
+    r = route(idx.to(DEVICE), e)
+    want = torch.stack([linear_ref(x[r.token[s]][None], experts[int(r.expert[s])])[0].double()
+                        for s in range(r.slots)])
+    got = grouped_linear(x.to(torch.bfloat16), stacked, r, gemv=True, half2=True, words=words, block_n=16).float()
+    assert rel_err(got, want) < 1e-2
+    w = torch.rand(t * top, generator=gen).to(DEVICE).to(torch.bfloat16)
+    scattered = grouped_linear(x.to(torch.bfloat16), stacked, r, slot_weights=w, gemv=True, half2=True, words=words)
+    want_w = torch.zeros_like(want)
+    want_w[r.order] = want * w[r.order].double()[:, None]
+    assert rel_err(scattered.float(), want_w) < 1e-2
+    _, asym = _stacked("INT4_G64_ASYM", e, n, k, gen)
+    with pytest.raises(ValueError, match="half2"):
+        grouped_linear(x.to(torch.bfloat16), asym, r, gemv=True, half2=True)
+
+
 def test_grouped_linear_adds_super_weights_to_their_expert_only():
     gen = torch.Generator().manual_seed(3)
     e, n, k = 3, 32, 128

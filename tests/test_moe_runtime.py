@@ -285,3 +285,21 @@ def test_expert_caps_find_runtime_candidates():
     high = make_plan(tensors, info, bpw=6.0, target="safetensors", defaults=default_rules(info))
     assert "caps lifted" in high.method
     assert get_format(high.formats()["blk.1.ffn_up_exps.weight"]).bpw > 3
+
+
+def test_grouped_launch_takes_half2_where_measured(monkeypatch):
+    """The MoE layer's launch: up to 16 tokens the grouped GEMV, with the packed-fp16 products and 64-word tiles only
+    for symmetric INT4 / INT2 group 128 on sm_90+; above 16 tokens tensor-core tiles."""
+    import dynaquant.kernels as kernels
+    from dynaquant.kernels import DeviceInfo, KernelFormat
+    from dynaquant.runtime.moe import grouped_launch
+
+    cpu = torch.device("cpu")
+    assert grouped_launch(1, KernelFormat.parse("INT2_G128"), cpu) == dict(gemv=True, block_n=64, num_warps=2)
+    monkeypatch.setattr(kernels, "device_info", lambda device: DeviceInfo("NVIDIA H200", 132, (9, 0)))
+    fast = grouped_launch(16, KernelFormat.parse("INT2_G128"), cpu)
+    assert fast["half2"] and fast["words"] == 64 and fast["gemv"]
+    assert grouped_launch(1, KernelFormat.parse("INT4_G128"), cpu)["half2"]
+    for fmt in ("INT4_G128_ASYM", "INT4_G64", "MXFP4_G32"):
+        assert "half2" not in grouped_launch(1, KernelFormat.parse(fmt), cpu), fmt
+    assert "gemv" not in grouped_launch(17, KernelFormat.parse("INT2_G128"), cpu)

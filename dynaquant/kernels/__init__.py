@@ -29,6 +29,7 @@ from dynaquant.kernels.tuning import (
     choose_config,
     device_info,
     gemm_candidates,
+    gemv_candidates,
     valid_config,
 )
 from dynaquant.quant.codecs import fastpaths
@@ -54,4 +55,4 @@ for _attr in ("aff_search_scales", "aff_pick", "aff_refine", "sym_search_scales"
 
 __all__ = ["KernelFormat", "PackedWeight", "LaunchConfig", "DeviceInfo", "pack", "unpack", "stack", "linear", "dequantize",
            "uses_triton", "dequantize_ref", "dequantize_packed_ref", "linear_ref", "e2m1_to_float", "e8m0_to_float",
-           "choose_config", "device_info", "valid_config", "gemm_candidates"]
+           "choose_config", "device_info", "valid_config", "gemm_candidates", "gemv_candidates"]

@@ -110,7 +110,7 @@ def _check(x2: torch.Tensor, packed: PackedWeight, routing: Routing) -> int:
 
 def grouped_linear(x2: torch.Tensor, packed: PackedWeight, routing: Routing, *, sorted_input: bool = False,
                    slot_weights: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4,
-                   num_stages: int = 1, gemv: bool = False) -> torch.Tensor:
+                   num_stages: int = 1, gemv: bool = False, half2: bool = False, words: int = 16) -> torch.Tensor:
     """Each sorted slot's expert product: ``y[s] = x2[r] @ dequant(W_e).T`` for slot ``s`` of ``routing`` (expert
     ``e``), ``r`` its token (``sorted_input``: ``r = s``, x2 already in sorted slot order), super weights added.
 
@@ -126,11 +126,13 @@ def grouped_linear(x2: torch.Tensor, packed: PackedWeight, routing: Routing, *, 
         block_n, num_warps, num_stages: the kernel's launch shape.
         gemv: one program a slot (and N tile) on the CUDA cores instead of tensor-core tiles of a routing block:
             for a few slots an expert (decoding), where a 16-slot tile would decode its weights for one live row.
+        half2, words: ``gemv`` only: the packed-fp16 word products (symmetric INT4 / INT2;
+            :mod:`dynaquant.kernels.triton_half2`) and the most words of a row a loop iteration.
     Returns:
         (S, N) in x2's dtype: in sorted slot order, the rows of skipped choices unspecified (the caller masks
         them); with ``slot_weights``, in the original slot order (above).
     Raises:
-        ValueError: shapes that do not fit.
+        ValueError: shapes that do not fit; ``half2`` for a format without that decode.
     """
     n = _check(x2, packed, routing)
     if slot_weights is not None and slot_weights.shape != (routing.slots,):
@@ -144,7 +146,8 @@ def grouped_linear(x2: torch.Tensor, packed: PackedWeight, routing: Routing, *, 
     rows = _arange(routing.slots, x2.device) if sorted_input else routing.token
     scatter = slot_weights is not None and packed.super_weights is None
     y = triton_grouped.run_grouped(x2, rows, packed, routing, block_n, num_warps, num_stages,
-                                  slot_weights=slot_weights if scatter else None, gemv=gemv)
+                                  slot_weights=slot_weights if scatter else None, gemv=gemv, half2=half2,
+                                  words=words)
     if scatter:
         return y
     return _weighted(_add_super(y, x2[rows], packed, routing, n), routing, slot_weights)

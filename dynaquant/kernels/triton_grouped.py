@@ -14,10 +14,10 @@ import triton
 import triton.language as tl
 
 from dynaquant.kernels.packing import PackedWeight
+from dynaquant.kernels.triton_half2 import X_UNSCALE, word_dot
 from dynaquant.kernels.triton_linear import (
     MAGIC,
-    X_SCALE,
-    code_value,
+    _gemv_part,
     format_constants,
     group_scale,
     hi_source,
@@ -35,10 +35,12 @@ from dynaquant.kernels.triton_linear import (
 def _grouped_gemv_kernel(x_ptr, tok_ptr, exp_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, y_ptr, dst_ptr, w_ptr,
                          E, N, KW, KH, NG, stride_xm, stride_ym, out_mul, magic, NT, NT_C: tl.constexpr,
                          KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ZC: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SCATTER: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SCATTER: tl.constexpr, HALF2: tl.constexpr,
+                         ASM: tl.constexpr):
     """Program (N tile, sorted slot ``s``): the slot's product on the CUDA cores, the dense GEMV's loop over words
     [BLOCK_N, BLOCK_KW] of its expert's rows (for a few slots an expert, where a 16-slot tensor-core tile would
-    decode for one live row). A skipped choice (expert ``E``) does nothing."""
+    decode for one live row). A skipped choice (expert ``E``) does nothing. HALF2: the packed-fp16 word products
+    (:mod:`dynaquant.kernels.triton_half2`; ASM: their PTX)."""
     EPW: tl.constexpr = 16 if BITS == 3 else 32 // BITS
     WPG: tl.constexpr = G // EPW
     pid_n = tl.program_id(0)
@@ -59,25 +61,15 @@ def _grouped_gemv_kernel(x_ptr, tok_ptr, exp_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, 
             w = tl.load(wrow + word[None, :])
             goff = row * NG + (base // WPG + rw // WPG)[None, :]
             sc = group_scale(tl.load(s_ptr + goff), KIND)
-            if BITS == 3:
-                hw = tl.load(qh_ptr + row * KH + (base // 2 + rw // 2)[None, :])
-                hsrc = hw >> ((rw % 2) * 16)[None, :]
-            else:
-                hsrc = w
             kb = word * EPW
-            part = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
-            xs = tl.zeros([BLOCK_KW], dtype=tl.float32)
-            for i in tl.static_range(EPW):
-                xi = tl.load(xrow + kb + i).to(tl.float32)
-                if KIND != 0:
-                    xi = xi * X_SCALE
-                part += xi[None, :] * code_value(w, hsrc, ZC, magic, i, KIND, BITS)
-                if ASYM:
-                    xs += xi
-            if ASYM:  # (the tile lies in one group: BLOCK_KW <= WPG)
-                part -= tl.load(z_ptr + goff).to(tl.float32) * (tl.sum(xs, axis=0) / BLOCK_KW)
-            acc += part * sc
+            if HALF2:
+                acc += word_dot(w, xrow, kb, BITS, ASM, KIND != 0) * sc
+            else:
+                acc += _gemv_part(w, xrow, kb, qh_ptr, z_ptr, row, KH, base, rw, goff, magic,
+                                  KIND, BITS, ASYM, ZC, BLOCK_N, BLOCK_KW, EPW) * sc
         y = tl.sum(acc, axis=1) * out_mul
+        if HALF2:
+            y = y * X_UNSCALE
         if SCATTER:
             dst = tl.load(dst_ptr + pid_s)
             y = y * tl.load(w_ptr + dst).to(tl.float32)
@@ -137,27 +129,28 @@ def _grouped_kernel(x_ptr, tok_ptr, be_ptr, eb_ptr, bounds_ptr, qw_ptr, qh_ptr, 
                  mask=n_mask[:, None] & m_mask[None, :])
 
 
-def _gemv_words(packed: PackedWeight, kw: int) -> int:
-    """Words a row per GEMV iteration: whole groups (up to 16 words, dividing the row), or one group for asymmetric
-    formats (their zero point is one per tile)."""
+def _gemv_words(packed: PackedWeight, kw: int, most: int = 16) -> int:
+    """Words a row per GEMV iteration: whole groups (up to ``most`` words, dividing the row), or one group for
+    asymmetric formats (their zero point is one per tile)."""
     f = packed.fmt
     wpg = f.group_size // (16 if f.bits == 3 else 32 // f.bits)
     if not f.symmetric:
         return wpg
     m = 1
-    while wpg * m * 2 <= 16 and kw % (wpg * m * 2) == 0:
+    while wpg * m * 2 <= most and kw % (wpg * m * 2) == 0:
         m *= 2
     return wpg * m
 
 
 def run_grouped(x2: torch.Tensor, rows: torch.Tensor, packed: PackedWeight, routing, block_n: int = 64,
                 num_warps: int = 4, num_stages: int = 1, slot_weights: torch.Tensor | None = None,
-                gemv: bool = False) -> torch.Tensor:
+                gemv: bool = False, half2: bool = False, words: int = 16) -> torch.Tensor:
     """(S, N) = for each sorted slot ``s`` of ``routing`` (:class:`dynaquant.kernels.grouped.Routing`):
     ``x2[rows[s]] @ dequant(W_e).T`` with ``e`` its expert, for the experts' stacked layout ``packed`` (E N rows);
     rows of skipped slots left unwritten. ``slot_weights`` (S,): each product times its slot's weight, at its
     original slot index (rows of skipped slots zero). ``gemv``: one program a slot and N tile on the CUDA cores
-    (:func:`_grouped_gemv_kernel`) instead of the routing blocks' tensor-core tiles."""
+    (:func:`_grouped_gemv_kernel`) instead of the routing blocks' tensor-core tiles, with K tiles of up to ``words``
+    words a row, and (``half2``, symmetric INT4 / INT2 only) the packed-fp16 word products."""
     n = packed.out_features // routing.num_experts
     kw, kh, ng = packed_words(packed)
     scatter = slot_weights is not None
@@ -166,13 +159,17 @@ def run_grouped(x2: torch.Tensor, rows: torch.Tensor, packed: PackedWeight, rout
     qh = packed.qweight_hi if packed.qweight_hi is not None else packed.qweight
     z = packed.zeros if packed.zeros is not None else packed.scales
     if gemv:
-        bkw = _gemv_words(packed, kw)
+        f = packed.fmt
+        if half2 and not (f.symmetric and (f.is_fp4 or f.bits in (2, 4))):
+            raise ValueError(f"{f.name}: half2 needs symmetric INT4 / INT2 or FP4 codes")
+        bkw = _gemv_words(packed, kw, words)
         nt = kw // bkw
         grid = (triton.cdiv(n, block_n), routing.slots)
         _grouped_gemv_kernel[grid](x2, rows, routing.expert, packed.qweight, qh, packed.scales, z, y, routing.order,
                                    slot_weights if scatter else y, routing.num_experts, n, kw, kh, ng, x2.stride(0),
-                                   y.stride(0), out_multiplier(packed, True), MAGIC, nt, NT_C=nt if interpreting() else 0,
-                                   BLOCK_N=block_n, BLOCK_KW=bkw, SCATTER=scatter, num_warps=num_warps,
+                                   y.stride(0), out_multiplier(packed, not half2), MAGIC, nt, NT_C=nt if interpreting() else 0,
+                                   BLOCK_N=block_n, BLOCK_KW=bkw, SCATTER=scatter, HALF2=half2,
+                                   ASM=not interpreting(), num_warps=num_warps,
                                    num_stages=num_stages, **format_constants(packed))
         return y
     grid = (triton.cdiv(n, block_n), routing.block_expert.numel())

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from dynaquant.kernels.formats import KernelFormat
 from dynaquant.kernels.packing import PackedWeight
+from dynaquant.kernels.triton_half2 import X_UNSCALE, word_dot
 from dynaquant.kernels.tuning import LaunchConfig
 
 KIND_INT, KIND_MX, KIND_NV = 0, 1, 2
@@ -200,13 +201,40 @@ def _finish(y, rn, n_mask, pid_n, pid_k, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, out_m
 
 
 @triton.jit
+def _gemv_part(w, x_ptr, kb, qh_ptr, z_ptr, row, KH, base, rw, goff, magic, KIND: tl.constexpr, BITS: tl.constexpr,
+               ASYM: tl.constexpr, ZC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, EPW: tl.constexpr):
+    """The GEMV's float32 path: words [BLOCK_N, BLOCK_KW] times the activations, each code decoded to float32
+    (:func:`code_value`), unscaled."""
+    if BITS == 3:
+        hw = tl.load(qh_ptr + row * KH + (base // 2 + rw // 2)[None, :])
+        hsrc = hw >> ((rw % 2) * 16)[None, :]
+    else:
+        hsrc = w
+    part = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+    xs = tl.zeros([BLOCK_KW], dtype=tl.float32)
+    for i in tl.static_range(EPW):
+        xi = tl.load(x_ptr + kb + i).to(tl.float32)
+        if KIND != 0:
+            xi = xi * X_SCALE
+        part += xi[None, :] * code_value(w, hsrc, ZC, magic, i, KIND, BITS)
+        if ASYM:
+            xs += xi
+    if ASYM:  # sum x (code - zero) = sum x code - zero * sum x; the tile lies in one group (valid_config),
+        # whose sum x is a scalar (a per-word sum would reload x in the zeros' register layout)
+        part -= tl.load(z_ptr + goff).to(tl.float32) * (tl.sum(xs, axis=0) / BLOCK_KW)
+    return part
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
                  N, KW, KH, NG, out_mul, magic, NT, NT_C: tl.constexpr,
                  KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ZC: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, PREFETCH: tl.constexpr,
-                 SPLIT_K: tl.constexpr):
+                 SPLIT_K: tl.constexpr, HALF2: tl.constexpr, ASM: tl.constexpr):
     """Words [BLOCK_N, BLOCK_KW] per iteration (16-byte loads along K, whole groups or parts of one);
-    NT iterations per program. PREFETCH loads the next tile's words before decoding the current one."""
+    NT iterations per program. PREFETCH loads the next tile's words before decoding the current one.
+    HALF2 (symmetric INT4 / INT2, FP4): each word's dot product in packed fp16 (:mod:`.triton_half2`; ASM: its
+    PTX); the FP4 codes then enter as ``e2m1 / 16`` (``out_mul`` without the float32 path's ``2**26``)."""
     EPW: tl.constexpr = 16 if BITS == 3 else 32 // BITS
     WPG: tl.constexpr = G // EPW
     pid_n = tl.program_id(0)
@@ -233,26 +261,15 @@ def _gemv_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
         # their scale from one address, which the compiler merges into one load a thread
         goff = row * NG + (base // WPG + rw // WPG)[None, :]
         sc = group_scale(tl.load(s_ptr + goff), KIND)
-        if BITS == 3:
-            hw = tl.load(qh_ptr + row * KH + (base // 2 + rw // 2)[None, :])
-            hsrc = hw >> ((rw % 2) * 16)[None, :]
-        else:
-            hsrc = w
         kb = word * EPW
-        part = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
-        xs = tl.zeros([BLOCK_KW], dtype=tl.float32)
-        for i in tl.static_range(EPW):
-            xi = tl.load(x_ptr + kb + i).to(tl.float32)
-            if KIND != 0:
-                xi = xi * X_SCALE
-            part += xi[None, :] * code_value(w, hsrc, ZC, magic, i, KIND, BITS)
-            if ASYM:
-                xs += xi
-        if ASYM:  # sum x (code - zero) = sum x code - zero * sum x; the tile lies in one group (valid_config),
-            # whose sum x is a scalar (a per-word sum would reload x in the zeros' register layout)
-            part -= tl.load(z_ptr + goff).to(tl.float32) * (tl.sum(xs, axis=0) / BLOCK_KW)
-        acc += part * sc
+        if HALF2:
+            acc += word_dot(w, x_ptr, kb, BITS, ASM, KIND != 0) * sc
+        else:
+            acc += _gemv_part(w, x_ptr, kb, qh_ptr, z_ptr, row, KH, base, rw, goff, magic,
+                              KIND, BITS, ASYM, ZC, BLOCK_N, BLOCK_KW, EPW) * sc
     y = tl.sum(acc, axis=1)
+    if HALF2:
+        y = y * X_UNSCALE
     _finish(y, rn, n_mask, pid_n, pid_k, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, out_mul, HAS_BIAS, SPLIT_K)
 
 
@@ -428,9 +445,9 @@ def _launch_args(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
         nt = gps // cfg.groups
         grid = (triton.cdiv(n, cfg.block_n), split)
         args = (x2, packed.qweight, qh, packed.scales, z, b, y, ws, packed.counters, n, kw, kh, ng,
-                out_multiplier(packed, True), MAGIC, nt)
+                out_multiplier(packed, not cfg.half2), MAGIC, nt)
         return _gemv_kernel, grid, args, dict(common, NT_C=nt if gps_c else 0, BLOCK_KW=cfg.groups * wpg,
-                                              PREFETCH=cfg.prefetch), y
+                                              PREFETCH=cfg.prefetch, HALF2=cfg.half2, ASM=not interpreting()), y
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
     args = (x2, packed.qweight, qh, packed.scales, z, b, y, ws, packed.counters, m, n, kw, kh, ng, x2.stride(0),
             y.stride(0), out_multiplier(packed, False), MAGIC, gps)

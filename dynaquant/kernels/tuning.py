@@ -17,6 +17,7 @@ override it (the benchmark's sweeps do). Paths:
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,8 @@ class LaunchConfig:
         prefetch: ``gemv``: load the next K tile's words before decoding the current one (registers).
         block_k: ``gemm``: weights along K a loop iteration (at least 32, a power-of-two number of packed
             words that divides a group or is made of whole groups; 0 elsewhere).
+        half2: ``gemv``, symmetric INT4 / INT2 and FP4: each packed word's dot product in fp16 pairs
+            (:mod:`dynaquant.kernels.triton_half2`), float32 across words.
     """
 
     path: str
@@ -52,6 +55,7 @@ class LaunchConfig:
     num_stages: int = 1
     prefetch: bool = False
     block_k: int = 0
+    half2: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,8 @@ def valid_config(cfg: LaunchConfig, fmt: KernelFormat, m: int, n: int, k: int) -
     n_groups = k // fmt.group_size
     if cfg.split_k < 1 or n_groups % cfg.split_k or (n_groups // cfg.split_k) % cfg.groups:
         return False
+    if cfg.half2 and not (cfg.path == "gemv" and fmt.symmetric and (fmt.is_fp4 or fmt.bits in (2, 4))):
+        return False
     if cfg.path == "gemv":  # asymmetric formats: one group per K tile
         return m == 1 and cfg.block_n >= 16 and (fmt.symmetric or cfg.groups == 1)
     if cfg.path == "mm":
@@ -134,6 +140,26 @@ def _gemv_rows(fmt: KernelFormat, warps: int, rows_per_thread: int, groups: int 
     return max(16, rows_per_thread * 32 * warps // threads_per_row)
 
 
+def _half2_gemv_config(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> LaunchConfig | None:
+    """Wide K tiles with the packed-fp16 word products for symmetric INT4 / INT2 at group 128 and for MXFP4 / NVFP4
+    on sm_90+ (the formats measured; H200 sweeps 2026-11-28, M = 1, Llama-3-8B shapes): 128 words (512 bytes) of a
+    row an iteration, 32 rows (64 from 28672 rows; 16 for FP4), split to about 8 programs an SM; INT2 at K <= 4096
+    and N < 28672 takes 256 words, 16 rows and 8 warps. Decode step (sweep): INT4_G128 2.06x -> 2.42x bf16,
+    INT2_G128 2.24x -> 2.81x, MXFP4_G32 1.25x -> 1.36x, NVFP4_G16 0.78x -> 1.33x."""
+    fits = fmt.is_fp4 or (fmt.kind == "int" and fmt.symmetric and fmt.bits in (2, 4) and fmt.group_size == 128)
+    if dev.capability < (9, 0) or not fits:
+        return None
+    wpg = _words_per_group(fmt)
+    words, block_n, warps = 128, (64 if n >= 28672 else 32), 4
+    if fmt.is_fp4:
+        block_n = 16
+    elif fmt.bits == 2 and k < 8192 and n < 28672:
+        words, block_n, warps = 256, 16, 8
+    groups = words // wpg
+    split = _split_for(k // fmt.group_size, groups, -(-n // block_n), 8 * dev.sm_count, 32)
+    return LaunchConfig("gemv", 1, block_n, groups, split, warps, 1, False, 0, True)
+
+
 def _gemv_config(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> LaunchConfig:
     n_groups = k // fmt.group_size
     if dev.name == "cpu":  # the interpreter: small tiles, and exercise split-K
@@ -145,6 +171,9 @@ def _gemv_config(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> LaunchCo
     # (INT4_G128: 2-8 % on q/o, gate/up, down), 32-word tiles for MXFP4 up to N = 8192 (6-18 %);
     # more programs per SM (4, 8), 8 warps or num_stages 3 did not help
     wpg = _words_per_group(fmt)
+    wide = _half2_gemv_config(fmt, n, k, dev)
+    if wide is not None and valid_config(wide, fmt, 1, n, k):
+        return wide
     groups, prefetch = 1, False
     if fmt.symmetric and fmt.kind == "int" and wpg == 16 and n_groups % 2 == 0:
         groups, prefetch = 2, True
@@ -252,7 +281,8 @@ def choose_config(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) ->
 
 def gemv_candidates(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> list[LaunchConfig]:
     """GEMV configurations worth timing for a shape (the benchmark's sweep): rows a thread, warps, K split,
-    and (symmetric formats) K tiles of 32 words and prefetching."""
+    (symmetric formats) K tiles of 32 words and prefetching, and (symmetric INT4 / INT2) wide K tiles of 128 and
+    256 words with the packed-fp16 products."""
     n_groups = k // fmt.group_size
     wpg = _words_per_group(fmt)
     out = []
@@ -279,6 +309,11 @@ def gemv_candidates(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> list[
                 split = _split_for(n_groups, groups, -(-n // block_n), target * dev.sm_count, 32)
                 for prefetch in (False, True):
                     out.append(LaunchConfig("gemv", 1, block_n, groups, split, 4, 1, prefetch))
+    if valid_config(LaunchConfig("gemv", half2=True), fmt, 1, n, k):  # wide K tiles, packed-fp16 products
+        for words, block_n, warps, target in itertools.product((128, 256), (16, 32, 64), (4, 8), (4, 8)):
+            groups = max(1, words // wpg)
+            split = _split_for(n_groups, groups, -(-n // block_n), target * dev.sm_count, 32)
+            out.append(LaunchConfig("gemv", 1, block_n, groups, split, warps, 1, False, 0, True))
     return [c for c in dict.fromkeys(out) if valid_config(c, fmt, 1, n, k)]
 
 

@@ -256,9 +256,7 @@ class DynaExperts(nn.Module):
         k, e, inter = idx.shape[1], self.num_experts, self.inter
         per_expert = t * k // e
         r = route(idx, e, block_m=16 if per_expert <= 16 else 32 if per_expert <= 32 else 64)
-        # launch shape: measured on an H100 (benchmarks/moe_kernels.py; kernels/NOTES.md): up to 16 tokens one
-        # program a slot on the CUDA cores, above that tensor-core tiles of a routing block
-        launch = dict(gemv=True, block_n=64, num_warps=2) if t <= 16 else dict(block_n=128, num_stages=3)
+        launch = grouped_launch(t, self.grouped[0].packed.fmt, x.device)
         gu = grouped_linear(x, self.grouped[0].packed, r, **launch)  # (S, 2I): gate then up, slots in expert order
         h = self.act_fn(gu[:, :inter]) * gu[:, inter:]
         y = grouped_linear(h, self.grouped[1].packed, r, sorted_input=True, slot_weights=top_k_weights.reshape(-1),
@@ -273,6 +271,23 @@ class DynaExperts(nn.Module):
         else:
             h = self.act_fn(gate) * up
         return ex.down_proj(h)
+
+
+def grouped_launch(tokens: int, fmt, device: torch.device) -> dict:
+    """Launch shape of a MoE layer's two grouped calls (:func:`dynaquant.kernels.grouped.grouped_linear` keywords)
+    for ``tokens`` tokens of experts in ``fmt`` (a :class:`dynaquant.kernels.KernelFormat`) on ``device``. Measured
+    with ``benchmarks/moe_kernels.py`` (kernels/NOTES.md): up to 16 tokens one program a slot on the CUDA cores
+    (H100), above that tensor-core tiles of a routing block; on sm_90+ symmetric INT4 / INT2 group-128 experts take
+    the packed-fp16 word products with 64-word K tiles and 32-row N tiles (H200: Qwen3-30B-A3B and DeepSeek-V3
+    layers at 1 and 16 tokens 1.10-1.47x faster than 64 rows of 16 words)."""
+    from dynaquant.kernels import device_info
+
+    if tokens > 16:
+        return dict(block_n=128, num_stages=3)
+    if (fmt.kind == "int" and fmt.symmetric and fmt.bits in (2, 4) and fmt.group_size == 128
+            and device_info(device).capability >= (9, 0)):
+        return dict(gemv=True, block_n=32, num_warps=2, half2=True, words=64)
+    return dict(gemv=True, block_n=64, num_warps=2)
 
 
 def replace_experts(model: nn.Module, checkpoint_keys: Iterable[str], *, dtype: torch.dtype | None = None) -> list[str]:
