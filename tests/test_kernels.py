@@ -223,11 +223,11 @@ def test_gemv_tiles_and_prefetch(fmt, groups, prefetch, split):
 
 
 @pytest.mark.parametrize("fmt", ["INT4_G128", "INT4_G32", "INT2_G128", "INT2_G64", "MXFP4_G32", "NVFP4_G16"])
-@pytest.mark.parametrize("groups,prefetch,split", [(1, False, 2), (2, True, 1)])
+@pytest.mark.parametrize("groups,prefetch,split", [(1, False, 2), (2, True, 1), (8, False, 1)])
 def test_gemv_half2(fmt, groups, prefetch, split):
     """The packed-fp16 word products (``half2``): every code position paired with its activation (E2M1 codes: every
     magnitude and both signs), bf16 and fp16 inputs, activations up to 3000 in magnitude (fp16 partial sums stay
-    finite), bias; natively the PTX."""
+    finite), bias, a K tile of the whole row (8 groups); natively the PTX."""
     f = KernelFormat.parse(fmt)
     gen = torch.Generator().manual_seed(28)
     n, k = 40, 8 * f.group_size

