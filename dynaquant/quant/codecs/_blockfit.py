@@ -114,7 +114,7 @@ class Grid:
         return self._tables(device)[0]
 
     def _k(self, t: torch.Tensor) -> torch.Tensor:
-        return (torch.floor(t * 2).clamp_(self.kmin, self.kmax) - self.kmin).to(torch.int32).reshape(-1)
+        return t.mul(2).floor_().clamp_(self.kmin, self.kmax).sub_(self.kmin).to(torch.int32).reshape(-1)
 
     def values_of(self, t: torch.Tensor) -> torch.Tensor:
         """Value of the level nearest to each entry of ``t`` (float32, same shape)."""

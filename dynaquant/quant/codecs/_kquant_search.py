@@ -71,9 +71,9 @@ def f16_candidates(v: torch.Tensor) -> torch.Tensor:
 
 
 def safe_div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a / b`` where ``b != 0``, else 0."""
+    """``a / b`` where ``b != 0``, else 0 (scalar fills: no tensors of ones and zeros made a call)."""
     nz = b != 0
-    return torch.where(nz, a / torch.where(nz, b, torch.ones_like(b)), torch.zeros_like(a))
+    return torch.where(nz, a / torch.where(nz, b, 1), 0)
 
 
 def inv(b: torch.Tensor) -> torch.Tensor:
@@ -101,6 +101,26 @@ def pick_best(cands, evaluate):
             best_e = torch.where(take, e, best_e)
             best = [torch.where(take.view(-1, *([1] * (s.ndim - 1))), s, b) for s, b in zip(sel, best)]
     return best
+
+
+def pick_min(cands, error, payload):
+    """:func:`pick_best` with the payload computed once, for the winners only: ``error(*chunk)`` returns
+    (n_super, c) errors, ``payload(*params)`` the payload of one candidate a super-block from its (n_super,)
+    parameters. Same choice (the first lowest error, chunk by chunk) and the same payload values as
+    :func:`pick_best` with an evaluation that computes both, without building the payload of every candidate."""
+    best_e = best = None
+    for chunk in cands:
+        e = error(*chunk)
+        i = e.argmin(1, keepdim=True)
+        e = e.gather(1, i).squeeze(1)
+        sel = [c.gather(1, i).squeeze(1) for c in chunk]
+        if best is None:
+            best_e, best = e, sel
+        else:
+            take = e < best_e
+            best_e = torch.where(take, e, best_e)
+            best = [torch.where(take, c, b) for c, b in zip(sel, best)]
+    return payload(*best)
 
 
 def keep_best(best, best_err, cfg, err):
@@ -207,11 +227,13 @@ def sym_search_scales_torch(x: torch.Tensor, w: torch.Tensor, spec: SymSearch, i
     def consider(iscale: torch.Tensor) -> None:  # iscale: (B, S, 1)
         q = (x * iscale).round_().clamp_(qlo, qhi)
         sxq = (wx * q).sum(-1).double()
-        sqq = (w * q * q).sum(-1).double()
-        gain = safe_div(sxq * sxq, sqq)  # error = Sxx - gain
+        sqq = (w * q).mul_(q).sum(-1).double()
+        nz = sqq != 0  # safe_div's values, its mask and divisor shared by both quotients
+        den = torch.where(nz, sqq, 1.0)
+        gain = torch.where(nz, sxq * sxq / den, 0.0)  # error = Sxx - gain
         better = gain > best_gain
-        best_gain.copy_(torch.where(better, gain, best_gain))
-        best_a.copy_(torch.where(better, safe_div(sxq, sqq), best_a))
+        torch.where(better, gain, best_gain, out=best_gain)
+        torch.where(better, torch.where(nz, sxq / den, 0.0), best_a, out=best_a)
 
     for t in spec.steps:
         for sign in (1.0, -1.0):
@@ -252,14 +274,36 @@ def sym_eval(a, sqq, klo, khi, d):
     return e.sum(-1), (d, k.gather(-1, i.unsqueeze(-1)).squeeze(-1).long())
 
 
+def _sym_pair(a, sqq, klo, khi, d):
+    """:func:`sym_eval`'s two choices a sub-block, apart: ``(k0, e0), (k1, e1)`` with the same float operations."""
+    k0 = (a * inv(d)).floor_().clamp_(klo, khi)
+    k1 = (k0 + 1).clamp_(klo, khi)
+    r0 = d * k0 - a
+    r1 = d * k1 - a
+    return (k0, sqq * r0 * r0), (k1, sqq * r1 * r1)
+
+
+def sym_eval_error(a, sqq, klo, khi, d):
+    """The errors of :func:`sym_eval` alone (n_super, C), bit for bit, without the stacked choices."""
+    (_, e0), (_, e1) = _sym_pair(a.unsqueeze(1), sqq.unsqueeze(1), klo, khi, d.unsqueeze(-1))
+    return torch.minimum(e0, e1).sum(-1)
+
+
+def sym_eval_choice(a, sqq, klo, khi, d):
+    """:func:`sym_eval`'s payload for one candidate ``d`` (n_super,) a super-block: ``(d, k (n_super, n_sub)
+    int64)``, the first of the two choices on a tie as ``min`` takes it."""
+    (k0, e0), (k1, e1) = _sym_pair(a, sqq, klo, khi, d.unsqueeze(-1))
+    return d, torch.where(e1 < e0, k1, k0).long()
+
+
 def sym_pick_torch(a: torch.Tensor, sqq: torch.Tensor, klo: int, khi: int, cand: torch.Tensor):
     """Step 2, symmetric: per super-block the first candidate ``d`` of ``cand`` (n_super, C)
     float32 with the lowest :func:`sym_eval` error (``a``, ``sqq`` (n_super, n_sub) float32);
     returns ``d`` (n_super,) float32 and ``k`` (n_super, n_sub) int64."""
     n_super, n_sub = a.shape
     step = max(1, eval_chunk(a.device) // max(1, n_super * n_sub * 2))
-    d, k = pick_best(chunks(step, cand), partial(sym_eval, a, sqq, klo, khi))
-    return d, k
+    return pick_min(chunks(step, cand), partial(sym_eval_error, a, sqq, klo, khi),
+                    partial(sym_eval_choice, a, sqq, klo, khi))
 
 
 def sym_pick(a, sqq, klo, khi, cand, backend: str = "auto"):
@@ -383,7 +427,7 @@ def aff_ls(sw, sq, sqq, sx, sxq):
     """Weighted least squares of ``x ~ A q + B`` with ``A >= 0``, ``B <= 0``; returns (A, B)."""
     det = sw * sqq - sq * sq
     ok = det > 1e-12 * sw * sqq
-    det = torch.where(ok, det, torch.zeros_like(det))
+    det = torch.where(ok, det, 0.0)
     a = safe_div(sw * sxq - sq * sx, det)
     b = safe_div(sqq * sx - sq * sxq, det)
     # constrained or degenerate: B = 0 with A = Sxq / Sqq (A >= 0), then B refitted if A is 0
@@ -431,9 +475,9 @@ def aff_search_scales_torch(x: torch.Tensor, w: torch.Tensor, spec: AffSearch, i
         a, b = aff_ls(sw, sq, sqq, sx, sxq)
         e = aff_quad(sw, sq, sqq, sx, sxq, sxx, a, b)
         take = e < best_e
-        best_e.copy_(torch.where(take, e, best_e))
-        best_a.copy_(torch.where(take, a, best_a))
-        best_b.copy_(torch.where(take, b, best_b))
+        torch.where(take, e, best_e, out=best_e)
+        torch.where(take, a, best_a, out=best_a)
+        torch.where(take, b, best_b, out=best_b)
 
     for t in spec.steps:
         iscale = (t * inv_rng).unsqueeze(-1)
@@ -504,14 +548,55 @@ def aff_ls_super(st, cfg: AffConfig):
     return torch.where(bad, cfg.d.double(), d), torch.where(bad, cfg.dmin.double(), m)
 
 
+def _aff_choices(ref, kmax, d, dm):
+    """:func:`aff_eval`'s four choices a sub-block, apart and in its order ``(ks0, km0), (ks0, km1), (ks1, km0),
+    (ks1, km1)``: a list of ``(ks, km, e)`` with the same float operations (``ref`` and ``d``, ``dm`` broadcast
+    against each other by the caller)."""
+    a, b, ga, gb, sqq, sq, sw = ref
+    k0 = (a * inv(d)).floor_().clamp_(0, kmax)
+    ndm, idm, sq2 = -dm, inv(dm), 2 * sq
+    out = []
+    # in place where the value is the same: x + y = y + x, -(b - t) = t - b exactly; products kept in their order
+    for ks in (k0, (k0 + 1).clamp_(0, kmax)):
+        da = d * ks - a
+        mopt = (sq * da).add_(gb).div_(sw).sub_(b).clamp_(min=0)  # -(b - (gb + sq da) / sw), >= 0
+        m0 = (mopt * idm).floor_().clamp_(0, kmax)
+        ga_da, sqq_da2, sq2_da = ga * da, (sqq * da).mul_(da), sq2 * da
+        for km in (m0, (m0 + 1).clamp_(0, kmax)):
+            db = (ndm * km).sub_(b)
+            e = (gb * db).add_(ga_da).mul_(2).add_(sqq_da2)  # 2 (ga da + gb db) + sqq da da
+            e.add_((sq2_da * db).add_((sw * db).mul_(db)))  # += 2 sq da db + sw db db
+            out.append((ks, km, e))
+    return out
+
+
+def aff_eval_error(ref, kmax, d, dm):
+    """The errors of :func:`aff_eval` alone (n_super, C), bit for bit, without the stacked choices."""
+    ch = _aff_choices(tuple(t[:, None, :] for t in ref), kmax, d[:, :, None], dm[:, :, None])
+    e = ch[0][2]
+    for _, _, ej in ch[1:]:
+        e = torch.minimum(e, ej)
+    return e.sum(-1)
+
+
+def aff_eval_choice(ref, kmax, d, dm):
+    """:func:`aff_eval`'s payload for one candidate pair (n_super,) a super-block: ``(d, dm, ks, km)``, ``ks``,
+    ``km`` (n_super, n_sub) int64, the first of the four choices on a tie as ``min`` takes it."""
+    ch = _aff_choices(ref, kmax, d[:, None], dm[:, None])
+    ks, km, e = ch[0]
+    for ksj, kmj, ej in ch[1:]:
+        take = ej < e
+        ks, km, e = torch.where(take, ksj, ks), torch.where(take, kmj, km), torch.where(take, ej, e)
+    return d, dm, ks.long(), km.long()
+
+
 def aff_pick_torch(ref, kmax: int, dc: torch.Tensor, mc: torch.Tensor):
     """Step 2, affine: per super-block the first candidate pair ``(dc, mc)`` (n_super, C) float32
     with the lowest :func:`aff_eval` error on ``ref`` (:func:`aff_reference`); returns ``d``,
     ``dmin`` (n_super,) float32 and ``ks``, ``km`` (n_super, n_sub) int64."""
     n_super, n_sub = ref[0].shape
     step = max(1, eval_chunk(dc.device) // max(1, n_super * n_sub * 4))
-    d, dm, ks, km = pick_best(chunks(step, dc, mc), partial(aff_eval, ref, kmax))
-    return d, dm, ks, km
+    return pick_min(chunks(step, dc, mc), partial(aff_eval_error, ref, kmax), partial(aff_eval_choice, ref, kmax))
 
 
 def aff_pick(ref, kmax: int, dc: torch.Tensor, mc: torch.Tensor, backend: str = "auto"):

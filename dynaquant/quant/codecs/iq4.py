@@ -129,7 +129,9 @@ class IQ4_XS(Codec):
                 d_ls = kqs.safe_div((kf * sxq).sum(1), (kf * kf * sqq).sum(1))
                 cand += [best.d.double().unsqueeze(1), d_ls.unsqueeze(1)]
             cand = kqs.f16_candidates(torch.cat(cand, 1))
-            d, k = kqs.pick_best(kqs.chunks(cand.shape[1], cand), partial(kqs.sym_eval, a.float(), sqq.float(), _KLO, _KHI))
+            af, sf = a.float(), sqq.float()
+            d, k = kqs.pick_min(kqs.chunks(cand.shape[1], cand), partial(kqs.sym_eval_error, af, sf, _KLO, _KHI),
+                                partial(kqs.sym_eval_choice, af, sf, _KLO, _KHI))
             cfg, err = self._refine(x3, w3, kqs.SymConfig(d, k))
             if best is None:
                 best, best_err = cfg, err
