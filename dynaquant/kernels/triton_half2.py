@@ -9,9 +9,10 @@ giving ``1024 + 2**p * code`` in each half exactly), brought to ``(code - zero) 
 (exact: ``(1024 + 2**p c) * 2**(-p-4) - (1024 * 2**-p + zero) / 16``), and multiplied with a pair of activations by
 ``fma.rn.f16x2``: a word of 8 INT4 codes costs 1 shift, 4 LOP3, 4 HFMA2 for the codes, 4 HFMA2 for the
 products and 3 instructions to add its two halves into float32 (~2 a weight; INT2: 16 codes in ~1.7 a
-weight).
+weight). FP4 (E2M1, MXFP4 / NVFP4): a pair's magnitude bits are moved to fp16 bits 9..11 and its signs to bit 15
+(two shifts, two LOP3: ``e2m1 * 2**-14`` exactly, 0.5 as a subnormal), one ``mul.rn.f16x2`` gives ``e2m1 / 16``.
 
-Numerics: the products and their sum within one word (4 products a half for INT4, 8 for INT2) are fp16; the
+Numerics: the products and their sum within one word (4 products a half for INT4 and FP4, 8 for INT2) are fp16; the
 sums over words, groups and the scales are float32. The activations enter as fp16 (a bf16 activation is
 exact in fp16 from ``|x| = 2**-14`` to 65504; subnormal, ~6e-8 absolute, below; larger ones overflow), the
 codes as ``(code - zero) / 16`` (so a word's partial sums stay below ``2 |x|``; the caller multiplies the
@@ -19,7 +20,7 @@ result by :data:`X_UNSCALE`). Relative error per word about ``2**-11`` (fp16 rou
 output's ``2**-8``.
 
 Pairing: the word's codes ``i`` and ``i + E/2`` (``E`` codes a word) share a register (low and high half),
-so the activations are packed in the same pairs (:func:`x_pairs`). Under Triton's interpreter (no PTX)
+so the activations are packed in the same pairs (:func:`_pack_pair`). Under Triton's interpreter (no PTX)
 :func:`word_dot` computes the same pairing in float32 from the packed activations, so the packing is
 tested on CPU; the PTX runs in the native tests.
 """
