@@ -113,8 +113,8 @@ def test_steps_2_and_3_match_reference(name):
         ref, dc, mc, _ = kqs.aff_round_candidates(w3, wx, q, sw, sx, ts, sp.kmax, None)
         got = pick(ref, sp.kmax, dc, mc)
         want = kqs.aff_pick_torch(ref, sp.kmax, dc, mc)
-        e_got = kqs.aff_eval(ref, sp.kmax, got[0][:, None], got[1][:, None])[0][:, 0]
-        e_want = kqs.aff_eval(ref, sp.kmax, want[0][:, None], want[1][:, None])[0][:, 0]
+        e_got = kqs.aff_eval_error(ref, sp.kmax, got[0][:, None], got[1][:, None])[:, 0]
+        e_want = kqs.aff_eval_error(ref, sp.kmax, want[0][:, None], want[1][:, None])[:, 0]
         cfg = kqs.AffConfig(*want)
     else:
         a = kqs.sym_search_scales_torch(x3, w3, sp)
@@ -126,8 +126,8 @@ def test_steps_2_and_3_match_reference(name):
         cand = kqs.f16_candidates(torch.cat([am / ts, -am / ts], 1))
         got = pick(a.float(), sqq.float(), sp.klo, sp.khi, cand)
         want = kqs.sym_pick_torch(a.float(), sqq.float(), sp.klo, sp.khi, cand)
-        e_got = kqs.sym_eval(a.float(), sqq.float(), sp.klo, sp.khi, got[0][:, None])[0][:, 0]
-        e_want = kqs.sym_eval(a.float(), sqq.float(), sp.klo, sp.khi, want[0][:, None])[0][:, 0]
+        e_got = kqs.sym_eval_error(a.float(), sqq.float(), sp.klo, sp.khi, got[0][:, None])[:, 0]
+        e_want = kqs.sym_eval_error(a.float(), sqq.float(), sp.klo, sp.khi, want[0][:, None])[:, 0]
         cfg = kqs.SymConfig(*want)
     assert all(g.dtype == t.dtype and g.shape == t.shape for g, t in zip(got, want))
     same = (got[0] == want[0]) & (got[-1] == want[-1]).all(-1)

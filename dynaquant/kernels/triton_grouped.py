@@ -26,6 +26,7 @@ from dynaquant.kernels.triton_linear import (
     packed_words,
     tile_values,
 )
+from dynaquant.kernels.tuning import has_half2
 
 # ----------------------------------------------------------------------------------------------
 # mixture of experts: every routed expert of a layer in one launch
@@ -159,9 +160,8 @@ def run_grouped(x2: torch.Tensor, rows: torch.Tensor, packed: PackedWeight, rout
     qh = packed.qweight_hi if packed.qweight_hi is not None else packed.qweight
     z = packed.zeros if packed.zeros is not None else packed.scales
     if gemv:
-        f = packed.fmt
-        if half2 and not (f.symmetric and (f.is_fp4 or f.bits in (2, 4))):
-            raise ValueError(f"{f.name}: half2 needs symmetric INT4 / INT2 or FP4 codes")
+        if half2 and not has_half2(packed.fmt):
+            raise ValueError(f"{packed.fmt.name}: half2 needs symmetric INT4 / INT2 or FP4 codes")
         bkw = _gemv_words(packed, kw, words)
         nt = kw // bkw
         grid = (triton.cdiv(n, block_n), routing.slots)

@@ -98,6 +98,12 @@ def _gemm_valid(cfg: LaunchConfig, fmt: KernelFormat, m: int, n: int, k: int) ->
             and (g % bk == 0 or bk % g == 0) and s >= 1 and (k // bk) % s == 0 and (s == 1 or tiles <= -(-n // 16)))
 
 
+def has_half2(fmt: KernelFormat) -> bool:
+    """Whether the format's codes have the packed-fp16 word products (:mod:`dynaquant.kernels.triton_half2`):
+    symmetric INT4 / INT2 and FP4."""
+    return fmt.symmetric and (fmt.is_fp4 or fmt.bits in (2, 4))
+
+
 def valid_config(cfg: LaunchConfig, fmt: KernelFormat, m: int, n: int, k: int) -> bool:
     """Whether ``cfg`` can run this shape: the K split and the K tile divide the row's groups."""
     if cfg.path == "gemm":
@@ -105,7 +111,7 @@ def valid_config(cfg: LaunchConfig, fmt: KernelFormat, m: int, n: int, k: int) -
     n_groups = k // fmt.group_size
     if cfg.split_k < 1 or n_groups % cfg.split_k or (n_groups // cfg.split_k) % cfg.groups:
         return False
-    if cfg.half2 and not (cfg.path == "gemv" and fmt.symmetric and (fmt.is_fp4 or fmt.bits in (2, 4))):
+    if cfg.half2 and not (cfg.path == "gemv" and has_half2(fmt)):
         return False
     if cfg.path == "gemv":  # asymmetric formats: one group per K tile
         return m == 1 and cfg.block_n >= 16 and (fmt.symmetric or cfg.groups == 1)
@@ -283,8 +289,8 @@ def choose_config(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) ->
 
 def gemv_candidates(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> list[LaunchConfig]:
     """GEMV configurations worth timing for a shape (the benchmark's sweep): rows a thread, warps, K split,
-    (symmetric formats) K tiles of 32 words and prefetching, and (symmetric INT4 / INT2) wide K tiles of 128 and
-    256 words with the packed-fp16 products."""
+    (symmetric formats) K tiles of 32 words and prefetching, and (:func:`has_half2` formats) wide K tiles of 128
+    and 256 words with the packed-fp16 products."""
     n_groups = k // fmt.group_size
     wpg = _words_per_group(fmt)
     out = []
@@ -311,7 +317,7 @@ def gemv_candidates(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> list[
                 split = _split_for(n_groups, groups, -(-n // block_n), target * dev.sm_count, 32)
                 for prefetch in (False, True):
                     out.append(LaunchConfig("gemv", 1, block_n, groups, split, 4, 1, prefetch))
-    if valid_config(LaunchConfig("gemv", half2=True), fmt, 1, n, k):  # wide K tiles, packed-fp16 products
+    if has_half2(fmt):  # wide K tiles, packed-fp16 products
         for words, block_n, warps, target in itertools.product((128, 256), (16, 32, 64), (4, 8), (4, 8)):
             groups = max(1, words // wpg)
             split = _split_for(n_groups, groups, -(-n // block_n), target * dev.sm_count, 32)

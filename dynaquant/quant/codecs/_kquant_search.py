@@ -80,34 +80,11 @@ def inv(b: torch.Tensor) -> torch.Tensor:
     return safe_div(torch.ones_like(b), b)
 
 
-def pick_best(cands, evaluate):
-    """Run ``evaluate`` on chunks of candidates; keep, per super-block, the lowest error.
-
-    ``evaluate(chunk)`` returns ``(err (n_super, c), payload)`` where every payload tensor has
-    shape (n_super, c, ...); returns the payload tensors of the best candidate, (n_super, ...).
-    """
-    best_e = best = None
-    for chunk in cands:
-        e, payload = evaluate(*chunk)
-        i = e.argmin(1, keepdim=True)
-        e = e.gather(1, i).squeeze(1)
-        sel = [
-            p.gather(1, i.view(*i.shape, *([1] * (p.ndim - 2))).expand(-1, 1, *p.shape[2:])).squeeze(1) for p in payload
-        ]
-        if best is None:
-            best_e, best = e, sel
-        else:
-            take = e < best_e
-            best_e = torch.where(take, e, best_e)
-            best = [torch.where(take.view(-1, *([1] * (s.ndim - 1))), s, b) for s, b in zip(sel, best)]
-    return best
-
-
 def pick_min(cands, error, payload):
-    """:func:`pick_best` with the payload computed once, for the winners only: ``error(*chunk)`` returns
+    """Per super-block the candidate of lowest error over chunks of candidates (the first on a tie, chunk by chunk),
+    and its payload: ``cands`` yields tuples of (n_super, c) candidate parameters, ``error(*chunk)`` returns their
     (n_super, c) errors, ``payload(*params)`` the payload of one candidate a super-block from its (n_super,)
-    parameters. Same choice (the first lowest error, chunk by chunk) and the same payload values as
-    :func:`pick_best` with an evaluation that computes both, without building the payload of every candidate."""
+    parameters, computed once for the winners rather than for every candidate."""
     best_e = best = None
     for chunk in cands:
         e = error(*chunk)
@@ -258,24 +235,9 @@ def sym_search_scales_torch(x: torch.Tensor, w: torch.Tensor, spec: SymSearch, i
     return best_a
 
 
-def sym_eval(a, sqq, klo, khi, d):
-    """Step-2 ranking of candidate scales ``d`` (n_super, C).
-
-    With the codes fixed, a sub-block's error at scale ``D`` is ``E(A) + Sqq (D - A)**2``
-    (``A`` its least-squares scale); candidates are ranked by the sum of the second term
-    over sub-blocks, each with the better of floor/ceil ``A / d``.
-    Returns (err (n_super, C), (d, k (n_super, C, n_sub) int64)).
-    """
-    d3 = d.unsqueeze(-1)
-    k0 = (a.unsqueeze(1) * inv(d3)).floor_().clamp_(klo, khi)
-    k = torch.stack([k0, (k0 + 1).clamp_(klo, khi)], -1)  # (B, C, S, 2)
-    r = d3.unsqueeze(-1) * k - a[:, None, :, None]
-    e, i = (sqq[:, None, :, None] * r * r).min(-1)
-    return e.sum(-1), (d, k.gather(-1, i.unsqueeze(-1)).squeeze(-1).long())
-
-
 def _sym_pair(a, sqq, klo, khi, d):
-    """:func:`sym_eval`'s two choices a sub-block, apart: ``(k0, e0), (k1, e1)`` with the same float operations."""
+    """A sub-block's two integer scales at candidate scale ``d``, floor and ceil of ``A / d``, with their errors:
+    ``(k0, e0), (k1, e1)``, ``e = Sqq (d k - A)**2`` (``a``, ``sqq``, ``d`` broadcast against each other)."""
     k0 = (a * inv(d)).floor_().clamp_(klo, khi)
     k1 = (k0 + 1).clamp_(klo, khi)
     r0 = d * k0 - a
@@ -284,21 +246,25 @@ def _sym_pair(a, sqq, klo, khi, d):
 
 
 def sym_eval_error(a, sqq, klo, khi, d):
-    """The errors of :func:`sym_eval` alone (n_super, C), bit for bit, without the stacked choices."""
+    """Step-2 ranking of candidate scales ``d`` (n_super, C).
+
+    With the codes fixed, a sub-block's error at scale ``D`` is ``E(A) + Sqq (D - A)**2``
+    (``A`` its least-squares scale, ``a`` (n_super, n_sub)); candidates are ranked by the sum of the second term
+    over sub-blocks, each with the better of floor/ceil ``A / d``. Returns err (n_super, C)."""
     (_, e0), (_, e1) = _sym_pair(a.unsqueeze(1), sqq.unsqueeze(1), klo, khi, d.unsqueeze(-1))
     return torch.minimum(e0, e1).sum(-1)
 
 
 def sym_eval_choice(a, sqq, klo, khi, d):
-    """:func:`sym_eval`'s payload for one candidate ``d`` (n_super,) a super-block: ``(d, k (n_super, n_sub)
-    int64)``, the first of the two choices on a tie as ``min`` takes it."""
+    """The payload of one candidate ``d`` (n_super,) a super-block: ``(d, k (n_super, n_sub) int64)``, the integer
+    scales :func:`sym_eval_error` ranked it with (floor on a tie)."""
     (k0, e0), (k1, e1) = _sym_pair(a, sqq, klo, khi, d.unsqueeze(-1))
     return d, torch.where(e1 < e0, k1, k0).long()
 
 
 def sym_pick_torch(a: torch.Tensor, sqq: torch.Tensor, klo: int, khi: int, cand: torch.Tensor):
     """Step 2, symmetric: per super-block the first candidate ``d`` of ``cand`` (n_super, C)
-    float32 with the lowest :func:`sym_eval` error (``a``, ``sqq`` (n_super, n_sub) float32);
+    float32 with the lowest :func:`sym_eval_error` (``a``, ``sqq`` (n_super, n_sub) float32);
     returns ``d`` (n_super,) float32 and ``k`` (n_super, n_sub) int64."""
     n_super, n_sub = a.shape
     step = max(1, eval_chunk(a.device) // max(1, n_super * n_sub * 2))
@@ -503,34 +469,6 @@ def aff_reference(st):
     return tuple(t.float() for t in (a, b, ga, gb, sqq, sq, sw))
 
 
-def aff_eval(ref, kmax, d, dm):
-    """Step-2 ranking of candidate pairs ``(d, dm)`` (n_super, C).
-
-    Per sub-block: ``ks`` in {floor, ceil}(a / d); for each, ``km`` in {floor, ceil} of the
-    best min for that scale. Returns (err (n_super, C), (d, dm, ks, km)), ``ks``/``km``
-    (n_super, C, n_sub) int64.
-    """
-    a, b, ga, gb, sqq, sq, sw = (t[:, None, :, None] for t in ref)
-    d4, dm4 = d[:, :, None, None], dm[:, :, None, None]
-    k0 = (a * inv(d4)).floor_().clamp_(0, kmax)
-    ks = torch.cat([k0, (k0 + 1).clamp_(0, kmax)], -1)  # (B, C, S, 2)
-    da = d4 * ks - a
-    # best offset for this scale: dB = -(gB + Sq dA) / Sw, i.e. min M = -B >= 0
-    mopt = (-(b - (gb + sq * da) / sw)).clamp_(min=0)
-    m0 = (mopt * inv(dm4)).floor_().clamp_(0, kmax)
-    km = torch.stack([m0, (m0 + 1).clamp_(0, kmax)], -1)  # (B, C, S, 2, 2)
-    ks = ks.unsqueeze(-1).expand_as(km)
-    da = da.unsqueeze(-1)
-    db = -dm4.unsqueeze(-1) * km - b.unsqueeze(-1)
-    e = 2 * (ga.unsqueeze(-1) * da + gb.unsqueeze(-1) * db) + sqq.unsqueeze(-1) * da * da
-    e += 2 * sq.unsqueeze(-1) * da * db + sw.unsqueeze(-1) * db * db
-    e, i = e.flatten(-2).min(-1)
-    i = i.unsqueeze(-1)
-    ks = ks.flatten(-2).gather(-1, i).squeeze(-1).long()
-    km = km.flatten(-2).gather(-1, i).squeeze(-1).long()
-    return e.sum(-1), (d, dm, ks, km)
-
-
 def aff_ls_super(st, cfg: AffConfig):
     """Least-squares ``(d, dmin)`` for fixed codes and integer scales/mins, (n_super,) float64 each
     (the config's own values where the fit is degenerate or negative)."""
@@ -549,9 +487,10 @@ def aff_ls_super(st, cfg: AffConfig):
 
 
 def _aff_choices(ref, kmax, d, dm):
-    """:func:`aff_eval`'s four choices a sub-block, apart and in its order ``(ks0, km0), (ks0, km1), (ks1, km0),
-    (ks1, km1)``: a list of ``(ks, km, e)`` with the same float operations (``ref`` and ``d``, ``dm`` broadcast
-    against each other by the caller)."""
+    """A sub-block's four integer (scale, min) choices at candidate pair ``(d, dm)``: ``ks`` in {floor, ceil}(a / d);
+    for each, ``km`` in {floor, ceil} of the best min for that scale; in the order ``(ks0, km0), (ks0, km1), (ks1,
+    km0), (ks1, km1)``, a list of ``(ks, km, e)`` with ``e`` the variable part of :func:`aff_reference`'s quadratic
+    (``ref`` and ``d``, ``dm`` broadcast against each other by the caller)."""
     a, b, ga, gb, sqq, sq, sw = ref
     k0 = (a * inv(d)).floor_().clamp_(0, kmax)
     ndm, idm, sq2 = -dm, inv(dm), 2 * sq
@@ -571,7 +510,8 @@ def _aff_choices(ref, kmax, d, dm):
 
 
 def aff_eval_error(ref, kmax, d, dm):
-    """The errors of :func:`aff_eval` alone (n_super, C), bit for bit, without the stacked choices."""
+    """Step-2 ranking of candidate pairs ``(d, dm)`` (n_super, C): the sum over sub-blocks of the best of
+    :func:`_aff_choices`; returns err (n_super, C)."""
     ch = _aff_choices(tuple(t[:, None, :] for t in ref), kmax, d[:, :, None], dm[:, :, None])
     e = ch[0][2]
     for _, _, ej in ch[1:]:
@@ -580,8 +520,8 @@ def aff_eval_error(ref, kmax, d, dm):
 
 
 def aff_eval_choice(ref, kmax, d, dm):
-    """:func:`aff_eval`'s payload for one candidate pair (n_super,) a super-block: ``(d, dm, ks, km)``, ``ks``,
-    ``km`` (n_super, n_sub) int64, the first of the four choices on a tie as ``min`` takes it."""
+    """The payload of one candidate pair (n_super,) a super-block: ``(d, dm, ks, km)``, ``ks``, ``km`` (n_super,
+    n_sub) int64, the choice :func:`aff_eval_error` ranked it with (the first of the four on a tie)."""
     ch = _aff_choices(ref, kmax, d[:, None], dm[:, None])
     ks, km, e = ch[0]
     for ksj, kmj, ej in ch[1:]:
@@ -592,7 +532,7 @@ def aff_eval_choice(ref, kmax, d, dm):
 
 def aff_pick_torch(ref, kmax: int, dc: torch.Tensor, mc: torch.Tensor):
     """Step 2, affine: per super-block the first candidate pair ``(dc, mc)`` (n_super, C) float32
-    with the lowest :func:`aff_eval` error on ``ref`` (:func:`aff_reference`); returns ``d``,
+    with the lowest :func:`aff_eval_error` on ``ref`` (:func:`aff_reference`); returns ``d``,
     ``dmin`` (n_super,) float32 and ``ks``, ``km`` (n_super, n_sub) int64."""
     n_super, n_sub = ref[0].shape
     step = max(1, eval_chunk(dc.device) // max(1, n_super * n_sub * 4))

@@ -23,6 +23,7 @@ over candidates, no host synchronisation), so the same code serves CPU and GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -31,17 +32,20 @@ from dynaquant.quant.codecs._kquant_search import (
     SymConfig,
     aff_codes,
     aff_error,
-    aff_eval,
+    aff_eval_choice,
+    aff_eval_error,
     aff_ls,
     aff_quad,
     aff_round_candidates,
     f16_candidates,
     inv,
     keep_best,
+    pick_min,
     safe_div,
     sym_codes,
     sym_error,
-    sym_eval,
+    sym_eval_choice,
+    sym_eval_error,
 )
 
 # Elements (n_super * n_sub * candidates * sub_size) per chunk of stacked step-1 candidates.
@@ -231,9 +235,8 @@ def _sym_cand(x, w, spec: FastSym) -> SymConfig:
             kf = best.k.float()
             cand += [best.d.unsqueeze(1), safe_div((kf * sxq).sum(1), (kf * kf * sqq).sum(1)).unsqueeze(1)]
         cand = f16_candidates(torch.cat(cand, 1))
-        e, (dc, kc) = sym_eval(a, sqq, spec.klo, spec.khi, cand)
-        j = e.argmin(1, keepdim=True)
-        cfg = SymConfig(dc.gather(1, j).squeeze(1), kc.gather(1, j.unsqueeze(-1).expand(-1, 1, kc.shape[-1])).squeeze(1))
+        cfg = SymConfig(*pick_min([(cand,)], partial(sym_eval_error, a, sqq, spec.klo, spec.khi),
+                                  partial(sym_eval_choice, a, sqq, spec.klo, spec.khi)))
         dl = cfg.sub_scales()
         q = sym_codes(x, dl, spec.qlo, spec.qhi)
         err = sym_error(x, w, dl, q).sum(-1)
@@ -297,9 +300,10 @@ def aff_fast(x: torch.Tensor, w: torch.Tensor, spec: FastAff) -> AffConfig:
     best = best_err = None
     for _ in range(spec.rounds):
         ref, dc, mc, grid_m = aff_round_candidates(w, wx, q, sw, sx, ts, kmax, best)
-        cfg = _best_of(*aff_eval(ref, kmax, dc, mc))
+        error, choice = partial(aff_eval_error, ref, kmax), partial(aff_eval_choice, ref, kmax)
+        cfg = AffConfig(*pick_min([(dc, mc)], error, choice))
         mc = torch.cat([grid_m, cfg.dmin.unsqueeze(1)], 1)
-        cfg = _best_of(*aff_eval(ref, kmax, cfg.d.unsqueeze(1).expand_as(mc), mc))
+        cfg = AffConfig(*pick_min([(cfg.d.unsqueeze(1).expand_as(mc), mc)], error, choice))
         dl, ml = cfg.sub_scales()
         q = aff_codes(x, dl, ml, spec.qmax)
         err = aff_error(x, w, dl, ml, q).sum(-1)
@@ -307,11 +311,3 @@ def aff_fast(x: torch.Tensor, w: torch.Tensor, spec: FastAff) -> AffConfig:
         if best is not cfg:  # codes of the kept configuration for the next round
             q = aff_codes(x, *best.sub_scales(), spec.qmax)
     return best
-
-
-def _best_of(err, payload) -> AffConfig:
-    j = err.argmin(1, keepdim=True)
-    d, dm, ks, km = payload
-    jj = j.unsqueeze(-1).expand(-1, 1, ks.shape[-1])
-    pick = [t.gather(1, j).squeeze(1) for t in (d, dm)] + [t.gather(1, jj).squeeze(1) for t in (ks, km)]
-    return AffConfig(*pick)
