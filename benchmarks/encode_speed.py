@@ -258,6 +258,13 @@ def bench_device(name: str, x: torch.Tensor, imatrix: torch.Tensor, args, device
     st = _stats(times, x.numel(), rows=x.shape[0], h2d_s=h2d_s, h2d_bytes=x.numel() * x.element_size(),
                 d2h_s=d2h_s, d2h_bytes=out.numel(), **extra)
     st["weights_per_s_with_transfers"] = x.numel() / (st["median_s"] + h2d_s + d2h_s)
+    if args.torch_baseline and get_codec(name).fast_paths:  # the torch reference on the same device: the before
+        quantize(xd[: min(x.shape[0], 256)], name, imd, backend="torch")
+        t_times, t_out = time_runs(lambda: quantize(xd, name, imd, backend="torch"), args.repeats, device)
+        st["torch_reference"] = _stats(t_times, x.numel(), rows=x.shape[0])
+        st["speedup_vs_torch_reference"] = st["weights_per_s"] / st["torch_reference"]["weights_per_s"]
+        st["torch_reference"].update(_errors(xd, imd, t_out, None, name))
+        del t_out
     return st, out
 
 
@@ -371,6 +378,8 @@ def main(argv=None) -> int:
     p.add_argument("--torch-threads", type=int, default=None,
                    help="torch CPU threads for our encoder (default --cpu-threads, else torch's)")
     p.add_argument("--libggml", default=None, help="path of libggml-base (else $DYNAQUANT_LIBGGML, else llama-cpp-python's)")
+    p.add_argument("--torch-baseline", action="store_true",
+                   help="also time the torch reference on the device for codecs with fast paths (backend='torch')")
     p.add_argument("--out", type=Path, default=HERE / "out" / "encode_speed.json")
     p.add_argument("--resume", action="store_true", help="keep the result rows of an existing --out, run the missing types")
     p.add_argument("--summary", action="store_true", help="print the table of an existing --out and exit")

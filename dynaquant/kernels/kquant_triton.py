@@ -33,6 +33,7 @@ __all__ = [
     "sym_pick_kernel",
     "aff_refine_kernel",
     "sym_refine_kernel",
+    "round_clamp",
 ]
 
 # 1.5 * 2**23: adding and subtracting it rounds a float32 of magnitude below 2**22 to the
@@ -41,7 +42,7 @@ _MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit
-def _round_clamp(v, lo, hi):
+def round_clamp(v, lo, hi):
     """``clamp(round(v), lo, hi)`` with ties to even; clamping to ``[lo - 1, hi + 1]`` first
     keeps the rounding trick in range and gives the same result."""
     v = tl.minimum(tl.maximum(v, lo - 1.0), hi + 1.0)
@@ -142,12 +143,12 @@ def aff_step1_kernel(
         for j in range(S):
             s = tl.load(shifts_ptr + j)
             b0 = lo + s * rng / t
-            q = _round_clamp((x - b0[:, None]) * iscale[:, None], 0.0, QMAX)
+            q = round_clamp((x - b0[:, None]) * iscale[:, None], 0.0, QMAX)
             best_e, best_a, best_b = _aff_consider(q, w, wx, sw, sx, sxx, eps, best_e, best_a, best_b)
     for _ in tl.static_range(ITERS):
         dl = best_a.to(tl.float32)
         ml = (-best_b).to(tl.float32)
-        q = _round_clamp((x + ml[:, None]) * _inv(dl)[:, None], 0.0, QMAX)
+        q = round_clamp((x + ml[:, None]) * _inv(dl)[:, None], 0.0, QMAX)
         best_e, best_a, best_b = _aff_consider(q, w, wx, sw, sx, sxx, eps, best_e, best_a, best_b)
     tl.store(a_ptr + rows, best_a, mask=rmask)
     tl.store(b_ptr + rows, best_b, mask=rmask)
@@ -156,7 +157,7 @@ def aff_step1_kernel(
 @triton.jit
 def _sym_consider(iscale, x, w, wx, best_g, best_a, QLO: tl.constexpr, QHI: tl.constexpr):
     """One symmetric step-1 candidate inverse scale per row: kept where ``Sxq**2 / Sqq`` gains."""
-    q = _round_clamp(x * iscale[:, None], QLO, QHI)
+    q = round_clamp(x * iscale[:, None], QLO, QHI)
     sxq = tl.sum(wx * q, 1).to(tl.float64)
     sqq = tl.sum(w * q * q, 1).to(tl.float64)
     gain = _safe_div(sxq * sxq, sqq)
@@ -341,7 +342,7 @@ def sym_pick_kernel(
 
 @triton.jit
 def _aff_err(x, w, dl, ml, QMAX: tl.constexpr):
-    q = _round_clamp((x + ml[:, None]) * _inv(dl)[:, None], 0.0, QMAX)
+    q = round_clamp((x + ml[:, None]) * _inv(dl)[:, None], 0.0, QMAX)
     r = x - (dl[:, None] * q - ml[:, None])
     return tl.sum(w * r * r, 1).to(tl.float64)
 
@@ -387,7 +388,7 @@ def aff_refine_kernel(
 
 @triton.jit
 def _sym_err(x, w, dl, QLO: tl.constexpr, QHI: tl.constexpr):
-    q = _round_clamp(x * _inv(dl)[:, None], QLO, QHI)
+    q = round_clamp(x * _inv(dl)[:, None], QLO, QHI)
     r = x - dl[:, None] * q
     return tl.sum(w * r * r, 1).to(tl.float64)
 

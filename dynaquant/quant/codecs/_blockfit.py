@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from dynaquant.quant.codecs.fastpaths import fast_path
+
 FP16_MAX = 65504.0
 
 
@@ -108,6 +110,14 @@ class Grid:
             vlut = lv[lut.long()] if self.half_int else None
             self._cache[key] = (lv, mids, lut, vlut)
         return self._cache[key]
+
+    def lookup(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """A half-integer-midpoint grid's tables on ``device``: the level index (int32) and value (float32) of
+        each ``k = floor(2 t)`` in ``kmin .. kmax`` (entry ``k - kmin``). Raises ValueError on other grids."""
+        if not self.half_int or self.linear:
+            raise ValueError("only a non-linear grid whose midpoints are multiples of 1/2 has lookup tables")
+        _, _, lut, vlut = self._tables(device)
+        return lut, vlut
 
     def level_tensor(self, device) -> torch.Tensor:
         """The levels as a float32 tensor on ``device``."""
@@ -225,6 +235,22 @@ def candidate_groups(n_cand: int) -> list[slice]:
 
 
 def fit_scale(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    grid: Grid,
+    targets: Sequence[float],
+    anchor_offsets: Sequence[int] = (),
+    lloyd_steps: int = 1,
+    ulps: Sequence[int] = (-1, 1),
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fit_scale_torch`, or its fast path ``blockfit.fit_scale`` (one fused kernel a chunk) as ``backend``
+    chooses (:func:`dynaquant.quant.codecs.fastpaths.fast_path`); same arguments and results."""
+    fn = fast_path("blockfit.fit_scale", x, backend)
+    return (fn or fit_scale_torch)(x, w, grid, targets, anchor_offsets, lloyd_steps, ulps)
+
+
+def fit_scale_torch(
     x: torch.Tensor,
     w: torch.Tensor,
     grid: Grid,

@@ -108,11 +108,12 @@ class IQ4_XS(Codec):
             k = torch.where(take, kt, k)
         return kqs.SymConfig(cfg.d, k), err.sum(-1)
 
-    def _search(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _search(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
         n = x.shape[0]
         x3, w3 = x.reshape(n, _N_SUB, _SUB), w.reshape(n, _N_SUB, _SUB)
         lv = self.grid.level_tensor(x.device)
-        _, codes = fit_scale(x.reshape(-1, _SUB), w.reshape(-1, _SUB), self.grid, self.targets, self.anchor_offsets, 2, ())
+        _, codes = fit_scale(x.reshape(-1, _SUB), w.reshape(-1, _SUB), self.grid, self.targets, self.anchor_offsets, 2, (),
+                             backend)
         q = lv[codes].reshape(n, _N_SUB, _SUB)
         wx = w3 * x3
         ts = torch.tensor(self.d_steps, dtype=torch.float64, device=x.device)
@@ -145,11 +146,20 @@ class IQ4_XS(Codec):
         zero = best.d == 0
         return best.d, torch.where(zero.unsqueeze(-1), 0, best.k)
 
-    def fit_params(self, x: torch.Tensor, w: torch.Tensor) -> IQ4XSConfig:
-        """Search ``d`` and ``l_j`` of (n, 256) blocks; raises ValueError on other shapes."""
+    fast_paths = True  # step 1's fused scale search (blockfit.fit_scale)
+
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto", variant: str | None = None) -> torch.Tensor:
+        """As :meth:`Codec.encode_blocks`; ``backend`` chooses step 1's fused kernel (:func:`._blockfit.fit_scale`);
+        ``variant`` is unused."""
+        params = self.fit_params(x, w, backend)
+        return self.pack(params, self.round_to_grid(x, params)[0])
+
+    def fit_params(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> IQ4XSConfig:
+        """Search ``d`` and ``l_j`` of (n, 256) blocks (``backend``: step 1's fast path); raises ValueError on
+        other shapes."""
         if x.ndim != 2 or x.shape[1] != QK_K or w.shape != x.shape:
             raise ValueError(f"IQ4_XS: expected x and w of shape (n_blocks, 256), got {tuple(x.shape)} and {tuple(w.shape)}")
-        d, k = in_subchunks(self._search, x.to(torch.float32), w.to(torch.float32))
+        d, k = in_subchunks(self._search, x.to(torch.float32), w.to(torch.float32), backend=backend)
         return IQ4XSConfig(d, k)
 
     def round_to_grid(self, x: torch.Tensor, params, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

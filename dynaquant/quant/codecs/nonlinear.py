@@ -77,15 +77,20 @@ class IQ4_NL(Codec):
     lloyd_steps = 1
     ulps: tuple[int, ...] = ()
 
-    def _fit(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    fast_paths = True  # the scale search's fused kernel (blockfit.fit_scale)
+
+    def _fit(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
         x, w = x.to(torch.float32), w.to(torch.float32)
-        return in_subchunks(fit_scale, x, w, self.grid, self.targets, self.anchor_offsets, self.lloyd_steps, self.ulps)
+        return in_subchunks(fit_scale, x, w, self.grid, self.targets, self.anchor_offsets, self.lloyd_steps, self.ulps,
+                            backend=backend)
 
-    def fit_params(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
-        return (self._fit(x, w)[0],)
+    def fit_params(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor]:
+        return (self._fit(x, w, backend)[0],)
 
-    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        d, codes = self._fit(x, w)
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto", variant: str | None = None) -> torch.Tensor:
+        """As :meth:`Codec.encode_blocks`; ``backend`` chooses the scale search's fused kernel
+        (:func:`._blockfit.fit_scale`); ``variant`` is unused."""
+        d, codes = self._fit(x, w, backend)
         return self.pack((d,), codes)
 
     def round_to_grid(self, x: torch.Tensor, params, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

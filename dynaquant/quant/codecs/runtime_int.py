@@ -174,13 +174,26 @@ class _IntCodec(Codec):
     def nmax(self) -> int:
         return (1 << self.bits) - 1
 
-    def fit_params(self, x: torch.Tensor, w: torch.Tensor):
-        x, w = x.to(torch.float32), w.to(torch.float32)
+    fast_paths = True  # the symmetric scale search's fused kernel (blockfit.fit_scale)
+
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto", variant: str | None = None) -> torch.Tensor:
+        """As :meth:`Codec.encode_blocks`; ``backend`` chooses the symmetric search's fused kernel
+        (:func:`._blockfit.fit_scale`); ``variant`` is unused."""
         if self.asym:
-            return in_subchunks(fit_int_zero, x, w, self.nmax, _ASYM_FACTORS[self.bits])
+            params = self.fit_params(x, w, backend)
+            return self.pack(params, self.round_to_grid(x, params)[0])
+        d, codes = self._fit_sym(x, w, backend)  # the search's codes are round_to_grid's
+        return self.pack((d,), codes)
+
+    def _fit_sym(self, x: torch.Tensor, w: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
         targets, anchors = _SYM_SEARCH[self.bits]
-        d, _ = in_subchunks(fit_scale, x, w, self.grid, targets, anchors)
-        return (d,)
+        return in_subchunks(fit_scale, x.to(torch.float32), w.to(torch.float32), self.grid, targets, anchors,
+                            backend=backend)
+
+    def fit_params(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto"):
+        if self.asym:
+            return in_subchunks(fit_int_zero, x.to(torch.float32), w.to(torch.float32), self.nmax, _ASYM_FACTORS[self.bits])
+        return (self._fit_sym(x, w, backend)[0],)
 
     def round_to_grid(self, x: torch.Tensor, params, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.to(torch.float32)

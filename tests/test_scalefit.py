@@ -1,0 +1,134 @@
+"""The fused one-scale block search (Triton, :mod:`dynaquant.kernels.scalefit`) against its torch reference
+:func:`dynaquant.quant.codecs._blockfit.fit_scale_torch`.
+
+The kernel repeats the reference's float operations in the same order except inside the sums over a block, so a
+block whose two best candidates are within rounding may keep the other one: the tests hold most blocks to
+equality, every block's codes to the nearest levels under its stored scale, and the total error to the
+reference's. On CPU the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is first
+imported); on CUDA compiled, on larger inputs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+pytest.importorskip("triton")
+
+import dynaquant.kernels  # noqa: E402,F401  (registers the kernels as the codecs' fast paths)
+from dynaquant.quant.codecs import _blockfit as bf  # noqa: E402
+from dynaquant.quant.codecs import dequantize, fastpaths, get_codec, quantize  # noqa: E402
+from dynaquant.quant.codecs.runtime_int import _SYM_SEARCH  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+
+def _blocks(n_blocks: int, n: int, seed: int = 0):
+    """(n_blocks, n) weights of mixed scales with hard cases, and their importance."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_blocks, n, generator=g) * torch.exp(torch.randn(n_blocks, 1, generator=g))
+    w = torch.exp(torch.randn(n_blocks, n, generator=g)) + 0.01
+    x[0] = 0.0  # an all-zero block
+    x[1, : n // 2] = 0.0
+    x[2] = x[2].abs()  # one sign only
+    x[3] *= 1e4
+    x[4] *= 1e-6
+    x[5, 3] = 40.0  # an outlier
+    x[6] = 1.0  # ties everywhere
+    return x.to(DEVICE), w.to(DEVICE)
+
+
+def _int_search(bits: int):
+    grid = bf.Grid(range(-(1 << (bits - 1)), 1 << (bits - 1)))
+    targets, anchors = _SYM_SEARCH[bits]
+    return grid, targets, anchors, 1, (-1, 1)
+
+
+def _codec_search(name: str, lloyd: int | None = None, ulps=None):
+    c = get_codec(name)
+    return c.grid, c.targets, c.anchor_offsets, c.lloyd_steps if lloyd is None else lloyd, c.ulps if ulps is None else ulps
+
+
+SEARCHES = {  # name: (block size, search arguments)
+    "Q4_0": (32, lambda: _codec_search("Q4_0")),
+    "Q5_0": (32, lambda: _codec_search("Q5_0")),
+    "Q8_0": (32, lambda: _codec_search("Q8_0")),
+    "IQ4_NL": (32, lambda: _codec_search("IQ4_NL")),
+    "IQ4_XS step 1": (32, lambda: _codec_search("IQ4_XS", 2, ())),
+    "INT2_G32": (32, lambda: _int_search(2)),
+    "INT3_G128": (128, lambda: _int_search(3)),
+    "INT4_G128": (128, lambda: _int_search(4)),
+    "INT8_G64": (64, lambda: _int_search(8)),
+}
+
+
+def _error(x, w, grid, d, codes):
+    lv = grid.level_tensor(x.device)
+    return (w * (x - d.float()[:, None] * lv[codes]) ** 2).sum(1).double()
+
+
+def test_registered():
+    from dynaquant.kernels import scalefit
+
+    assert fastpaths.lookup("blockfit.fit_scale") is scalefit.fit_scale
+
+
+@pytest.mark.parametrize("name", list(SEARCHES))
+def test_matches_reference(name):
+    """Most blocks equal the reference's scale and codes; the codes are the nearest levels under the kernel's
+    stored scale; no block is worse than the reference's beyond a near-tie, and the total is no worse."""
+    from dynaquant.kernels import scalefit
+
+    n, args = SEARCHES[name]
+    grid, targets, anchors, lloyd, ulps = args()
+    x, w = _blocks(192 if HAS_CUDA else (64 if n <= 32 else 24), n)
+    d_t, c_t = bf.fit_scale_torch(x, w, grid, targets, anchors, lloyd, ulps)
+    d_k, c_k = scalefit.fit_scale(x, w, grid, targets, anchors, lloyd, ulps)
+    assert d_k.dtype == torch.float16 and c_k.dtype == torch.int64 and c_k.shape == x.shape
+    assert torch.equal(c_k, bf.scale_codes(x, d_k, grid))
+    same = (d_k == d_t) & (c_k == c_t).all(1)
+    assert same.float().mean() >= 0.9, f"{(~same).sum()} of {len(same)} blocks differ"
+    assert d_k[0] == 0 and (c_k[0] == grid.zero_code()).all()  # the all-zero block
+    e_t, e_k = _error(x, w, grid, d_t, c_t), _error(x, w, grid, d_k, c_k)
+    energy = (w * x * x).sum(1).double()  # a tie broken the other way costs a rounding of the block's scale
+    assert (e_k <= e_t * 1.02 + 1e-5 * energy).all()
+    assert e_k.sum() <= e_t.sum() * (1 + 1e-5)
+
+
+def test_dispatch_and_fallback():
+    """``backend="triton"`` runs the kernel on any device; a grid the kernel does not take (midpoints off the
+    half-integers) runs the reference, bit for bit."""
+    x, w = _blocks(16, 32, seed=1)
+    grid = bf.Grid([-3.0, -1.0, 0.5, 2.0])
+    ref = bf.fit_scale_torch(x, w, grid, [2.0, -3.0], (0,), 1, (-1, 1))
+    got = bf.fit_scale(x, w, grid, [2.0, -3.0], (0,), 1, (-1, 1), backend="triton")
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    with pytest.raises(ValueError, match="backend"):
+        bf.fit_scale(x, w, grid, [2.0], backend="cuda")
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "IQ4_NL", "IQ4_XS", "INT4_G128", "INT2_G128_ASYM"])
+def test_codec_backends(name):
+    """The codecs take the kernel through ``quantize(..., backend=)``: most rows' bytes equal the reference's,
+    and the decoded error is no worse in total (the asymmetric INT search has no kernel: equal bytes)."""
+    g = torch.Generator().manual_seed(2)
+    rows = 8 if HAS_CUDA else 2
+    x = (torch.randn(rows, 1024, generator=g) * 0.02).to(DEVICE)
+    imat = (torch.exp(torch.randn(1024, generator=g)) + 0.01).to(DEVICE)
+    b_t = quantize(x, name, imat, backend="torch")
+    b_k = quantize(x, name, imat, backend="triton")
+    if name.endswith("_ASYM"):
+        assert torch.equal(b_t, b_k)
+        return
+    e_t = (imat * (x - dequantize(b_t, name)) ** 2).sum()
+    e_k = (imat * (x - dequantize(b_k, name)) ** 2).sum()
+    assert e_k <= e_t * (1 + 1e-5)
+    blocks = b_t.reshape(rows, -1)
+    assert (blocks == b_k.reshape(rows, -1)).float().mean() >= 0.9
