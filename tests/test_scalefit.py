@@ -107,26 +107,78 @@ def test_dispatch_and_fallback():
     half-integers) runs the reference, bit for bit."""
     x, w = _blocks(16, 32, seed=1)
     grid = bf.Grid([-3.0, -1.0, 0.5, 2.0])
+    for name in ("blockfit.fit_scale", "blockfit.fit_affine", "blockfit.fit_int_zero"):
+        assert fastpaths.lookup(name) is not None, name
     ref = bf.fit_scale_torch(x, w, grid, [2.0, -3.0], (0,), 1, (-1, 1))
     got = bf.fit_scale(x, w, grid, [2.0, -3.0], (0,), 1, (-1, 1), backend="triton")
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    ref = bf.fit_affine_torch(x, w, 15, [0.0, 1.0], 2, 1, (-1, 1))  # two anchors, fp16 neighbours: the reference
+    got = bf.fit_affine(x, w, 15, [0.0, 1.0], 2, 1, (-1, 1), backend="triton")
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
     with pytest.raises(ValueError, match="backend"):
         bf.fit_scale(x, w, grid, [2.0], backend="cuda")
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "IQ4_NL", "IQ4_XS", "INT4_G128", "INT2_G128_ASYM"])
+@pytest.mark.parametrize("name", ["Q4_1", "Q5_1"])
+def test_affine_matches_reference(name):
+    """``fit_affine``: as :func:`test_matches_reference`, for ``d * code + m``."""
+    from dynaquant.kernels import scalefit
+
+    c = get_codec(name)
+    x, w = _blocks(192 if HAS_CUDA else 64, 32, seed=3)
+    x[7] = -x[7].abs()  # one sign only, negative
+    args = (c.nmax, c.steps, c.n_anchor, c.lloyd_steps, c.ulps)
+    r_t, r_k = bf.fit_affine_torch(x, w, *args), scalefit.fit_affine(x, w, *args)
+    d_k, m_k, q_k = r_k
+    assert d_k.dtype == m_k.dtype == torch.float16 and q_k.dtype == torch.int64
+    assert torch.equal(q_k, bf.affine_codes(x, d_k, m_k, c.nmax))
+    same = (r_t[0] == d_k) & (r_t[1] == m_k) & (r_t[2] == q_k).all(1)
+    assert same.float().mean() >= 0.9, f"{(~same).sum()} of {len(same)} blocks differ"
+
+    def err(d, m, q):
+        return (w * (x - (d.float()[:, None] * q.float() + m.float()[:, None])) ** 2).sum(1).double()
+
+    e_t, e_k = err(*r_t), err(*r_k)
+    energy = (w * x * x).sum(1).double()
+    assert (e_k <= e_t * 1.02 + 1e-5 * energy).all()
+    assert e_k.sum() <= e_t.sum() * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("bits,group", [(2, 128), (3, 32), (4, 128), (8, 64)])
+def test_int_zero_matches_reference(bits, group):
+    """``fit_int_zero`` (the asymmetric INT search): as :func:`test_matches_reference`, for ``d * (code - z)``."""
+    from dynaquant.kernels import scalefit
+    from dynaquant.quant.codecs import runtime_int as ri
+
+    x, w = _blocks(192 if HAS_CUDA else (48 if group <= 32 else 24), group, seed=4)
+    nmax = (1 << bits) - 1
+    r_t = ri.fit_int_zero_torch(x, w, nmax, ri._ASYM_FACTORS[bits])
+    r_k = scalefit.fit_int_zero(x, w, nmax, ri._ASYM_FACTORS[bits])
+    assert r_k[0].dtype == torch.float16 and r_k[1].dtype == torch.int64
+    assert (r_k[0] >= 0).all() and ((r_k[1] >= 0) & (r_k[1] <= nmax)).all()
+    same = (r_t[0] == r_k[0]) & (r_t[1] == r_k[1])
+    assert same.float().mean() >= 0.9, f"{(~same).sum()} of {len(same)} blocks differ"
+
+    def err(d, z):
+        c = ri.int_zero_codes(x, d, z, nmax)
+        return (w * (x - d.float()[:, None] * (c - z[:, None]).float()) ** 2).sum(1).double()
+
+    e_t, e_k = err(*r_t), err(*r_k)
+    energy = (w * x * x).sum(1).double()
+    assert (e_k <= e_t * 1.02 + 1e-5 * energy).all()
+    assert e_k.sum() <= e_t.sum() * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "IQ4_NL", "IQ4_XS", "INT4_G128", "INT2_G128_ASYM"])
 def test_codec_backends(name):
-    """The codecs take the kernel through ``quantize(..., backend=)``: most rows' bytes equal the reference's,
-    and the decoded error is no worse in total (the asymmetric INT search has no kernel: equal bytes)."""
+    """The codecs take the kernels through ``quantize(..., backend=)``: most rows' bytes equal the reference's,
+    and the decoded error is no worse in total."""
     g = torch.Generator().manual_seed(2)
     rows = 8 if HAS_CUDA else 2
     x = (torch.randn(rows, 1024, generator=g) * 0.02).to(DEVICE)
     imat = (torch.exp(torch.randn(1024, generator=g)) + 0.01).to(DEVICE)
     b_t = quantize(x, name, imat, backend="torch")
     b_k = quantize(x, name, imat, backend="triton")
-    if name.endswith("_ASYM"):
-        assert torch.equal(b_t, b_k)
-        return
     e_t = (imat * (x - dequantize(b_t, name)) ** 2).sum()
     e_k = (imat * (x - dequantize(b_k, name)) ** 2).sum()
     assert e_k <= e_t * (1 + 1e-5)

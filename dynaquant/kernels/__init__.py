@@ -49,7 +49,8 @@ def _loader(module: str, attr: str):
 for _name, _attr in (("lattice.nearest_codewords", "nearest_codewords"), ("lattice.candidate_terms", "candidate_terms"),
                      ("lattice.subset_min_costs", "subset_min_costs"), ("iq1.ternary_nearest", "ternary_nearest")):
     fastpaths.register(_name, _loader("dynaquant.kernels.lattice_search", _attr))
-fastpaths.register("blockfit.fit_scale", _loader("dynaquant.kernels.scalefit", "fit_scale"))
+for _attr in ("fit_scale", "fit_affine", "fit_int_zero"):
+    fastpaths.register(f"blockfit.{_attr}", _loader("dynaquant.kernels.scalefit", _attr))
 fastpaths.register("iq3.nearest_variants", _loader("dynaquant.kernels.iq3_search", "nearest_variants"))
 for _attr in ("aff_search_scales", "aff_pick", "aff_refine", "sym_search_scales", "sym_pick", "sym_refine"):
     fastpaths.register(f"kquant.{_attr}", _loader("dynaquant.kernels.kquant_search", _attr))

@@ -32,7 +32,7 @@ import triton.language as tl
 from dynaquant.kernels.kquant_triton import round_clamp
 from dynaquant.quant.codecs import _blockfit as bf
 
-__all__ = ["fit_scale", "supported"]
+__all__ = ["fit_scale", "fit_affine", "fit_int_zero", "supported"]
 
 _TILE = 2048  # elements of a program's (blocks, n) tile
 _OPTS = {"num_warps": 4, "enable_fp_fusion": False}
@@ -160,6 +160,175 @@ def fit_scale_kernel(x_ptr, w_ptr, tgt_ptr, off_ptr, ulp_ptr, lv_ptr, vlut_ptr, 
     tl.store(code_ptr + offs, codes.to(tl.int64), mask=rmask[:, None])
 
 
+@triton.jit
+def _aff_score(inv, off, x, w, wx, swd, swxd, eps, best_g, best_d, best_m, NMAX: tl.constexpr):
+    """One affine candidate (inverse step, offset) per block: its codes' float64 least-squares gain and (d, m),
+    kept where the gain is higher (:func:`fit_affine_torch`'s candidate loop)."""
+    q = round_clamp(x * inv[:, None] - off[:, None], 0.0, NMAX)
+    s1 = tl.sum(q * w, 1).to(tl.float64)
+    sqx = tl.sum(q * wx, 1).to(tl.float64)
+    sqq = tl.sum((q * q) * w, 1).to(tl.float64)
+    det = swd * sqq - s1 * s1
+    ok = det > (eps * swd) * sqq
+    det = tl.where(ok, det, 1.0)
+    g = tl.where(ok, ((swd * sqx) * sqx - ((2.0 * s1) * sqx) * swxd + (sqq * swxd) * swxd) / det, -1.0)
+    take = g > best_g
+    d = ((swd * sqx - s1 * swxd) / det).to(tl.float32)
+    m = ((sqq * swxd - s1 * sqx) / det).to(tl.float32)
+    return tl.where(take, g, best_g), tl.where(take, d, best_d), tl.where(take, m, best_m)
+
+
+@triton.jit
+def _half(v):
+    """``to_half``: clamped to the finite fp16 range, rounded to fp16 (nearest even), back to float32."""
+    return tl.minimum(tl.maximum(v, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _aff_consider(d, q, x, w, sw, swx, best_err, best_d, best_m, NMAX: tl.constexpr):
+    """:func:`polish_affine`'s step: ``d`` to fp16, ``m`` refit under it with codes ``q`` and rounded, the codes
+    re-rounded under the stored pair, the error on ``d * code + m``; kept where lower."""
+    df = _half(d)
+    mf = _half((swx - df * tl.sum(w * q, 1)) / sw)
+    qn = round_clamp((x - mf[:, None]) / tl.where(df == 0, 1.0, df)[:, None], 0.0, NMAX)
+    r = x - (df[:, None] * qn + mf[:, None])
+    err = tl.sum(w * (r * r), 1)
+    take = err < best_err
+    return tl.where(take, err, best_err), tl.where(take, df, best_d), tl.where(take, mf, best_m)
+
+
+@triton.jit
+def _aff_codes(x, df, mf, NMAX: tl.constexpr):
+    return round_clamp((x - mf[:, None]) / tl.where(df == 0, 1.0, df)[:, None], 0.0, NMAX)
+
+
+@triton.jit(do_not_specialize=["B", "NS"])
+def fit_affine_kernel(x_ptr, w_ptr, steps_ptr, eps_ptr, d_ptr, m_ptr, code_ptr, B, NS, NMAX: tl.constexpr,
+                      ANCHOR: tl.constexpr, LLOYD: tl.constexpr, N: tl.constexpr, BLOCK_B: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
+    rmask = rows < B
+    cols = tl.arange(0, N)
+    offs = rows[:, None] * N + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=rmask[:, None], other=0.0)
+    w = tl.load(w_ptr + offs, mask=rmask[:, None], other=0.0)
+    eps = tl.load(eps_ptr)
+    xmin = tl.min(x, 1)
+    xmax = tl.max(x, 1)
+    wx = w * x
+    sw = tl.sum(w, 1)
+    swx = tl.sum(wx, 1)
+    rng = xmax - xmin
+    srng = tl.where(rng == 0, 1.0, rng)
+    swd = sw.to(tl.float64)
+    swxd = swx.to(tl.float64)
+    best_g = tl.full((BLOCK_B,), -1.0, tl.float64)
+    best_d = tl.zeros((BLOCK_B,), tl.float32)
+    best_m = tl.zeros((BLOCK_B,), tl.float32)
+    for c in range(NS):  # the grid anchored at the block's min
+        inv = tl.load(steps_ptr + c) / srng
+        best_g, best_d, best_m = _aff_score(inv, xmin * inv, x, w, wx, swd, swxd, eps, best_g, best_d, best_m, NMAX)
+    for c in range(NS):  # at its max
+        inv = tl.load(steps_ptr + c) / srng
+        best_g, best_d, best_m = _aff_score(inv, xmax * inv - NMAX, x, w, wx, swd, swxd, eps, best_g, best_d, best_m,
+                                            NMAX)
+    if ANCHOR:  # at its most important weight (the first largest w)
+        xa = _at(x, _first_argmax(w, cols, N), cols)
+        for c in range(NS):
+            inv = tl.load(steps_ptr + c) / srng
+            off = xa * inv - round_clamp((xa - xmin) * inv, -4194304.0, 4194304.0)
+            best_g, best_d, best_m = _aff_score(inv, off, x, w, wx, swd, swxd, eps, best_g, best_d, best_m, NMAX)
+    # exact stage: the constant block at the weighted mean first
+    m0 = _half(swx / sw)
+    r0 = x - m0[:, None]
+    best_err = tl.sum(w * (r0 * r0), 1)
+    bd = tl.zeros((BLOCK_B,), tl.float32)
+    bm = m0
+    q = round_clamp((x - best_m[:, None]) / tl.where(_half(best_d) == 0, 1.0, _half(best_d))[:, None], 0.0, NMAX)
+    best_err, bd, bm = _aff_consider(best_d, q, x, w, sw, swx, best_err, bd, bm, NMAX)
+    for _ in tl.static_range(LLOYD):
+        q = _aff_codes(x, bd, bm, NMAX)
+        wq = w * q
+        swq = tl.sum(wq, 1)
+        swq2 = tl.sum(wq * q, 1)
+        swqx = tl.sum(wq * x, 1)
+        det = sw * swq2 - swq * swq
+        ok = det > (1e-6 * sw) * swq2
+        d = tl.where(ok, (sw * swqx - swq * swx) / tl.where(ok, det, 1.0), bd)
+        best_err, bd, bm = _aff_consider(d, q, x, w, sw, swx, best_err, bd, bm, NMAX)
+    codes = tl.where(bd[:, None] == 0, 0.0, _aff_codes(x, bd, bm, NMAX))
+    tl.store(d_ptr + rows, bd.to(tl.float16), mask=rmask)
+    tl.store(m_ptr + rows, bm.to(tl.float16), mask=rmask)
+    tl.store(code_ptr + offs, codes.to(tl.int64), mask=rmask[:, None])
+
+
+@triton.jit
+def _zero_score(d, z, x, w, wx, best_s, ls_d, ls_z, NMAX: tl.constexpr):
+    """One (step, zero) candidate of :func:`fit_int_zero_torch`: the least-squares score of its levels, kept where
+    higher."""
+    sd = tl.where(d == 0, 1.0, d)
+    q = round_clamp(x * (1.0 / sd)[:, None], -z[:, None], (NMAX - z)[:, None])
+    sqx = tl.sum(q * wx, 1)
+    sq2 = tl.sum((q * q) * w, 1)
+    pos = sq2 > 0
+    den = tl.where(pos, sq2, 1.0)
+    s = tl.where(pos, sqx * sqx / den, -1.0)
+    take = s > best_s
+    return tl.where(take, s, best_s), tl.where(take, tl.where(pos, sqx / den, d), ls_d), tl.where(take, z, ls_z)
+
+
+@triton.jit
+def _zero_consider(d, z, x, w, best_err, best_d, best_z, NMAX: tl.constexpr):
+    """:func:`fit_int_zero_torch`'s exact step: ``d`` (>= 0) to fp16, the codes under it and the zero ``z``, the
+    error on ``d * (code - z)``; kept where lower (and ``d > 0``)."""
+    df = _half(tl.maximum(d, 0.0))
+    lv = round_clamp(x / tl.where(df == 0, 1.0, df)[:, None], -z[:, None], (NMAX - z)[:, None])
+    r = x - df[:, None] * lv
+    err = tl.sum(w * (r * r), 1)
+    take = (err < best_err) & (df > 0)
+    return tl.where(take, err, best_err), tl.where(take, df, best_d), tl.where(take, z, best_z)
+
+
+@triton.jit(do_not_specialize=["B", "NF"])
+def fit_int_zero_kernel(x_ptr, w_ptr, fac_ptr, d_ptr, z_ptr, B, NF, NMAX: tl.constexpr, LLOYD: tl.constexpr,
+                        N: tl.constexpr, BLOCK_B: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
+    rmask = rows < B
+    offs = rows[:, None] * N + tl.arange(0, N)[None, :]
+    x = tl.load(x_ptr + offs, mask=rmask[:, None], other=0.0)
+    w = tl.load(w_ptr + offs, mask=rmask[:, None], other=0.0)
+    xmin = tl.minimum(tl.min(x, 1), 0.0)
+    xmax = tl.maximum(tl.max(x, 1), 0.0)
+    wx = w * x
+    best_s = tl.full((BLOCK_B,), -1.0, tl.float32)
+    ls_d = tl.zeros((BLOCK_B,), tl.float32)
+    ls_z = tl.zeros((BLOCK_B,), tl.float32)
+    for c in range(NF):  # zero points putting the min on a level
+        d = (xmax - xmin) * tl.load(fac_ptr + c)
+        z = round_clamp(-xmin / tl.where(d == 0, 1.0, d), 0.0, NMAX)
+        best_s, ls_d, ls_z = _zero_score(d, z, x, w, wx, best_s, ls_d, ls_z, NMAX)
+    for c in range(NF):  # the max
+        d = (xmax - xmin) * tl.load(fac_ptr + c)
+        z = tl.minimum(tl.maximum(NMAX - round_clamp(xmax / tl.where(d == 0, 1.0, d), -1.0, NMAX + 1.0), 0.0), NMAX)
+        best_s, ls_d, ls_z = _zero_score(d, z, x, w, wx, best_s, ls_d, ls_z, NMAX)
+    best_err = tl.sum(wx * x, 1)
+    bd = tl.zeros((BLOCK_B,), tl.float32)
+    bz = tl.zeros((BLOCK_B,), tl.float32)
+    best_err, bd, bz = _zero_consider(ls_d, ls_z, x, w, best_err, bd, bz, NMAX)
+    for _ in tl.static_range(LLOYD):
+        d0 = bd
+        z0 = bz
+        sd0 = tl.where(d0 == 0, 1.0, d0)
+        for k in tl.static_range(3):  # the zero, then its neighbours below and above
+            z = tl.minimum(tl.maximum(z0 + (k // 2 - k % 2), 0.0), NMAX)  # dz = 0, -1, 1
+            q = round_clamp(x / sd0[:, None], -z[:, None], (NMAX - z)[:, None])
+            wq = w * q
+            s2 = tl.sum(wq * q, 1)
+            d = tl.where(s2 > 0, tl.sum(wq * x, 1) / tl.where(s2 > 0, s2, 1.0), d0)
+            best_err, bd, bz = _zero_consider(d, z, x, w, best_err, bd, bz, NMAX)
+    tl.store(d_ptr + rows, bd.to(tl.float16), mask=rmask)
+    tl.store(z_ptr + rows, bz.to(tl.int64), mask=rmask)
+
+
 _TABLES: dict = {}
 
 
@@ -213,3 +382,66 @@ def fit_scale(
         LINEAR=grid.linear, LO=float(grid.lo), HI=float(grid.hi), KMIN=float(kmin), KMAX=float(kmax),
         LLOYD=int(lloyd_steps), N=n, BLOCK_B=block, **_OPTS)
     return d, codes
+
+
+def _blocks_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    n = x.shape[-1] if x.ndim == 2 else 0
+    return 0 < n <= _MAX_N and n & (n - 1) == 0 and w.shape == x.shape
+
+
+_EPS: dict = {}
+
+
+def fit_affine(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    nmax: int,
+    steps: Sequence[float],
+    n_anchor: int = 0,
+    lloyd_steps: int = 1,
+    ulps: Sequence[int] = (),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`dynaquant.quant.codecs._blockfit.fit_affine_torch` (``Q4_1``, ``Q5_1``), fused as :func:`fit_scale`:
+    the same arguments and results ((B,) float16 ``d`` and ``m``, (B, n) int64 codes). One anchor at most and no
+    ``ulps`` (what the codecs use); other searches, and blocks the kernel does not take, go to the reference."""
+    if not _blocks_ok(x, w) or n_anchor > 1 or ulps:
+        return bf.fit_affine_torch(x, w, nmax, steps, n_anchor, lloyd_steps, ulps)
+    b, n = x.shape
+    xc, wc = x.to(torch.float32).contiguous(), w.to(device=x.device, dtype=torch.float32).contiguous()
+    key = ("affine", tuple(steps), nmax, str(x.device))
+    if key not in _EPS:
+        _EPS[key] = (torch.tensor([nmax + float(v) for v in steps], dtype=torch.float32, device=x.device),
+                     torch.tensor([1e-6], dtype=torch.float64, device=x.device))
+    st, eps = _EPS[key]
+    d = torch.empty(b, dtype=torch.float16, device=x.device)
+    m = torch.empty(b, dtype=torch.float16, device=x.device)
+    codes = torch.empty(b, n, dtype=torch.int64, device=x.device)
+    if b:
+        block = _TILE // n
+        fit_affine_kernel[(triton.cdiv(b, block),)](xc, wc, st, eps, d, m, codes, b, len(steps), NMAX=float(nmax),
+                                                    ANCHOR=n_anchor == 1, LLOYD=int(lloyd_steps), N=n, BLOCK_B=block,
+                                                    **_OPTS)
+    return d, m, codes
+
+
+def fit_int_zero(x: torch.Tensor, w: torch.Tensor, nmax: int, factors: Sequence[float], lloyd_steps: int = 1,
+                 ulps: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dynaquant.quant.codecs.runtime_int.fit_int_zero_torch` (the asymmetric ``INT{b}_G{g}_ASYM`` search),
+    fused as :func:`fit_scale`: the same arguments and results ((B,) float16 ``d``, (B,) int64 ``z``). No ``ulps``
+    (what the codecs use); other searches, and blocks the kernel does not take, go to the reference."""
+    from dynaquant.quant.codecs import runtime_int
+
+    if not _blocks_ok(x, w) or ulps:
+        return runtime_int.fit_int_zero_torch(x, w, nmax, factors, lloyd_steps, ulps)
+    b, n = x.shape
+    xc, wc = x.to(torch.float32).contiguous(), w.to(device=x.device, dtype=torch.float32).contiguous()
+    key = ("zero", tuple(factors), nmax, str(x.device))
+    if key not in _EPS:
+        _EPS[key] = torch.tensor([f / nmax for f in factors], dtype=torch.float32, device=x.device)
+    d = torch.empty(b, dtype=torch.float16, device=x.device)
+    z = torch.empty(b, dtype=torch.int64, device=x.device)
+    if b:
+        block = _TILE // n
+        fit_int_zero_kernel[(triton.cdiv(b, block),)](xc, wc, _EPS[key], d, z, b, len(factors), NMAX=float(nmax),
+                                                      LLOYD=int(lloyd_steps), N=n, BLOCK_B=block, **_OPTS)
+    return d, z

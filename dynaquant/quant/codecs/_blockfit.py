@@ -375,6 +375,22 @@ def fit_affine(
     n_anchor: int = 0,
     lloyd_steps: int = 1,
     ulps: Sequence[int] = (),
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`fit_affine_torch`, or its fast path ``blockfit.fit_affine`` (one fused kernel a chunk) as ``backend``
+    chooses (:func:`dynaquant.quant.codecs.fastpaths.fast_path`); same arguments and results."""
+    fn = fast_path("blockfit.fit_affine", x, backend)
+    return (fn or fit_affine_torch)(x, w, nmax, steps, n_anchor, lloyd_steps, ulps)
+
+
+def fit_affine_torch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    nmax: int,
+    steps: Sequence[float],
+    n_anchor: int = 0,
+    lloyd_steps: int = 1,
+    ulps: Sequence[int] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Search fp16 ``d`` and ``m`` of ``decode = d * code + m``, ``code`` in ``0..nmax``, per block.
 

@@ -95,6 +95,23 @@ def _grid_table(name: str, device) -> tuple[torch.Tensor, torch.Tensor]:
     return _tables[key]
 
 
+def _packed_grid(name: str, device) -> torch.Tensor:
+    """(P,) int32: grid point ``i``'s 4 coordinates as the bytes of one little-endian word (the values are small
+    positive integers), so that a gather moves 4 bytes a point instead of 16."""
+    key = (name, "packed", str(device))
+    if key not in _tables:
+        g, _ = _grid_table(name, "cpu")
+        _tables[key] = g.to(torch.uint8).contiguous().view(torch.int32).reshape(-1).to(device)
+    return _tables[key]
+
+
+def grid_points(name: str, idx: torch.Tensor) -> torch.Tensor:
+    """Grid indices (any shape, int64) -> their points (``idx.shape + (4,)``) float32, equal to
+    ``_grid_table(name)[0][idx]`` (one int32 gather and a byte unpack)."""
+    w = _packed_grid(name, idx.device).index_select(0, idx.reshape(-1))
+    return w.view(torch.uint8).to(torch.float32).reshape(*idx.shape, 4)
+
+
 def _grid_map(name: str, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(kmap (4096,) int64: grid index of the point with level indices ``l0 + 8 l1 + 64 l2 +
     512 l3``, or -1 off the grid; mids (7,) float32 midpoints between the 8 levels)."""
@@ -357,8 +374,7 @@ class _IQ3(Codec):
 
     def _points(self, idx: torch.Tensor) -> torch.Tensor:
         """(n, 8, 8) grid indices -> (n, 8, 32) float32 grid values."""
-        g, _ = _grid_table(self.grid_name, idx.device)
-        return g.index_select(0, idx.reshape(-1)).reshape(idx.shape[0], _N_SUB, 32)
+        return grid_points(self.grid_name, idx).reshape(idx.shape[0], _N_SUB, 32)
 
     # ------------------------------------------------------------------ scales
 
@@ -535,8 +551,7 @@ class IQ3_XXS(_IQ3):
         self._check_bytes(b)
         n = b.shape[0]
         d = b[:, :2].contiguous().view(torch.float16).to(torch.float32)  # (n, 1)
-        g, _ = _grid_table(self.grid_name, b.device)
-        grid = g[b[:, 2:66].long()].reshape(n, _N_SUB, 32)
+        grid = grid_points(self.grid_name, b[:, 2:66].long()).reshape(n, _N_SUB, 32)
         word = (b[:, 66:98].long().reshape(n, _N_SUB, 4) << (8 * _bits(b.device, 4))).sum(-1)  # (n, 8)
         db = (d * (0.5 + (word >> 28).to(torch.float32))) * 0.5
         s7 = (word.unsqueeze(-1) >> (7 * _bits(b.device, 4))) & 127  # (n, 8, 4)
@@ -583,8 +598,7 @@ class IQ3_S(_IQ3):
         bl = b.long()
         qh = ((bl[:, 66:74].unsqueeze(-1) >> _bits(b.device)) & 1).reshape(n, 64)
         idx = bl[:, 2:66] | (qh << 8)
-        g, _ = _grid_table(self.grid_name, b.device)
-        grid = g[idx].reshape(n, _N_SUB, 32)
+        grid = grid_points(self.grid_name, idx).reshape(n, _N_SUB, 32)
         sbits = ((bl[:, 74:106].unsqueeze(-1) >> _bits(b.device)) & 1).reshape(n, _N_SUB, 32)
         signs = torch.where(sbits == 0, 1.0, -1.0)
         sc = ((bl[:, 106:110].unsqueeze(-1) >> torch.tensor([0, 4], device=b.device)) & 15).reshape(n, _N_SUB)

@@ -173,17 +173,22 @@ class _AffineCodec(Codec):
     lloyd_steps: int = 1
     ulps: tuple[int, ...] = ()
 
-    def _fit(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x, w = x.to(torch.float32), w.to(torch.float32)
-        return in_subchunks(fit_affine, x, w, self.nmax, self.steps, self.n_anchor, self.lloyd_steps, self.ulps)
+    fast_paths = True  # the affine search's fused kernel (blockfit.fit_affine)
 
-    def fit_params(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        d, m, _ = self._fit(x, w)
+    def _fit(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x, w = x.to(torch.float32), w.to(torch.float32)
+        return in_subchunks(fit_affine, x, w, self.nmax, self.steps, self.n_anchor, self.lloyd_steps, self.ulps,
+                            backend=backend)
+
+    def fit_params(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+        d, m, _ = self._fit(x, w, backend)
         return d, m
 
-    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto", variant: str | None = None) -> torch.Tensor:
+        """As :meth:`Codec.encode_blocks`; ``backend`` chooses the affine search's fused kernel
+        (:func:`._blockfit.fit_affine`); ``variant`` is unused."""
         # The search's codes are round_to_grid's (nearest under the stored pair): no second pass.
-        d, m, codes = self._fit(x, w)
+        d, m, codes = self._fit(x, w, backend)
         return self.pack((d, m), codes)
 
     def round_to_grid(self, x: torch.Tensor, params, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,6 +43,7 @@ from dynaquant.quant.codecs._blockfit import (
     ulp_neighbours,
 )
 from dynaquant.quant.codecs.base import Codec, register
+from dynaquant.quant.codecs.fastpaths import fast_path
 from dynaquant.quant.formats import FORMATS
 
 
@@ -76,7 +77,15 @@ def int_zero_codes(x: torch.Tensor, d: torch.Tensor, z: torch.Tensor, nmax: int)
 
 
 def fit_int_zero(x: torch.Tensor, w: torch.Tensor, nmax: int, factors: Sequence[float], lloyd_steps: int = 1,
-                 ulps: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+                 ulps: Sequence[int] = (), backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fit_int_zero_torch`, or its fast path ``blockfit.fit_int_zero`` (one fused kernel a chunk) as
+    ``backend`` chooses (:func:`dynaquant.quant.codecs.fastpaths.fast_path`); same arguments and results."""
+    fn = fast_path("blockfit.fit_int_zero", x, backend)
+    return (fn or fit_int_zero_torch)(x, w, nmax, factors, lloyd_steps, ulps)
+
+
+def fit_int_zero_torch(x: torch.Tensor, w: torch.Tensor, nmax: int, factors: Sequence[float], lloyd_steps: int = 1,
+                       ulps: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """Search fp16 ``d`` >= 0 and integer ``z`` of ``decode = d * (code - z)``, codes and ``z`` in ``0..nmax``.
 
     Each factor ``f`` starts two candidates with ``d = f * (max - min) / nmax``, ``z`` putting the
@@ -192,7 +201,8 @@ class _IntCodec(Codec):
 
     def fit_params(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto"):
         if self.asym:
-            return in_subchunks(fit_int_zero, x.to(torch.float32), w.to(torch.float32), self.nmax, _ASYM_FACTORS[self.bits])
+            return in_subchunks(fit_int_zero, x.to(torch.float32), w.to(torch.float32), self.nmax, _ASYM_FACTORS[self.bits],
+                                backend=backend)
         return (self._fit_sym(x, w, backend)[0],)
 
     def round_to_grid(self, x: torch.Tensor, params, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
