@@ -13,7 +13,7 @@ from dynaquant.analysis.corrections import GroupMeasure, PlanMeasure, correction
 from dynaquant.analysis.report.html import build_report_page
 from dynaquant.analysis.report.plots import correction_points, fig_corrections
 from dynaquant.analysis.report.schema import Report
-from dynaquant.analysis.sensitivity import ReferenceLogits, SwappedWeights, kld_with_weights
+from dynaquant.analysis.sensitivity import ReferenceLogits, SwappedWeights, kld_with_weights, tf32_matmuls
 from dynaquant.errors import InputError
 from dynaquant.pipeline.corrections import correct_plan, fit_factors, model_measure
 from dynaquant.pipeline.plan import error_fn_from_report
@@ -306,6 +306,21 @@ def test_measure_plan_with_prefix_states_measures_what_whole_passes_measure(tiny
                         dict.fromkeys(params, 0.01), lambda n: None, progress=False) for pre in (False, True)]
     assert got[0].kld_measured == got[1].kld_measured
     assert [g.kld_measured for g in got[0].groups] == [g.kld_measured for g in got[1].groups]
+
+def test_tf32_matmuls_is_scoped_to_cuda_and_restored():
+    """The corrections' passes run TF32 matmuls on CUDA only, and the setting comes back (also on error)."""
+    mm = torch.backends.cuda.matmul
+    attr = "fp32_precision" if hasattr(mm, "fp32_precision") else "allow_tf32"
+    before = getattr(mm, attr)
+    with tf32_matmuls("cpu"):
+        assert getattr(mm, attr) == before
+    with tf32_matmuls("cuda:0"):
+        assert getattr(mm, attr) in ("tf32", True)
+    assert getattr(mm, attr) == before
+    with pytest.raises(RuntimeError), tf32_matmuls(torch.device("cuda")):
+        raise RuntimeError("measure failed")
+    assert getattr(mm, attr) == before
+
 
 def test_device_room_is_zero_off_cuda():
     from dynaquant.analysis.corrections import device_room

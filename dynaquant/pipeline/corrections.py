@@ -30,7 +30,7 @@ import torch
 
 from dynaquant.analysis.calibration import CalibrationSpec, calibration_chunks
 from dynaquant.analysis.corrections import PlanMeasure, correction_group, measure_plan, measure_plan_blockwise
-from dynaquant.analysis.sensitivity import ReferenceLogits
+from dynaquant.analysis.sensitivity import ReferenceLogits, tf32_matmuls
 from dynaquant.config import QuantizeConfig
 from dynaquant.pipeline.plan import PlanStart, error_fn_from_report, plan_from_report
 from dynaquant.pipeline.targets import Target
@@ -223,9 +223,17 @@ def correct_in_model(model, tokenizer, spec: CalibrationSpec, report: dict, tens
     + embedding / output; on a loaded model from the group's first layer on) and one for the whole plan, and one
     encode + decode per quantized parameter (on a loaded model, only the parameters whose format changed since the
     last plan measured: the decoded weights are kept between rounds, one model's worth, on the device as far as it
-    has room, else on the host); at most ``rounds + 1`` plans are measured.
+    has room, else on the host); at most ``rounds + 1`` plans are measured. On CUDA every pass (the reference's
+    too) runs its float32 matmuls on TF32 tensor cores (:func:`tf32_matmuls`).
     """
     held = held_out_chunks(tokenizer, spec, sequences)
+    device = sk.device if sk is not None else next(model.parameters()).device
+    with tf32_matmuls(device):
+        return _correct_in_model(model, held, report, tensors, replan, imatrix_of, rounds, label, progress, first, sk)
+
+
+def _correct_in_model(model, held: torch.Tensor, report: dict, tensors: list[TensorInfo], replan, imatrix_of, rounds: int,
+                      label: str | None, progress: bool, first: Plan | None, sk) -> tuple[Plan, dict]:
     if sk is not None:
         measure = model_measure(sk.model, held, tensors, report, imatrix_of, progress, sk=sk)
     else:
