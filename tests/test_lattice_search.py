@@ -232,9 +232,11 @@ def test_iq2_encoder_on_fused_path(interpreted, name):
 
 @pytest.mark.parametrize("name", ["IQ3_XXS", "IQ3_S"])
 @pytest.mark.parametrize("variants", ["none", "full", "one"])
-def test_iq3_nearest_variants_against_the_reference(interpreted, name, variants):
+@pytest.mark.parametrize("lists", [True, False])
+def test_iq3_nearest_variants_against_the_reference(interpreted, name, variants, lists):
     """The fused IQ3 assignment gives the torch reference's grid points for every variant (unflipped; every weight
-    flipped, or the named one, on the odd groups; -inf / 0 on the even ones), scores equal up to float32 rounding."""
+    flipped, or the named one, on the odd groups; -inf / 0 on the even ones), scores equal up to float32 rounding;
+    off-grid variants through their exact candidate lists (the default) or the whole grid."""
     from dynaquant.kernels.iq3_search import nearest_variants
     from dynaquant.quant.codecs import iq3
 
@@ -251,7 +253,7 @@ def test_iq3_nearest_variants_against_the_reference(interpreted, name, variants)
     tables = (*iq3._grid_map(name, "cpu"), *iq3._grid_table(name, "cpu"))
     s_ref, i_ref = iq3.nearest_variants_torch(f, t, odd, at, *tables)
     s, i = nearest_variants(f.to(DEVICE), t.to(DEVICE), None if odd is None else odd.to(DEVICE),
-                            None if at is None else at.to(DEVICE), *(x.to(DEVICE) for x in tables))
+                            None if at is None else at.to(DEVICE), *(x.to(DEVICE) for x in tables), lists=lists)
     s, i = s.cpu(), i.cpu()
     assert s.shape == i.shape == (r, {"none": 1, "full": 5, "one": 2}[variants])
     assert torch.equal(i, i_ref)
