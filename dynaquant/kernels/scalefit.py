@@ -389,7 +389,7 @@ def _blocks_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     return 0 < n <= _MAX_N and n & (n - 1) == 0 and w.shape == x.shape
 
 
-_EPS: dict = {}
+_CONSTS: dict = {}  # device constants of the affine and zero-point searches (steps, eps; factors), per device
 
 
 def fit_affine(
@@ -409,10 +409,10 @@ def fit_affine(
     b, n = x.shape
     xc, wc = x.to(torch.float32).contiguous(), w.to(device=x.device, dtype=torch.float32).contiguous()
     key = ("affine", tuple(steps), nmax, str(x.device))
-    if key not in _EPS:
-        _EPS[key] = (torch.tensor([nmax + float(v) for v in steps], dtype=torch.float32, device=x.device),
+    if key not in _CONSTS:
+        _CONSTS[key] = (torch.tensor([nmax + float(v) for v in steps], dtype=torch.float32, device=x.device),
                      torch.tensor([1e-6], dtype=torch.float64, device=x.device))
-    st, eps = _EPS[key]
+    st, eps = _CONSTS[key]
     d = torch.empty(b, dtype=torch.float16, device=x.device)
     m = torch.empty(b, dtype=torch.float16, device=x.device)
     codes = torch.empty(b, n, dtype=torch.int64, device=x.device)
@@ -436,12 +436,12 @@ def fit_int_zero(x: torch.Tensor, w: torch.Tensor, nmax: int, factors: Sequence[
     b, n = x.shape
     xc, wc = x.to(torch.float32).contiguous(), w.to(device=x.device, dtype=torch.float32).contiguous()
     key = ("zero", tuple(factors), nmax, str(x.device))
-    if key not in _EPS:
-        _EPS[key] = torch.tensor([f / nmax for f in factors], dtype=torch.float32, device=x.device)
+    if key not in _CONSTS:
+        _CONSTS[key] = torch.tensor([f / nmax for f in factors], dtype=torch.float32, device=x.device)
     d = torch.empty(b, dtype=torch.float16, device=x.device)
     z = torch.empty(b, dtype=torch.int64, device=x.device)
     if b:
         block = _TILE // n
-        fit_int_zero_kernel[(triton.cdiv(b, block),)](xc, wc, _EPS[key], d, z, b, len(factors), NMAX=float(nmax),
+        fit_int_zero_kernel[(triton.cdiv(b, block),)](xc, wc, _CONSTS[key], d, z, b, len(factors), NMAX=float(nmax),
                                                       LLOYD=int(lloyd_steps), N=n, BLOCK_B=block, **_OPTS)
     return d, z
