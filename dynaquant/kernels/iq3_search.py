@@ -54,14 +54,19 @@ def _on_grid(kmap_ptr, grid_ptr, g2_ptr, l0, l1, l2, l3, s0, s1, s2, s3, f0, f1,
     # the grid point the levels l0..l3 form (-1 off the grid) and its score with the first four features signed
     # by s0..s3 (+1 or -1)
     idx = tl.load(kmap_ptr + (l0 + 8 * l1 + 64 * l2 + 512 * l3), mask=mask, other=-1).to(tl.int32)
-    ok = mask & (idx >= 0)
+    return idx, _point_score(grid_ptr, g2_ptr, idx, s0, s1, s2, s3, f0, f1, f2, f3, f4, f5, f6, f7, mask & (idx >= 0))
+
+
+@triton.jit
+def _point_score(grid_ptr, g2_ptr, idx, s0, s1, s2, s3, f0, f1, f2, f3, f4, f5, f6, f7, ok):
+    # grid point idx's score, the first four features signed by s0..s3; 0 where not ok
     gp = grid_ptr + idx * 4
     qp = g2_ptr + idx * 4
     b = (s0 * f0 * tl.load(gp + 0, mask=ok, other=0.0) + s1 * f1 * tl.load(gp + 1, mask=ok, other=0.0)) + (
         s2 * f2 * tl.load(gp + 2, mask=ok, other=0.0) + s3 * f3 * tl.load(gp + 3, mask=ok, other=0.0))
     c = (f4 * tl.load(qp + 0, mask=ok, other=0.0) + f5 * tl.load(qp + 1, mask=ok, other=0.0)) + (
         f6 * tl.load(qp + 2, mask=ok, other=0.0) + f7 * tl.load(qp + 3, mask=ok, other=0.0))
-    return idx, b + c
+    return b + c
 
 
 @triton.jit
@@ -81,13 +86,7 @@ def _walk(cand_ptr, cnt_ptr, grid_ptr, g2_ptr, l0, l1, l2, l3, s0, s1, s2, s3, f
     for k in range(tl.max(cnt, axis=0)):
         m = need & (k < cnt)
         p = tl.load(cand_ptr + u * K + k, mask=m, other=0)
-        gp = grid_ptr + p * 4
-        qp = g2_ptr + p * 4
-        v = (s0 * f0 * tl.load(gp + 0, mask=m, other=0.0) + s1 * f1 * tl.load(gp + 1, mask=m, other=0.0)) + (
-            s2 * f2 * tl.load(gp + 2, mask=m, other=0.0) + s3 * f3 * tl.load(gp + 3, mask=m, other=0.0))
-        c = (f4 * tl.load(qp + 0, mask=m, other=0.0) + f5 * tl.load(qp + 1, mask=m, other=0.0)) + (
-            f6 * tl.load(qp + 2, mask=m, other=0.0) + f7 * tl.load(qp + 3, mask=m, other=0.0))
-        v = v + c
+        v = _point_score(grid_ptr, g2_ptr, p, s0, s1, s2, s3, f0, f1, f2, f3, f4, f5, f6, f7, m)
         b, j = _take(m & (v > b), v, p, b, j)
     return tl.where(need, b, best), tl.where(need, j, arg)
 

@@ -79,18 +79,30 @@ def _code(t, clut_ptr, LINEAR: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
 
 
 @triton.jit
-def _score(inv, x, w, wx, best_s, best_d, vlut_ptr, LINEAR: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
-           KMIN: tl.constexpr, KMAX: tl.constexpr):
-    """One candidate inverse scale per block: its codes' least-squares score ``Sqx**2 / Sqq`` and scale
-    ``Sqx / Sqq``, kept where the score is higher."""
-    q = _value(x * inv[:, None], vlut_ptr, LINEAR, LO, HI, KMIN, KMAX)
+def _half(v):
+    """``to_half``: clamped to the finite fp16 range, rounded to fp16 (nearest even), back to float32."""
+    return tl.minimum(tl.maximum(v, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _ls_score(q, w, wx):
+    """Levels ``q`` per block: the least-squares score ``Sqx**2 / Sqq`` (-1 where ``Sqq`` is 0), the scale
+    ``Sqx / Sqq`` (``Sqx`` where ``Sqq`` is 0) and whether ``Sqq > 0``."""
     sqx = tl.sum(q * wx, 1)
     sq2 = tl.sum((q * q) * w, 1)
     pos = sq2 > 0
     den = tl.where(pos, sq2, 1.0)
-    s = tl.where(pos, sqx * sqx / den, -1.0)
+    return tl.where(pos, sqx * sqx / den, -1.0), sqx / den, pos
+
+
+@triton.jit
+def _score(inv, x, w, wx, best_s, best_d, vlut_ptr, LINEAR: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
+           KMIN: tl.constexpr, KMAX: tl.constexpr):
+    """One candidate inverse scale per block: its codes' least-squares score ``Sqx**2 / Sqq`` and scale
+    ``Sqx / Sqq``, kept where the score is higher."""
+    s, d, _ = _ls_score(_value(x * inv[:, None], vlut_ptr, LINEAR, LO, HI, KMIN, KMAX), w, wx)
     take = s > best_s
-    return tl.where(take, s, best_s), tl.where(take, sqx / den, best_d)
+    return tl.where(take, s, best_s), tl.where(take, d, best_d)
 
 
 @triton.jit
@@ -98,7 +110,7 @@ def _consider(d, x, w, best_err, best_df, vlut_ptr, LINEAR: tl.constexpr, LO: tl
               KMIN: tl.constexpr, KMAX: tl.constexpr):
     """The exact stage's step: ``d`` rounded to fp16 as stored, the nearest levels under it, the error on the
     decoder's ``d * level``; kept where lower. Returns the levels and the running best."""
-    df = tl.minimum(tl.maximum(d, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
+    df = _half(d)
     q = _value(x / tl.where(df == 0, 1.0, df)[:, None], vlut_ptr, LINEAR, LO, HI, KMIN, KMAX)
     r = x - df[:, None] * q
     err = tl.sum(w * (r * r), 1)
@@ -179,9 +191,10 @@ def _aff_score(inv, off, x, w, wx, swd, swxd, eps, best_g, best_d, best_m, NMAX:
 
 
 @triton.jit
-def _half(v):
-    """``to_half``: clamped to the finite fp16 range, rounded to fp16 (nearest even), back to float32."""
-    return tl.minimum(tl.maximum(v, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
+def _aff_codes(x, df, mf, NMAX: tl.constexpr):
+    """The nearest codes ``0 .. NMAX`` of ``d * code + m`` for (B,) ``df``, ``mf`` (``affine_codes`` before its
+    ``d == 0`` case)."""
+    return round_clamp((x - mf[:, None]) / tl.where(df == 0, 1.0, df)[:, None], 0.0, NMAX)
 
 
 @triton.jit
@@ -190,16 +203,10 @@ def _aff_consider(d, q, x, w, sw, swx, best_err, best_d, best_m, NMAX: tl.conste
     re-rounded under the stored pair, the error on ``d * code + m``; kept where lower."""
     df = _half(d)
     mf = _half((swx - df * tl.sum(w * q, 1)) / sw)
-    qn = round_clamp((x - mf[:, None]) / tl.where(df == 0, 1.0, df)[:, None], 0.0, NMAX)
-    r = x - (df[:, None] * qn + mf[:, None])
+    r = x - (df[:, None] * _aff_codes(x, df, mf, NMAX) + mf[:, None])
     err = tl.sum(w * (r * r), 1)
     take = err < best_err
     return tl.where(take, err, best_err), tl.where(take, df, best_d), tl.where(take, mf, best_m)
-
-
-@triton.jit
-def _aff_codes(x, df, mf, NMAX: tl.constexpr):
-    return round_clamp((x - mf[:, None]) / tl.where(df == 0, 1.0, df)[:, None], 0.0, NMAX)
 
 
 @triton.jit(do_not_specialize=["B", "NS"])
@@ -243,7 +250,7 @@ def fit_affine_kernel(x_ptr, w_ptr, steps_ptr, eps_ptr, d_ptr, m_ptr, code_ptr, 
     best_err = tl.sum(w * (r0 * r0), 1)
     bd = tl.zeros((BLOCK_B,), tl.float32)
     bm = m0
-    q = round_clamp((x - best_m[:, None]) / tl.where(_half(best_d) == 0, 1.0, _half(best_d))[:, None], 0.0, NMAX)
+    q = _aff_codes(x, _half(best_d), best_m, NMAX)  # (the least-squares m itself, not yet rounded)
     best_err, bd, bm = _aff_consider(best_d, q, x, w, sw, swx, best_err, bd, bm, NMAX)
     for _ in tl.static_range(LLOYD):
         q = _aff_codes(x, bd, bm, NMAX)
@@ -266,14 +273,9 @@ def _zero_score(d, z, x, w, wx, best_s, ls_d, ls_z, NMAX: tl.constexpr):
     """One (step, zero) candidate of :func:`fit_int_zero_torch`: the least-squares score of its levels, kept where
     higher."""
     sd = tl.where(d == 0, 1.0, d)
-    q = round_clamp(x * (1.0 / sd)[:, None], -z[:, None], (NMAX - z)[:, None])
-    sqx = tl.sum(q * wx, 1)
-    sq2 = tl.sum((q * q) * w, 1)
-    pos = sq2 > 0
-    den = tl.where(pos, sq2, 1.0)
-    s = tl.where(pos, sqx * sqx / den, -1.0)
+    s, d_ls, pos = _ls_score(round_clamp(x * (1.0 / sd)[:, None], -z[:, None], (NMAX - z)[:, None]), w, wx)
     take = s > best_s
-    return tl.where(take, s, best_s), tl.where(take, tl.where(pos, sqx / den, d), ls_d), tl.where(take, z, ls_z)
+    return tl.where(take, s, best_s), tl.where(take, tl.where(pos, d_ls, d), ls_d), tl.where(take, z, ls_z)
 
 
 @triton.jit
@@ -345,11 +347,22 @@ def _tables(grid: bf.Grid, targets: Sequence[float], anchors: Sequence[int], ulp
     return _TABLES[key][1:]
 
 
+def _blocks_ok(x: torch.Tensor) -> bool:
+    """(B, n) blocks with ``n`` a power of two up to 256 (a program's tile)."""
+    n = x.shape[-1] if x.ndim == 2 else 0
+    return 0 < n <= _MAX_N and n & (n - 1) == 0
+
+
+def _inputs(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``x``, ``w`` as contiguous float32 on ``x``'s device, and the blocks a program takes."""
+    xc = x.to(torch.float32).contiguous()
+    return xc, w.to(device=x.device, dtype=torch.float32).contiguous(), _TILE // x.shape[1]
+
+
 def supported(x: torch.Tensor, grid: bf.Grid) -> bool:
     """Whether the kernel runs this search: (B, n) blocks with ``n`` a power of two up to 256, on a linear or
     half-integer-midpoint grid."""
-    n = x.shape[-1] if x.ndim == 2 else 0
-    return 0 < n <= _MAX_N and n & (n - 1) == 0 and (grid.linear or grid.half_int)
+    return _blocks_ok(x) and (grid.linear or grid.half_int)
 
 
 def fit_scale(
@@ -367,14 +380,12 @@ def fit_scale(
     if not supported(x, grid) or w.shape != x.shape:
         return bf.fit_scale_torch(x, w, grid, targets, anchor_offsets, lloyd_steps, ulps)
     b, n = x.shape
-    xc = x.to(torch.float32).contiguous()
-    wc = w.to(device=x.device, dtype=torch.float32).contiguous()
+    xc, wc, block = _inputs(x, w)
     tgt, off, ulp, lv, vlut, clut = _tables(grid, targets, anchor_offsets, ulps, x.device)
     d = torch.empty(b, dtype=torch.float16, device=x.device)
     codes = torch.empty(b, n, dtype=torch.int64, device=x.device)
     if b == 0:
         return d, codes
-    block = _TILE // n
     kmin, kmax = (grid.kmin, grid.kmax) if grid.half_int and not grid.linear else (0, 0)
     fit_scale_kernel[(triton.cdiv(b, block),)](
         xc, wc, tgt, off, ulp, lv, vlut, clut, d, codes, b, len(targets), len(anchor_offsets), len(ulps),
@@ -382,11 +393,6 @@ def fit_scale(
         LINEAR=grid.linear, LO=float(grid.lo), HI=float(grid.hi), KMIN=float(kmin), KMAX=float(kmax),
         LLOYD=int(lloyd_steps), N=n, BLOCK_B=block, **_OPTS)
     return d, codes
-
-
-def _blocks_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    n = x.shape[-1] if x.ndim == 2 else 0
-    return 0 < n <= _MAX_N and n & (n - 1) == 0 and w.shape == x.shape
 
 
 _CONSTS: dict = {}  # device constants of the affine and zero-point searches (steps, eps; factors), per device
@@ -404,10 +410,10 @@ def fit_affine(
     """:func:`dynaquant.quant.codecs._blockfit.fit_affine_torch` (``Q4_1``, ``Q5_1``), fused as :func:`fit_scale`:
     the same arguments and results ((B,) float16 ``d`` and ``m``, (B, n) int64 codes). One anchor at most and no
     ``ulps`` (what the codecs use); other searches, and blocks the kernel does not take, go to the reference."""
-    if not _blocks_ok(x, w) or n_anchor > 1 or ulps:
+    if not _blocks_ok(x) or w.shape != x.shape or n_anchor > 1 or ulps:
         return bf.fit_affine_torch(x, w, nmax, steps, n_anchor, lloyd_steps, ulps)
     b, n = x.shape
-    xc, wc = x.to(torch.float32).contiguous(), w.to(device=x.device, dtype=torch.float32).contiguous()
+    xc, wc, block = _inputs(x, w)
     key = ("affine", tuple(steps), nmax, str(x.device))
     if key not in _CONSTS:
         _CONSTS[key] = (torch.tensor([nmax + float(v) for v in steps], dtype=torch.float32, device=x.device),
@@ -417,7 +423,6 @@ def fit_affine(
     m = torch.empty(b, dtype=torch.float16, device=x.device)
     codes = torch.empty(b, n, dtype=torch.int64, device=x.device)
     if b:
-        block = _TILE // n
         fit_affine_kernel[(triton.cdiv(b, block),)](xc, wc, st, eps, d, m, codes, b, len(steps), NMAX=float(nmax),
                                                     ANCHOR=n_anchor == 1, LLOYD=int(lloyd_steps), N=n, BLOCK_B=block,
                                                     **_OPTS)
@@ -431,17 +436,16 @@ def fit_int_zero(x: torch.Tensor, w: torch.Tensor, nmax: int, factors: Sequence[
     (what the codecs use); other searches, and blocks the kernel does not take, go to the reference."""
     from dynaquant.quant.codecs import runtime_int
 
-    if not _blocks_ok(x, w) or ulps:
+    if not _blocks_ok(x) or w.shape != x.shape or ulps:
         return runtime_int.fit_int_zero_torch(x, w, nmax, factors, lloyd_steps, ulps)
     b, n = x.shape
-    xc, wc = x.to(torch.float32).contiguous(), w.to(device=x.device, dtype=torch.float32).contiguous()
+    xc, wc, block = _inputs(x, w)
     key = ("zero", tuple(factors), nmax, str(x.device))
     if key not in _CONSTS:
         _CONSTS[key] = torch.tensor([f / nmax for f in factors], dtype=torch.float32, device=x.device)
     d = torch.empty(b, dtype=torch.float16, device=x.device)
     z = torch.empty(b, dtype=torch.int64, device=x.device)
     if b:
-        block = _TILE // n
         fit_int_zero_kernel[(triton.cdiv(b, block),)](xc, wc, _CONSTS[key], d, z, b, len(factors), NMAX=float(nmax),
                                                       LLOYD=int(lloyd_steps), N=n, BLOCK_B=block, **_OPTS)
     return d, z

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from dynaquant.quant.codecs.base import Codec
 from dynaquant.quant.codecs.fastpaths import fast_path
 
 FP16_MAX = 65504.0
@@ -357,6 +358,45 @@ def scale_codes(x: torch.Tensor, d: torch.Tensor, grid: Grid) -> torch.Tensor:
     df = d.to(torch.float32)[:, None]
     codes = grid.codes_of(x / safe_scale(df))
     return torch.where(df == 0, grid.zero_code(), codes)
+
+
+class ScaleCodec(Codec):
+    """A format ``y = d * levels[code]`` with one fp16 ``d`` a block, searched by :func:`fit_scale` (the legacy
+    ``Q4_0`` / ``Q5_0`` / ``Q8_0``, ``IQ4_NL``); subclasses set ``grid``, the search's class data and ``pack`` /
+    ``decode_blocks``.
+
+    Block parameters (:meth:`fit_params`): the tuple ``(d,)``, ``d`` (n_blocks,) float16 as stored. Codes
+    (:meth:`round_to_grid`, :meth:`pack`): indices into ``grid``.
+    """
+
+    grid: Grid
+    targets: list[float]
+    anchor_offsets: tuple[int, ...] = ()
+    lloyd_steps: int = 1
+    ulps: tuple[int, ...] = ()
+
+    fast_paths = True  # the scale search's fused kernel (blockfit.fit_scale)
+
+    def _fit(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = x.to(torch.float32), w.to(torch.float32)
+        return in_subchunks(fit_scale, x, w, self.grid, self.targets, self.anchor_offsets, self.lloyd_steps, self.ulps,
+                            backend=backend)
+
+    def fit_params(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor]:
+        return (self._fit(x, w, backend)[0],)
+
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto", variant: str | None = None) -> torch.Tensor:
+        """As :meth:`Codec.encode_blocks`; ``backend`` chooses the scale search's fused kernel (:func:`fit_scale`);
+        ``variant`` is unused."""
+        # The search's codes are round_to_grid's (nearest under the stored scale): no second pass.
+        d, codes = self._fit(x, w, backend)
+        return self.pack((d,), codes)
+
+    def round_to_grid(self, x: torch.Tensor, params, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        (d,) = params
+        x = x.to(torch.float32)
+        codes = scale_codes(x, d, self.grid)
+        return codes, d.to(torch.float32)[:, None] * self.grid.level_tensor(x.device)[codes]
 
 
 def affine_codes(x: torch.Tensor, d: torch.Tensor, m: torch.Tensor, nmax: int) -> torch.Tensor:

@@ -27,15 +27,14 @@ import torch
 
 from dynaquant.quant.codecs._blockfit import (
     Grid,
+    ScaleCodec,
     affine_codes,
     bytes_half,
     fit_affine,
-    fit_scale,
     half_bytes,
     in_subchunks,
     pack_high_bits,
     pack_nibbles,
-    scale_codes,
     scale_targets,
     unpack_high_bits,
     unpack_nibbles,
@@ -51,8 +50,8 @@ def _geo(level: float, lo: float, hi: float, n: int) -> list[float]:
     return [level * float(f) for f in np.geomspace(lo, hi, n)]
 
 
-class _SymmetricCodec(Codec):
-    """Formats ``y = d * level`` with an fp16 ``d`` and a linear grid of integer levels.
+class _SymmetricCodec(ScaleCodec):
+    """Formats ``y = d * level`` with an fp16 ``d`` and a linear grid of integer levels (:class:`._blockfit.ScaleCodec`).
 
     ``encode_blocks(x, w)``: x, w (n_blocks, 32) float32 (w > 0) -> (n_blocks, type_size)
     uint8; ``decode_blocks`` inverts it. Search parameters (class data): ``targets`` and
@@ -62,35 +61,6 @@ class _SymmetricCodec(Codec):
     stored. Codes (:meth:`round_to_grid`, :meth:`pack`): indices into ``grid``, i.e.
     ``level - grid.lo`` (the stored nibble / 5-bit value; Q8_0 stores ``code - 127`` as int8).
     """
-
-    grid: Grid
-    targets: list[float]
-    anchor_offsets: tuple[int, ...] = ()
-    lloyd_steps: int = 1
-    ulps: tuple[int, ...] = ()
-
-    fast_paths = True  # the scale search's fused kernel (blockfit.fit_scale)
-
-    def _fit(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-        x, w = x.to(torch.float32), w.to(torch.float32)
-        return in_subchunks(fit_scale, x, w, self.grid, self.targets, self.anchor_offsets, self.lloyd_steps, self.ulps,
-                            backend=backend)
-
-    def fit_params(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor]:
-        return (self._fit(x, w, backend)[0],)
-
-    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto", variant: str | None = None) -> torch.Tensor:
-        """As :meth:`Codec.encode_blocks`; ``backend`` chooses the scale search's fused kernel
-        (:func:`._blockfit.fit_scale`); ``variant`` is unused."""
-        # The search's codes are round_to_grid's (nearest under the stored scale): no second pass.
-        d, codes = self._fit(x, w, backend)
-        return self.pack((d,), codes)
-
-    def round_to_grid(self, x: torch.Tensor, params, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        (d,) = params
-        x = x.to(torch.float32)
-        codes = scale_codes(x, d, self.grid)
-        return codes, d.to(torch.float32)[:, None] * self.grid.level_tensor(x.device)[codes]
 
 
 @register

@@ -34,13 +34,12 @@ import torch
 
 from dynaquant.quant.codecs._blockfit import (
     Grid,
+    ScaleCodec,
     bytes_half,
     fit_pow2,
-    fit_scale,
     half_bytes,
     in_subchunks,
     pack_nibbles,
-    scale_codes,
     scale_targets,
     unpack_nibbles,
 )
@@ -57,7 +56,7 @@ def _lut(values, device) -> torch.Tensor:
 
 
 @register
-class IQ4_NL(Codec):
+class IQ4_NL(ScaleCodec):
     """IQ4_NL (``block_iq4_nl``): 18 bytes = fp16 ``d`` + 16 bytes of 4-bit indices into ``kvalues_iq4nl``.
 
     ``encode_blocks(x, w)``: x, w (n_blocks, 32) float32 (w > 0) -> (n_blocks, 18) uint8;
@@ -76,27 +75,6 @@ class IQ4_NL(Codec):
     anchor_offsets = (-1, 0, 1)
     lloyd_steps = 1
     ulps: tuple[int, ...] = ()
-
-    fast_paths = True  # the scale search's fused kernel (blockfit.fit_scale)
-
-    def _fit(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-        x, w = x.to(torch.float32), w.to(torch.float32)
-        return in_subchunks(fit_scale, x, w, self.grid, self.targets, self.anchor_offsets, self.lloyd_steps, self.ulps,
-                            backend=backend)
-
-    def fit_params(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor]:
-        return (self._fit(x, w, backend)[0],)
-
-    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto", variant: str | None = None) -> torch.Tensor:
-        """As :meth:`Codec.encode_blocks`; ``backend`` chooses the scale search's fused kernel
-        (:func:`._blockfit.fit_scale`); ``variant`` is unused."""
-        d, codes = self._fit(x, w, backend)
-        return self.pack((d,), codes)
-
-    def round_to_grid(self, x: torch.Tensor, params, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        (d,) = params
-        codes = scale_codes(x.to(torch.float32), d, self.grid)
-        return codes, d.to(torch.float32)[:, None] * self.grid.level_tensor(x.device)[codes]
 
     def pack(self, params, codes: torch.Tensor) -> torch.Tensor:
         (d,) = params
