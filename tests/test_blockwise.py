@@ -1,7 +1,8 @@
 """The block-by-block calibration pass gives, bit for bit, the whole-model pass's statistics, with one decoder
 block's weights in memory at a time; the meta-device skeleton holds exactly the checkpoint's weights.
 
-Oracle: :func:`dynaquant.analysis.stats.collect` on the model transformers loads whole (``load_model``).
+Oracle: :func:`dynaquant.analysis.stats.collect` on the model transformers loads whole (``from_pretrained``; dynaquant's
+``load_model`` fills a folder's model from the skeleton's reader, checked against ``from_pretrained`` here too).
 """
 
 from __future__ import annotations
@@ -15,12 +16,19 @@ from test_moe_gguf import _tiny_moe
 
 from dynaquant.analysis.blockwise import collect_blockwise, hidden_bytes
 from dynaquant.analysis.stats import Collect, collect
-from dynaquant.sources.checkpoint import resolve_source
+from dynaquant.sources.checkpoint import from_pretrained, resolve_source
 from dynaquant.sources.model import load_model
 from dynaquant.sources.open import open_hf_source
 from dynaquant.sources.skeleton import OUTER, build_skeleton
 
 CASES = ["llama", "qwen2", "qwen2moe", "deepseek-v3", "gpt-oss"]  # dense (tied, q/k permuted, biases), MoE, MLA
+
+
+def transformers_load(source):
+    """The checkpoint as transformers' ``from_pretrained`` loads it (float32, CPU, eval): the oracle."""
+    from transformers import AutoModelForCausalLM
+
+    return from_pretrained(AutoModelForCausalLM, source.folder, trust_remote_code=False, dtype=torch.float32).eval()
 
 
 def _checkpoint(folder, case):
@@ -95,7 +103,7 @@ def test_skeleton_materializes_the_checkpoint(ckpt):
     """Every parameter and buffer of the skeleton, once materialized part by part, equals transformers' own load
     (tied heads stay tied); released parts go back to the meta device."""
     case, source, ts = ckpt
-    full = load_model(source)
+    full = transformers_load(source)
     sk = build_skeleton(source, ts)
     assert all(p.device.type == "meta" for p in sk.model.parameters())
     assert sk.part_bytes(0) == sum(p.numel() * 4 for p in full.model.layers[0].parameters())
@@ -114,13 +122,38 @@ def test_skeleton_materializes_the_checkpoint(ckpt):
     assert all(p.device.type == "meta" for p in sk.layers.parameters())
 
 
+def test_load_model_fills_a_folder_from_its_tensors(ckpt, monkeypatch):
+    """``load_model`` of a folder builds the model on the meta device and fills it from dynaquant's reader (no
+    ``from_pretrained`` of the model): every parameter, buffer, flag and the logits as transformers' own load."""
+    import dynaquant.sources.model as model_mod
+
+    case, source, ts = ckpt
+    theirs = transformers_load(source)
+
+    def refuse(cls, *a, **kw):
+        raise AssertionError(f"from_pretrained({cls.__name__}) called")
+    monkeypatch.setattr(model_mod, "from_pretrained", refuse)
+    ours = load_model(source)
+    pa, pb = dict(ours.named_parameters()), dict(theirs.named_parameters())
+    assert pa.keys() == pb.keys()
+    assert [k for k in pa if not (torch.equal(pa[k], pb[k]) and pa[k].requires_grad == pb[k].requires_grad)] == []
+    ba, bb = dict(ours.named_buffers()), dict(theirs.named_buffers())
+    assert ba.keys() == bb.keys() and [k for k in ba if not torch.equal(ba[k], bb[k])] == []
+    assert (ours.get_output_embeddings().weight is ours.get_input_embeddings().weight) == \
+        (theirs.get_output_embeddings().weight is theirs.get_input_embeddings().weight)
+    assert type(ours) is type(theirs) and not ours.training
+    ids = torch.randint(3, 320, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, theirs(ids).logits)
+
+
 def test_blockwise_statistics_equal_the_whole_model_pass(ckpt, monkeypatch):
     """H, activation statistics, output maxima, Fisher diagonals (linear outputs, MoE experts, embedding), routing
     and the imatrix: bit for bit those of the whole-model pass, with at most one block materialized at a time."""
     case, source, ts = ckpt
     chunks = torch.randint(3, 320, (5, 23), generator=torch.Generator().manual_seed(1))  # odd length, odd count
     what = Collect(fisher_sequences=2, imatrix=True)
-    ref = collect(load_model(source), chunks, what, progress=False)
+    ref = collect(transformers_load(source), chunks, what, progress=False)
     sk = build_skeleton(source, ts)
     most = []
     real = type(sk).materialize
@@ -189,7 +222,7 @@ def test_superweight_ablation_blockwise_equals_whole_model(tmp_path):
     chunks = torch.randint(3, 320, (2, 19), generator=torch.Generator().manual_seed(4))
 
     def cands():  # the largest weight of each down_proj, and one of block 0 that barely matters
-        full = load_model(source)
+        full = transformers_load(source)
         out = []
         for i in range(2):
             w = full.get_submodule(f"model.layers.{i}.mlp.down_proj").weight.detach()
