@@ -111,6 +111,9 @@ class Target(Protocol):
         """Tensor ``t``'s weight (GGUF: float32 from the source, NaN/Inf checked; safetensors: the model's, with
         ``stream`` its skeleton part materialized)."""
 
+    def reused(self, t) -> Any | None:
+        """``t``'s encoding as the run's corrections made it (:attr:`RunState.encodings`), or None: encoded here."""
+
     def gptq_round(self, t, w: torch.Tensor) -> Any | None:
         """``t`` GPTQ-rounded in its planned format when the run asked for GPTQ and it beats plain rounding, else None."""
 
@@ -316,11 +319,15 @@ class GGUFTarget:
 
     def read(self, t: SourceTensor) -> torch.Tensor | None:
         """The float32 weight, NaN/Inf checked; None for a stacked expert tensor over :data:`EXPERT_GROUP_BYTES` that
-        the source reads an expert at a time (:meth:`encode` reads and encodes it a group of experts at a time)."""
-        ts = self.run.ts
+        the source reads an expert at a time (:meth:`encode` reads and encodes it a group of experts at a time).
+
+        On a CUDA run it is read onto the GPU as stored (``TensorSource.read_to``: BF16 moves half the bytes and is
+        converted, q/k permuted and checked there; the same values bit for bit), where the encoder takes it."""
+        run, ts = self.run, self.run.ts
         if self._grouped(t) or self.source_records(t) is not None:
             return None
-        return check_finite(ts.read(t), tensor_label(t.hf_name, t.gguf_name), ts.file_of(t), self.run.cfg.allow_nonfinite)
+        w = ts.read_to(t, run.device) if run.device.type == "cuda" else ts.read(t)
+        return check_finite(w, tensor_label(t.hf_name, t.gguf_name), ts.file_of(t), run.cfg.allow_nonfinite)
 
     def _grouped(self, t: SourceTensor) -> bool:
         return (len(t.shape) == 3 and t.shape[0] > 2 and 4 * t.numel > EXPERT_GROUP_BYTES and self.run.rounding is None
@@ -334,6 +341,19 @@ class GGUFTarget:
         if self._kept.get(t.gguf_name) != self.types[t.gguf_name].name:
             return None
         return self.run.ts.stored_records(t, lo, hi)[1]
+
+    def reused(self, t: SourceTensor) -> np.ndarray | None:
+        """The corrections' bytes of ``t`` in its planned format (:class:`dynaquant.analysis.corrections.Encodings`:
+        encoded from the loaded model's parameter with the same importance and encoder), rows put in the GGUF's order
+        (``TensorSource.model_rows``: llama's q/k permuted; the encoders work row by row); None where they were not
+        kept, the source's own bytes are written (:meth:`source_records`) or ``t`` is not one parameter's rows."""
+        enc = self.run.encodings
+        if enc is None or self.source_records(t) is not None or (where := self.run.ts.model_rows(t)) is None:
+            return None
+        codes = enc.take(where[0], self.types[t.gguf_name].name)
+        if codes is None or codes.shape[0] != t.shape[0]:
+            return None
+        return np.ascontiguousarray((codes if where[1] is None else codes[where[1]]).numpy())
 
     def gptq_round(self, t: SourceTensor, w: torch.Tensor | None) -> np.ndarray | None:
         run, fmt = self.run, self.types[t.gguf_name]
