@@ -424,6 +424,40 @@ def test_analyze_correct_then_plan_and_quantize_correct_from_the_cli(tiny_folder
         main(["quantize", str(tiny_folder), "--correct", "-1"])
 
 
+def test_a_corrected_run_writes_the_bytes_its_corrections_encoded(tiny_folder, tmp_path, monkeypatch):
+    """A whole-model run with corrections writes the planned tensors from the bytes its last measured plan encoded
+    (llama's q/k rows put in the GGUF's order), not encoding them again: the file is byte for byte the one a run that
+    encodes every tensor again writes."""
+    from dynaquant.analysis.calibration import CalibrationSpec
+    from dynaquant.cli import main
+    from dynaquant.pipeline import quantize as quantize_mod
+    from dynaquant.pipeline.analyze import analyze
+    from dynaquant.pipeline.targets import GGUFTarget
+
+    an = tmp_path / "an"
+    analyze(str(tiny_folder), an, calibration=CalibrationSpec(n_sequences=3, seq_len=64), progress=False,
+            candidates=("Q4_0", "Q5_0", "Q8_0"), fisher_sequences=1, super_weights=False, device="cpu",
+            validate_presets=(), correct_rounds=0)
+    reused = []
+    real = GGUFTarget.reused
+
+    def counted(self, t):
+        got = real(self, t)
+        if got is not None:
+            reused.append(t.gguf_name)
+        return got
+    monkeypatch.setattr(GGUFTarget, "reused", counted)
+    args = ["quantize", str(tiny_folder), "--report", str(an / "report.json"), "--bpw", "7", "--correct", "1",
+            "--correct-sequences", "2", "--calibration-chunks", "3", "--ctx", "64", "--device", "cpu", "--no-eval"]
+    assert main([*args, "-o", str(tmp_path / "a.gguf")]) == 0
+    assert "blk.0.attn_q.weight" in reused and "blk.1.attn_k.weight" in reused and "blk.1.ffn_down.weight" in reused
+    monkeypatch.setattr(quantize_mod, "reusable_encodings", lambda cfg, target: None)
+    n = len(reused)
+    assert main([*args, "-o", str(tmp_path / "b.gguf")]) == 0
+    assert len(reused) == n  # (nothing kept: every tensor encoded by the writer)
+    assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
+
+
 def test_the_plan_measured_best_is_kept_and_re_predicted():
     """A re-plan that measures worse than the first plan (as at the IQ2_XXS size of the default model) is not returned:
     the first plan is, its prediction the corrected one (factors fitted on both rounds)."""

@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dynaquant.analysis.report.schema import tensor_group
-from dynaquant.analysis.sensitivity import ReferenceLogits, SwappedWeights, decoded_weight
+from dynaquant.analysis.sensitivity import ReferenceLogits, SwappedWeights, decoded_weight, encoded_weight
 from dynaquant.names import TensorName
 
 VISION_GROUP = "vision"
@@ -83,6 +83,41 @@ class PlanMeasure:
         return self.kld_measured / self.kld_groups_sum if self.kld_groups_sum > 0 else None
 
 
+@dataclass
+class Encodings:
+    """The bytes of the last measured plan's parameters (HF name -> (format, (rows, row bytes) uint8 on the host)),
+    kept for the quantize run's writer: the plan it writes is one that was measured, so each parameter whose
+    format did not change since is written from here instead of encoded again (the same bytes: the same weight,
+    format and importance through the same encoder). At most ``limit`` bytes are kept (the plan's size: computed
+    from the shapes; parameters beyond it are encoded again by the writer)."""
+
+    limit: int
+    codes: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)
+    nbytes: int = 0
+
+    def keep_only(self, formats: dict[str, str]) -> None:
+        """Drop the entries of parameters not planned in ``formats`` at their format (a new plan measured)."""
+        self.codes = {n: v for n, v in self.codes.items() if formats.get(n) == v[0]}
+        self.nbytes = sum(c.numel() for _, c in self.codes.values())
+
+    def offer(self, name: str, fmt: str, codes: torch.Tensor) -> None:
+        """Keep ``codes`` (copied to the host) if they fit the limit."""
+        old = self.codes.pop(name, None)
+        self.nbytes -= old[1].numel() if old is not None else 0
+        if self.nbytes + codes.numel() <= self.limit:
+            self.codes[name] = (fmt, codes.cpu())
+            self.nbytes += codes.numel()
+
+    def take(self, name: str, fmt: str) -> torch.Tensor | None:
+        """The kept bytes of ``name`` in ``fmt`` (given up: each is written once), or None."""
+        got = self.codes.get(name)
+        if got is None or got[0] != fmt:
+            return None
+        del self.codes[name]
+        self.nbytes -= got[1].numel()
+        return got[1]
+
+
 # Kept free on a CUDA device beside the decoded weights of a measured plan: the encoders' chunks (sized by the free
 # memory, ``chunk_weights``: 1 GiB at the least) and the held-out forward passes (a sequence's activations and logits).
 DEVICE_RESERVE_BYTES = 8 << 30
@@ -105,7 +140,8 @@ def device_room(device: torch.device | str) -> int:
 def measure_plan(model, ref: ReferenceLogits, formats: dict[str, str], groups: dict[str, str],
                  kld_pred: dict[str, float], imatrix_of: Callable[[str], torch.Tensor | None], *,
                  progress: bool = True, desc: str = "corrections",
-                 keep: dict[str, tuple[str, torch.Tensor]] | None = None) -> PlanMeasure:
+                 keep: dict[str, tuple[str, torch.Tensor]] | None = None,
+                 encodings: Encodings | None = None) -> PlanMeasure:
     """Measure a plan's KL divergence as a whole and per group quantized alone.
 
     Args:
@@ -122,6 +158,8 @@ def measure_plan(model, ref: ReferenceLogits, formats: dict[str, str], groups: d
             corrections changes a few tensors' formats; the imatrix and the model are the run's own). It holds
             this plan's decoded weights when the call returns (the entries of other formats and parameters
             dropped), so one model's worth is kept, as within a call; emptied on error.
+        encodings: where the bytes of this plan's parameters are kept for the writer (:class:`Encodings`: those of
+            parameters whose format did not change stay, the others are replaced as they are encoded).
     Returns:
         PlanMeasure, groups in first-appearance order of ``formats``. Cost: ``len(groups) + 1`` forward passes over
         the held-out sequences (a group's from its first decoder layer on where ``ref`` keeps prefix states:
@@ -140,6 +178,8 @@ def measure_plan(model, ref: ReferenceLogits, formats: dict[str, str], groups: d
     earlier = {n: t for n, (f, t) in (keep or {}).items() if formats.get(n) == f}
     if keep is not None:
         keep.clear()  # the entries of other formats go now, before this plan's are made
+    if encodings is not None:
+        encodings.keep_only(formats)
     room = device_room(next(iter(params.values())).device) if params else 0
 
     def place(t: torch.Tensor) -> torch.Tensor:
@@ -155,6 +195,11 @@ def measure_plan(model, ref: ReferenceLogits, formats: dict[str, str], groups: d
         for g, names in tqdm(members.items(), desc=desc, disable=not progress, unit="group"):
             for n in names:
                 hit = earlier.pop(n, None)
+                if hit is None and encodings is not None:
+                    fmt, codes, decoded = encoded_weight(params[n], formats[n], imatrix_of(n))
+                    encodings.offer(n, fmt, codes)
+                    hit = place(decoded)
+                    del codes, decoded
                 cache[n] = hit if hit is not None else place(decoded_weight(params[n], formats[n], imatrix_of(n)))
             with SwappedWeights(params, cache, names):
                 kld = ref.kld(model, start=ref.start_of(model, names))

@@ -202,9 +202,16 @@ def decoded_weight(p: torch.Tensor, fmt: str, imatrix: torch.Tensor | None) -> t
     """``Q(p)`` decoded: ``p`` (any shape, rows on the last axis) encoded in ``fmt`` (the block-size fallback applied
     as llama.cpp does) with the importance ``imatrix`` ((K,), ignored by float formats), decoded back to ``p``'s
     dtype, shape and device."""
+    return encoded_weight(p, fmt, imatrix)[2]
+
+
+def encoded_weight(p: torch.Tensor, fmt: str, imatrix: torch.Tensor | None) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """:func:`decoded_weight` with what it decoded: (the format encoded, after the block-size fallback; its bytes,
+    ``quantize``'s (..., row bytes) uint8 on ``p``'s device, which the GGUF writer writes for the same weight, format
+    and importance; the decoded weight)."""
     f, _ = resolve_for_row(fmt, p.shape[-1])
-    q = dequantize(quantize(p.detach().float(), f, imatrix if f.kind != "float" else None), f)
-    return q.to(p.dtype).reshape(p.shape)
+    codes = quantize(p.detach().float(), f, imatrix if f.kind != "float" else None)
+    return f.name, codes, dequantize(codes, f).to(p.dtype).reshape(p.shape)
 
 
 @torch.no_grad()

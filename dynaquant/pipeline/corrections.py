@@ -29,7 +29,7 @@ from dataclasses import replace
 import torch
 
 from dynaquant.analysis.calibration import CalibrationSpec, calibration_chunks
-from dynaquant.analysis.corrections import PlanMeasure, correction_group, measure_plan, measure_plan_blockwise
+from dynaquant.analysis.corrections import Encodings, PlanMeasure, correction_group, measure_plan, measure_plan_blockwise
 from dynaquant.analysis.sensitivity import ReferenceLogits, tf32_matmuls
 from dynaquant.config import QuantizeConfig
 from dynaquant.pipeline.plan import PlanStart, error_fn_from_report, plan_from_report
@@ -182,7 +182,8 @@ def correct_plan(report: dict, replan: Callable[[dict], Plan], measure: Measure,
 
 
 def model_measure(model, ref: ReferenceLogits | torch.Tensor, tensors: list[TensorInfo], report: dict,
-                  imatrix_of: Callable[[str], torch.Tensor | None], progress: bool = True, sk=None) -> Measure:
+                  imatrix_of: Callable[[str], torch.Tensor | None], progress: bool = True, sk=None,
+                  encodings: Encodings | None = None) -> Measure:
     """The measure of :func:`correct_plan` on a loaded model: the plan's quantizable tensors that are parameters of
     ``model`` (a tied output head is the embedding's), grouped by ``correction_group``, predicted uncorrected.
 
@@ -190,6 +191,7 @@ def model_measure(model, ref: ReferenceLogits | torch.Tensor, tensors: list[Tens
         tensors: the plan's tensors (their shapes and layers); imatrix_of: HF parameter name -> (K,) or None.
         sk: a model skeleton (``stream``) instead: ``model`` is its model and ``ref`` the held-out token ids, measured
             block by block (:func:`dynaquant.analysis.corrections.measure_plan_blockwise`).
+        encodings: where a loaded model's measured plans keep their bytes for the writer (``measure_plan``).
     """
     base = error_fn_from_report(report, use_corrections=False)
     info = {t.name: t for t in tensors}
@@ -206,7 +208,8 @@ def model_measure(model, ref: ReferenceLogits | torch.Tensor, tensors: list[Tens
                 pred[e.hf_name] = v if math.isfinite(v) else 0.0
         if sk is not None:
             return measure_plan_blockwise(sk, ref, fmts, groups, pred, imatrix_of, progress=progress)
-        return measure_plan(model, ref, fmts, groups, pred, imatrix_of, progress=progress, desc=desc, keep=keep)
+        return measure_plan(model, ref, fmts, groups, pred, imatrix_of, progress=progress, desc=desc, keep=keep,
+                            encodings=encodings)
 
     return measure
 
@@ -214,7 +217,7 @@ def model_measure(model, ref: ReferenceLogits | torch.Tensor, tensors: list[Tens
 def correct_in_model(model, tokenizer, spec: CalibrationSpec, report: dict, tensors: list[TensorInfo],
                      replan: Callable[[dict], Plan], imatrix_of: Callable[[str], torch.Tensor | None], *, rounds: int,
                      sequences: int, label: str | None = None, progress: bool = True,
-                     first: Plan | None = None, sk=None) -> tuple[Plan, dict]:
+                     first: Plan | None = None, sk=None, encodings: Encodings | None = None) -> tuple[Plan, dict]:
     """:func:`correct_plan` on a loaded model, on ``sequences`` held-out calibration chunks (:func:`held_out_chunks`);
     with ``sk`` (a model skeleton; ``model`` None) block by block, the same figures.
 
@@ -224,20 +227,24 @@ def correct_in_model(model, tokenizer, spec: CalibrationSpec, report: dict, tens
     encode + decode per quantized parameter (on a loaded model, only the parameters whose format changed since the
     last plan measured: the decoded weights are kept between rounds, one model's worth, on the device as far as it
     has room, else on the host); at most ``rounds + 1`` plans are measured. On CUDA every pass (the reference's
-    too) runs its float32 matmuls on TF32 tensor cores (:func:`tf32_matmuls`).
+    too) runs its float32 matmuls on TF32 tensor cores (:func:`tf32_matmuls`). ``encodings``: see
+    :func:`model_measure` (a loaded model only).
     """
     held = held_out_chunks(tokenizer, spec, sequences)
     device = sk.device if sk is not None else next(model.parameters()).device
     with tf32_matmuls(device):
-        return _correct_in_model(model, held, report, tensors, replan, imatrix_of, rounds, label, progress, first, sk)
+        return _correct_in_model(model, held, report, tensors, replan, imatrix_of, rounds, label, progress, first, sk,
+                                 encodings)
 
 
 def _correct_in_model(model, held: torch.Tensor, report: dict, tensors: list[TensorInfo], replan, imatrix_of, rounds: int,
-                      label: str | None, progress: bool, first: Plan | None, sk) -> tuple[Plan, dict]:
+                      label: str | None, progress: bool, first: Plan | None, sk,
+                      encodings: Encodings | None = None) -> tuple[Plan, dict]:
     if sk is not None:
         measure = model_measure(sk.model, held, tensors, report, imatrix_of, progress, sk=sk)
     else:
-        measure = model_measure(model, ReferenceLogits(model, held, prefix_states=True), tensors, report, imatrix_of, progress)
+        measure = model_measure(model, ReferenceLogits(model, held, prefix_states=True), tensors, report, imatrix_of, progress,
+                                encodings=encodings)
     info = {t.name: t for t in tensors}
 
     def repredict(rep: dict, plan: Plan) -> None:
@@ -253,13 +260,14 @@ def _correct_in_model(model, held: torch.Tensor, report: dict, tensors: list[Ten
 
 def correct_in_run(cfg: QuantizeConfig, target: Target, start: PlanStart, tensors: list[TensorInfo], info: ModelInfo,
                    model_id: str, model, tokenizer, importance: dict[str, torch.Tensor], rounds: int,
-                   first: Plan, sk=None) -> tuple[Plan, dict]:
+                   first: Plan, sk=None, encodings: Encodings | None = None) -> tuple[Plan, dict]:
     """A quantize run's dynamic plan corrected (:func:`correct_in_model`), re-planned as ``plan_from_report`` plans it;
     with ``sk`` (``stream``: a model skeleton, ``model`` None) measured block by block.
 
     Args:
         importance: GGUF name -> (K,) importance the run's encoders use. rounds: ``auto_rounds``' answer (>= 1).
         first: the run's plan (``plan_from_report`` of ``start``): the first round measures it.
+        encodings: where the measured plans keep their bytes for the run's writer (``model_measure``), or None.
     Returns:
         (the plan, the report dict with its ``corrections`` section: a copy, ``start.report`` is not changed).
     """
@@ -271,5 +279,5 @@ def correct_in_run(cfg: QuantizeConfig, target: Target, start: PlanStart, tensor
     plan, section = correct_in_model(model, tokenizer, cfg.spec(), start.report, tensors, replan,
                                      lambda n: importance.get(hf_to_gguf.get(n, "")), rounds=rounds,
                                      sequences=cfg.correct_sequences, label="this plan", progress=cfg.progress,
-                                     first=first, sk=sk)
+                                     first=first, sk=sk, encodings=encodings)
     return plan, {**start.report, "corrections": section}

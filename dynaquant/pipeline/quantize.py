@@ -18,6 +18,7 @@ import torch
 from dynaquant import distributed
 from dynaquant.analysis.calibration import CalibrationSpec
 from dynaquant.analysis.calibration import calibration_chunks as calibration_ids
+from dynaquant.analysis.corrections import Encodings
 from dynaquant.analysis.evaluate import EvalResult
 from dynaquant.analysis.imatrix import Imatrix
 from dynaquant.analysis.report.schema import write_json
@@ -318,6 +319,7 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
     # here, so the corrections' decoded weights can use the device memory they held (~33 GB for a float32 8B)
     res = stats = None
     imat = _importance(cfg, target, im, imat_path, ts, info)
+    encodings = None
     if rounds > 0:
         t1 = time.perf_counter()
         sk = None
@@ -325,8 +327,9 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
             from dynaquant.sources.skeleton import build_skeleton
 
             sk = build_skeleton(source, ts, device=device, allow_nonfinite=cfg.allow_nonfinite)
+        encodings = reusable_encodings(cfg, target)
         plan, start.report = correct_in_run(cfg, target, start, tensors, info, source.model_id, hf_model, tokenizer, imat,
-                                            rounds, plan, sk=sk)
+                                            rounds, plan, sk=sk, encodings=encodings)
         plan.fit, timings["corrections_s"] = fit, time.perf_counter() - t1
         if cfg.save_plan is not None and grp.main:
             write_json(plan.to_dict(), cfg.save_plan)
@@ -338,7 +341,7 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
                                   cfg.progress, timings, allow_nonfinite=cfg.allow_nonfinite)
     run = RunState(cfg, source, ts, plan, start.loaded is not None, im, imat, rounding, torch.device(device), start.report,
                    hf_model if target.needs_model else None, tokenizer, imat_path if im is None and cfg.use_imatrix else None,
-                   rundir, run_bar)
+                   rundir, run_bar, encodings)
     # the whole-model path's source model is the evaluation's reference (not loaded a second time): kept through the
     # writing, where it adds less than the evaluation's two models do (the reference and its decoded copy); not for a
     # target that writes from the model (safetensors: loaded again, as before)
@@ -395,6 +398,19 @@ def _open_rundir(cfg: QuantizeConfig, source: ModelSource, output: Path):
     identity = {"dynaquant": __version__, "source": file_identity(source.path), "inputs": files,
                 "options": json.loads(json.dumps(options, default=str))}
     return RunDir(Path(cfg.work_dir) if cfg.work_dir is not None else default_work_dir(output), identity)
+
+
+def reusable_encodings(cfg: QuantizeConfig, target: Target) -> Encodings | None:
+    """Where a whole-model run's corrections keep the bytes of the plans they measure for the GGUF writer
+    (:class:`dynaquant.analysis.corrections.Encodings`), at most a quarter of the host memory available now; None
+    where the writer's bytes would not be the corrections' (``gptq`` rounds them otherwise, ``allow_nonfinite``
+    replaces values per tensor) or nothing would be kept (``stream`` measures block by block; the safetensors
+    target encodes its own records)."""
+    from dynaquant.pipeline.analyze_blocks import available_memory
+
+    if target.name != "gguf" or cfg.stream or cfg.gptq or cfg.allow_nonfinite:
+        return None
+    return Encodings(limit=available_memory() // 4)
 
 
 def write_output(run: RunState, target: Target, path: Path) -> tuple[Path, int] | tuple[None, int]:

@@ -17,8 +17,11 @@ from dynaquant.progress import stage_bar
 
 
 def encode_planned(run: RunState, target: Target, t):
-    """Tensor ``t`` read, GPTQ-rounded where the run asks and it wins, and encoded: what the tensor loops hand to
+    """Tensor ``t`` read, GPTQ-rounded where the run asks and it wins, and encoded (or the corrections' bytes of it,
+    :meth:`Target.reused`, where the run kept them): what the tensor loops hand to
     ``target`` (one process's :func:`dynaquant.pipeline.quantize.write_output` and :func:`write_output_ranks`)."""
+    if run.encodings is not None and (reused := target.reused(t)) is not None:
+        return reused
     w = target.read(t)
     rounded = target.gptq_round(t, w) if run.rounding is not None else None
     return target.encode(t, w, rounded)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from dynaquant.analysis.corrections import Encodings
 from dynaquant.analysis.imatrix import Imatrix
 from dynaquant.config import QuantizeConfig
 from dynaquant.pipeline.gptq import GPTQRounding
@@ -33,6 +34,8 @@ class RunState:
         rundir: the resumable work folder (``stream``): each encoded tensor is kept there and reused, else None.
         progress: the run's one progress display (:class:`dynaquant.progress.RunProgress`), or None (the tensor loop
             shows a bar of its own when ``cfg.progress``).
+        encodings: the corrections' bytes of the final plan's parameters (:class:`dynaquant.analysis.corrections.
+            Encodings`, HF names), which the GGUF writer writes instead of encoding them again; or None.
     """
 
     cfg: QuantizeConfig
@@ -50,3 +53,4 @@ class RunState:
     imatrix_file: Path | None = None
     rundir: Any = None
     progress: Any = None
+    encodings: Encodings | None = None

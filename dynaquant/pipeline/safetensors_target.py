@@ -125,6 +125,10 @@ class SafetensorsTarget:
         """The model's weight (``stream``: its part materialized, the part held before released)."""
         return self.parts.get(name) if self.parts is not None else self.writer.weights[name]
 
+    def reused(self, name: str) -> None:
+        """None: the safetensors target encodes every weight itself (its quantize runs keep no corrections' bytes)."""
+        return None
+
     def gptq_round(self, name: str, w: torch.Tensor) -> Any | None:
         """GPTQ records of a planned 2-D runtime weight (NVFP4's global scale is per tensor: plain rounding), or None."""
         run, e = self.run, self.writer.to_encode(name, w)

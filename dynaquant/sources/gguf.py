@@ -96,6 +96,12 @@ class TensorSource(ABC):
         """The file holding a tensor's data, for messages (default: the source itself)."""
         return self.source_id
 
+    def model_rows(self, t: SourceTensor) -> tuple[str, torch.Tensor | None] | None:
+        """How :meth:`read` of ``t`` relates to the transformers model's parameter: ``(parameter name, rows)`` where it
+        is that parameter's rows ``rows`` ((N,) int64 on the CPU; None: the parameter as it is), bit for bit; None
+        where it is not known to be one parameter's rows (the default)."""
+        return None
+
     def read_to(self, t: SourceTensor, device: str | torch.device) -> torch.Tensor:
         """:meth:`read` onto ``device``, the same values bit for bit; a source may move the stored bytes (BF16, FP8)
         and decode them there, which on a GPU halves the copy and spares the CPU the conversion (default: read, then

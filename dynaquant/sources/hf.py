@@ -278,6 +278,18 @@ class HFCheckpointSource(TensorSource):
             return comp.read(self._read_hf)
         return self._read_plain(t, self._hf_of[t.gguf_name])
 
+    def model_rows(self, t: SourceTensor) -> tuple[str, torch.Tensor | None] | None:
+        """A plain checkpoint tensor (not a composite: stacked experts, MLA splits) is its parameter, its rows
+        permuted for ``llama``'s q/k (:func:`permute_qk` of the row indices); see ``TensorSource.model_rows``."""
+        hf_name = self._hf_of.get(t.gguf_name)
+        if t.gguf_name in self._composites or hf_name is None or hf_name != t.hf_name:
+            return None
+        rows = None
+        if self.arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+            n_head = self.n_head if ".q_proj." in hf_name else self.n_head_kv
+            rows = permute_qk(torch.arange(t.shape[0]), n_head)
+        return hf_name, rows
+
     def _read_plain(self, t: SourceTensor, hf_name: str, device: str | torch.device | None = None) -> torch.Tensor:
         """A checkpoint tensor that is not a composite, as float32 (on ``device``, moved as stored and converted
         there), q/k permuted for ``llama``, its shape checked."""
