@@ -424,6 +424,25 @@ def test_analyze_correct_then_plan_and_quantize_correct_from_the_cli(tiny_folder
         main(["quantize", str(tiny_folder), "--correct", "-1"])
 
 
+def test_encodings_keep_a_plans_bytes_within_their_limit():
+    """Encodings: kept while they fit the limit (a replaced entry's bytes freed first), dropped when a plan changes
+    their format, given up once taken, and only in the format asked for."""
+    from dynaquant.analysis.corrections import Encodings
+
+    enc = Encodings(limit=100)
+    enc.offer("a", "Q4_0", torch.zeros(4, 10, dtype=torch.uint8))
+    enc.offer("b", "Q8_0", torch.zeros(5, 10, dtype=torch.uint8))
+    enc.offer("c", "Q8_0", torch.zeros(2, 10, dtype=torch.uint8))  # 40 + 50 + 20 > 100: not kept
+    assert set(enc.codes) == {"a", "b"} and enc.nbytes == 90
+    enc.offer("b", "Q4_0", torch.zeros(3, 10, dtype=torch.uint8))  # replaces b's 50 bytes
+    enc.offer("c", "Q8_0", torch.zeros(2, 10, dtype=torch.uint8))
+    assert enc.nbytes == 90 and enc.codes["b"][0] == "Q4_0" and "c" in enc.codes
+    enc.keep_only({"a": "Q4_0", "b": "Q5_0", "c": "Q8_0"})
+    assert set(enc.codes) == {"a", "c"} and enc.nbytes == 60
+    assert enc.take("a", "Q8_0") is None and enc.take("a", "Q4_0").shape == (4, 10)
+    assert enc.take("a", "Q4_0") is None and enc.nbytes == 20
+
+
 def test_a_corrected_run_writes_the_bytes_its_corrections_encoded(tiny_folder, tmp_path, monkeypatch):
     """A whole-model run with corrections writes the planned tensors from the bytes its last measured plan encoded
     (llama's q/k rows put in the GGUF's order), not encoding them again: the file is byte for byte the one a run that

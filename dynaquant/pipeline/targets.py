@@ -350,8 +350,9 @@ class GGUFTarget:
         enc = self.run.encodings
         if enc is None or self.source_records(t) is not None or (where := self.run.ts.model_rows(t)) is None:
             return None
-        codes = enc.take(where[0], self.types[t.gguf_name].name)
-        if codes is None or codes.shape[0] != t.shape[0]:
+        fmt = self.types[t.gguf_name]
+        codes = enc.take(where[0], fmt.name)
+        if codes is None or tuple(codes.shape) != (*t.shape[:-1], fmt.record_bytes(t.shape[-1])):
             return None
         return np.ascontiguousarray((codes if where[1] is None else codes[where[1]]).numpy())
 
