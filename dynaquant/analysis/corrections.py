@@ -88,8 +88,8 @@ class Encodings:
     """The bytes of the last measured plan's parameters (HF name -> (format, (rows, row bytes) uint8 on the host)),
     kept for the quantize run's writer: the plan it writes is one that was measured, so each parameter whose
     format did not change since is written from here instead of encoded again (the same bytes: the same weight,
-    format and importance through the same encoder). At most ``limit`` bytes are kept (the plan's size: computed
-    from the shapes; parameters beyond it are encoded again by the writer)."""
+    format and importance through the same encoder). What it holds is at most the plan's bytes (its size, known
+    from the shapes) and never more than ``limit`` (parameters beyond it are encoded again by the writer)."""
 
     limit: int
     codes: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)
