@@ -147,6 +147,16 @@ def test_load_model_fills_a_folder_from_its_tensors(ckpt, monkeypatch):
         assert torch.equal(ours(ids).logits, theirs(ids).logits)
 
 
+def test_llama_q_k_biases_are_written_in_the_models_row_order(tmp_path):
+    """A Llama with attention biases: the reader gives q/k weights AND biases in llama.cpp's row order (as
+    convert_hf_to_gguf.py permutes both); the skeleton (and so ``load_model``) puts both back in the model's."""
+    _tiny_checkpoint(tmp_path / "ckpt", "llama", attention_bias=True)
+    source = resolve_source(str(tmp_path / "ckpt"))
+    ours, theirs = dict(load_model(source).named_parameters()), dict(transformers_load(source).named_parameters())
+    assert "model.layers.0.self_attn.q_proj.bias" in theirs
+    assert [k for k in theirs if not torch.equal(ours[k], theirs[k])] == []
+
+
 def test_blockwise_statistics_equal_the_whole_model_pass(ckpt, monkeypatch):
     """H, activation statistics, output maxima, Fisher diagonals (linear outputs, MoE experts, embedding), routing
     and the imatrix: bit for bit those of the whole-model pass, with at most one block materialized at a time."""

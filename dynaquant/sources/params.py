@@ -57,7 +57,7 @@ class ParamWriter:
             ValueError: the tensor has no parameter in the model, or its shape does not match.
         """
         where = origin or "source"
-        if self.arch == "llama" and t.gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+        if self.arch == "llama" and t.gguf_name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
             x = unpermute_qk(x, self.n_head if "attn_q" in t.gguf_name else self.n_head_kv)
         mla = _MLA.match(t.hf_name or "")
         with torch.no_grad():
