@@ -284,21 +284,26 @@ class HFCheckpointSource(TensorSource):
         hf_name = self._hf_of.get(t.gguf_name)
         if t.gguf_name in self._composites or hf_name is None or hf_name != t.hf_name:
             return None
-        rows = None
-        if self.arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
-            n_head = self.n_head if ".q_proj." in hf_name else self.n_head_kv
-            rows = permute_qk(torch.arange(t.shape[0]), n_head)
-        return hf_name, rows
+        n_head = self._qk_heads(hf_name)
+        return hf_name, None if n_head is None else permute_qk(torch.arange(t.shape[0]), n_head)
+
+    def _qk_heads(self, hf_name: str) -> int | None:
+        """The heads :func:`permute_qk` takes for a tensor :meth:`read` permutes (``llama``'s q_proj / k_proj weight
+        and bias), else None."""
+        if self.arch != "llama":
+            return None
+        if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+            return self.n_head
+        if hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            return self.n_head_kv
+        return None
 
     def _read_plain(self, t: SourceTensor, hf_name: str, device: str | torch.device | None = None) -> torch.Tensor:
         """A checkpoint tensor that is not a composite, as float32 (on ``device``, moved as stored and converted
         there), q/k permuted for ``llama``, its shape checked."""
         x = self._read_hf(hf_name, device)
-        if self.arch == "llama":
-            if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-                x = permute_qk(x, self.n_head)
-            elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-                x = permute_qk(x, self.n_head_kv)
+        if (n_head := self._qk_heads(hf_name)) is not None:
+            x = permute_qk(x, n_head)
         if tuple(x.shape) != t.shape:
             raise ValueError(f"{hf_name}: read shape {tuple(x.shape)}, expected {t.shape}")
         return x.contiguous()
