@@ -218,13 +218,13 @@ def test_measure_plan_reuses_the_decoded_weights_of_an_earlier_round(tiny_model,
     groups = {n: n.split(".")[2] if "layers" in n else "token_embd" for n in params}
     pred = dict.fromkeys(params, 0.01)
     encoded = []
-    real = corr.decoded_weight
+    real = corr.encoded_weight
 
     def spy(p, fmt, imatrix):
         encoded.append(fmt)
         return real(p, fmt, imatrix)
 
-    monkeypatch.setattr(corr, "decoded_weight", spy)
+    monkeypatch.setattr(corr, "encoded_weight", spy)
     first = dict.fromkeys(params, "Q4_0")
     keep: dict = {}
     measure_plan(model, ref, first, groups, pred, lambda n: None, progress=False, keep=keep)

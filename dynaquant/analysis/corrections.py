@@ -93,29 +93,28 @@ class Encodings:
 
     limit: int
     codes: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)
-    nbytes: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes kept."""
+        return sum(c.numel() for _, c in self.codes.values())
 
     def keep_only(self, formats: dict[str, str]) -> None:
         """Drop the entries of parameters not planned in ``formats`` at their format (a new plan measured)."""
         self.codes = {n: v for n, v in self.codes.items() if formats.get(n) == v[0]}
-        self.nbytes = sum(c.numel() for _, c in self.codes.values())
 
     def offer(self, name: str, fmt: str, codes: torch.Tensor) -> None:
         """Keep ``codes`` (copied to the host) if they fit the limit."""
-        old = self.codes.pop(name, None)
-        self.nbytes -= old[1].numel() if old is not None else 0
+        self.codes.pop(name, None)
         if self.nbytes + codes.numel() <= self.limit:
             self.codes[name] = (fmt, codes.cpu())
-            self.nbytes += codes.numel()
 
     def take(self, name: str, fmt: str) -> torch.Tensor | None:
         """The kept bytes of ``name`` in ``fmt`` (given up: each is written once), or None."""
         got = self.codes.get(name)
         if got is None or got[0] != fmt:
             return None
-        del self.codes[name]
-        self.nbytes -= got[1].numel()
-        return got[1]
+        return self.codes.pop(name)[1]
 
 
 # Kept free on a CUDA device beside the decoded weights of a measured plan: the encoders' chunks (sized by the free
@@ -195,12 +194,13 @@ def measure_plan(model, ref: ReferenceLogits, formats: dict[str, str], groups: d
         for g, names in tqdm(members.items(), desc=desc, disable=not progress, unit="group"):
             for n in names:
                 hit = earlier.pop(n, None)
-                if hit is None and encodings is not None:
+                if hit is None:
                     fmt, codes, decoded = encoded_weight(params[n], formats[n], imatrix_of(n))
-                    encodings.offer(n, fmt, codes)
+                    if encodings is not None:
+                        encodings.offer(n, fmt, codes)
                     hit = place(decoded)
                     del codes, decoded
-                cache[n] = hit if hit is not None else place(decoded_weight(params[n], formats[n], imatrix_of(n)))
+                cache[n] = hit
             with SwappedWeights(params, cache, names):
                 kld = ref.kld(model, start=ref.start_of(model, names))
             out.append(GroupMeasure(g, sum(float(kld_pred.get(n) or 0.0) for n in names), kld))
