@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from model_equality import assert_same_model
 from test_gguf_export import _tiny_checkpoint
 from test_moe_gguf import _tiny_moe
 
@@ -134,17 +135,7 @@ def test_load_model_fills_a_folder_from_its_tensors(ckpt, monkeypatch):
         raise AssertionError(f"from_pretrained({cls.__name__}) called")
     monkeypatch.setattr(model_mod, "from_pretrained", refuse)
     ours = load_model(source)
-    pa, pb = dict(ours.named_parameters()), dict(theirs.named_parameters())
-    assert pa.keys() == pb.keys()
-    assert [k for k in pa if not (torch.equal(pa[k], pb[k]) and pa[k].requires_grad == pb[k].requires_grad)] == []
-    ba, bb = dict(ours.named_buffers()), dict(theirs.named_buffers())
-    assert ba.keys() == bb.keys() and [k for k in ba if not torch.equal(ba[k], bb[k])] == []
-    assert (ours.get_output_embeddings().weight is ours.get_input_embeddings().weight) == \
-        (theirs.get_output_embeddings().weight is theirs.get_input_embeddings().weight)
-    assert type(ours) is type(theirs) and not ours.training
-    ids = torch.randint(3, 320, (2, 9), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        assert torch.equal(ours(ids).logits, theirs(ids).logits)
+    assert_same_model(ours, theirs, torch.randint(3, 320, (2, 9), generator=torch.Generator().manual_seed(2)))
 
 
 def test_llama_q_k_biases_are_written_in_the_models_row_order(tmp_path):

@@ -59,20 +59,13 @@ def test_a_gguf_model_built_from_the_file_is_transformers_own(default_source):
     dynaquant's reader (not transformers' GGUF loader, which parses the file again): every parameter, buffer and
     flag as transformers' loader gives them, the head tied, the same logits."""
     import torch
+    from model_equality import assert_same_model
 
     from dynaquant.sources.model import _gguf_model, load_model
 
     ours = _gguf_model(default_source, torch.float32, "cpu")
     assert ours is not None  # (None: the fallback to transformers' loader)
     theirs = load_model(default_source, cache=False)  # transformers' GGUF loader
-    pa, pb = dict(ours.named_parameters()), dict(theirs.named_parameters())
-    assert pa.keys() == pb.keys()
-    assert all(torch.equal(pa[k], pb[k]) and pa[k].requires_grad == pb[k].requires_grad for k in pa)
-    ba, bb = dict(ours.named_buffers()), dict(theirs.named_buffers())
-    assert ba.keys() == bb.keys() and all(torch.equal(ba[k], bb[k]) for k in ba)
     assert ours.lm_head.weight is ours.model.embed_tokens.weight
-    assert type(ours) is type(theirs) and not ours.training
     assert ours.config.to_diff_dict() == theirs.config.to_diff_dict()
-    ids = torch.arange(3, 3 + 7 * 40, 7)[None]
-    with torch.no_grad():
-        assert torch.equal(ours(ids).logits, theirs(ids).logits)
+    assert_same_model(ours, theirs, torch.arange(3, 3 + 7 * 40, 7)[None])
