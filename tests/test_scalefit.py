@@ -91,6 +91,17 @@ def test_registered():
     assert fastpaths.lookup("blockfit.fit_scale") is scalefit.fit_scale
 
 
+def test_a_fast_path_that_does_not_load_is_logged(monkeypatch, caplog):
+    """A loader that raises leaves the torch reference in charge (lookup gives None), and says so in the log."""
+    def broken():
+        raise ImportError("no module named 'triton.language'")
+    monkeypatch.setattr(fastpaths, "_LOADERS", {**fastpaths._LOADERS, "blockfit.fit_scale": broken})
+    monkeypatch.setattr(fastpaths, "_LOADED", {})
+    with caplog.at_level("WARNING", logger=fastpaths.__name__):
+        assert fastpaths.lookup("blockfit.fit_scale") is None
+    assert "blockfit.fit_scale" in caplog.text and "no module named" in caplog.text
+
+
 @pytest.mark.parametrize("name", list(SEARCHES))
 def test_matches_reference(name):
     """Most blocks equal the reference's scale and codes; the codes are the nearest levels under the kernel's

@@ -12,6 +12,7 @@ backend) leaves the torch reference in charge.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -62,15 +63,18 @@ def register(name: str, loader: Callable[[], Callable]) -> None:
 
 
 def lookup(name: str) -> Callable | None:
-    """The fast implementation of search ``name``, or None (none registered, or its loader failed)."""
+    """The fast implementation of search ``name``, or None (none registered, or its loader failed: logged once as a
+    warning, since the torch reference is many times slower on a GPU)."""
     if name not in _LOADED:
         loader = _LOADERS.get(name)
         if loader is None:
             return None  # not cached: a later registration is seen
         try:
             _LOADED[name] = loader()
-        except Exception:  # no Triton, or no usable backend: the torch reference serves
+        except Exception as exc:  # no Triton, or no usable backend: the torch reference serves, and the log says so
             _LOADED[name] = None
+            logging.getLogger(__name__).warning("fast path %s does not load (%s: %s); its torch reference runs instead",
+                                                name, type(exc).__name__, exc)
     return _LOADED[name]
 
 
