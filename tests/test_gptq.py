@@ -100,6 +100,29 @@ def test_codec_steps_compose_to_encode(fmt):
         assert torch.equal(c, codes[:, start : start + m]) and torch.equal(v, values[:, start : start + m])
 
 
+@pytest.mark.parametrize("fmt", ALL + SCALAR_NEW)
+def test_column_rounder_is_round_to_grid_a_column_at_a_time(fmt):
+    """GPTQ's per-column rounding (``Codec.column_rounder``; the legacy, IQ4 and K-quant codecs compute a block's
+    scales, inverses and zero masks once) equals ``round_to_grid`` of the same column bit for bit: on values other
+    than those the grid was fitted to (GPTQ rounds updated weights), on strided columns, in a block whose scale is 0
+    and in one with a zero sub-block."""
+    codec = get_codec(fmt)
+    bs = get_format(fmt).block_size
+    w, _ = _synthetic(12, bs * 2, seed=3)
+    x = w.reshape(-1, bs).clone()
+    x[0] = 0
+    x[1, : bs // 8] = 0
+    g = torch.Generator().manual_seed(4)
+    params = codec.fit_params(x, torch.exp(torch.randn(x.shape, generator=g)))
+    y = x * 1.3 + 0.05 * torch.randn(x.shape, generator=g) * x.abs().amax(1, keepdim=True)
+    rnd = codec.column_rounder(params)
+    for j in range(bs):
+        c, v = codec.round_to_grid(y[:, j : j + 1], params, j)
+        c1, v1 = rnd(y[:, j], j)
+        assert c1.dtype == torch.int64 and v1.dtype == torch.float32 and c1.shape == v1.shape == (x.shape[0],)
+        assert torch.equal(c1, c[:, 0]) and torch.equal(v1, v[:, 0]), j
+
+
 # --------------------------------------------------------------------------- exact bytes
 
 

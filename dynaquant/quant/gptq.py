@@ -223,15 +223,16 @@ def gptq_round(
 
     codec = get_codec(fmt.name)
     batch = -(-block_columns // bs) * bs
-    codes = torch.empty(n, k, dtype=torch.int64, device=device)  # original column order
     decoded = torch.empty(n, k, dtype=torch.float32, device=device)
     data = torch.empty(n, row_bytes, dtype=torch.uint8, device=device)
     for i1 in range(0, k, batch):
         i2 = min(i1 + batch, k)
         w1 = w[:, i1:i2].clone()
-        err1 = torch.empty_like(w1)
         u1 = u[i1:i2, i1:i2]
-        params = None
+        # Each column's results are kept as they come and written once a block (codes) or a batch (decoded values,
+        # errors): one copy each instead of one a column.
+        values, errors, codes = [], [], []
+        params = rnd = back = None
         for i in range(i2 - i1):
             pos = i1 + i  # processing position; the column is order[pos]
             col = order[pos]
@@ -242,17 +243,24 @@ def gptq_round(
                     back = torch.tensor([c % bs for c in order[pos : pos + bs]], device=device).argsort()
                     xb, wb = xb[:, back], wb[back]
                 params = codec.fit_params(xb, wb.expand(n, bs))
-            c, v = codec.round_to_grid(w1[:, i : i + 1], params, col % bs)
-            codes[:, col] = c[:, 0]
-            decoded[:, col] = v[:, 0]
-            e = (w1[:, i] - v[:, 0]) / u1[i, i]
+                rnd = codec.column_rounder(params)
+            c, v = rnd(w1[:, i], col % bs)
+            e = (w1[:, i] - v) / u1[i, i]
             w1[:, i + 1 :].addr_(e, u1[i, i + 1 :], alpha=-1.0)
-            err1[:, i] = e
+            codes.append(c)
+            values.append(v)
+            errors.append(e)
             if pos % bs == bs - 1:
                 b0 = col - col % bs
-                data[:, b0 // bs * ts : (b0 // bs + 1) * ts] = codec.pack(params, codes[:, b0 : b0 + bs])
+                block = torch.stack(codes, 1)
+                data[:, b0 // bs * ts : (b0 // bs + 1) * ts] = codec.pack(params, block if back is None else block[:, back])
+                codes = []
+        if act_order:
+            decoded[:, torch.tensor(order[i1:i2], device=device)] = torch.stack(values, 1)
+        else:
+            decoded[:, i1:i2] = torch.stack(values, 1)
         if i2 < k:
-            w[:, i2:].addmm_(err1, u[i1:i2, i2:], alpha=-1.0)
+            w[:, i2:].addmm_(torch.stack(errors, 1), u[i1:i2, i2:], alpha=-1.0)
     return GPTQResult(data, decoded, used_damp)
 
 

@@ -398,6 +398,17 @@ class ScaleCodec(Codec):
         codes = scale_codes(x, d, self.grid)
         return codes, d.to(torch.float32)[:, None] * self.grid.level_tensor(x.device)[codes]
 
+    def column_rounder(self, params):
+        """As :meth:`Codec.column_rounder`: the stored scale, its safe divisor and zero mask once a block."""
+        (d,) = params
+        df = d.to(torch.float32)
+        safe, zero, lv, zc = safe_scale(df), df == 0, self.grid.level_tensor(d.device), self.grid.zero_code()
+
+        def one(x: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+            codes = torch.where(zero, zc, self.grid.codes_of(x.to(torch.float32) / safe))
+            return codes, df * lv[codes]
+        return one
+
 
 def affine_codes(x: torch.Tensor, d: torch.Tensor, m: torch.Tensor, nmax: int) -> torch.Tensor:
     """Nearest codes of ``d * code + m`` under stored values: x (B, n) float32, d, m (B,)

@@ -13,6 +13,7 @@ thread, 8 ms on two; Q6_K 20x faster on one). Chunks of :data:`CPU_CHUNK_WEIGHTS
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import ClassVar
@@ -91,6 +92,24 @@ class Codec:
             gives for them.
         """
         raise NotImplementedError(f"{self.format_name} has no block grid")
+
+    def column_rounder(self, params) -> Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`round_to_grid` one column at a time, as GPTQ's inner loop rounds (:mod:`dynaquant.quant.gptq`).
+
+        Args:
+            params: from :meth:`fit_params`.
+        Returns:
+            ``f(x, j)``: ``x`` (n_blocks,) float32, column ``j`` (0 .. block_size - 1) of each block ->
+            ``(codes, values)``, (n_blocks,) int64 and float32, equal bit for bit to column 0 of
+            ``round_to_grid(x[:, None], params, j)``. Codecs override it to compute what a block's columns share
+            (their scales, inverse scales, zero masks) once instead of once a column.
+        Raises:
+            NotImplementedError: the format has no block grid.
+        """
+        def one(x: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+            codes, values = self.round_to_grid(x[:, None], params, j)
+            return codes[:, 0], values[:, 0]
+        return one
 
     def pack(self, params, codes: torch.Tensor) -> torch.Tensor:
         """Write blocks: :meth:`fit_params` parameters + (n_blocks, block_size) int64 codes ->

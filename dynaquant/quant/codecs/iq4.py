@@ -172,6 +172,19 @@ class IQ4_XS(Codec):
         codes = torch.where(dl == 0, self.grid.zero_code(), codes)
         return codes, dl * self.grid.level_tensor(x.device)[codes]
 
+    def column_rounder(self, params):
+        """As :meth:`Codec.column_rounder`: every column's sub-block scale, safe divisor and zero mask once a
+        super-block, (256, n_super) so that a column's are contiguous."""
+        dl = params.sub_scales()
+        dl = dl[:, torch.arange(QK_K, device=dl.device) // _SUB].t().contiguous()
+        zero = dl == 0
+        safe, lv, zc = torch.where(zero, torch.ones_like(dl), dl), self.grid.level_tensor(dl.device), self.grid.zero_code()
+
+        def one(x: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+            codes = torch.where(zero[j], zc, self.grid.codes_of(x.to(torch.float32) / safe[j]))
+            return codes, dl[j] * lv[codes]
+        return one
+
     # ------------------------------------------------------------------ bytes
 
     def pack(self, params, codes: torch.Tensor) -> torch.Tensor:
