@@ -57,7 +57,8 @@ from functools import cache
 
 import torch
 
-from dynaquant.quant.codecs.base import block_importance, get_codec
+from dynaquant.quant.codecs.base import ColumnGrid, block_importance, get_codec
+from dynaquant.quant.codecs.fastpaths import fast_path
 from dynaquant.quant.formats import Format, get_format
 
 logger = logging.getLogger(__name__)
@@ -143,6 +144,36 @@ def _column_order(diag: torch.Tensor, bs: int, act_order: bool) -> list[int]:
     return (blocks[:, None] * bs + inside[blocks]).reshape(-1).tolist()
 
 
+def round_block_torch(w1: torch.Tensor, u1: torch.Tensor, rnd, i: int, local: list[int]
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ's column loop over one block (module docstring, step 2): round columns ``i .. i + len(local) - 1`` of
+    the batch ``w1`` one at a time, each spreading its error over the batch's later columns.
+
+    Args:
+        w1: (N, B) float32, the batch's weights as updated so far, contiguous; updated in place (columns after
+            each rounded one).
+        u1: (B, B) float32, the batch's part of the upper Cholesky factor of ``H^-1`` (any strides).
+        rnd: the block's :meth:`Codec.column_rounder` (a :class:`ColumnGrid` where the grid is linear).
+        i: the block's first column in the batch.
+        local: each column's place in its block (its layout order), as ``rnd`` takes it.
+    Returns:
+        (codes, values, errors): (N, len(local)) int64, float32, float32 in processing order; ``errors`` are the
+        scaled errors ``(w - value) / U_jj`` the later batches are updated with.
+    The fast path ``gptq.round_block`` (:mod:`dynaquant.quant.codecs.fastpaths`) takes the same arguments with a
+    :class:`ColumnGrid` and returns the same.
+    """
+    cs, vs, es = [], [], []
+    for t, j in enumerate(local):
+        x = w1[:, i + t]
+        c, v = rnd(x, j)
+        e = (x - v) / u1[i + t, i + t]
+        w1[:, i + t + 1 :].addr_(e, u1[i + t, i + t + 1 :], alpha=-1.0)
+        cs.append(c)
+        vs.append(v)
+        es.append(e)
+    return torch.stack(cs, 1), torch.stack(vs, 1), torch.stack(es, 1)
+
+
 def gptq_round(
     weight: torch.Tensor,
     fmt: str | Format,
@@ -152,6 +183,7 @@ def gptq_round(
     damp: float = 0.01,
     block_columns: int = 128,
     act_order: bool = False,
+    backend: str = "torch",
 ) -> GPTQResult:
     """GPTQ-round a weight to a GGUF block format (module docstring).
 
@@ -169,6 +201,10 @@ def gptq_round(
         act_order: process whole blocks in descending order of ``sum(diag H)`` over the block,
             and the columns of a block in descending ``diag H`` (GPTQ's act-order, restricted
             to orders that keep each block's columns together, as the layout demands).
+        backend: the column loop of a block on a linear per-column grid (the K-quants): ``"torch"`` (the default,
+            :func:`round_block_torch`), ``"triton"`` (the fused kernel ``gptq.round_block``, one launch a block;
+            on the CPU under ``TRITON_INTERPRET=1``) or ``"auto"`` (the kernel on CUDA). The kernel's own float
+            operations are the loop's, but not yet measured on a GPU, hence not the default.
     Returns:
         GPTQResult with the bytes and the decoded weight, both on the weight's device.
     Raises:
@@ -229,38 +265,29 @@ def gptq_round(
         i2 = min(i1 + batch, k)
         w1 = w[:, i1:i2].clone()
         u1 = u[i1:i2, i1:i2]
-        # Each column's results are kept as they come and written once a block (codes) or a batch (decoded values,
-        # errors): one copy each instead of one a column.
-        values, errors, codes = [], [], []
-        params = rnd = back = None
-        for i in range(i2 - i1):
-            pos = i1 + i  # processing position; the column is order[pos]
-            col = order[pos]
-            if pos % bs == 0:
-                # The block's grid, from its updated weights (put back in layout order).
-                xb, wb = w1[:, i : i + bs], imp[pos : pos + bs]
-                if act_order:
-                    back = torch.tensor([c % bs for c in order[pos : pos + bs]], device=device).argsort()
-                    xb, wb = xb[:, back], wb[back]
-                params = codec.fit_params(xb, wb.expand(n, bs))
-                rnd = codec.column_rounder(params)
-            c, v = rnd(w1[:, i], col % bs)
-            e = (w1[:, i] - v) / u1[i, i]
-            w1[:, i + 1 :].addr_(e, u1[i, i + 1 :], alpha=-1.0)
-            codes.append(c)
+        values, errors = [], []
+        for p0 in range(i1, i2, bs):  # the batch's blocks (whole: the batch is a multiple of the block size)
+            i = p0 - i1
+            local = [c % bs for c in order[p0 : p0 + bs]]  # each processed column's place in its block
+            # The block's grid, from its updated weights (put back in layout order).
+            xb, wb, back = w1[:, i : i + bs], imp[p0 : p0 + bs], None
+            if act_order:
+                back = torch.tensor(local, device=device).argsort()
+                xb, wb = xb[:, back], wb[back]
+            params = codec.fit_params(xb, wb.expand(n, bs))
+            rnd = codec.column_rounder(params)
+            fast = fast_path("gptq.round_block", w1, backend) if isinstance(rnd, ColumnGrid) else None
+            codes, v, e = (fast or round_block_torch)(w1, u1, rnd, i, local)
+            b0 = order[p0] - local[0]
+            data[:, b0 // bs * ts : (b0 // bs + 1) * ts] = codec.pack(params, codes if back is None else codes[:, back])
             values.append(v)
             errors.append(e)
-            if pos % bs == bs - 1:
-                b0 = col - col % bs
-                block = torch.stack(codes, 1)
-                data[:, b0 // bs * ts : (b0 // bs + 1) * ts] = codec.pack(params, block if back is None else block[:, back])
-                codes = []
         if act_order:
-            decoded[:, torch.tensor(order[i1:i2], device=device)] = torch.stack(values, 1)
+            decoded[:, torch.tensor(order[i1:i2], device=device)] = torch.cat(values, 1)
         else:
-            decoded[:, i1:i2] = torch.stack(values, 1)
+            decoded[:, i1:i2] = torch.cat(values, 1)
         if i2 < k:
-            w[:, i2:].addmm_(torch.stack(errors, 1), u[i1:i2, i2:], alpha=-1.0)
+            w[:, i2:].addmm_(torch.cat(errors, 1), u[i1:i2, i2:], alpha=-1.0)
     return GPTQResult(data, decoded, used_damp)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
@@ -23,6 +24,36 @@ import torch
 
 from dynaquant.quant.codecs.fastpaths import BACKENDS
 from dynaquant.quant.formats import Format, get_format
+
+
+@dataclass(frozen=True)
+class ColumnGrid:
+    """A block's grid column by column where it is linear: what GPTQ's column loop rounds to, given to a fast
+    path as plain tensors (:func:`dynaquant.quant.gptq.round_block_torch`).
+
+    Attributes:
+        dl: (block_size, n_blocks) float32, each column's scale (a K-quant's sub-block ``d * k``), contiguous.
+        iv: (block_size, n_blocks) float32, ``1 / dl`` (0 where ``dl`` is 0).
+        ml: (block_size, n_blocks) float32 mins of an affine grid (values ``dl * q - ml``, codes ``q`` in
+            ``0 .. qhi``), or None for a symmetric one (values ``dl * q``, ``q`` in ``qlo .. qhi``, codes ``q - qlo``).
+        qlo, qhi: the integer range of ``q``.
+
+    Called as ``grid(x, j)`` it is a :meth:`Codec.column_rounder`: ``q = clamp(round((x + ml) * iv))`` (ties to
+    even), or ``clamp(round(x * iv))``.
+    """
+
+    dl: torch.Tensor
+    iv: torch.Tensor
+    ml: torch.Tensor | None
+    qlo: int
+    qhi: int
+
+    def __call__(self, x: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ml is not None:
+            q = ((x.float() + self.ml[j]) * self.iv[j]).round_().clamp_(self.qlo, self.qhi)
+            return q.to(torch.int64), self.dl[j] * q - self.ml[j]
+        q = (x.float() * self.iv[j]).round_().clamp_(self.qlo, self.qhi)
+        return (q - self.qlo).to(torch.int64), self.dl[j] * q
 
 
 class Codec:
@@ -106,10 +137,19 @@ class Codec:
         Raises:
             NotImplementedError: the format has no block grid.
         """
+        grid = self.column_grid(params)
+        if grid is not None:
+            return grid
+
         def one(x: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
             codes, values = self.round_to_grid(x[:, None], params, j)
             return codes[:, 0], values[:, 0]
         return one
+
+    def column_grid(self, params) -> ColumnGrid | None:
+        """The block's grid as a :class:`ColumnGrid` where every column's is linear with its own scale (and min),
+        as the K-quants' are; None for other grids (the default)."""
+        return None
 
     def pack(self, params, codes: torch.Tensor) -> torch.Tensor:
         """Write blocks: :meth:`fit_params` parameters + (n_blocks, block_size) int64 codes ->

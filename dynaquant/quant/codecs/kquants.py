@@ -36,7 +36,7 @@ import torch
 
 from dynaquant.quant.codecs import _kquant_search as kqs
 from dynaquant.quant.codecs import kquant_fast as kqf
-from dynaquant.quant.codecs.base import Codec, register
+from dynaquant.quant.codecs.base import Codec, ColumnGrid, register
 
 QK_K = 256
 
@@ -222,28 +222,16 @@ class _KQuant(Codec):
         q = kqs.sym_codes(x3, dl, sp.qlo, sp.qhi).squeeze(-1)
         return (q - sp.qlo).to(torch.int64), dl * q
 
-    def column_rounder(self, params):
-        """As :meth:`Codec.column_rounder`: every column's sub-block scale (and min) and its inverse once a
-        super-block, (256, n_super) so that a column's are contiguous."""
+    def column_grid(self, params) -> ColumnGrid:
+        """As :meth:`Codec.column_grid`: every column's sub-block scale (and min) and its inverse, (256, n_super),
+        the numbers :meth:`round_to_grid` rounds with."""
         sp = self.search
-        if isinstance(sp, kqs.AffSearch):
-            dl, ml = params.sub_scales()
-            sub = torch.arange(QK_K, device=dl.device) // (QK_K // self.n_sub)
-            dl, ml = dl[:, sub].t().contiguous(), ml[:, sub].t().contiguous()
-            iv = kqs.inv(dl)
-
-            def aff(x: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-                q = ((x.float() + ml[j]) * iv[j]).round_().clamp_(0, sp.qmax)
-                return q.to(torch.int64), dl[j] * q - ml[j]
-            return aff
-        dl = params.sub_scales()
-        dl = dl[:, torch.arange(QK_K, device=dl.device) // (QK_K // self.n_sub)].t().contiguous()
-        iv = kqs.inv(dl)
-
-        def sym(x: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-            q = (x.float() * iv[j]).round_().clamp_(sp.qlo, sp.qhi)
-            return (q - sp.qlo).to(torch.int64), dl[j] * q
-        return sym
+        aff = isinstance(sp, kqs.AffSearch)
+        dl, ml = params.sub_scales() if aff else (params.sub_scales(), None)
+        sub = torch.arange(QK_K, device=dl.device) // (QK_K // self.n_sub)
+        dl = dl[:, sub].t().contiguous()
+        ml = None if ml is None else ml[:, sub].t().contiguous()
+        return ColumnGrid(dl, kqs.inv(dl), ml, 0 if aff else sp.qlo, sp.qmax if aff else sp.qhi)
 
     def _check_bytes(self, b: torch.Tensor) -> int:
         """Number of blocks in ``b``; raises ValueError unless it is (n_blocks, type_size) uint8."""
