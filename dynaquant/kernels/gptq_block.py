@@ -25,7 +25,7 @@ from dynaquant.quant.codecs.base import ColumnGrid
 __all__ = ["round_block"]
 
 _OPTS = {"num_warps": 4, "enable_fp_fusion": False}
-_TILE = 8192  # float32 values of w1 a program holds: BLOCK_R * BW
+_TILE = 4096  # float32 values of w1 a program holds: BLOCK_R * BW (32 a thread with 4 warps)
 
 
 @triton.jit(do_not_specialize=["N", "B", "start", "M", "su0", "su1"])
