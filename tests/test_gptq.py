@@ -211,6 +211,8 @@ def test_bad_arguments_raise():
         gptq_quantize(w, "Q4_0", h[:128, :128])
     with pytest.raises(ValueError):
         gptq_quantize(w, "Q4_0", h, torch.ones(17))
+    with pytest.raises(ValueError, match="backend"):
+        gptq_round(w, "Q4_0", h, backend="cuda")
     with pytest.raises(ValueError):
         output_error(w, w[:2], h)
 

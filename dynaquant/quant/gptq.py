@@ -46,7 +46,8 @@ Within a block nothing is compensated, so the gain is smaller than for the per-w
 act-order moves whole blocks only.
 
 Everything runs on the device of the weight, vectorised over all rows (the Python loop is
-over columns, or over super-blocks for the i-quants).
+over columns, or over super-blocks for the i-quants; for the K-quants with ``backend="triton"`` a
+block's columns are one kernel launch, :mod:`dynaquant.kernels.gptq_block`).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from functools import cache
 import torch
 
 from dynaquant.quant.codecs.base import ColumnGrid, block_importance, get_codec
-from dynaquant.quant.codecs.fastpaths import fast_path
+from dynaquant.quant.codecs.fastpaths import BACKENDS, fast_path
 from dynaquant.quant.formats import Format, get_format
 
 logger = logging.getLogger(__name__)
@@ -208,8 +209,8 @@ def gptq_round(
     Returns:
         GPTQResult with the bytes and the decoded weight, both on the weight's device.
     Raises:
-        ValueError: bad shapes, a float format, non-finite inputs, or ``H`` not positive
-            definite even after more damping.
+        ValueError: bad shapes, a float format, an unknown backend, non-finite inputs, or ``H`` not
+            positive definite even after more damping.
         NotImplementedError: a format :func:`supports_gptq` refuses.
     """
     fmt = fmt if isinstance(fmt, Format) else get_format(fmt)
@@ -226,6 +227,8 @@ def gptq_round(
         raise ValueError(f"hessian has shape {tuple(hessian.shape)}, expected ({k}, {k})")
     if damp < 0 or block_columns < 1:
         raise ValueError(f"need damp >= 0 and block_columns >= 1, got {damp} and {block_columns}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     device = weight.device
     w = weight.detach().to(torch.float32).clone()
     h = hessian.detach().to(device=device, dtype=torch.float64)
