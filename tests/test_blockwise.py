@@ -26,10 +26,14 @@ CASES = ["llama", "qwen2", "qwen2moe", "deepseek-v3", "gpt-oss"]  # dense (tied,
 
 
 def transformers_load(source):
-    """The checkpoint as transformers' ``from_pretrained`` loads it (float32, CPU, eval): the oracle."""
-    from transformers import AutoModelForCausalLM
+    """The checkpoint as transformers' ``from_pretrained`` loads it (float32, CPU, eval; mixture-of-experts layers
+    with transformers' eager loop over experts, as dynaquant builds its models, where the release has a choice):
+    the oracle."""
+    from transformers import AutoModelForCausalLM, PretrainedConfig
 
-    return from_pretrained(AutoModelForCausalLM, source.folder, trust_remote_code=False, dtype=torch.float32).eval()
+    kw = {"experts_implementation": "eager"} if hasattr(PretrainedConfig(), "_experts_implementation") else {}
+    return from_pretrained(AutoModelForCausalLM, source.folder, trust_remote_code=False, dtype=torch.float32,
+                           **kw).eval()
 
 
 def _checkpoint(folder, case):

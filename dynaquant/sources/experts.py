@@ -92,7 +92,7 @@ def dispatch(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
     for e in torch.unique(idx).tolist():
         if not 0 <= e < n_expert:
             continue
-        tok, pos = torch.where(idx == e)
+        pos, tok = torch.where((idx == e).T)  # by choice position, then token: transformers' eager loop's row order
         y = expert_fn(e, x_all[tok], w[tok, pos])
         out.index_add_(0, tok, (y * w[tok, pos, None]).to(out.dtype))
     return out.reshape(shape)

@@ -325,6 +325,11 @@ def build_skeleton(source, ts: TensorSource, *, dtype: torch.dtype = torch.float
     from dynaquant.sources.vl_archs import vl_full_arch
 
     config = load_config(source)
+    if hasattr(config, "_experts_implementation"):
+        # transformers' own loop over experts (newer releases default to a grouped GEMM where one is available): the
+        # operations a packed block's forward repeats expert by expert (sources.experts.PackedForward), so a block
+        # gives the same numbers packed or not, on any transformers release
+        config._experts_implementation = "eager"
     auto = AutoModelForCausalLM
     if source.kind == "hf" and vl_full_arch(source.path):  # as load_model: the vision tower is part of the outer part
         from transformers import AutoModelForImageTextToText as auto
