@@ -9,15 +9,9 @@ way: there the tests hold the bytes to their decode and the layer-output error t
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
-DEVICE = "cuda" if HAS_CUDA else "cpu"
+from triton_mode import DEVICE  # (imported before Triton: the interpreter without a GPU)
 
 pytest.importorskip("triton")
 

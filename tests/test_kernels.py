@@ -1,22 +1,18 @@
 """dynaquant.kernels: packing, the torch reference, and the Triton kernels against it.
 
-Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set here before the
+Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by ``triton_mode`` before the
 kernels are first imported) on small shapes; on a CUDA machine the same tests run natively, and the
 ``cuda`` tests add full-size shapes (Llama-3-8B's) and every path.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from triton_mode import DEVICE, HAS_CUDA  # (imported before Triton: the interpreter without a GPU)
 
 pytest.importorskip("triton")
 
@@ -38,7 +34,6 @@ from dynaquant.kernels import (  # noqa: E402
     valid_config,
 )
 
-DEVICE = "cuda" if HAS_CUDA else "cpu"
 INTERPRETED = not HAS_CUDA
 
 FORMATS = ["INT4_G128", "INT4_G64_ASYM", "INT4_G32", "INT2_G128", "INT2_G32_ASYM", "INT3_G128", "INT3_G32_ASYM",

@@ -5,14 +5,9 @@ Without a GPU the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, s
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from triton_mode import DEVICE, HAS_CUDA  # (imported before Triton: the interpreter without a GPU)
 
 pytest.importorskip("triton")
 
@@ -20,8 +15,6 @@ from test_kernels import packed_weight, rel_err  # noqa: E402
 
 from dynaquant.kernels import linear_ref, pack, stack, unpack  # noqa: E402
 from dynaquant.kernels.grouped import grouped_linear, grouped_linear_ref, route  # noqa: E402
-
-DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
 def _stacked(fmt: str, e: int, n: int, k: int, gen: torch.Generator, super_weights=None):

@@ -3,7 +3,7 @@
 :func:`dynaquant.kernels.lattice_search.nearest_codewords` (Triton) and
 :func:`dynaquant.quant.codecs._lattice.nearest_codewords_torch` must give the same costs (to
 float32 rounding) and the same indices except where two codewords tie to rounding. On CPU the
-kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, set here before Triton is first
+kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, set by ``triton_mode`` before Triton is first
 imported, as tests/test_kernels.py does); on CUDA it runs compiled, on larger inputs too.
 """
 
@@ -15,11 +15,7 @@ import sys
 
 import pytest
 import torch
-
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
-DEVICE = "cuda" if HAS_CUDA else "cpu"  # where the kernel runs (compiled or interpreted)
+from triton_mode import DEVICE, HAS_CUDA  # (imported before Triton: the interpreter without a GPU)
 
 pytest.importorskip("triton")
 

@@ -10,15 +10,9 @@ imported); on CUDA compiled, on larger inputs.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
-DEVICE = "cuda" if HAS_CUDA else "cpu"
+from triton_mode import DEVICE, HAS_CUDA  # (imported before Triton: the interpreter without a GPU)
 
 pytest.importorskip("triton")
 
