@@ -4,7 +4,9 @@
 #   KIND cuda: llama-imatrix + llama-quantize with CUDA for sm_90 (WORK/llama.cpp/build-cuda/bin; ~5 min, $JOBS jobs)
 #   KIND cpu:  the same tools on the CPU (WORK/llama.cpp/build-cpu/bin; ~40 s)
 #   KIND ggml: a shared libggml-base.so for encode_speed.py --libggml (WORK/llama.cpp/build-ggml/bin; seconds)
-# env: LLAMA_SRC_TAR (default .dev/llama-src.tar.xz of the checkout), JOBS (default nproc - 2).
+# env: LLAMA_SRC_TAR (default .dev/llama-src.tar.xz of the checkout), JOBS (default nproc - 2),
+#      SHARED (cuda: ON builds libggml*.so / libllama.so beside the tools, so that the CUDA code is in one file a few
+#      tens of MB and the tools can be packed by llama_pack.sh and carried to a later call instead of built again).
 # Writes WORK/build-KIND.ok or WORK/build-KIND.failed when done (the log: LOG).
 set -uo pipefail
 WORK=$1; KIND=$2; LOG=$3
@@ -24,7 +26,7 @@ build() {  # every step checked: set -e does not hold inside a function called i
         for d in /usr/local/cuda/bin /usr/local/cuda-*/bin; do [ -x "$d/nvcc" ] && export PATH="$d:$PATH" && break; done
       fi
       nvcc --version | tail -2 || return 1
-      cmake -B build-cuda "${COMMON[@]}" -DBUILD_SHARED_LIBS=OFF -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 || return 1
+      cmake -B build-cuda "${COMMON[@]}" -DBUILD_SHARED_LIBS=${SHARED:-OFF} -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 || return 1
       cmake --build build-cuda -j "$JOBS" --target llama-imatrix llama-quantize || return 1 ;;
     cpu)
       cmake -B build-cpu "${COMMON[@]}" -DBUILD_SHARED_LIBS=OFF || return 1

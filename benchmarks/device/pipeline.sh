@@ -4,7 +4,9 @@
 # usage: bash benchmarks/device/pipeline.sh OUT [pipeline_speed.py options, e.g. --modes bpw4.5,gptq]
 # env:   WORK (default /root/dq/pipe: checkpoint, llama.cpp tree and builds, GGUFs; kept for a second call),
 #        LLAMA_SRC_TAR (default .dev/llama-src.tar.xz), GGUF_WHEEL (default .dev/gguf-0.19.0-py3-none-any.whl),
-#        TOKENIZER (default .dev/smollm2-tokenizer if there, else the default model's GGUF), JOBS (default nproc - 2)
+#        TOKENIZER (default .dev/smollm2-tokenizer if there, else the default model's GGUF), JOBS (default nproc - 2),
+#        LLAMA_BIN_PACK (default .dev/llama-cuda-bin.tar.xz: the parts .00, .01, ... written by llama_pack.sh in an
+#        earlier call; when there, the source tree and those tools are unpacked instead of built)
 # Polling-friendly: run it in the background and read OUT/status (one line a step), OUT/pipeline.log (everything),
 # OUT/pipeline_speed.json (rows, rewritten after every step), OUT/summary.md at the end:
 #   setsid nohup bash benchmarks/device/pipeline.sh /root/dq/pipe-out > /dev/null 2>&1 < /dev/null &
@@ -16,6 +18,13 @@ source "$(dirname "$0")/common.sh" "$1"; shift
 TOK=${TOKENIZER:-$REPO/.dev/smollm2-tokenizer}
 TOKARG=(); [ -e "$TOK" ] && TOKARG=(--tokenizer "$TOK")
 BIN=$WORK/llama.cpp/build-cuda/bin; NGL=99
+PACK=${LLAMA_BIN_PACK:-$REPO/.dev/llama-cuda-bin.tar.xz}
+if [ ! -x "$BIN/llama-quantize" ] && [ -f "$PACK.00" ]; then
+  status "unpacking llama.cpp's source and the CUDA tools of an earlier call ($PACK.*)"
+  tar xJf "${LLAMA_SRC_TAR:-$REPO/.dev/llama-src.tar.xz}" -C "$WORK" && cat "$PACK".* | xz -d | tar xf - -C "$WORK/llama.cpp" \
+    || status "unpacking failed: building instead"
+  export LD_LIBRARY_PATH="$BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 if [ ! -x "$BIN/llama-quantize" ] || [ ! -x "$BIN/llama-imatrix" ]; then
   if [ -f "$WORK/build-cuda.pid" ] && kill -0 "$(cat "$WORK/build-cuda.pid")" 2>/dev/null; then
     status "llama.cpp CUDA build of an earlier call still running: waiting for it"
