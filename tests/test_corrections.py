@@ -443,12 +443,15 @@ def test_encodings_keep_a_plans_bytes_within_their_limit():
     assert enc.take("a", "Q4_0") is None and enc.nbytes == 20
 
 
-def test_a_corrected_run_writes_the_bytes_its_corrections_encoded(tiny_folder, tmp_path, monkeypatch):
+@pytest.mark.parametrize("gptq", [False, True], ids=["plain", "gptq"])
+def test_a_corrected_run_writes_the_bytes_its_corrections_encoded(tiny_folder, tmp_path, monkeypatch, gptq):
     """A whole-model run with corrections writes the planned tensors from the bytes its last measured plan encoded
     (llama's q/k rows put in the GGUF's order), not encoding them again: the file is byte for byte the one a run that
-    encodes every tensor again writes."""
+    encodes every tensor again writes. With ``--gptq`` those bytes are the plain rounding GPTQ is checked against
+    (not encoded a second time), and the file is again the one of a run encoding them again."""
     from dynaquant.analysis.calibration import CalibrationSpec
     from dynaquant.cli import main
+    from dynaquant.pipeline import gptq as gptq_mod
     from dynaquant.pipeline import quantize as quantize_mod
     from dynaquant.pipeline.analyze import analyze
     from dynaquant.pipeline.targets import GGUFTarget
@@ -466,14 +469,20 @@ def test_a_corrected_run_writes_the_bytes_its_corrections_encoded(tiny_folder, t
             reused.append(t.gguf_name)
         return got
     monkeypatch.setattr(GGUFTarget, "reused", counted)
+    plain_encodes = []
+    real_encode = gptq_mod.encode_tensor
+    monkeypatch.setattr(gptq_mod, "encode_tensor", lambda *a, **k: plain_encodes.append(1) or real_encode(*a, **k))
     args = ["quantize", str(tiny_folder), "--report", str(an / "report.json"), "--bpw", "7", "--correct", "1",
-            "--correct-sequences", "2", "--calibration-chunks", "3", "--ctx", "64", "--device", "cpu", "--no-eval"]
+            "--correct-sequences", "2", "--calibration-chunks", "3", "--ctx", "64", "--device", "cpu", "--no-eval",
+            *(["--gptq"] if gptq else [])]
     assert main([*args, "-o", str(tmp_path / "a.gguf")]) == 0
     assert "blk.0.attn_q.weight" in reused and "blk.1.attn_k.weight" in reused and "blk.1.ffn_down.weight" in reused
+    assert plain_encodes == []  # (with --gptq: every plain rounding was the corrections')
     monkeypatch.setattr(quantize_mod, "reusable_encodings", lambda cfg, target: None)
     n = len(reused)
     assert main([*args, "-o", str(tmp_path / "b.gguf")]) == 0
     assert len(reused) == n  # (nothing kept: every tensor encoded by the writer)
+    assert (len(plain_encodes) > 0) == gptq
     assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
 
 

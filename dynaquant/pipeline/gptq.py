@@ -41,8 +41,10 @@ class GPTQRounding:
         self.plain_only: dict[str, int] = {}  # formats GPTQ does not round (supports_gptq False): encoded plainly
         timings["gptq_stats_s"] = time.perf_counter() - t0
 
-    def encode(self, t, w: torch.Tensor, fmt: Format, imp) -> torch.Tensor | None:
-        """GGUF bytes of one tensor, or None where GPTQ does not apply (the caller encodes plainly)."""
+    def encode(self, t, w: torch.Tensor, fmt: Format, imp, plain: torch.Tensor | None = None) -> torch.Tensor | None:
+        """GGUF bytes of one tensor, or None where GPTQ does not apply (the caller encodes plainly). ``plain``: the
+        tensor's plain rounding (``encode_tensor(w, fmt, imp)``'s bytes, (N, row bytes) uint8 on ``w``'s device)
+        when the caller has it (the corrections' bytes); else it is encoded here."""
         module = module_of(t.hf_name)
         if module is None or module not in self.fit.input_of or w.ndim != 2 or t.gguf_name.startswith("token_embd"):
             return None
@@ -53,7 +55,7 @@ class GPTQRounding:
             return None
         h_fit = self.fit.input(module).hessian.to(self.device)
         h_check = self.check.input(module).hessian.to(self.device)
-        plain = encode_tensor(w, fmt, imp)
+        plain = encode_tensor(w, fmt, imp) if plain is None else plain
         g = gptq_round(w, fmt, h_fit, imp, damp=self.damp)
         e_plain = output_error(w, dequantize(plain, fmt).to(w.device), h_check)
         e_gptq = output_error(w, g.decoded.to(w.device), h_check)

@@ -402,13 +402,13 @@ def _open_rundir(cfg: QuantizeConfig, source: ModelSource, output: Path):
 
 def reusable_encodings(cfg: QuantizeConfig, target: Target) -> Encodings | None:
     """Where a whole-model run's corrections keep the bytes of the plans they measure for the GGUF writer
-    (:class:`dynaquant.analysis.corrections.Encodings`), at most a quarter of the host memory available now; None
-    where the writer's bytes would not be the corrections' (``gptq`` rounds them otherwise, ``allow_nonfinite``
-    replaces values per tensor) or nothing would be kept (``stream`` measures block by block; the safetensors
-    target encodes its own records)."""
+    (:class:`dynaquant.analysis.corrections.Encodings`), at most a quarter of the host memory available now; with
+    ``gptq`` they are the plain rounding GPTQ's rounding is checked against (not encoded a second time). None where
+    the writer's bytes would not be the corrections' (``allow_nonfinite`` replaces values per tensor) or nothing
+    would be kept (``stream`` measures block by block; the safetensors target encodes its own records)."""
     from dynaquant.pipeline.analyze_blocks import available_memory
 
-    if target.name != "gguf" or cfg.stream or cfg.gptq or cfg.allow_nonfinite:
+    if target.name != "gguf" or cfg.stream or cfg.allow_nonfinite:
         return None
     return Encodings(limit=available_memory() // 4)
 

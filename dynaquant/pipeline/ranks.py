@@ -18,12 +18,18 @@ from dynaquant.progress import stage_bar
 
 def encode_planned(run: RunState, target: Target, t):
     """Tensor ``t`` read, GPTQ-rounded where the run asks and it wins, and encoded (or the corrections' bytes of it,
-    :meth:`Target.reused`, where the run kept them): what the tensor loops hand to
-    ``target`` (one process's :func:`dynaquant.pipeline.quantize.write_output` and :func:`write_output_ranks`)."""
-    if run.encodings is not None and (reused := target.reused(t)) is not None:
+    :meth:`Target.reused`, where the run kept them; with GPTQ they are the plain rounding it is checked against):
+    what the tensor loops hand to ``target`` (one process's :func:`dynaquant.pipeline.quantize.write_output` and
+    :func:`write_output_ranks`)."""
+    reused = target.reused(t) if run.encodings is not None else None
+    if reused is not None and run.rounding is None:
         return reused
     w = target.read(t)
-    rounded = target.gptq_round(t, w) if run.rounding is not None else None
+    rounded = None
+    if run.rounding is not None:
+        rounded = target.gptq_round(t, w) if reused is None else target.gptq_round(t, w, plain=reused)
+    if rounded is None and reused is not None:
+        return reused
     return target.encode(t, w, rounded)
 
 

@@ -129,8 +129,9 @@ class SafetensorsTarget:
         """None: the safetensors target encodes every weight itself (its quantize runs keep no corrections' bytes)."""
         return None
 
-    def gptq_round(self, name: str, w: torch.Tensor) -> Any | None:
-        """GPTQ records of a planned 2-D runtime weight (NVFP4's global scale is per tensor: plain rounding), or None."""
+    def gptq_round(self, name: str, w: torch.Tensor, plain: Any | None = None) -> Any | None:
+        """GPTQ records of a planned 2-D runtime weight (NVFP4's global scale is per tensor: plain rounding), or None
+        (``plain`` is always None here: :meth:`reused` keeps nothing)."""
         run, e = self.run, self.writer.to_encode(name, w)
         if run.rounding is None or e is None or w.ndim == 3 or get_format(e.format).name == "NVFP4_G16":
             return None

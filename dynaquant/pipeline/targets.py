@@ -114,8 +114,9 @@ class Target(Protocol):
     def reused(self, t) -> Any | None:
         """``t``'s encoding as the run's corrections made it (:attr:`RunState.encodings`), or None: encoded here."""
 
-    def gptq_round(self, t, w: torch.Tensor) -> Any | None:
-        """``t`` GPTQ-rounded in its planned format when the run asked for GPTQ and it beats plain rounding, else None."""
+    def gptq_round(self, t, w: torch.Tensor, plain: Any | None = None) -> Any | None:
+        """``t`` GPTQ-rounded in its planned format when the run asked for GPTQ and it beats plain rounding, else None
+        (``plain``: that plain rounding when already at hand, :meth:`reused`; else it is encoded here)."""
 
     def encode(self, t, w: torch.Tensor, rounded: Any | None) -> Any:
         """``t``'s encoding for :meth:`add`: ``rounded`` when given, else plain rounding (as is when not encoded)."""
@@ -356,11 +357,13 @@ class GGUFTarget:
             return None
         return np.ascontiguousarray((codes if where[1] is None else codes[where[1]]).numpy())
 
-    def gptq_round(self, t: SourceTensor, w: torch.Tensor | None) -> np.ndarray | None:
+    def gptq_round(self, t: SourceTensor, w: torch.Tensor | None, plain: np.ndarray | None = None) -> np.ndarray | None:
         run, fmt = self.run, self.types[t.gguf_name]
         if run.rounding is None or fmt.kind == "float" or w is None:
             return None
-        q = run.rounding.encode(t, w.to(run.device), fmt, run.imat.get(t.gguf_name))
+        if plain is not None:
+            plain = torch.from_numpy(np.ascontiguousarray(plain)).to(run.device)
+        q = run.rounding.encode(t, w.to(run.device), fmt, run.imat.get(t.gguf_name), plain=plain)
         return q.cpu().numpy() if q is not None else None
 
     def encode(self, t: SourceTensor, w: torch.Tensor | None, rounded: np.ndarray | None) -> np.ndarray:
