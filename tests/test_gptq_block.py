@@ -17,10 +17,11 @@ pytest.importorskip("triton")
 
 import dynaquant.kernels  # noqa: E402,F401  (registers the kernels as fast paths)
 from dynaquant.quant.codecs import dequantize, fastpaths, get_codec  # noqa: E402
-from dynaquant.quant.codecs.base import ColumnGrid  # noqa: E402
+from dynaquant.quant.codecs.base import ColumnGrid, LevelGrid  # noqa: E402
 from dynaquant.quant.gptq import gptq_round, output_error, round_block_torch  # noqa: E402
 
-KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]  # ColumnGrid
+LEVELS = ["Q4_0", "Q5_0", "Q8_0", "IQ4_NL", "IQ4_XS"]  # LevelGrid: linear (a scale a block), kvalues (IQ4_XS: a column)
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -41,7 +42,7 @@ def test_registered():
     assert fastpaths.lookup("gptq.round_block") is gptq_block.round_block
 
 
-@pytest.mark.parametrize("fmt", KQUANTS)
+@pytest.mark.parametrize("fmt", KQUANTS + LEVELS)
 def test_block_equals_the_column_loop(fmt):
     """One block: codes, values, errors and the updated later columns of the batch, as the torch loop gives them
     (bit for bit in the interpreter), with the columns in a permuted (act-order) order and a partial row tile."""
@@ -53,9 +54,10 @@ def test_block_equals_the_column_loop(fmt):
     damped = h.double() + 0.1 * torch.eye(b, device=DEVICE, dtype=torch.float64)
     u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(damped)), upper=True).float()
     assert u.stride(1) != 1  # (column-major, as GPTQ's factor is: the kernel takes any strides)
-    local = torch.randperm(256, generator=torch.Generator().manual_seed(2)).tolist()
-    grid = codec.column_grid(codec.fit_params(w[:, :256].contiguous(), torch.ones(n, 256, device=DEVICE)))
-    assert isinstance(grid, ColumnGrid)
+    bs = codec.format.block_size
+    local = torch.randperm(bs, generator=torch.Generator().manual_seed(2)).tolist()
+    grid = codec.column_rounder(codec.fit_params(w[:, :bs].contiguous(), torch.ones(n, bs, device=DEVICE)))
+    assert isinstance(grid, ColumnGrid if fmt in KQUANTS else LevelGrid)
     w_ref, w_ker = w.clone(), w.clone()
     ref = round_block_torch(w_ref, u, grid, 0, local)
     ker = round_block(w_ker, u, grid, 0, local)
@@ -69,7 +71,7 @@ def test_block_equals_the_column_loop(fmt):
 
 
 @pytest.mark.parametrize("act_order", [False, True], ids=["natural", "act_order"])
-@pytest.mark.parametrize("fmt", KQUANTS)
+@pytest.mark.parametrize("fmt", KQUANTS + LEVELS)
 def test_gptq_with_the_kernel(fmt, act_order):
     """Whole GPTQ (two batches of one block each) with the kernel: the same bytes and values as the torch loop in
     the interpreter; natively bytes that decode to the values, and the layer-output error of the torch loop's."""
@@ -87,5 +89,5 @@ def test_refuses_a_rounder_that_is_not_a_grid():
     from dynaquant.kernels.gptq_block import round_block
 
     w = torch.zeros(4, 256, device=DEVICE)
-    with pytest.raises(TypeError, match="ColumnGrid"):
+    with pytest.raises(TypeError, match="ColumnGrid or LevelGrid"):
         round_block(w, torch.eye(256, device=DEVICE), lambda x, j: (x, x), 0, [0])

@@ -58,7 +58,7 @@ from functools import cache
 
 import torch
 
-from dynaquant.quant.codecs.base import ColumnGrid, block_importance, get_codec
+from dynaquant.quant.codecs.base import ColumnGrid, LevelGrid, block_importance, get_codec
 from dynaquant.quant.codecs.fastpaths import BACKENDS, fast_path
 from dynaquant.quant.formats import Format, get_format
 
@@ -154,14 +154,14 @@ def round_block_torch(w1: torch.Tensor, u1: torch.Tensor, rnd, i: int, local: li
         w1: (N, B) float32, the batch's weights as updated so far, contiguous; updated in place (columns after
             each rounded one).
         u1: (B, B) float32, the batch's part of the upper Cholesky factor of ``H^-1`` (any strides).
-        rnd: the block's :meth:`Codec.column_rounder` (a :class:`ColumnGrid` where the grid is linear).
+        rnd: the block's :meth:`Codec.column_rounder` (a :class:`ColumnGrid` or :class:`LevelGrid` where it is one).
         i: the block's first column in the batch.
         local: each column's place in its block (its layout order), as ``rnd`` takes it.
     Returns:
         (codes, values, errors): (N, len(local)) int64, float32, float32 in processing order; ``errors`` are the
         scaled errors ``(w - value) / U_jj`` the later batches are updated with.
     The fast path ``gptq.round_block`` (:mod:`dynaquant.quant.codecs.fastpaths`) takes the same arguments with a
-    :class:`ColumnGrid` and returns the same.
+    :class:`ColumnGrid` or :class:`LevelGrid` and returns the same.
     """
     cs, vs, es = [], [], []
     for t, j in enumerate(local):
@@ -281,7 +281,7 @@ def gptq_round(
                 xb, wb = xb[:, back], wb[back]
             params = codec.fit_params(xb, wb.expand(n, bs))
             rnd = codec.column_rounder(params)
-            fast = fast_path("gptq.round_block", w1, backend) if isinstance(rnd, ColumnGrid) else None
+            fast = fast_path("gptq.round_block", w1, backend) if isinstance(rnd, ColumnGrid | LevelGrid) else None
             codes, v, e = (fast or round_block_torch)(w1, u1, rnd, i, local)
             b0 = order[p0] - local[0]
             data[:, b0 // bs * ts : (b0 // bs + 1) * ts] = codec.pack(params, codes if back is None else codes[:, back])

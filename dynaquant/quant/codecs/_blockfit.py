@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from dynaquant.quant.codecs.base import Codec
+from dynaquant.quant.codecs.base import Codec, LevelGrid
 from dynaquant.quant.codecs.fastpaths import fast_path
 
 FP16_MAX = 65504.0
@@ -154,6 +154,13 @@ class Grid:
     def zero_code(self) -> int:
         """Index of the level nearest to 0."""
         return min(range(len(self.levels)), key=lambda i: (abs(self.levels[i]), -i))
+
+    def level_grid(self, dl: torch.Tensor) -> LevelGrid:
+        """The :class:`LevelGrid` of scales ``dl`` (float32, (n_blocks,) or (block_size, n_blocks), contiguous): its
+        codes are :meth:`codes_of` ``(x / dl)`` (the half-integer table's ``floor(2 t)`` lookup counts the midpoints
+        ``<= t``, as bucketize does), ``zero_code`` where ``dl == 0``."""
+        lv, mids, _, _ = self._tables(dl.device)
+        return LevelGrid(dl, safe_scale(dl), lv, mids, self.linear, self.zero_code())
 
 
 # On CPU the search runs over sub-chunks of this many blocks, so that its (blocks, 32)
@@ -398,16 +405,11 @@ class ScaleCodec(Codec):
         codes = scale_codes(x, d, self.grid)
         return codes, d.to(torch.float32)[:, None] * self.grid.level_tensor(x.device)[codes]
 
-    def column_rounder(self, params):
-        """As :meth:`Codec.column_rounder`: the stored scale, its safe divisor and zero mask once a block."""
+    def column_rounder(self, params) -> LevelGrid:
+        """As :meth:`Codec.column_rounder`: the stored scale of each block (all its columns') and its safe divisor,
+        a :class:`LevelGrid` (the fast path ``gptq.round_block`` takes it)."""
         (d,) = params
-        df = d.to(torch.float32)
-        safe, zero, lv, zc = safe_scale(df), df == 0, self.grid.level_tensor(d.device), self.grid.zero_code()
-
-        def one(x: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-            codes = torch.where(zero, zc, self.grid.codes_of(x.to(torch.float32) / safe))
-            return codes, df * lv[codes]
-        return one
+        return self.grid.level_grid(d.to(torch.float32).reshape(-1).contiguous())
 
 
 def affine_codes(x: torch.Tensor, d: torch.Tensor, m: torch.Tensor, nmax: int) -> torch.Tensor:

@@ -56,6 +56,45 @@ class ColumnGrid:
         return (q - self.qlo).to(torch.int64), self.dl[j] * q
 
 
+@dataclass(frozen=True)
+class LevelGrid:
+    """A block's grid column by column where each column is a scale times a fixed table of levels (the legacy
+    symmetric types' integers, IQ4_NL's and IQ4_XS's ``kvalues_iq4nl``): what GPTQ's column loop rounds to, given
+    to a fast path as plain tensors (:func:`dynaquant.quant.gptq.round_block_torch`).
+
+    Attributes:
+        dl: float32 scales, contiguous: (n_blocks,), one a block for every column (Q4_0, Q8_0, IQ4_NL), or
+            (block_size, n_blocks), each column's own (IQ4_XS's sub-block scales).
+        safe: ``dl`` with zeros replaced by 1 (the divisor), same shape.
+        levels: (L,) float32, strictly increasing.
+        mids: (L - 1,) float32, the midpoints of consecutive levels.
+        linear: the levels are consecutive integers (rounded by ``round``, ties to even, and a clamp).
+        zero_code: the code of a block whose scale is 0 (the level nearest 0).
+
+    Called as ``grid(x, j)`` it is a :meth:`Codec.column_rounder`: ``t = x / safe``; codes
+    ``clamp(round(t)) - levels[0]`` (linear) or the number of midpoints ``<= t`` (the nearest level, ties to the
+    upper one, as ggml's ``best_index_int8``); ``zero_code`` where ``dl == 0``; values ``dl * levels[codes]``.
+    """
+
+    dl: torch.Tensor
+    safe: torch.Tensor
+    levels: torch.Tensor
+    mids: torch.Tensor
+    linear: bool
+    zero_code: int
+
+    def __call__(self, x: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        dl, safe = (self.dl, self.safe) if self.dl.ndim == 1 else (self.dl[j], self.safe[j])
+        t = x.to(torch.float32) / safe
+        if self.linear:
+            lo, hi = float(self.levels[0]), float(self.levels[-1])
+            codes = (t.round_().clamp_(lo, hi) - lo).to(torch.int64)
+        else:
+            codes = torch.bucketize(t, self.mids, right=True)
+        codes = torch.where(dl == 0, self.zero_code, codes)
+        return codes, dl * self.levels[codes]
+
+
 class Codec:
     """Encode/decode pair for one format.
 

@@ -44,7 +44,7 @@ import torch
 
 from dynaquant.quant.codecs import _kquant_search as kqs
 from dynaquant.quant.codecs._blockfit import fit_scale, in_subchunks, scale_targets
-from dynaquant.quant.codecs.base import Codec, register
+from dynaquant.quant.codecs.base import Codec, LevelGrid, register
 from dynaquant.quant.codecs.nonlinear import IQ4_NL, KVALUES_IQ4NL
 
 QK_K = 256
@@ -172,18 +172,12 @@ class IQ4_XS(Codec):
         codes = torch.where(dl == 0, self.grid.zero_code(), codes)
         return codes, dl * self.grid.level_tensor(x.device)[codes]
 
-    def column_rounder(self, params):
-        """As :meth:`Codec.column_rounder`: every column's sub-block scale, safe divisor and zero mask once a
-        super-block, (256, n_super) so that a column's are contiguous."""
+    def column_rounder(self, params) -> LevelGrid:
+        """As :meth:`Codec.column_rounder`: every column's sub-block scale and safe divisor once a super-block,
+        (256, n_super) so that a column's are contiguous, a :class:`LevelGrid` (the fast path ``gptq.round_block``
+        takes it)."""
         dl = params.sub_scales()
-        dl = dl[:, torch.arange(QK_K, device=dl.device) // _SUB].t().contiguous()
-        zero = dl == 0
-        safe, lv, zc = torch.where(zero, torch.ones_like(dl), dl), self.grid.level_tensor(dl.device), self.grid.zero_code()
-
-        def one(x: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-            codes = torch.where(zero[j], zc, self.grid.codes_of(x.to(torch.float32) / safe[j]))
-            return codes, dl[j] * lv[codes]
-        return one
+        return self.grid.level_grid(dl[:, torch.arange(QK_K, device=dl.device) // _SUB].t().contiguous())
 
     # ------------------------------------------------------------------ bytes
 
