@@ -202,8 +202,8 @@ def gptq_round(
         act_order: process whole blocks in descending order of ``sum(diag H)`` over the block,
             and the columns of a block in descending ``diag H`` (GPTQ's act-order, restricted
             to orders that keep each block's columns together, as the layout demands).
-        backend: the column loop of a block on a linear per-column grid (the K-quants): ``"auto"`` (the default:
-            the kernel on CUDA, the torch loop elsewhere), ``"torch"`` (:func:`round_block_torch`) or ``"triton"``
+        backend: the column loop of a block on a :class:`ColumnGrid` or :class:`LevelGrid` (the K-quants, the legacy
+            symmetric types, IQ4_NL, IQ4_XS): ``"auto"`` (the default: the kernel on CUDA, the torch loop elsewhere), ``"torch"`` (:func:`round_block_torch`) or ``"triton"``
             (the fused kernel ``gptq.round_block``, one launch a block; on the CPU under ``TRITON_INTERPRET=1``).
             On an H200 the kernel is 3.9-7.2x faster than the loop on Llama-3-8B's shapes, at the same layer-output
             error (ratios 0.9998-1.0001; ``benchmarks/out/gptq_speed-h200.json``); its bytes can differ from the
