@@ -203,11 +203,12 @@ def gptq_round(
             and the columns of a block in descending ``diag H`` (GPTQ's act-order, restricted
             to orders that keep each block's columns together, as the layout demands).
         backend: the column loop of a block on a :class:`ColumnGrid` or :class:`LevelGrid` (the K-quants, the legacy
-            symmetric types, IQ4_NL, IQ4_XS): ``"auto"`` (the default: the kernel on CUDA, the torch loop elsewhere), ``"torch"`` (:func:`round_block_torch`) or ``"triton"``
-            (the fused kernel ``gptq.round_block``, one launch a block; on the CPU under ``TRITON_INTERPRET=1``).
-            On an H200 the kernel is 3.9-7.2x faster than the loop on Llama-3-8B's shapes, at the same layer-output
-            error (ratios 0.9998-1.0001; ``benchmarks/out/gptq_speed-h200.json``); its bytes can differ from the
-            loop's natively where the compiler contracts a multiply-add, a near-tie rounding the other way.
+            symmetric types, IQ4_NL, IQ4_XS): ``"auto"`` (the default: the kernel on CUDA, the torch loop elsewhere),
+            ``"torch"`` (:func:`round_block_torch`) or ``"triton"`` (the fused kernel ``gptq.round_block``, one launch
+            a block; on the CPU under ``TRITON_INTERPRET=1``). On an H200 the kernel is 3.9-7.2x faster than the loop
+            on Llama-3-8B's shapes, at the same layer-output error (ratios 0.9998-1.0001;
+            ``benchmarks/out/gptq_speed-h200.json``); its bytes can differ from the loop's natively where the compiler
+            contracts a multiply-add, a near-tie rounding the other way.
     Returns:
         GPTQResult with the bytes and the decoded weight, both on the weight's device.
     Raises:
