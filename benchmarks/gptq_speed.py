@@ -3,7 +3,7 @@
 Times :func:`dynaquant.quant.gptq.gptq_round` of random weights of Llama-3-8B's shapes (q/o 4096 x 4096, gate/up 14336
 x 4096, down 4096 x 14336) with H from correlated random inputs, per type (the K-quants unless ``--formats`` names
 others), with ``backend="torch"`` (the loop, ~20 torch calls a column) and ``backend="triton"`` (one launch a block,
-:mod:`dynaquant.kernels. gptq_block`), ``--repeats`` runs each (the median), in the same run; the speed-up is torch's
+:mod:`dynaquant.kernels.gptq_block`), ``--repeats`` runs each (the median), in the same run; the speed-up is torch's
 time over the kernel's. Each row also says whether the two gave the same bytes (natively torch's ``addr_`` may
 contract a multiply-add that the kernel does not, so a near-tie can round the other way) and the ratio of their
 layer-output errors. The Cholesky factor is computed in both (the same work), so the times are whole ``gptq_round``
