@@ -109,9 +109,8 @@ def round_block(w1: torch.Tensor, u1: torch.Tensor, rnd: ColumnGrid | LevelGrid,
         mode, ml, iv, lv, mids = 0 if rnd.ml is not None else 1, rnd.ml, rnd.iv, None, None
         nl, zc, qlo, qhi = 1, 0, rnd.qlo, rnd.qhi
     else:
-        lo, hi = float(rnd.levels[0]), float(rnd.levels[-1])
         mode, ml, iv, lv, mids = 2 if rnd.linear else 3, None, rnd.safe, rnd.levels, rnd.mids
-        nl, zc, qlo, qhi = rnd.levels.numel(), rnd.zero_code, lo, hi
+        nl, zc, qlo, qhi = rnd.levels.numel(), rnd.zero_code, rnd.lo, rnd.hi
     sdl = 0 if rnd.dl.ndim == 1 else n
     _round_block_kernel[(triton.cdiv(n, block_r),)](
         w1, u1, rnd.dl, rnd.dl if ml is None else ml, iv, rnd.dl if lv is None else lv, rnd.dl if mids is None else mids,

@@ -160,7 +160,7 @@ class Grid:
         codes are :meth:`codes_of` ``(x / dl)`` (the half-integer table's ``floor(2 t)`` lookup counts the midpoints
         ``<= t``, as bucketize does), ``zero_code`` where ``dl == 0``."""
         lv, mids, _, _ = self._tables(dl.device)
-        return LevelGrid(dl, safe_scale(dl), lv, mids, self.linear, self.zero_code())
+        return LevelGrid(dl, safe_scale(dl), lv, mids, self.linear, self.zero_code(), self.lo, self.hi)
 
 
 # On CPU the search runs over sub-chunks of this many blocks, so that its (blocks, 32)

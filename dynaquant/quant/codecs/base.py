@@ -70,6 +70,7 @@ class LevelGrid:
         mids: (L - 1,) float32, the midpoints of consecutive levels.
         linear: the levels are consecutive integers (rounded by ``round``, ties to even, and a clamp).
         zero_code: the code of a block whose scale is 0 (the level nearest 0).
+        lo, hi: the first and last level (floats on the host: no device sync a column).
 
     Called as ``grid(x, j)`` it is a :meth:`Codec.column_rounder`: ``t = x / safe``; codes
     ``clamp(round(t)) - levels[0]`` (linear) or the number of midpoints ``<= t`` (the nearest level, ties to the
@@ -82,13 +83,14 @@ class LevelGrid:
     mids: torch.Tensor
     linear: bool
     zero_code: int
+    lo: float
+    hi: float
 
     def __call__(self, x: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         dl, safe = (self.dl, self.safe) if self.dl.ndim == 1 else (self.dl[j], self.safe[j])
         t = x.to(torch.float32) / safe
         if self.linear:
-            lo, hi = float(self.levels[0]), float(self.levels[-1])
-            codes = (t.round_().clamp_(lo, hi) - lo).to(torch.int64)
+            codes = (t.round_().clamp_(self.lo, self.hi) - self.lo).to(torch.int64)
         else:
             codes = torch.bucketize(t, self.mids, right=True)
         codes = torch.where(dl == 0, self.zero_code, codes)
