@@ -93,7 +93,9 @@ class StoredRounding:
     def __init__(self, rundir, summary: dict):
         self.rundir, self._summary = rundir, summary
 
-    def encode(self, t, w: torch.Tensor, fmt: Format, imp) -> torch.Tensor | None:
+    def encode(self, t, w: torch.Tensor, fmt: Format, imp, plain: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The sweep's bytes of ``t`` (GPTQ's where it won), or None (plain rounding); ``plain`` is not used: the
+        sweep compared GPTQ with plain rounding already (:meth:`GPTQRounding.encode`'s signature)."""
         a = self.rundir.load_array(f"gptq/{t.gguf_name}.npy")
         return None if a is None else torch.from_numpy(a)
 
