@@ -25,9 +25,7 @@ def encode_planned(run: RunState, target: Target, t):
     if reused is not None and run.rounding is None:
         return reused
     w = target.read(t)
-    rounded = None
-    if run.rounding is not None:
-        rounded = target.gptq_round(t, w) if reused is None else target.gptq_round(t, w, plain=reused)
+    rounded = target.gptq_round(t, w, plain=reused) if run.rounding is not None else None
     if rounded is None and reused is not None:
         return reused
     return target.encode(t, w, rounded)

@@ -361,8 +361,8 @@ class GGUFTarget:
         run, fmt = self.run, self.types[t.gguf_name]
         if run.rounding is None or fmt.kind == "float" or w is None:
             return None
-        if plain is not None:
-            plain = torch.from_numpy(np.ascontiguousarray(plain)).to(run.device)
+        if plain is not None:  # (reused: a contiguous array)
+            plain = torch.from_numpy(plain).to(run.device)
         q = run.rounding.encode(t, w.to(run.device), fmt, run.imat.get(t.gguf_name), plain=plain)
         return q.cpu().numpy() if q is not None else None
 

@@ -46,8 +46,8 @@ Within a block nothing is compensated, so the gain is smaller than for the per-w
 act-order moves whole blocks only.
 
 Everything runs on the device of the weight, vectorised over all rows (the Python loop is
-over columns, or over super-blocks for the i-quants; for the K-quants with ``backend="triton"`` a
-block's columns are one kernel launch, :mod:`dynaquant.kernels.gptq_block`).
+over columns, or over super-blocks for the i-quants; on CUDA a block's columns are one kernel launch,
+:mod:`dynaquant.kernels.gptq_block`, for every grid :meth:`Codec.column_grid` gives).
 """
 
 from __future__ import annotations

@@ -405,9 +405,8 @@ class ScaleCodec(Codec):
         codes = scale_codes(x, d, self.grid)
         return codes, d.to(torch.float32)[:, None] * self.grid.level_tensor(x.device)[codes]
 
-    def column_rounder(self, params) -> LevelGrid:
-        """As :meth:`Codec.column_rounder`: the stored scale of each block (all its columns') and its safe divisor,
-        a :class:`LevelGrid` (the fast path ``gptq.round_block`` takes it)."""
+    def column_grid(self, params) -> LevelGrid:
+        """As :meth:`Codec.column_grid`: the stored scale of each block (all its columns') and its safe divisor."""
         (d,) = params
         return self.grid.level_grid(d.to(torch.float32).reshape(-1).contiguous())
 

@@ -173,8 +173,9 @@ class Codec:
         Returns:
             ``f(x, j)``: ``x`` (n_blocks,) float32, column ``j`` (0 .. block_size - 1) of each block ->
             ``(codes, values)``, (n_blocks,) int64 and float32, equal bit for bit to column 0 of
-            ``round_to_grid(x[:, None], params, j)``. Codecs override it to compute what a block's columns share
-            (their scales, inverse scales, zero masks) once instead of once a column.
+            ``round_to_grid(x[:, None], params, j)``: the codec's :meth:`column_grid` where it gives one (what a
+            block's columns share computed once, and a form the fast path ``gptq.round_block`` takes), else
+            :meth:`round_to_grid` a column at a time.
         Raises:
             NotImplementedError: the format has no block grid.
         """
@@ -187,9 +188,10 @@ class Codec:
             return codes[:, 0], values[:, 0]
         return one
 
-    def column_grid(self, params) -> ColumnGrid | None:
-        """The block's grid as a :class:`ColumnGrid` where every column's is linear with its own scale (and min),
-        as the K-quants' are; None for other grids (the default)."""
+    def column_grid(self, params) -> ColumnGrid | LevelGrid | None:
+        """The block's grid column by column as plain tensors: a :class:`ColumnGrid` where every column's is linear
+        with its own scale (and min), as the K-quants' are; a :class:`LevelGrid` where it is a scale times a table of
+        levels (the legacy symmetric types, IQ4_NL, IQ4_XS); None for other grids (the default)."""
         return None
 
     def pack(self, params, codes: torch.Tensor) -> torch.Tensor:

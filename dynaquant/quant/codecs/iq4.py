@@ -172,10 +172,9 @@ class IQ4_XS(Codec):
         codes = torch.where(dl == 0, self.grid.zero_code(), codes)
         return codes, dl * self.grid.level_tensor(x.device)[codes]
 
-    def column_rounder(self, params) -> LevelGrid:
-        """As :meth:`Codec.column_rounder`: every column's sub-block scale and safe divisor once a super-block,
-        (256, n_super) so that a column's are contiguous, a :class:`LevelGrid` (the fast path ``gptq.round_block``
-        takes it)."""
+    def column_grid(self, params) -> LevelGrid:
+        """As :meth:`Codec.column_grid`: every column's sub-block scale and safe divisor once a super-block,
+        (256, n_super) so that a column's are contiguous."""
         dl = params.sub_scales()
         return self.grid.level_grid(dl[:, torch.arange(QK_K, device=dl.device) // _SUB].t().contiguous())
 
