@@ -33,6 +33,19 @@ WORK_SUFFIX = ".dynaquant-work"
 _TAIL = re.compile(r"^(?P<pid>\d+)\.[0-9a-f]+(?:\.tmp|" + re.escape(WORK_SUFFIX) + r")$")
 
 
+CACHE_ENV = "DYNAQUANT_CACHE"
+
+
+def cache_root() -> Path | None:
+    """dynaquant's cache folder: ``$DYNAQUANT_CACHE``, else ``$XDG_CACHE_HOME/dynaquant``, else
+    ``~/.cache/dynaquant`` (it may not exist yet); None when ``DYNAQUANT_CACHE=off`` (or ``0`` or empty)."""
+    env = os.environ.get(CACHE_ENV)
+    if env is not None:
+        return None if env.strip().lower() in ("off", "0", "") else Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dynaquant"
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process with this id runs on this machine (a process of another user counts as alive)."""
     if pid == os.getpid():

@@ -14,7 +14,7 @@ the forward's logits bit for bit (checked on the first chunk): a model that chan
 (soft-capping, a logit scale) is not cached and runs as before. Only for a reference on the CPU: on a GPU the forward
 costs less than reading the weights back to hash them.
 
-CACHE is :func:`dynaquant.sources.gguf_hf_cache.cache_root` (``DYNAQUANT_CACHE=off`` turns it off); an entry is
+CACHE is :func:`dynaquant.workdir.cache_root` (``DYNAQUANT_CACHE=off`` turns it off); an entry is
 written to a temporary file and renamed into place; a cache that cannot be read or written is skipped (a debug log
 line), never an error.
 """
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from dynaquant.sources.gguf_hf_cache import cache_root
+from dynaquant.workdir import cache_root
 
 log = logging.getLogger(__name__)
 

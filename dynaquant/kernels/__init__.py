@@ -14,7 +14,8 @@ Public API (importing this package does not import Triton):
 Importing this package also registers the fused lattice searches of :mod:`.lattice_search`,
 IQ3's fused assignment of :mod:`.iq3_search` and the fused K-quant scale searches of
 :mod:`.kquant_search` (Triton, loaded on first use) as
-the fast paths of the i-quant and K-quant codecs
+the CUDA fast paths of the i-quant and K-quant codecs, and the compiled C K-quant searches of
+:mod:`.native` (built on first use) as their CPU fast paths
 (:mod:`dynaquant.quant.codecs.fastpaths`); the layers that encode (pipeline, analysis, runtime)
 import it.
 """
@@ -41,7 +42,10 @@ def _loader(module: str, attr: str):
     def load():
         import importlib
 
-        return getattr(importlib.import_module(module), attr)
+        mod = importlib.import_module(module)
+        if hasattr(mod, "load"):  # the compiled CPU searches: built (or found) now, so a failure falls back here
+            mod.load()
+        return getattr(mod, attr)
 
     return load
 
@@ -55,6 +59,7 @@ fastpaths.register("iq3.nearest_variants", _loader("dynaquant.kernels.iq3_search
 fastpaths.register("gptq.round_block", _loader("dynaquant.kernels.gptq_block", "round_block"))
 for _attr in ("aff_search_scales", "aff_pick", "aff_refine", "sym_search_scales", "sym_pick", "sym_refine"):
     fastpaths.register(f"kquant.{_attr}", _loader("dynaquant.kernels.kquant_search", _attr))
+    fastpaths.register(f"kquant.{_attr}", _loader("dynaquant.kernels.native.kquant", _attr), device="cpu")
 
 __all__ = ["KernelFormat", "PackedWeight", "LaunchConfig", "DeviceInfo", "pack", "unpack", "stack", "linear", "dequantize",
            "uses_triton", "dequantize_ref", "dequantize_packed_ref", "linear_ref", "e2m1_to_float", "e8m0_to_float",

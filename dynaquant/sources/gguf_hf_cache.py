@@ -9,9 +9,9 @@ folder renamed into place, so a folder there is whole), and loaded from there on
 token ids (tested).
 
 KEY is a SHA-256 of the file's resolved path, size and modification time (nanoseconds) and the transformers version:
-a file changed in place or another transformers gets a new entry. CACHE is ``$DYNAQUANT_CACHE``, else
-``$XDG_CACHE_HOME/dynaquant``, else ``~/.cache/dynaquant``; ``DYNAQUANT_CACHE=off`` turns the cache off, and a cache
-that cannot be written is skipped (a debug log line), never an error.
+a file changed in place or another transformers gets a new entry. CACHE is :func:`dynaquant.workdir.cache_root`
+(``$DYNAQUANT_CACHE``, else ``$XDG_CACHE_HOME/dynaquant``, else ``~/.cache/dynaquant``); ``DYNAQUANT_CACHE=off`` turns
+the cache off, and a cache that cannot be written is skipped (a debug log line), never an error.
 """
 
 from __future__ import annotations
@@ -25,18 +25,9 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from dynaquant.workdir import cache_root
+
 log = logging.getLogger(__name__)
-
-CACHE_ENV = "DYNAQUANT_CACHE"
-
-
-def cache_root() -> Path | None:
-    """dynaquant's cache folder (module docstring), or None when ``DYNAQUANT_CACHE=off``."""
-    env = os.environ.get(CACHE_ENV)
-    if env is not None:
-        return None if env.strip().lower() in ("off", "0", "") else Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dynaquant"
 
 
 def entry(path: str | os.PathLike) -> Path | None:

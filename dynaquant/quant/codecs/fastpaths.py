@@ -1,13 +1,15 @@
 """Registry of fast implementations of the codecs' searches, filled from the layers above.
 
 ``quant/`` is pure torch and imports nothing of :mod:`dynaquant.kernels`; the kernels register
-their Triton versions of the searches here by name when :mod:`dynaquant.kernels` is imported
-(the pipeline, the analysis and the runtime import it), and the codecs look them up. A fast
-path has the signature and the contract of its torch reference (named in :data:`NAMES`).
+their versions of the searches here by name and device when :mod:`dynaquant.kernels` is imported
+(the pipeline, the analysis and the runtime import it), and the codecs look them up: Triton
+kernels for CUDA tensors (``device="cuda"``), compiled C for CPU tensors (``device="cpu"``,
+:mod:`dynaquant.kernels.native`). A fast path has the signature and the contract of its torch
+reference (named in :data:`NAMES`).
 
-The registry holds loaders, not functions: a loader imports the implementation (Triton) on the
-first :func:`lookup`, so registering costs nothing; a loader that raises (no Triton, or no usable
-backend) leaves the torch reference in charge.
+The registry holds loaders, not functions: a loader imports (or builds) the implementation on the
+first :func:`lookup`, so registering costs nothing; a loader that raises (no Triton, no usable
+backend, no C compiler) leaves the torch reference in charge.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-# How a codec runs a search that has a fast path (:func:`fast_path`): the fast path on CUDA
-# tensors when one is registered and loads ("auto"), the torch reference ("torch"), the fast path
-# on any device ("triton").
-BACKENDS = ("auto", "torch", "triton")
+# How a codec runs a search that has a fast path (:func:`fast_path`): the fast path of the tensor's
+# device when one is registered and loads ("auto": Triton on CUDA, compiled C on CPU), the torch
+# reference ("torch"), the Triton fast path on any device ("triton"), the compiled CPU one ("native").
+BACKENDS = ("auto", "torch", "triton", "native")
+DEVICES = ("cuda", "cpu")
 
 # The searches that may have a fast path, and their torch references.
 NAMES = {
@@ -43,62 +46,80 @@ NAMES = {
     "gptq.round_block": "dynaquant.quant.gptq.round_block_torch",
 }
 
-_LOADERS: dict[str, Callable[[], Callable]] = {}
+_LOADERS: dict[str, Callable[[], Callable]] = {}  # CUDA (Triton): the names alone, as tests patch them
 _LOADED: dict[str, Callable | None] = {}
+_CPU_LOADERS: dict[str, Callable[[], Callable]] = {}
+_CPU_LOADED: dict[str, Callable | None] = {}
 
 
-def register(name: str, loader: Callable[[], Callable]) -> None:
-    """Register the fast implementation of search ``name``.
+def _tables(device: str):
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    return (_LOADERS, _LOADED) if device == "cuda" else (_CPU_LOADERS, _CPU_LOADED)
+
+
+def register(name: str, loader: Callable[[], Callable], device: str = "cuda") -> None:
+    """Register the fast implementation of search ``name`` for ``device``'s tensors.
 
     Args:
         name: one of :data:`NAMES`.
         loader: zero-argument callable returning the implementation (called once, on the first
-            :func:`lookup`; it may import Triton).
+            :func:`lookup`; it may import Triton or build a library).
+        device: ``"cuda"`` (Triton kernels; also what ``backend="triton"`` runs on any device) or ``"cpu"``.
     Raises:
         KeyError: ``name`` is not one of :data:`NAMES`.
+        ValueError: an unknown device.
     """
     if name not in NAMES:
         raise KeyError(f"no search named {name!r}; searches: {', '.join(NAMES)}")
-    _LOADERS[name] = loader
-    _LOADED.pop(name, None)
+    loaders, loaded = _tables(device)
+    loaders[name] = loader
+    loaded.pop(name, None)
 
 
-def lookup(name: str) -> Callable | None:
-    """The fast implementation of search ``name``, or None (none registered, or its loader failed: logged once as a
-    warning, since the torch reference is many times slower on a GPU)."""
-    if name not in _LOADED:
-        loader = _LOADERS.get(name)
+def lookup(name: str, device: str = "cuda") -> Callable | None:
+    """The fast implementation of search ``name`` for ``device``, or None (none registered, or its loader failed:
+    logged once as a warning, since the torch reference is many times slower)."""
+    loaders, loaded = _tables(device)
+    if name not in loaded:
+        loader = loaders.get(name)
         if loader is None:
             return None  # not cached: a later registration is seen
         try:
-            _LOADED[name] = loader()
-        except Exception as exc:  # no Triton, or no usable backend: the torch reference serves, and the log says so
-            _LOADED[name] = None
-            logging.getLogger(__name__).warning("fast path %s does not load (%s: %s); its torch reference runs instead",
-                                                name, type(exc).__name__, exc)
-    return _LOADED[name]
+            loaded[name] = loader()
+        except Exception as exc:  # no Triton, no backend, no compiler: the torch reference serves, and the log says so
+            loaded[name] = None
+            logging.getLogger(__name__).warning("fast path %s (%s) does not load (%s: %s); its torch reference runs instead",
+                                                name, device, type(exc).__name__, exc)
+    return loaded[name]
 
 
 def fast_path(name: str, x: torch.Tensor, backend: str = "auto"):
-    """The registered fast implementation of search ``name`` (:mod:`.fastpaths`) to run on
-    ``x``'s device, or None for the torch reference.
+    """The registered fast implementation of search ``name`` to run on ``x``'s device, or None
+    for the torch reference.
 
     Args:
         name: a search of :data:`NAMES`.
         x: a tensor the search takes (its device decides under ``"auto"``).
-        backend: ``"auto"`` (the fast path on CUDA tensors when one is registered and loads,
-            else None), ``"torch"`` (None) or ``"triton"`` (the fast path on any device; on CPU
-            it needs ``TRITON_INTERPRET=1``).
+        backend: ``"auto"`` (the fast path of ``x``'s device, CUDA or CPU, when one is registered
+            and loads, else None), ``"torch"`` (None), ``"triton"`` (the Triton fast path on any
+            device; on CPU it needs ``TRITON_INTERPRET=1``) or ``"native"`` (the compiled CPU one;
+            CPU tensors).
     Raises:
         ValueError: an unknown backend.
-        RuntimeError: ``"triton"`` and no fast path is registered (import
-            :mod:`dynaquant.kernels`) or it does not load (no Triton).
+        RuntimeError: ``"triton"`` or ``"native"`` and no such fast path is registered (import
+            :mod:`dynaquant.kernels`) or it does not load (no Triton, no C compiler).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "torch" or (backend == "auto" and not x.is_cuda):
+    if backend == "torch":
         return None
-    fn = lookup(name)
-    if fn is None and backend == "triton":
-        raise RuntimeError(f"backend='triton': no fast {name} is registered or it does not load (import dynaquant.kernels; Triton)")
+    if backend == "auto":
+        dev = x.device.type
+        return lookup(name, dev) if dev in DEVICES else None
+    fn = lookup(name, "cuda" if backend == "triton" else "cpu")
+    if fn is None:
+        what = "Triton" if backend == "triton" else "compiled CPU (a C compiler)"
+        raise RuntimeError(f"backend={backend!r}: no fast {name} is registered or it does not load "
+                           f"(import dynaquant.kernels; {what})")
     return fn

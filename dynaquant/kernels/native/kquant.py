@@ -1,0 +1,164 @@
+"""The K-quant searches' steps 1 to 3 on the CPU, compiled (``kquant_search.c``): the CPU fast paths
+``kquant.sym_search_scales``, ``kquant.aff_search_scales``, ``kquant.sym_pick``, ``kquant.aff_pick``,
+``kquant.sym_refine`` and ``kquant.aff_refine`` of
+:mod:`dynaquant.quant.codecs.fastpaths`, with the signatures and returns of their torch references in
+:mod:`dynaquant.quant.codecs._kquant_search` (shapes and dtypes there). Raises RuntimeError (from
+:func:`dynaquant.kernels.native.library`) when the library cannot be built.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from dynaquant.kernels.native import cpu_contiguous, library, ptr, split_rows
+from dynaquant.quant.codecs._kquant_search import AffConfig, SymConfig
+
+_I64, _INT = ctypes.c_int64, ctypes.c_int
+_MAX_L = 32
+_MAX_MIDS = 256
+_MAX_S = 64
+
+
+def _lib() -> ctypes.CDLL:
+    lib = library("kquant_search")
+    if not getattr(lib, "_dq_typed", False):
+        vp = ctypes.c_void_p
+        lib.dq_sym_search_scales.argtypes = [vp, vp, _I64, _INT, _INT, _INT, vp, _INT, _INT, _INT, _INT, vp]
+        lib.dq_aff_search_scales.argtypes = [vp, vp, _I64, _INT, _INT, vp, _INT, vp, _INT, _INT, vp, vp]
+        lib.dq_sym_pick.argtypes = [vp, vp, _I64, _INT, _INT, _INT, vp, _INT, vp, vp]
+        lib.dq_aff_pick.argtypes = [vp, _I64, _INT, _INT, vp, vp, _INT, vp, vp, vp, vp]
+        lib.dq_sym_refine.argtypes = [vp, vp, _I64, _INT, _INT, vp, vp, _INT, _INT, _INT, _INT, vp]
+        lib.dq_aff_refine.argtypes = [vp, vp, _I64, _INT, _INT, vp, vp, vp, vp, _INT, _INT, vp, _INT, vp]
+        for f in (lib.dq_sym_search_scales, lib.dq_aff_search_scales, lib.dq_sym_pick, lib.dq_aff_pick, lib.dq_sym_refine,
+                  lib.dq_aff_refine):
+            f.restype = None
+        lib._dq_typed = True
+    return lib
+
+
+def load():
+    """Build (or find) the library and return this module (the fast paths' loader target)."""
+    _lib()
+    return True
+
+
+def _f32(values) -> torch.Tensor:
+    return torch.tensor([float(v) for v in values], dtype=torch.float32)
+
+
+def _sub_blocks(x: torch.Tensor, w: torch.Tensor):
+    if x.ndim != 3 or w.shape != x.shape or x.shape[-1] > _MAX_L:
+        raise ValueError(f"expected x, w of one shape (n_super, n_sub, sub_size <= {_MAX_L}), "
+                         f"got {tuple(x.shape)}, {tuple(w.shape)}")
+    return cpu_contiguous(x, torch.float32), cpu_contiguous(w, torch.float32)
+
+
+def sym_search_scales(x: torch.Tensor, w: torch.Tensor, spec, iters: int = 2) -> torch.Tensor:
+    """As :func:`dynaquant.quant.codecs._kquant_search.sym_search_scales_torch`."""
+    x, w = _sub_blocks(x, w)
+    B, S, L = x.shape
+    if spec.exhaustive and L * max(-spec.qlo, spec.qhi) > _MAX_MIDS:
+        raise ValueError(f"exhaustive search of {L} x {max(-spec.qlo, spec.qhi)} breakpoints: at most {_MAX_MIDS}")
+    lib, steps, n = _lib(), _f32(spec.steps), B * S
+    out = torch.empty(B, S, dtype=torch.float64)
+
+    def run(i0, i1):
+        lib.dq_sym_search_scales(ptr(x, i0 * L), ptr(w, i0 * L), i1 - i0, L, spec.qlo, spec.qhi, ptr(steps), len(steps),
+                                 int(bool(spec.exhaustive)), int(spec.n_elem), iters, ptr(out, i0))
+
+    split_rows(n, run)
+    return out
+
+
+def aff_search_scales(x: torch.Tensor, w: torch.Tensor, spec, iters: int = 3):
+    """As :func:`dynaquant.quant.codecs._kquant_search.aff_search_scales_torch`."""
+    x, w = _sub_blocks(x, w)
+    B, S, L = x.shape
+    lib, steps, shifts, n = _lib(), _f32(spec.steps), _f32(spec.shifts), B * S
+    a = torch.empty(B, S, dtype=torch.float64)
+    b = torch.empty(B, S, dtype=torch.float64)
+
+    def run(i0, i1):
+        lib.dq_aff_search_scales(ptr(x, i0 * L), ptr(w, i0 * L), i1 - i0, L, spec.qmax, ptr(steps), len(steps), ptr(shifts),
+                                 len(shifts), iters, ptr(a, i0), ptr(b, i0))
+
+    split_rows(n, run)
+    return a, b
+
+
+def sym_pick(a: torch.Tensor, sqq: torch.Tensor, klo: int, khi: int, cand: torch.Tensor):
+    """As :func:`dynaquant.quant.codecs._kquant_search.sym_pick_torch`."""
+    a, sqq, cand = (cpu_contiguous(t, torch.float32) for t in (a, sqq, cand))
+    B, S = a.shape
+    C = cand.shape[1]
+    lib = _lib()
+    d = torch.empty(B, dtype=torch.float32)
+    k = torch.empty(B, S, dtype=torch.int64)
+
+    def run(i0, i1):
+        lib.dq_sym_pick(ptr(a, i0 * S), ptr(sqq, i0 * S), i1 - i0, S, klo, khi, ptr(cand, i0 * C), C, ptr(d, i0), ptr(k, i0 * S))
+
+    split_rows(B, run)
+    return d, k
+
+
+def aff_pick(ref, kmax: int, dc: torch.Tensor, mc: torch.Tensor):
+    """As :func:`dynaquant.quant.codecs._kquant_search.aff_pick_torch` (``ref``: :func:`aff_reference`'s 7 tensors)."""
+    B, S = ref[0].shape
+    if S > _MAX_S:
+        raise ValueError(f"at most {_MAX_S} sub-blocks a super-block, got {S}")
+    r = torch.stack([cpu_contiguous(t, torch.float32) for t in ref])  # (7, B, S)
+    dc, mc = cpu_contiguous(dc, torch.float32), cpu_contiguous(mc, torch.float32)
+    C = dc.shape[1]
+    lib = _lib()
+    d = torch.empty(B, dtype=torch.float32)
+    m = torch.empty(B, dtype=torch.float32)
+    ks = torch.empty(B, S, dtype=torch.int64)
+    km = torch.empty(B, S, dtype=torch.int64)
+
+    def run(i0, i1):
+        # ref's planes are whole (B, S): the C side indexes plane t at t * B * S, so it gets the full ref and the
+        # super-block offset through dc/mc/out pointers; here the chunk's planes are sliced instead
+        sub = r[:, i0:i1].contiguous()
+        lib.dq_aff_pick(ptr(sub), i1 - i0, S, kmax, ptr(dc, i0 * C), ptr(mc, i0 * C), C, ptr(d, i0), ptr(m, i0),
+                        ptr(ks, i0 * S), ptr(km, i0 * S))
+
+    split_rows(B, run)
+    return d, m, ks, km
+
+
+def sym_refine(x: torch.Tensor, w: torch.Tensor, cfg: SymConfig, spec):
+    """As :func:`dynaquant.quant.codecs._kquant_search.sym_refine_torch`."""
+    x, w = _sub_blocks(x, w)
+    B, S, L = x.shape
+    lib, d = _lib(), cpu_contiguous(cfg.d, torch.float32)
+    k = cfg.k.to(device="cpu", dtype=torch.int64, copy=True).contiguous()
+    err = torch.empty(B, dtype=torch.float64)
+
+    def run(i0, i1):
+        lib.dq_sym_refine(ptr(x, i0 * S * L), ptr(w, i0 * S * L), i1 - i0, S, L, ptr(d, i0), ptr(k, i0 * S), spec.qlo,
+                          spec.qhi, spec.klo, spec.khi, ptr(err, i0))
+
+    split_rows(B, run)
+    return SymConfig(cfg.d, k), err
+
+
+def aff_refine(x: torch.Tensor, w: torch.Tensor, cfg: AffConfig, spec):
+    """As :func:`dynaquant.quant.codecs._kquant_search.aff_refine_torch`."""
+    x, w = _sub_blocks(x, w)
+    B, S, L = x.shape
+    lib = _lib()
+    d, dmin = cpu_contiguous(cfg.d, torch.float32), cpu_contiguous(cfg.dmin, torch.float32)
+    ks = cfg.ks.to(device="cpu", dtype=torch.int64, copy=True).contiguous()
+    km = cfg.km.to(device="cpu", dtype=torch.int64, copy=True).contiguous()
+    moves = torch.tensor(spec.moves, dtype=torch.int32).reshape(-1, 2).contiguous()
+    err = torch.empty(B, dtype=torch.float64)
+
+    def run(i0, i1):
+        lib.dq_aff_refine(ptr(x, i0 * S * L), ptr(w, i0 * S * L), i1 - i0, S, L, ptr(d, i0), ptr(dmin, i0), ptr(ks, i0 * S),
+                          ptr(km, i0 * S), spec.qmax, spec.kmax, ptr(moves), moves.shape[0], ptr(err, i0))
+
+    split_rows(B, run)
+    return AffConfig(cfg.d, cfg.dmin, ks, km), err

@@ -1,0 +1,548 @@
+/* The K-quant scale searches of dynaquant.quant.codecs._kquant_search, steps 1 and 2, compiled for the CPU.
+
+   Each function repeats its torch reference's float operations in the same order and precision (float32 element
+   work, float64 least squares), except the sums over a sub-block (step 1) or over a super-block's sub-blocks
+   (step 2), which run in element order here and in torch's vectorised order there: results agree to rounding (the
+   contract of the Triton fast paths, held by tests/test_kquant_native.py). Built with -ffp-contract=off (no fused
+   multiply-adds) and without -ffast-math, so a result does not depend on the machine's vector width.
+
+   Speed comes from lanes: step 1 runs LANES sub-blocks side by side (an element loop whose body is one vector
+   operation a lane group; each lane's sum stays in element order), step 2 runs LANES candidates side by side.
+   No allocation, no threads: the Python side splits the super-blocks across threads (ctypes releases the GIL).
+   Layout: x, w (n_blocks, S, L) float32 contiguous; outputs as the references return them. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16
+#define MAX_L 32    /* sub-block size: 16 (Q2_K, Q3_K, Q6_K) or 32 (Q4_K, Q5_K) */
+#define MAX_MIDS 256 /* exhaustive candidates a sub-block: L * max(-qlo, qhi) */
+
+/* inv(): 1 / b where b != 0, else 0 (the quotient computed either way: a select, not a branch, in vector loops) */
+static inline float invf(float b) {
+    float r = 1.0f / b;
+    return b != 0.0f ? r : 0.0f;
+}
+static inline double safe_divd(double a, double b) { return b != 0.0 ? a / b : 0.0; }
+/* torch.clamp: NaN passes through */
+static inline float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+/* ------------------------------------------------------------------------------------------- step 1, symmetric */
+
+typedef struct {
+    float xt[MAX_L][LANES], wt[MAX_L][LANES], wxt[MAX_L][LANES];
+    double best_gain[LANES], best_a[LANES];
+    int L;
+    float qlo, qhi;
+} SymLanes;
+
+/* consider(): the nearest codes at inverse scale isc[v] of every lane, their least-squares scale and gain. */
+static void sym_consider(SymLanes *s, const float *isc) {
+    float sxq[LANES], sqq[LANES];
+    for (int v = 0; v < LANES; v++) sxq[v] = sqq[v] = 0.0f;
+    for (int l = 0; l < s->L; l++) {
+        for (int v = 0; v < LANES; v++) {
+            float q = clampf(nearbyintf(s->xt[l][v] * isc[v]), s->qlo, s->qhi);
+            sxq[v] += s->wxt[l][v] * q;
+            sqq[v] += (s->wt[l][v] * q) * q;
+        }
+    }
+    for (int v = 0; v < LANES; v++) {
+        double dxq = sxq[v], dqq = sqq[v];
+        int nz = dqq != 0.0;
+        double den = nz ? dqq : 1.0;
+        double gain = nz ? dxq * dxq / den : 0.0;
+        if (gain > s->best_gain[v]) {
+            s->best_gain[v] = gain;
+            s->best_a[v] = nz ? dxq / den : 0.0;
+        }
+    }
+}
+
+/* Sort each lane of a[0..p)[lane] ascending (p a power of two; no NaN): a bitonic network, each compare-exchange
+   one vector min and max over the lanes. */
+static void bitonic_sort_lanes(float a[][LANES], int p) {
+    for (int k = 2; k <= p; k <<= 1)
+        for (int j = k >> 1; j > 0; j >>= 1)
+            for (int i = 0; i < p; i++) {
+                int l = i ^ j;
+                if (l <= i) continue;
+                int up = (i & k) == 0;
+                for (int v = 0; v < LANES; v++) {
+                    float x = a[i][v], y = a[l][v];
+                    float lo = x < y ? x : y, hi = x < y ? y : x;
+                    a[i][v] = up ? lo : hi;
+                    a[l][v] = up ? hi : lo;
+                }
+            }
+}
+
+/* sym_search_scales_torch for n_sub_total sub-blocks of L elements (x, w contiguous (n, L)); steps: the spec's
+   steps as float32; out_a (n,) float64. */
+void dq_sym_search_scales(const float *x, const float *w, int64_t n, int L, int qlo, int qhi, const float *steps,
+                          int n_steps, int exhaustive, int n_elem, int iters, double *out_a) {
+    SymLanes s;
+    s.L = L;
+    s.qlo = (float)qlo;
+    s.qhi = (float)qhi;
+    int m = -qlo > qhi ? -qlo : qhi;
+    static __thread float mids[MAX_MIDS][LANES], bp[MAX_MIDS][LANES];
+    float inv_amax[LANES], isc[LANES];
+    for (int64_t j0 = 0; j0 < n; j0 += LANES) {
+        int nv = n - j0 < LANES ? (int)(n - j0) : LANES;
+        for (int v = 0; v < LANES; v++) {
+            float amax = 0.0f;
+            for (int l = 0; l < L; l++) {
+                float xv = v < nv ? x[(j0 + v) * L + l] : 0.0f, wv = v < nv ? w[(j0 + v) * L + l] : 0.0f;
+                s.xt[l][v] = xv;
+                s.wt[l][v] = wv;
+                s.wxt[l][v] = wv * xv;
+                float ax = fabsf(xv);
+                amax = ax > amax ? ax : amax; /* amax of |x| (no NaN in weights) */
+            }
+            inv_amax[v] = invf(amax);
+            s.best_gain[v] = -1.0;
+            s.best_a[v] = 0.0;
+        }
+        for (int i = 0; i < n_steps; i++) {
+            for (int sg = 0; sg < 2; sg++) {
+                float t = sg ? -steps[i] : steps[i];
+                for (int v = 0; v < LANES; v++) isc[v] = t * inv_amax[v];
+                sym_consider(&s, isc);
+            }
+        }
+        if (exhaustive) {
+            int nb = L * m;
+            /* every lane's breakpoints ia * (h + 1/2), padded with +inf to a power of two, sorted by a bitonic
+               network run on all lanes at once (the sorted values do not depend on the algorithm) */
+            int p2 = 1;
+            while (p2 < nb) p2 <<= 1;
+            for (int l = 0; l < L; l++) {
+                float ia[LANES];
+                for (int v = 0; v < LANES; v++) ia[v] = invf(fabsf(s.xt[l][v]));
+                for (int h = 0; h < m; h++)
+                    for (int v = 0; v < LANES; v++) bp[l * m + h][v] = ia[v] * ((float)h + 0.5f);
+            }
+            for (int i = nb; i < p2; i++)
+                for (int v = 0; v < LANES; v++) bp[i][v] = INFINITY;
+            bitonic_sort_lanes(bp, p2);
+            for (int i = 0; i + 1 < nb; i++)
+                for (int v = 0; v < LANES; v++) mids[i][v] = (bp[i][v] + bp[i + 1][v]) * 0.5f;
+            for (int v = 0; v < LANES; v++) mids[nb - 1][v] = bp[nb - 1][v] * 1.25f;
+            for (int i = 0; i < nb; i++) {
+                sym_consider(&s, mids[i]);
+                for (int v = 0; v < LANES; v++) isc[v] = -mids[i][v];
+                sym_consider(&s, isc);
+            }
+        }
+        if (n_elem > 0) {
+            int ne = n_elem < L ? n_elem : L;
+            int idx[LANES][MAX_L];
+            for (int v = 0; v < LANES; v++) { /* the ne largest w x x, the first index on a tie */
+                int used[MAX_L] = {0};
+                for (int k = 0; k < ne; k++) {
+                    int bi = -1;
+                    float bk = 0.0f;
+                    for (int l = 0; l < L; l++) {
+                        float key = (s.wt[l][v] * s.xt[l][v]) * s.xt[l][v];
+                        if (!used[l] && (bi < 0 || key > bk)) { bi = l; bk = key; }
+                    }
+                    used[bi] = 1;
+                    idx[v][k] = bi;
+                }
+            }
+            for (int k = 0; k < ne; k++) {
+                float inv_xi[LANES];
+                for (int v = 0; v < LANES; v++) inv_xi[v] = invf(s.xt[idx[v][k]][v]);
+                for (int lev = qlo; lev <= qhi; lev++) {
+                    if (!lev) continue;
+                    for (int v = 0; v < LANES; v++) isc[v] = (float)lev * inv_xi[v];
+                    sym_consider(&s, isc);
+                }
+            }
+        }
+        for (int it = 0; it < iters; it++) {
+            for (int v = 0; v < LANES; v++) isc[v] = invf((float)s.best_a[v]);
+            sym_consider(&s, isc);
+        }
+        for (int v = 0; v < nv; v++) out_a[j0 + v] = s.best_a[v];
+    }
+}
+
+/* ------------------------------------------------------------------------------------------- step 1, affine */
+
+typedef struct {
+    float xt[MAX_L][LANES], wt[MAX_L][LANES], wxt[MAX_L][LANES];
+    double sw[LANES], sx[LANES], sxx[LANES];
+    double best_e[LANES], best_a[LANES], best_b[LANES];
+    int L;
+    float qmax;
+} AffLanes;
+
+static void aff_ls(double sw, double sq, double sqq, double sx, double sxq, double *pa, double *pb) {
+    double det = sw * sqq - sq * sq;
+    int ok = det > 1e-12 * sw * sqq;
+    det = ok ? det : 0.0;
+    double a = safe_divd(sw * sxq - sq * sx, det);
+    double b = safe_divd(sqq * sx - sq * sxq, det);
+    int fix = !ok || (b > 0) || (a < 0);
+    double a2 = safe_divd(sxq, sqq);
+    a2 = a2 < 0 ? 0.0 : a2; /* clamp_min(0), NaN passes */
+    double b2 = safe_divd(sx - a2 * sq, sw);
+    b2 = b2 > 0 ? 0.0 : b2;
+    *pa = fix ? a2 : a;
+    *pb = fix ? b2 : b;
+}
+
+/* consider(): codes q given as (x - b0[v]) * isc[v] (b0 = -ml for aff_codes' form), rounded and clamped to [0, qmax]. */
+static void aff_consider(AffLanes *s, const float *b0, const float *isc, int plus_ml) {
+    float sq[LANES], sqq[LANES], sxq[LANES];
+    for (int v = 0; v < LANES; v++) sq[v] = sqq[v] = sxq[v] = 0.0f;
+    for (int l = 0; l < s->L; l++) {
+        for (int v = 0; v < LANES; v++) {
+            /* aff_codes: (x + ml) * inv(dl); the step candidates: (x - b0) * iscale */
+            float y = plus_ml ? s->xt[l][v] + b0[v] : s->xt[l][v] - b0[v];
+            float q = clampf(nearbyintf(y * isc[v]), 0.0f, s->qmax);
+            float wq = s->wt[l][v] * q;
+            sq[v] += wq;
+            sqq[v] += wq * q;
+            sxq[v] += s->wxt[l][v] * q;
+        }
+    }
+    for (int v = 0; v < LANES; v++) {
+        double dsq = sq[v], dsqq = sqq[v], dsxq = sxq[v], a, b;
+        double sw = s->sw[v], sx = s->sx[v], sxx = s->sxx[v];
+        aff_ls(sw, dsq, dsqq, sx, dsxq, &a, &b);
+        double e = sxx - 2 * a * dsxq - 2 * b * sx + a * a * dsqq + 2 * a * b * dsq + b * b * sw;
+        if (e < s->best_e[v]) {
+            s->best_e[v] = e;
+            s->best_a[v] = a;
+            s->best_b[v] = b;
+        }
+    }
+}
+
+/* aff_search_scales_torch for n sub-blocks of L elements; steps, shifts as float32; out_a, out_b (n,) float64. */
+void dq_aff_search_scales(const float *x, const float *w, int64_t n, int L, int qmax, const float *steps, int n_steps,
+                          const float *shifts, int n_shifts, int iters, double *out_a, double *out_b) {
+    AffLanes s;
+    s.L = L;
+    s.qmax = (float)qmax;
+    float lo[LANES], rng[LANES], inv_rng[LANES], isc[LANES], b0[LANES];
+    for (int64_t j0 = 0; j0 < n; j0 += LANES) {
+        int nv = n - j0 < LANES ? (int)(n - j0) : LANES;
+        for (int v = 0; v < LANES; v++) {
+            float sw = 0.0f, sx = 0.0f, sxx = 0.0f, mn = 0.0f, mx = 0.0f;
+            for (int l = 0; l < L; l++) {
+                float xv = v < nv ? x[(j0 + v) * L + l] : 0.0f, wv = v < nv ? w[(j0 + v) * L + l] : 0.0f;
+                float wx = wv * xv;
+                s.xt[l][v] = xv;
+                s.wt[l][v] = wv;
+                s.wxt[l][v] = wx;
+                sw += wv;
+                sx += wx;
+                sxx += wx * xv;
+                if (l == 0 || xv < mn) mn = xv;
+                if (l == 0 || xv > mx) mx = xv;
+            }
+            s.sw[v] = sw;
+            s.sx[v] = sx;
+            s.sxx[v] = sxx;
+            lo[v] = mn < 0.0f ? mn : 0.0f;
+            rng[v] = mx - lo[v];
+            inv_rng[v] = invf(rng[v]);
+            s.best_e[v] = INFINITY;
+            s.best_a[v] = s.best_b[v] = 0.0;
+        }
+        for (int i = 0; i < n_steps; i++) {
+            float t = steps[i];
+            for (int v = 0; v < LANES; v++) isc[v] = t * inv_rng[v];
+            for (int k = 0; k < n_shifts; k++) {
+                for (int v = 0; v < LANES; v++) b0[v] = lo[v] + (shifts[k] * rng[v]) / t;
+                aff_consider(&s, b0, isc, 0);
+            }
+        }
+        for (int it = 0; it < iters; it++) {
+            for (int v = 0; v < LANES; v++) {
+                b0[v] = (float)(-s.best_b[v]); /* ml */
+                isc[v] = invf((float)s.best_a[v]);
+            }
+            aff_consider(&s, b0, isc, 1);
+        }
+        for (int v = 0; v < nv; v++) {
+            out_a[j0 + v] = s.best_a[v];
+            out_b[j0 + v] = s.best_b[v];
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------- step 2, symmetric */
+
+/* One sub-block's term of sym_eval_error for LANES candidates d (inverses id), added to e. */
+static void sym_pick_lanes(const float *restrict d, const float *restrict id, float aj, float qj, float flo, float fhi,
+                           float *restrict e) {
+    for (int v = 0; v < LANES; v++) {
+        float k0 = clampf(floorf(aj * id[v]), flo, fhi);
+        float k1 = clampf(k0 + 1.0f, flo, fhi);
+        float r0 = d[v] * k0 - aj, r1 = d[v] * k1 - aj;
+        float e0 = qj * r0 * r0, e1 = qj * r1 * r1;
+        e[v] += e1 < e0 ? e1 : e0; /* torch.minimum (no NaN here) */
+    }
+}
+
+/* sym_pick_torch for n super-blocks of S sub-blocks: a, sqq (n, S) float32, cand (n, C) float32 -> out_d (n,)
+   float32, out_k (n, S) int64. Candidates run LANES at a time, each lane's sum over sub-blocks in order. */
+void dq_sym_pick(const float *a, const float *sqq, int64_t n, int S, int klo, int khi, const float *cand, int C,
+                 float *out_d, int64_t *out_k) {
+    const float flo = (float)klo, fhi = (float)khi;
+    for (int64_t b = 0; b < n; b++) {
+        const float *ab = a + b * S, *qb = sqq + b * S, *cb = cand + b * (int64_t)C;
+        float best_e = 0.0f, best_d = 0.0f;
+        int have = 0;
+        for (int c0 = 0; c0 < C; c0 += LANES) {
+            int nc = C - c0 < LANES ? C - c0 : LANES;
+            float d[LANES], id[LANES], e[LANES];
+            for (int v = 0; v < LANES; v++) {
+                d[v] = v < nc ? cb[c0 + v] : 0.0f;
+                id[v] = invf(d[v]);
+                e[v] = 0.0f;
+            }
+            for (int j = 0; j < S; j++) sym_pick_lanes(d, id, ab[j], qb[j], flo, fhi, e);
+            for (int v = 0; v < nc; v++) {
+                if (!have || e[v] < best_e) { best_e = e[v]; best_d = d[v]; have = 1; }
+            }
+        }
+        out_d[b] = best_d;
+        float id = invf(best_d);
+        for (int j = 0; j < S; j++) {
+            float k0 = clampf(floorf(ab[j] * id), flo, fhi);
+            float k1 = clampf(k0 + 1.0f, flo, fhi);
+            float r0 = best_d * k0 - ab[j], r1 = best_d * k1 - ab[j];
+            float e0 = qb[j] * r0 * r0, e1 = qb[j] * r1 * r1;
+            out_k[b * S + j] = (int64_t)(e1 < e0 ? k1 : k0);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------- step 2, affine */
+
+/* _aff_choices for one sub-block at candidate (d, dm): the four (ks, km, e), in the reference's order and float32
+   operations. ref: a, b, ga, gb, sqq, sq, sw of the sub-block. */
+static inline void aff_choices(const float *r, float kmax, float d, float dm, float *ks, float *km, float *e) {
+    float a = r[0], b = r[1], ga = r[2], gb = r[3], sqq = r[4], sq = r[5], sw = r[6];
+    float k0 = clampf(floorf(a * invf(d)), 0.0f, kmax);
+    float ndm = -dm, idm = invf(dm), sq2 = 2.0f * sq;
+    for (int i = 0; i < 2; i++) {
+        float ksv = i ? clampf(k0 + 1.0f, 0.0f, kmax) : k0;
+        float da = d * ksv - a;
+        float mopt = (sq * da + gb) / sw - b;
+        mopt = mopt < 0.0f ? 0.0f : mopt;
+        float m0 = clampf(floorf(mopt * idm), 0.0f, kmax);
+        float ga_da = ga * da, sqq_da2 = (sqq * da) * da, sq2_da = sq2 * da;
+        for (int jm = 0; jm < 2; jm++) {
+            float kmv = jm ? clampf(m0 + 1.0f, 0.0f, kmax) : m0;
+            float db = ndm * kmv - b;
+            float ev = (gb * db + ga_da) * 2.0f + sqq_da2;
+            ev = ev + (sq2_da * db + (sw * db) * db);
+            ks[2 * i + jm] = ksv;
+            km[2 * i + jm] = kmv;
+            e[2 * i + jm] = ev;
+        }
+    }
+}
+
+/* One sub-block's term of aff_eval_error (the least of aff_choices' four errors) for LANES candidates, added to e. */
+static void aff_pick_lanes(const float *restrict r, float kmax, const float *restrict d, const float *restrict dm,
+                           float *restrict e) {
+    const float a = r[0], b = r[1], ga = r[2], gb = r[3], sqq = r[4], sq = r[5], sw = r[6], sq2 = 2.0f * sq;
+    for (int v = 0; v < LANES; v++) {
+        float k0 = clampf(floorf(a * invf(d[v])), 0.0f, kmax);
+        float k1 = clampf(k0 + 1.0f, 0.0f, kmax);
+        float ndm = -dm[v], idm = invf(dm[v]);
+        /* ks = k0 */
+        float da = d[v] * k0 - a;
+        float mopt = (sq * da + gb) / sw - b;
+        mopt = mopt < 0.0f ? 0.0f : mopt;
+        float m0 = clampf(floorf(mopt * idm), 0.0f, kmax), m1 = clampf(m0 + 1.0f, 0.0f, kmax);
+        float ga_da = ga * da, sqq_da2 = (sqq * da) * da, sq2_da = sq2 * da;
+        float db = ndm * m0 - b;
+        float e0 = (gb * db + ga_da) * 2.0f + sqq_da2;
+        e0 = e0 + (sq2_da * db + (sw * db) * db);
+        db = ndm * m1 - b;
+        float e1 = (gb * db + ga_da) * 2.0f + sqq_da2;
+        e1 = e1 + (sq2_da * db + (sw * db) * db);
+        /* ks = k1 */
+        da = d[v] * k1 - a;
+        mopt = (sq * da + gb) / sw - b;
+        mopt = mopt < 0.0f ? 0.0f : mopt;
+        m0 = clampf(floorf(mopt * idm), 0.0f, kmax);
+        m1 = clampf(m0 + 1.0f, 0.0f, kmax);
+        ga_da = ga * da;
+        sqq_da2 = (sqq * da) * da;
+        sq2_da = sq2 * da;
+        db = ndm * m0 - b;
+        float e2 = (gb * db + ga_da) * 2.0f + sqq_da2;
+        e2 = e2 + (sq2_da * db + (sw * db) * db);
+        db = ndm * m1 - b;
+        float e3 = (gb * db + ga_da) * 2.0f + sqq_da2;
+        e3 = e3 + (sq2_da * db + (sw * db) * db);
+        float m = e1 < e0 ? e1 : e0; /* torch.minimum, in the reference's order */
+        m = e2 < m ? e2 : m;
+        m = e3 < m ? e3 : m;
+        e[v] += m;
+    }
+}
+
+/* aff_pick_torch for n super-blocks of S sub-blocks: ref (7, n, S) float32 (aff_reference's tuple stacked), dc, mc
+   (n, C) float32 -> out_d, out_m (n,) float32, out_ks, out_km (n, S) int64. */
+void dq_aff_pick(const float *ref, int64_t n, int S, int kmax, const float *dc, const float *mc, int C, float *out_d,
+                 float *out_m, int64_t *out_ks, int64_t *out_km) {
+    const float fk = (float)kmax;
+    const int64_t plane = n * S;
+    for (int64_t b = 0; b < n; b++) {
+        float r[64][7];
+        for (int j = 0; j < S; j++)
+            for (int t = 0; t < 7; t++) r[j][t] = ref[t * plane + b * S + j];
+        const float *db_ = dc + b * (int64_t)C, *mb = mc + b * (int64_t)C;
+        float best_e = 0.0f, best_d = 0.0f, best_m = 0.0f;
+        int have = 0;
+        for (int c0 = 0; c0 < C; c0 += LANES) {
+            int nc = C - c0 < LANES ? C - c0 : LANES;
+            float e[LANES], d[LANES], dm[LANES];
+            for (int v = 0; v < LANES; v++) {
+                d[v] = v < nc ? db_[c0 + v] : 0.0f;
+                dm[v] = v < nc ? mb[c0 + v] : 0.0f;
+                e[v] = 0.0f;
+            }
+            for (int j = 0; j < S; j++) aff_pick_lanes(r[j], fk, d, dm, e);
+            for (int v = 0; v < nc; v++) {
+                if (!have || e[v] < best_e) { best_e = e[v]; best_d = d[v]; best_m = dm[v]; have = 1; }
+            }
+        }
+        out_d[b] = best_d;
+        out_m[b] = best_m;
+        for (int j = 0; j < S; j++) {
+            float ks[4], km[4], ev[4];
+            aff_choices(r[j], fk, best_d, best_m, ks, km, ev);
+            float bks = ks[0], bkm = km[0], be = ev[0];
+            for (int q = 1; q < 4; q++)
+                if (ev[q] < be) { bks = ks[q]; bkm = km[q]; be = ev[q]; }
+            out_ks[b * S + j] = (int64_t)bks;
+            out_km[b * S + j] = (int64_t)bkm;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------- step 3 */
+
+/* Load LANES sub-blocks (of n in all, from j0) transposed; lanes past the end are zero. */
+static int load_lanes(const float *x, const float *w, int64_t n, int64_t j0, int L, float xt[][LANES],
+                      float wt[][LANES]) {
+    int nv = n - j0 < LANES ? (int)(n - j0) : LANES;
+    for (int v = 0; v < LANES; v++)
+        for (int l = 0; l < L; l++) {
+            xt[l][v] = v < nv ? x[(j0 + v) * L + l] : 0.0f;
+            wt[l][v] = v < nv ? w[(j0 + v) * L + l] : 0.0f;
+        }
+    return nv;
+}
+
+/* sym_error(x, w, dl, sym_codes(x, dl)) of every lane: sum(w r r), r = x - dl q, q = clamp(round(x inv(dl))). */
+static void sym_lane_error(float xt[][LANES], float wt[][LANES], int L, const float *dl, float qlo, float qhi,
+                           float *err) {
+    float idl[LANES];
+    for (int v = 0; v < LANES; v++) {
+        idl[v] = invf(dl[v]);
+        err[v] = 0.0f;
+    }
+    for (int l = 0; l < L; l++)
+        for (int v = 0; v < LANES; v++) {
+            float q = clampf(nearbyintf(xt[l][v] * idl[v]), qlo, qhi);
+            float r = xt[l][v] - dl[v] * q;
+            err[v] += (wt[l][v] * r) * r;
+        }
+}
+
+/* sym_refine_torch: n super-blocks of S sub-blocks of L; d (n,) float32; k (n, S) int64, updated in place;
+   out_err (n,) float64 (the sum over sub-blocks, in order). */
+void dq_sym_refine(const float *x, const float *w, int64_t n, int S, int L, const float *d, int64_t *k, int qlo,
+                   int qhi, int klo, int khi, double *out_err) {
+    float xt[MAX_L][LANES], wt[MAX_L][LANES], dl[LANES], err[LANES], et[LANES];
+    int64_t kk[LANES], kt[LANES];
+    const int64_t nsub = n * S;
+    for (int64_t b = 0; b < n; b++) out_err[b] = 0.0;
+    for (int64_t j0 = 0; j0 < nsub; j0 += LANES) {
+        int nv = load_lanes(x, w, nsub, j0, L, xt, wt);
+        for (int v = 0; v < LANES; v++) {
+            kk[v] = v < nv ? k[j0 + v] : 0;
+            dl[v] = v < nv ? d[(j0 + v) / S] * (float)kk[v] : 0.0f;
+        }
+        sym_lane_error(xt, wt, L, dl, (float)qlo, (float)qhi, err);
+        for (int delta = 1; delta >= -1; delta -= 2) {
+            for (int v = 0; v < LANES; v++) {
+                int64_t t = kk[v] + delta;
+                kt[v] = t < klo ? klo : (t > khi ? khi : t);
+                dl[v] = v < nv ? d[(j0 + v) / S] * (float)kt[v] : 0.0f;
+            }
+            sym_lane_error(xt, wt, L, dl, (float)qlo, (float)qhi, et);
+            for (int v = 0; v < LANES; v++)
+                if (et[v] < err[v]) { err[v] = et[v]; kk[v] = kt[v]; }
+        }
+        for (int v = 0; v < nv; v++) k[j0 + v] = kk[v];
+        for (int v = 0; v < nv; v++) out_err[(j0 + v) / S] += (double)err[v];
+    }
+}
+
+/* aff_error(x, w, dl, ml, aff_codes(x, dl, ml)) of every lane: r = x - (dl q - ml), q = clamp(round((x + ml) inv(dl))). */
+static void aff_lane_error(float xt[][LANES], float wt[][LANES], int L, const float *dl, const float *ml, float qmax,
+                           float *err) {
+    float idl[LANES];
+    for (int v = 0; v < LANES; v++) {
+        idl[v] = invf(dl[v]);
+        err[v] = 0.0f;
+    }
+    for (int l = 0; l < L; l++)
+        for (int v = 0; v < LANES; v++) {
+            float q = clampf(nearbyintf((xt[l][v] + ml[v]) * idl[v]), 0.0f, qmax);
+            float r = xt[l][v] - (dl[v] * q - ml[v]);
+            err[v] += (wt[l][v] * r) * r;
+        }
+}
+
+/* aff_refine_torch: d, dmin (n,) float32; ks, km (n, S) int64, updated in place; moves (n_moves, 2) int32;
+   out_err (n,) float64. */
+void dq_aff_refine(const float *x, const float *w, int64_t n, int S, int L, const float *d, const float *dmin,
+                   int64_t *ks, int64_t *km, int qmax, int kmax, const int *moves, int n_moves, double *out_err) {
+    float xt[MAX_L][LANES], wt[MAX_L][LANES], dl[LANES], ml[LANES], err[LANES], et[LANES];
+    int64_t cs[LANES], cm[LANES], ts[LANES], tm[LANES];
+    const int64_t nsub = n * S;
+    for (int64_t b = 0; b < n; b++) out_err[b] = 0.0;
+    for (int64_t j0 = 0; j0 < nsub; j0 += LANES) {
+        int nv = load_lanes(x, w, nsub, j0, L, xt, wt);
+        for (int v = 0; v < LANES; v++) {
+            cs[v] = v < nv ? ks[j0 + v] : 0;
+            cm[v] = v < nv ? km[j0 + v] : 0;
+            dl[v] = v < nv ? d[(j0 + v) / S] * (float)cs[v] : 0.0f;
+            ml[v] = v < nv ? dmin[(j0 + v) / S] * (float)cm[v] : 0.0f;
+        }
+        aff_lane_error(xt, wt, L, dl, ml, (float)qmax, err);
+        for (int mv = 0; mv < n_moves; mv++) {
+            for (int v = 0; v < LANES; v++) {
+                int64_t s = cs[v] + moves[2 * mv], m = cm[v] + moves[2 * mv + 1];
+                ts[v] = s < 0 ? 0 : (s > kmax ? kmax : s);
+                tm[v] = m < 0 ? 0 : (m > kmax ? kmax : m);
+                dl[v] = v < nv ? d[(j0 + v) / S] * (float)ts[v] : 0.0f;
+                ml[v] = v < nv ? dmin[(j0 + v) / S] * (float)tm[v] : 0.0f;
+            }
+            aff_lane_error(xt, wt, L, dl, ml, (float)qmax, et);
+            for (int v = 0; v < LANES; v++)
+                if (et[v] < err[v]) { err[v] = et[v]; cs[v] = ts[v]; cm[v] = tm[v]; }
+        }
+        for (int v = 0; v < nv; v++) {
+            ks[j0 + v] = cs[v];
+            km[j0 + v] = cm[v];
+            out_err[(j0 + v) / S] += (double)err[v];
+        }
+    }
+}

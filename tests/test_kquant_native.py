@@ -1,0 +1,245 @@
+"""The compiled CPU K-quant searches (:mod:`dynaquant.kernels.native.kquant`, C) against their torch references in
+:mod:`dynaquant.quant.codecs._kquant_search`.
+
+The C code repeats the references' float operations in the same order and precision except the sums over a
+sub-block's elements (and a super-block's sub-blocks), which it adds in order where torch vectorises. So:
+
+* on weights and importances whose sums are exact in float32 (multiples of 1/8 and small integers, no ties in
+  ``w x^2``), every step and the encoded bytes equal the reference's bit for bit;
+* on random weights the steps agree to rounding (the tests of the Triton fast paths: most results equal, a near-tie
+  taken the other way never costs in total), and the encoders' errors are the reference's to 1e-4.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+
+import dynaquant.kernels  # noqa: F401  (registers the CPU fast paths)
+from dynaquant.kernels import native
+from dynaquant.quant.codecs import _kquant_search as kqs
+from dynaquant.quant.codecs import fastpaths, get_codec
+
+if shutil.which(os.environ.get("CC") or "cc") is None:
+    pytest.skip("no C compiler: the compiled CPU searches cannot be built here", allow_module_level=True)
+
+from dynaquant.kernels.native import kquant as nk  # noqa: E402
+
+KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def _exact_blocks(n: int, seed: int):
+    """(n, 256) weights k/8 with distinct |k| in every 16 and random signs, importance 1 or 2: float32 sums of
+    products exact in any order, and ``w x^2`` without ties (2 a^2 = b^2 has no integer solution)."""
+    g = torch.Generator().manual_seed(seed)
+    mags = torch.stack([torch.randperm(64, generator=g)[:16] + 1 for _ in range(n * 16)]).reshape(n, 256).float()
+    sign = torch.randint(0, 2, (n, 256), generator=g).float() * 2 - 1
+    x = mags * sign / 8
+    w = torch.randint(1, 3, (n, 256), generator=g).float()
+    x[1] = x[1].abs()  # one sign only
+    x[2, 100:] *= 0.125  # mixed magnitudes
+    return x, w
+
+
+def _random_blocks(n: int, seed: int):
+    """(n, 256) weights of mixed scales with hard cases, and their importance (as test_kquant_fused)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 256, generator=g) * torch.exp(torch.randn(n, 1, generator=g))
+    w = torch.exp(torch.randn(n, 256, generator=g)) + 0.01
+    x[0] = 0.0
+    x[1, :100] = 0.0
+    x[2] = x[2].abs()
+    x[3] *= 1e4
+    x[4] *= 1e-6
+    x[5, 7] = 40.0
+    return x, w
+
+
+def _split(name, x, w):
+    codec = get_codec(name)
+    n = x.shape[0]
+    return codec, x.reshape(n, codec.n_sub, -1), w.reshape(n, codec.n_sub, -1)
+
+
+def test_registered_as_the_cpu_fast_paths():
+    for step in ("sym_search_scales", "aff_search_scales", "sym_pick", "aff_pick", "sym_refine", "aff_refine"):
+        assert fastpaths.lookup(f"kquant.{step}", "cpu") is getattr(nk, step)
+        assert kqs.fast_path(f"kquant.{step}", torch.zeros(1), "auto") is getattr(nk, step)
+        assert kqs.fast_path(f"kquant.{step}", torch.zeros(1), "native") is getattr(nk, step)
+        assert kqs.fast_path(f"kquant.{step}", torch.zeros(1), "torch") is None
+
+
+@pytest.mark.parametrize("name", KQUANTS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_exact_sums_give_the_reference_bit_for_bit(name, seed):
+    """Where every sum is exact, each step's result and the encoded bytes are the torch reference's."""
+    x, w = _exact_blocks(48, seed)
+    codec, x3, w3 = _split(name, x, w)
+    sp = codec.search
+    if isinstance(sp, kqs.AffSearch):
+        for got, want in zip(nk.aff_search_scales(x3, w3, sp), kqs.aff_search_scales_torch(x3, w3, sp)):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+    else:
+        got, want = nk.sym_search_scales(x3, w3, sp), kqs.sym_search_scales_torch(x3, w3, sp)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    native_bytes = codec.encode_blocks(x, w, backend="native")
+    assert torch.equal(native_bytes, codec.encode_blocks(x, w, backend="torch"))
+    assert torch.equal(native_bytes, codec.encode_blocks(x, w))  # "auto" on CPU is the compiled search
+
+
+@pytest.mark.parametrize("name", KQUANTS)
+def test_step1_matches_reference(name):
+    """Step 1 on random weights: the continuous scales are the reference's to rounding, and where a near-tie went
+    the other way the least-squares error is no worse in total."""
+    codec, x3, w3 = _split(name, *_random_blocks(96, 0))
+    sp = codec.search
+
+    def sub_error(codes_fn):
+        return ((w3 * (x3 - codes_fn()) ** 2).sum(-1)).double()
+
+    if isinstance(sp, kqs.AffSearch):
+        a_t, b_t = kqs.aff_search_scales_torch(x3, w3, sp)
+        a_n, b_n = nk.aff_search_scales(x3, w3, sp)
+
+        def err(a, b):
+            q = kqs.aff_codes(x3, a.float(), (-b).float(), sp.qmax)
+            return sub_error(lambda: a.float().unsqueeze(-1) * q + b.float().unsqueeze(-1))
+
+        e_t, e_n = err(a_t, b_t), err(a_n, b_n)
+        close = torch.isclose(a_n, a_t, rtol=1e-5, atol=0) & torch.isclose(b_n, b_t, rtol=1e-5, atol=1e-30)
+    else:
+        a_t, a_n = kqs.sym_search_scales_torch(x3, w3, sp), nk.sym_search_scales(x3, w3, sp)
+
+        def err(a):
+            return sub_error(lambda: a.float().unsqueeze(-1) * kqs.sym_codes(x3, a.float(), sp.qlo, sp.qhi))
+
+        e_t, e_n = err(a_t), err(a_n)
+        close = torch.isclose(a_n, a_t, rtol=1e-5, atol=0)
+    assert a_n.shape == a_t.shape and a_n.dtype == torch.float64
+    assert close.float().mean() >= 0.95, close.float().mean()
+    assert e_n.sum() <= e_t.sum() * (1 + 1e-4)
+
+
+@pytest.mark.parametrize("name", KQUANTS)
+def test_steps_2_and_3_match_reference(name):
+    """Steps 2 and 3 from the reference's step 1: the same candidate and integer scales (to ties), never a higher
+    ranking error; refinement from the same configuration ends at the same configuration and error."""
+    codec, x3, w3 = _split(name, *_random_blocks(96, 1))
+    sp = codec.search
+    if isinstance(sp, kqs.AffSearch):
+        a, b = kqs.aff_search_scales_torch(x3, w3, sp)
+        q = kqs.aff_codes(x3, a.float(), (-b).float(), sp.qmax)
+        wx = w3 * x3
+        ts = torch.tensor(sp.d_steps, dtype=torch.float32)
+        ref, dc, mc, _ = kqs.aff_round_candidates(w3, wx, q, w3.sum(-1).double(), wx.sum(-1).double(), ts, sp.kmax, None)
+        got, want = nk.aff_pick(ref, sp.kmax, dc, mc), kqs.aff_pick_torch(ref, sp.kmax, dc, mc)
+        e_got = kqs.aff_eval_error(ref, sp.kmax, got[0][:, None], got[1][:, None])[:, 0]
+        e_want = kqs.aff_eval_error(ref, sp.kmax, want[0][:, None], want[1][:, None])[:, 0]
+        cfg = kqs.AffConfig(*want)
+        (c_n, r_n), (c_t, r_t) = nk.aff_refine(x3, w3, cfg, sp), kqs.aff_refine_torch(x3, w3, cfg, sp)
+        same_cfg = (c_n.ks == c_t.ks).all(-1) & (c_n.km == c_t.km).all(-1)
+    else:
+        a = kqs.sym_search_scales_torch(x3, w3, sp)
+        q = kqs.sym_codes(x3, a.float(), sp.qlo, sp.qhi)
+        sxq, sqq = (w3 * x3 * q).sum(-1).double(), (w3 * q * q).sum(-1).double()
+        a = kqs.safe_div(sxq, sqq)
+        am = a.gather(1, a.abs().argmax(1, keepdim=True))
+        ts = torch.tensor(sp.d_steps, dtype=torch.float64)
+        cand = kqs.f16_candidates(torch.cat([am / ts, -am / ts], 1))
+        got = nk.sym_pick(a.float(), sqq.float(), sp.klo, sp.khi, cand)
+        want = kqs.sym_pick_torch(a.float(), sqq.float(), sp.klo, sp.khi, cand)
+        e_got = kqs.sym_eval_error(a.float(), sqq.float(), sp.klo, sp.khi, got[0][:, None])[:, 0]
+        e_want = kqs.sym_eval_error(a.float(), sqq.float(), sp.klo, sp.khi, want[0][:, None])[:, 0]
+        cfg = kqs.SymConfig(*want)
+        (c_n, r_n), (c_t, r_t) = nk.sym_refine(x3, w3, cfg, sp), kqs.sym_refine_torch(x3, w3, cfg, sp)
+        same_cfg = (c_n.k == c_t.k).all(-1)
+    assert all(g.dtype == t.dtype and g.shape == t.shape for g, t in zip(got, want))
+    same = (got[0] == want[0]) & (got[-1] == want[-1]).all(-1)
+    assert same.float().mean() >= 0.95, same.float().mean()
+    assert (e_got <= e_want + 1e-5 * e_want.abs().clamp_min(1e-30)).all()
+    assert same_cfg.float().mean() >= 0.95, same_cfg.float().mean()
+    assert r_n.dtype == torch.float64 and torch.allclose(r_n, r_t, rtol=1e-5, atol=0)
+    assert torch.equal(cfg.k if isinstance(cfg, kqs.SymConfig) else cfg.ks, want[-1] if len(want) == 2 else want[2])
+
+
+@pytest.mark.parametrize("name", KQUANTS)
+def test_encoders_error_is_the_references(name):
+    """Whole encodes of random weights: the compiled search's weighted error is the reference's to 1e-4, and its
+    bytes decode to the same grid (the block layout is unchanged)."""
+    x, w = _random_blocks(64, 2)
+    x = x[6:]  # the hard cases above weigh on totals only through their scale; here the ordinary blocks
+    w = w[6:]
+    codec = get_codec(name)
+    b_n, b_t = codec.encode_blocks(x, w, backend="native"), codec.encode_blocks(x, w, backend="torch")
+    e_n = (w * (x - codec.decode_blocks(b_n)) ** 2).sum().item()
+    e_t = (w * (x - codec.decode_blocks(b_t)) ** 2).sum().item()
+    assert abs(e_n - e_t) <= 1e-4 * e_t, (e_n, e_t)
+    assert (b_n == b_t).all(1).float().mean() >= 0.9
+
+
+def test_threads_do_not_change_the_bytes():
+    x, w = _random_blocks(300, 3)
+    codec = get_codec("Q4_K")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = codec.encode_blocks(x, w)
+        torch.set_num_threads(max(2, before))
+        assert torch.equal(codec.encode_blocks(x, w), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_shape_errors_name_the_shape():
+    with pytest.raises(ValueError, match="sub_size"):
+        nk.sym_search_scales(torch.zeros(2, 4, 64), torch.ones(2, 4, 64), get_codec("Q6_K").search)
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch):
+    """The CPU fast paths and the library unloaded, as in a new process (and again after the test)."""
+    monkeypatch.setattr(fastpaths, "_CPU_LOADED", {})
+    native.library.cache_clear()
+    yield
+    native.library.cache_clear()
+
+
+def test_without_a_compiler_the_reference_runs(fresh_registry, monkeypatch, tmp_path, caplog):
+    """No C compiler (and no library built for this one): the loader fails, the registry logs it once and the
+    codecs run their torch references."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("DYNAQUANT_CACHE", str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING):
+        assert fastpaths.lookup("kquant.sym_pick", "cpu") is None
+    assert "no C compiler" in caplog.text
+    x, w = _random_blocks(8, 4)
+    codec = get_codec("Q6_K")
+    assert torch.equal(codec.encode_blocks(x, w), codec.encode_blocks(x, w, backend="torch"))
+    with pytest.raises(RuntimeError, match="native"):
+        kqs.fast_path("kquant.sym_pick", x, "native")
+
+
+def test_switched_off_by_the_environment(fresh_registry, monkeypatch):
+    monkeypatch.setenv("DYNAQUANT_NATIVE", "0")
+    assert fastpaths.lookup("kquant.aff_pick", "cpu") is None
+
+
+def test_built_once_into_the_cache(fresh_registry, monkeypatch, tmp_path):
+    """The library is built into CACHE/native/<key>/ under a temporary name and renamed; a second process (here:
+    the cleared cache of loaded libraries) finds it there instead of compiling again."""
+    monkeypatch.setenv("DYNAQUANT_CACHE", str(tmp_path))
+    lib = native.library("kquant_search")
+    built = list((tmp_path / "native").glob("*/kquant_search.so"))
+    assert len(built) == 1 and lib._name == str(built[0])
+    assert not list((tmp_path / "native").glob("*/*.tmp"))
+    mtime = built[0].stat().st_mtime_ns
+    native.library.cache_clear()
+    def no_build(*args):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(native, "_compile", no_build)
+    assert native.library("kquant_search")._name == str(built[0]) and built[0].stat().st_mtime_ns == mtime
