@@ -291,6 +291,7 @@ def dynaquant_mode(bench: Bench, args, ckpt: Path, cal: Path, mode: str) -> dict
     run_s = statistics.median(r["time_s"] for r in results)
     row = {"pipeline": "dynaquant", "stage": "total", "mode": mode, "args": extra, **_median_row(walls),
            "run_time_s": run_s, "startup_s": statistics.median(walls) - run_s, "timings_s": stages,
+           "runs_run_time_s": [r["time_s"] for r in results], "runs_timings_s": [r["timings_s"] for r in results],
            **file_stats(out), "formats": res.get("formats"), "gptq": res.get("gptq")}
     if not args.keep:
         out.unlink()

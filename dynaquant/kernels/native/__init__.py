@@ -2,8 +2,9 @@
 
 On the CPU the codecs' torch references make one pass over memory an operation, which left the K-quant searches
 10-30x slower than llama.cpp's C encoders on the same cores (``benchmarks/encode_speed.py --device cpu``). This
-package compiles small C versions of the heaviest searches (``kquant_search.c``: the K-quant steps 1 to 3) with the
-system's C compiler, once a machine, and :mod:`dynaquant.kernels` registers them as the CPU fast paths of
+package compiles small C versions of the heaviest searches (``kquant_search.c``: the K-quant steps 1 to 3;
+``blockfit.c``: the one-scale search of Q4_0, Q5_0, Q8_0, IQ4_NL and IQ4_XS's sub-blocks) with the system's C
+compiler, once a machine, and :mod:`dynaquant.kernels` registers them as the CPU fast paths of
 :mod:`dynaquant.quant.codecs.fastpaths` (``backend="auto"`` on CPU tensors, or ``"native"``). Each keeps its torch
 reference's contract: the same float operations in the same order and precision, but for the order of the sums
 over a sub-block's elements or a super-block's sub-blocks, so results agree to rounding, and exactly where those sums
@@ -36,7 +37,7 @@ import torch
 
 from dynaquant.workdir import cache_root
 
-SOURCES = ("kquant_search.c",)
+SOURCES = ("kquant_search.c", "blockfit.c")
 ENV = "DYNAQUANT_NATIVE"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-std=gnu11"]
 _MIN_PER_THREAD = 64  # rows (sub-blocks or super-blocks) below which a call runs on one thread
@@ -77,6 +78,8 @@ def library(name: str = "kquant_search") -> ctypes.CDLL:
     Raises:
         RuntimeError: ``DYNAQUANT_NATIVE=0``, or no C compiler, or the build failed (its message).
     """
+    if f"{name}.c" not in SOURCES:
+        raise ValueError(f"no compiled search named {name!r}: {', '.join(SOURCES)}")
     if os.environ.get(ENV, "1").strip().lower() in ("0", "off", "no", "false"):
         raise RuntimeError(f"{ENV}=0: the compiled CPU searches are off")
     src = Path(__file__).with_name(f"{name}.c")

@@ -386,8 +386,10 @@ class ScaleCodec(Codec):
 
     def _fit(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
         x, w = x.to(torch.float32), w.to(torch.float32)
-        return in_subchunks(fit_scale, x, w, self.grid, self.targets, self.anchor_offsets, self.lloyd_steps, self.ulps,
-                            backend=backend)
+        args = (self.grid, self.targets, self.anchor_offsets, self.lloyd_steps, self.ulps)
+        if fast_path("blockfit.fit_scale", x, backend) is not None:  # a fused search keeps no (blocks, n) temporaries
+            return fit_scale(x, w, *args, backend=backend)
+        return in_subchunks(fit_scale, x, w, *args, backend=backend)
 
     def fit_params(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor]:
         return (self._fit(x, w, backend)[0],)
