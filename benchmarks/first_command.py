@@ -16,11 +16,19 @@ one row per method with every repeat's wall seconds and their median (``wall_s``
 the printed run time, bytes, mean KLD and top-1 agreement of each run), and ``ratio_median``: dynaquant's median over
 llama-quantize's.
 
+``--preset MIX`` times a llama.cpp mix instead (issue 16's second CPU target: within 2x of ``llama-quantize``'s wall
+time): ``dynaquant quantize SOURCE --preset MIX --no-eval -o OUT`` (``--source``, default the embedded model; with
+``--imatrix FILE`` both tools get it) against ``llama-quantize [--imatrix FILE] --allow-requantize SOURCE OUT MIX``;
+the rows then carry no KLD (nothing is evaluated). The quality benchmark's source is the one to use
+(``benchmarks/make_dithered.py``: the dithered BF16 copy of the default model, off the Q4_1 grid), with its imatrix
+from ``dynaquant analyze``.
+
 Usage::
 
     python benchmarks/first_command.py --repeats 3 --out benchmarks/out/first_command-cpu.json
     python benchmarks/first_command.py --code /path/to/older/checkout --out before.json   # the same for other code
     python benchmarks/first_command.py --against /path/to/older/checkout    # interleaved: this code, that code, ...
+    python benchmarks/first_command.py --preset Q3_K_M --source dithered.gguf --imatrix imatrix.gguf --out preset.json
 
 ``--against DIR`` runs DIR's code too, alternating with this code's runs (a warm-up of each first), so that both see
 the same load (this box's speed drifts by 20-40 % within an hour); its row is ``dynaquant quantize (against)`` and the
@@ -51,41 +59,45 @@ _KLD = re.compile(r"mean KLD ([\d.eE+-]+)\s+p99 KLD ([\d.eE+-]+)\s+top-1 agreeme
 _WROTE = re.compile(r"^wrote (.+\.gguf)$", re.M)
 
 
-def parse_output(text: str) -> dict:
-    """The figures ``dynaquant quantize`` prints: ``{"mb", "bpw", "printed_s", "kld_mean", "kld_p99", "top1"}``.
+def parse_output(text: str, evaluated: bool = True) -> dict:
+    """The figures ``dynaquant quantize`` prints: ``{"mb", "bpw", "printed_s"}`` and, when ``evaluated``,
+    ``{"kld_mean", "kld_p99", "top1"}``.
 
     Raises:
-        ValueError: the text has no size line or no KLD line (the run failed or did not evaluate).
+        ValueError: the text has no size line, or no KLD line when ``evaluated`` (the run failed or did not evaluate).
     """
     size, kld = _SIZE.search(text), _KLD.search(text)
-    if size is None or kld is None:
+    if size is None or (evaluated and kld is None):
         raise ValueError(f"no {'size' if size is None else 'KLD'} line in the output:\n{text[-2000:]}")
-    return {"mb": float(size[1]), "bpw": float(size[2]), "printed_s": float(size[3]),
-            "kld_mean": float(kld[1]), "kld_p99": float(kld[2]), "top1": float(kld[3]) / 100}
+    out = {"mb": float(size[1]), "bpw": float(size[2]), "printed_s": float(size[3])}
+    if evaluated:
+        out.update({"kld_mean": float(kld[1]), "kld_p99": float(kld[2]), "top1": float(kld[3]) / 100})
+    return out
 
 
-def run_dynaquant(code: Path | None) -> dict:
-    """One ``dynaquant quantize`` of ``code``'s checkout (None: this one) in a new temporary folder: wall seconds, the
-    printed figures, the file's bytes."""
+def run_dynaquant(code: Path | None, args: list[str] | None = None) -> dict:
+    """One ``dynaquant quantize [args]`` of ``code``'s checkout (None: this one) in a new temporary folder: wall
+    seconds, the printed figures, the file's bytes. ``args`` None: README's first command (no arguments, evaluated)."""
     env = dict(os.environ, PYTHONPATH=str(code or HERE.parent))  # this checkout's code, whatever is installed
     with tempfile.TemporaryDirectory(prefix="dq-first-") as d:
         t = time.perf_counter()
-        p = subprocess.run([sys.executable, "-m", "dynaquant.cli", "quantize"], cwd=d, env=env,
+        p = subprocess.run([sys.executable, "-m", "dynaquant.cli", "quantize", *(args or [])], cwd=d, env=env,
                            capture_output=True, text=True)
         wall = time.perf_counter() - t
         if p.returncode != 0:
             raise RuntimeError(f"dynaquant quantize exited {p.returncode}:\n{p.stderr[-3000:]}")
-        row = {"wall_s": wall, **parse_output(p.stdout)}
+        row = {"wall_s": wall, **parse_output(p.stdout, evaluated=args is None)}
         wrote = _WROTE.search(p.stdout)
         row["bytes"] = Path(d, wrote[1]).stat().st_size if wrote else None
     return row
 
 
-def run_llama_quantize(tool: Path, source: Path, threads: int) -> float:
-    """Wall seconds of ``llama-quantize --allow-requantize source OUT Q3_K_M threads``."""
+def run_llama_quantize(tool: Path, source: Path, threads: int, mix: str = "Q3_K_M", imatrix: Path | None = None) -> float:
+    """Wall seconds of ``llama-quantize [--imatrix FILE] --allow-requantize source OUT mix threads``."""
+    im = ["--imatrix", str(imatrix)] if imatrix is not None else []
     with tempfile.TemporaryDirectory(prefix="dq-first-") as d:
         t = time.perf_counter()
-        subprocess.run([str(tool), "--allow-requantize", str(source), str(Path(d, "out.gguf")), "Q3_K_M", str(threads)],
+        subprocess.run([str(tool), *im, "--allow-requantize", str(source), str(Path(d, "out.gguf")), mix, str(threads)],
                        check=True, capture_output=True)
         return time.perf_counter() - t
 
@@ -108,25 +120,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-bin", type=Path, default=llama_tools.bin_dir())
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--out", type=Path, default=HERE / "out" / "first_command-cpu.json")
+    p.add_argument("--preset", help="time `dynaquant quantize SOURCE --preset MIX --no-eval` against llama-quantize MIX")
+    p.add_argument("--source", type=Path, help="with --preset: the GGUF to quantize (default: the embedded model)")
+    p.add_argument("--imatrix", type=Path, help="with --preset: an imatrix file both tools get")
     a = p.parse_args(argv)
+    if (a.source or a.imatrix) and not a.preset:
+        p.error("--source and --imatrix go with --preset")
 
     import torch
 
     from dynaquant.sources.checkpoint import resolve_source
 
-    source = Path(resolve_source(None).path)
+    source = a.source.resolve() if a.source else Path(resolve_source(None).path)
+    dq_args = None
+    if a.preset:
+        dq_args = [str(source), "--preset", a.preset, "--no-eval", "-o", "out.gguf"]
+        dq_args += ["--imatrix", str(a.imatrix.resolve())] if a.imatrix else []
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=a.code or HERE.parent, capture_output=True,
                             text=True).stdout.strip() or None
     header = {"row": "header", "machine": platform.node(), "cpu": _cpu_model(), "cores": os.cpu_count(),
               "torch": torch.__version__, "commit": commit, "code": str(a.code or HERE.parent),
-              "source": str(source), "repeats": a.repeats, "loadavg_before": os.getloadavg()}
+              "source": str(source), "repeats": a.repeats, "loadavg_before": os.getloadavg(),
+              "dynaquant_args": dq_args, "mix": a.preset or "Q3_K_M", "imatrix": str(a.imatrix) if a.imatrix else None}
     codes = [a.code] + ([a.against] if a.against is not None else [])
     for code in codes:
-        run_dynaquant(code)  # warm-up: the caches a user's second run finds
+        run_dynaquant(code, dq_args)  # warm-up: the caches a user's second run finds (and the compiled searches)
     runs: list[list[dict]] = [[] for _ in codes]
     for _ in range(a.repeats):
         for i, code in enumerate(codes):
-            runs[i].append(run_dynaquant(code))
+            runs[i].append(run_dynaquant(code, dq_args))
     rows = [header] + [{"row": "dynaquant quantize" + (" (against)" if i else ""), "code": str(code or HERE.parent),
                         "median_s": statistics.median(r["wall_s"] for r in rr), "wall_s": [r["wall_s"] for r in rr],
                         "runs": rr} for i, (code, rr) in enumerate(zip(codes, runs))]
@@ -134,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         header["ratio_against"] = rows[1]["median_s"] / rows[2]["median_s"]
     tool = a.llama_bin / "llama-quantize"
     if tool.is_file():
-        walls = [run_llama_quantize(tool, source, a.threads) for _ in range(a.repeats)]
-        rows.append({"row": "llama-quantize Q3_K_M", "threads": a.threads, "wall_s": walls,
+        mix = a.preset or "Q3_K_M"
+        walls = [run_llama_quantize(tool, source, a.threads, mix, a.imatrix) for _ in range(a.repeats)]
+        rows.append({"row": f"llama-quantize {mix}", "threads": a.threads, "wall_s": walls,
                      "median_s": statistics.median(walls)})
         header["ratio_median"] = rows[1]["median_s"] / rows[-1]["median_s"]
     else:

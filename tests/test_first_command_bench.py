@@ -30,3 +30,11 @@ def test_parse_output_reads_size_time_and_quality():
 def test_parse_output_refuses_a_run_without_evaluation():
     with pytest.raises(ValueError, match="no KLD line"):
         first_command.parse_output(OUT.split("  eval:")[0])
+
+
+def test_parse_output_of_a_preset_run_without_evaluation():
+    """--preset runs are not evaluated: size and time only."""
+    r = first_command.parse_output(OUT.split("  eval:")[0], evaluated=False)
+    assert r == {"mb": 91.84, "bpw": 5.356, "printed_s": 62.7}
+    with pytest.raises(ValueError, match="no size line"):
+        first_command.parse_output("wrote x.gguf\n", evaluated=False)

@@ -13,6 +13,8 @@ thread, 8 ms on two; Q6_K 20x faster on one). Chunks of :data:`CPU_CHUNK_WEIGHTS
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -382,13 +384,23 @@ def for_each_chunk(fn, starts, device: torch.device | str) -> None:
         return
     workers = min(encode_workers(device), len(starts))
     with intra_op_threads(1):
-        if workers > 1:
-            with ThreadPoolExecutor(workers, thread_name_prefix="dynaquant-encode") as pool:
-                for _ in pool.map(fn, starts):
-                    pass
+        if workers > 1 and not threading.current_thread().name.startswith(_POOL_PREFIX):  # (inside: no nested waits)
+            for _ in _encode_pool(workers).map(fn, starts):
+                pass
         else:
             for s in starts:
                 fn(s)
+
+
+_POOL_PREFIX = "dynaquant-encode"
+
+
+@functools.cache
+def _encode_pool(workers: int) -> ThreadPoolExecutor:
+    """The encoders' thread pool of ``workers`` threads, made once a process (a pool a tensor started two threads for
+    each of a small model's hundreds of tensors). Callers wait for their own chunks only, so concurrent callers (the
+    pipeline's threads) share it safely."""
+    return ThreadPoolExecutor(workers, thread_name_prefix=_POOL_PREFIX)
 
 
 @contextmanager
