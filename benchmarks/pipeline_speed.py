@@ -404,6 +404,12 @@ def main(argv=None) -> int:
     bench = Bench(args.out, header, args.resume)
 
     ckpt = args.checkpoint or args.work / "checkpoint"
+    if args.checkpoint is None and (ckpt / "config.json").is_file():
+        kept = json.loads((ckpt / "config.json").read_text())
+        differ = {k: (kept.get(k), v) for k, v in shape.items() if k in kept and kept.get(k) != v}
+        if differ:  # a WORK's checkpoint of another shape (another --layers, say) would be measured silently
+            p.error(f"{ckpt} holds a checkpoint of another shape ({', '.join(f'{k} {a} != {b}' for k, (a, b) in differ.items())}):"
+                    " use another --work, or remove it")
     if args.checkpoint is None and not (ckpt / "config.json").is_file():
         bench.add({"pipeline": "checkpoint", "stage": "make", "device": args.device,
                    **make_checkpoint(ckpt, shape, tok, args.device)})

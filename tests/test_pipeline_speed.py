@@ -86,3 +86,18 @@ def test_anchor_speedup_targets_and_summary(tmp_path):
     again = ps.Bench(tmp_path / "rows.json", {"row": "header"}, resume=True)
     assert again.find(stage="quantize", mix="Q4_K_M")["time_s"] == 90.0
     assert again.find(stage="quantize", mix="IQ2_XS") is None
+
+
+def test_a_work_folder_holding_another_shape_is_refused(tmp_path, capsys):
+    """--make-only (or a run) with a WORK whose checkpoint has another shape (a 16-layer cut, then the whole model)
+    stops with an error naming the difference, instead of measuring the old checkpoint."""
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    _tiny_tokenizer(tok_dir)
+    common = ["--work", str(tmp_path / "w"), "--tokenizer", str(tok_dir), "--device", "cpu", "--hidden", "64", "--ffn", "96",
+              "--heads", "4", "--kv-heads", "2", "--ctx", "64", "--make-only", "--no-llama"]
+    assert ps.main([*common, "--layers", "2"]) == 0
+    assert ps.main([*common, "--layers", "2"]) == 0  # the same shape: kept
+    with pytest.raises(SystemExit) as exc:
+        ps.main([*common, "--layers", "1"])
+    assert exc.value.code == 2 and "num_hidden_layers 2 != 1" in capsys.readouterr().err
