@@ -72,8 +72,9 @@ INLINE int64_t grid_code(const Grid *g, float t, const int linear) {
 }
 
 /* polish_scale's consider(): the stored scale of d, its codes' error; keeps the better; q receives the values */
-INLINE void consider(const Grid *g, float xt[][LANES], float wt[][LANES], int N, const float *d, float q[][LANES],
-                     float *best_err, uint16_t *best_d, const int linear) {
+INLINE void consider(const Grid *g, float (*restrict xt)[LANES], float (*restrict wt)[LANES], int N,
+                     const float *restrict d, float (*restrict q)[LANES], float *restrict best_err,
+                     uint16_t *restrict best_d, const int linear) {
     float df[LANES], sd[LANES], err[LANES];
     uint16_t d16[LANES];
     for (int v = 0; v < LANES; v++) {
@@ -108,21 +109,40 @@ INLINE void fit_scale(const float *x, const float *w, int64_t n, int N, const Gr
     float lev_abs_max = fabsf(lo) > fabsf(hi) ? fabsf(lo) : fabsf(hi);
     for (int64_t j0 = 0; j0 < n; j0 += LANES) {
         int nv = n - j0 < LANES ? (int)(n - j0) : LANES;
-        float xmax[LANES], xj[LANES];
+        float xmax[LANES], xj[LANES], am[LANES], bk[LANES];
+        int im[LANES], ij[LANES];
+        if (nv == LANES) {
+            for (int l = 0; l < N; l++)
+                for (int v = 0; v < LANES; v++) {
+                    xt[l][v] = x[(j0 + v) * N + l];
+                    wt[l][v] = w[(j0 + v) * N + l];
+                }
+        } else {
+            for (int l = 0; l < N; l++)
+                for (int v = 0; v < LANES; v++) {
+                    xt[l][v] = v < nv ? x[(j0 + v) * N + l] : 0.0f;
+                    wt[l][v] = v < nv ? w[(j0 + v) * N + l] : 0.0f;
+                }
+        }
         for (int v = 0; v < LANES; v++) {
-            float am = -1.0f, bk = 0.0f;
-            int im = 0, ij = 0;
-            for (int l = 0; l < N; l++) {
-                float xv = v < nv ? x[(j0 + v) * N + l] : 0.0f, wv = v < nv ? w[(j0 + v) * N + l] : 0.0f;
-                xt[l][v] = xv;
-                wt[l][v] = wv;
-                wxt[l][v] = wv * xv;
+            am[v] = -1.0f;
+            bk[v] = 0.0f;
+            im[v] = ij[v] = 0;
+        }
+        for (int l = 0; l < N; l++)
+            for (int v = 0; v < LANES; v++) {
+                float xv = xt[l][v], wv = wt[l][v];
                 float ax = fabsf(xv), key = (wv * xv) * xv;
-                if (ax > am) { am = ax; im = l; } /* argmax: the first maximum */
-                if (l == 0 || key > bk) { bk = key; ij = l; }
+                wxt[l][v] = wv * xv;
+                int a = ax > am[v], k = l == 0 || key > bk[v]; /* argmax: the first maximum */
+                am[v] = a ? ax : am[v];
+                im[v] = a ? l : im[v];
+                bk[v] = k ? key : bk[v];
+                ij[v] = k ? l : ij[v];
             }
-            xmax[v] = xt[im][v];
-            xj[v] = xt[ij][v];
+        for (int v = 0; v < LANES; v++) {
+            xmax[v] = xt[im[v]][v];
+            xj[v] = xt[ij[v]][v];
         }
         /* candidate inverse scales: the targets for the max, then the anchors */
         for (int c = 0; c < T; c++)
