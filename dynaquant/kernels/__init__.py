@@ -55,7 +55,8 @@ for _name, _attr in (("lattice.nearest_codewords", "nearest_codewords"), ("latti
     fastpaths.register(_name, _loader("dynaquant.kernels.lattice_search", _attr))
 for _attr in ("fit_scale", "fit_affine", "fit_int_zero"):
     fastpaths.register(f"blockfit.{_attr}", _loader("dynaquant.kernels.scalefit", _attr))
-fastpaths.register("blockfit.fit_scale", _loader("dynaquant.kernels.native.blockfit", "fit_scale"), device="cpu")
+for _attr in ("fit_scale", "fit_pow2"):
+    fastpaths.register(f"blockfit.{_attr}", _loader("dynaquant.kernels.native.blockfit", _attr), device="cpu")
 fastpaths.register("iq3.nearest_variants", _loader("dynaquant.kernels.iq3_search", "nearest_variants"))
 fastpaths.register("gptq.round_block", _loader("dynaquant.kernels.gptq_block", "round_block"))
 for _attr in ("aff_search_scales", "aff_pick", "aff_refine", "sym_search_scales", "sym_pick", "sym_refine"):

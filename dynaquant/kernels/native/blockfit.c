@@ -224,3 +224,50 @@ void dq_fit_scale(const float *x, const float *w, int64_t n, int N, int linear, 
     else
         fit_scale(x, w, n, N, g, levels, n_levels, targets, T, offsets, A, lloyd_steps, out_d, out_codes, 0);
 }
+
+/* fit_pow2_torch: a power-of-two style scale code a block (E8M0, UE4M3), table grids only (E2M1). e0 (n,) int64 start
+   codes; offsets (n_off,) tried in order, each clamped to [emin, emax]; scale_table[code] the decoder's scale (> 0
+   for every code reached: x / d stays finite or infinite, never NaN); out_e (n,) int64, out_codes (n, N) int64. */
+void dq_fit_pow2(const float *x, const float *w, int64_t n, int N, int kmin, int kmax, const float *vlut,
+                 const int32_t *lut, const int64_t *e0, const int32_t *offsets, int n_off, int emin, int emax,
+                 const float *scale_table, int64_t *out_e, int64_t *out_codes) {
+    Grid g = {0, 0.0f, 0.0f, kmin, kmax, vlut, lut, 0};
+    float xt[MAX_N][LANES], wt[MAX_N][LANES];
+    int32_t ct[MAX_N][LANES];
+    for (int64_t j0 = 0; j0 < n; j0 += LANES) {
+        int nv = n - j0 < LANES ? (int)(n - j0) : LANES;
+        for (int l = 0; l < N; l++)
+            for (int v = 0; v < LANES; v++) {
+                xt[l][v] = v < nv ? x[(j0 + v) * N + l] : 0.0f;
+                wt[l][v] = v < nv ? w[(j0 + v) * N + l] : 0.0f;
+            }
+        float best_err[LANES], d[LANES], err[LANES];
+        int64_t best_e[LANES], e[LANES];
+        for (int k = 0; k < n_off; k++) {
+            for (int v = 0; v < LANES; v++) {
+                int64_t c = (v < nv ? e0[j0 + v] : emin) + offsets[k];
+                e[v] = c < emin ? emin : (c > emax ? emax : c);
+                d[v] = scale_table[e[v]];
+                err[v] = 0.0f;
+            }
+            for (int l = 0; l < N; l++)
+                for (int v = 0; v < LANES; v++) {
+                    float q = grid_value(&g, xt[l][v] / d[v], 0);
+                    float r = xt[l][v] - d[v] * q;
+                    err[v] += wt[l][v] * (r * r);
+                }
+            for (int v = 0; v < LANES; v++)
+                if (k == 0 || err[v] < best_err[v]) {
+                    best_err[v] = err[v];
+                    best_e[v] = e[v];
+                }
+        }
+        for (int v = 0; v < LANES; v++) d[v] = scale_table[best_e[v]];
+        for (int l = 0; l < N; l++)
+            for (int v = 0; v < LANES; v++) ct[l][v] = (int32_t)grid_code(&g, xt[l][v] / d[v], 0);
+        for (int v = 0; v < nv; v++) {
+            out_e[j0 + v] = best_e[v];
+            for (int l = 0; l < N; l++) out_codes[(j0 + v) * N + l] = ct[l][v];
+        }
+    }
+}

@@ -579,6 +579,23 @@ def fit_pow2(
     emin: int,
     emax: int,
     scale_of: Callable[[torch.Tensor], torch.Tensor],
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fit_pow2_torch`, or its fast path ``blockfit.fit_pow2`` as ``backend`` chooses
+    (:func:`dynaquant.quant.codecs.fastpaths.fast_path`: the compiled search on CPU tensors); same arguments and results."""
+    fn = fast_path("blockfit.fit_pow2", x, backend)
+    return (fn or fit_pow2_torch)(x, w, grid, e0, offsets, emin, emax, scale_of)
+
+
+def fit_pow2_torch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    grid: Grid,
+    e0: torch.Tensor,
+    offsets: Sequence[int],
+    emin: int,
+    emax: int,
+    scale_of: Callable[[torch.Tensor], torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Search a power-of-two scale exponent per block (E8M0-style scales).
 

@@ -37,6 +37,7 @@ NAMES = {
     "blockfit.fit_scale": "dynaquant.quant.codecs._blockfit.fit_scale_torch",
     "blockfit.fit_affine": "dynaquant.quant.codecs._blockfit.fit_affine_torch",
     "blockfit.fit_int_zero": "dynaquant.quant.codecs.runtime_int.fit_int_zero_torch",
+    "blockfit.fit_pow2": "dynaquant.quant.codecs._blockfit.fit_pow2_torch",
     "kquant.aff_search_scales": "dynaquant.quant.codecs._kquant_search.aff_search_scales_torch",
     "kquant.aff_pick": "dynaquant.quant.codecs._kquant_search.aff_pick_torch",
     "kquant.aff_refine": "dynaquant.quant.codecs._kquant_search.aff_refine_torch",

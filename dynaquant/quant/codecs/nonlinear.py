@@ -44,6 +44,7 @@ from dynaquant.quant.codecs._blockfit import (
     unpack_nibbles,
 )
 from dynaquant.quant.codecs.base import Codec, register
+from dynaquant.quant.codecs.fastpaths import fast_path
 from dynaquant.quant.formats import E2M1_VALUES
 
 KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -98,6 +99,17 @@ def e8m0_to_fp32_half(e: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
+_mx_codes_cache: dict = {}
+
+
+def _mx_codes(device) -> torch.Tensor:
+    """``MX_CODES`` (the E2M1 nibble of each level of ``MX_LEVELS``) as an int64 tensor on ``device``."""
+    key = str(device)
+    if key not in _mx_codes_cache:
+        _mx_codes_cache[key] = torch.tensor(MX_CODES, dtype=torch.int64, device=device)
+    return _mx_codes_cache[key]
+
+
 @register
 class MXFP4(Codec):
     """MXFP4 (``block_mxfp4``, GGML type 39): 17 bytes = E8M0 ``e`` + 16 bytes of E2M1 nibbles.
@@ -116,20 +128,32 @@ class MXFP4(Codec):
     # (-3..2 gave the same error on the benchmark tensor, 0.88 of llama.cpp's; -1..0 gives 1.0.)
     offsets = (-2, -1, 0, 1)
 
-    def fit_params(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+    fast_paths = True  # the exponent search's compiled CPU version (blockfit.fit_pow2)
+
+    def _search(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+        """(e (n_blocks,) int64, level indices (n_blocks, 32) int64 under the chosen scale)."""
         x = x.to(torch.float32)
         amax = x.abs().max(dim=1).values
         # floor(log2(amax)) exactly: frexp gives amax = mant * 2**exp with mant in [0.5, 1).
         exp = torch.frexp(amax).exponent.to(torch.int64) - 1
         e0 = torch.where(amax > 0, exp - 2 + 127, torch.zeros_like(exp))
-        e, _ = fit_pow2(x, w.to(torch.float32), self.grid, e0, self.offsets, 0, 254, e8m0_to_fp32_half)
-        return (e,)
+        return fit_pow2(x, w.to(torch.float32), self.grid, e0, self.offsets, 0, 254, e8m0_to_fp32_half, backend=backend)
+
+    def fit_params(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor]:
+        return (self._search(x, w, backend)[0],)
+
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto", variant: str | None = None) -> torch.Tensor:
+        """As :meth:`Codec.encode_blocks`; the search's level indices are :meth:`round_to_grid`'s (nearest under the
+        chosen scale), so they are packed as they are. ``backend``: the search's compiled CPU version
+        (:func:`._blockfit.fit_pow2`); ``variant`` is unused."""
+        e, idx = self._search(x, w, backend)
+        return self.pack((e,), _mx_codes(x.device)[idx])
 
     def round_to_grid(self, x: torch.Tensor, params, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         (e,) = params
         d = e8m0_to_fp32_half(e)[:, None]
         idx = self.grid.codes_of(x.to(torch.float32) / d)
-        codes = torch.tensor(MX_CODES, dtype=torch.int64, device=x.device)[idx]
+        codes = _mx_codes(x.device)[idx]
         return codes, d * self.grid.level_tensor(x.device)[idx]
 
     def pack(self, params, codes: torch.Tensor) -> torch.Tensor:
@@ -191,8 +215,11 @@ class NVFP4(Codec):
     # Up to +6: a sub-block whose max sits on level 8 (not 12) has its exact scale there.
     offsets = tuple(range(-3, 7))
 
-    def fit_params(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
-        """Search the scale codes of (n, 64) blocks; raises ValueError on other shapes."""
+    fast_paths = True  # the scale search's compiled CPU version (blockfit.fit_pow2)
+
+    def _search(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+        """(e (n, 4) int64 scale codes, level indices (n * 4, 16) int64 under them); raises ValueError on shapes
+        other than (n, 64)."""
         if x.ndim != 2 or x.shape[1] != 64 or w.shape != x.shape:
             raise ValueError(f"NVFP4: expected x and w of shape (n_blocks, 64), got {tuple(x.shape)} and {tuple(w.shape)}")
         n = x.shape[0]
@@ -202,21 +229,36 @@ class NVFP4(Codec):
         # Code whose value is nearest amax / 12 from above (ggml rounds amax / 6 to UE4M3).
         table = ue4m3_to_fp32(torch.arange(1, _UE4M3_MAX_CODE + 1, device=x.device))
         e0 = torch.bucketize(amax / 12, table).clamp_(0, _UE4M3_MAX_CODE - 1) + 1
-        e, _ = in_subchunks(self._fit_codes, xs, torch.cat([ws, e0.to(torch.float32).unsqueeze(1)], 1))
+        if fast_path("blockfit.fit_pow2", xs, backend) is not None:  # a fused search: no sub-chunks needed
+            e, idx = fit_pow2(xs, ws, self.grid, e0, self.offsets, 1, _UE4M3_MAX_CODE, ue4m3_to_fp32, backend=backend)
+        else:
+            e, idx = in_subchunks(self._fit_codes, xs, torch.cat([ws, e0.to(torch.float32).unsqueeze(1)], 1))
         e = torch.where(amax > 0, e, torch.zeros_like(e))
-        return (e.reshape(n, 4),)
+        return e.reshape(n, 4), idx
+
+    def fit_params(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor]:
+        """Search the scale codes of (n, 64) blocks; raises ValueError on other shapes."""
+        return (self._search(x, w, backend)[0],)
+
+    def encode_blocks(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto", variant: str | None = None) -> torch.Tensor:
+        """As :meth:`Codec.encode_blocks`: the search's level indices packed as they are (:meth:`round_to_grid`'s
+        under a nonzero scale; an all-zero sub-block, scale code 0, gets nibble 0). ``backend``: the search's compiled
+        CPU version (:func:`._blockfit.fit_pow2`); ``variant`` is unused."""
+        e, idx = self._search(x, w, backend)
+        codes = torch.where(e.reshape(-1, 1) == 0, 0, _mx_codes(x.device)[idx])
+        return self.pack((e,), codes.reshape(x.shape[0], 64))
 
     def _fit_codes(self, xs: torch.Tensor, we: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # we = [w | e0]: the start codes ride along with the importance through in_subchunks.
         e0 = we[:, -1].to(torch.int64)
-        return fit_pow2(xs, we[:, :-1], self.grid, e0, self.offsets, 1, _UE4M3_MAX_CODE, ue4m3_to_fp32)
+        return fit_pow2(xs, we[:, :-1], self.grid, e0, self.offsets, 1, _UE4M3_MAX_CODE, ue4m3_to_fp32, backend="torch")
 
     def round_to_grid(self, x: torch.Tensor, params, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         (e,) = params
         sub = (torch.arange(x.shape[1], device=x.device) + start) // self.sub
         d = ue4m3_to_fp32(e[:, sub])
         idx = self.grid.codes_of(x.to(torch.float32) / torch.where(d == 0, 1.0, d))
-        codes = torch.tensor(MX_CODES, dtype=torch.int64, device=x.device)[idx]
+        codes = _mx_codes(x.device)[idx]
         codes = torch.where(d == 0, 0, codes)
         return codes, d * _lut(KVALUES_MXFP4, x.device)[codes]
 
