@@ -2,7 +2,8 @@
 :mod:`dynaquant.quant.codecs._kquant_search`.
 
 The C code repeats the references' float operations in the same order and precision except the sums over a
-sub-block's elements (and a super-block's sub-blocks), which it adds in order where torch vectorises. So:
+sub-block's elements (and a super-block's sub-blocks), which it adds in order where torch vectorises; for the
+symmetric types (Q3_K, Q6_K) the whole search is C (``kquant.sym_encode``), the steps between the searches too. So:
 
 * on weights and importances whose sums are exact in float32 (multiples of 1/8 and small integers, no ties in
   ``w x^2``), every step and the encoded bytes equal the reference's bit for bit;
@@ -66,7 +67,8 @@ def _split(name, x, w):
 
 
 def test_registered_as_the_cpu_fast_paths():
-    for step in ("sym_search_scales", "aff_search_scales", "sym_pick", "aff_pick", "sym_refine", "aff_refine"):
+    for step in ("sym_search_scales", "aff_search_scales", "sym_pick", "aff_pick", "sym_refine", "aff_refine",
+                 "sym_encode"):
         assert fastpaths.lookup(f"kquant.{step}", "cpu") is getattr(nk, step)
         assert kqs.fast_path(f"kquant.{step}", torch.zeros(1), "auto") is getattr(nk, step)
         assert kqs.fast_path(f"kquant.{step}", torch.zeros(1), "native") is getattr(nk, step)

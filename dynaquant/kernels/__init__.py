@@ -62,6 +62,7 @@ fastpaths.register("gptq.round_block", _loader("dynaquant.kernels.gptq_block", "
 for _attr in ("aff_search_scales", "aff_pick", "aff_refine", "sym_search_scales", "sym_pick", "sym_refine"):
     fastpaths.register(f"kquant.{_attr}", _loader("dynaquant.kernels.kquant_search", _attr))
     fastpaths.register(f"kquant.{_attr}", _loader("dynaquant.kernels.native.kquant", _attr), device="cpu")
+fastpaths.register("kquant.sym_encode", _loader("dynaquant.kernels.native.kquant", "sym_encode"), device="cpu")
 
 __all__ = ["KernelFormat", "PackedWeight", "LaunchConfig", "DeviceInfo", "pack", "unpack", "stack", "linear", "dequantize",
            "uses_triton", "dequantize_ref", "dequantize_packed_ref", "linear_ref", "e2m1_to_float", "e8m0_to_float",

@@ -37,7 +37,7 @@ import torch
 
 from dynaquant.workdir import cache_root
 
-SOURCES = ("kquant_search.c", "blockfit.c")
+SOURCES = ("kquant_search.c", "blockfit.c")  # (and the headers beside them, f16.h)
 ENV = "DYNAQUANT_NATIVE"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-std=gnu11"]
 _MIN_PER_THREAD = 64  # rows (sub-blocks or super-blocks) below which a call runs on one thread
@@ -84,7 +84,8 @@ def library(name: str = "kquant_search") -> ctypes.CDLL:
         raise RuntimeError(f"{ENV}=0: the compiled CPU searches are off")
     src = Path(__file__).with_name(f"{name}.c")
     cc = os.environ.get("CC") or "cc"
-    key = hashlib.sha256(b"\0".join([src.read_bytes(), " ".join([cc, *FLAGS]).encode(), _cpu_id().encode()]))
+    headers = [h.read_bytes() for h in sorted(src.parent.glob("*.h"))]  # what the sources include
+    key = hashlib.sha256(b"\0".join([src.read_bytes(), *headers, " ".join([cc, *FLAGS]).encode(), _cpu_id().encode()]))
     root = cache_root()
     folder = (root / "native" if root is not None else Path(tempfile.gettempdir()) / f"dynaquant-native-{os.getuid()}")
     out = folder / key.hexdigest()[:16] / f"{name}.so"

@@ -11,42 +11,14 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "f16.h"
+
 #define LANES 16
 #define MAX_N 32
 #define MAX_CAND 64
 
 static inline float safe_scale(float d) { return d == 0.0f ? 1.0f : d; }
 static inline float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
-
-/* float -> float16 bits, round to nearest even (finite input, |f| <= 65504 after to_half's clamp) */
-static uint16_t f32_to_f16(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
-    if (ax >= 0x7f800000u) return (uint16_t)(sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u));
-    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds past 65504: inf (not reached: clamped) */
-    if (ax < 0x38800000u) { /* below 2^-14: a subnormal half (or the smallest normal after rounding) */
-        float af;
-        memcpy(&af, &ax, 4);
-        return (uint16_t)(sign | (uint32_t)nearbyintf(af * 16777216.0f)); /* in units of 2^-24, exact product */
-    }
-    uint32_t h = (((ax >> 23) - 112u) << 10) | ((ax & 0x7fffffu) >> 13);
-    uint32_t rem = ax & 0x1fffu;
-    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;
-    return (uint16_t)(sign | h);
-}
-
-static float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 1023u, x;
-    if (e == 0) {
-        float v = (float)m * 5.9604644775390625e-08f; /* 2^-24: exact */
-        return (h & 0x8000u) ? -v : v;
-    }
-    x = e == 31 ? (sign | 0x7f800000u | (m << 13)) : (sign | ((e + 112u) << 23) | (m << 13));
-    float f;
-    memcpy(&f, &x, 4);
-    return f;
-}
 
 typedef struct {
     int linear;          /* levels lo..hi, integers */
@@ -243,6 +215,10 @@ void dq_fit_pow2(const float *x, const float *w, int64_t n, int N, int kmin, int
             }
         float best_err[LANES], d[LANES], err[LANES];
         int64_t best_e[LANES], e[LANES];
+        for (int v = 0; v < LANES; v++) {
+            best_err[v] = 0.0f;
+            best_e[v] = emin; /* (replaced by the first offset's) */
+        }
         for (int k = 0; k < n_off; k++) {
             for (int v = 0; v < LANES; v++) {
                 int64_t c = (v < nv ? e0[j0 + v] : emin) + offsets[k];

@@ -1,6 +1,6 @@
 """The K-quant searches' steps 1 to 3 on the CPU, compiled (``kquant_search.c``): the CPU fast paths
 ``kquant.sym_search_scales``, ``kquant.aff_search_scales``, ``kquant.sym_pick``, ``kquant.aff_pick``,
-``kquant.sym_refine`` and ``kquant.aff_refine`` of
+``kquant.sym_refine``, ``kquant.aff_refine`` and the whole symmetric search ``kquant.sym_encode`` (Q3_K, Q6_K) of
 :mod:`dynaquant.quant.codecs.fastpaths`, with the signatures and returns of their torch references in
 :mod:`dynaquant.quant.codecs._kquant_search` (shapes and dtypes there). Raises RuntimeError (from
 :func:`dynaquant.kernels.native.library`) when the library cannot be built.
@@ -31,6 +31,9 @@ def _lib() -> ctypes.CDLL:
         lib.dq_aff_pick.argtypes = [vp, _I64, _INT, _INT, vp, vp, _INT, vp, vp, vp, vp]
         lib.dq_sym_refine.argtypes = [vp, vp, _I64, _INT, _INT, vp, vp, _INT, _INT, _INT, _INT, vp]
         lib.dq_aff_refine.argtypes = [vp, vp, _I64, _INT, _INT, vp, vp, vp, vp, _INT, _INT, vp, _INT, vp]
+        lib.dq_sym_encode.argtypes = [vp, vp, _I64, _INT, _INT, _INT, _INT, _INT, _INT, vp, _INT, _INT, _INT, _INT, vp, _INT,
+                                      _INT, vp, vp]
+        lib.dq_sym_encode.restype = _INT
         for f in (lib.dq_sym_search_scales, lib.dq_aff_search_scales, lib.dq_sym_pick, lib.dq_aff_pick, lib.dq_sym_refine,
                   lib.dq_aff_refine):
             f.restype = None
@@ -162,3 +165,26 @@ def aff_refine(x: torch.Tensor, w: torch.Tensor, cfg: AffConfig, spec):
 
     split_rows(B, run)
     return AffConfig(cfg.d, cfg.dmin, ks, km), err
+
+
+def sym_encode(x: torch.Tensor, w: torch.Tensor, spec) -> SymConfig:
+    """As :func:`dynaquant.quant.codecs._kquant_search.sym_encode_torch` (steps 1-3, ``spec.rounds`` rounds), the
+    steps between the searches compiled too. Raises MemoryError when the C side cannot allocate its buffers."""
+    x, w = _sub_blocks(x, w)
+    B, S, L = x.shape
+    if spec.exhaustive and L * max(-spec.qlo, spec.qhi) > _MAX_MIDS:
+        raise ValueError(f"exhaustive search of {L} x {max(-spec.qlo, spec.qhi)} breakpoints: at most {_MAX_MIDS}")
+    lib, steps = _lib(), _f32(spec.steps)
+    ds = torch.tensor([float(t) for t in spec.d_steps], dtype=torch.float64)
+    d = torch.empty(B, dtype=torch.float32)
+    k = torch.empty(B, S, dtype=torch.int64)
+
+    def run(i0, i1):
+        rc = lib.dq_sym_encode(ptr(x, i0 * S * L), ptr(w, i0 * S * L), i1 - i0, S, L, spec.qlo, spec.qhi, spec.klo, spec.khi,
+                               ptr(steps), len(steps), int(bool(spec.exhaustive)), int(spec.n_elem), 2, ptr(ds), len(ds),
+                               spec.rounds, ptr(d, i0), ptr(k, i0 * S))
+        if rc:
+            raise MemoryError(f"the compiled K-quant search could not allocate buffers for {i1 - i0} super-blocks")
+
+    split_rows(B, run)
+    return SymConfig(d, k)

@@ -13,7 +13,10 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "f16.h"
 
 #define LANES 16
 #define MAX_L 32    /* sub-block size: 16 (Q2_K, Q3_K, Q6_K) or 32 (Q4_K, Q5_K) */
@@ -545,4 +548,94 @@ void dq_aff_refine(const float *x, const float *w, int64_t n, int S, int L, cons
             out_err[(j0 + v) / S] += (double)err[v];
         }
     }
+}
+
+/* ------------------------------------------------------------------------------------------- steps 1-3 */
+
+/* f16_candidates of one value: float32 of v, a nonzero magnitude below 2^-24 raised to +-2^-24, clamped to +-65504,
+   rounded to float16 and back. */
+static inline float f16_candidate(double vd) {
+    const float tiny = 5.9604644775390625e-08f; /* 2^-24 */
+    float v = (float)vd;
+    if (v != 0.0f && fabsf(v) < tiny) v = v > 0.0f ? tiny : -tiny;
+    return f16_to_f32(f32_to_f16(clampf(v, -65504.0f, 65504.0f)));
+}
+
+/* sym_codes: q = clamp(round(x inv(dl)), qlo, qhi) for every element of n_sub sub-blocks of L, dl one a sub-block. */
+static void sym_codes_rows(const float *x, const float *dl, int64_t n_sub, int L, float qlo, float qhi, float *q) {
+    for (int64_t j = 0; j < n_sub; j++) {
+        float id = invf(dl[j]);
+        for (int l = 0; l < L; l++) q[j * L + l] = clampf(nearbyintf(x[j * L + l] * id), qlo, qhi);
+    }
+}
+
+/* sym_encode_torch (steps 1-3, spec.rounds rounds) for n super-blocks of S sub-blocks of L: out_d (n,) float32,
+   out_k (n, S) int64. Returns 0, or -1 when memory runs out. d_steps as float64. */
+int dq_sym_encode(const float *x, const float *w, int64_t n, int S, int L, int qlo, int qhi, int klo, int khi,
+                  const float *steps, int n_steps, int exhaustive, int n_elem, int iters, const double *d_steps, int n_d,
+                  int rounds, float *out_d, int64_t *out_k) {
+    const int64_t ns = n * S;
+    const int cmax = 2 * n_d + 2;
+    double *a = malloc(ns * sizeof(double)), *err = malloc(n * sizeof(double)), *best_err = malloc(n * sizeof(double));
+    double *sxq = malloc(ns * sizeof(double)), *sqq = malloc(ns * sizeof(double));
+    float *q = malloc(ns * L * sizeof(float)), *af = malloc(ns * sizeof(float)), *sqqf = malloc(ns * sizeof(float));
+    float *dl = malloc(ns * sizeof(float)), *cand = malloc(n * cmax * sizeof(float)), *d = malloc(n * sizeof(float));
+    int64_t *k = malloc(ns * sizeof(int64_t));
+    int ok = a && err && best_err && sxq && sqq && q && af && sqqf && dl && cand && d && k;
+    if (ok) {
+        dq_sym_search_scales(x, w, ns, L, qlo, qhi, steps, n_steps, exhaustive, n_elem, iters, a);
+        for (int64_t j = 0; j < ns; j++) dl[j] = (float)a[j];
+        sym_codes_rows(x, dl, ns, L, (float)qlo, (float)qhi, q);
+        for (int r = 0; r < rounds; r++) {
+            for (int64_t j = 0; j < ns; j++) {
+                float s1 = 0.0f, s2 = 0.0f;
+                for (int l = 0; l < L; l++) {
+                    float wv = w[j * L + l], qv = q[j * L + l];
+                    s1 += (wv * x[j * L + l]) * qv;
+                    s2 += (wv * qv) * qv;
+                }
+                sxq[j] = s1;
+                sqq[j] = s2;
+                a[j] = s2 != 0.0f ? sxq[j] / sqq[j] : 0.0;
+                af[j] = (float)a[j];
+                sqqf[j] = s2;
+            }
+            int C = r > 0 ? 2 * n_d + 2 : 2 * n_d;
+            for (int64_t b = 0; b < n; b++) {
+                const double *ab = a + b * S;
+                int im = 0;
+                for (int j = 1; j < S; j++)
+                    if (fabs(ab[j]) > fabs(ab[im])) im = j; /* argmax: the first maximum */
+                double am = ab[im];
+                float *cb = cand + b * C;
+                for (int t = 0; t < n_d; t++) cb[t] = f16_candidate(am / d_steps[t]);
+                for (int t = 0; t < n_d; t++) cb[n_d + t] = f16_candidate(-am / d_steps[t]);
+                if (r > 0) { /* the kept d and its least-squares refit to the current codes and integer scales */
+                    double num = 0.0, den = 0.0;
+                    for (int j = 0; j < S; j++) {
+                        double kf = (double)out_k[b * S + j];
+                        num += kf * sxq[b * S + j];
+                        den += kf * kf * sqq[b * S + j];
+                    }
+                    cb[2 * n_d] = f16_candidate((double)out_d[b]);
+                    cb[2 * n_d + 1] = f16_candidate(den != 0.0 ? num / den : 0.0);
+                }
+            }
+            dq_sym_pick(af, sqqf, n, S, klo, khi, cand, C, d, k);
+            dq_sym_refine(x, w, n, S, L, d, k, qlo, qhi, klo, khi, err);
+            for (int64_t b = 0; b < n; b++)
+                if (r == 0 || err[b] < best_err[b]) {
+                    best_err[b] = err[b];
+                    out_d[b] = d[b];
+                    memcpy(out_k + b * S, k + b * S, S * sizeof(int64_t));
+                }
+            if (r + 1 < rounds) {
+                for (int64_t j = 0; j < ns; j++) dl[j] = out_d[j / S] * (float)out_k[j];
+                sym_codes_rows(x, dl, ns, L, (float)qlo, (float)qhi, q);
+            }
+        }
+    }
+    free(a); free(err); free(best_err); free(sxq); free(sqq); free(q); free(af); free(sqqf); free(dl); free(cand);
+    free(d); free(k);
+    return ok ? 0 : -1;
 }

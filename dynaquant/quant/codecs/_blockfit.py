@@ -152,8 +152,10 @@ class Grid:
         return torch.bucketize(t, mids, right=True)
 
     def zero_code(self) -> int:
-        """Index of the level nearest to 0."""
-        return min(range(len(self.levels)), key=lambda i: (abs(self.levels[i]), -i))
+        """Index of the level nearest to 0 (the upper one on a tie)."""
+        if not hasattr(self, "_zero"):
+            self._zero = min(range(len(self.levels)), key=lambda i: (abs(self.levels[i]), -i))
+        return self._zero
 
     def level_grid(self, dl: torch.Tensor) -> LevelGrid:
         """The :class:`LevelGrid` of scales ``dl`` (float32, (n_blocks,) or (block_size, n_blocks), contiguous): its

@@ -298,6 +298,17 @@ def sym_refine_torch(x, w, cfg: SymConfig, spec: SymSearch):
 
 
 def sym_encode(x: torch.Tensor, w: torch.Tensor, spec: SymSearch, backend: str = "auto") -> SymConfig:
+    """:func:`sym_encode_torch`, or the whole search's fast path ``kquant.sym_encode`` (compiled, CPU tensors) where
+    ``backend`` is ``"auto"`` on a CPU tensor or ``"native"``; otherwise the steps' own fast paths as ``backend``
+    chooses."""
+    if backend == "native" or (backend == "auto" and x.device.type == "cpu"):
+        fn = fast_path("kquant.sym_encode", x, backend)
+        if fn is not None:
+            return fn(x, w, spec)
+    return sym_encode_torch(x, w, spec, backend)
+
+
+def sym_encode_torch(x: torch.Tensor, w: torch.Tensor, spec: SymSearch, backend: str = "auto") -> SymConfig:
     """Symmetric model, steps 1-3 (module docstring); x, w: (n_super, n_sub, sub_size) float32;
     ``backend`` chooses the steps' fast paths (:func:`dynaquant.quant.codecs.fastpaths.fast_path`)."""
     a = sym_search_scales(x, w, spec, backend=backend)

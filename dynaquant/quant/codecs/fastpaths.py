@@ -44,6 +44,7 @@ NAMES = {
     "kquant.sym_search_scales": "dynaquant.quant.codecs._kquant_search.sym_search_scales_torch",
     "kquant.sym_pick": "dynaquant.quant.codecs._kquant_search.sym_pick_torch",
     "kquant.sym_refine": "dynaquant.quant.codecs._kquant_search.sym_refine_torch",
+    "kquant.sym_encode": "dynaquant.quant.codecs._kquant_search.sym_encode_torch",
     "gptq.round_block": "dynaquant.quant.gptq.round_block_torch",
 }
 
