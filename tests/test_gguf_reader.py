@@ -70,3 +70,47 @@ def test_layout_check_names_the_string_that_runs_past_the_end(tmp_path):
     path.write_bytes(bytes(raw))
     with pytest.raises(InputError, match=r"a\.strings.*\[1\]"):
         check_gguf_layout(path)
+
+
+def test_tensor_table_is_gguf_pys(default_source, tmp_path):
+    """gguf_tensor_table (the writer's read-back check) gives gguf-py's tensors (names, types, dims) and
+    general.file_type; a file without general.file_type gives None."""
+    from dynaquant.sources.readers import gguf_tensor_table
+
+    ref = gguf.GGUFReader(default_source.path)
+    table, ft = gguf_tensor_table(default_source.path)
+    assert table == [(t.name, int(t.tensor_type), tuple(int(d) for d in t.shape)) for t in ref.tensors]
+    assert ft == int(ref.fields["general.file_type"].contents())
+    path = tmp_path / "no-ft.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tensor("t", np.zeros((2, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert gguf_tensor_table(path) == ([("t", int(gguf.GGMLQuantizationType.F32), (32, 2))], None)
+
+
+def test_writer_read_back_names_what_differs(tmp_path):
+    """The GGUF writer's read-back check refuses a file whose tensor table or file type is not what was written."""
+    from types import SimpleNamespace
+
+    from dynaquant.exporters.gguf.writer import _verify
+    from dynaquant.quant.formats import get_format
+
+    path = tmp_path / "one.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_file_type(7)
+    w.add_tensor("t", np.zeros((2, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    t = SimpleNamespace(gguf_name="t", shape=(2, 32))
+    _verify(path, [t], {"t": get_format("F32")}, 7)
+    with pytest.raises(ValueError, match="read back as t F32 .2, 32.*wrote t F16"):
+        _verify(path, [t], {"t": get_format("F16")}, 7)
+    with pytest.raises(ValueError, match="general.file_type did not read back as 8"):
+        _verify(path, [t], {"t": get_format("F32")}, 8)
+    with pytest.raises(ValueError, match="read back 1 tensors, wrote 2"):
+        _verify(path, [t, t], {"t": get_format("F32")}, None)

@@ -113,7 +113,29 @@ def check_gguf_layout(path: str | os.PathLike) -> int:
         raise InputError(f"{path}: cannot read GGUF file: {e.strerror or e}") from e
 
 
-def _check_layout(path: Path, buf) -> int:
+def gguf_tensor_table(path: str | os.PathLike) -> tuple[list[tuple[str, int, tuple[int, ...]]], int | None]:
+    """A GGUF file's tensors as ``(name, GGML type, dims in GGUF order)`` and its ``general.file_type`` (None when
+    absent or not a UINT32), read by :func:`check_gguf_layout`'s walk (every count, length and extent checked, no
+    metadata value parsed): a writer's read-back check without gguf-py's parse of a 49k-token vocabulary.
+
+    Raises:
+        InputError: as :func:`check_gguf_layout`.
+    """
+    path = Path(path)
+    table: dict = {}
+    try:
+        with open(path, "rb") as fh:
+            if os.fstat(fh.fileno()).st_size < 24:
+                raise InputError(f"{path}: not a GGUF file ({os.fstat(fh.fileno()).st_size} bytes, shorter than a GGUF header)")
+            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                _check_layout(path, buf, table)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read GGUF file: {e.strerror or e}") from e
+    return table["tensors"], table.get("file_type")
+
+
+def _check_layout(path: Path, buf, table: dict | None = None) -> int:
+    """:func:`check_gguf_layout`'s walk; fills ``table`` (when given) with ``tensors`` and ``file_type``."""
     cur = _Cursor(path, buf)
     if bytes(buf[:4]) != b"GGUF":
         raise InputError(f"{path}: not a GGUF file (no GGUF magic at its start)")
@@ -132,6 +154,8 @@ def _check_layout(path: Path, buf) -> int:
             alignment = cur.unpack("<I", "general.alignment")
             if alignment == 0 or alignment & (alignment - 1):
                 raise InputError(f"{path}: damaged GGUF file: general.alignment {alignment} is not a power of two")
+        elif key == "general.file_type" and vtype == _UINT32 and table is not None:
+            table["file_type"] = cur.unpack("<I", "general.file_type")
         else:
             cur.skip_value(vtype, f"the value of key {key!r}")
     cur.need(n_tensors * 24, f"the tensor count {n_tensors}")  # name length, dimension count, type, offset
@@ -157,6 +181,10 @@ def _check_layout(path: Path, buf) -> int:
         if max(dims) >= 1 << 63 or n_elements >= 1 << 63:  # llama.cpp: int64 dimensions and element count
             raise InputError(f"{path}: damaged GGUF file: tensor {name!r} has dimensions {dims}, past int64")
         extents.append((name, offset, n_elements // block * type_bytes))
+        if table is not None:
+            table.setdefault("tensors", []).append((name, raw_type, tuple(dims)))
+    if table is not None:
+        table.setdefault("tensors", [])
     data_start = -(-cur.pos // alignment) * alignment
     for name, offset, n_bytes in extents:
         if data_start + offset + n_bytes > cur.size:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_VERSION, SHARD_NAME_FORMAT, GGUFValueType, GGUFWriter, WriterState
+from gguf import GGML_QUANT_VERSION, SHARD_NAME_FORMAT, GGMLQuantizationType, GGUFValueType, GGUFWriter, WriterState
 from tqdm import tqdm
 
 from dynaquant.quant.formats import Format
@@ -148,27 +148,22 @@ def _as_bytes(t: SourceTensor, fmt: Format, out: Any) -> np.ndarray:
 
 
 def _verify(path: Path, tensors: Sequence[SourceTensor], types: Mapping[str, Format], file_type: int | None) -> None:
-    """Read ``path`` back: its tensors (names, types, shapes, in order) and, unless None, ``general.file_type``
-    (:func:`dynaquant.sources.readers.open_gguf`: the reader is kept for whoever opens the file next)."""
-    from dynaquant.sources.readers import open_gguf
+    """Read ``path``'s tensor table back: its tensors (names, types, shapes, in order) and, unless None,
+    ``general.file_type`` (:func:`dynaquant.sources.readers.gguf_tensor_table`: the layout walk, every length checked,
+    without parsing the metadata's values; whoever reads the file next parses them)."""
+    from dynaquant.sources.readers import gguf_tensor_table
 
-    reader = open_gguf(path)
-    try:
-        if len(reader.tensors) != len(tensors):
-            raise ValueError(f"{path}: read back {len(reader.tensors)} tensors, wrote {len(tensors)}")
-        for rt, t in zip(reader.tensors, tensors):
-            fmt = types[t.gguf_name]
-            shape = tuple(int(n) for n in reversed(rt.shape.tolist()))
-            if rt.name != t.gguf_name or rt.tensor_type != fmt.ggml_type or shape != t.shape:
-                raise ValueError(
-                    f"{path}: tensor read back as {rt.name} {rt.tensor_type.name} {shape}, "
-                    f"wrote {t.gguf_name} {fmt.name} {t.shape}"
-                )
-        ft = reader.fields.get("general.file_type")
-        if file_type is not None and (ft is None or int(ft.contents()) != file_type):
-            raise ValueError(f"{path}: general.file_type did not read back as {file_type}")
-    finally:
-        del reader
+    table, ft = gguf_tensor_table(path)
+    if len(table) != len(tensors):
+        raise ValueError(f"{path}: read back {len(table)} tensors, wrote {len(tensors)}")
+    for (name, raw_type, dims), t in zip(table, tensors):
+        fmt = types[t.gguf_name]
+        shape = tuple(reversed(dims))
+        if name != t.gguf_name or raw_type != int(fmt.ggml_type) or shape != t.shape:
+            raise ValueError(f"{path}: tensor read back as {name} {GGMLQuantizationType(raw_type).name} {shape}, "
+                             f"wrote {t.gguf_name} {fmt.name} {t.shape}")
+    if file_type is not None and ft != file_type:
+        raise ValueError(f"{path}: general.file_type did not read back as {file_type}")
 
 
 def needs_split(tensor_bytes: Sequence[int], split_max_size: int = 0, split_max_tensors: int = 0) -> bool:
