@@ -102,13 +102,17 @@ def check_gguf_layout(path: str | os.PathLike) -> int:
     Raises:
         InputError: naming the file and the first problem found (also for a missing or unreadable file).
     """
-    path = Path(path)
+    return _walk_file(Path(path))
+
+
+def _walk_file(path: Path, table: dict | None = None) -> int:
+    """:func:`_check_layout` on the file at ``path``, memory-mapped."""
     try:
         with open(path, "rb") as fh:
             if os.fstat(fh.fileno()).st_size < 24:
                 raise InputError(f"{path}: not a GGUF file ({os.fstat(fh.fileno()).st_size} bytes, shorter than a GGUF header)")
             with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                return _check_layout(path, buf)
+                return _check_layout(path, buf, table)
     except OSError as e:
         raise InputError(f"{path}: cannot read GGUF file: {e.strerror or e}") from e
 
@@ -121,16 +125,8 @@ def gguf_tensor_table(path: str | os.PathLike) -> tuple[list[tuple[str, int, tup
     Raises:
         InputError: as :func:`check_gguf_layout`.
     """
-    path = Path(path)
     table: dict = {}
-    try:
-        with open(path, "rb") as fh:
-            if os.fstat(fh.fileno()).st_size < 24:
-                raise InputError(f"{path}: not a GGUF file ({os.fstat(fh.fileno()).st_size} bytes, shorter than a GGUF header)")
-            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                _check_layout(path, buf, table)
-    except OSError as e:
-        raise InputError(f"{path}: cannot read GGUF file: {e.strerror or e}") from e
+    _walk_file(Path(path), table)
     return table["tensors"], table.get("file_type")
 
 
