@@ -249,7 +249,7 @@ def _decoded_model(ckpt, gguf_path):
 
 
 @pytest.mark.parametrize("case", [c for c in MOE if not c.endswith("-yarn")])  # one DeepSeek-V3 case suffices
-def test_dynamic_moe_gguf_runs_in_llama_cpp(case, tmp_path):
+def test_dynamic_moe_gguf_runs_in_llama_cpp(case, tmp_path, reference_encoders):
     """The whole path per architecture: analysis -> dynamic plan (routed experts at ~2 bits) -> GGUF -> llama.cpp,
     whose logits match transformers' on the decoded weights."""
     pytest.importorskip("llama_cpp")

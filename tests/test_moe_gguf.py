@@ -302,7 +302,7 @@ QUANT_BOUNDS = {"F32": (0.03, 1.0, 0.9995), "Q8_0": (0.15, 0.6, 0.99)}
 
 
 @pytest.mark.parametrize("others", list(QUANT_BOUNDS))
-def test_tiny_moe_quantized_3d_kquant_and_iquant(others, tmp_path):
+def test_tiny_moe_quantized_3d_kquant_and_iquant(others, tmp_path, reference_encoders):
     """Qwen2-MoE with two stacked expert tensors in 256-block formats, Q2_K and IQ4_XS ((E, rows, row)
     bytes), every other matmul weight in F32 or Q8_0: gguf-py decodes the file's bytes exactly as our
     codecs do, and llama.cpp's logits match transformers' on the decoded weights."""
