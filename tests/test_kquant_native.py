@@ -245,3 +245,13 @@ def test_built_once_into_the_cache(fresh_registry, monkeypatch, tmp_path):
 
     monkeypatch.setattr(native, "_compile", no_build)
     assert native.library("kquant_search")._name == str(built[0]) and built[0].stat().st_mtime_ns == mtime
+
+
+def test_an_unwritable_cache_builds_in_the_temporary_folder(fresh_registry, monkeypatch, tmp_path):
+    """A cache folder that cannot be created (here: under a file) does not stop the build: the library goes to the
+    temporary folder instead."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("DYNAQUANT_CACHE", str(tmp_path / "file" / "cache"))
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    lib = native.library("kquant_search")
+    assert lib._name.startswith(str(tmp_path / "tmp" / f"dynaquant-native-{os.getuid()}"))

@@ -28,6 +28,7 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -87,14 +88,21 @@ def library(name: str = "kquant_search") -> ctypes.CDLL:
     headers = [h.read_bytes() for h in sorted(src.parent.glob("*.h"))]  # what the sources include
     key = hashlib.sha256(b"\0".join([src.read_bytes(), *headers, " ".join([cc, *FLAGS]).encode(), _cpu_id().encode()]))
     root = cache_root()
-    folder = (root / "native" if root is not None else Path(tempfile.gettempdir()) / f"dynaquant-native-{os.getuid()}")
-    out = folder / key.hexdigest()[:16] / f"{name}.so"
-    if not out.exists():
-        try:
-            _compile(src, out, cc)
-        except FileNotFoundError as exc:
-            raise RuntimeError(f"no C compiler ({cc}): {exc}") from exc
-    return ctypes.CDLL(str(out))
+    temp = Path(tempfile.gettempdir()) / f"dynaquant-native-{os.getuid()}"
+    folders = [root / "native", temp] if root is not None else [temp]
+    for i, folder in enumerate(folders):
+        out = folder / key.hexdigest()[:16] / f"{name}.so"
+        if not out.exists():
+            if shutil.which(cc) is None:
+                raise RuntimeError(f"no C compiler ({cc}) to build {src.name}")
+            try:
+                _compile(src, out, cc)
+            except OSError:  # a cache folder that cannot be written: the temporary folder next
+                if i + 1 == len(folders):
+                    raise
+                continue
+        return ctypes.CDLL(str(out))
+    raise AssertionError("unreachable")
 
 
 @functools.cache
