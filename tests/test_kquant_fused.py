@@ -18,11 +18,12 @@ from triton_mode import DEVICE, HAS_CUDA  # (imported before Triton: the interpr
 
 pytest.importorskip("triton")
 
+from kquant_cases import KQUANTS, hard_blocks, split, step1, step2, step3  # noqa: E402
+
 import dynaquant.kernels  # noqa: E402,F401  (registers the kernels as the codecs' fast paths)
 from dynaquant.quant.codecs import _kquant_search as kqs  # noqa: E402
 from dynaquant.quant.codecs import dequantize, fastpaths, get_codec, quantize  # noqa: E402
 
-KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 N_SUPER = 96 if HAS_CUDA else 12
 
 
@@ -30,27 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def _blocks(n: int, seed: int = 0):
-    """(n, 256) weights of mixed scales with hard cases, and their importance."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 256, generator=g) * torch.exp(torch.randn(n, 1, generator=g))
-    w = torch.exp(torch.randn(n, 256, generator=g)) + 0.01
-    x[0] = 0.0  # an all-zero block
-    x[1, :100] = 0.0  # zero sub-blocks
-    x[2] = x[2].abs()  # one sign only
-    x[3] *= 1e4
-    x[4] *= 1e-6
-    x[5, 7] = 40.0  # an outlier
-    return x.to(DEVICE), w.to(DEVICE)
-
-
-def _split(name, x, w):
-    codec = get_codec(name)
-    n = x.shape[0]
-    return codec, x.reshape(n, codec.n_sub, -1), w.reshape(n, codec.n_sub, -1)
-
-
-def _sub_error(x3, w3, codes_fn):
-    return ((w3 * (x3 - codes_fn()) ** 2).sum(-1)).double()
+    return hard_blocks(n, seed, DEVICE)
 
 
 @pytest.mark.parametrize("name", KQUANTS)
@@ -59,27 +40,10 @@ def test_step1_matches_reference(name):
     differ its least-squares error is no worse (a tie broken the other way)."""
     from dynaquant.kernels import kquant_search as ks
 
-    codec, x3, w3 = _split(name, *_blocks(N_SUPER))
+    codec, x3, w3 = split(name, *_blocks(N_SUPER))
     sp = codec.search
-    if isinstance(sp, kqs.AffSearch):
-        a_t, b_t = kqs.aff_search_scales_torch(x3, w3, sp)
-        a_f, b_f = ks.aff_search_scales(x3, w3, sp)
-
-        def err(a, b):  # least-squares error of x ~ a q + b with the nearest codes
-            q = kqs.aff_codes(x3, a.float(), (-b).float(), sp.qmax)
-            return _sub_error(x3, w3, lambda: a.float().unsqueeze(-1) * q + b.float().unsqueeze(-1))
-
-        e_t, e_f = err(a_t, b_t), err(a_f, b_f)
-        close = torch.isclose(a_f, a_t, rtol=1e-5, atol=0) & torch.isclose(b_f, b_t, rtol=1e-5, atol=1e-30)
-    else:
-        a_t = kqs.sym_search_scales_torch(x3, w3, sp)
-        a_f = ks.sym_search_scales(x3, w3, sp)
-
-        def err(a):
-            return _sub_error(x3, w3, lambda: a.float().unsqueeze(-1) * kqs.sym_codes(x3, a.float(), sp.qlo, sp.qhi))
-
-        e_t, e_f = err(a_t), err(a_f)
-        close = torch.isclose(a_f, a_t, rtol=1e-5, atol=0)
+    impl = ks.aff_search_scales if isinstance(sp, kqs.AffSearch) else ks.sym_search_scales
+    a_f, a_t, e_f, e_t, close = step1(sp, x3, w3, impl)
     assert a_f.dtype == torch.float64 and a_f.shape == a_t.shape
     assert close.float().mean() >= 0.9, close.float().mean()
     # a near-tie taken the other way can lead the refits to another nearby optimum: never far
@@ -93,47 +57,18 @@ def test_step1_matches_reference(name):
 def test_steps_2_and_3_match_reference(name):
     """Steps 2 and 3 on the same inputs: the same candidate and sub-scales as the reference's
     (to ties), never a higher error."""
-    codec, x3, w3 = _split(name, *_blocks(N_SUPER, seed=1))
+    codec, x3, w3 = split(name, *_blocks(N_SUPER, seed=1))
     sp = codec.search
     pick = fastpaths.lookup("kquant.aff_pick" if isinstance(sp, kqs.AffSearch) else "kquant.sym_pick")
     refine = fastpaths.lookup("kquant.aff_refine" if isinstance(sp, kqs.AffSearch) else "kquant.sym_refine")
     assert pick is not None and refine is not None
-    if isinstance(sp, kqs.AffSearch):
-        a, b = kqs.aff_search_scales_torch(x3, w3, sp)
-        q = kqs.aff_codes(x3, a.float(), (-b).float(), sp.qmax)
-        wx = w3 * x3
-        sw, sx = w3.sum(-1).double(), wx.sum(-1).double()
-        ts = torch.tensor(sp.d_steps, dtype=torch.float32, device=x3.device)
-        ref, dc, mc, _ = kqs.aff_round_candidates(w3, wx, q, sw, sx, ts, sp.kmax, None)
-        got = pick(ref, sp.kmax, dc, mc)
-        want = kqs.aff_pick_torch(ref, sp.kmax, dc, mc)
-        e_got = kqs.aff_eval_error(ref, sp.kmax, got[0][:, None], got[1][:, None])[:, 0]
-        e_want = kqs.aff_eval_error(ref, sp.kmax, want[0][:, None], want[1][:, None])[:, 0]
-        cfg = kqs.AffConfig(*want)
-    else:
-        a = kqs.sym_search_scales_torch(x3, w3, sp)
-        q = kqs.sym_codes(x3, a.float(), sp.qlo, sp.qhi)
-        sxq, sqq = (w3 * x3 * q).sum(-1).double(), (w3 * q * q).sum(-1).double()
-        a = kqs.safe_div(sxq, sqq)
-        am = a.gather(1, a.abs().argmax(1, keepdim=True))
-        ts = torch.tensor(sp.d_steps, dtype=torch.float64, device=x3.device)
-        cand = kqs.f16_candidates(torch.cat([am / ts, -am / ts], 1))
-        got = pick(a.float(), sqq.float(), sp.klo, sp.khi, cand)
-        want = kqs.sym_pick_torch(a.float(), sqq.float(), sp.klo, sp.khi, cand)
-        e_got = kqs.sym_eval_error(a.float(), sqq.float(), sp.klo, sp.khi, got[0][:, None])[:, 0]
-        e_want = kqs.sym_eval_error(a.float(), sqq.float(), sp.klo, sp.khi, want[0][:, None])[:, 0]
-        cfg = kqs.SymConfig(*want)
+    got, want, e_got, e_want, cfg = step2(sp, x3, w3, pick)
     assert all(g.dtype == t.dtype and g.shape == t.shape for g, t in zip(got, want))
     same = (got[0] == want[0]) & (got[-1] == want[-1]).all(-1)
     assert same.float().mean() >= 0.95, same.float().mean()
     assert (e_got <= e_want + 1e-5 * e_want.abs().clamp_min(1e-30)).all()
     # step 3 from the reference's step-2 configuration
-    if isinstance(sp, kqs.AffSearch):
-        (c_got, err_got), (c_want, err_want) = refine(x3, w3, cfg, sp), kqs.aff_refine_torch(x3, w3, cfg, sp)
-        same = (c_got.ks == c_want.ks).all(-1) & (c_got.km == c_want.km).all(-1)
-    else:
-        (c_got, err_got), (c_want, err_want) = refine(x3, w3, cfg, sp), kqs.sym_refine_torch(x3, w3, cfg, sp)
-        same = (c_got.k == c_want.k).all(-1)
+    (c_got, err_got), (c_want, err_want), same = step3(sp, x3, w3, cfg, refine)
     assert err_got.dtype == torch.float64 and err_got.shape == (x3.shape[0],)
     assert same.float().mean() >= 0.95, same.float().mean()
     assert torch.allclose(err_got[same], err_want[same], rtol=1e-5, atol=1e-30)

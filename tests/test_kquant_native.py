@@ -28,9 +28,9 @@ from dynaquant.quant.codecs import fastpaths, get_codec
 if shutil.which(os.environ.get("CC") or "cc") is None:
     pytest.skip("no C compiler: the compiled CPU searches cannot be built here", allow_module_level=True)
 
-from dynaquant.kernels.native import kquant as nk  # noqa: E402
+from kquant_cases import KQUANTS, hard_blocks, split, step1, step2, step3  # noqa: E402
 
-KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+from dynaquant.kernels.native import kquant as nk  # noqa: E402
 
 
 def _exact_blocks(n: int, seed: int):
@@ -44,26 +44,6 @@ def _exact_blocks(n: int, seed: int):
     x[1] = x[1].abs()  # one sign only
     x[2, 100:] *= 0.125  # mixed magnitudes
     return x, w
-
-
-def _random_blocks(n: int, seed: int):
-    """(n, 256) weights of mixed scales with hard cases, and their importance (as test_kquant_fused)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 256, generator=g) * torch.exp(torch.randn(n, 1, generator=g))
-    w = torch.exp(torch.randn(n, 256, generator=g)) + 0.01
-    x[0] = 0.0
-    x[1, :100] = 0.0
-    x[2] = x[2].abs()
-    x[3] *= 1e4
-    x[4] *= 1e-6
-    x[5, 7] = 40.0
-    return x, w
-
-
-def _split(name, x, w):
-    codec = get_codec(name)
-    n = x.shape[0]
-    return codec, x.reshape(n, codec.n_sub, -1), w.reshape(n, codec.n_sub, -1)
 
 
 def test_registered_as_the_cpu_fast_paths():
@@ -80,7 +60,7 @@ def test_registered_as_the_cpu_fast_paths():
 def test_exact_sums_give_the_reference_bit_for_bit(name, seed):
     """Where every sum is exact, each step's result and the encoded bytes are the torch reference's."""
     x, w = _exact_blocks(48, seed)
-    codec, x3, w3 = _split(name, x, w)
+    codec, x3, w3 = split(name, x, w)
     sp = codec.search
     if isinstance(sp, kqs.AffSearch):
         for got, want in zip(nk.aff_search_scales(x3, w3, sp), kqs.aff_search_scales_torch(x3, w3, sp)):
@@ -97,30 +77,10 @@ def test_exact_sums_give_the_reference_bit_for_bit(name, seed):
 def test_step1_matches_reference(name):
     """Step 1 on random weights: the continuous scales are the reference's to rounding, and where a near-tie went
     the other way the least-squares error is no worse in total."""
-    codec, x3, w3 = _split(name, *_random_blocks(96, 0))
+    codec, x3, w3 = split(name, *hard_blocks(96, 0))
     sp = codec.search
-
-    def sub_error(codes_fn):
-        return ((w3 * (x3 - codes_fn()) ** 2).sum(-1)).double()
-
-    if isinstance(sp, kqs.AffSearch):
-        a_t, b_t = kqs.aff_search_scales_torch(x3, w3, sp)
-        a_n, b_n = nk.aff_search_scales(x3, w3, sp)
-
-        def err(a, b):
-            q = kqs.aff_codes(x3, a.float(), (-b).float(), sp.qmax)
-            return sub_error(lambda: a.float().unsqueeze(-1) * q + b.float().unsqueeze(-1))
-
-        e_t, e_n = err(a_t, b_t), err(a_n, b_n)
-        close = torch.isclose(a_n, a_t, rtol=1e-5, atol=0) & torch.isclose(b_n, b_t, rtol=1e-5, atol=1e-30)
-    else:
-        a_t, a_n = kqs.sym_search_scales_torch(x3, w3, sp), nk.sym_search_scales(x3, w3, sp)
-
-        def err(a):
-            return sub_error(lambda: a.float().unsqueeze(-1) * kqs.sym_codes(x3, a.float(), sp.qlo, sp.qhi))
-
-        e_t, e_n = err(a_t), err(a_n)
-        close = torch.isclose(a_n, a_t, rtol=1e-5, atol=0)
+    impl = nk.aff_search_scales if isinstance(sp, kqs.AffSearch) else nk.sym_search_scales
+    a_n, a_t, e_n, e_t, close = step1(sp, x3, w3, impl)
     assert a_n.shape == a_t.shape and a_n.dtype == torch.float64
     assert close.float().mean() >= 0.95, close.float().mean()
     assert e_n.sum() <= e_t.sum() * (1 + 1e-4)
@@ -130,35 +90,11 @@ def test_step1_matches_reference(name):
 def test_steps_2_and_3_match_reference(name):
     """Steps 2 and 3 from the reference's step 1: the same candidate and integer scales (to ties), never a higher
     ranking error; refinement from the same configuration ends at the same configuration and error."""
-    codec, x3, w3 = _split(name, *_random_blocks(96, 1))
+    codec, x3, w3 = split(name, *hard_blocks(96, 1))
     sp = codec.search
-    if isinstance(sp, kqs.AffSearch):
-        a, b = kqs.aff_search_scales_torch(x3, w3, sp)
-        q = kqs.aff_codes(x3, a.float(), (-b).float(), sp.qmax)
-        wx = w3 * x3
-        ts = torch.tensor(sp.d_steps, dtype=torch.float32)
-        ref, dc, mc, _ = kqs.aff_round_candidates(w3, wx, q, w3.sum(-1).double(), wx.sum(-1).double(), ts, sp.kmax, None)
-        got, want = nk.aff_pick(ref, sp.kmax, dc, mc), kqs.aff_pick_torch(ref, sp.kmax, dc, mc)
-        e_got = kqs.aff_eval_error(ref, sp.kmax, got[0][:, None], got[1][:, None])[:, 0]
-        e_want = kqs.aff_eval_error(ref, sp.kmax, want[0][:, None], want[1][:, None])[:, 0]
-        cfg = kqs.AffConfig(*want)
-        (c_n, r_n), (c_t, r_t) = nk.aff_refine(x3, w3, cfg, sp), kqs.aff_refine_torch(x3, w3, cfg, sp)
-        same_cfg = (c_n.ks == c_t.ks).all(-1) & (c_n.km == c_t.km).all(-1)
-    else:
-        a = kqs.sym_search_scales_torch(x3, w3, sp)
-        q = kqs.sym_codes(x3, a.float(), sp.qlo, sp.qhi)
-        sxq, sqq = (w3 * x3 * q).sum(-1).double(), (w3 * q * q).sum(-1).double()
-        a = kqs.safe_div(sxq, sqq)
-        am = a.gather(1, a.abs().argmax(1, keepdim=True))
-        ts = torch.tensor(sp.d_steps, dtype=torch.float64)
-        cand = kqs.f16_candidates(torch.cat([am / ts, -am / ts], 1))
-        got = nk.sym_pick(a.float(), sqq.float(), sp.klo, sp.khi, cand)
-        want = kqs.sym_pick_torch(a.float(), sqq.float(), sp.klo, sp.khi, cand)
-        e_got = kqs.sym_eval_error(a.float(), sqq.float(), sp.klo, sp.khi, got[0][:, None])[:, 0]
-        e_want = kqs.sym_eval_error(a.float(), sqq.float(), sp.klo, sp.khi, want[0][:, None])[:, 0]
-        cfg = kqs.SymConfig(*want)
-        (c_n, r_n), (c_t, r_t) = nk.sym_refine(x3, w3, cfg, sp), kqs.sym_refine_torch(x3, w3, cfg, sp)
-        same_cfg = (c_n.k == c_t.k).all(-1)
+    aff = isinstance(sp, kqs.AffSearch)
+    got, want, e_got, e_want, cfg = step2(sp, x3, w3, nk.aff_pick if aff else nk.sym_pick)
+    (_, r_n), (_, r_t), same_cfg = step3(sp, x3, w3, cfg, nk.aff_refine if aff else nk.sym_refine)
     assert all(g.dtype == t.dtype and g.shape == t.shape for g, t in zip(got, want))
     same = (got[0] == want[0]) & (got[-1] == want[-1]).all(-1)
     assert same.float().mean() >= 0.95, same.float().mean()
@@ -172,7 +108,7 @@ def test_steps_2_and_3_match_reference(name):
 def test_encoders_error_is_the_references(name):
     """Whole encodes of random weights: the compiled search's weighted error is the reference's to 1e-4, and its
     bytes decode to the same grid (the block layout is unchanged)."""
-    x, w = _random_blocks(64, 2)
+    x, w = hard_blocks(64, 2)
     x = x[6:]  # the hard cases above weigh on totals only through their scale; here the ordinary blocks
     w = w[6:]
     codec = get_codec(name)
@@ -184,7 +120,7 @@ def test_encoders_error_is_the_references(name):
 
 
 def test_threads_do_not_change_the_bytes():
-    x, w = _random_blocks(300, 3)
+    x, w = hard_blocks(300, 3)
     codec = get_codec("Q4_K")
     before = torch.get_num_threads()
     try:
@@ -218,7 +154,7 @@ def test_without_a_compiler_the_reference_runs(fresh_registry, monkeypatch, tmp_
     with caplog.at_level(logging.WARNING):
         assert fastpaths.lookup("kquant.sym_pick", "cpu") is None
     assert "no C compiler" in caplog.text
-    x, w = _random_blocks(8, 4)
+    x, w = hard_blocks(8, 4)
     codec = get_codec("Q6_K")
     assert torch.equal(codec.encode_blocks(x, w), codec.encode_blocks(x, w, backend="torch"))
     with pytest.raises(RuntimeError, match="native"):
