@@ -12,13 +12,12 @@
 #include <string.h>
 
 #include "f16.h"
+#include "lanes.h"
 
-#define LANES 16
 #define MAX_N 32
 #define MAX_CAND 64
 
 static inline float safe_scale(float d) { return d == 0.0f ? 1.0f : d; }
-static inline float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
 typedef struct {
     int linear;          /* levels lo..hi, integers */
@@ -80,22 +79,9 @@ INLINE void fit_scale(const float *x, const float *w, int64_t n, int N, const Gr
     int32_t ct[MAX_N][LANES];
     float lev_abs_max = fabsf(lo) > fabsf(hi) ? fabsf(lo) : fabsf(hi);
     for (int64_t j0 = 0; j0 < n; j0 += LANES) {
-        int nv = n - j0 < LANES ? (int)(n - j0) : LANES;
+        int nv = load_lanes(x, w, n, j0, N, xt, wt);
         float xmax[LANES], xj[LANES], am[LANES], bk[LANES];
         int im[LANES], ij[LANES];
-        if (nv == LANES) {
-            for (int l = 0; l < N; l++)
-                for (int v = 0; v < LANES; v++) {
-                    xt[l][v] = x[(j0 + v) * N + l];
-                    wt[l][v] = w[(j0 + v) * N + l];
-                }
-        } else {
-            for (int l = 0; l < N; l++)
-                for (int v = 0; v < LANES; v++) {
-                    xt[l][v] = v < nv ? x[(j0 + v) * N + l] : 0.0f;
-                    wt[l][v] = v < nv ? w[(j0 + v) * N + l] : 0.0f;
-                }
-        }
         for (int v = 0; v < LANES; v++) {
             am[v] = -1.0f;
             bk[v] = 0.0f;
@@ -207,12 +193,7 @@ void dq_fit_pow2(const float *x, const float *w, int64_t n, int N, int kmin, int
     float xt[MAX_N][LANES], wt[MAX_N][LANES];
     int32_t ct[MAX_N][LANES];
     for (int64_t j0 = 0; j0 < n; j0 += LANES) {
-        int nv = n - j0 < LANES ? (int)(n - j0) : LANES;
-        for (int l = 0; l < N; l++)
-            for (int v = 0; v < LANES; v++) {
-                xt[l][v] = v < nv ? x[(j0 + v) * N + l] : 0.0f;
-                wt[l][v] = v < nv ? w[(j0 + v) * N + l] : 0.0f;
-            }
+        int nv = load_lanes(x, w, n, j0, N, xt, wt);
         float best_err[LANES], d[LANES], err[LANES];
         int64_t best_e[LANES], e[LANES];
         for (int v = 0; v < LANES; v++) {

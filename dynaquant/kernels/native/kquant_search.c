@@ -17,8 +17,8 @@
 #include <string.h>
 
 #include "f16.h"
+#include "lanes.h"
 
-#define LANES 16
 #define MAX_L 32    /* sub-block size: 16 (Q2_K, Q3_K, Q6_K) or 32 (Q4_K, Q5_K) */
 #define MAX_MIDS 256 /* exhaustive candidates a sub-block: L * max(-qlo, qhi) */
 
@@ -28,8 +28,6 @@ static inline float invf(float b) {
     return b != 0.0f ? r : 0.0f;
 }
 static inline double safe_divd(double a, double b) { return b != 0.0 ? a / b : 0.0; }
-/* torch.clamp: NaN passes through */
-static inline float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
 /* ------------------------------------------------------------------------------------------- step 1, symmetric */
 
@@ -439,21 +437,12 @@ void dq_aff_pick(const float *ref, int64_t n, int S, int kmax, const float *dc, 
 
 /* ------------------------------------------------------------------------------------------- step 3 */
 
-/* Load LANES sub-blocks (of n in all, from j0) transposed; lanes past the end are zero. */
-static int load_lanes(const float *x, const float *w, int64_t n, int64_t j0, int L, float xt[][LANES],
-                      float wt[][LANES]) {
-    int nv = n - j0 < LANES ? (int)(n - j0) : LANES;
-    for (int v = 0; v < LANES; v++)
-        for (int l = 0; l < L; l++) {
-            xt[l][v] = v < nv ? x[(j0 + v) * L + l] : 0.0f;
-            wt[l][v] = v < nv ? w[(j0 + v) * L + l] : 0.0f;
-        }
-    return nv;
-}
-
-/* sym_error(x, w, dl, sym_codes(x, dl)) of every lane: sum(w r r), r = x - dl q, q = clamp(round(x inv(dl))). */
-static void sym_lane_error(float xt[][LANES], float wt[][LANES], int L, const float *dl, float qlo, float qhi,
-                           float *err) {
+/* The error of every lane's codes at sub-block scale dl and min ml (aff_error(x, w, dl, ml, aff_codes(...)) of the
+   reference): sum(w r r), r = x - (dl q - ml), q = clamp(round((x + ml) inv(dl)), qlo, qhi). With ml = 0 it is
+   sym_error(x, w, dl, sym_codes(x, dl)) bit for bit: x + 0 and a - 0 change at most the sign of a zero, and so
+   neither q's magnitude nor r * r. */
+static void lane_error(float xt[][LANES], float wt[][LANES], int L, const float *dl, const float *ml, float qlo,
+                       float qhi, float *err) {
     float idl[LANES];
     for (int v = 0; v < LANES; v++) {
         idl[v] = invf(dl[v]);
@@ -461,8 +450,8 @@ static void sym_lane_error(float xt[][LANES], float wt[][LANES], int L, const fl
     }
     for (int l = 0; l < L; l++)
         for (int v = 0; v < LANES; v++) {
-            float q = clampf(nearbyintf(xt[l][v] * idl[v]), qlo, qhi);
-            float r = xt[l][v] - dl[v] * q;
+            float q = clampf(nearbyintf((xt[l][v] + ml[v]) * idl[v]), qlo, qhi);
+            float r = xt[l][v] - (dl[v] * q - ml[v]);
             err[v] += (wt[l][v] * r) * r;
         }
 }
@@ -471,7 +460,7 @@ static void sym_lane_error(float xt[][LANES], float wt[][LANES], int L, const fl
    out_err (n,) float64 (the sum over sub-blocks, in order). */
 void dq_sym_refine(const float *x, const float *w, int64_t n, int S, int L, const float *d, int64_t *k, int qlo,
                    int qhi, int klo, int khi, double *out_err) {
-    float xt[MAX_L][LANES], wt[MAX_L][LANES], dl[LANES], err[LANES], et[LANES];
+    float xt[MAX_L][LANES], wt[MAX_L][LANES], dl[LANES], err[LANES], et[LANES], zeros[LANES] = {0};
     int64_t kk[LANES], kt[LANES];
     const int64_t nsub = n * S;
     for (int64_t b = 0; b < n; b++) out_err[b] = 0.0;
@@ -481,36 +470,20 @@ void dq_sym_refine(const float *x, const float *w, int64_t n, int S, int L, cons
             kk[v] = v < nv ? k[j0 + v] : 0;
             dl[v] = v < nv ? d[(j0 + v) / S] * (float)kk[v] : 0.0f;
         }
-        sym_lane_error(xt, wt, L, dl, (float)qlo, (float)qhi, err);
+        lane_error(xt, wt, L, dl, zeros, (float)qlo, (float)qhi, err);
         for (int delta = 1; delta >= -1; delta -= 2) {
             for (int v = 0; v < LANES; v++) {
                 int64_t t = kk[v] + delta;
                 kt[v] = t < klo ? klo : (t > khi ? khi : t);
                 dl[v] = v < nv ? d[(j0 + v) / S] * (float)kt[v] : 0.0f;
             }
-            sym_lane_error(xt, wt, L, dl, (float)qlo, (float)qhi, et);
+            lane_error(xt, wt, L, dl, zeros, (float)qlo, (float)qhi, et);
             for (int v = 0; v < LANES; v++)
                 if (et[v] < err[v]) { err[v] = et[v]; kk[v] = kt[v]; }
         }
         for (int v = 0; v < nv; v++) k[j0 + v] = kk[v];
         for (int v = 0; v < nv; v++) out_err[(j0 + v) / S] += (double)err[v];
     }
-}
-
-/* aff_error(x, w, dl, ml, aff_codes(x, dl, ml)) of every lane: r = x - (dl q - ml), q = clamp(round((x + ml) inv(dl))). */
-static void aff_lane_error(float xt[][LANES], float wt[][LANES], int L, const float *dl, const float *ml, float qmax,
-                           float *err) {
-    float idl[LANES];
-    for (int v = 0; v < LANES; v++) {
-        idl[v] = invf(dl[v]);
-        err[v] = 0.0f;
-    }
-    for (int l = 0; l < L; l++)
-        for (int v = 0; v < LANES; v++) {
-            float q = clampf(nearbyintf((xt[l][v] + ml[v]) * idl[v]), 0.0f, qmax);
-            float r = xt[l][v] - (dl[v] * q - ml[v]);
-            err[v] += (wt[l][v] * r) * r;
-        }
 }
 
 /* aff_refine_torch: d, dmin (n,) float32; ks, km (n, S) int64, updated in place; moves (n_moves, 2) int32;
@@ -529,7 +502,7 @@ void dq_aff_refine(const float *x, const float *w, int64_t n, int S, int L, cons
             dl[v] = v < nv ? d[(j0 + v) / S] * (float)cs[v] : 0.0f;
             ml[v] = v < nv ? dmin[(j0 + v) / S] * (float)cm[v] : 0.0f;
         }
-        aff_lane_error(xt, wt, L, dl, ml, (float)qmax, err);
+        lane_error(xt, wt, L, dl, ml, 0.0f, (float)qmax, err);
         for (int mv = 0; mv < n_moves; mv++) {
             for (int v = 0; v < LANES; v++) {
                 int64_t s = cs[v] + moves[2 * mv], m = cm[v] + moves[2 * mv + 1];
@@ -538,7 +511,7 @@ void dq_aff_refine(const float *x, const float *w, int64_t n, int S, int L, cons
                 dl[v] = v < nv ? d[(j0 + v) / S] * (float)ts[v] : 0.0f;
                 ml[v] = v < nv ? dmin[(j0 + v) / S] * (float)tm[v] : 0.0f;
             }
-            aff_lane_error(xt, wt, L, dl, ml, (float)qmax, et);
+            lane_error(xt, wt, L, dl, ml, 0.0f, (float)qmax, et);
             for (int v = 0; v < LANES; v++)
                 if (et[v] < err[v]) { err[v] = et[v]; cs[v] = ts[v]; cm[v] = tm[v]; }
         }
