@@ -36,15 +36,17 @@ from dynaquant.kernels.tuning import (
 from dynaquant.quant.codecs import fastpaths
 
 
-def _loader(module: str, attr: str):
-    """A loader of ``module``'s ``attr`` (imports the module, and Triton, when called)."""
+def _loader(module: str, attr: str, build: bool = False):
+    """A loader of ``module``'s ``attr`` (imports the module, and Triton, when called); ``build``: the module's
+    compiled library is built (or found) first, so that a failed build falls back to the torch reference at lookup
+    rather than failing the first call (:mod:`.native`)."""
 
     def load():
         import importlib
 
         mod = importlib.import_module(module)
-        if hasattr(mod, "load"):  # the compiled CPU searches: built (or found) now, so a failure falls back here
-            mod.load()
+        if build:
+            mod.build()
         return getattr(mod, attr)
 
     return load
@@ -56,13 +58,13 @@ for _name, _attr in (("lattice.nearest_codewords", "nearest_codewords"), ("latti
 for _attr in ("fit_scale", "fit_affine", "fit_int_zero"):
     fastpaths.register(f"blockfit.{_attr}", _loader("dynaquant.kernels.scalefit", _attr))
 for _attr in ("fit_scale", "fit_pow2"):
-    fastpaths.register(f"blockfit.{_attr}", _loader("dynaquant.kernels.native.blockfit", _attr), device="cpu")
+    fastpaths.register(f"blockfit.{_attr}", _loader("dynaquant.kernels.native.blockfit", _attr, True), device="cpu")
 fastpaths.register("iq3.nearest_variants", _loader("dynaquant.kernels.iq3_search", "nearest_variants"))
 fastpaths.register("gptq.round_block", _loader("dynaquant.kernels.gptq_block", "round_block"))
 for _attr in ("aff_search_scales", "aff_pick", "aff_refine", "sym_search_scales", "sym_pick", "sym_refine"):
     fastpaths.register(f"kquant.{_attr}", _loader("dynaquant.kernels.kquant_search", _attr))
-    fastpaths.register(f"kquant.{_attr}", _loader("dynaquant.kernels.native.kquant", _attr), device="cpu")
-fastpaths.register("kquant.sym_encode", _loader("dynaquant.kernels.native.kquant", "sym_encode"), device="cpu")
+    fastpaths.register(f"kquant.{_attr}", _loader("dynaquant.kernels.native.kquant", _attr, True), device="cpu")
+fastpaths.register("kquant.sym_encode", _loader("dynaquant.kernels.native.kquant", "sym_encode", True), device="cpu")
 
 __all__ = ["KernelFormat", "PackedWeight", "LaunchConfig", "DeviceInfo", "pack", "unpack", "stack", "linear", "dequantize",
            "uses_triton", "dequantize_ref", "dequantize_packed_ref", "linear_ref", "e2m1_to_float", "e8m0_to_float",

@@ -111,7 +111,9 @@ def _pool(n: int) -> ThreadPoolExecutor:
 
 
 def split_rows(n: int, fn) -> None:
-    """Run ``fn(start, stop)`` over ``[0, n)`` split into ``torch.get_num_threads()`` contiguous ranges, in threads."""
+    """Run ``fn(start, stop)`` over ``[0, n)`` split into ``torch.get_num_threads()`` contiguous ranges, in threads
+    of a pool of this module's own (not the encoders' chunk pool of :mod:`dynaquant.quant.codecs.base`: a chunk
+    worker waiting on its own pool could wait for itself)."""
     t = max(1, min(torch.get_num_threads(), n // _MIN_PER_THREAD))
     if t == 1:
         fn(0, n)

@@ -32,10 +32,9 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def load():
-    """Build (or find) the library (the fast path's loader calls it first, so a failed build falls back)."""
+def build() -> None:
+    """Build (or find) the library: the fast paths' loader calls it first (:func:`dynaquant.kernels._loader`)."""
     _lib()
-    return True
 
 
 def _tables(grid: Grid):

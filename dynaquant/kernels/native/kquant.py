@@ -41,10 +41,9 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def load():
-    """Build (or find) the library and return this module (the fast paths' loader target)."""
+def build() -> None:
+    """Build (or find) the library: the fast paths' loader calls it first (:func:`dynaquant.kernels._loader`)."""
     _lib()
-    return True
 
 
 def _f32(values) -> torch.Tensor:

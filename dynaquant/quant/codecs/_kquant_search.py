@@ -298,14 +298,10 @@ def sym_refine_torch(x, w, cfg: SymConfig, spec: SymSearch):
 
 
 def sym_encode(x: torch.Tensor, w: torch.Tensor, spec: SymSearch, backend: str = "auto") -> SymConfig:
-    """:func:`sym_encode_torch`, or the whole search's fast path ``kquant.sym_encode`` (compiled, CPU tensors) where
-    ``backend`` is ``"auto"`` on a CPU tensor or ``"native"``; otherwise the steps' own fast paths as ``backend``
-    chooses."""
-    if backend == "native" or (backend == "auto" and x.device.type == "cpu"):
-        fn = fast_path("kquant.sym_encode", x, backend)
-        if fn is not None:
-            return fn(x, w, spec)
-    return sym_encode_torch(x, w, spec, backend)
+    """The whole search's fast path ``kquant.sym_encode`` as ``backend`` chooses (only a compiled CPU one exists), else
+    :func:`sym_encode_torch` with the steps' own fast paths (``"triton"``: the steps' kernels)."""
+    fn = None if backend == "triton" else fast_path("kquant.sym_encode", x, backend)
+    return fn(x, w, spec) if fn is not None else sym_encode_torch(x, w, spec, backend)
 
 
 def sym_encode_torch(x: torch.Tensor, w: torch.Tensor, spec: SymSearch, backend: str = "auto") -> SymConfig:
