@@ -3,7 +3,8 @@
 
 The C code repeats the references' float operations in the same order and precision except the sums over a
 sub-block's elements (and a super-block's sub-blocks), which it adds in order where torch vectorises; for the
-symmetric types (Q3_K, Q6_K) the whole search is C (``kquant.sym_encode``), the steps between the searches too. So:
+whole search is C (``kquant.sym_encode`` for Q3_K and Q6_K, ``kquant.aff_encode`` for Q2_K, Q4_K and Q5_K), the
+steps between the searches too. So:
 
 * on weights and importances whose sums are exact in float32 (multiples of 1/8 and small integers, no ties in
   ``w x^2``), every step and the encoded bytes equal the reference's bit for bit;
@@ -48,7 +49,7 @@ def _exact_blocks(n: int, seed: int):
 
 def test_registered_as_the_cpu_fast_paths():
     for step in ("sym_search_scales", "aff_search_scales", "sym_pick", "aff_pick", "sym_refine", "aff_refine",
-                 "sym_encode"):
+                 "sym_encode", "aff_encode"):
         assert fastpaths.lookup(f"kquant.{step}", "cpu") is getattr(nk, step)
         assert kqs.fast_path(f"kquant.{step}", torch.zeros(1), "auto") is getattr(nk, step)
         assert kqs.fast_path(f"kquant.{step}", torch.zeros(1), "native") is getattr(nk, step)
@@ -117,6 +118,24 @@ def test_encoders_error_is_the_references(name):
     e_t = (w * (x - codec.decode_blocks(b_t)) ** 2).sum().item()
     assert abs(e_n - e_t) <= 1e-4 * e_t, (e_n, e_t)
     assert (b_n == b_t).all(1).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("name", KQUANTS)
+def test_whole_search_glue_matches_the_reference_glue(name):
+    """The compiled whole search (``kquant.sym_encode`` / ``aff_encode``) against the torch glue running the same
+    compiled steps: only the glue's sums differ in order, so the configurations are the same but for near-ties."""
+    codec, x3, w3 = split(name, *hard_blocks(128, 4))
+    sp = codec.search
+    aff = isinstance(sp, kqs.AffSearch)
+    got = (nk.aff_encode if aff else nk.sym_encode)(x3, w3, sp)
+    want = (kqs.aff_encode_torch if aff else kqs.sym_encode_torch)(x3, w3, sp, "native")
+    fields = ("d", "dmin", "ks", "km") if aff else ("d", "k")
+    same = torch.ones(x3.shape[0], dtype=torch.bool)
+    for f in fields:
+        g, t = getattr(got, f), getattr(want, f)
+        assert g.dtype == t.dtype and g.shape == t.shape, f
+        same &= (g == t) if g.ndim == 1 else (g == t).all(-1)
+    assert same.float().mean() >= 0.95, same.float().mean()
 
 
 def test_threads_do_not_change_the_bytes():

@@ -64,7 +64,8 @@ fastpaths.register("gptq.round_block", _loader("dynaquant.kernels.gptq_block", "
 for _attr in ("aff_search_scales", "aff_pick", "aff_refine", "sym_search_scales", "sym_pick", "sym_refine"):
     fastpaths.register(f"kquant.{_attr}", _loader("dynaquant.kernels.kquant_search", _attr))
     fastpaths.register(f"kquant.{_attr}", _loader("dynaquant.kernels.native.kquant", _attr, True), device="cpu")
-fastpaths.register("kquant.sym_encode", _loader("dynaquant.kernels.native.kquant", "sym_encode", True), device="cpu")
+for _attr in ("sym_encode", "aff_encode"):  # the whole searches (only compiled CPU ones exist)
+    fastpaths.register(f"kquant.{_attr}", _loader("dynaquant.kernels.native.kquant", _attr, True), device="cpu")
 
 __all__ = ["KernelFormat", "PackedWeight", "LaunchConfig", "DeviceInfo", "pack", "unpack", "stack", "linear", "dequantize",
            "uses_triton", "dequantize_ref", "dequantize_packed_ref", "linear_ref", "e2m1_to_float", "e8m0_to_float",

@@ -1,6 +1,7 @@
 """The K-quant searches' steps 1 to 3 on the CPU, compiled (``kquant_search.c``): the CPU fast paths
 ``kquant.sym_search_scales``, ``kquant.aff_search_scales``, ``kquant.sym_pick``, ``kquant.aff_pick``,
-``kquant.sym_refine``, ``kquant.aff_refine`` and the whole symmetric search ``kquant.sym_encode`` (Q3_K, Q6_K) of
+``kquant.sym_refine``, ``kquant.aff_refine`` and the whole searches ``kquant.sym_encode`` (Q3_K, Q6_K) and
+``kquant.aff_encode`` (Q2_K, Q4_K, Q5_K) of
 :mod:`dynaquant.quant.codecs.fastpaths`, with the signatures and returns of their torch references in
 :mod:`dynaquant.quant.codecs._kquant_search` (shapes and dtypes there). Raises RuntimeError (from
 :func:`dynaquant.kernels.native.library`) when the library cannot be built.
@@ -19,6 +20,7 @@ _I64, _INT = ctypes.c_int64, ctypes.c_int
 _MAX_L = 32
 _MAX_MIDS = 256
 _MAX_S = 64
+_MAX_CAND = 512  # step-1 candidates of one phase (kquant_search.c's MAX_CAND)
 
 
 def _lib() -> ctypes.CDLL:
@@ -34,6 +36,9 @@ def _lib() -> ctypes.CDLL:
         lib.dq_sym_encode.argtypes = [vp, vp, _I64, _INT, _INT, _INT, _INT, _INT, _INT, vp, _INT, _INT, _INT, _INT, vp, _INT,
                                       _INT, vp, vp]
         lib.dq_sym_encode.restype = _INT
+        lib.dq_aff_encode.argtypes = [vp, vp, _I64, _INT, _INT, _INT, _INT, vp, _INT, vp, _INT, _INT, vp, _INT, vp, _INT, _INT,
+                                      vp, vp, vp, vp]
+        lib.dq_aff_encode.restype = _INT
         for f in (lib.dq_sym_search_scales, lib.dq_aff_search_scales, lib.dq_sym_pick, lib.dq_aff_pick, lib.dq_sym_refine,
                   lib.dq_aff_refine):
             f.restype = None
@@ -50,6 +55,14 @@ def _f32(values) -> torch.Tensor:
     return torch.tensor([float(v) for v in values], dtype=torch.float32)
 
 
+def _check_candidates(spec) -> None:
+    """Step 1's candidate counts within the C side's buffers (ValueError otherwise)."""
+    n = len(spec.steps) * len(getattr(spec, "shifts", (0, 0)))
+    levels = spec.qhi - spec.qlo if hasattr(spec, "qhi") else 0
+    if n > _MAX_CAND or levels > _MAX_CAND:
+        raise ValueError(f"step 1 tries {n} candidate scales and {levels} levels a phase: at most {_MAX_CAND}")
+
+
 def _sub_blocks(x: torch.Tensor, w: torch.Tensor):
     if x.ndim != 3 or w.shape != x.shape or x.shape[-1] > _MAX_L:
         raise ValueError(f"expected x, w of one shape (n_super, n_sub, sub_size <= {_MAX_L}), "
@@ -63,6 +76,7 @@ def sym_search_scales(x: torch.Tensor, w: torch.Tensor, spec, iters: int = 2) ->
     B, S, L = x.shape
     if spec.exhaustive and L * max(-spec.qlo, spec.qhi) > _MAX_MIDS:
         raise ValueError(f"exhaustive search of {L} x {max(-spec.qlo, spec.qhi)} breakpoints: at most {_MAX_MIDS}")
+    _check_candidates(spec)
     lib, steps, n = _lib(), _f32(spec.steps), B * S
     out = torch.empty(B, S, dtype=torch.float64)
 
@@ -78,6 +92,7 @@ def aff_search_scales(x: torch.Tensor, w: torch.Tensor, spec, iters: int = 3):
     """As :func:`dynaquant.quant.codecs._kquant_search.aff_search_scales_torch`."""
     x, w = _sub_blocks(x, w)
     B, S, L = x.shape
+    _check_candidates(spec)
     lib, steps, shifts, n = _lib(), _f32(spec.steps), _f32(spec.shifts), B * S
     a = torch.empty(B, S, dtype=torch.float64)
     b = torch.empty(B, S, dtype=torch.float64)
@@ -173,6 +188,7 @@ def sym_encode(x: torch.Tensor, w: torch.Tensor, spec) -> SymConfig:
     B, S, L = x.shape
     if spec.exhaustive and L * max(-spec.qlo, spec.qhi) > _MAX_MIDS:
         raise ValueError(f"exhaustive search of {L} x {max(-spec.qlo, spec.qhi)} breakpoints: at most {_MAX_MIDS}")
+    _check_candidates(spec)
     lib, steps = _lib(), _f32(spec.steps)
     ds = torch.tensor([float(t) for t in spec.d_steps], dtype=torch.float64)
     d = torch.empty(B, dtype=torch.float32)
@@ -187,3 +203,29 @@ def sym_encode(x: torch.Tensor, w: torch.Tensor, spec) -> SymConfig:
 
     split_rows(B, run)
     return SymConfig(d, k)
+
+
+def aff_encode(x: torch.Tensor, w: torch.Tensor, spec) -> AffConfig:
+    """As :func:`dynaquant.quant.codecs._kquant_search.aff_encode_torch` (steps 1-3, ``spec.rounds`` rounds), the
+    steps between the searches compiled too. Raises MemoryError when the C side cannot allocate its buffers."""
+    x, w = _sub_blocks(x, w)
+    B, S, L = x.shape
+    if S > _MAX_S:
+        raise ValueError(f"at most {_MAX_S} sub-blocks a super-block, got {S}")
+    _check_candidates(spec)
+    lib, steps, shifts, ds = _lib(), _f32(spec.steps), _f32(spec.shifts), _f32(spec.d_steps)
+    moves = torch.tensor(spec.moves, dtype=torch.int32).reshape(-1, 2).contiguous()
+    d = torch.empty(B, dtype=torch.float32)
+    m = torch.empty(B, dtype=torch.float32)
+    ks = torch.empty(B, S, dtype=torch.int64)
+    km = torch.empty(B, S, dtype=torch.int64)
+
+    def run(i0, i1):
+        rc = lib.dq_aff_encode(ptr(x, i0 * S * L), ptr(w, i0 * S * L), i1 - i0, S, L, spec.qmax, spec.kmax, ptr(steps),
+                               len(steps), ptr(shifts), len(shifts), 3, ptr(ds), len(ds), ptr(moves), moves.shape[0],
+                               spec.rounds, ptr(d, i0), ptr(m, i0), ptr(ks, i0 * S), ptr(km, i0 * S))
+        if rc:
+            raise MemoryError(f"the compiled K-quant search could not allocate buffers for {i1 - i0} super-blocks")
+
+    split_rows(B, run)
+    return AffConfig(d, m, ks, km)

@@ -21,6 +21,7 @@
 
 #define MAX_L 32    /* sub-block size: 16 (Q2_K, Q3_K, Q6_K) or 32 (Q4_K, Q5_K) */
 #define MAX_MIDS 256 /* exhaustive candidates a sub-block: L * max(-qlo, qhi) */
+#define MAX_CAND 512 /* step-1 candidates of one phase: 2 x MAX_MIDS, 2 x steps, the nonzero levels */
 
 /* inv(): 1 / b where b != 0, else 0 (the quotient computed either way: a select, not a branch, in vector loops) */
 static inline float invf(float b) {
@@ -38,17 +39,14 @@ typedef struct {
     float qlo, qhi;
 } SymLanes;
 
-/* consider(): the nearest codes at inverse scale isc[v] of every lane, their least-squares scale and gain. */
-static void sym_consider(SymLanes *s, const float *isc) {
-    float sxq[LANES], sqq[LANES];
-    for (int v = 0; v < LANES; v++) sxq[v] = sqq[v] = 0.0f;
-    for (int l = 0; l < s->L; l++) {
-        for (int v = 0; v < LANES; v++) {
-            float q = clampf(nearbyintf(s->xt[l][v] * isc[v]), s->qlo, s->qhi);
-            sxq[v] += s->wxt[l][v] * q;
-            sqq[v] += (s->wt[l][v] * q) * q;
-        }
-    }
+/* The best-so-far update of consider() from one candidate's sums (the reference's float64 gain and scale).
+
+   The float64 divisions would cost more than the candidate's element loop, and most candidates lose: a lane first
+   bounds its gain sxq^2 / sqq with a float32 reciprocal (sqq is a float32 value, so 1 / sqq is within 2^-24 of the
+   true quotient's factor, sxq^2 exact in float64: the bound is within ~2^-23 of the gain), and only a lane whose
+   bound is not clearly below its best (by 2^-20, far above both roundings) computes the reference's division. A
+   lane skipped could not have won, so the result is the reference's bit for bit. */
+static inline void sym_keep(SymLanes *s, const float *sxq, const float *sqq) {
     for (int v = 0; v < LANES; v++) {
         double dxq = sxq[v], dqq = sqq[v];
         int nz = dqq != 0.0;
@@ -58,6 +56,38 @@ static void sym_consider(SymLanes *s, const float *isc) {
             s->best_gain[v] = gain;
             s->best_a[v] = nz ? dxq / den : 0.0;
         }
+    }
+}
+
+/* consider(): the nearest codes at inverse scale isc[c][v] of every lane, their least-squares scale and gain, for
+   candidates c = 0 .. nc-1 in order. Four candidates share an element loop (eight independent sums instead of two:
+   the loop is bound by the adds' latency otherwise); each lane's sums stay in element order, and the best-so-far
+   updates in candidate order, so the result is that of one candidate at a time. */
+static void sym_consider(SymLanes *s, float (*isc)[LANES], int nc) {
+    int c = 0;
+    for (; c + 4 <= nc; c += 4) {
+        float sxq[4][LANES], sqq[4][LANES];
+        for (int k = 0; k < 4; k++)
+            for (int v = 0; v < LANES; v++) sxq[k][v] = sqq[k][v] = 0.0f;
+        for (int l = 0; l < s->L; l++)
+            for (int k = 0; k < 4; k++)
+                for (int v = 0; v < LANES; v++) {
+                    float q = clampf(nearbyintf(s->xt[l][v] * isc[c + k][v]), s->qlo, s->qhi);
+                    sxq[k][v] += s->wxt[l][v] * q;
+                    sqq[k][v] += (s->wt[l][v] * q) * q;
+                }
+        for (int k = 0; k < 4; k++) sym_keep(s, sxq[k], sqq[k]);
+    }
+    for (; c < nc; c++) {
+        float sxq[LANES], sqq[LANES];
+        for (int v = 0; v < LANES; v++) sxq[v] = sqq[v] = 0.0f;
+        for (int l = 0; l < s->L; l++)
+            for (int v = 0; v < LANES; v++) {
+                float q = clampf(nearbyintf(s->xt[l][v] * isc[c][v]), s->qlo, s->qhi);
+                sxq[v] += s->wxt[l][v] * q;
+                sqq[v] += (s->wt[l][v] * q) * q;
+            }
+        sym_keep(s, sxq, sqq);
     }
 }
 
@@ -88,8 +118,9 @@ void dq_sym_search_scales(const float *x, const float *w, int64_t n, int L, int 
     s.qlo = (float)qlo;
     s.qhi = (float)qhi;
     int m = -qlo > qhi ? -qlo : qhi;
-    static __thread float mids[MAX_MIDS][LANES], bp[MAX_MIDS][LANES];
-    float inv_amax[LANES], isc[LANES];
+    /* candidates of a phase: 2 x steps, 2 x MAX_MIDS midpoints or the levels of one element (at most MAX_CAND) */
+    static __thread float cand[MAX_CAND][LANES], bp[MAX_MIDS][LANES];
+    float inv_amax[LANES];
     for (int64_t j0 = 0; j0 < n; j0 += LANES) {
         int nv = n - j0 < LANES ? (int)(n - j0) : LANES;
         for (int v = 0; v < LANES; v++) {
@@ -106,13 +137,14 @@ void dq_sym_search_scales(const float *x, const float *w, int64_t n, int L, int 
             s.best_gain[v] = -1.0;
             s.best_a[v] = 0.0;
         }
-        for (int i = 0; i < n_steps; i++) {
+        int nc = 0;
+        for (int i = 0; i < n_steps; i++)
             for (int sg = 0; sg < 2; sg++) {
                 float t = sg ? -steps[i] : steps[i];
-                for (int v = 0; v < LANES; v++) isc[v] = t * inv_amax[v];
-                sym_consider(&s, isc);
+                for (int v = 0; v < LANES; v++) cand[nc][v] = t * inv_amax[v];
+                nc++;
             }
-        }
+        sym_consider(&s, cand, nc);
         if (exhaustive) {
             int nb = L * m;
             /* every lane's breakpoints ia * (h + 1/2), padded with +inf to a power of two, sorted by a bitonic
@@ -128,14 +160,14 @@ void dq_sym_search_scales(const float *x, const float *w, int64_t n, int L, int 
             for (int i = nb; i < p2; i++)
                 for (int v = 0; v < LANES; v++) bp[i][v] = INFINITY;
             bitonic_sort_lanes(bp, p2);
-            for (int i = 0; i + 1 < nb; i++)
-                for (int v = 0; v < LANES; v++) mids[i][v] = (bp[i][v] + bp[i + 1][v]) * 0.5f;
-            for (int v = 0; v < LANES; v++) mids[nb - 1][v] = bp[nb - 1][v] * 1.25f;
-            for (int i = 0; i < nb; i++) {
-                sym_consider(&s, mids[i]);
-                for (int v = 0; v < LANES; v++) isc[v] = -mids[i][v];
-                sym_consider(&s, isc);
-            }
+            /* the midpoints between consecutive breakpoints (the last: 1.25 x past it), each then its negation */
+            for (int i = 0; i < nb; i++)
+                for (int v = 0; v < LANES; v++) {
+                    float mid = i + 1 < nb ? (bp[i][v] + bp[i + 1][v]) * 0.5f : bp[nb - 1][v] * 1.25f;
+                    cand[2 * i][v] = mid;
+                    cand[2 * i + 1][v] = -mid;
+                }
+            sym_consider(&s, cand, 2 * nb);
         }
         if (n_elem > 0) {
             int ne = n_elem < L ? n_elem : L;
@@ -156,16 +188,18 @@ void dq_sym_search_scales(const float *x, const float *w, int64_t n, int L, int 
             for (int k = 0; k < ne; k++) {
                 float inv_xi[LANES];
                 for (int v = 0; v < LANES; v++) inv_xi[v] = invf(s.xt[idx[v][k]][v]);
+                nc = 0;
                 for (int lev = qlo; lev <= qhi; lev++) {
                     if (!lev) continue;
-                    for (int v = 0; v < LANES; v++) isc[v] = (float)lev * inv_xi[v];
-                    sym_consider(&s, isc);
+                    for (int v = 0; v < LANES; v++) cand[nc][v] = (float)lev * inv_xi[v];
+                    nc++;
                 }
+                sym_consider(&s, cand, nc);
             }
         }
         for (int it = 0; it < iters; it++) {
-            for (int v = 0; v < LANES; v++) isc[v] = invf((float)s.best_a[v]);
-            sym_consider(&s, isc);
+            for (int v = 0; v < LANES; v++) cand[0][v] = invf((float)s.best_a[v]);
+            sym_consider(&s, cand, 1);
         }
         for (int v = 0; v < nv; v++) out_a[j0 + v] = s.best_a[v];
     }
@@ -196,21 +230,8 @@ static void aff_ls(double sw, double sq, double sqq, double sx, double sxq, doub
     *pb = fix ? b2 : b;
 }
 
-/* consider(): codes q given as (x - b0[v]) * isc[v] (b0 = -ml for aff_codes' form), rounded and clamped to [0, qmax]. */
-static void aff_consider(AffLanes *s, const float *b0, const float *isc, int plus_ml) {
-    float sq[LANES], sqq[LANES], sxq[LANES];
-    for (int v = 0; v < LANES; v++) sq[v] = sqq[v] = sxq[v] = 0.0f;
-    for (int l = 0; l < s->L; l++) {
-        for (int v = 0; v < LANES; v++) {
-            /* aff_codes: (x + ml) * inv(dl); the step candidates: (x - b0) * iscale */
-            float y = plus_ml ? s->xt[l][v] + b0[v] : s->xt[l][v] - b0[v];
-            float q = clampf(nearbyintf(y * isc[v]), 0.0f, s->qmax);
-            float wq = s->wt[l][v] * q;
-            sq[v] += wq;
-            sqq[v] += wq * q;
-            sxq[v] += s->wxt[l][v] * q;
-        }
-    }
+/* The best-so-far update of consider() from one candidate's sums (the reference's float64 least squares). */
+static inline void aff_keep(AffLanes *s, const float *sq, const float *sqq, const float *sxq) {
     for (int v = 0; v < LANES; v++) {
         double dsq = sq[v], dsqq = sqq[v], dsxq = sxq[v], a, b;
         double sw = s->sw[v], sx = s->sx[v], sxx = s->sxx[v];
@@ -224,13 +245,52 @@ static void aff_consider(AffLanes *s, const float *b0, const float *isc, int plu
     }
 }
 
+/* One element's code and sums for candidate (b0, isc); aff_codes: (x + ml) * inv(dl), the step candidates:
+   (x - b0) * iscale. */
+#define AFF_TERM(xv, wv, wxv, b0v, iscv, plus_ml, qmax, sq, sqq, sxq)                                             \
+    do {                                                                                                           \
+        float y_ = (plus_ml) ? (xv) + (b0v) : (xv) - (b0v);                                                       \
+        float q_ = clampf(nearbyintf(y_ * (iscv)), 0.0f, (qmax));                                                 \
+        float wq_ = (wv) * q_;                                                                                     \
+        (sq) += wq_;                                                                                               \
+        (sqq) += wq_ * q_;                                                                                         \
+        (sxq) += (wxv) * q_;                                                                                       \
+    } while (0)
+
+/* consider(): codes q given as (x - b0[c][v]) * isc[c][v] (b0 = -ml for aff_codes' form), rounded and clamped to
+   [0, qmax], for candidates c = 0 .. nc-1 in order; four share an element loop, as in sym_consider. */
+static void aff_consider(AffLanes *s, float (*b0)[LANES], float (*isc)[LANES], int nc, int plus_ml) {
+    int c = 0;
+    for (; c + 4 <= nc; c += 4) {
+        float sq[4][LANES], sqq[4][LANES], sxq[4][LANES];
+        for (int k = 0; k < 4; k++)
+            for (int v = 0; v < LANES; v++) sq[k][v] = sqq[k][v] = sxq[k][v] = 0.0f;
+        for (int l = 0; l < s->L; l++)
+            for (int k = 0; k < 4; k++)
+                for (int v = 0; v < LANES; v++)
+                    AFF_TERM(s->xt[l][v], s->wt[l][v], s->wxt[l][v], b0[c + k][v], isc[c + k][v], plus_ml, s->qmax,
+                             sq[k][v], sqq[k][v], sxq[k][v]);
+        for (int k = 0; k < 4; k++) aff_keep(s, sq[k], sqq[k], sxq[k]);
+    }
+    for (; c < nc; c++) {
+        float sq[LANES], sqq[LANES], sxq[LANES];
+        for (int v = 0; v < LANES; v++) sq[v] = sqq[v] = sxq[v] = 0.0f;
+        for (int l = 0; l < s->L; l++)
+            for (int v = 0; v < LANES; v++)
+                AFF_TERM(s->xt[l][v], s->wt[l][v], s->wxt[l][v], b0[c][v], isc[c][v], plus_ml, s->qmax, sq[v], sqq[v],
+                         sxq[v]);
+        aff_keep(s, sq, sqq, sxq);
+    }
+}
+
 /* aff_search_scales_torch for n sub-blocks of L elements; steps, shifts as float32; out_a, out_b (n,) float64. */
 void dq_aff_search_scales(const float *x, const float *w, int64_t n, int L, int qmax, const float *steps, int n_steps,
                           const float *shifts, int n_shifts, int iters, double *out_a, double *out_b) {
     AffLanes s;
     s.L = L;
     s.qmax = (float)qmax;
-    float lo[LANES], rng[LANES], inv_rng[LANES], isc[LANES], b0[LANES];
+    static __thread float isc[MAX_CAND][LANES], b0[MAX_CAND][LANES]; /* steps x shifts <= MAX_CAND */
+    float lo[LANES], rng[LANES], inv_rng[LANES];
     for (int64_t j0 = 0; j0 < n; j0 += LANES) {
         int nv = n - j0 < LANES ? (int)(n - j0) : LANES;
         for (int v = 0; v < LANES; v++) {
@@ -256,20 +316,22 @@ void dq_aff_search_scales(const float *x, const float *w, int64_t n, int L, int 
             s.best_e[v] = INFINITY;
             s.best_a[v] = s.best_b[v] = 0.0;
         }
+        int nc = 0;
         for (int i = 0; i < n_steps; i++) {
             float t = steps[i];
-            for (int v = 0; v < LANES; v++) isc[v] = t * inv_rng[v];
-            for (int k = 0; k < n_shifts; k++) {
-                for (int v = 0; v < LANES; v++) b0[v] = lo[v] + (shifts[k] * rng[v]) / t;
-                aff_consider(&s, b0, isc, 0);
-            }
+            for (int k = 0; k < n_shifts; k++, nc++)
+                for (int v = 0; v < LANES; v++) {
+                    isc[nc][v] = t * inv_rng[v];
+                    b0[nc][v] = lo[v] + (shifts[k] * rng[v]) / t;
+                }
         }
+        aff_consider(&s, b0, isc, nc, 0);
         for (int it = 0; it < iters; it++) {
             for (int v = 0; v < LANES; v++) {
-                b0[v] = (float)(-s.best_b[v]); /* ml */
-                isc[v] = invf((float)s.best_a[v]);
+                b0[0][v] = (float)(-s.best_b[v]); /* ml */
+                isc[0][v] = invf((float)s.best_a[v]);
             }
-            aff_consider(&s, b0, isc, 1);
+            aff_consider(&s, b0, isc, 1, 1);
         }
         for (int v = 0; v < nv; v++) {
             out_a[j0 + v] = s.best_a[v];
@@ -610,5 +672,157 @@ int dq_sym_encode(const float *x, const float *w, int64_t n, int S, int L, int q
     }
     free(a); free(err); free(best_err); free(sxq); free(sqq); free(q); free(af); free(sqqf); free(dl); free(cand);
     free(d); free(k);
+    return ok ? 0 : -1;
+}
+
+/* aff_codes: q = clamp(round((x + ml) inv(dl)), 0, qmax) for every element of n_sub sub-blocks of L. */
+static void aff_codes_rows(const float *x, const float *dl, const float *ml, int64_t n_sub, int L, float qmax,
+                           float *q) {
+    for (int64_t j = 0; j < n_sub; j++) {
+        float id = invf(dl[j]), m = ml[j];
+        for (int l = 0; l < L; l++) q[j * L + l] = clampf(nearbyintf((x[j * L + l] + m) * id), 0.0f, qmax);
+    }
+}
+
+/* aff_encode_torch (steps 1-3, rounds rounds) for n super-blocks of S sub-blocks of L: d_steps float32 (as the
+   reference's tensor), moves (n_moves, 2) int32 -> out_d, out_m (n,) float32, out_ks, out_km (n, S) int64. The steps
+   between the searches repeat aff_round_candidates / aff_reference / aff_ls_super in the reference's precision (sums
+   over a sub-block's elements float32 then float64, over a super-block's sub-blocks float64, in order). Returns 0,
+   or -1 when memory runs out. */
+int dq_aff_encode(const float *x, const float *w, int64_t n, int S, int L, int qmax, int kmax, const float *steps,
+                  int n_steps, const float *shifts, int n_shifts, int iters, const float *d_steps, int n_d,
+                  const int *moves, int n_moves, int rounds, float *out_d, float *out_m, int64_t *out_ks,
+                  int64_t *out_km) {
+    const int64_t ns = n * S;
+    const int cmax = n_d + 2;
+    const float fq = (float)qmax, fk = (float)kmax;
+    double *a = malloc(ns * sizeof(double)), *b = malloc(ns * sizeof(double));
+    double *sw = malloc(ns * sizeof(double)), *sx = malloc(ns * sizeof(double)), *sq = malloc(ns * sizeof(double));
+    double *sqq = malloc(ns * sizeof(double)), *sxq = malloc(ns * sizeof(double));
+    double *err = malloc(n * sizeof(double)), *best_err = malloc(n * sizeof(double));
+    float *q = malloc(ns * L * sizeof(float)), *ref = malloc(7 * ns * sizeof(float));
+    float *dl = malloc(ns * sizeof(float)), *ml = malloc(ns * sizeof(float));
+    float *dc = malloc(n * cmax * sizeof(float)), *mc = malloc(n * cmax * sizeof(float));
+    float *gm = malloc(n * (n_d + 1) * sizeof(float));
+    float *d = malloc(n * sizeof(float)), *dm = malloc(n * sizeof(float));
+    int64_t *ks = malloc(ns * sizeof(int64_t)), *km = malloc(ns * sizeof(int64_t));
+    int ok = a && b && sw && sx && sq && sqq && sxq && err && best_err && q && ref && dl && ml && dc && mc && gm && d &&
+             dm && ks && km;
+    if (ok) {
+        dq_aff_search_scales(x, w, ns, L, qmax, steps, n_steps, shifts, n_shifts, iters, a, b);
+        for (int64_t j = 0; j < ns; j++) {
+            dl[j] = (float)a[j];
+            ml[j] = (float)(-b[j]);
+        }
+        aff_codes_rows(x, dl, ml, ns, L, fq, q);
+        for (int64_t j = 0; j < ns; j++) { /* sw, sx: sum(w), sum(w x) per sub-block, float32 then float64 */
+            float s1 = 0.0f, s2 = 0.0f;
+            for (int l = 0; l < L; l++) {
+                s1 += w[j * L + l];
+                s2 += w[j * L + l] * x[j * L + l];
+            }
+            sw[j] = s1;
+            sx[j] = s2;
+        }
+        float *ra = ref, *rb = ref + ns, *rga = ref + 2 * ns, *rgb = ref + 3 * ns, *rqq = ref + 4 * ns,
+              *rq = ref + 5 * ns, *rw = ref + 6 * ns;
+        for (int r = 0; r < rounds; r++) {
+            /* aff_round_candidates: the codes' sums and aff_reference */
+            for (int64_t j = 0; j < ns; j++) {
+                float s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+                for (int l = 0; l < L; l++) {
+                    float wv = w[j * L + l], qv = q[j * L + l];
+                    float wq = wv * qv;
+                    s1 += wq;
+                    s2 += wq * qv;
+                    s3 += (wv * x[j * L + l]) * qv;
+                }
+                sq[j] = s1;
+                sqq[j] = s2;
+                sxq[j] = s3;
+                double aj, bj;
+                aff_ls(sw[j], sq[j], sqq[j], sx[j], sxq[j], &aj, &bj);
+                ra[j] = (float)aj;
+                rb[j] = (float)bj;
+                rga[j] = (float)(aj * sqq[j] + bj * sq[j] - sxq[j]);
+                rgb[j] = (float)(aj * sq[j] + bj * sw[j] - sx[j]);
+                rqq[j] = (float)sqq[j];
+                rq[j] = (float)sq[j];
+                rw[j] = (float)sw[j];
+            }
+            const int C = r > 0 ? n_d + 2 : n_d + 1;
+            for (int64_t bi = 0; bi < n; bi++) {
+                const int64_t o = bi * S;
+                float amax = ra[o], mmax = -rb[o];
+                for (int j = 1; j < S; j++) {
+                    if (ra[o + j] > amax) amax = ra[o + j];
+                    if (-rb[o + j] > mmax) mmax = -rb[o + j];
+                }
+                float *dcb = dc + bi * C, *mcb = mc + bi * C, *gmb = gm + bi * (n_d + 1);
+                float m_cur;
+                for (int t = 0; t < n_d; t++) {
+                    dcb[t] = f16_candidate((double)(amax / d_steps[t]));
+                    gmb[t] = f16_candidate((double)(mmax / d_steps[t]));
+                }
+                if (r == 0) {
+                    dcb[n_d] = f16_candidate((double)(amax / fk));
+                    m_cur = f16_candidate((double)(mmax / fk));
+                    mcb[n_d] = m_cur;
+                } else { /* the kept (d, dmin) and aff_ls_super's least-squares pair for the kept integers */
+                    double a11 = 0.0, a12 = 0.0, a22 = 0.0, b1 = 0.0, b2 = 0.0;
+                    for (int j = 0; j < S; j++) {
+                        double kf = (double)out_ks[o + j], mf = (double)out_km[o + j];
+                        a11 += kf * kf * sqq[o + j];
+                        a12 += kf * mf * sq[o + j];
+                        a22 += mf * mf * sw[o + j];
+                        b1 += kf * sxq[o + j];
+                        b2 += mf * sx[o + j];
+                    }
+                    a12 = -a12;
+                    b2 = -b2;
+                    double det = a11 * a22 - a12 * a12;
+                    double dls = safe_divd(b1 * a22 - a12 * b2, det), mls = safe_divd(a11 * b2 - a12 * b1, det);
+                    if (dls <= 0 || mls < 0) {
+                        dls = (double)out_d[bi];
+                        mls = (double)out_m[bi];
+                    }
+                    m_cur = out_m[bi];
+                    dcb[n_d] = out_d[bi];
+                    dcb[n_d + 1] = f16_candidate(dls);
+                    mcb[n_d] = m_cur;
+                    mcb[n_d + 1] = f16_candidate(mls);
+                }
+                for (int t = 0; t < n_d; t++) mcb[t] = m_cur;
+            }
+            /* coordinate search: d over its grid (dmin kept), then dmin over its grid (d kept) */
+            dq_aff_pick(ref, n, S, kmax, dc, mc, C, d, dm, ks, km);
+            for (int64_t bi = 0; bi < n; bi++) {
+                float *dcb = dc + bi * (n_d + 1), *mcb = mc + bi * (n_d + 1), *gmb = gm + bi * (n_d + 1);
+                for (int t = 0; t <= n_d; t++) {
+                    dcb[t] = d[bi];
+                    mcb[t] = t < n_d ? gmb[t] : dm[bi];
+                }
+            }
+            dq_aff_pick(ref, n, S, kmax, dc, mc, n_d + 1, d, dm, ks, km);
+            dq_aff_refine(x, w, n, S, L, d, dm, ks, km, qmax, kmax, moves, n_moves, err);
+            for (int64_t bi = 0; bi < n; bi++)
+                if (r == 0 || err[bi] < best_err[bi]) {
+                    best_err[bi] = err[bi];
+                    out_d[bi] = d[bi];
+                    out_m[bi] = dm[bi];
+                    memcpy(out_ks + bi * S, ks + bi * S, S * sizeof(int64_t));
+                    memcpy(out_km + bi * S, km + bi * S, S * sizeof(int64_t));
+                }
+            if (r + 1 < rounds) {
+                for (int64_t j = 0; j < ns; j++) {
+                    dl[j] = out_d[j / S] * (float)out_ks[j];
+                    ml[j] = out_m[j / S] * (float)out_km[j];
+                }
+                aff_codes_rows(x, dl, ml, ns, L, fq, q);
+            }
+        }
+    }
+    free(a); free(b); free(sw); free(sx); free(sq); free(sqq); free(sxq); free(err); free(best_err); free(q); free(ref);
+    free(dl); free(ml); free(dc); free(mc); free(gm); free(d); free(dm); free(ks); free(km);
     return ok ? 0 : -1;
 }

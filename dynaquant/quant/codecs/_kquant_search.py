@@ -600,6 +600,13 @@ def aff_round_candidates(w, wx, q, sw, sx, ts, kmax: int, best: AffConfig | None
 
 
 def aff_encode(x: torch.Tensor, w: torch.Tensor, spec: AffSearch, backend: str = "auto") -> AffConfig:
+    """The whole search's fast path ``kquant.aff_encode`` as ``backend`` chooses (only a compiled CPU one exists), else
+    :func:`aff_encode_torch` with the steps' own fast paths (``"triton"``: the steps' kernels)."""
+    fn = None if backend == "triton" else fast_path("kquant.aff_encode", x, backend)
+    return fn(x, w, spec) if fn is not None else aff_encode_torch(x, w, spec, backend)
+
+
+def aff_encode_torch(x: torch.Tensor, w: torch.Tensor, spec: AffSearch, backend: str = "auto") -> AffConfig:
     """Affine model, steps 1-3 (module docstring); x, w: (n_super, n_sub, sub_size) float32;
     ``backend`` chooses the steps' fast paths (:func:`dynaquant.quant.codecs.fastpaths.fast_path`)."""
     kmax = spec.kmax
