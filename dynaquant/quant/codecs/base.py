@@ -352,11 +352,12 @@ def quantize(
         return blocks.reshape(*shape[:-1], row_bytes)
     step = max(1, chunk_weights(x.device, large=codec.cross_block) // k)
     per_expert = _expert_importance(imatrix, shape, x.device)
+    shared = block_importance(imatrix, 1, k, x.device) if per_expert is None else None  # floored once, not a chunk
 
     def encode(r0: int) -> None:
         xr = x[r0 : r0 + step]
         if per_expert is None:
-            wr = block_importance(imatrix, xr.shape[0], k, x.device)
+            wr = shared.expand(xr.shape[0], k)
         else:
             wr = per_expert[torch.arange(r0, r0 + xr.shape[0], device=x.device) // shape[1]]
         xb, wb = xr.reshape(-1, fmt.block_size).contiguous(), wr.reshape(-1, fmt.block_size).contiguous()

@@ -178,7 +178,19 @@ class _KQuant(Codec):
         ``backend`` chooses the thorough search's fused kernels (``kquant.*`` of
         :mod:`.fastpaths`: on CUDA tensors under ``"auto"``); ``variant`` is unused."""
         params = self.fit_params(x, w, thorough=thorough, backend=backend)
-        return self.pack(params, self.round_to_grid(x, params)[0])
+        return self.pack(params, self._block_codes(x, params))
+
+    def _block_codes(self, x: torch.Tensor, params) -> torch.Tensor:
+        """:meth:`round_to_grid`'s codes of whole (n, 256) blocks, (n, 256) int64: the same roundings, each sub-block's
+        scale broadcast over its elements instead of gathered a column."""
+        n = x.shape[0]
+        x3 = x.float().reshape(n, self.n_sub, -1)
+        sp = self.search
+        if isinstance(sp, kqs.AffSearch):
+            q = kqs.aff_codes(x3, *params.sub_scales(), sp.qmax)
+        else:
+            q = kqs.sym_codes(x3, params.sub_scales(), sp.qlo, sp.qhi).sub_(sp.qlo)
+        return q.reshape(n, QK_K).to(torch.int64)
 
     def fit_params(
         self, x: torch.Tensor, w: torch.Tensor, thorough: bool = True, backend: str = "auto"
