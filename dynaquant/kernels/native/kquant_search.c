@@ -39,13 +39,7 @@ typedef struct {
     float qlo, qhi;
 } SymLanes;
 
-/* The best-so-far update of consider() from one candidate's sums (the reference's float64 gain and scale).
-
-   The float64 divisions would cost more than the candidate's element loop, and most candidates lose: a lane first
-   bounds its gain sxq^2 / sqq with a float32 reciprocal (sqq is a float32 value, so 1 / sqq is within 2^-24 of the
-   true quotient's factor, sxq^2 exact in float64: the bound is within ~2^-23 of the gain), and only a lane whose
-   bound is not clearly below its best (by 2^-20, far above both roundings) computes the reference's division. A
-   lane skipped could not have won, so the result is the reference's bit for bit. */
+/* The best-so-far update of consider() from one candidate's sums (the reference's float64 gain and scale). */
 static inline void sym_keep(SymLanes *s, const float *sxq, const float *sqq) {
     for (int v = 0; v < LANES; v++) {
         double dxq = sxq[v], dqq = sqq[v];
