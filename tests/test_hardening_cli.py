@@ -394,7 +394,7 @@ def test_full_disk_mid_file_names_the_output_and_leaves_nothing(tiny, tmp_path, 
     from dynaquant.exporters.gguf import writer as gguf_writer
 
     calls = []
-    real = gguf_writer._Writer.write_tensor_data
+    real = gguf_writer.ArrayPackingWriter.write_tensor_data
 
     def filling(self, data, *a):
         calls.append(1)
@@ -402,7 +402,7 @@ def test_full_disk_mid_file_names_the_output_and_leaves_nothing(tiny, tmp_path, 
             raise error
         return real(self, data, *a)
 
-    monkeypatch.setattr(gguf_writer._Writer, "write_tensor_data", filling)
+    monkeypatch.setattr(gguf_writer.ArrayPackingWriter, "write_tensor_data", filling)
     out = tmp_path / "out.gguf"
     with pytest.raises(InputError, match=f"^{re.escape(str(out))}: cannot write: ") as e:
         quantize(str(tiny[1]), preset="Q8_0", use_imatrix=False, output=out, progress=False)

@@ -20,7 +20,7 @@ import torch
 
 from dynaquant.analysis.imatrix import Imatrix
 from dynaquant.config import DEFAULT_CANDIDATES, QuantizeConfig
-from dynaquant.exporters.gguf.writer import GGUFFileWriter, header_bytes
+from dynaquant.exporters.gguf.writer import ArrayPackingWriter, GGUFFileWriter, header_bytes
 from dynaquant.pipeline.preflight import Output
 from dynaquant.pipeline.run_state import RunState
 from dynaquant.pipeline.source import kept_types
@@ -149,7 +149,7 @@ def gguf_overhead_bytes(ts: TensorSource, tensors: list[TensorInfo], extra_kv: d
     Counted in memory on the header gguf-py writes for ``ts``'s metadata, ``extra_kv`` (strings with 64 spare
     characters, numbers as UINT32) and an F32 tensor info per tensor, plus 32 alignment bytes per tensor and one more.
     """
-    w = gguf.GGUFWriter(None, ts.arch)
+    w = ArrayPackingWriter(None, ts.arch)
     ts.add_metadata(w)
     w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_K_M))
     for k, v in extra_kv.items():
