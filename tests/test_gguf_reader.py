@@ -114,3 +114,43 @@ def test_writer_read_back_names_what_differs(tmp_path):
         _verify(path, [t], {"t": get_format("F32")}, 8)
     with pytest.raises(ValueError, match="read back 1 tensors, wrote 2"):
         _verify(path, [t, t], {"t": get_format("F32")}, None)
+
+
+def test_float_tensors_read_as_gguf_py_dequantizes_them(tmp_path):
+    """BF16 / F16 / F32 tensors (2-D and stacked 3-D; subnormal, infinite and NaN values) read by the GGUF source as
+    gguf-py's ``dequantize`` gives them: the same float32 values bit for bit (NaN where gguf-py has NaN)."""
+    import torch
+
+    from dynaquant.sources.gguf import open_gguf_source
+
+    g = np.random.default_rng(0)
+    x = g.standard_normal((3, 4, 64)).astype(np.float32)
+    x.flat[:6] = [np.inf, -np.inf, np.nan, 1e-40, -0.0, 65504.0]
+    bf16 = (x.view(np.uint32) >> 16).astype(np.uint16)  # truncated: any bit pattern is a BF16 value
+    path = tmp_path / "floats.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(1)
+    w.add_tensor("blk.0.attn_q.weight", bf16[0].view(np.uint8), raw_shape=(4, 64), raw_dtype=gguf.GGMLQuantizationType.BF16)
+    w.add_tensor("blk.0.attn_k.weight", x[0].astype(np.float16))
+    w.add_tensor("blk.0.attn_v.weight", x[0])
+    w.add_tensor("blk.0.ffn_gate_exps.weight", bf16.view(np.uint8), raw_shape=(3, 4, 64),
+                 raw_dtype=gguf.GGMLQuantizationType.BF16)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    src = open_gguf_source(path)
+    by_name = {t.gguf_name: t for t in src.tensors()}
+    reader = gguf.GGUFReader(path)
+    for rt in reader.tensors:
+        data = rt.data
+        if rt.tensor_type == gguf.GGMLQuantizationType.BF16:
+            data = np.ascontiguousarray(data).view(np.uint8)
+        want = torch.from_numpy(np.array(gguf.quants.dequantize(data, rt.tensor_type), dtype=np.float32))
+        t = by_name[rt.name]
+        got = src.read(t)
+        assert got.dtype == torch.float32 and tuple(got.shape) == tuple(t.shape), rt.name
+        want = want.reshape(got.shape)
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), rt.name
+        finite = ~torch.isnan(want)
+        assert torch.equal(got[finite].view(torch.int32), want[finite].view(torch.int32)), rt.name

@@ -29,6 +29,11 @@ from dynaquant.sources.readers import gguf_field, gguf_shard_paths, open_gguf, o
 logger = logging.getLogger(__name__)
 
 
+# Stored float types :meth:`GGUFFileSource.read` converts itself (numpy view of the stored values)
+_PLAIN_FLOATS = {gguf.GGMLQuantizationType.BF16: np.int16, gguf.GGMLQuantizationType.F16: np.float16,
+                 gguf.GGMLQuantizationType.F32: np.float32}
+
+
 @dataclass(frozen=True)
 class SourceTensor:
     """One tensor of a source model.
@@ -253,7 +258,8 @@ class GGUFFileSource(TensorSource):
         return rt.tensor_type.name, data.view(np.uint8).reshape(*data.shape[:-1], -1)
 
     def read(self, t: SourceTensor) -> torch.Tensor:
-        """Dequantize one tensor with ``gguf.quants.dequantize``.
+        """One tensor as float32: a quantized type dequantized with ``gguf.quants.dequantize``, BF16 / F16 / F32
+        converted by torch (the same values).
 
         Returns:
             float32 tensor of shape ``t.shape`` (a copy; the file stays memory-mapped).
@@ -263,6 +269,14 @@ class GGUFFileSource(TensorSource):
         """
         rt = self._by_name[t.gguf_name]
         data = rt.data
+        plain = _PLAIN_FLOATS.get(rt.tensor_type)
+        if plain is not None:
+            # a float type: converted by torch from one copy of the stored values (the same float32 values as gguf-py's
+            # dequantize, which made two float32 copies in numpy: ~5x the time for a BF16 model on a CPU)
+            raw = torch.from_numpy(np.array(data, copy=True).view(plain).reshape(t.shape))
+            if plain is np.int16:  # BF16: the top half of a float32
+                return (raw.to(torch.int32) << 16).view(torch.float32)
+            return raw.to(torch.float32)
         if rt.tensor_type == gguf.GGMLQuantizationType.BF16:
             # gguf-py's BF16 dequantize wants the raw bytes; the reader hands out uint16/uint8 views.
             data = np.ascontiguousarray(data).view(np.uint8)
