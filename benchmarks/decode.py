@@ -9,7 +9,8 @@ below), q/k/v and gate/up fused as ``dynaquant.load`` does (``--no-fuse``: separ
 ``--prompt`` tokens is prefilled into a transformers ``StaticCache``; then greedy decoding of ``--steps``
 tokens as one CUDA graph per step (argmax and position update inside the graph), timed over replays:
 tokens per second = batch * steps / median time. One JSON row per (plan, batch) with the speedup against
-bf16 measured in the same run.
+bf16 measured in the same run, and the GPU memory the built model holds (weights only, before any cache or graph)
+against its checkpoint's bytes (``held_vs_checkpoint``; issue 17's target: at most 1.1 for INT4).
 
     python benchmarks/decode.py --out benchmarks/out/decode.json            # H100: about 3 minutes
     python benchmarks/decode.py --dry-run                                   # CPU: tiny model, eager, checks the script
@@ -90,6 +91,21 @@ def quantize_linears(model: nn.Module, fmt: str, head_fmt: str) -> int:
         setattr(model.get_submodule(parent) if parent else model, attr, lin)
         del mod
     return nbytes
+
+
+def held_memory(model: nn.Module, linear_bytes: int, device: torch.device) -> dict:
+    """What the built model holds on the GPU (``torch.cuda.memory_allocated`` after the build, before any cache or
+    graph: weights only) against its checkpoint's bytes: the linear layers' stored bytes (quantized: codes, scales,
+    zero points; bf16: 2 a weight) plus every other parameter's (embeddings, norms) at its dtype. Empty on a CPU."""
+    if device.type != "cuda":
+        return {}
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    linear_ids = {id(p) for m in model.modules() if isinstance(m, (nn.Linear, DynaLinear)) for p in m.parameters()}
+    other = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in linear_ids)
+    held = torch.cuda.memory_allocated(device)
+    ckpt = linear_bytes + other
+    return {"gpu_held_bytes": held, "checkpoint_bytes": ckpt, "held_vs_checkpoint": held / ckpt}
 
 
 def decode_time(model: nn.Module, batch: int, prompt: int, steps: int, graphs: bool, reps: int,
@@ -218,11 +234,14 @@ def main(argv=None) -> int:
                 after = model(input_ids=probe.to(device)).logits.float()
             fuse_diff = (after - before).abs().max().item() / before.abs().max().item()
             fuse_top1 = (after.argmax(-1) == before.argmax(-1)).float().mean().item()
+            del before, after  # (not counted in the memory held below)
         else:
             head, fuse_diff, fuse_top1 = "BF16", None, None
         build_s = time.time() - t0
+        memory = held_memory(model, weight_bytes, device)
         log.info("%s: built in %.0f s, %.2f GB of linear weights, %d fused groups (logits vs separate calls: max "
-                 "rel diff %s)", plan, build_s, weight_bytes / 1e9, fused, fuse_diff)
+                 "rel diff %s); GPU memory held %s", plan, build_s, weight_bytes / 1e9, fused, fuse_diff,
+                 memory.get("held_vs_checkpoint"))
         for b, comp in [(b, c) for c in {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
                         for b in batches]:
             r = decode_time(model, b, args.prompt, args.steps, not args.no_graphs, args.reps, comp)
@@ -231,7 +250,7 @@ def main(argv=None) -> int:
             row = {"row": "decode", "plan": plan, "head_format": head, "batch": b, "compiled": comp, **r,
                    "linear_weight_bytes": weight_bytes, "fused_groups": fused,
                    "fused_vs_separate_max_rel_diff": fuse_diff, "fused_vs_separate_top1_agreement": fuse_top1,
-                   "build_s": build_s,
+                   "build_s": build_s, **memory,
                    "speedup_vs_bf16": r["tokens_per_s"] / base[(b, comp)] if (b, comp) in base else None}
             rows.append(row)
             _write(out, rows)
