@@ -17,12 +17,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-
-from huggingface_hub import ModelCard, ModelCardData
+from typing import TYPE_CHECKING
 
 from dynaquant.names import TensorName
 from dynaquant.quant.formats import get_format
 from dynaquant.quant.plan import Plan
+
+if TYPE_CHECKING:  # (imported where used: huggingface_hub's import is ~0.3 s of every run's start-up otherwise)
+    from huggingface_hub import ModelCard, ModelCardData
 
 LIBRARY_NAMES = {"gguf": "gguf", "safetensors": "dynaquant"}
 NOT_MEASURED = "not measured"
@@ -167,6 +169,8 @@ def plan_groups(plan: Plan) -> tuple[GroupRow, ...]:
 
 def card_data(facts: CardFacts) -> ModelCardData:
     """The card's metadata (front matter) for ``facts``."""
+    from huggingface_hub import ModelCardData
+
     tags = [facts.target, "quantized", "dynaquant"] + ([facts.architecture] if facts.architecture else [])
     if facts.vision:
         tags.append("vision")
@@ -249,5 +253,7 @@ def build_card(facts: CardFacts) -> ModelCard:
     Raises:
         KeyError: an unknown ``facts.target``.
     """
+    from huggingface_hub import ModelCard
+
     data = card_data(facts)
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{card_body(facts)}")
