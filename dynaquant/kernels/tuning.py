@@ -43,7 +43,10 @@ class LaunchConfig:
         block_k: ``gemm``: weights along K a loop iteration (at least 32, a power-of-two number of packed
             words that divides a group or is made of whole groups; 0 elsewhere).
         half2: ``gemv``, symmetric INT4 / INT2 and FP4: each packed word's dot product in fp16 pairs
-            (:mod:`dynaquant.kernels.triton_half2`), float32 across words.
+            (:mod:`dynaquant.kernels.triton_half2`), float32 across words, scaled once per run of up to 4 words of
+            a group.
+        pairs: ``half2`` only: two words' products summed in fp16 before the float32 conversion (groups of at
+            least 2 words).
     """
 
     path: str
@@ -56,6 +59,7 @@ class LaunchConfig:
     prefetch: bool = False
     block_k: int = 0
     half2: bool = False
+    pairs: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,8 @@ def valid_config(cfg: LaunchConfig, fmt: KernelFormat, m: int, n: int, k: int) -
     if cfg.split_k < 1 or n_groups % cfg.split_k or (n_groups // cfg.split_k) % cfg.groups:
         return False
     if cfg.half2 and not (cfg.path == "gemv" and has_half2(fmt)):
+        return False
+    if cfg.pairs and not (cfg.half2 and _words_per_group(fmt) >= 2):
         return False
     if cfg.path == "gemv":  # asymmetric formats: one group per K tile
         return m == 1 and cfg.block_n >= 16 and (fmt.symmetric or cfg.groups == 1)
@@ -290,7 +296,7 @@ def choose_config(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) ->
 def gemv_candidates(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> list[LaunchConfig]:
     """GEMV configurations worth timing for a shape (the benchmark's sweep): rows a thread, warps, K split,
     (symmetric formats) K tiles of 32 words and prefetching, and (:func:`has_half2` formats) wide K tiles of 128
-    and 256 words with the packed-fp16 products."""
+    and 256 words with the packed-fp16 products, one or two words an f16x2 sum (``pairs``)."""
     n_groups = k // fmt.group_size
     wpg = _words_per_group(fmt)
     out = []
@@ -318,10 +324,11 @@ def gemv_candidates(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> list[
                 for prefetch in (False, True):
                     out.append(LaunchConfig("gemv", 1, block_n, groups, split, 4, 1, prefetch))
     if has_half2(fmt):  # wide K tiles, packed-fp16 products
-        for words, block_n, warps, target in itertools.product((128, 256), (16, 32, 64), (4, 8), (4, 8)):
+        for words, block_n, warps, target, pairs in itertools.product((128, 256), (16, 32, 64), (4, 8), (4, 8),
+                                                                      (False, True)):
             groups = max(1, words // wpg)
             split = _split_for(n_groups, groups, -(-n // block_n), target * dev.sm_count, 32)
-            out.append(LaunchConfig("gemv", 1, block_n, groups, split, warps, 1, False, 0, True))
+            out.append(LaunchConfig("gemv", 1, block_n, groups, split, warps, 1, False, 0, True, pairs))
     return [c for c in dict.fromkeys(out) if valid_config(c, fmt, 1, n, k)]
 
 
