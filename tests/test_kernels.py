@@ -218,17 +218,19 @@ def test_gemv_tiles_and_prefetch(fmt, groups, prefetch, split):
 
 
 @pytest.mark.parametrize("fmt", ["INT4_G128", "INT4_G32", "INT2_G128", "INT2_G64", "MXFP4_G32", "NVFP4_G16"])
-@pytest.mark.parametrize("groups,prefetch,split,pairs", [(1, False, 2, False), (2, True, 1, False), (8, False, 1, False),
-                                                         (2, False, 2, True), (8, True, 1, True)])
-def test_gemv_half2(fmt, groups, prefetch, split, pairs):
+@pytest.mark.parametrize("groups,prefetch,split,runs,pairs", [(1, False, 2, 4, False), (2, True, 1, 1, False),
+                                                              (8, False, 1, 4, False), (4, False, 2, 1, False),
+                                                              (2, False, 2, 4, True), (8, True, 1, 2, True)])
+def test_gemv_half2(fmt, groups, prefetch, split, runs, pairs):
     """The packed-fp16 word products (``half2``): every code position paired with its activation (E2M1 codes: every
     magnitude and both signs), bf16 and fp16 inputs, activations up to 3000 in magnitude (fp16 partial sums stay
-    finite), bias, a K tile of the whole row (8 groups), two words an f16x2 sum (``pairs``); natively the PTX."""
+    finite), bias, a K tile of the whole row (8 groups), a scale a word or a run of words, two words an f16x2 sum
+    (``pairs``); natively the PTX."""
     f = KernelFormat.parse(fmt)
     gen = torch.Generator().manual_seed(28)
     n, k = 40, 8 * f.group_size
     pw = packed_weight(fmt, n, k, gen)
-    cfg = LaunchConfig("gemv", 1, 16, groups, split, 4, 1, prefetch, half2=True, pairs=pairs)
+    cfg = LaunchConfig("gemv", 1, 16, groups, split, 4, 1, prefetch, half2=True, scale_words=runs, pairs=pairs)
     assert valid_config(cfg, f, 1, n, k)
     bias = torch.randn(n, generator=gen)
     for dtype, scale in ((torch.bfloat16, 1.0), (torch.float16, 1.0), (torch.bfloat16, 1000.0)):
@@ -274,17 +276,19 @@ def test_gemv_half2_group_scales(fmt, pairs):
     """Each run of words meets its own group's scale: groups whose scales differ by up to 2**17, from
     subnormal E4M3 values (NVFP4) and of both signs (INT), each group adding about as much to the sum (activations
     of the inverse magnitude); the same weight with its scales rolled by one group is far off (the test sees a
-    wrong group); K tiles of 1, 2 and all 16 groups, split-K."""
+    wrong group); K tiles of 1, 2 and all 16 groups, split-K, a scale a run of 4 or 2 words or a word."""
     f = KernelFormat.parse(fmt)
     gen = torch.Generator().manual_seed(29)
     n = 40
     pw, x, rolled = _spread_weight(fmt, n, gen)
     ref = fp32_ref(x, pw)
     assert rel_err(fp32_ref(x, rolled), ref) > 0.5
-    for groups, split in ((1, 2), (2, 1), (16, 1)):
-        cfg = LaunchConfig("gemv", 1, 16, groups, split, 4, 1, False, half2=True, pairs=pairs)
-        assert valid_config(cfg, f, 1, n, pw.in_features)
-        assert rel_err(linear(x, pw, config=cfg), ref) < tolerance(torch.float16), (groups, split)
+    for groups, split, runs in ((1, 2, 4), (2, 1, 2), (16, 1, 4), (2, 2, 1)):
+        cfg = LaunchConfig("gemv", 1, 16, groups, split, 4, 1, False, half2=True, scale_words=runs, pairs=pairs)
+        if not valid_config(cfg, f, 1, n, pw.in_features):
+            assert pairs and runs == 1
+            continue
+        assert rel_err(linear(x, pw, config=cfg), ref) < tolerance(torch.float16), (groups, split, runs)
 
 
 @pytest.mark.parametrize("pairs", [False, True])
@@ -319,6 +323,8 @@ def test_half2_config_checks():
     assert not valid_config(LaunchConfig("mm", 16, 64, 1, 1, half2=True), f, 16, 256, 4096)
     assert valid_config(LaunchConfig("gemv", 1, 64, 1, 1, half2=True, pairs=True), f, 1, 256, 4096)
     assert not valid_config(LaunchConfig("gemv", 1, 64, 1, 1, pairs=True), f, 1, 256, 4096)  # pairs needs half2
+    assert not valid_config(LaunchConfig("gemv", 1, 64, 1, 1, half2=True, scale_words=1, pairs=True), f, 1, 256, 4096)
+    assert not valid_config(LaunchConfig("gemv", 1, 64, 1, 1, half2=True, scale_words=3), f, 1, 256, 4096)
     dev = DeviceInfo("NVIDIA H100 80GB HBM3", 132, (9, 0))
     assert any(c.half2 for c in gemv_candidates(f, 4096, 4096, dev))
     assert not any(c.half2 for c in gemv_candidates(KernelFormat.parse("INT8_G128"), 4096, 4096, dev))

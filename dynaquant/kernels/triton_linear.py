@@ -227,14 +227,14 @@ def _gemv_part(w, x_ptr, kb, qh_ptr, z_ptr, row, KH, base, rw, goff, magic, KIND
 
 @triton.jit
 def _half2_part(w, x_ptr, s_ptr, row, NG, base, KIND: tl.constexpr, BITS: tl.constexpr, WPG: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, CW: tl.constexpr, PAIRS: tl.constexpr,
+                ASM: tl.constexpr):
     """The GEMV's packed-fp16 path: words [BLOCK_N, BLOCK_KW] (from word ``base``) times the activations, scaled,
-    as float32 [BLOCK_N, BLOCK_KW / CW] (unscaled by :data:`X_UNSCALE`): each run of CW = min(WPG, 4) words (one
-    thread's 16-byte load, inside one group) summed, then multiplied by its group's scale, so a scale is loaded and
-    converted (E8M0 / E4M3 / fp16 -> float32) once a run rather than once a word. PAIRS: two words' products summed
-    in f16x2 before the float32 conversion (:func:`.triton_half2.word_pair_dot`)."""
+    as float32 [BLOCK_N, BLOCK_KW / CW] (unscaled by :data:`X_UNSCALE`): each run of CW words (at most one thread's
+    16-byte load and one group) summed, then multiplied by its group's scale, so a scale is loaded and converted
+    (E8M0 / E4M3 / fp16 -> float32) once a run (the kernel's CW = 1 path: once a word). PAIRS: two words' products summed in f16x2
+    before the float32 conversion (:func:`.triton_half2.word_pair_dot`; CW >= 2)."""
     EPW: tl.constexpr = 32 // BITS
-    CW: tl.constexpr = WPG if WPG < 4 else 4
     NC: tl.constexpr = BLOCK_KW // CW
     if PAIRS:
         wa, wb = tl.split(tl.reshape(w, [BLOCK_N, BLOCK_KW // 2, 2]))
@@ -254,11 +254,11 @@ def _gemv_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
                  N, KW, KH, NG, out_mul, magic, NT, NT_C: tl.constexpr,
                  KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ZC: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, PREFETCH: tl.constexpr,
-                 SPLIT_K: tl.constexpr, HALF2: tl.constexpr, ASM: tl.constexpr, PAIRS: tl.constexpr):
+                 SPLIT_K: tl.constexpr, HALF2: tl.constexpr, ASM: tl.constexpr, CW: tl.constexpr, PAIRS: tl.constexpr):
     """Words [BLOCK_N, BLOCK_KW] per iteration (16-byte loads along K, whole groups or parts of one);
     NT iterations per program. PREFETCH loads the next tile's words before decoding the current one.
     HALF2 (symmetric INT4 / INT2, FP4): each word's dot product in packed fp16 (:mod:`.triton_half2`; ASM: its
-    PTX), scaled once a run of words (:func:`_half2_part`; PAIRS: two words a register); the FP4 codes then enter
+    PTX), scaled once a run of CW words (:func:`_half2_part`; PAIRS: two words a register); the FP4 codes then enter
     as ``e2m1 / 16`` (``out_mul`` without the float32 path's ``2**26``)."""
     EPW: tl.constexpr = 16 if BITS == 3 else 32 // BITS
     WPG: tl.constexpr = G // EPW
@@ -270,7 +270,7 @@ def _gemv_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
     rw = tl.arange(0, BLOCK_KW)
     wrow = qw_ptr + row * KW
     if HALF2:
-        acc = tl.zeros([BLOCK_N, BLOCK_KW // (WPG if WPG < 4 else 4)], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_KW // CW], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
     kw0 = pid_k * NT * BLOCK_KW
@@ -285,15 +285,19 @@ def _gemv_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
                              other=0)
         else:
             w = tl.load(wrow + word[None, :])
-        if HALF2:
-            acc += _half2_part(w, x_ptr, s_ptr, row, NG, base, KIND, BITS, WPG, BLOCK_N, BLOCK_KW, PAIRS, ASM)
+        if HALF2 and CW > 1:
+            acc += _half2_part(w, x_ptr, s_ptr, row, NG, base, KIND, BITS, WPG, BLOCK_N, BLOCK_KW, CW, PAIRS, ASM)
         else:
             # the group of each word, as (scalar + per-element constant): words of one group then load
             # their scale from one address, which the compiler merges into one load a thread
             goff = row * NG + (base // WPG + rw // WPG)[None, :]
             sc = group_scale(tl.load(s_ptr + goff), KIND)
-            acc += _gemv_part(w, x_ptr, word * EPW, qh_ptr, z_ptr, row, KH, base, rw, goff, magic,
-                              KIND, BITS, ASYM, ZC, BLOCK_N, BLOCK_KW, EPW) * sc
+            kb = word * EPW
+            if HALF2:  # a scale a word
+                acc += word_dot(w, x_ptr, kb, BITS, ASM, KIND != 0) * sc
+            else:
+                acc += _gemv_part(w, x_ptr, kb, qh_ptr, z_ptr, row, KH, base, rw, goff, magic,
+                                  KIND, BITS, ASYM, ZC, BLOCK_N, BLOCK_KW, EPW) * sc
     y = tl.sum(acc, axis=1)
     if HALF2:
         y = y * X_UNSCALE
@@ -475,7 +479,7 @@ def _launch_args(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
                 out_multiplier(packed, not cfg.half2), MAGIC, nt)
         return _gemv_kernel, grid, args, dict(common, NT_C=nt if gps_c else 0, BLOCK_KW=cfg.groups * wpg,
                                               PREFETCH=cfg.prefetch, HALF2=cfg.half2, ASM=not interpreting(),
-                                              PAIRS=cfg.pairs), y
+                                              CW=min(cfg.scale_words, wpg), PAIRS=cfg.pairs), y
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
     args = (x2, packed.qweight, qh, packed.scales, z, b, y, ws, packed.counters, m, n, kw, kh, ng, x2.stride(0),
             y.stride(0), out_multiplier(packed, False), MAGIC, gps)
