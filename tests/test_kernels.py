@@ -218,16 +218,19 @@ def test_gemv_tiles_and_prefetch(fmt, groups, prefetch, split):
 
 
 @pytest.mark.parametrize("fmt", ["INT4_G128", "INT4_G32", "INT2_G128", "INT2_G64", "MXFP4_G32", "NVFP4_G16"])
-@pytest.mark.parametrize("groups,prefetch,split", [(1, False, 2), (2, True, 1), (8, False, 1)])
-def test_gemv_half2(fmt, groups, prefetch, split):
+@pytest.mark.parametrize("groups,prefetch,split,runs,pairs", [(1, False, 2, 4, False), (2, True, 1, 1, False),
+                                                              (8, False, 1, 4, False), (4, False, 2, 1, False),
+                                                              (2, False, 2, 4, True), (8, True, 1, 2, True)])
+def test_gemv_half2(fmt, groups, prefetch, split, runs, pairs):
     """The packed-fp16 word products (``half2``): every code position paired with its activation (E2M1 codes: every
     magnitude and both signs), bf16 and fp16 inputs, activations up to 3000 in magnitude (fp16 partial sums stay
-    finite), bias, a K tile of the whole row (8 groups); natively the PTX."""
+    finite), bias, a K tile of the whole row (8 groups), a scale a word or a run of words, two words an f16x2 sum
+    (``pairs``); natively the PTX."""
     f = KernelFormat.parse(fmt)
     gen = torch.Generator().manual_seed(28)
     n, k = 40, 8 * f.group_size
     pw = packed_weight(fmt, n, k, gen)
-    cfg = LaunchConfig("gemv", 1, 16, groups, split, 4, 1, prefetch, half2=True)
+    cfg = LaunchConfig("gemv", 1, 16, groups, split, 4, 1, prefetch, half2=True, scale_words=runs, pairs=pairs)
     assert valid_config(cfg, f, 1, n, k)
     bias = torch.randn(n, generator=gen)
     for dtype, scale in ((torch.bfloat16, 1.0), (torch.float16, 1.0), (torch.bfloat16, 1000.0)):
@@ -240,6 +243,76 @@ def test_gemv_half2(fmt, groups, prefetch, split):
     assert int(pw.counters.abs().sum()) == 0
 
 
+def _spread_weight(fmt: str, n: int, gen: torch.Generator):
+    """A weight of 16 groups a row whose scales differ by up to 2**17 between groups, with activations of the inverse
+    magnitude per group (every group adds about as much to a row's sum), NVFP4 scales that include subnormal E4M3
+    values; returns (packed, x fp16 (1, K), the same weight with its scales rolled by one group)."""
+    f = KernelFormat.parse(fmt)
+    g, ng = f.group_size, 16
+    k = g * ng
+    t = torch.linspace(-9, 8, ng)[torch.randperm(ng, generator=gen)].round()  # log2 of each group's scale
+    codes, _, _, gs = random_weight(fmt, n, k, gen, "cpu")
+    jitter = torch.randint(-1, 2, (n, ng), generator=gen).float()
+    if f.kind == "mxfp4":
+        scales = (127 + t + jitter).to(torch.uint8)  # 2**-10 .. 2**9
+    elif f.kind == "nvfp4":
+        scales = (2.0 ** (t + jitter).clamp(-9, 8) * 1.25).to(torch.float8_e4m3fn)
+        scales[:, t == -9] = torch.tensor([1, 3, 5, 7], dtype=torch.uint8).repeat(n)[:n, None].view(
+            torch.float8_e4m3fn)  # subnormal E4M3: m * 2**-9
+    else:
+        sign = torch.where(torch.rand(n, ng, generator=gen) < 0.3, -1.0, 1.0)
+        scales = (sign * 2.0 ** (t + jitter - 4)).to(torch.float16)
+    # activations 2**-7 .. 2**10 (fp16 products stay normal)
+    x = torch.randn(1, k, generator=gen) * (2.0 ** (1 - t)).repeat_interleave(g)[None, :]
+    x = x.to(torch.float16)
+    pw = pack(codes.to(DEVICE), scales.to(DEVICE), None, fmt, global_scale=gs)
+    rolled = pack(codes.to(DEVICE), scales.roll(1, dims=1).to(DEVICE), None, fmt, global_scale=gs)
+    return pw, x.to(DEVICE), rolled
+
+
+@pytest.mark.parametrize("fmt", ["MXFP4_G32", "NVFP4_G16", "INT4_G128", "INT2_G128"])
+@pytest.mark.parametrize("pairs", [False, True])
+def test_gemv_half2_group_scales(fmt, pairs):
+    """Each run of words meets its own group's scale: groups whose scales differ by up to 2**17, from
+    subnormal E4M3 values (NVFP4) and of both signs (INT), each group adding about as much to the sum (activations
+    of the inverse magnitude); the same weight with its scales rolled by one group is far off (the test sees a
+    wrong group); K tiles of 1, 2 and all 16 groups, split-K, a scale a run of 4 or 2 words or a word."""
+    f = KernelFormat.parse(fmt)
+    gen = torch.Generator().manual_seed(29)
+    n = 40
+    pw, x, rolled = _spread_weight(fmt, n, gen)
+    ref = fp32_ref(x, pw)
+    assert rel_err(fp32_ref(x, rolled), ref) > 0.5
+    for groups, split, runs in ((1, 2, 4), (2, 1, 2), (16, 1, 4), (2, 2, 1)):
+        cfg = LaunchConfig("gemv", 1, 16, groups, split, 4, 1, False, half2=True, scale_words=runs, pairs=pairs)
+        if not valid_config(cfg, f, 1, n, pw.in_features):
+            assert pairs and runs == 1
+            continue
+        assert rel_err(linear(x, pw, config=cfg), ref) < tolerance(torch.float16), (groups, split, runs)
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_gemv_half2_e8m0_extremes(pairs):
+    """MXFP4 rows whose every scale is an E8M0 extreme: 2**-127 (e = 0, a float32 subnormal, not flushed),
+    2**-126 .. 2**-124, and 2**124 .. 2**127 (e = 254); bf16 outputs of about 2**-120 and 2**120, each row within
+    a bf16 rounding of its sum of |x w|."""
+    gen = torch.Generator().manual_seed(30)
+    fmt, k = "MXFP4_G32", 512
+    cfg = LaunchConfig("gemv", 1, 16, 4, 2, 4, 1, False, half2=True, pairs=pairs)
+    for exps, mag in (([0, 1, 2, 3], 16.0), ([251, 252, 253, 254], 2.0 ** -10)):
+        n = 2 * len(exps)
+        codes = torch.randint(0, 8, (n, k), generator=gen).to(torch.uint8)  # positive E2M1 values (sums of one sign)
+        e = torch.tensor(exps, dtype=torch.uint8).repeat(2)[:, None].expand(n, k // 32).contiguous()
+        pw = pack(codes.to(DEVICE), e.to(DEVICE), None, fmt)
+        w = dequantize_packed_ref(pw).cpu()
+        x = (torch.randn(1, k, generator=gen).abs() * mag).to(torch.bfloat16)
+        y = linear(x.to(DEVICE), pw, config=cfg).float()[0].cpu()
+        ref = (x.float() @ w.t())[0]
+        bound = (x.float().abs() @ w.abs().t())[0]
+        assert torch.isfinite(y).all() and (y != 0).all()
+        assert ((y - ref).abs() <= 8e-3 * bound).all(), exps
+
+
 def test_half2_config_checks():
     """``half2`` only on the GEMV path of symmetric INT4 / INT2 and FP4 formats."""
     cfg = LaunchConfig("gemv", 1, 64, 1, 1, half2=True)
@@ -248,6 +321,10 @@ def test_half2_config_checks():
         assert valid_config(cfg, KernelFormat.parse(fmt), 1, 256, 4096) is ok, fmt
     f = KernelFormat.parse("INT4_G128")
     assert not valid_config(LaunchConfig("mm", 16, 64, 1, 1, half2=True), f, 16, 256, 4096)
+    assert valid_config(LaunchConfig("gemv", 1, 64, 1, 1, half2=True, pairs=True), f, 1, 256, 4096)
+    assert not valid_config(LaunchConfig("gemv", 1, 64, 1, 1, pairs=True), f, 1, 256, 4096)  # pairs needs half2
+    assert not valid_config(LaunchConfig("gemv", 1, 64, 1, 1, half2=True, scale_words=1, pairs=True), f, 1, 256, 4096)
+    assert not valid_config(LaunchConfig("gemv", 1, 64, 1, 1, half2=True, scale_words=3), f, 1, 256, 4096)
     dev = DeviceInfo("NVIDIA H100 80GB HBM3", 132, (9, 0))
     assert any(c.half2 for c in gemv_candidates(f, 4096, 4096, dev))
     assert not any(c.half2 for c in gemv_candidates(KernelFormat.parse("INT8_G128"), 4096, 4096, dev))

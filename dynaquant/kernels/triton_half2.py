@@ -44,54 +44,67 @@ def _pair(v: float) -> str:
     return f"0x{(h << 16) | h:08X}"
 
 
-def _word_asm(bits: int) -> str:
-    """PTX of one word's dot product: ``$0`` = float32 sum, ``$1`` = the word, ``$2..`` = f16x2 activation pairs."""
+def _int_codes(bits: int, src: str, shifted: str) -> list[str]:
+    """PTX turning the INT4 / INT2 word ``src`` (``shifted`` = ``src >> 8``) into f16x2 ``t<j>`` = ``(code - zero) / 16``
+    of codes j and j + per_half."""
     epw = 32 // bits
-    per_half = 16 // bits  # codes in each 16-bit half; pairs j and (j + per_half)
     mask = (1 << bits) - 1
     zero = 1 << (bits - 1)
-    lines = ["{", ".reg .b32 w8, acc, sc, bi;", f".reg .b32 t<{epw // 2}>;", ".reg .b16 lo, hi;",
-             ".reg .f32 flo, fhi;", "shr.u32 w8, $1, 8;"]
     codes_per_byte = 8 // bits
+    lines = [f"shr.u32 {shifted}, {src}, 8;"]
     for j in range(epw // 2):
-        src = "$1" if j < codes_per_byte else "w8"
         p = bits * (j % codes_per_byte)  # bit position within its byte
         m = (mask << p) | (mask << (p + 16))
-        lines.append(f"lop3.b32 t{j}, {src}, 0x{m:08X}, 0x64006400, 0xEA;")  # (src & m) | 1024
+        lines.append(f"lop3.b32 t{j}, {src if j < codes_per_byte else shifted}, 0x{m:08X}, 0x64006400, 0xEA;")
         lines.append(f"mov.b32 sc, {_pair(2.0 ** -p * CODE_SCALE)};")
         lines.append(f"mov.b32 bi, {_pair(-(1024.0 * 2.0 ** -p + zero) * CODE_SCALE)};")
         lines.append(f"fma.rn.f16x2 t{j}, t{j}, sc, bi;")  # (code - zero) / 16, exact
-    lines.append("mul.rn.f16x2 acc, t0, $2;")
-    for j in range(1, epw // 2):
-        lines.append(f"fma.rn.f16x2 acc, t{j}, ${j + 2}, acc;")
-    lines += ["mov.b32 {lo, hi}, acc;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;", "add.f32 $0, flo, fhi;", "}"]
-    assert per_half == codes_per_byte * 2
-    return "\n".join(lines)
+    return lines
 
 
-def _fp4_word_asm() -> str:
-    """PTX of one word of 8 E2M1 codes against 4 f16x2 activation pairs (``$0`` float32, ``$1`` word, ``$2..$5``):
-    nibbles j and j + 4 form a pair; the magnitude bits move to fp16 bits 9..11 (an fp16 of ``e2m1 * 2**-14``,
-    subnormal for 0.5, exactly) and the sign to bit 15, then one ``mul.rn.f16x2`` by ``2**10`` gives ``e2m1 / 16``."""
-    lines = ["{", ".reg .b32 a, b, t, acc, k;", ".reg .b16 lo, hi;", ".reg .f32 flo, fhi;",
-             f"mov.b32 k, {_pair(2.0 ** 14 * CODE_SCALE)};"]
+def _fp4_codes(src: str) -> list[str]:
+    """PTX turning the E2M1 word ``src`` into f16x2 ``t<j>`` = ``e2m1 / 16`` of nibbles j and j + 4: the magnitude
+    bits move to fp16 bits 9..11 (an fp16 of ``e2m1 * 2**-14``, subnormal for 0.5, exactly) and the sign to bit 15,
+    then one ``mul.rn.f16x2`` by ``2**10``."""
+    lines = []
     for j in range(4):
         sa, sb = 9 - 4 * j, 12 - 4 * j
-        lines.append(f"shl.b32 a, $1, {sa};" if sa >= 0 else f"shr.u32 a, $1, {-sa};")
-        lines.append(f"shl.b32 b, $1, {sb};" if sb > 0 else "mov.b32 b, $1;")
-        lines.append("lop3.b32 t, a, 0x0E000E00, 0, 0xC0;")  # a & magnitude mask
-        lines.append("lop3.b32 t, b, 0x80008000, t, 0xEA;")  # | (b & sign mask)
-        lines.append("mul.rn.f16x2 t, t, k;")
-        lines.append(f"mul.rn.f16x2 acc, t, ${j + 2};" if j == 0 else f"fma.rn.f16x2 acc, t, ${j + 2}, acc;")
+        lines.append(f"shl.b32 a, {src}, {sa};" if sa >= 0 else f"shr.u32 a, {src}, {-sa};")
+        lines.append(f"shl.b32 b, {src}, {sb};" if sb > 0 else f"mov.b32 b, {src};")
+        lines.append(f"lop3.b32 t{j}, a, 0x0E000E00, 0, 0xC0;")  # a & magnitude mask
+        lines.append(f"lop3.b32 t{j}, b, 0x80008000, t{j}, 0xEA;")  # | (b & sign mask)
+        lines.append(f"mul.rn.f16x2 t{j}, t{j}, k;")
+    return lines
+
+
+def _words_asm(bits: int, fp4: bool, words: int = 1) -> str:
+    """PTX of the dot product of ``words`` words with their f16x2 activation pairs: ``$0`` = float32 sum, ``$1 ..
+    $words`` = the words, then each word's pairs in turn (``16 / bits`` each). The products of all the words are
+    summed in one f16x2 register (``words * 16 / bits`` a half), converted to float32 once."""
+    npairs = 16 // bits
+    lines = ["{", ".reg .b32 w8, acc, sc, bi, a, b, k;", f".reg .b32 t<{npairs}>;", ".reg .b16 lo, hi;",
+             ".reg .f32 flo, fhi;"]
+    if fp4:
+        lines.append(f"mov.b32 k, {_pair(2.0 ** 14 * CODE_SCALE)};")
+    for i in range(words):
+        lines += _fp4_codes(f"${i + 1}") if fp4 else _int_codes(bits, f"${i + 1}", "w8")
+        for j in range(npairs):
+            x = f"${1 + words + i * npairs + j}"
+            lines.append(f"mul.rn.f16x2 acc, t{j}, {x};" if i == 0 and j == 0 else f"fma.rn.f16x2 acc, t{j}, {x}, acc;")
     lines += ["mov.b32 {lo, hi}, acc;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;", "add.f32 $0, flo, fhi;", "}"]
     return "\n".join(lines)
 
 
-FP4_ASM = tl.constexpr(_fp4_word_asm())
-INT4_ASM = tl.constexpr(_word_asm(4))
-INT2_ASM = tl.constexpr(_word_asm(2))
+FP4_ASM = tl.constexpr(_words_asm(4, True))
+INT4_ASM = tl.constexpr(_words_asm(4, False))
+INT2_ASM = tl.constexpr(_words_asm(2, False))
 INT4_CONSTRAINTS = tl.constexpr("=f" + ",r" * 5)
 INT2_CONSTRAINTS = tl.constexpr("=f" + ",r" * 9)
+FP4_ASM2 = tl.constexpr(_words_asm(4, True, 2))
+INT4_ASM2 = tl.constexpr(_words_asm(4, False, 2))
+INT2_ASM2 = tl.constexpr(_words_asm(2, False, 2))
+INT4_CONSTRAINTS2 = tl.constexpr("=f" + ",r" * 10)
+INT2_CONSTRAINTS2 = tl.constexpr("=f" + ",r" * 18)
 
 
 @triton.jit
@@ -147,6 +160,50 @@ def _pair_dot(w, p, J: tl.constexpr, BITS: tl.constexpr, FP4: tl.constexpr):
         out = _e2m1(w, J) * _half_value(p, False) + _e2m1(w, J + H) * _half_value(p, True)
     else:
         out = _code(w, Z, J, BITS) * _half_value(p, False) + _code(w, Z, J + H, BITS) * _half_value(p, True)
+    return out
+
+
+@triton.jit
+def _pairs4(x_ptr, kb, H: tl.constexpr, J: tl.constexpr, ASM: tl.constexpr):
+    """Activation pairs J .. J + 3 of words starting at K index ``kb`` (pairs ``(i, i + H)``), each [1, ...]."""
+    p0 = tl.expand_dims(_pack_pair(_x_at(x_ptr, kb, J), _x_at(x_ptr, kb, H + J), ASM), 0)
+    p1 = tl.expand_dims(_pack_pair(_x_at(x_ptr, kb, J + 1), _x_at(x_ptr, kb, H + J + 1), ASM), 0)
+    p2 = tl.expand_dims(_pack_pair(_x_at(x_ptr, kb, J + 2), _x_at(x_ptr, kb, H + J + 2), ASM), 0)
+    p3 = tl.expand_dims(_pack_pair(_x_at(x_ptr, kb, J + 3), _x_at(x_ptr, kb, H + J + 3), ASM), 0)
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def word_pair_dot(wa, wb, x_ptr, kba, kbb, BITS: tl.constexpr, ASM: tl.constexpr, FP4: tl.constexpr = False):
+    """Dot products of two words at a time, ``wa`` and ``wb`` [R, C] (K indices from ``kba`` and ``kbb`` [C]), with
+    both words' products summed in one f16x2 register before the float32 conversion (``2 * 16 / BITS`` products a
+    half; :func:`word_dot` has half as many): float32 [R, C], 1/16 of the products' sums. Interpreter: float32."""
+    H: tl.constexpr = 16 // BITS
+    a0, a1, a2, a3 = _pairs4(x_ptr, kba, H, 0, ASM)
+    b0, b1, b2, b3 = _pairs4(x_ptr, kbb, H, 0, ASM)
+    if BITS == 4:
+        if ASM:
+            out = tl.inline_asm_elementwise(FP4_ASM2 if FP4 else INT4_ASM2, INT4_CONSTRAINTS2,
+                                            [wa, wb, a0, a1, a2, a3, b0, b1, b2, b3], dtype=tl.float32, is_pure=True,
+                                            pack=1)
+        else:
+            out = (_pair_dot(wa, a0, 0, 4, FP4) + _pair_dot(wa, a1, 1, 4, FP4) + _pair_dot(wa, a2, 2, 4, FP4)
+                   + _pair_dot(wa, a3, 3, 4, FP4) + _pair_dot(wb, b0, 0, 4, FP4) + _pair_dot(wb, b1, 1, 4, FP4)
+                   + _pair_dot(wb, b2, 2, 4, FP4) + _pair_dot(wb, b3, 3, 4, FP4))
+    else:
+        a4, a5, a6, a7 = _pairs4(x_ptr, kba, H, 4, ASM)
+        b4, b5, b6, b7 = _pairs4(x_ptr, kbb, H, 4, ASM)
+        if ASM:
+            out = tl.inline_asm_elementwise(INT2_ASM2, INT2_CONSTRAINTS2,
+                                            [wa, wb, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7],
+                                            dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            out = (_pair_dot(wa, a0, 0, 2, False) + _pair_dot(wa, a1, 1, 2, False) + _pair_dot(wa, a2, 2, 2, False)
+                   + _pair_dot(wa, a3, 3, 2, False) + _pair_dot(wa, a4, 4, 2, False) + _pair_dot(wa, a5, 5, 2, False)
+                   + _pair_dot(wa, a6, 6, 2, False) + _pair_dot(wa, a7, 7, 2, False) + _pair_dot(wb, b0, 0, 2, False)
+                   + _pair_dot(wb, b1, 1, 2, False) + _pair_dot(wb, b2, 2, 2, False) + _pair_dot(wb, b3, 3, 2, False)
+                   + _pair_dot(wb, b4, 4, 2, False) + _pair_dot(wb, b5, 5, 2, False) + _pair_dot(wb, b6, 6, 2, False)
+                   + _pair_dot(wb, b7, 7, 2, False))
     return out
 
 

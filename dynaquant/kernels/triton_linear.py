@@ -22,7 +22,7 @@ import triton.language as tl
 
 from dynaquant.kernels.formats import KernelFormat
 from dynaquant.kernels.packing import PackedWeight
-from dynaquant.kernels.triton_half2 import X_UNSCALE, word_dot
+from dynaquant.kernels.triton_half2 import X_UNSCALE, word_dot, word_pair_dot
 from dynaquant.kernels.tuning import LaunchConfig
 
 KIND_INT, KIND_MX, KIND_NV = 0, 1, 2
@@ -226,15 +226,40 @@ def _gemv_part(w, x_ptr, kb, qh_ptr, z_ptr, row, KH, base, rw, goff, magic, KIND
 
 
 @triton.jit
+def _half2_part(w, x_ptr, s_ptr, row, NG, base, KIND: tl.constexpr, BITS: tl.constexpr, WPG: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, CW: tl.constexpr, PAIRS: tl.constexpr,
+                ASM: tl.constexpr):
+    """The GEMV's packed-fp16 path: words [BLOCK_N, BLOCK_KW] (from word ``base``) times the activations, scaled,
+    as float32 [BLOCK_N, BLOCK_KW / CW] (unscaled by :data:`X_UNSCALE`): each run of CW words (at most one thread's
+    16-byte load and one group) summed, then multiplied by its group's scale, so a scale is loaded and converted
+    (E8M0 / E4M3 / fp16 -> float32) once a run (the kernel's CW = 1 path: once a word). PAIRS: two words' products summed in f16x2
+    before the float32 conversion (:func:`.triton_half2.word_pair_dot`; CW >= 2)."""
+    EPW: tl.constexpr = 32 // BITS
+    NC: tl.constexpr = BLOCK_KW // CW
+    if PAIRS:
+        wa, wb = tl.split(tl.reshape(w, [BLOCK_N, BLOCK_KW // 2, 2]))
+        kba = (base + 2 * tl.arange(0, BLOCK_KW // 2)) * EPW
+        d = word_pair_dot(wa, wb, x_ptr, kba, kba + EPW, BITS, ASM, KIND != 0)  # [BLOCK_N, BLOCK_KW / 2]
+        part = tl.sum(tl.reshape(d, [BLOCK_N, NC, CW // 2]), axis=2)
+    else:
+        d = word_dot(w, x_ptr, (base + tl.arange(0, BLOCK_KW)) * EPW, BITS, ASM, KIND != 0)
+        part = tl.sum(tl.reshape(d, [BLOCK_N, NC, CW]), axis=2)
+    # the run's group as (scalar + per-element constant); runs of one group (WPG > 4) load the same scale
+    sc = group_scale(tl.load(s_ptr + row * NG + (base // WPG + tl.arange(0, NC) // (WPG // CW))[None, :]), KIND)
+    return part * sc
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
                  N, KW, KH, NG, out_mul, magic, NT, NT_C: tl.constexpr,
                  KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ZC: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, PREFETCH: tl.constexpr,
-                 SPLIT_K: tl.constexpr, HALF2: tl.constexpr, ASM: tl.constexpr):
+                 SPLIT_K: tl.constexpr, HALF2: tl.constexpr, ASM: tl.constexpr, CW: tl.constexpr, PAIRS: tl.constexpr):
     """Words [BLOCK_N, BLOCK_KW] per iteration (16-byte loads along K, whole groups or parts of one);
     NT iterations per program. PREFETCH loads the next tile's words before decoding the current one.
     HALF2 (symmetric INT4 / INT2, FP4): each word's dot product in packed fp16 (:mod:`.triton_half2`; ASM: its
-    PTX); the FP4 codes then enter as ``e2m1 / 16`` (``out_mul`` without the float32 path's ``2**26``)."""
+    PTX), scaled once a run of CW words (:func:`_half2_part`; PAIRS: two words a register); the FP4 codes then enter
+    as ``e2m1 / 16`` (``out_mul`` without the float32 path's ``2**26``)."""
     EPW: tl.constexpr = 16 if BITS == 3 else 32 // BITS
     WPG: tl.constexpr = G // EPW
     pid_n = tl.program_id(0)
@@ -244,7 +269,10 @@ def _gemv_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
     row = tl.minimum(rn, N - 1)[:, None]
     rw = tl.arange(0, BLOCK_KW)
     wrow = qw_ptr + row * KW
-    acc = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+    if HALF2:
+        acc = tl.zeros([BLOCK_N, BLOCK_KW // CW], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
     kw0 = pid_k * NT * BLOCK_KW
     if PREFETCH:
         w_next = tl.load(wrow + (kw0 + rw)[None, :])
@@ -257,16 +285,19 @@ def _gemv_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
                              other=0)
         else:
             w = tl.load(wrow + word[None, :])
-        # the group of each word, as (scalar + per-element constant): words of one group then load
-        # their scale from one address, which the compiler merges into one load a thread
-        goff = row * NG + (base // WPG + rw // WPG)[None, :]
-        sc = group_scale(tl.load(s_ptr + goff), KIND)
-        kb = word * EPW
-        if HALF2:
-            acc += word_dot(w, x_ptr, kb, BITS, ASM, KIND != 0) * sc
+        if HALF2 and CW > 1:
+            acc += _half2_part(w, x_ptr, s_ptr, row, NG, base, KIND, BITS, WPG, BLOCK_N, BLOCK_KW, CW, PAIRS, ASM)
         else:
-            acc += _gemv_part(w, x_ptr, kb, qh_ptr, z_ptr, row, KH, base, rw, goff, magic,
-                              KIND, BITS, ASYM, ZC, BLOCK_N, BLOCK_KW, EPW) * sc
+            # the group of each word, as (scalar + per-element constant): words of one group then load
+            # their scale from one address, which the compiler merges into one load a thread
+            goff = row * NG + (base // WPG + rw // WPG)[None, :]
+            sc = group_scale(tl.load(s_ptr + goff), KIND)
+            kb = word * EPW
+            if HALF2:  # a scale a word
+                acc += word_dot(w, x_ptr, kb, BITS, ASM, KIND != 0) * sc
+            else:
+                acc += _gemv_part(w, x_ptr, kb, qh_ptr, z_ptr, row, KH, base, rw, goff, magic,
+                                  KIND, BITS, ASYM, ZC, BLOCK_N, BLOCK_KW, EPW) * sc
     y = tl.sum(acc, axis=1)
     if HALF2:
         y = y * X_UNSCALE
@@ -447,7 +478,8 @@ def _launch_args(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
         args = (x2, packed.qweight, qh, packed.scales, z, b, y, ws, packed.counters, n, kw, kh, ng,
                 out_multiplier(packed, not cfg.half2), MAGIC, nt)
         return _gemv_kernel, grid, args, dict(common, NT_C=nt if gps_c else 0, BLOCK_KW=cfg.groups * wpg,
-                                              PREFETCH=cfg.prefetch, HALF2=cfg.half2, ASM=not interpreting()), y
+                                              PREFETCH=cfg.prefetch, HALF2=cfg.half2, ASM=not interpreting(),
+                                              CW=min(cfg.scale_words, wpg), PAIRS=cfg.pairs), y
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
     args = (x2, packed.qweight, qh, packed.scales, z, b, y, ws, packed.counters, m, n, kw, kh, ng, x2.stride(0),
             y.stride(0), out_multiplier(packed, False), MAGIC, gps)

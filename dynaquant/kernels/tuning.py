@@ -44,6 +44,9 @@ class LaunchConfig:
             words that divides a group or is made of whole groups; 0 elsewhere).
         half2: ``gemv``, symmetric INT4 / INT2 and FP4: each packed word's dot product in fp16 pairs
             (:mod:`dynaquant.kernels.triton_half2`), float32 across words.
+        scale_words: ``half2``: runs of this many words (1, 2 or 4; at most a group's) summed in float32 before
+            their group's scale multiplies them: the scale is loaded and converted once a run (1: once a word).
+        pairs: ``half2``: two words' products summed in fp16 before the float32 conversion (runs of 2+ words).
     """
 
     path: str
@@ -56,6 +59,8 @@ class LaunchConfig:
     prefetch: bool = False
     block_k: int = 0
     half2: bool = False
+    scale_words: int = 4
+    pairs: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,9 @@ def valid_config(cfg: LaunchConfig, fmt: KernelFormat, m: int, n: int, k: int) -
         return False
     if cfg.half2 and not (cfg.path == "gemv" and has_half2(fmt)):
         return False
+    if cfg.scale_words not in (1, 2, 4) or (cfg.pairs and not (cfg.half2 and min(cfg.scale_words,
+                                                                                      _words_per_group(fmt)) >= 2)):
+        return False
     if cfg.path == "gemv":  # asymmetric formats: one group per K tile
         return m == 1 and cfg.block_n >= 16 and (fmt.symmetric or cfg.groups == 1)
     if cfg.path == "mm":
@@ -151,7 +159,8 @@ def _half2_gemv_config(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> La
     on sm_90+ (the formats measured; H200 sweeps 2026-11-28, M = 1, Llama-3-8B shapes): 128 words (512 bytes) of a
     row an iteration, 32 rows (64 from 28672 rows; 16 for FP4), split to about 8 programs an SM; INT2 at K <= 4096
     and N < 28672 takes 256 words, 16 rows and 8 warps. Decode step (sweep): INT4_G128 2.06x -> 2.42x bf16,
-    INT2_G128 2.24x -> 2.81x, MXFP4_G32 1.25x -> 1.36x, NVFP4_G16 0.78x -> 1.33x."""
+    INT2_G128 2.24x -> 2.81x, MXFP4_G32 1.25x -> 1.36x, NVFP4_G16 0.78x -> 1.33x; then scales once a run of words
+    (``scale_words``, below)."""
     fits = fmt.is_fp4 or (fmt.kind == "int" and fmt.symmetric and fmt.bits in (2, 4) and fmt.group_size == 128)
     if dev.capability < (9, 0) or not fits:
         return None
@@ -165,7 +174,11 @@ def _half2_gemv_config(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> La
         words, block_n = 512, 16  # a whole 4096-wide row (2 KB) a loop iteration: 3-10 % faster than 128 words
     groups = words // wpg
     split = _split_for(k // fmt.group_size, groups, -(-n // block_n), 8 * dev.sm_count, 32)
-    return LaunchConfig("gemv", 1, block_n, groups, split, warps, 1, False, 0, True)
+    # a scale a run of 4 words (H200, 2026-11-30): FP4 1.0-2.1x faster a call (step 1.38x -> 2.30x bf16 MXFP4,
+    # 1.36x -> 2.22x NVFP4); integers only at the vocabulary's size (lm_head INT4 94.9 -> 86.4 us, INT2 94.0 ->
+    # 74.8), 4-8 % slower on q/o, k/v, qkv
+    runs = 4 if (fmt.is_fp4 or n >= 65536) else 1
+    return LaunchConfig("gemv", 1, block_n, groups, split, warps, 1, False, 0, True, runs)
 
 
 def _gemv_config(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> LaunchConfig:
@@ -290,7 +303,8 @@ def choose_config(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) ->
 def gemv_candidates(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> list[LaunchConfig]:
     """GEMV configurations worth timing for a shape (the benchmark's sweep): rows a thread, warps, K split,
     (symmetric formats) K tiles of 32 words and prefetching, and (:func:`has_half2` formats) wide K tiles of 128
-    and 256 words with the packed-fp16 products."""
+    and 256 words with the packed-fp16 products, a scale a word or a run of words (``scale_words``; ``pairs`` is left
+    out: 1.1-2.8x slower on an H200)."""
     n_groups = k // fmt.group_size
     wpg = _words_per_group(fmt)
     out = []
@@ -318,10 +332,10 @@ def gemv_candidates(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> list[
                 for prefetch in (False, True):
                     out.append(LaunchConfig("gemv", 1, block_n, groups, split, 4, 1, prefetch))
     if has_half2(fmt):  # wide K tiles, packed-fp16 products
-        for words, block_n, warps, target in itertools.product((128, 256), (16, 32, 64), (4, 8), (4, 8)):
+        for words, block_n, warps, target, runs in itertools.product((128, 256), (16, 32, 64), (4, 8), (4, 8), (1, 4)):
             groups = max(1, words // wpg)
             split = _split_for(n_groups, groups, -(-n // block_n), target * dev.sm_count, 32)
-            out.append(LaunchConfig("gemv", 1, block_n, groups, split, warps, 1, False, 0, True))
+            out.append(LaunchConfig("gemv", 1, block_n, groups, split, warps, 1, False, 0, True, runs))
     return [c for c in dict.fromkeys(out) if valid_config(c, fmt, 1, n, k)]
 
 
