@@ -38,7 +38,7 @@ import torch
 
 from dynaquant.workdir import cache_root
 
-SOURCES = ("kquant_search.c", "blockfit.c")  # (and the headers beside them, f16.h and lanes.h)
+SOURCES = ("kquant_search.c", "blockfit.c", "lattice_search.c")  # (and the headers beside them, f16.h and lanes.h)
 ENV = "DYNAQUANT_NATIVE"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-std=gnu11"]
 _MIN_PER_THREAD = 64  # rows (sub-blocks or super-blocks) below which a call runs on one thread

@@ -1,0 +1,135 @@
+"""The lattice searches of the grid i-quants on the CPU, compiled (``lattice_search.c``): the CPU fast paths
+``lattice.nearest_codewords``, ``lattice.candidate_terms`` and ``lattice.subset_min_costs`` of
+:mod:`dynaquant.quant.codecs.fastpaths` (IQ2_XXS, IQ2_XS, IQ2_S), with the signatures and returns of their torch
+references in :mod:`dynaquant.quant.codecs._lattice` (shapes and dtypes there) and of the Triton kernels of
+:mod:`dynaquant.kernels.lattice_search`. Raises RuntimeError (from :func:`dynaquant.kernels.native.library`) when
+the library cannot be built.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from dynaquant.kernels.native import cpu_contiguous, library, ptr, split_rows
+
+_I64, _INT = ctypes.c_int64, ctypes.c_int
+_MAX_D = 8
+
+
+def _lib() -> ctypes.CDLL:
+    lib = library("lattice_search")
+    if not getattr(lib, "_dq_typed", False):
+        vp = ctypes.c_void_p
+        lib.dq_nearest_codewords.argtypes = [vp, vp, _INT, vp, vp, _INT, vp, _INT, _I64, vp, _I64, _I64, vp, vp]
+        lib.dq_candidate_terms.argtypes = [vp, vp, _INT, vp, vp, _INT, vp, _I64, vp, vp]
+        lib.dq_subset_min_costs.argtypes = [vp, vp, _INT, vp, _INT, _I64, _I64, _I64, vp]
+        for f in (lib.dq_nearest_codewords, lib.dq_candidate_terms, lib.dq_subset_min_costs):
+            f.restype = None
+        lib._dq_typed = True
+    return lib
+
+
+def build() -> None:
+    """Build (or find) the library: the fast paths' loader calls it first (:func:`dynaquant.kernels._loader`)."""
+    _lib()
+
+
+def _groups(x: torch.Tensor, w: torch.Tensor, grid: torch.Tensor):
+    if x.ndim != 2 or w.shape != x.shape or grid.ndim != 2 or grid.shape[1] != x.shape[1] or x.shape[1] > _MAX_D:
+        raise ValueError(f"expected x, w (n, D <= {_MAX_D}) and grid (G, D), got {tuple(x.shape)}, {tuple(w.shape)}, "
+                         f"{tuple(grid.shape)}")
+    return cpu_contiguous(x, torch.float32), cpu_contiguous(w, torch.float32), cpu_contiguous(grid, torch.float32)
+
+
+def _odd(odd: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    if odd is None:
+        return None
+    if odd.shape != (n,):
+        raise ValueError(f"odd must be ({n},), got {tuple(odd.shape)}")
+    return cpu_contiguous(odd, torch.int8)
+
+
+def nearest_codewords(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    grid: torch.Tensor,
+    scale: torch.Tensor,
+    odd: torch.Tensor | None = None,
+    *,
+    variant: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`dynaquant.quant.codecs._lattice.nearest_codewords_torch`: (cost (..., n) float32, idx (..., n)
+    int64), among exact ties the lowest index. ``variant`` (the Triton kernel's) is unused."""
+    x, w, grid = _groups(x, w, grid)
+    n, d = x.shape
+    if scale.shape[-1:] != (n,):
+        raise ValueError(f"scale must be (..., {n}), got {tuple(scale.shape)}")
+    lead = scale.shape[:-1]
+    t = math.prod(lead)
+    sc = cpu_contiguous(scale, torch.float32).reshape(t, n)
+    oc = _odd(odd, n)
+    grid2 = grid * grid
+    cost = torch.empty(t, n, dtype=torch.float32)
+    idx = torch.empty(t, n, dtype=torch.int64)
+    if n and t:
+        lib = _lib()
+
+        def run(i0, i1):
+            lib.dq_nearest_codewords(ptr(x), ptr(w), d, ptr(grid), ptr(grid2), grid.shape[0], ptr(sc), t, n,
+                                     None if oc is None else ptr(oc), i0, i1, ptr(cost), ptr(idx))
+
+        split_rows(n, run)
+    return cost.reshape(*lead, n), idx.reshape(*lead, n)
+
+
+def candidate_terms(
+    x: torch.Tensor, w: torch.Tensor, grid: torch.Tensor, idx: torch.Tensor, odd: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`dynaquant.quant.codecs._lattice.candidate_terms_torch`: (b, c), each (n, K) float32."""
+    x, w, grid = _groups(x, w, grid)
+    n, d = x.shape
+    if idx.ndim != 2 or idx.shape[0] != n:
+        raise ValueError(f"idx must be ({n}, K), got {tuple(idx.shape)}")
+    k = idx.shape[1]
+    ic = cpu_contiguous(idx, torch.int64)
+    if n and k and not bool(((ic >= 0) & (ic < grid.shape[0])).all()):
+        raise IndexError(f"candidate indices out of the codebook's range [0, {grid.shape[0]})")
+    oc = _odd(odd, n)
+    b = torch.empty(n, k, dtype=torch.float32)
+    c = torch.empty(n, k, dtype=torch.float32)
+    if n and k:
+        lib = _lib()
+
+        def run(i0, i1):
+            lib.dq_candidate_terms(ptr(x, i0 * d), ptr(w, i0 * d), d, ptr(grid), ptr(ic, i0 * k), k,
+                                   None if oc is None else ptr(oc, i0), i1 - i0, ptr(b, i0 * k), ptr(c, i0 * k))
+
+        split_rows(n, run)
+    return b, c
+
+
+def subset_min_costs(b: torch.Tensor, c: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """As :func:`dynaquant.quant.codecs._lattice.subset_min_costs_torch`: (n, K), (n, K), (..., n) float32 ->
+    (..., n) float32, without the (..., n, K) temporary."""
+    if b.ndim != 2 or c.shape != b.shape or scale.shape[-1:] != b.shape[:1]:
+        raise ValueError(f"expected b, c (n, K) and scale (..., n), got {tuple(b.shape)}, {tuple(c.shape)}, "
+                         f"{tuple(scale.shape)}")
+    b, c = cpu_contiguous(b, torch.float32), cpu_contiguous(c, torch.float32)
+    n, k = b.shape
+    lead = scale.shape[:-1]
+    t = math.prod(lead)
+    sc = cpu_contiguous(scale, torch.float32).reshape(t, n)
+    cost = torch.empty(t, n, dtype=torch.float32)
+    if n and t:
+        if k == 0:
+            return cost.fill_(math.inf).reshape(*lead, n)
+        lib = _lib()
+
+        def run(i0, i1):
+            lib.dq_subset_min_costs(ptr(b), ptr(c), k, ptr(sc), t, n, i0, i1, ptr(cost))
+
+        split_rows(n, run)
+    return cost.reshape(*lead, n)

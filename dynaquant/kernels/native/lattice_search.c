@@ -1,0 +1,221 @@
+/* The lattice searches of the grid i-quants (dynaquant.quant.codecs._lattice), compiled for the CPU: the CPU fast
+   paths lattice.nearest_codewords, lattice.candidate_terms and lattice.subset_min_costs (IQ2_XXS, IQ2_XS, IQ2_S).
+
+   Per group of D weights (D = 4 or 8) and codeword g of the codebook:
+
+       B_g = sum_i (w_i x_i) g_i,   C_g = sum_i w_i (g_i g_i),   M_g = min_i (w_i x_i) g_i,
+
+   B lowered by 2 M on the groups flagged odd (the parity flip), and at a scale S the cost
+
+       e = fma(-2 B, S, C (S S))
+
+   which is the float operation of the torch reference of subset_min_costs (scaled_costs: c * (s * s), then
+   addcmul_(b, s, value=-2), one fused multiply-add in torch's CPU kernel), so subset_min_costs and candidate_terms
+   equal their references bit for bit wherever the sums over the D elements are exact (here in element order). The
+   reference of nearest_codewords forms the same costs by one matmul per batch of scales ([S^2 w, -2 S w x] @
+   [g^2, g]^T, its own sum order, and the flip as + 4 S M): it agrees to rounding (the contract of the Triton
+   kernel, lattice_triton.py), and exactly where every product and sum is exact (dyadic scales).
+
+   Speed comes from lanes: LANES groups side by side (GCC vector extensions; one AVX-512 register, two AVX2 ones),
+   the codebook walked one codeword at a time, its coordinates broadcast, the running (min, argmin) of up to
+   MAX_T scales a group kept in registers. Built with -ffp-contract=off: the only fused multiply-add is the explicit
+   fmaf above, so a result does not depend on the machine's vector width. No allocation, no threads: the Python
+   side splits the rows across threads (ctypes releases the GIL).
+
+   Layout: x, w (n, D) float32; grid (G, D) float32; scale and cost (T, stride) float32 (rows r of [r0, r1) at
+   column r); idx (T, stride) int64; cand (n, K) int64; b, c (n, K) float32; odd (n,) int8 or NULL. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16
+#define MAX_D 8
+#define MAX_T 8     /* scales a pass over the codebook (nearest_codewords) */
+#define SUB_T 64    /* scales a pass (subset_min_costs) */
+#define SUB_K 32    /* candidates a pass (subset_min_costs) */
+
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE vf vfma(vf a, vf b, vf c) {
+    vf r;
+    for (int i = 0; i < LANES; i++) r[i] = fmaf(a[i], b[i], c[i]);
+    return r;
+}
+INLINE vf vsel(vi m, vf a, vf b) { return (vf)((m & (vi)a) | (~m & (vi)b)); }
+INLINE vi vseli(vi m, vi a, vi b) { return (m & a) | (~m & b); }
+INLINE vf vmin(vf a, vf b) { return vsel(a < b, a, b); }
+INLINE vf splat(float v) { return (vf){0} + v; }
+
+/* rows j0 .. j0 + nv of an (n, D) array, transposed to [i][lane] (lanes past nv zero) */
+INLINE void load_t(const float *p, int64_t j0, int nv, int D, vf *out) {
+    for (int i = 0; i < D; i++) {
+        vf v = {0};
+        for (int l = 0; l < nv; l++) v[l] = p[(j0 + l) * D + i];
+        out[i] = v;
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ nearest_codewords */
+
+INLINE void nearest_pass(const vf *a, const vf *w, vi odd, const float *grid, const float *grid2, int G, const int D,
+                         const vf *s, const int T, const int parity, vf *best, vi *arg) {
+    vf q[MAX_T];
+    for (int t = 0; t < T; t++) {
+        q[t] = s[t] * s[t];
+        best[t] = splat(INFINITY);
+        arg[t] = (vi){0};
+    }
+    for (int g = 0; g < G; g++) {
+        const float *gp = grid + (int64_t)g * D, *qp = grid2 + (int64_t)g * D;
+        vf p = a[0] * gp[0];
+        vf b = p, c = w[0] * qp[0], m = p;
+        for (int i = 1; i < D; i++) {
+            p = a[i] * gp[i];
+            b = b + p;
+            c = c + w[i] * qp[i];
+            if (parity) m = vmin(m, p);
+        }
+        if (parity) b = vsel(odd, b - 2.0f * m, b);
+        vf nb = -2.0f * b;
+        vi gi = (vi){0} + g;
+        for (int t = 0; t < T; t++) {
+            vf e = vfma(nb, s[t], c * q[t]);
+            vi u = e < best[t];
+            best[t] = vsel(u, e, best[t]);
+            arg[t] = vseli(u, gi, arg[t]);
+        }
+    }
+}
+
+/* one pass of T scales, D and T constants after inlining (the switch below) */
+INLINE void nearest_lanes(const vf *a, const vf *w, vi odd, const float *grid, const float *grid2, int G, const int D,
+                          const vf *s, int T, int parity, vf *best, vi *arg) {
+#define DQ_PASS(DD, TT)                                                                                                \
+    do {                                                                                                               \
+        if (parity)                                                                                                    \
+            nearest_pass(a, w, odd, grid, grid2, G, DD, s, TT, 1, best, arg);                                          \
+        else                                                                                                           \
+            nearest_pass(a, w, odd, grid, grid2, G, DD, s, TT, 0, best, arg);                                          \
+    } while (0)
+#define DQ_TS(DD)                                                                                                      \
+    switch (T) {                                                                                                       \
+        case 1: DQ_PASS(DD, 1); break;                                                                                 \
+        case 2: DQ_PASS(DD, 2); break;                                                                                 \
+        case 3: DQ_PASS(DD, 3); break;                                                                                 \
+        case 4: DQ_PASS(DD, 4); break;                                                                                 \
+        case 5: DQ_PASS(DD, 5); break;                                                                                 \
+        case 6: DQ_PASS(DD, 6); break;                                                                                 \
+        case 7: DQ_PASS(DD, 7); break;                                                                                 \
+        default: DQ_PASS(DD, 8); break;                                                                                \
+    }
+    if (D == 8) {
+        DQ_TS(8)
+    } else if (D == 4) {
+        DQ_TS(4)
+    } else { /* other D: the same pass, D and T not constants */
+        nearest_pass(a, w, odd, grid, grid2, G, D, s, T, parity, best, arg);
+    }
+#undef DQ_TS
+#undef DQ_PASS
+}
+
+/* nearest_codewords_torch for rows [r0, r1): cost, idx (T, stride) at columns r0 .. r1 */
+void dq_nearest_codewords(const float *x, const float *w, int D, const float *grid, const float *grid2, int G,
+                          const float *scale, int T, int64_t stride, const int8_t *odd, int64_t r0, int64_t r1,
+                          float *cost, int64_t *idx) {
+    vf a[MAX_D], wt[MAX_D], s[MAX_T], best[MAX_T];
+    vi arg[MAX_T];
+    for (int64_t j0 = r0; j0 < r1; j0 += LANES) {
+        int nv = r1 - j0 < LANES ? (int)(r1 - j0) : LANES;
+        load_t(x, j0, nv, D, a);
+        load_t(w, j0, nv, D, wt);
+        for (int i = 0; i < D; i++) a[i] = wt[i] * a[i];
+        vi om = {0};
+        if (odd)
+            for (int l = 0; l < nv; l++) om[l] = odd[j0 + l] ? -1 : 0;
+        for (int t0 = 0; t0 < T; t0 += MAX_T) {
+            int nt = T - t0 < MAX_T ? T - t0 : MAX_T;
+            for (int t = 0; t < nt; t++) {
+                vf v = {0};
+                for (int l = 0; l < nv; l++) v[l] = scale[(int64_t)(t0 + t) * stride + j0 + l];
+                s[t] = v;
+            }
+            nearest_lanes(a, wt, om, grid, grid2, G, D, s, nt, odd != NULL, best, arg);
+            for (int t = 0; t < nt; t++)
+                for (int l = 0; l < nv; l++) {
+                    cost[(int64_t)(t0 + t) * stride + j0 + l] = best[t][l];
+                    idx[(int64_t)(t0 + t) * stride + j0 + l] = arg[t][l];
+                }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ candidate_terms */
+
+/* candidate_terms_torch for n groups: b, c (n, K) */
+void dq_candidate_terms(const float *x, const float *w, int D, const float *grid, const int64_t *cand, int K,
+                        const int8_t *odd, int64_t n, float *b, float *c) {
+    float a[MAX_D];
+    for (int64_t r = 0; r < n; r++) {
+        for (int i = 0; i < D; i++) a[i] = w[r * D + i] * x[r * D + i];
+        int fl = odd != NULL && odd[r];
+        for (int k = 0; k < K; k++) {
+            const float *g = grid + cand[r * K + k] * D;
+            float p = a[0] * g[0], bb = p, m = p, cc = w[r * D] * (g[0] * g[0]);
+            for (int i = 1; i < D; i++) {
+                p = a[i] * g[i];
+                bb += p;
+                cc += w[r * D + i] * (g[i] * g[i]);
+                m = p < m ? p : m;
+            }
+            b[r * K + k] = fl ? bb - 2.0f * m : bb;
+            c[r * K + k] = cc;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ subset_min_costs */
+
+/* subset_min_costs_torch for rows [r0, r1): cost (T, stride) at columns r0 .. r1 */
+void dq_subset_min_costs(const float *b, const float *c, int K, const float *scale, int T, int64_t stride, int64_t r0,
+                         int64_t r1, float *cost) {
+    vf nb[SUB_K], ct[SUB_K], best[SUB_T];
+    for (int64_t j0 = r0; j0 < r1; j0 += LANES) {
+        int nv = r1 - j0 < LANES ? (int)(r1 - j0) : LANES;
+        for (int t0 = 0; t0 < T; t0 += SUB_T) {
+            int nt = T - t0 < SUB_T ? T - t0 : SUB_T;
+            for (int t = 0; t < nt; t++) best[t] = splat(INFINITY);
+            for (int k0 = 0; k0 < K; k0 += SUB_K) {
+                int nk = K - k0 < SUB_K ? K - k0 : SUB_K;
+                for (int k = 0; k < nk; k++) {
+                    vf vb = {0}, vc = {0};
+                    for (int l = 0; l < nv; l++) {
+                        vb[l] = b[(j0 + l) * K + k0 + k];
+                        vc[l] = c[(j0 + l) * K + k0 + k];
+                    }
+                    nb[k] = -2.0f * vb;
+                    ct[k] = vc;
+                }
+                for (int t = 0; t < nt; t++) {
+                    vf s = {0};
+                    const float *sp = scale + (int64_t)(t0 + t) * stride + j0;
+                    if (nv == LANES)
+                        memcpy(&s, sp, sizeof s);
+                    else
+                        for (int l = 0; l < nv; l++) s[l] = sp[l];
+                    vf q = s * s, m = best[t];
+                    for (int k = 0; k < nk; k++) m = vmin(m, vfma(nb[k], s, ct[k] * q));
+                    best[t] = m;
+                }
+            }
+            for (int t = 0; t < nt; t++) {
+                float *cp = cost + (int64_t)(t0 + t) * stride + j0;
+                for (int l = 0; l < nv; l++) cp[l] = best[t][l];
+            }
+        }
+    }
+}
