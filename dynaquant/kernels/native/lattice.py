@@ -11,9 +11,11 @@ from __future__ import annotations
 import ctypes
 import math
 
+import numpy as np
 import torch
 
 from dynaquant.kernels.native import cpu_contiguous, library, ptr, split_rows
+from dynaquant.quant.codecs import _lattice as lat
 
 _I64, _INT = ctypes.c_int64, ctypes.c_int
 _MAX_D = 8
@@ -26,7 +28,8 @@ def _lib() -> ctypes.CDLL:
         lib.dq_nearest_codewords.argtypes = [vp, vp, _INT, vp, vp, _INT, vp, _INT, _I64, vp, _I64, _I64, vp, vp]
         lib.dq_candidate_terms.argtypes = [vp, vp, _INT, vp, vp, _INT, vp, _I64, vp, vp]
         lib.dq_subset_min_costs.argtypes = [vp, vp, _INT, vp, _INT, _I64, _I64, _I64, vp]
-        for f in (lib.dq_nearest_codewords, lib.dq_candidate_terms, lib.dq_subset_min_costs):
+        lib.dq_iq3_nearest_variants.argtypes = [vp, vp, _I64, vp, vp, _INT, vp, vp, vp, vp, vp, _INT, vp, vp]
+        for f in (lib.dq_nearest_codewords, lib.dq_candidate_terms, lib.dq_subset_min_costs, lib.dq_iq3_nearest_variants):
             f.restype = None
         lib._dq_typed = True
     return lib
@@ -133,3 +136,56 @@ def subset_min_costs(b: torch.Tensor, c: torch.Tensor, scale: torch.Tensor) -> t
 
         split_rows(n, run)
     return cost.reshape(*lead, n)
+
+
+_LISTS: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _candidate_lists(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cand (4096, K) int32, count (4096,) int32): the exact candidate lists of a grid of 8 levels
+    (:func:`dynaquant.quant.codecs._lattice.dominance_candidates`, the lists the torch CPU search walks), cached by
+    the grid's contents."""
+    gn = grid.detach().to("cpu", torch.float32).contiguous().numpy()
+    key = gn.tobytes()
+    if key not in _LISTS:
+        cand, cnt = lat.dominance_candidates(np.searchsorted(np.unique(gn), gn), 8)
+        _LISTS[key] = (cand.to(torch.int32).contiguous(), cnt.to(torch.int32).contiguous())
+    return _LISTS[key]
+
+
+def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None, flip_at: torch.Tensor | None,
+                     kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor,
+                     g8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`dynaquant.quant.codecs.iq3.nearest_variants_torch` (score (R, V) float32, idx (R, V) int64), an
+    off-grid variant searching its level pattern's exact candidate list instead of the whole grid (the same point
+    up to float32 rounding of near-ties; the first maximum, as the whole grid's argmax). Raises ValueError when the
+    shapes disagree."""
+    r = f.shape[0]
+    nv = 1 if odd is None else (5 if flip_at is None else 2)
+    if (f.shape != (r, 8) or t.shape != (r, 4) or (odd is not None and odd.shape != (r,))
+            or (flip_at is not None and (odd is None or flip_at.shape != (r,))) or kmap.shape != (4096,)
+            or mids.shape != (7,) or grid.ndim != 2 or grid.shape[1] != 4 or g8.shape != (8, grid.shape[0])):
+        raise ValueError(f"shapes disagree: f {tuple(f.shape)}, t {tuple(t.shape)}, odd "
+                         f"{None if odd is None else tuple(odd.shape)}, flip_at "
+                         f"{None if flip_at is None else tuple(flip_at.shape)}, kmap {tuple(kmap.shape)}, mids "
+                         f"{tuple(mids.shape)}, grid {tuple(grid.shape)}, g8 {tuple(g8.shape)}")
+    score = torch.empty(r, nv, dtype=torch.float32)
+    idx = torch.empty(r, nv, dtype=torch.int64)
+    if r == 0:
+        return score, idx
+    fc, tc = cpu_contiguous(f, torch.float32), cpu_contiguous(t, torch.float32)
+    oc = None if odd is None else cpu_contiguous(odd, torch.int8)
+    ac = None if flip_at is None else cpu_contiguous(flip_at, torch.int64)
+    km = cpu_contiguous(kmap, torch.int32)
+    md = cpu_contiguous(mids, torch.float32)
+    g8t = cpu_contiguous(g8, torch.float32).T.contiguous()
+    cand, cnt = _candidate_lists(grid)
+    lib = _lib()
+
+    def run(i0, i1):
+        lib.dq_iq3_nearest_variants(ptr(fc, i0 * 8), ptr(tc, i0 * 4), i1 - i0, None if oc is None else ptr(oc, i0),
+                                    None if ac is None else ptr(ac, i0), nv, ptr(km), ptr(md), ptr(g8t), ptr(cand),
+                                    ptr(cnt), cand.shape[1], ptr(score, i0 * nv), ptr(idx, i0 * nv))
+
+    split_rows(r, run)
+    return score, idx

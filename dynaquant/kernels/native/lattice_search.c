@@ -219,3 +219,72 @@ void dq_subset_min_costs(const float *b, const float *c, int K, const float *sca
         }
     }
 }
+
+/* ------------------------------------------------------------------------------------------ IQ3 nearest_variants */
+
+/* the score of grid point row g8 ([g, g^2], 8 floats) for the features fv: sum_k fv_k g8_k in element order, as the
+   reference's (fv * g8.T[idx]).sum(-1) */
+INLINE float point_score(const float *fv, const float *g8) {
+    float s = fv[0] * g8[0];
+    for (int k = 1; k < 8; k++) s += fv[k] * g8[k];
+    return s;
+}
+
+/* torch.bucketize(t, mids) (right=False): how many of the 7 midpoints lie strictly below t */
+INLINE int level_of(float t, const float *mids) {
+    int l = 0;
+    for (int k = 0; k < 7; k++) l += mids[k] < t;
+    return l;
+}
+
+/* nearest_variants_torch (dynaquant.quant.codecs.iq3) for n groups of 4: f (n, 8) [2 w v, -A w], t (n, 4) v / A;
+   odd (n,) int8 or NULL (V = 1); flip_at (n,) int64 or NULL (V = 5 with odd: variant 1 + i flips weight i; V = 2:
+   variant 1 flips weight flip_at). kmap (4096,) grid index of each level pattern or -1; mids (7,); g8t (P, 8) each
+   point's [g, g^2]; cand (4096, K) the exact candidate lists (ascending) of each pattern, cnt (4096,) their
+   lengths (dominance_candidates: an off-grid variant's best point is among them; strict '>' keeps the first
+   maximum, the whole grid's answer). score, idx (n, V); variants > 0 of even groups: -inf and 0. */
+void dq_iq3_nearest_variants(const float *f, const float *t, int64_t n, const int8_t *odd, const int64_t *flip_at,
+                             int V, const int32_t *kmap, const float *mids, const float *g8t, const int32_t *cand,
+                             const int32_t *cnt, int K, float *score, int64_t *idx) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *fr = f + r * 8, *tr = t + r * 4;
+        int a[4], z[4];
+        for (int i = 0; i < 4; i++) {
+            a[i] = level_of(tr[i], mids);
+            z[i] = level_of(-tr[i], mids);
+        }
+        for (int v = 0; v < V; v++) {
+            if (v > 0 && !odd[r]) {
+                score[r * V + v] = -INFINITY;
+                idx[r * V + v] = 0;
+                continue;
+            }
+            int fl = v == 0 ? -1 : (V == 2 ? (int)flip_at[r] : v - 1);
+            float fv[8];
+            int u = 0;
+            for (int i = 0; i < 4; i++) {
+                fv[i] = i == fl ? -fr[i] : fr[i];
+                fv[4 + i] = fr[4 + i];
+                u += (i == fl ? z[i] : a[i]) << (3 * i);
+            }
+            int p = kmap[u];
+            float best;
+            if (p >= 0) {
+                best = point_score(fv, g8t + (int64_t)p * 8);
+            } else {
+                const int32_t *cp = cand + (int64_t)u * K;
+                best = -INFINITY;
+                p = 0;
+                for (int k = 0; k < cnt[u]; k++) {
+                    float s = point_score(fv, g8t + (int64_t)cp[k] * 8);
+                    if (s > best) {
+                        best = s;
+                        p = cp[k];
+                    }
+                }
+            }
+            score[r * V + v] = best;
+            idx[r * V + v] = p;
+        }
+    }
+}
