@@ -63,6 +63,7 @@ for _attr in ("nearest_codewords", "candidate_terms", "subset_min_costs"):
     fastpaths.register(f"lattice.{_attr}", _loader("dynaquant.kernels.native.lattice", _attr, True), device="cpu")
 fastpaths.register("iq3.nearest_variants", _loader("dynaquant.kernels.iq3_search", "nearest_variants"))
 fastpaths.register("iq3.nearest_variants", _loader("dynaquant.kernels.native.lattice", "nearest_variants", True), device="cpu")
+fastpaths.register("iq1.ternary_nearest", _loader("dynaquant.kernels.native.lattice", "ternary_nearest", True), device="cpu")
 fastpaths.register("gptq.round_block", _loader("dynaquant.kernels.gptq_block", "round_block"))
 for _attr in ("aff_search_scales", "aff_pick", "aff_refine", "sym_search_scales", "sym_pick", "sym_refine"):
     fastpaths.register(f"kquant.{_attr}", _loader("dynaquant.kernels.kquant_search", _attr))

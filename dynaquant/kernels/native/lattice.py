@@ -29,7 +29,9 @@ def _lib() -> ctypes.CDLL:
         lib.dq_candidate_terms.argtypes = [vp, vp, _INT, vp, vp, _INT, vp, _I64, vp, vp]
         lib.dq_subset_min_costs.argtypes = [vp, vp, _INT, vp, _INT, _I64, _I64, _I64, vp]
         lib.dq_iq3_nearest_variants.argtypes = [vp, vp, _I64, vp, vp, _INT, vp, vp, vp, vp, vp, _INT, vp, vp]
-        for f in (lib.dq_nearest_codewords, lib.dq_candidate_terms, lib.dq_subset_min_costs, lib.dq_iq3_nearest_variants):
+        lib.dq_ternary_nearest.argtypes = [vp, vp, vp, vp, _I64, vp, vp, vp, _INT, ctypes.c_float, vp]
+        for f in (lib.dq_nearest_codewords, lib.dq_candidate_terms, lib.dq_subset_min_costs, lib.dq_iq3_nearest_variants,
+                  lib.dq_ternary_nearest):
             f.restype = None
         lib._dq_typed = True
     return lib
@@ -189,3 +191,29 @@ def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None,
 
     split_rows(r, run)
     return score, idx
+
+
+def ternary_nearest(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, sign: torch.Tensor, grid_of: torch.Tensor,
+                    count: torch.Tensor, codes: torch.Tensor, delta: float) -> torch.Tensor:
+    """As the Triton :func:`dynaquant.kernels.lattice_search.ternary_nearest`: IQ1's nearest ternary grid point of
+    each group of 8 (x, w (m, 8) float32, t, sign (m,) float32; the tables of
+    :func:`dynaquant.quant.codecs.iq1._kernel_tables`) -> (m,) int64, the indices of
+    :func:`dynaquant.quant.codecs.iq1.nearest_points`'s torch search bit for bit (the same operations in the same
+    order). Raises ValueError when the shapes disagree."""
+    m = x.shape[0]
+    if x.shape != (m, 8) or w.shape != (m, 8) or t.shape != (m,) or sign.shape != (m,) or codes.ndim != 2:
+        raise ValueError(f"shapes disagree: x {tuple(x.shape)}, w {tuple(w.shape)}, t {tuple(t.shape)}, sign "
+                         f"{tuple(sign.shape)}, codes {tuple(codes.shape)}")
+    idx = torch.empty(m, dtype=torch.int64)
+    if m == 0:
+        return idx
+    xc, wc, tc, sc = (cpu_contiguous(v, torch.float32) for v in (x, w, t, sign))
+    go, cn, cd = (cpu_contiguous(v, torch.int32) for v in (grid_of, count, codes))
+    lib = _lib()
+
+    def run(i0, i1):
+        lib.dq_ternary_nearest(ptr(xc, i0 * 8), ptr(wc, i0 * 8), ptr(tc, i0), ptr(sc, i0), i1 - i0, ptr(go), ptr(cn),
+                               ptr(cd), cd.shape[1], float(delta), ptr(idx, i0))
+
+    split_rows(m, run)
+    return idx

@@ -288,3 +288,47 @@ void dq_iq3_nearest_variants(const float *f, const float *t, int64_t n, const in
         }
     }
 }
+
+/* ------------------------------------------------------------------------------------------ IQ1 ternary_nearest */
+
+/* iq1.nearest_points's search (dynaquant.quant.codecs.iq1; the Triton kernel ternary_nearest_kernel) for n groups of
+   8: x, w (n, 8), t (n,) scales, sign (n,) +1 / -1 (the delta's sign). Level v in {-1, 0, 1} of weight i costs
+   w_i |v| + a_i v, a_i = 2 w_i (sign delta - x_i / t); the free rounding's pattern p = sum_i (v_i + 1) 3^i is looked
+   up in grid_of; off the grid its candidate list codes[p] (index | digits << 11, count[p] of them) is scanned, the
+   costs summed in the reference's order and the first minimum kept. Every operation is the reference's: the same
+   indices bit for bit. idx (n,) int64. */
+void dq_ternary_nearest(const float *x, const float *w, const float *t, const float *sign, int64_t n,
+                        const int32_t *grid_of, const int32_t *count, const int32_t *codes, int KP, float delta,
+                        int64_t *idx) {
+    static const int pow3[8] = {1, 3, 9, 27, 81, 243, 729, 2187};
+    for (int64_t r = 0; r < n; r++) {
+        const float *xr = x + r * 8, *wr = w + r * 8;
+        float ts = t[r] > 0.0f ? t[r] : 1.0f, sd = sign[r] * delta, a[8], lo[8], hi[8];
+        int p = 0;
+        for (int i = 0; i < 8; i++) {
+            a[i] = 2.0f * wr[i] * (sd - xr[i] / ts);
+            p += ((a[i] < -wr[i]) - (a[i] > wr[i]) + 1) * pow3[i];
+            lo[i] = wr[i] - a[i];
+            hi[i] = wr[i] + a[i];
+        }
+        int best_idx = grid_of[p];
+        if (best_idx < 0) {
+            const int32_t *cp = codes + (int64_t)p * KP;
+            float best = INFINITY;
+            for (int k = 0; k < count[p]; k++) {
+                int32_t code = cp[k];
+                float c[8];
+                for (int i = 0; i < 8; i++) {
+                    int d = (code >> (11 + 2 * i)) & 3;
+                    c[i] = d == 2 ? hi[i] : (d == 0 ? lo[i] : 0.0f);
+                }
+                float cost = (((c[3] + c[2]) + c[1]) + c[0]) + (((c[7] + c[6]) + c[5]) + c[4]);
+                if (cost < best) {
+                    best = cost;
+                    best_idx = code & 2047;
+                }
+            }
+        }
+        idx[r] = best_idx;
+    }
+}
