@@ -280,7 +280,7 @@ def test_shape_errors_name_the_shapes():
     with pytest.raises(ValueError, match="scale"):
         nl.nearest_codewords(torch.zeros(4, 8), torch.ones(4, 8), grid, torch.ones(2, 5))
     with pytest.raises(ValueError, match="D <= 8"):
-        nl.nearest_codewords(torch.zeros(4, 16), torch.ones(4, 16), torch.zeros(3, 16), torch.ones(4))
+        nl.candidate_terms(torch.zeros(4, 16), torch.ones(4, 16), torch.zeros(3, 16), torch.zeros(4, 1, dtype=torch.int64))
     with pytest.raises(ValueError, match="odd"):
         nl.candidate_terms(torch.zeros(4, 8), torch.ones(4, 8), grid, torch.zeros(4, 2, dtype=torch.int64),
                            torch.zeros(5, dtype=torch.bool))

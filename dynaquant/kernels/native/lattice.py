@@ -16,16 +16,18 @@ import torch
 
 from dynaquant.kernels.native import cpu_contiguous, library, ptr, split_rows
 from dynaquant.quant.codecs import _lattice as lat
+from dynaquant.quant.codecs._lattice import nearest_codewords_torch
 
 _I64, _INT = ctypes.c_int64, ctypes.c_int
 _MAX_D = 8
+_MAX_L = 16
 
 
 def _lib() -> ctypes.CDLL:
     lib = library("lattice_search")
     if not getattr(lib, "_dq_typed", False):
         vp = ctypes.c_void_p
-        lib.dq_nearest_codewords.argtypes = [vp, vp, _INT, vp, vp, _INT, vp, _INT, _I64, vp, _I64, _I64, vp, vp]
+        lib.dq_nearest_codewords.argtypes = [vp, vp, _INT, vp, vp, vp, _INT, _INT, vp, _INT, _I64, vp, _I64, _I64, vp, vp]
         lib.dq_candidate_terms.argtypes = [vp, vp, _INT, vp, vp, _INT, vp, _I64, vp, vp]
         lib.dq_subset_min_costs.argtypes = [vp, vp, _INT, vp, _INT, _I64, _I64, _I64, vp]
         lib.dq_iq3_nearest_variants.argtypes = [vp, vp, _I64, vp, vp, _INT, vp, vp, vp, vp, vp, _INT, vp, vp]
@@ -57,6 +59,24 @@ def _odd(odd: torch.Tensor | None, n: int) -> torch.Tensor | None:
     return cpu_contiguous(odd, torch.int8)
 
 
+_LEVELS: dict[bytes, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = {}
+
+
+def _level_tables(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A codebook's coordinates as levels (cached by its contents): off (G, D) uint8 ``i L + level index`` of
+    coordinate ``i``, the L sorted levels (L,) float32 and their squares, or None past :data:`_MAX_L` levels."""
+    key = grid.numpy().tobytes() + bytes(str(tuple(grid.shape)), "ascii")
+    if key not in _LEVELS:
+        levels = torch.unique(grid)
+        if levels.numel() > _MAX_L:
+            _LEVELS[key] = None
+        else:
+            lev = torch.searchsorted(levels, grid.contiguous())
+            off = (lev + levels.numel() * torch.arange(grid.shape[1])).to(torch.uint8).contiguous()
+            _LEVELS[key] = (off, levels.contiguous(), (levels * levels).contiguous())
+    return _LEVELS[key]
+
+
 def nearest_codewords(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -67,8 +87,15 @@ def nearest_codewords(
     variant: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As :func:`dynaquant.quant.codecs._lattice.nearest_codewords_torch`: (cost (..., n) float32, idx (..., n)
-    int64), among exact ties the lowest index. ``variant`` (the Triton kernel's) is unused."""
+    int64), among exact ties the lowest index. ``variant`` (the Triton kernel's) is unused. Groups of other than 4
+    or 8 weights, and codebooks with more than 16 distinct coordinate values, run the torch reference."""
+    if x.ndim == 2 and x.shape[1] not in (4, 8):
+        return nearest_codewords_torch(x, w, grid, scale, odd)
     x, w, grid = _groups(x, w, grid)
+    tables = _level_tables(grid)
+    if tables is None:
+        return nearest_codewords_torch(x, w, grid, scale, odd)
+    off, lv, lv2 = tables
     n, d = x.shape
     if scale.shape[-1:] != (n,):
         raise ValueError(f"scale must be (..., {n}), got {tuple(scale.shape)}")
@@ -76,15 +103,14 @@ def nearest_codewords(
     t = math.prod(lead)
     sc = cpu_contiguous(scale, torch.float32).reshape(t, n)
     oc = _odd(odd, n)
-    grid2 = grid * grid
     cost = torch.empty(t, n, dtype=torch.float32)
     idx = torch.empty(t, n, dtype=torch.int64)
     if n and t:
         lib = _lib()
 
         def run(i0, i1):
-            lib.dq_nearest_codewords(ptr(x), ptr(w), d, ptr(grid), ptr(grid2), grid.shape[0], ptr(sc), t, n,
-                                     None if oc is None else ptr(oc), i0, i1, ptr(cost), ptr(idx))
+            lib.dq_nearest_codewords(ptr(x), ptr(w), d, ptr(off), ptr(lv), ptr(lv2), lv.shape[0], grid.shape[0], ptr(sc),
+                                     t, n, None if oc is None else ptr(oc), i0, i1, ptr(cost), ptr(idx))
 
         split_rows(n, run)
     return cost.reshape(*lead, n), idx.reshape(*lead, n)

@@ -28,9 +28,15 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#pragma GCC diagnostic ignored "-Wpsabi" /* the vector types' ABI without AVX-512: only static functions take them */
 
 #define LANES 16
 #define MAX_D 8
+#define MAX_L 16    /* levels of a codebook's coordinates (nearest_codewords) */
 #define MAX_T 8     /* scales a pass over the codebook (nearest_codewords) */
 #define SUB_T 64    /* scales a pass (subset_min_costs) */
 #define SUB_K 32    /* candidates a pass (subset_min_costs) */
@@ -40,13 +46,34 @@ typedef int32_t vi __attribute__((vector_size(4 * LANES)));
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* a * b + c rounded once (fmaf lane by lane; the machine's instruction where there is one) */
 INLINE vf vfma(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    typedef float h8 __attribute__((vector_size(32)));
+    union { vf v; h8 h[2]; } ua = {a}, ub = {b}, uc = {c}, r;
+    for (int k = 0; k < 2; k++) r.h[k] = (h8)_mm256_fmadd_ps((__m256)ua.h[k], (__m256)ub.h[k], (__m256)uc.h[k]);
+    return r.v;
+#else
     vf r;
     for (int i = 0; i < LANES; i++) r[i] = fmaf(a[i], b[i], c[i]);
     return r;
+#endif
+}
+/* (e < *best): *best = e, *arg = g, lane by lane */
+INLINE void keep_min(vf e, vi g, vf *best, vi *arg) {
+#if defined(__AVX512F__)
+    __mmask16 u = _mm512_cmp_ps_mask((__m512)e, (__m512)*best, _CMP_LT_OQ);
+    *best = (vf)_mm512_mask_blend_ps(u, (__m512)*best, (__m512)e);
+    *arg = (vi)_mm512_mask_blend_epi32(u, (__m512i)*arg, (__m512i)g);
+#else
+    vi u = e < *best;
+    *best = (vf)((u & (vi)e) | (~u & (vi)*best));
+    *arg = (u & g) | (~u & *arg);
+#endif
 }
 INLINE vf vsel(vi m, vf a, vf b) { return (vf)((m & (vi)a) | (~m & (vi)b)); }
-INLINE vi vseli(vi m, vi a, vi b) { return (m & a) | (~m & b); }
 INLINE vf vmin(vf a, vf b) { return vsel(a < b, a, b); }
 INLINE vf splat(float v) { return (vf){0} + v; }
 
@@ -61,45 +88,54 @@ INLINE void load_t(const float *p, int64_t j0, int nv, int D, vf *out) {
 
 /* ------------------------------------------------------------------------------------------ nearest_codewords */
 
-INLINE void nearest_pass(const vf *a, const vf *w, vi odd, const float *grid, const float *grid2, int G, const int D,
-                         const vf *s, const int T, const int parity, vf *best, vi *arg) {
-    vf q[MAX_T];
+/* one pass over the codebook for T scales of LANES groups; D, T and parity are constants after inlining (the
+   switch below), so the running minima stay in registers. The products a_i g_i and w_i g_i^2 come from the
+   group's tables ap, wq (a_i, w_i times each of the grid's levels, the same float products), indexed by the
+   codeword's offsets off[g][i] = i L + (level of g_i). */
+INLINE void nearest_pass(const vf *ap, const vf *wq, const vi *odd_in, const uint8_t *off, int G, const int D,
+                         const vf *s_in, const int T, const int parity, vf *best_out, vi *arg_out) {
+    vf s[MAX_T], q[MAX_T], best[MAX_T];
+    vi arg[MAX_T], odd = *odd_in;
+#pragma GCC unroll 8
     for (int t = 0; t < T; t++) {
+        s[t] = s_in[t];
         q[t] = s[t] * s[t];
         best[t] = splat(INFINITY);
         arg[t] = (vi){0};
     }
     for (int g = 0; g < G; g++) {
-        const float *gp = grid + (int64_t)g * D, *qp = grid2 + (int64_t)g * D;
-        vf p = a[0] * gp[0];
-        vf b = p, c = w[0] * qp[0], m = p;
+        const uint8_t *o = off + (int64_t)g * D;
+        vf p = ap[o[0]];
+        vf b = p, c = wq[o[0]], m = p;
+#pragma GCC unroll 8
         for (int i = 1; i < D; i++) {
-            p = a[i] * gp[i];
+            p = ap[o[i]];
             b = b + p;
-            c = c + w[i] * qp[i];
+            c = c + wq[o[i]];
             if (parity) m = vmin(m, p);
         }
         if (parity) b = vsel(odd, b - 2.0f * m, b);
         vf nb = -2.0f * b;
         vi gi = (vi){0} + g;
-        for (int t = 0; t < T; t++) {
-            vf e = vfma(nb, s[t], c * q[t]);
-            vi u = e < best[t];
-            best[t] = vsel(u, e, best[t]);
-            arg[t] = vseli(u, gi, arg[t]);
-        }
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) keep_min(vfma(nb, s[t], c * q[t]), gi, &best[t], &arg[t]);
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t++) {
+        best_out[t] = best[t];
+        arg_out[t] = arg[t];
     }
 }
 
-/* one pass of T scales, D and T constants after inlining (the switch below) */
-INLINE void nearest_lanes(const vf *a, const vf *w, vi odd, const float *grid, const float *grid2, int G, const int D,
-                          const vf *s, int T, int parity, vf *best, vi *arg) {
+/* one pass of T <= MAX_T scales (D = 4 or 8) */
+static void nearest_lanes(const vf *ap, const vf *wq, const vi *odd, const uint8_t *off, int G, int D, const vf *s,
+                          int T, int parity, vf *best, vi *arg) {
 #define DQ_PASS(DD, TT)                                                                                                \
     do {                                                                                                               \
         if (parity)                                                                                                    \
-            nearest_pass(a, w, odd, grid, grid2, G, DD, s, TT, 1, best, arg);                                          \
+            nearest_pass(ap, wq, odd, off, G, DD, s, TT, 1, best, arg);                                                \
         else                                                                                                           \
-            nearest_pass(a, w, odd, grid, grid2, G, DD, s, TT, 0, best, arg);                                          \
+            nearest_pass(ap, wq, odd, off, G, DD, s, TT, 0, best, arg);                                                \
     } while (0)
 #define DQ_TS(DD)                                                                                                      \
     switch (T) {                                                                                                       \
@@ -114,26 +150,32 @@ INLINE void nearest_lanes(const vf *a, const vf *w, vi odd, const float *grid, c
     }
     if (D == 8) {
         DQ_TS(8)
-    } else if (D == 4) {
+    } else {
         DQ_TS(4)
-    } else { /* other D: the same pass, D and T not constants */
-        nearest_pass(a, w, odd, grid, grid2, G, D, s, T, parity, best, arg);
     }
 #undef DQ_TS
 #undef DQ_PASS
 }
 
-/* nearest_codewords_torch for rows [r0, r1): cost, idx (T, stride) at columns r0 .. r1 */
-void dq_nearest_codewords(const float *x, const float *w, int D, const float *grid, const float *grid2, int G,
-                          const float *scale, int T, int64_t stride, const int8_t *odd, int64_t r0, int64_t r1,
-                          float *cost, int64_t *idx) {
-    vf a[MAX_D], wt[MAX_D], s[MAX_T], best[MAX_T];
+/* nearest_codewords_torch for rows [r0, r1) of groups of D = 4 or 8 over a codebook of G codewords whose
+   coordinates take L <= MAX_L levels (lv, with squares lv2 = lv * lv as the reference's grid * grid): off (G, D)
+   each coordinate's i L + level index. cost, idx (T, stride) at columns r0 .. r1. */
+void dq_nearest_codewords(const float *x, const float *w, int D, const uint8_t *off, const float *lv, const float *lv2,
+                          int L, int G, const float *scale, int T, int64_t stride, const int8_t *odd, int64_t r0,
+                          int64_t r1, float *cost, int64_t *idx) {
+    vf a[MAX_D], wt[MAX_D], s[MAX_T], best[MAX_T], ap[MAX_D * MAX_L], wq[MAX_D * MAX_L];
     vi arg[MAX_T];
     for (int64_t j0 = r0; j0 < r1; j0 += LANES) {
         int nv = r1 - j0 < LANES ? (int)(r1 - j0) : LANES;
         load_t(x, j0, nv, D, a);
         load_t(w, j0, nv, D, wt);
-        for (int i = 0; i < D; i++) a[i] = wt[i] * a[i];
+        for (int i = 0; i < D; i++) {
+            a[i] = wt[i] * a[i];
+            for (int l = 0; l < L; l++) {
+                ap[i * L + l] = a[i] * lv[l];
+                wq[i * L + l] = wt[i] * lv2[l];
+            }
+        }
         vi om = {0};
         if (odd)
             for (int l = 0; l < nv; l++) om[l] = odd[j0 + l] ? -1 : 0;
@@ -144,7 +186,7 @@ void dq_nearest_codewords(const float *x, const float *w, int D, const float *gr
                 for (int l = 0; l < nv; l++) v[l] = scale[(int64_t)(t0 + t) * stride + j0 + l];
                 s[t] = v;
             }
-            nearest_lanes(a, wt, om, grid, grid2, G, D, s, nt, odd != NULL, best, arg);
+            nearest_lanes(ap, wq, &om, off, G, D, s, nt, odd != NULL, best, arg);
             for (int t = 0; t < nt; t++)
                 for (int l = 0; l < nv; l++) {
                     cost[(int64_t)(t0 + t) * stride + j0 + l] = best[t][l];
