@@ -16,6 +16,7 @@ import torch
 
 from dynaquant.kernels.native import cpu_contiguous, library, ptr, split_rows
 from dynaquant.quant.codecs import _lattice as lat
+from dynaquant.quant.codecs import iq3
 from dynaquant.quant.codecs._lattice import nearest_codewords_torch
 
 _I64, _INT = ctypes.c_int64, ctypes.c_int
@@ -49,6 +50,14 @@ def _groups(x: torch.Tensor, w: torch.Tensor, grid: torch.Tensor):
         raise ValueError(f"expected x, w (n, D <= {_MAX_D}) and grid (G, D), got {tuple(x.shape)}, {tuple(w.shape)}, "
                          f"{tuple(grid.shape)}")
     return cpu_contiguous(x, torch.float32), cpu_contiguous(w, torch.float32), cpu_contiguous(grid, torch.float32)
+
+
+def _scales(scale: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Size]:
+    """(..., n) scales as a contiguous (T, n) float32 CPU tensor, and the leading shape."""
+    if scale.shape[-1:] != (n,):
+        raise ValueError(f"scale must be (..., {n}), got {tuple(scale.shape)}")
+    lead = scale.shape[:-1]
+    return cpu_contiguous(scale, torch.float32).reshape(math.prod(lead), n), lead
 
 
 def _odd(odd: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -97,11 +106,8 @@ def nearest_codewords(
         return nearest_codewords_torch(x, w, grid, scale, odd)
     off, lv, lv2 = tables
     n, d = x.shape
-    if scale.shape[-1:] != (n,):
-        raise ValueError(f"scale must be (..., {n}), got {tuple(scale.shape)}")
-    lead = scale.shape[:-1]
-    t = math.prod(lead)
-    sc = cpu_contiguous(scale, torch.float32).reshape(t, n)
+    sc, lead = _scales(scale, n)
+    t = sc.shape[0]
     oc = _odd(odd, n)
     cost = torch.empty(t, n, dtype=torch.float32)
     idx = torch.empty(t, n, dtype=torch.int64)
@@ -145,14 +151,12 @@ def candidate_terms(
 def subset_min_costs(b: torch.Tensor, c: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """As :func:`dynaquant.quant.codecs._lattice.subset_min_costs_torch`: (n, K), (n, K), (..., n) float32 ->
     (..., n) float32, without the (..., n, K) temporary."""
-    if b.ndim != 2 or c.shape != b.shape or scale.shape[-1:] != b.shape[:1]:
-        raise ValueError(f"expected b, c (n, K) and scale (..., n), got {tuple(b.shape)}, {tuple(c.shape)}, "
-                         f"{tuple(scale.shape)}")
+    if b.ndim != 2 or c.shape != b.shape:
+        raise ValueError(f"expected b, c (n, K), got {tuple(b.shape)}, {tuple(c.shape)}")
     b, c = cpu_contiguous(b, torch.float32), cpu_contiguous(c, torch.float32)
     n, k = b.shape
-    lead = scale.shape[:-1]
-    t = math.prod(lead)
-    sc = cpu_contiguous(scale, torch.float32).reshape(t, n)
+    sc, lead = _scales(scale, n)
+    t = sc.shape[0]
     cost = torch.empty(t, n, dtype=torch.float32)
     if n and t:
         if k == 0:
@@ -189,14 +193,7 @@ def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None,
     up to float32 rounding of near-ties; the first maximum, as the whole grid's argmax). Raises ValueError when the
     shapes disagree."""
     r = f.shape[0]
-    nv = 1 if odd is None else (5 if flip_at is None else 2)
-    if (f.shape != (r, 8) or t.shape != (r, 4) or (odd is not None and odd.shape != (r,))
-            or (flip_at is not None and (odd is None or flip_at.shape != (r,))) or kmap.shape != (4096,)
-            or mids.shape != (7,) or grid.ndim != 2 or grid.shape[1] != 4 or g8.shape != (8, grid.shape[0])):
-        raise ValueError(f"shapes disagree: f {tuple(f.shape)}, t {tuple(t.shape)}, odd "
-                         f"{None if odd is None else tuple(odd.shape)}, flip_at "
-                         f"{None if flip_at is None else tuple(flip_at.shape)}, kmap {tuple(kmap.shape)}, mids "
-                         f"{tuple(mids.shape)}, grid {tuple(grid.shape)}, g8 {tuple(g8.shape)}")
+    nv = iq3.variant_count(f, t, odd, flip_at, kmap, mids, grid, g8)
     score = torch.empty(r, nv, dtype=torch.float32)
     idx = torch.empty(r, nv, dtype=torch.int64)
     if r == 0:

@@ -129,6 +129,21 @@ def _grid_map(name: str, device) -> tuple[torch.Tensor, torch.Tensor]:
     return _tables[key]
 
 
+def variant_count(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None, flip_at: torch.Tensor | None,
+                  kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor) -> int:
+    """The number of variants V (1, 2 or 5) a call of :func:`nearest_variants_torch` (or of a fast path with its
+    arguments) scores per group. Raises ValueError when the arguments' shapes disagree (the message lists them)."""
+    r = f.shape[0]
+    if (f.shape != (r, 8) or t.shape != (r, 4) or (odd is not None and odd.shape != (r,))
+            or (flip_at is not None and (odd is None or flip_at.shape != (r,))) or kmap.shape != (4096,)
+            or mids.shape != (7,) or grid.ndim != 2 or grid.shape[1] != 4 or g8.shape != (8, grid.shape[0])):
+        raise ValueError(f"shapes disagree: f {tuple(f.shape)}, t {tuple(t.shape)}, odd "
+                         f"{None if odd is None else tuple(odd.shape)}, flip_at "
+                         f"{None if flip_at is None else tuple(flip_at.shape)}, kmap {tuple(kmap.shape)}, mids "
+                         f"{tuple(mids.shape)}, grid {tuple(grid.shape)}, g8 {tuple(g8.shape)}")
+    return 1 if odd is None else (5 if flip_at is None else 2)
+
+
 def nearest_variants_torch(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None, flip_at: torch.Tensor | None,
                            kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor,
                            g8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +164,7 @@ def nearest_variants_torch(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor |
         first on an exact tie); variants > 0 of even groups score -inf with index 0.
     """
     r = f.shape[0]
-    nv = 1 if odd is None else (5 if flip_at is None else 2)
+    nv = variant_count(f, t, odd, flip_at, kmap, mids, grid, g8)
     flips = torch.zeros(r, nv, 4, dtype=torch.bool, device=f.device)
     if nv == 5:
         flips[:, 1:] = torch.eye(4, dtype=torch.bool, device=f.device)
