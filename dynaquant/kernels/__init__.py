@@ -14,8 +14,8 @@ Public API (importing this package does not import Triton):
 Importing this package also registers the fused lattice searches of :mod:`.lattice_search`,
 IQ3's fused assignment of :mod:`.iq3_search` and the fused K-quant scale searches of
 :mod:`.kquant_search` (Triton, loaded on first use) as
-the CUDA fast paths of the i-quant and K-quant codecs, and the compiled C K-quant searches of
-:mod:`.native` (built on first use) as their CPU fast paths
+the CUDA fast paths of the i-quant and K-quant codecs, and the compiled C K-quant, one-scale and
+lattice (i-quant) searches of :mod:`.native` (built on first use) as their CPU fast paths
 (:mod:`dynaquant.quant.codecs.fastpaths`); the layers that encode (pipeline, analysis, runtime)
 import it.
 """
