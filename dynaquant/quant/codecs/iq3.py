@@ -70,7 +70,8 @@ _N_GRP = 8  # groups of 4 per sub-block
 # Ratios ours / llama.cpp of the importance-weighted error, measured by
 # tests/test_codecs_iq34.py (SmolLM2-135M dithered test tensors: mean, worst; synthetic), with
 # the CPU search profile (the full search, on other devices: IQ3_XXS mean 0.770 worst 0.918,
-# IQ3_S mean 0.743 worst 0.856). CPU time: 2-3x llama.cpp's on one thread.
+# IQ3_S mean 0.743 worst 0.856). CPU speed with the compiled assignment (kernels/native): 1.4-2.1x llama.cpp's
+# weights/s on the same 2 threads (README, benchmarks/out/encode_speed-cpu-lattice.json).
 MEASURED = {
     "IQ3_XXS": "smollm2 mean 0.838 worst 0.965; synthetic 0.74-0.77; no imatrix 0.61-0.72",
     "IQ3_S": "smollm2 mean 0.808 worst 0.891; synthetic 0.74-0.78; no imatrix 0.55-0.63",
