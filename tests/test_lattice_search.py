@@ -156,13 +156,18 @@ def test_empty(interpreted):
     assert cost.shape == idx.shape == (2, 0)
 
 
-def test_cpu_dispatch_is_torch():
-    """On CPU tensors the codecs' entry point is the torch reference (no Triton)."""
+def test_cpu_dispatch_is_not_triton():
+    """On CPU tensors the codecs' entry point is the CPU fast path (the compiled C search of
+    :mod:`dynaquant.kernels.native.lattice`, tests/test_lattice_native.py), or the torch reference where it does not
+    load; never the Triton kernel."""
+    from dynaquant.quant.codecs import fastpaths
+
     grid = lat.gguf_grid("IQ2_XXS")
     x, w, scale, odd = _inputs(9, 8, 2, "cpu")
-    assert not lat.fused(x)
+    cpu = fastpaths.lookup("lattice.nearest_codewords", "cpu")
+    assert lat.fused(x) == (cpu is not None)
     a = lat.nearest_codewords(x, w, grid, scale, odd)
-    b = lat.nearest_codewords_torch(x, w, grid, scale, odd)
+    b = (cpu or lat.nearest_codewords_torch)(x, w, grid, scale, odd)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
@@ -288,12 +293,13 @@ def test_iq3_encoder_on_fused_path(interpreted, name, monkeypatch):
 
 
 def test_backend_argument(monkeypatch):
-    """``backend`` chooses the implementation: "auto" is torch on CPU, "torch" always, an unknown name is refused;
-    "triton" with no fast path registered is an error, not a silent fallback."""
+    """``backend`` chooses the implementation: "auto" is the CPU fast path on CPU (the compiled search), "torch" the
+    reference always, an unknown name is refused; "triton" with no fast path registered is an error, not a silent
+    fallback."""
     from dynaquant.quant.codecs import fastpaths, quantize
 
     x = torch.zeros(3, 8)
-    assert lat.fast_path("lattice.nearest_codewords", x, "auto") is None
+    assert lat.fast_path("lattice.nearest_codewords", x, "auto") is fastpaths.lookup("lattice.nearest_codewords", "cpu")
     assert lat.fast_path("lattice.nearest_codewords", x, "torch") is None
     assert lat.fast_path("lattice.nearest_codewords", x, "triton") is not None  # registered by dynaquant.kernels
     with pytest.raises(ValueError, match="backend"):
@@ -302,8 +308,8 @@ def test_backend_argument(monkeypatch):
         quantize(torch.zeros(2, 256), "Q4_0", backend="fast")
     with pytest.raises(KeyError):
         fastpaths.register("lattice.no_such_search", lambda: None)
-    monkeypatch.setattr(fastpaths, "_LOADERS", {})  # nothing registered
-    monkeypatch.setattr(fastpaths, "_LOADED", {})
+    for table in ("_LOADERS", "_LOADED", "_CPU_LOADERS", "_CPU_LOADED"):  # nothing registered
+        monkeypatch.setattr(fastpaths, table, {})
     assert lat.fast_path("lattice.nearest_codewords", x, "auto") is None
     with pytest.raises(RuntimeError, match="triton"):
         lat.fast_path("lattice.nearest_codewords", x, "triton")

@@ -14,8 +14,8 @@ Public API (importing this package does not import Triton):
 Importing this package also registers the fused lattice searches of :mod:`.lattice_search`,
 IQ3's fused assignment of :mod:`.iq3_search` and the fused K-quant scale searches of
 :mod:`.kquant_search` (Triton, loaded on first use) as
-the CUDA fast paths of the i-quant and K-quant codecs, and the compiled C K-quant searches of
-:mod:`.native` (built on first use) as their CPU fast paths
+the CUDA fast paths of the i-quant and K-quant codecs, and the compiled C K-quant, one-scale and
+lattice (i-quant) searches of :mod:`.native` (built on first use) as their CPU fast paths
 (:mod:`dynaquant.quant.codecs.fastpaths`); the layers that encode (pipeline, analysis, runtime)
 import it.
 """
@@ -59,7 +59,11 @@ for _attr in ("fit_scale", "fit_affine", "fit_int_zero"):
     fastpaths.register(f"blockfit.{_attr}", _loader("dynaquant.kernels.scalefit", _attr))
 for _attr in ("fit_scale", "fit_pow2"):
     fastpaths.register(f"blockfit.{_attr}", _loader("dynaquant.kernels.native.blockfit", _attr, True), device="cpu")
+for _attr in ("nearest_codewords", "candidate_terms", "subset_min_costs"):
+    fastpaths.register(f"lattice.{_attr}", _loader("dynaquant.kernels.native.lattice", _attr, True), device="cpu")
 fastpaths.register("iq3.nearest_variants", _loader("dynaquant.kernels.iq3_search", "nearest_variants"))
+fastpaths.register("iq3.nearest_variants", _loader("dynaquant.kernels.native.lattice", "nearest_variants", True), device="cpu")
+fastpaths.register("iq1.ternary_nearest", _loader("dynaquant.kernels.native.lattice", "ternary_nearest", True), device="cpu")
 fastpaths.register("gptq.round_block", _loader("dynaquant.kernels.gptq_block", "round_block"))
 for _attr in ("aff_search_scales", "aff_pick", "aff_refine", "sym_search_scales", "sym_pick", "sym_refine"):
     fastpaths.register(f"kquant.{_attr}", _loader("dynaquant.kernels.kquant_search", _attr))

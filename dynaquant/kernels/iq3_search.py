@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from dynaquant.quant.codecs import _lattice as lat
+from dynaquant.quant.codecs import iq3
 
 __all__ = ["nearest_variants"]
 
@@ -233,14 +234,7 @@ def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None,
     same bytes; IQ3_XXS's 256: no faster, so its bytes stay the whole grid's). Raises ValueError when the shapes
     disagree."""
     r = f.shape[0]
-    nv = 1 if odd is None else (5 if flip_at is None else 2)
-    if (f.shape != (r, 8) or t.shape != (r, 4) or (odd is not None and odd.shape != (r,))
-            or (flip_at is not None and (odd is None or flip_at.shape != (r,))) or kmap.shape != (4096,)
-            or mids.shape != (7,) or grid.ndim != 2 or grid.shape[1] != 4 or g8.shape != (8, grid.shape[0])):
-        raise ValueError(f"shapes disagree: f {tuple(f.shape)}, t {tuple(t.shape)}, odd "
-                         f"{None if odd is None else tuple(odd.shape)}, flip_at "
-                         f"{None if flip_at is None else tuple(flip_at.shape)}, kmap {tuple(kmap.shape)}, mids "
-                         f"{tuple(mids.shape)}, grid {tuple(grid.shape)}, g8 {tuple(g8.shape)}")
+    nv = iq3.variant_count(f, t, odd, flip_at, kmap, mids, grid, g8)
     score = torch.empty(r, nv, dtype=torch.float32, device=f.device)
     idx = torch.empty(r, nv, dtype=torch.int64, device=f.device)
     if r == 0:

@@ -27,12 +27,13 @@ memory by calling them on slices of groups (:func:`group_chunk`). Private to the
 
 :func:`nearest_codewords`, :func:`candidate_terms` and :func:`subset_min_costs` run a fast path
 registered in :mod:`dynaquant.quant.codecs.fastpaths` (the fused Triton kernels of
-:mod:`dynaquant.kernels`, registered when that package is imported) or their torch references
-``*_torch`` of the same signatures; the ``backend`` argument chooses (:func:`fast_path`):
-``"auto"`` (default) the fast path on CUDA tensors when one is registered and loads, ``"torch"``
-the reference, ``"triton"`` the fast path on any device (RuntimeError when there is none). The
-kernels keep no (groups, G) or (scales, groups, K) temporaries, so on CUDA the codecs need no
-slicing.
+:mod:`dynaquant.kernels` for CUDA tensors, the compiled C searches of
+:mod:`dynaquant.kernels.native.lattice` for CPU tensors, registered when that package is imported)
+or their torch references ``*_torch`` of the same signatures; the ``backend`` argument chooses
+(:func:`fast_path`): ``"auto"`` (default) the fast path of the tensors' device when one is
+registered and loads, ``"torch"`` the reference, ``"triton"`` the Triton fast path on any device,
+``"native"`` the compiled CPU one (RuntimeError when there is none). The fast paths keep no
+(groups, G) or (scales, groups, K) temporaries, so with one the codecs need no slicing.
 """
 
 from __future__ import annotations

@@ -39,7 +39,9 @@ the scale search), each with its own best grid point.
    error; steps 2-3 repeat once from the new points (with the least-squares ``d`` as an
    extra candidate), keeping the best configuration per super-block.
 
-On CPU the off-grid groups search exact candidate lists instead of the whole grid (the grid
+On CPU (with :mod:`dynaquant.kernels` imported and a C compiler, the assignment runs as compiled C:
+:mod:`dynaquant.kernels.native.lattice`, about 3x faster encodes, the same bytes on the tests' weights)
+the off-grid groups search exact candidate lists instead of the whole grid (the grid
 points no other grid point dominates with respect to the rounded pattern,
 :func:`._lattice.dominance_candidates`: 20-23 on average, at most 61/74), and the search is
 lighter (``cpu_search``: two step-1 scales, no Lloyd steps, one round of steps 2-3 without
@@ -68,7 +70,8 @@ _N_GRP = 8  # groups of 4 per sub-block
 # Ratios ours / llama.cpp of the importance-weighted error, measured by
 # tests/test_codecs_iq34.py (SmolLM2-135M dithered test tensors: mean, worst; synthetic), with
 # the CPU search profile (the full search, on other devices: IQ3_XXS mean 0.770 worst 0.918,
-# IQ3_S mean 0.743 worst 0.856). CPU time: 2-3x llama.cpp's on one thread.
+# IQ3_S mean 0.743 worst 0.856). CPU speed with the compiled assignment (kernels/native): 1.4-2.1x llama.cpp's
+# weights/s on the same 2 threads (README, benchmarks/out/encode_speed-cpu-lattice.json).
 MEASURED = {
     "IQ3_XXS": "smollm2 mean 0.838 worst 0.965; synthetic 0.74-0.77; no imatrix 0.61-0.72",
     "IQ3_S": "smollm2 mean 0.808 worst 0.891; synthetic 0.74-0.78; no imatrix 0.55-0.63",
@@ -127,6 +130,21 @@ def _grid_map(name: str, device) -> tuple[torch.Tensor, torch.Tensor]:
     return _tables[key]
 
 
+def variant_count(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None, flip_at: torch.Tensor | None,
+                  kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor) -> int:
+    """The number of variants V (1, 2 or 5) a call of :func:`nearest_variants_torch` (or of a fast path with its
+    arguments) scores per group. Raises ValueError when the arguments' shapes disagree (the message lists them)."""
+    r = f.shape[0]
+    if (f.shape != (r, 8) or t.shape != (r, 4) or (odd is not None and odd.shape != (r,))
+            or (flip_at is not None and (odd is None or flip_at.shape != (r,))) or kmap.shape != (4096,)
+            or mids.shape != (7,) or grid.ndim != 2 or grid.shape[1] != 4 or g8.shape != (8, grid.shape[0])):
+        raise ValueError(f"shapes disagree: f {tuple(f.shape)}, t {tuple(t.shape)}, odd "
+                         f"{None if odd is None else tuple(odd.shape)}, flip_at "
+                         f"{None if flip_at is None else tuple(flip_at.shape)}, kmap {tuple(kmap.shape)}, mids "
+                         f"{tuple(mids.shape)}, grid {tuple(grid.shape)}, g8 {tuple(g8.shape)}")
+    return 1 if odd is None else (5 if flip_at is None else 2)
+
+
 def nearest_variants_torch(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None, flip_at: torch.Tensor | None,
                            kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor,
                            g8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,7 +165,7 @@ def nearest_variants_torch(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor |
         first on an exact tie); variants > 0 of even groups score -inf with index 0.
     """
     r = f.shape[0]
-    nv = 1 if odd is None else (5 if flip_at is None else 2)
+    nv = variant_count(f, t, odd, flip_at, kmap, mids, grid, g8)
     flips = torch.zeros(r, nv, 4, dtype=torch.bool, device=f.device)
     if nv == 5:
         flips[:, 1:] = torch.eye(4, dtype=torch.bool, device=f.device)
@@ -301,9 +319,10 @@ class _IQ3(Codec):
             a: (n, 8) float32 sub-block scales (>= 0) in grid units.
             full: IQ3_XXS: try every weight of an odd 8-group as the flipped one (else the
                 least ``w x**2`` of each half).
-            backend: ``"auto"`` (on CUDA) or ``"triton"``: every group's variants scored by the fused search
-                ``iq3.nearest_variants`` (:func:`nearest_variants_torch` is its reference); ``"torch"``: by
-                :meth:`_variants` (:meth:`_nearest`'s matmul, or its candidate lists on CPU).
+            backend: ``"auto"`` (Triton on CUDA, compiled C on CPU), ``"triton"`` or ``"native"``: every group's
+                variants scored by the fast path ``iq3.nearest_variants`` (:func:`nearest_variants_torch` is its
+                reference); ``"torch"``: by :meth:`_variants` (:meth:`_nearest`'s matmul, or its candidate lists on
+                CPU).
         Returns:
             (idx (n, 8, 8) int64 grid indices, flip (n, 8, 32) bool: weight decoded with the
             sign opposite to ``x``'s).
@@ -501,7 +520,7 @@ class _IQ3(Codec):
 
     def encode_blocks(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto", variant: str | None = None) -> torch.Tensor:
         """(n, 256) float32 weights and importance (> 0) -> (n, type_size) uint8; ValueError on other shapes.
-        ``backend``: the whole-grid search's fused kernel (:meth:`_nearest`; ``"auto"``: on CUDA);
+        ``backend``: the assignment's fast path (:meth:`_assign`; ``"auto"``: Triton on CUDA, C on CPU);
         ``variant`` is unused (the kernel's default, ``"rows"``)."""
         self._check_blocks(x, w)
         x, w = x.to(torch.float32), w.to(torch.float32)
