@@ -13,8 +13,9 @@ pytest.importorskip("triton")
 
 from test_kernels import packed_weight, rel_err  # noqa: E402
 
+import dynaquant.kernels.grouped as grouped  # noqa: E402
 from dynaquant.kernels import linear_ref, pack, stack, unpack  # noqa: E402
-from dynaquant.kernels.grouped import grouped_linear, grouped_linear_ref, route  # noqa: E402
+from dynaquant.kernels.grouped import grouped_linear, grouped_linear_ref, route, route_torch  # noqa: E402
 
 
 def _stacked(fmt: str, e: int, n: int, k: int, gen: torch.Generator, super_weights=None):
@@ -51,6 +52,49 @@ def test_route_splits_an_expert_longer_than_a_block():
     assert r.blocks() == [(0, 0, 16), (0, 16, 26), (2, 26, 40)]
     with pytest.raises(ValueError):
         route(idx, 3, block_m=24)
+
+
+ROUTING_FIELDS = ("order", "token", "expert", "block_expert", "expert_block", "expert_bounds")
+
+
+def _routing_cases(gen: torch.Generator) -> list[tuple[torch.Tensor, int, int]]:
+    """(top_k_index, E, block_m): fixed corners and random routings (T log-uniform in 1..300, k 1..8, E 4..257,
+    about one choice in eight skipped: negative or >= E)."""
+    def draw(lo, hi):
+        return int(torch.randint(lo, hi + 1, (), generator=gen))
+
+    cases = [(torch.randint(0, 128, (1, 8), generator=gen), 128, 16),  # Qwen3-30B-A3B, one token
+             (torch.full((300, 8), 5), 257, 64),  # every choice to one expert: blocks of one expert only
+             (torch.full((7, 3), -1), 6, 16),  # every choice skipped
+             (torch.randint(-3, 260, (300, 8), generator=gen), 257, 32),  # 2400 slots (the sort's 4096 lanes)
+             (torch.randint(0, 4, (16, 1), generator=gen).to(torch.int32), 4, 16)]  # int32 indices, k = 1
+    for _ in range(24):
+        t = int(torch.exp(torch.rand((), generator=gen) * torch.log(torch.tensor(300.0)))) or 1
+        k, e = draw(1, 8), draw(4, 257)
+        idx = torch.randint(0, e, (t, k), generator=gen)
+        skip = torch.rand(t, k, generator=gen) < 0.125
+        idx[skip] = torch.where(torch.rand(t, k, generator=gen) < 0.5, -1 - idx, e + idx)[skip]
+        cases.append((idx, e, (16, 32, 64)[draw(0, 2)]))
+    return cases
+
+
+def test_route_kernel_equals_the_torch_reference_field_by_field(monkeypatch):
+    """``route``'s one-launch kernel (Triton: compiled on CUDA, else the interpreter) gives ``route_torch``'s tables
+    exactly (dtype, shape, values) on random routings; past ``ROUTE_MAX_SLOTS`` it is ``route_torch``."""
+    def no_torch_path(*args):
+        raise AssertionError("route took the torch path")
+
+    gen = torch.Generator().manual_seed(11)
+    with monkeypatch.context() as m:
+        m.setattr(grouped, "route_torch", no_torch_path)  # (route_torch itself kept as the reference)
+        for idx, e, bm in _routing_cases(gen):
+            got, want = route(idx.to(DEVICE), e, bm), route_torch(idx.to(DEVICE), e, bm)
+            assert (got.num_experts, got.block_m, got.slots) == (e, bm, idx.numel())
+            for f in ROUTING_FIELDS:
+                a, b = getattr(got, f), getattr(want, f)
+                assert a.dtype == b.dtype == torch.int64 and torch.equal(a, b), (tuple(idx.shape), e, bm, f)
+    big = torch.randint(0, 8, (grouped.ROUTE_MAX_SLOTS // 4 + 1, 4), generator=gen).to(DEVICE)
+    assert all(torch.equal(getattr(route(big, 8), f), getattr(route_torch(big, 8), f)) for f in ROUTING_FIELDS)
 
 
 @pytest.mark.parametrize("gemv", [False, True])

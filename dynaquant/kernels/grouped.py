@@ -17,6 +17,7 @@ reference :func:`grouped_linear_ref`. Nothing waits for the device: the routing 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ import torch
 from dynaquant.kernels.ops import dequantize_packed_ref, uses_triton
 from dynaquant.kernels.packing import PackedWeight
 
-__all__ = ["Routing", "route", "grouped_linear", "grouped_linear_ref"]
+__all__ = ["Routing", "route", "route_torch", "grouped_linear", "grouped_linear_ref"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,10 @@ class Routing:
         return [(x, a, z) for x, a, z in zip(e.tolist(), start.tolist(), end.tolist()) if z > a]
 
 
+ROUTE_MAX_SLOTS = 4096  # slots (T k) the routing kernel sorts in one program (a bitonic sort in registers)
+ROUTE_MAX_EXPERTS = 1022  # experts: its histogram's E + 2 buckets (skipped choices E, padding E + 1) in 1024
+
+
 @functools.lru_cache(maxsize=64)
 def _arange(n: int, device: torch.device) -> torch.Tensor:
     """``torch.arange(n)`` kept per size and device (read only; one launch fewer a call, and safe in CUDA graphs)."""
@@ -76,16 +81,54 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
 
 def route(top_k_index: torch.Tensor, num_experts: int, block_m: int = 16) -> Routing:
     """The slots of ``top_k_index`` (T, k) sorted by expert, and their blocks of at most ``block_m`` (a power of two,
-    at least 16: the kernel's ``tl.dot`` tile). A dozen torch operations on the index's device; no host
-    synchronisation (the block count is the fixed bound ``ceil(S / block_m) + min(E, S)``).
+    at least 16: the kernel's ``tl.dot`` tile). No host synchronisation (the block count is the fixed bound
+    ``ceil(S / block_m) + min(E, S)``): on CUDA (or in Triton's interpreter) one launch of
+    :func:`dynaquant.kernels.triton_grouped.run_route` for up to ``ROUTE_MAX_SLOTS`` slots and ``ROUTE_MAX_EXPERTS``
+    experts, else :func:`route_torch`'s dozen torch operations; the same tables either way.
 
     Raises:
         ValueError: ``top_k_index`` not 2-D integer, or ``block_m`` not a power of two >= 16.
     """
+    _check_route(top_k_index, block_m)
+    t, k = top_k_index.shape
+    if _routes_in_triton(top_k_index, num_experts):
+        from dynaquant.kernels import triton_grouped
+
+        order, token, expert, bounds, first, block_expert = triton_grouped.run_route(
+            top_k_index.reshape(-1).contiguous(), k, num_experts, block_m, _n_blocks(t * k, num_experts, block_m))
+        return Routing(num_experts, order, token, expert, block_expert, first, bounds, block_m)
+    return route_torch(top_k_index, num_experts, block_m)
+
+
+def _routes_in_triton(top_k_index: torch.Tensor, num_experts: int) -> bool:
+    """Whether :func:`route` takes the one-launch kernel: CUDA (or the CPU with ``TRITON_INTERPRET=1``), 1 to
+    ``ROUTE_MAX_SLOTS`` slots, at most ``ROUTE_MAX_EXPERTS`` experts."""
+    dev = top_k_index.device.type
+    if not (dev == "cuda" or (dev == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")):
+        return False
+    return 0 < top_k_index.numel() <= ROUTE_MAX_SLOTS and 0 < num_experts <= ROUTE_MAX_EXPERTS
+
+
+def _check_route(top_k_index: torch.Tensor, block_m: int) -> None:
     if top_k_index.ndim != 2 or top_k_index.is_floating_point():
         raise ValueError(f"top_k_index must be (T, k) integers, got {tuple(top_k_index.shape)} {top_k_index.dtype}")
     if block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
+
+
+def _n_blocks(slots: int, num_experts: int, block_m: int) -> int:
+    """The routing table's fixed block count: ``ceil(S / block_m) + min(E, S)``."""
+    return -(-slots // block_m) + min(num_experts, slots)
+
+
+def route_torch(top_k_index: torch.Tensor, num_experts: int, block_m: int = 16) -> Routing:
+    """:func:`route` in a dozen torch operations on the index's device (the reference, and the path for any size):
+    one stable sort of the keys (skipped choices E), the bounds by ``searchsorted``, the blocks by ``cumsum``.
+
+    Raises:
+        ValueError: as :func:`route`.
+    """
+    _check_route(top_k_index, block_m)
     dev = top_k_index.device
     t, k = top_k_index.shape
     e = num_experts
@@ -94,8 +137,7 @@ def route(top_k_index: torch.Tensor, num_experts: int, block_m: int = 16) -> Rou
     bounds = torch.searchsorted(expert, _arange(e + 1, dev))  # each expert's first sorted slot; [E]: the skipped
     blocks = (bounds[1:] - bounds[:-1] + (block_m - 1)).floor_divide_(block_m)
     ends = torch.cumsum(blocks, 0)
-    n_blocks = -(-(t * k) // block_m) + min(e, t * k)
-    block_expert = torch.searchsorted(ends, _arange(n_blocks, dev), right=True).clamp_(max=e - 1)
+    block_expert = torch.searchsorted(ends, _arange(_n_blocks(t * k, e, block_m), dev), right=True).clamp_(max=e - 1)
     return Routing(e, order, order // k, expert, block_expert, ends - blocks, bounds, block_m)
 
 

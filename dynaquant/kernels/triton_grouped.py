@@ -2,9 +2,10 @@
 on the layout of :mod:`dynaquant.kernels.packing` (the experts' weights stacked along N) and with the element
 decoders of :mod:`.triton_linear` (imported lazily, as that module: importing this one imports Triton).
 
-Two kernels: :func:`_grouped_kernel`, the tensor-core tile of ``triton_linear``'s small-batch kernel with its rows
-taken from a routing block's expert-sorted slots, and :func:`_grouped_gemv_kernel`, one program a slot on the CUDA
-cores (the dense GEMV's loop), for a few slots an expert.
+Two product kernels: :func:`_grouped_kernel`, the tensor-core tile of ``triton_linear``'s small-batch kernel with its
+rows taken from a routing block's expert-sorted slots, and :func:`_grouped_gemv_kernel`, one program a slot on the
+CUDA cores (the dense GEMV's loop), for a few slots an expert; and :func:`_route_kernel`, the routing table of
+:func:`dynaquant.kernels.grouped.route` in one program (a layer's dozen small torch kernels in one launch).
 """
 
 from __future__ import annotations
@@ -27,6 +28,60 @@ from dynaquant.kernels.triton_linear import (
     tile_values,
 )
 from dynaquant.kernels.tuning import has_half2
+
+# ----------------------------------------------------------------------------------------------
+# the routing table in one program
+
+@triton.jit
+def _route_kernel(idx_ptr, order_ptr, token_ptr, expert_ptr, bounds_ptr, eblock_ptr, bexp_ptr, S, K, E, NB,
+                  SP: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BB: tl.constexpr, NB_CHUNKS: tl.constexpr):
+    """One program: :class:`dynaquant.kernels.grouped.Routing`'s tables for the S = T k choices ``idx`` (flat).
+    Each slot's key is its expert (E for a skipped choice, E + 1 for the padding up to SP slots); the keys
+    ``key SP + slot`` are distinct, so one (bitonic) sort of them orders the slots by expert, ties in slot order
+    (a stable sort). A histogram of the keys gives each expert's slot count, its prefix sums the bounds and, in
+    blocks of BM slots, each expert's first block; block ``b``'s expert is the number of experts whose blocks end
+    at or before ``b`` (the reference's ``searchsorted(right=True)``), BB blocks at a time."""
+    s = tl.arange(0, SP)
+    live = s < S
+    v = tl.load(idx_ptr + s, mask=live, other=0)
+    key = tl.where((v >= 0) & (v < E), v, E).to(tl.int32)
+    key = tl.where(live, key, E + 1)
+    comp = tl.sort(key * SP + s)
+    srt = comp // SP
+    order = comp - srt * SP
+    tl.store(order_ptr + s, order.to(tl.int64), mask=live)
+    tl.store(token_ptr + s, (order // K).to(tl.int64), mask=live)
+    tl.store(expert_ptr + s, srt.to(tl.int64), mask=live)
+    counts = tl.histogram(key, EP)  # [EP] slots an expert; [E]: skipped, [E + 1]: padding
+    ex = tl.arange(0, EP)
+    bounds = tl.cumsum(counts, 0) - counts
+    tl.store(bounds_ptr + ex, bounds.to(tl.int64), mask=ex <= E)
+    blocks = tl.where(ex < E, (counts + (BM - 1)) // BM, 0)
+    ends = tl.cumsum(blocks, 0)
+    tl.store(eblock_ptr + ex, (ends - blocks).to(tl.int64), mask=ex < E)
+    ends = tl.where(ex < E, ends, 1 << 30)
+    for c in range(NB_CHUNKS):
+        b = c * BB + tl.arange(0, BB)
+        n = tl.sum((ends[None, :] <= b[:, None]).to(tl.int32), axis=1)
+        tl.store(bexp_ptr + b, tl.minimum(n, E - 1).to(tl.int64), mask=b < NB)
+
+
+def run_route(flat_index: torch.Tensor, k: int, num_experts: int, block_m: int,
+              n_blocks: int) -> tuple[torch.Tensor, ...]:
+    """The routing tables of :func:`dynaquant.kernels.grouped.route` for ``flat_index`` (S,) (contiguous integers,
+    ``0 < S <= grouped.ROUTE_MAX_SLOTS``, ``num_experts <= grouped.ROUTE_MAX_EXPERTS``) in one launch: (order, token, expert,
+    expert_bounds, expert_block, block_expert), int64, of sizes S, S, S, E + 1, E and ``n_blocks``."""
+    s, e = flat_index.numel(), num_experts
+    dev = flat_index.device
+    sp = max(16, triton.next_power_of_2(s))
+    ep = triton.next_power_of_2(e + 2)
+    bb = max(16, 4096 // ep)
+    out = [torch.empty(n, dtype=torch.int64, device=dev) for n in (s, s, s, e + 1, e, n_blocks)]
+    _route_kernel[(1,)](flat_index, *out, s, k, e, n_blocks, SP=sp, EP=ep, BM=block_m, BB=bb,
+                        NB_CHUNKS=triton.cdiv(triton.cdiv(sp, block_m) + min(e, sp), bb),
+                        num_warps=4 if sp <= 1024 else 8)
+    return tuple(out)
+
 
 # ----------------------------------------------------------------------------------------------
 # mixture of experts: every routed expert of a layer in one launch
