@@ -151,6 +151,45 @@ def test_grouped_gemv_half2(fmt, words):
         grouped_linear(x.to(torch.bfloat16), asym, r, gemv=True, half2=True)
 
 
+@pytest.mark.parametrize("fmt,launch", [("INT4_G128", dict(gemv=True)), ("INT4_G128", dict(gemv=False)),
+                                        ("INT2_G128", dict(gemv=True, half2=True, block_n=16)),
+                                        ("INT4_G64_ASYM", dict(gemv=False, block_n=32)), ("MXFP4_G32", dict(gemv=True))])
+def test_grouped_linear_silu_epilogue_is_silu_of_gate_times_up(fmt, launch):
+    """``act="silu"``: each expert's stacked rows gate (first half) then up, the kernel's epilogue writes
+    ``silu(gate) * up`` (S, N / 2): the per-expert products' and the unfused launch's torch activation, to bf16
+    rounding (the interpreter truncates the unfused launch's stores; compiled, both round to nearest)."""
+    gen = torch.Generator().manual_seed(9)
+    e, n, k, t, top = 4, 48, 256, 9, 2
+    experts, stacked = _stacked(fmt, e, n, k, gen)
+    x = torch.randn(t, k, generator=gen).to(torch.bfloat16).float().to(DEVICE)  # (the kernel's bf16 input exactly)
+    idx = torch.randint(0, e, (t, top), generator=gen)
+    idx[4, 0] = e  # a skipped choice
+    r = route(idx.to(DEVICE), e)
+    valid = r.expert < e
+    h = n // 2
+    want = torch.zeros(r.slots, h, dtype=torch.float64, device=DEVICE)
+    for s in range(r.slots):
+        if valid[s]:
+            y = linear_ref(x[r.token[s]][None], experts[int(r.expert[s])])[0].double()
+            want[s] = torch.nn.functional.silu(y[:h]) * y[h:]
+    xb = x.to(torch.bfloat16)
+    got = grouped_linear(xb, stacked, r, act="silu", **launch)
+    assert got.shape == (r.slots, h) and got.dtype == torch.bfloat16
+    assert rel_err(got[valid].float(), want[valid]) < 1e-2
+    full = grouped_linear(xb, stacked, r, **launch)
+    unfused = torch.nn.functional.silu(full[:, :h]) * full[:, h:]
+    assert rel_err(got[valid].float(), unfused[valid].float()) < 1e-2
+    swapped = torch.nn.functional.silu(full[:, h:]) * full[:, :h]  # (the other pairing is far off)
+    assert rel_err(swapped[valid].float(), want[valid]) > 0.1
+    ref = grouped_linear(x, stacked, r, act="silu")  # float32: the torch reference, then the torch activation
+    full32 = grouped_linear_ref(x, stacked, r)
+    assert torch.equal(ref, torch.nn.functional.silu(full32[:, :h]) * full32[:, h:])
+    with pytest.raises(ValueError, match="act"):
+        grouped_linear(xb, stacked, r, act="silu", slot_weights=torch.ones(r.slots, device=DEVICE), **launch)
+    with pytest.raises(ValueError, match="act"):
+        grouped_linear(xb, stacked, r, act="gelu", **launch)
+
+
 def test_grouped_linear_adds_super_weights_to_their_expert_only():
     gen = torch.Generator().manual_seed(3)
     e, n, k = 3, 32, 128
@@ -166,6 +205,9 @@ def test_grouped_linear_adds_super_weights_to_their_expert_only():
     w = torch.rand(r.slots, generator=gen).to(DEVICE).to(torch.bfloat16)  # super weights: weighted in torch after
     scattered = grouped_linear(x.to(torch.bfloat16), stacked, r, slot_weights=w).float()
     assert torch.allclose(scattered[r.order], got * w[r.order].float()[:, None], atol=1e-2, rtol=1e-2)
+    fused = grouped_linear(x.to(torch.bfloat16), stacked, r, act="silu", gemv=True)  # super weights: act in torch
+    sup = grouped_linear(x.to(torch.bfloat16), stacked, r, gemv=True)
+    assert torch.equal(fused, torch.nn.functional.silu(sup[:, :n // 2]) * sup[:, n // 2:])
     d = got - plain
     deltas = stacked.super_weights[2].tolist()  # value - decoded weight, each in its expert's rows
     for s in range(r.slots):

@@ -152,7 +152,8 @@ def _check(x2: torch.Tensor, packed: PackedWeight, routing: Routing) -> int:
 
 def grouped_linear(x2: torch.Tensor, packed: PackedWeight, routing: Routing, *, sorted_input: bool = False,
                    slot_weights: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4,
-                   num_stages: int = 1, gemv: bool = False, half2: bool = False, words: int = 16) -> torch.Tensor:
+                   num_stages: int = 1, gemv: bool = False, half2: bool = False, words: int = 16,
+                   act: str | None = None) -> torch.Tensor:
     """Each sorted slot's expert product: ``y[s] = x2[r] @ dequant(W_e).T`` for slot ``s`` of ``routing`` (expert
     ``e``), ``r`` its token (``sorted_input``: ``r = s``, x2 already in sorted slot order), super weights added.
 
@@ -170,29 +171,49 @@ def grouped_linear(x2: torch.Tensor, packed: PackedWeight, routing: Routing, *, 
             for a few slots an expert (decoding), where a 16-slot tile would decode its weights for one live row.
         half2, words: ``gemv`` only: the packed-fp16 word products (symmetric INT4 / INT2;
             :mod:`dynaquant.kernels.triton_half2`) and the most words of a row a loop iteration.
+        act: None, or ``"silu"``: each expert's N rows are its gate (the first N / 2) then its up projection (the
+            stacked gate/up layout of :func:`dynaquant.runtime.loader.fuse_experts`), and the result is
+            ``act(gate) * up`` (the kernel's epilogue where it runs without super weights, rounded as the torch ops
+            on the (S, N) product round; else those torch ops). Not with ``slot_weights``.
     Returns:
-        (S, N) in x2's dtype: in sorted slot order, the rows of skipped choices unspecified (the caller masks
-        them); with ``slot_weights``, in the original slot order (above).
+        (S, N) in x2's dtype ((S, N / 2) with ``act``): in sorted slot order, the rows of skipped choices
+        unspecified (the caller masks them); with ``slot_weights``, in the original slot order (above).
     Raises:
-        ValueError: shapes that do not fit; ``half2`` for a format without that decode.
+        ValueError: shapes that do not fit; ``half2`` for a format without that decode; ``act`` unknown, with
+            ``slot_weights`` or an odd N.
     """
     n = _check(x2, packed, routing)
     if slot_weights is not None and slot_weights.shape != (routing.slots,):
         raise ValueError(f"slot_weights must be ({routing.slots},), got {tuple(slot_weights.shape)}")
+    if act is not None and (act not in ACTIVATIONS or slot_weights is not None or n % 2):
+        raise ValueError(f"act must be one of {sorted(ACTIVATIONS)} with an even N ({n}) and no slot weights, "
+                         f"got {act!r}")
     if not uses_triton(x2):
-        return _weighted(grouped_linear_ref(x2, packed, routing, sorted_input=sorted_input), routing, slot_weights)
+        y = grouped_linear_ref(x2, packed, routing, sorted_input=sorted_input)
+        return _act_mul(y, act) if act is not None else _weighted(y, routing, slot_weights)
     from dynaquant.kernels import triton_grouped
 
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = _arange(routing.slots, x2.device) if sorted_input else routing.token
-    scatter = slot_weights is not None and packed.super_weights is None
+    fused = packed.super_weights is None  # (super weights are added to the product in torch, after the kernel)
+    scatter = slot_weights is not None and fused
     y = triton_grouped.run_grouped(x2, rows, packed, routing, block_n, num_warps, num_stages,
                                   slot_weights=slot_weights if scatter else None, gemv=gemv, half2=half2,
-                                  words=words)
-    if scatter:
+                                  words=words, act=act if fused else None)
+    if fused and (scatter or act is not None):
         return y
-    return _weighted(_add_super(y, x2[rows], packed, routing, n), routing, slot_weights)
+    y = _add_super(y, x2[rows], packed, routing, n)
+    return _act_mul(y, act) if act is not None else _weighted(y, routing, slot_weights)
+
+
+ACTIVATIONS = {"silu": torch.nn.functional.silu}  # grouped_linear's ``act``: the gate/up epilogue's activations
+
+
+def _act_mul(y: torch.Tensor, act: str) -> torch.Tensor:
+    """``act(gate) * up`` of a (S, 2 I) gate/up product in torch (the kernel's epilogue's reference)."""
+    half = y.shape[1] // 2
+    return ACTIVATIONS[act](y[:, :half]) * y[:, half:]
 
 
 def _weighted(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | None) -> torch.Tensor:

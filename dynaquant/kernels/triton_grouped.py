@@ -88,26 +88,59 @@ def run_route(flat_index: torch.Tensor, k: int, num_experts: int, block_m: int,
 
 
 @triton.jit
+def _rounded(x, DT: tl.constexpr):
+    """float32 ``x`` rounded to DT (to nearest even), as float32. bfloat16 by bit arithmetic: Triton's interpreter
+    truncates a plain cast, and its ``rtne`` cast loses the carry into the exponent; compiled, the same values."""
+    if DT == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        return ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _act_mul(gate, up, DT: tl.constexpr, ACT: tl.constexpr):
+    """``act(gate) * up`` (float32 in) in DT, rounded as the unfused path rounds: gate and up stored in DT, the
+    activation rounded to DT, the product rounded to DT (torch's ``silu(g) * u`` on DT tensors).
+    ACT 1: SiLU, ``g / (1 + e^-g)``."""
+    g = _rounded(gate, DT)
+    u = _rounded(up, DT)
+    if ACT == 1:
+        a = g / (1.0 + tl.exp(-g))
+    return _rounded(_rounded(a, DT) * u, DT).to(DT)
+
+
+@triton.jit
 def _grouped_gemv_kernel(x_ptr, tok_ptr, exp_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, y_ptr, dst_ptr, w_ptr,
                          E, N, KW, KH, NG, stride_xm, stride_ym, out_mul, magic, NT, NT_C: tl.constexpr,
                          KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ZC: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SCATTER: tl.constexpr, HALF2: tl.constexpr,
-                         ASM: tl.constexpr):
+                         ASM: tl.constexpr, ACT: tl.constexpr):
     """Program (N tile, sorted slot ``s``): the slot's product on the CUDA cores, the dense GEMV's loop over words
     [BLOCK_N, BLOCK_KW] of its expert's rows (for a few slots an expert, where a 16-slot tensor-core tile would
-    decode for one live row). A skipped choice (expert ``E``) does nothing. HALF2: the packed-fp16 word products
-    (:mod:`dynaquant.kernels.triton_half2`; ASM: their PTX)."""
+    decode for one live row). A skipped choice (expert ``E``) computes nothing; with SCATTER it stores zeros at its
+    original slot. HALF2: the packed-fp16 word products (:mod:`dynaquant.kernels.triton_half2`; ASM: their PTX).
+    ACT (1: SiLU): the expert's N rows are gate (the first N / 2) and up; the program's BLOCK_N rows are BLOCK_N / 2
+    output columns' gate and up rows, interleaved, and it stores ``act(gate) * up`` (:func:`_act_mul`), N / 2 columns."""
     EPW: tl.constexpr = 16 if BITS == 3 else 32 // BITS
     WPG: tl.constexpr = G // EPW
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     e = tl.load(exp_ptr + pid_s)
+    if ACT:
+        half = N // 2
+        i = tl.arange(0, BLOCK_N)
+        rows = tl.minimum(pid_n * (BLOCK_N // 2) + i // 2, half - 1) + (i % 2) * half  # gate, up, gate, up, ...
+        rn = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        n_mask = rn < half
+    else:
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = rn < N
+        rows = tl.minimum(rn, N - 1)
     if e < E:
         tok = tl.load(tok_ptr + pid_s)
         xrow = x_ptr + tok * stride_xm
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = rn < N
-        row = (tl.minimum(rn, N - 1) + e * N)[:, None]
+        row = (rows + e * N)[:, None]
         rw = tl.arange(0, BLOCK_KW)
         wrow = qw_ptr + row * KW
         acc = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
@@ -126,23 +159,32 @@ def _grouped_gemv_kernel(x_ptr, tok_ptr, exp_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, 
         y = tl.sum(acc, axis=1) * out_mul
         if HALF2:
             y = y * X_UNSCALE
-        if SCATTER:
-            dst = tl.load(dst_ptr + pid_s)
-            y = y * tl.load(w_ptr + dst).to(tl.float32)
+        if ACT:
+            gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
+            tl.store(y_ptr + pid_s * stride_ym + rn, _act_mul(gate, up, y_ptr.dtype.element_ty, ACT), mask=n_mask)
         else:
-            dst = pid_s
-        tl.store(y_ptr + dst * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+            if SCATTER:
+                dst = tl.load(dst_ptr + pid_s)
+                y = y * tl.load(w_ptr + dst).to(tl.float32)
+            else:
+                dst = pid_s
+            tl.store(y_ptr + dst * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+    elif SCATTER:
+        dst = tl.load(dst_ptr + pid_s)
+        tl.store(y_ptr + dst * stride_ym + rn, tl.zeros([BLOCK_N], dtype=y_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
 def _grouped_kernel(x_ptr, tok_ptr, be_ptr, eb_ptr, bounds_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, y_ptr, dst_ptr, w_ptr,
                     N, KW, KH, NG, stride_xm, stride_ym, out_mul, magic, NG_C: tl.constexpr,
                     KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ZC: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, SCATTER: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, SCATTER: tl.constexpr,
+                    ACT: tl.constexpr):
     """Program (N tile, routing block ``b``): the block's slots (rows ``start .. end - 1`` of the expert-sorted order,
     all routed to expert ``e``; :class:`dynaquant.kernels.grouped.Routing`) times rows ``e N .. e N + N - 1`` of the
     experts' stacked layout; the slots' activation rows gathered through ``tok``. ``end <= start``: nothing to do.
-    SCATTER: each product times its slot's weight ``w[dst]``, stored at row ``dst`` (the slot's original index)."""
+    SCATTER: each product times its slot's weight ``w[dst]``, stored at row ``dst`` (the slot's original index).
+    ACT: gate and up rows interleaved in the tile, ``act(gate) * up`` stored (as :func:`_grouped_gemv_kernel`)."""
     EPW: tl.constexpr = 16 if BITS == 3 else 32 // BITS
     WPG: tl.constexpr = G // EPW
     DT: tl.constexpr = tl.float32 if DOT_F32 else x_ptr.dtype.element_ty
@@ -152,9 +194,16 @@ def _grouped_kernel(x_ptr, tok_ptr, be_ptr, eb_ptr, bounds_ptr, qw_ptr, qh_ptr, 
     start = tl.load(bounds_ptr + e) + (pid_b - tl.load(eb_ptr + e)) * BLOCK_M
     end = tl.minimum(start + BLOCK_M, tl.load(bounds_ptr + e + 1))
     if end > start:
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = rn < N
-        rowv = tl.minimum(rn, N - 1) + e * N
+        if ACT:
+            half = N // 2
+            i = tl.arange(0, BLOCK_N)
+            rowv = tl.minimum(pid_n * (BLOCK_N // 2) + i // 2, half - 1) + (i % 2) * half + e * N
+            rn = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            n_mask = rn < half
+        else:
+            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = rn < N
+            rowv = tl.minimum(rn, N - 1) + e * N
         row = rowv[:, None]
         rm = start + tl.arange(0, BLOCK_M)
         m_mask = rm < end
@@ -176,13 +225,18 @@ def _grouped_kernel(x_ptr, tok_ptr, be_ptr, eb_ptr, bounds_ptr, qw_ptr, qh_ptr, 
             sc = group_scale(tl.load(s_ptr + rowv * NG + gi), KIND)
             acc += d * sc[:, None]
         out = acc * out_mul
-        if SCATTER:
-            dst = tl.load(dst_ptr + rm, mask=m_mask, other=0)
-            out = out * tl.load(w_ptr + dst, mask=m_mask, other=0.0).to(tl.float32)[None, :]
+        if ACT:
+            gate, up = tl.split(tl.reshape(tl.trans(out), [BLOCK_M, BLOCK_N // 2, 2]))  # [BLOCK_M, BLOCK_N / 2]
+            tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], _act_mul(gate, up, y_ptr.dtype.element_ty, ACT),
+                     mask=m_mask[:, None] & n_mask[None, :])
         else:
-            dst = rm
-        tl.store(y_ptr + dst[None, :] * stride_ym + rn[:, None], out.to(y_ptr.dtype.element_ty),
-                 mask=n_mask[:, None] & m_mask[None, :])
+            if SCATTER:
+                dst = tl.load(dst_ptr + rm, mask=m_mask, other=0)
+                out = out * tl.load(w_ptr + dst, mask=m_mask, other=0.0).to(tl.float32)[None, :]
+            else:
+                dst = rm
+            tl.store(y_ptr + dst[None, :] * stride_ym + rn[:, None], out.to(y_ptr.dtype.element_ty),
+                     mask=n_mask[:, None] & m_mask[None, :])
 
 
 def _gemv_words(packed: PackedWeight, kw: int, most: int = 16) -> int:
@@ -198,40 +252,48 @@ def _gemv_words(packed: PackedWeight, kw: int, most: int = 16) -> int:
     return wpg * m
 
 
+ACT_IDS = {"silu": 1}  # the gate/up epilogue's activations (``act`` of :func:`run_grouped`): the kernels' ACT
+
+
 def run_grouped(x2: torch.Tensor, rows: torch.Tensor, packed: PackedWeight, routing, block_n: int = 64,
                 num_warps: int = 4, num_stages: int = 1, slot_weights: torch.Tensor | None = None,
-                gemv: bool = False, half2: bool = False, words: int = 16) -> torch.Tensor:
+                gemv: bool = False, half2: bool = False, words: int = 16, act: str | None = None) -> torch.Tensor:
     """(S, N) = for each sorted slot ``s`` of ``routing`` (:class:`dynaquant.kernels.grouped.Routing`):
     ``x2[rows[s]] @ dequant(W_e).T`` with ``e`` its expert, for the experts' stacked layout ``packed`` (E N rows);
     rows of skipped slots left unwritten. ``slot_weights`` (S,): each product times its slot's weight, at its
     original slot index (rows of skipped slots zero). ``gemv``: one program a slot and N tile on the CUDA cores
     (:func:`_grouped_gemv_kernel`) instead of the routing blocks' tensor-core tiles, with K tiles of up to ``words``
-    words a row, and (``half2``, symmetric INT4 / INT2 only) the packed-fp16 word products."""
+    words a row, and (``half2``, symmetric INT4 / INT2 only) the packed-fp16 word products. ``act`` (a key of
+    ``ACT_IDS``, not with ``slot_weights``): each expert's N rows are gate then up, and the result is
+    (S, N / 2) ``act(gate) * up``, each program's ``block_n`` rows ``block_n / 2`` columns' gate and up."""
     n = packed.out_features // routing.num_experts
     kw, kh, ng = packed_words(packed)
     scatter = slot_weights is not None
-    alloc = torch.zeros if scatter else torch.empty
-    y = alloc(routing.slots, n, dtype=x2.dtype, device=x2.device)
+    act_id = ACT_IDS[act] if act is not None else 0
+    if act_id and (scatter or n % 2 or block_n < 2):
+        raise ValueError(f"act needs an even N, block_n >= 2 and no slot weights (N = {n}, block_n = {block_n})")
+    n_out = n // 2 if act_id else n
+    alloc = torch.zeros if scatter and not gemv else torch.empty  # (the GEMV writes skipped slots' zeros itself)
+    y = alloc(routing.slots, n_out, dtype=x2.dtype, device=x2.device)
     qh = packed.qweight_hi if packed.qweight_hi is not None else packed.qweight
     z = packed.zeros if packed.zeros is not None else packed.scales
+    grid_n = triton.cdiv(n_out, block_n // 2 if act_id else block_n)
     if gemv:
         if half2 and not has_half2(packed.fmt):
             raise ValueError(f"{packed.fmt.name}: half2 needs symmetric INT4 / INT2 or FP4 codes")
         bkw = _gemv_words(packed, kw, words)
         nt = kw // bkw
-        grid = (triton.cdiv(n, block_n), routing.slots)
-        _grouped_gemv_kernel[grid](x2, rows, routing.expert, packed.qweight, qh, packed.scales, z, y, routing.order,
-                                   slot_weights if scatter else y, routing.num_experts, n, kw, kh, ng, x2.stride(0),
-                                   y.stride(0), out_multiplier(packed, not half2), MAGIC, nt, NT_C=nt if interpreting() else 0,
-                                   BLOCK_N=block_n, BLOCK_KW=bkw, SCATTER=scatter, HALF2=half2,
-                                   ASM=not interpreting(), num_warps=num_warps,
-                                   num_stages=num_stages, **format_constants(packed))
+        _grouped_gemv_kernel[(grid_n, routing.slots)](
+            x2, rows, routing.expert, packed.qweight, qh, packed.scales, z, y, routing.order,
+            slot_weights if scatter else y, routing.num_experts, n, kw, kh, ng, x2.stride(0), y.stride(0),
+            out_multiplier(packed, not half2), MAGIC, nt, NT_C=nt if interpreting() else 0, BLOCK_N=block_n,
+            BLOCK_KW=bkw, SCATTER=scatter, HALF2=half2, ASM=not interpreting(), ACT=act_id, num_warps=num_warps,
+            num_stages=num_stages, **format_constants(packed))
         return y
-    grid = (triton.cdiv(n, block_n), routing.block_expert.numel())
-    _grouped_kernel[grid](x2, rows, routing.block_expert, routing.expert_block, routing.expert_bounds, packed.qweight,
-                          qh, packed.scales, z, y, routing.order, slot_weights if scatter else y,
-                          n, kw, kh, ng, x2.stride(0), y.stride(0), out_multiplier(packed, False), MAGIC,
-                          NG_C=ng if interpreting() else 0, BLOCK_M=routing.block_m, BLOCK_N=block_n,
-                          DOT_F32=interpreting(), SCATTER=scatter, num_warps=num_warps, num_stages=num_stages,
-                          **format_constants(packed))
+    _grouped_kernel[(grid_n, routing.block_expert.numel())](
+        x2, rows, routing.block_expert, routing.expert_block, routing.expert_bounds, packed.qweight, qh,
+        packed.scales, z, y, routing.order, slot_weights if scatter else y, n, kw, kh, ng, x2.stride(0), y.stride(0),
+        out_multiplier(packed, False), MAGIC, NG_C=ng if interpreting() else 0, BLOCK_M=routing.block_m,
+        BLOCK_N=block_n, DOT_F32=interpreting(), SCATTER=scatter, ACT=act_id, num_warps=num_warps,
+        num_stages=num_stages, **format_constants(packed))
     return y
