@@ -295,6 +295,12 @@ def test_a_loaded_moe_model_runs_its_experts_grouped(tmp_path, monkeypatch):
         want = ref(x, idx, w).float()
         got = one(x, idx, w).float()
         assert float((got - want).abs().max()) <= 0.02 * float(want.abs().max())
+        silu = one.act_fn
+        one.act_fn = ref.act_fn = transformers.activations.ACT2FN["gelu"]  # not SiLU: the torch activation after
+        want_gelu, got_gelu = ref(x, idx, w).float(), one(x, idx, w).float()
+        assert float((got_gelu - want_gelu).abs().max()) <= 0.02 * float(want_gelu.abs().max())
+        assert float((got_gelu - got).abs().max()) > 0.05 * float(want.abs().max())
+        one.act_fn = ref.act_fn = silu
         one.expert(1).up_proj.prepare()  # taken out of its group: the experts loop again, each on its own rows
         assert not one.grouped[0].intact
         again = one(x, idx, w).float()

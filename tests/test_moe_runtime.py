@@ -287,6 +287,16 @@ def test_expert_caps_find_runtime_candidates():
     assert get_format(high.formats()["blk.1.ffn_up_exps.weight"]).bpw > 3
 
 
+def test_is_silu_finds_the_activations_the_gate_up_epilogue_computes():
+    from transformers.activations import ACT2FN
+
+    from dynaquant.runtime.moe import is_silu
+
+    assert is_silu(ACT2FN["silu"]) and is_silu(ACT2FN["swish"]) and is_silu(torch.nn.SiLU())
+    assert is_silu(torch.nn.functional.silu)
+    assert not any(is_silu(a) for a in (ACT2FN["gelu"], ACT2FN["relu"], torch.nn.GELU(), torch.sigmoid))
+
+
 def test_grouped_launch_takes_half2_where_measured(monkeypatch):
     """The MoE layer's launch: up to 16 tokens the grouped GEMV, with the packed-fp16 products and 64-word tiles only
     for symmetric INT4 / INT2 group 128 on sm_90+; above 16 tokens tensor-core tiles."""

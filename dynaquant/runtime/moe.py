@@ -245,8 +245,9 @@ class DynaExperts(nn.Module):
     def _grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                          top_k_weights: torch.Tensor) -> torch.Tensor:
         """The forward as two grouped launches over all routed experts (:mod:`dynaquant.kernels.grouped`): tokens
-        sorted by expert, gate/up of every slot, the activation, down of every slot weighted and written back in slot
-        order by the kernel, then each token's k outputs summed in choice order (deterministic: no atomics)."""
+        sorted by expert (one routing launch up to 4096 slots), gate/up of every slot with the activation in its
+        epilogue (SiLU; another ``act_fn`` as torch ops after it), down of every slot weighted and written back in
+        slot order by the kernel, then each token's k outputs summed in choice order (deterministic: no atomics)."""
         from dynaquant.kernels.grouped import grouped_linear, route
 
         shape = hidden_states.shape
@@ -257,8 +258,11 @@ class DynaExperts(nn.Module):
         per_expert = t * k // e
         r = route(idx, e, block_m=16 if per_expert <= 16 else 32 if per_expert <= 32 else 64)
         launch = grouped_launch(t, self.grouped[0].packed.fmt, x.device)
-        gu = grouped_linear(x, self.grouped[0].packed, r, **launch)  # (S, 2I): gate then up, slots in expert order
-        h = self.act_fn(gu[:, :inter]) * gu[:, inter:]
+        if is_silu(self.act_fn):  # (S, I): silu(gate) * up in the launch's epilogue, slots in expert order
+            h = grouped_linear(x, self.grouped[0].packed, r, act="silu", **launch)
+        else:
+            gu = grouped_linear(x, self.grouped[0].packed, r, **launch)  # (S, 2I): gate then up
+            h = self.act_fn(gu[:, :inter]) * gu[:, inter:]
         y = grouped_linear(h, self.grouped[1].packed, r, sorted_input=True, slot_weights=top_k_weights.reshape(-1),
                            **launch)  # (S, H): each slot's output times its weight, in slot order t k + j
         return y.view(t, k, -1).sum(1).to(hidden_states.dtype).reshape(shape)
@@ -271,6 +275,14 @@ class DynaExperts(nn.Module):
         else:
             h = self.act_fn(gate) * up
         return ex.down_proj(h)
+
+
+def is_silu(act) -> bool:
+    """Whether the activation ``act`` is SiLU (``torch.nn.SiLU``, ``torch.nn.functional.silu``, or transformers'
+    ``SiLUActivation``, ``ACT2FN["silu"]``): the grouped gate/up launch then computes it in its epilogue."""
+    cls = type(act)
+    return (act is torch.nn.functional.silu or cls is nn.SiLU
+            or (cls.__name__ == "SiLUActivation" and cls.__module__ == "transformers.activations"))
 
 
 def grouped_launch(tokens: int, fmt, device: torch.device) -> dict:
