@@ -11,10 +11,14 @@ M = 1, 16 and 256 tokens:
   a Python loop over the routed experts;
 - ``hf_default``: the same module with transformers' default implementation (what ``from_pretrained`` picks:
   ``grouped_mm``, ``torch._grouped_mm``, where the installed torch has it), the bf16 grouped GEMM;
+- ``ours_torch_ops``: the same layer and launches with the routing as ``route_torch``'s dozen torch operations and
+  the activation as torch operations after the gate/up launch (the path before the one-launch routing and the
+  epilogue activation, 2026-11-29; it lacks only that path's memset of the down launch's output);
 - ``ours_graph``: ours captured in one CUDA graph (nothing in it waits for the device), timed by replays: the GPU
   time without Python's launch overhead, which a decode step under CUDA graphs sees; ``hf_default_graph`` the same
   for the default implementation where it can be captured (``graph_speedup_vs_hf_default_graph``: graph against
-  graph, one routing; ``graph_speedup_vs_hf_*`` otherwise against the eager baselines).
+  graph, one routing; ``graph_speedup_vs_hf_*`` otherwise against the eager baselines); ``ours_torch_ops_graph``
+  likewise (``graph_speedup_vs_ours_torch_ops_graph``: what the routing kernel and the epilogue gain).
 
 Each rep draws a new random routing (top-k of random logits; the same routings for every method) and writes 256 MiB
 to flush the 50 MB L2 before the timed call (CUDA events around the call only). Medians over ``--reps``. A check
@@ -125,6 +129,25 @@ def build(shape: dict, fmt: str, device, seed: int = 0):
     return ours, hf, hf_default, per_expert
 
 
+def torch_ops_forward(ours):
+    """``ours``' grouped forward with the routing and the activation as torch operations (``ours_torch_ops``):
+    :func:`dynaquant.kernels.grouped.route_torch`, the gate/up launch's (S, 2 I) product, ``act_fn(gate) * up``."""
+    from dynaquant.kernels.grouped import grouped_linear, route_torch
+    from dynaquant.runtime.moe import grouped_launch
+
+    def forward(x, idx, w):
+        t, k = idx.shape
+        per_expert = t * k // ours.num_experts
+        r = route_torch(idx, ours.num_experts, block_m=16 if per_expert <= 16 else 32 if per_expert <= 32 else 64)
+        launch = grouped_launch(t, ours.grouped[0].packed.fmt, x.device)
+        gu = grouped_linear(x, ours.grouped[0].packed, r, **launch)
+        h = ours.act_fn(gu[:, :ours.inter]) * gu[:, ours.inter:]
+        y = grouped_linear(h, ours.grouped[1].packed, r, sorted_input=True, slot_weights=w.reshape(-1), **launch)
+        return y.view(t, k, -1).sum(1).to(x.dtype)
+
+    return forward
+
+
 def routings(n: int, m: int, shape: dict, device, seed: int):
     gen = torch.Generator(device=device).manual_seed(seed)
     out = []
@@ -199,7 +222,7 @@ def main(argv=None) -> int:
     for sname, shape in shapes.items():
         for fmt in args.formats.split(","):
             ours, hf, hf_default, per_expert = build(shape, fmt, device)
-            impls = {"ours": ours, "hf_eager": hf, "hf_default": hf_default}
+            impls = {"ours": ours, "ours_torch_ops": torch_ops_forward(ours), "hf_eager": hf, "hf_default": hf_default}
             if dry or not hasattr(torch, "_grouped_mm"):
                 impls.pop("hf_default")
             with torch.no_grad():
@@ -209,8 +232,11 @@ def main(argv=None) -> int:
                 want = impls["hf_eager"](x, idx, w).double()
                 got = impls["ours"](x, idx, w).double()
                 rel = float((got - want).norm() / want.norm())
-                rows.append(dict(kind="check", shape=sname, format=fmt, rel_error_vs_bf16=rel))
-                print(f"{sname} {fmt}: relative error vs bf16 {rel:.2e}", flush=True)
+                before = impls["ours_torch_ops"](x, idx, w).double()
+                rel_before = float((got - before).norm() / before.norm())
+                rows.append(dict(kind="check", shape=sname, format=fmt, rel_error_vs_bf16=rel,
+                                 rel_diff_vs_torch_ops=rel_before))
+                print(f"{sname} {fmt}: relative error vs bf16 {rel:.2e}, vs ours_torch_ops {rel_before:.2e}", flush=True)
                 for m in ms:
                     gen = torch.Generator(device=device).manual_seed(2 + m)
                     xs = [torch.randn(m, shape["hidden"], generator=gen, device=device).to(torch.bfloat16)
@@ -220,14 +246,17 @@ def main(argv=None) -> int:
                     us = {k: time_method(f, xs, routes, flush) for k, f in impls.items()}
                     if not dry:
                         us["ours_graph"] = time_graph(ours, xs[0], *routes[0])
+                        us["ours_torch_ops_graph"] = time_graph(impls["ours_torch_ops"], xs[0], *routes[0])
                         if "hf_default" in impls:
                             try:  # (where its implementation captures: nothing in it waits for the device)
                                 us["hf_default_graph"] = time_graph(hf_default, xs[0], *routes[0])
                             except Exception as exc:  # noqa: BLE001 - a baseline that cannot be captured: no row
                                 print(f"hf_default in a CUDA graph: {type(exc).__name__}: {exc}", flush=True)
                     ratio = {f"speedup_vs_{k}": us[k] / us["ours"] for k in ("hf_eager", "hf_default") if k in us}
+                    ratio["speedup_vs_ours_torch_ops"] = us["ours_torch_ops"] / us["ours"]
                     if "ours_graph" in us:
-                        ratio.update({f"graph_speedup_vs_{k}": us[k] / us["ours_graph"] for k in us if k.startswith("hf")})
+                        ratio.update({f"graph_speedup_vs_{k}": us[k] / us["ours_graph"] for k in us
+                                      if k.startswith("hf") or k == "ours_torch_ops_graph"})
                     row = dict(kind="moe", shape=sname, format=fmt, m=m, experts_hit=n_hit,
                                ours_weight_bytes=int(n_hit * per_expert),
                                **{f"{k}_us": round(v, 2) for k, v in us.items()}, **ratio)
