@@ -66,7 +66,8 @@ def _routing_cases(gen: torch.Generator) -> list[tuple[torch.Tensor, int, int]]:
     cases = [(torch.randint(0, 128, (1, 8), generator=gen), 128, 16),  # Qwen3-30B-A3B, one token
              (torch.full((300, 8), 5), 257, 64),  # every choice to one expert: blocks of one expert only
              (torch.full((7, 3), -1), 6, 16),  # every choice skipped
-             (torch.randint(-3, 260, (300, 8), generator=gen), 257, 32),  # 2400 slots (the sort's 4096 lanes)
+             (torch.randint(-3, 260, (128, 8), generator=gen), 257, 32),  # ROUTE_MAX_SLOTS, 257 experts
+             (torch.randint(-3, 260, (300, 8), generator=gen), 257, 16),  # 2400 slots: route_torch
              (torch.randint(0, 4, (16, 1), generator=gen).to(torch.int32), 4, 16)]  # int32 indices, k = 1
     for _ in range(24):
         t = int(torch.exp(torch.rand((), generator=gen) * torch.log(torch.tensor(300.0)))) or 1
@@ -80,21 +81,25 @@ def _routing_cases(gen: torch.Generator) -> list[tuple[torch.Tensor, int, int]]:
 
 def test_route_kernel_equals_the_torch_reference_field_by_field(monkeypatch):
     """``route``'s one-launch kernel (Triton: compiled on CUDA, else the interpreter) gives ``route_torch``'s tables
-    exactly (dtype, shape, values) on random routings; past ``ROUTE_MAX_SLOTS`` it is ``route_torch``."""
-    def no_torch_path(*args):
-        raise AssertionError("route took the torch path")
+    exactly (dtype, shape, values) on random routings; past ``ROUTE_MAX_SLOTS`` slots ``route`` is ``route_torch``."""
+    calls = []
+
+    def spy(*args):
+        calls.append(args)
+        return route_torch(*args)
 
     gen = torch.Generator().manual_seed(11)
-    with monkeypatch.context() as m:
-        m.setattr(grouped, "route_torch", no_torch_path)  # (route_torch itself kept as the reference)
-        for idx, e, bm in _routing_cases(gen):
-            got, want = route(idx.to(DEVICE), e, bm), route_torch(idx.to(DEVICE), e, bm)
-            assert (got.num_experts, got.block_m, got.slots) == (e, bm, idx.numel())
-            for f in ROUTING_FIELDS:
-                a, b = getattr(got, f), getattr(want, f)
-                assert a.dtype == b.dtype == torch.int64 and torch.equal(a, b), (tuple(idx.shape), e, bm, f)
-    big = torch.randint(0, 8, (grouped.ROUTE_MAX_SLOTS // 4 + 1, 4), generator=gen).to(DEVICE)
-    assert all(torch.equal(getattr(route(big, 8), f), getattr(route_torch(big, 8), f)) for f in ROUTING_FIELDS)
+    monkeypatch.setattr(grouped, "route_torch", spy)  # (route_torch itself kept as the reference)
+    cases = _routing_cases(gen)
+    for idx, e, bm in cases:
+        calls.clear()
+        got, want = route(idx.to(DEVICE), e, bm), route_torch(idx.to(DEVICE), e, bm)
+        assert len(calls) == (idx.numel() > grouped.ROUTE_MAX_SLOTS)  # the kernel up to its bound
+        assert (got.num_experts, got.block_m, got.slots) == (e, bm, idx.numel())
+        for f in ROUTING_FIELDS:
+            a, b = getattr(got, f), getattr(want, f)
+            assert a.dtype == b.dtype == torch.int64 and torch.equal(a, b), (tuple(idx.shape), e, bm, f)
+    assert sum(idx.numel() <= grouped.ROUTE_MAX_SLOTS for idx, _, _ in cases) >= 20
 
 
 @pytest.mark.parametrize("gemv", [False, True])

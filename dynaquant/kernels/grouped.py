@@ -69,8 +69,10 @@ class Routing:
         return [(x, a, z) for x, a, z in zip(e.tolist(), start.tolist(), end.tolist()) if z > a]
 
 
-ROUTE_MAX_SLOTS = 4096  # slots (T k) the routing kernel sorts in one program (a bitonic sort in registers)
-ROUTE_MAX_EXPERTS = 1022  # experts: its histogram's E + 2 buckets (skipped choices E, padding E + 1) in 1024
+# the routing kernel's bounds (one program): slots (T k; a bitonic sort in registers, the counts by an (E, S)
+# comparison whose work grows as S E) and experts (E + 1 count lanes in 1024)
+ROUTE_MAX_SLOTS = 1024
+ROUTE_MAX_EXPERTS = 1023
 
 
 @functools.lru_cache(maxsize=64)

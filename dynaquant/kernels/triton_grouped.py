@@ -33,27 +33,37 @@ from dynaquant.kernels.tuning import has_half2
 # the routing table in one program
 
 @triton.jit
+def _route_keys(idx_ptr, s, S, E):
+    """Slot ``s``'s bucket: its expert, E for a skipped choice (outside ``0 .. E-1``), E + 1 past the S slots."""
+    v = tl.load(idx_ptr + s, mask=s < S, other=0)
+    key = tl.where((v >= 0) & (v < E), v, E).to(tl.int32)
+    return tl.where(s < S, key, E + 1)
+
+
+@triton.jit
 def _route_kernel(idx_ptr, order_ptr, token_ptr, expert_ptr, bounds_ptr, eblock_ptr, bexp_ptr, S, K, E, NB,
-                  SP: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BB: tl.constexpr, NB_CHUNKS: tl.constexpr):
+                  SP: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, SC: tl.constexpr, BB: tl.constexpr,
+                  NB_CHUNKS: tl.constexpr):
     """One program: :class:`dynaquant.kernels.grouped.Routing`'s tables for the S = T k choices ``idx`` (flat).
-    Each slot's key is its expert (E for a skipped choice, E + 1 for the padding up to SP slots); the keys
-    ``key SP + slot`` are distinct, so one (bitonic) sort of them orders the slots by expert, ties in slot order
-    (a stable sort). A histogram of the keys gives each expert's slot count, its prefix sums the bounds and, in
-    blocks of BM slots, each expert's first block; block ``b``'s expert is the number of experts whose blocks end
-    at or before ``b`` (the reference's ``searchsorted(right=True)``), BB blocks at a time."""
+    Each slot's key is its bucket (:func:`_route_keys`, SP slots); the keys ``key SP + slot`` are distinct, so one
+    (bitonic) sort of them orders the slots by expert, ties in slot order (a stable sort). Each expert's slot count
+    (compared with the keys, SC slots at a time: no ``tl.histogram``, whose replicated layouts some Triton versions
+    miscount), its prefix sums the bounds and, in blocks of BM slots, each expert's first block; block ``b``'s
+    expert is the number of experts whose blocks end at or before ``b`` (the reference's
+    ``searchsorted(right=True)``), BB blocks at a time. EP >= E + 1 expert lanes."""
     s = tl.arange(0, SP)
     live = s < S
-    v = tl.load(idx_ptr + s, mask=live, other=0)
-    key = tl.where((v >= 0) & (v < E), v, E).to(tl.int32)
-    key = tl.where(live, key, E + 1)
-    comp = tl.sort(key * SP + s)
+    comp = tl.sort(_route_keys(idx_ptr, s, S, E) * SP + s)
     srt = comp // SP
     order = comp - srt * SP
     tl.store(order_ptr + s, order.to(tl.int64), mask=live)
     tl.store(token_ptr + s, (order // K).to(tl.int64), mask=live)
     tl.store(expert_ptr + s, srt.to(tl.int64), mask=live)
-    counts = tl.histogram(key, EP)  # [EP] slots an expert; [E]: skipped, [E + 1]: padding
     ex = tl.arange(0, EP)
+    counts = tl.zeros([EP], dtype=tl.int32)
+    for c in range(SP // SC):
+        key = _route_keys(idx_ptr, c * SC + tl.arange(0, SC), S, E)
+        counts += tl.sum((key[None, :] == ex[:, None]).to(tl.int32), axis=1)
     bounds = tl.cumsum(counts, 0) - counts
     tl.store(bounds_ptr + ex, bounds.to(tl.int64), mask=ex <= E)
     blocks = tl.where(ex < E, (counts + (BM - 1)) // BM, 0)
@@ -69,17 +79,17 @@ def _route_kernel(idx_ptr, order_ptr, token_ptr, expert_ptr, bounds_ptr, eblock_
 def run_route(flat_index: torch.Tensor, k: int, num_experts: int, block_m: int,
               n_blocks: int) -> tuple[torch.Tensor, ...]:
     """The routing tables of :func:`dynaquant.kernels.grouped.route` for ``flat_index`` (S,) (contiguous integers,
-    ``0 < S <= grouped.ROUTE_MAX_SLOTS``, ``num_experts <= grouped.ROUTE_MAX_EXPERTS``) in one launch: (order, token, expert,
-    expert_bounds, expert_block, block_expert), int64, of sizes S, S, S, E + 1, E and ``n_blocks``."""
+    ``0 < S <= grouped.ROUTE_MAX_SLOTS``, ``num_experts <= grouped.ROUTE_MAX_EXPERTS``) in one launch: (order, token,
+    expert, expert_bounds, expert_block, block_expert), int64, of sizes S, S, S, E + 1, E and ``n_blocks``."""
     s, e = flat_index.numel(), num_experts
     dev = flat_index.device
     sp = max(16, triton.next_power_of_2(s))
-    ep = triton.next_power_of_2(e + 2)
+    ep = max(16, triton.next_power_of_2(e + 1))
+    sc = min(sp, max(16, 4096 // ep))  # (an [EP, SC] comparison a step: 4096 lanes, 32 a thread at 4 warps)
     bb = max(16, 4096 // ep)
     out = [torch.empty(n, dtype=torch.int64, device=dev) for n in (s, s, s, e + 1, e, n_blocks)]
-    _route_kernel[(1,)](flat_index, *out, s, k, e, n_blocks, SP=sp, EP=ep, BM=block_m, BB=bb,
-                        NB_CHUNKS=triton.cdiv(triton.cdiv(sp, block_m) + min(e, sp), bb),
-                        num_warps=4 if sp <= 1024 else 8)
+    _route_kernel[(1,)](flat_index, *out, s, k, e, n_blocks, SP=sp, EP=ep, BM=block_m, SC=sc, BB=bb,
+                        NB_CHUNKS=triton.cdiv(triton.cdiv(sp, block_m) + min(e, sp), bb), num_warps=4)
     return tuple(out)
 
 

@@ -245,7 +245,7 @@ class DynaExperts(nn.Module):
     def _grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                          top_k_weights: torch.Tensor) -> torch.Tensor:
         """The forward as two grouped launches over all routed experts (:mod:`dynaquant.kernels.grouped`): tokens
-        sorted by expert (one routing launch up to 4096 slots), gate/up of every slot with the activation in its
+        sorted by expert (one routing launch up to 1024 slots), gate/up of every slot with the activation in its
         epilogue (SiLU; another ``act_fn`` as torch ops after it), down of every slot weighted and written back in
         slot order by the kernel, then each token's k outputs summed in choice order (deterministic: no atomics)."""
         from dynaquant.kernels.grouped import grouped_linear, route
