@@ -160,7 +160,7 @@ def _half2_gemv_config(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> La
     row an iteration, 32 rows (64 from 28672 rows; 16 for FP4), split to about 8 programs an SM; INT2 at K <= 4096
     and N < 28672 takes 256 words, 16 rows and 8 warps. Decode step (sweep): INT4_G128 2.06x -> 2.42x bf16,
     INT2_G128 2.24x -> 2.81x, MXFP4_G32 1.25x -> 1.36x, NVFP4_G16 0.78x -> 1.33x; then scales once a run of words
-    (``scale_words``, below)."""
+    (``scale_words``, below; INT2's wide layers from a sweep with them)."""
     fits = fmt.is_fp4 or (fmt.kind == "int" and fmt.symmetric and fmt.bits in (2, 4) and fmt.group_size == 128)
     if dev.capability < (9, 0) or not fits:
         return None
@@ -174,10 +174,17 @@ def _half2_gemv_config(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> La
         words, block_n = 512, 16  # a whole 4096-wide row (2 KB) a loop iteration: 3-10 % faster than 128 words
     groups = words // wpg
     split = _split_for(k // fmt.group_size, groups, -(-n // block_n), 8 * dev.sm_count, 32)
-    # a scale a run of 4 words (H200, 2026-11-30): FP4 1.0-2.1x faster a call (step 1.38x -> 2.30x bf16 MXFP4,
+    # a scale a run of 4 words (H200, 2026-11-29): FP4 1.0-2.1x faster a call (step 1.38x -> 2.30x bf16 MXFP4,
     # 1.36x -> 2.22x NVFP4); integers only at the vocabulary's size (lm_head INT4 94.9 -> 86.4 us, INT2 94.0 ->
     # 74.8), 4-8 % slower on q/o, k/v, qkv
     runs = 4 if (fmt.is_fp4 or n >= 65536) else 1
+    if fmt.kind == "int" and fmt.bits == 2 and n < 65536 and (n > 4096 or k >= 8192):
+        # INT2 sweep with the runs (H200, 2026-11-29, benchmarks/out/kernels-h200-int2-sweep-s27.json): 16 rows, 4
+        # warps, runs of 4, about 4 programs an SM: gate/up 14.9 -> 12.1 us, stacked gate+up 23.3 -> 19.2, down
+        # 14.6 -> 14.0, q/k/v 7.6 -> 7.3 (256 words below 8192 rows and columns, else 128); q/o and k/v keep the above
+        words = 256 if (n < 8192 and k < 8192) else 128
+        groups, block_n, warps, runs = words // wpg, 16, 4, 4
+        split = _split_for(k // fmt.group_size, groups, -(-n // block_n), 4 * dev.sm_count, 32)
     return LaunchConfig("gemv", 1, block_n, groups, split, warps, 1, False, 0, True, runs)
 
 
