@@ -29,9 +29,9 @@ from dynaquant.sources.readers import gguf_field, gguf_shard_paths, open_gguf, o
 logger = logging.getLogger(__name__)
 
 
-# Stored float types :meth:`GGUFFileSource.read` converts itself (numpy view of the stored values)
-_PLAIN_FLOATS = {gguf.GGMLQuantizationType.BF16: np.int16, gguf.GGMLQuantizationType.F16: np.float16,
-                 gguf.GGMLQuantizationType.F32: np.float32}
+# Stored float types :meth:`GGUFFileSource.read` converts with torch (the stored bytes viewed as this dtype)
+_PLAIN_FLOATS = {gguf.GGMLQuantizationType.BF16: torch.bfloat16, gguf.GGMLQuantizationType.F16: torch.float16,
+                 gguf.GGMLQuantizationType.F32: torch.float32}
 
 
 @dataclass(frozen=True)
@@ -271,15 +271,10 @@ class GGUFFileSource(TensorSource):
         data = rt.data
         plain = _PLAIN_FLOATS.get(rt.tensor_type)
         if plain is not None:
-            # a float type: converted by torch from one copy of the stored values (the same float32 values as gguf-py's
+            # a float type: converted by torch from one copy of the stored bytes (the same float32 values as gguf-py's
             # dequantize, which made two float32 copies in numpy: ~5x the time for a BF16 model on a CPU)
-            raw = torch.from_numpy(np.array(data, copy=True).view(plain).reshape(t.shape))
-            if plain is np.int16:  # BF16: the top half of a float32
-                return (raw.to(torch.int32) << 16).view(torch.float32)
-            return raw.to(torch.float32)
-        if rt.tensor_type == gguf.GGMLQuantizationType.BF16:
-            # gguf-py's BF16 dequantize wants the raw bytes; the reader hands out uint16/uint8 views.
-            data = np.ascontiguousarray(data).view(np.uint8)
+            raw = torch.from_numpy(np.array(data, copy=True).view(np.uint8)).view(plain)
+            return raw.reshape(t.shape).to(torch.float32)
         x = gguf.quants.dequantize(data, rt.tensor_type)
         x = np.array(x, dtype=np.float32, copy=True).reshape(t.shape)
         return torch.from_numpy(x)
