@@ -61,6 +61,18 @@ def reference_encoders(monkeypatch):
     monkeypatch.setattr(fastpaths, "_CPU_LOADED", {})
 
 
+@pytest.fixture
+def fresh_registry(monkeypatch):
+    """The CPU fast paths and the compiled libraries unloaded, as in a new process (and again after the test)."""
+    from dynaquant.kernels import native
+    from dynaquant.quant.codecs import fastpaths
+
+    monkeypatch.setattr(fastpaths, "_CPU_LOADED", {})
+    native.library.cache_clear()
+    yield
+    native.library.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def default_source():
     from dynaquant.sources.checkpoint import resolve_source

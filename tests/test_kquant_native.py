@@ -30,6 +30,7 @@ if shutil.which(os.environ.get("CC") or "cc") is None:
     pytest.skip("no C compiler: the compiled CPU searches cannot be built here", allow_module_level=True)
 
 from kquant_cases import KQUANTS, hard_blocks, split, step1, step2, step3  # noqa: E402
+from native_cases import assert_threads_keep_bytes  # noqa: E402
 
 from dynaquant.kernels.native import kquant as nk  # noqa: E402
 
@@ -139,30 +140,12 @@ def test_whole_search_glue_matches_the_reference_glue(name):
 
 
 def test_threads_do_not_change_the_bytes():
-    x, w = hard_blocks(300, 3)
-    codec = get_codec("Q4_K")
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = codec.encode_blocks(x, w)
-        torch.set_num_threads(max(2, before))
-        assert torch.equal(codec.encode_blocks(x, w), one)
-    finally:
-        torch.set_num_threads(before)
+    assert_threads_keep_bytes(get_codec("Q4_K"), *hard_blocks(300, 3))
 
 
 def test_shape_errors_name_the_shape():
     with pytest.raises(ValueError, match="sub_size"):
         nk.sym_search_scales(torch.zeros(2, 4, 64), torch.ones(2, 4, 64), get_codec("Q6_K").search)
-
-
-@pytest.fixture
-def fresh_registry(monkeypatch):
-    """The CPU fast paths and the library unloaded, as in a new process (and again after the test)."""
-    monkeypatch.setattr(fastpaths, "_CPU_LOADED", {})
-    native.library.cache_clear()
-    yield
-    native.library.cache_clear()
 
 
 def test_without_a_compiler_the_reference_runs(fresh_registry, monkeypatch, tmp_path, caplog):

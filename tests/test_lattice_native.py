@@ -28,12 +28,13 @@ import pytest
 import torch
 
 import dynaquant.kernels  # noqa: F401  (registers the CPU fast paths)
-from dynaquant.kernels import native
 from dynaquant.quant.codecs import _lattice as lat
 from dynaquant.quant.codecs import fastpaths, get_codec, iq1, iq3
 
 if shutil.which(os.environ.get("CC") or "cc") is None:
     pytest.skip("no C compiler: the compiled CPU searches cannot be built here", allow_module_level=True)
+
+from native_cases import assert_threads_keep_bytes  # noqa: E402
 
 from dynaquant.kernels.native import lattice as nl  # noqa: E402
 
@@ -263,16 +264,7 @@ def test_encoders_error_is_the_references(name):
 
 @pytest.mark.parametrize("name", ["IQ2_XS", "IQ3_XXS"])
 def test_threads_do_not_change_the_bytes(name):
-    x, w = _random_blocks(300, 5)
-    codec = get_codec(name)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = codec.encode_blocks(x, w)
-        torch.set_num_threads(max(2, before))
-        assert torch.equal(codec.encode_blocks(x, w), one)
-    finally:
-        torch.set_num_threads(before)
+    assert_threads_keep_bytes(get_codec(name), *_random_blocks(300, 5))
 
 
 def test_shape_errors_name_the_shapes():
@@ -293,15 +285,6 @@ def test_empty_inputs():
     assert cost.shape == idx.shape == (2, 0)
     assert nl.subset_min_costs(torch.zeros(0, 3), torch.zeros(0, 3), torch.zeros(4, 0)).shape == (4, 0)
     assert get_codec("IQ2_S").encode_blocks(torch.zeros(0, 256), torch.ones(0, 256)).shape == (0, 82)
-
-
-@pytest.fixture
-def fresh_registry(monkeypatch):
-    """The CPU fast paths and the library unloaded, as in a new process (and again after the test)."""
-    monkeypatch.setattr(fastpaths, "_CPU_LOADED", {})
-    native.library.cache_clear()
-    yield
-    native.library.cache_clear()
 
 
 def test_switched_off_by_the_environment(fresh_registry, monkeypatch, caplog):
