@@ -590,11 +590,16 @@ static inline float f16_candidate(double vd) {
     return f16_to_f32(f32_to_f16(clampf(v, -65504.0f, 65504.0f)));
 }
 
-/* sym_codes: q = clamp(round(x inv(dl)), qlo, qhi) for every element of n_sub sub-blocks of L, dl one a sub-block. */
-static void sym_codes_rows(const float *x, const float *dl, int64_t n_sub, int L, float qlo, float qhi, float *q) {
+/* The nearest codes of every element of n_sub sub-blocks of L, one scale dl (and min ml) a sub-block: sym_codes,
+   q = clamp(round(x inv(dl)), lo, hi), where ml is NULL; else aff_codes, q = clamp(round((x + ml) inv(dl)), lo, hi). */
+static void codes_rows(const float *x, const float *dl, const float *ml, int64_t n_sub, int L, float lo, float hi,
+                       float *q) {
     for (int64_t j = 0; j < n_sub; j++) {
         float id = invf(dl[j]);
-        for (int l = 0; l < L; l++) q[j * L + l] = clampf(nearbyintf(x[j * L + l] * id), qlo, qhi);
+        if (ml == NULL)
+            for (int l = 0; l < L; l++) q[j * L + l] = clampf(nearbyintf(x[j * L + l] * id), lo, hi);
+        else
+            for (int l = 0; l < L; l++) q[j * L + l] = clampf(nearbyintf((x[j * L + l] + ml[j]) * id), lo, hi);
     }
 }
 
@@ -614,7 +619,7 @@ int dq_sym_encode(const float *x, const float *w, int64_t n, int S, int L, int q
     if (ok) {
         dq_sym_search_scales(x, w, ns, L, qlo, qhi, steps, n_steps, exhaustive, n_elem, iters, a);
         for (int64_t j = 0; j < ns; j++) dl[j] = (float)a[j];
-        sym_codes_rows(x, dl, ns, L, (float)qlo, (float)qhi, q);
+        codes_rows(x, dl, NULL, ns, L, (float)qlo, (float)qhi, q);
         for (int r = 0; r < rounds; r++) {
             for (int64_t j = 0; j < ns; j++) {
                 float s1 = 0.0f, s2 = 0.0f;
@@ -660,22 +665,13 @@ int dq_sym_encode(const float *x, const float *w, int64_t n, int S, int L, int q
                 }
             if (r + 1 < rounds) {
                 for (int64_t j = 0; j < ns; j++) dl[j] = out_d[j / S] * (float)out_k[j];
-                sym_codes_rows(x, dl, ns, L, (float)qlo, (float)qhi, q);
+                codes_rows(x, dl, NULL, ns, L, (float)qlo, (float)qhi, q);
             }
         }
     }
     free(a); free(err); free(best_err); free(sxq); free(sqq); free(q); free(af); free(sqqf); free(dl); free(cand);
     free(d); free(k);
     return ok ? 0 : -1;
-}
-
-/* aff_codes: q = clamp(round((x + ml) inv(dl)), 0, qmax) for every element of n_sub sub-blocks of L. */
-static void aff_codes_rows(const float *x, const float *dl, const float *ml, int64_t n_sub, int L, float qmax,
-                           float *q) {
-    for (int64_t j = 0; j < n_sub; j++) {
-        float id = invf(dl[j]), m = ml[j];
-        for (int l = 0; l < L; l++) q[j * L + l] = clampf(nearbyintf((x[j * L + l] + m) * id), 0.0f, qmax);
-    }
 }
 
 /* aff_encode_torch (steps 1-3, rounds rounds) for n super-blocks of S sub-blocks of L: d_steps float32 (as the
@@ -708,7 +704,7 @@ int dq_aff_encode(const float *x, const float *w, int64_t n, int S, int L, int q
             dl[j] = (float)a[j];
             ml[j] = (float)(-b[j]);
         }
-        aff_codes_rows(x, dl, ml, ns, L, fq, q);
+        codes_rows(x, dl, ml, ns, L, 0.0f, fq, q);
         for (int64_t j = 0; j < ns; j++) { /* sw, sx: sum(w), sum(w x) per sub-block, float32 then float64 */
             float s1 = 0.0f, s2 = 0.0f;
             for (int l = 0; l < L; l++) {
@@ -812,7 +808,7 @@ int dq_aff_encode(const float *x, const float *w, int64_t n, int S, int L, int q
                     dl[j] = out_d[j / S] * (float)out_ks[j];
                     ml[j] = out_m[j / S] * (float)out_km[j];
                 }
-                aff_codes_rows(x, dl, ml, ns, L, fq, q);
+                codes_rows(x, dl, ml, ns, L, 0.0f, fq, q);
             }
         }
     }
