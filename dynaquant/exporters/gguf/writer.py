@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_VERSION, SHARD_NAME_FORMAT, GGMLQuantizationType, GGUFValueType, GGUFWriter, WriterState
+from gguf import GGML_QUANT_VERSION, SHARD_NAME_FORMAT, GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter, WriterState
 from tqdm import tqdm
 
 from dynaquant.quant.formats import Format
@@ -55,11 +55,11 @@ class ArrayPackingWriter(GGUFWriter):
         anything else (nested arrays, mixed types: gguf-py's own packing and errors). gguf-py packs element by element
         (~6 calls an element: a 49k-token vocabulary, its scores and types took ~0.4 s to write and as long to count
         for the planning's header size); one ``struct.pack`` of all the numbers, and a join of the strings, give the
-        same bytes (``tests/test_gguf_writer.py`` compares them)."""
+        same bytes (``tests/test_gguf_array_packing.py`` compares them)."""
         ltype = sub_type if sub_type is not None else GGUFValueType.get_type(val[0])
         if ltype == GGUFValueType.ARRAY or (sub_type is None and any(GGUFValueType.get_type(v) is not ltype for v in val)):
             return None
-        order = "<" if self._pack("I", 1) == b"\x01\x00\x00\x00" else ">"
+        order = "<" if self.endianess == GGUFEndian.LITTLE else ">"  # (gguf-py's _pack prefix)
         head = self._pack("I", ltype) + self._pack("Q", len(val))
         if ltype == GGUFValueType.STRING:
             enc = [v.encode("utf-8") if isinstance(v, str) else v for v in val]
