@@ -165,26 +165,23 @@ def _half2_gemv_config(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> La
     if dev.capability < (9, 0) or not fits:
         return None
     wpg = _words_per_group(fmt)
-    words, block_n, warps = 128, (64 if n >= 28672 else 32), 4
+    # a scale a run of 4 words (H200, 2026-11-29): FP4 1.0-2.1x faster a call (step 1.38x -> 2.30x bf16 MXFP4,
+    # 1.36x -> 2.22x NVFP4); integers only at the vocabulary's size (lm_head INT4 94.9 -> 86.4 us, INT2 94.0 ->
+    # 74.8), 4-8 % slower on q/o, k/v, qkv
+    words, block_n, warps, runs, per_sm = 128, (64 if n >= 28672 else 32), 4, 4 if n >= 65536 else 1, 8
     if fmt.is_fp4:
-        block_n = 16
-    elif fmt.bits == 2 and k < 8192 and n < 28672:
+        block_n, runs = 16, 4
+    elif fmt.bits == 2 and n < 65536 and (n > 4096 or k >= 8192):
+        # INT2 sweep with the runs (H200, 2026-11-29, benchmarks/out/kernels-h200-int2-sweep-s27.json): 16 rows, 4
+        # warps, runs of 4, about 4 programs an SM: gate/up 14.9 -> 12.1 us, stacked gate+up 23.3 -> 19.2, down
+        # 14.6 -> 14.0, q/k/v 7.6 -> 7.3 (256 words below 8192 rows and columns, else 128)
+        words, block_n, warps, runs, per_sm = (256 if (n < 8192 and k < 8192) else 128), 16, 4, 4, 4
+    elif fmt.bits == 2 and k < 8192 and n < 28672:  # (INT2's q/o and k/v)
         words, block_n, warps = 256, 16, 8
     elif fmt.bits == 4 and (k // fmt.group_size) % (512 // wpg) == 0 and k <= 4096:
         words, block_n = 512, 16  # a whole 4096-wide row (2 KB) a loop iteration: 3-10 % faster than 128 words
     groups = words // wpg
-    split = _split_for(k // fmt.group_size, groups, -(-n // block_n), 8 * dev.sm_count, 32)
-    # a scale a run of 4 words (H200, 2026-11-29): FP4 1.0-2.1x faster a call (step 1.38x -> 2.30x bf16 MXFP4,
-    # 1.36x -> 2.22x NVFP4); integers only at the vocabulary's size (lm_head INT4 94.9 -> 86.4 us, INT2 94.0 ->
-    # 74.8), 4-8 % slower on q/o, k/v, qkv
-    runs = 4 if (fmt.is_fp4 or n >= 65536) else 1
-    if fmt.kind == "int" and fmt.bits == 2 and n < 65536 and (n > 4096 or k >= 8192):
-        # INT2 sweep with the runs (H200, 2026-11-29, benchmarks/out/kernels-h200-int2-sweep-s27.json): 16 rows, 4
-        # warps, runs of 4, about 4 programs an SM: gate/up 14.9 -> 12.1 us, stacked gate+up 23.3 -> 19.2, down
-        # 14.6 -> 14.0, q/k/v 7.6 -> 7.3 (256 words below 8192 rows and columns, else 128); q/o and k/v keep the above
-        words = 256 if (n < 8192 and k < 8192) else 128
-        groups, block_n, warps, runs = words // wpg, 16, 4, 4
-        split = _split_for(k // fmt.group_size, groups, -(-n // block_n), 4 * dev.sm_count, 32)
+    split = _split_for(k // fmt.group_size, groups, -(-n // block_n), per_sm * dev.sm_count, 32)
     return LaunchConfig("gemv", 1, block_n, groups, split, warps, 1, False, 0, True, runs)
 
 
