@@ -17,12 +17,11 @@ reference :func:`grouped_linear_ref`. Nothing waits for the device: the routing 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
-from dynaquant.kernels.ops import dequantize_packed_ref, uses_triton
+from dynaquant.kernels.ops import dequantize_packed_ref, triton_device, uses_triton
 from dynaquant.kernels.packing import PackedWeight
 
 __all__ = ["Routing", "route", "route_torch", "grouped_linear", "grouped_linear_ref"]
@@ -105,10 +104,8 @@ def route(top_k_index: torch.Tensor, num_experts: int, block_m: int = 16) -> Rou
 def _routes_in_triton(top_k_index: torch.Tensor, num_experts: int) -> bool:
     """Whether :func:`route` takes the one-launch kernel: CUDA (or the CPU with ``TRITON_INTERPRET=1``), 1 to
     ``ROUTE_MAX_SLOTS`` slots, at most ``ROUTE_MAX_EXPERTS`` experts."""
-    dev = top_k_index.device.type
-    if not (dev == "cuda" or (dev == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")):
-        return False
-    return 0 < top_k_index.numel() <= ROUTE_MAX_SLOTS and 0 < num_experts <= ROUTE_MAX_EXPERTS
+    return (triton_device(top_k_index) and 0 < top_k_index.numel() <= ROUTE_MAX_SLOTS
+            and 0 < num_experts <= ROUTE_MAX_EXPERTS)
 
 
 def _check_route(top_k_index: torch.Tensor, block_m: int) -> None:

@@ -21,13 +21,15 @@ from dynaquant.kernels.tuning import LaunchConfig, choose_config, device_info, v
 __all__ = ["linear", "dequantize", "uses_triton", "dequantize_packed_ref", "linear_ref"]
 
 
+def triton_device(x: torch.Tensor) -> bool:
+    """Whether Triton kernels run on ``x``'s device: CUDA, or the CPU under ``TRITON_INTERPRET=1`` (the interpreter)."""
+    return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
 def uses_triton(x: torch.Tensor) -> bool:
-    """Whether :func:`linear` runs the Triton kernels for activations like ``x``."""
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if x.is_cuda:
-        return True
-    return x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether :func:`linear` runs the Triton kernels for activations like ``x`` (bfloat16 / float16 on a
+    :func:`triton_device`)."""
+    return x.dtype in (torch.bfloat16, torch.float16) and triton_device(x)
 
 
 def _apply_super(y: torch.Tensor, x2: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
