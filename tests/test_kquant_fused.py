@@ -121,3 +121,23 @@ def test_bad_shapes_raise():
         ks.aff_search_scales(x, x, get_codec("Q4_K").search)
     with pytest.raises(ValueError, match="n_super, n_sub, sub_size"):
         ks.sym_search_scales(x[0], x[0], get_codec("Q6_K").search)
+
+
+@pytest.mark.parametrize(("qlo", "qhi", "sub"), [(-4, 3, 16), (-2, 1, 16), (-4, 3, 8), (-3, 2, 16)])
+def test_breakpoints_sorted_in_registers_equal_the_torch_sort(qlo, qhi, sub):
+    """Q3_K's exhaustive step 1: the kernel's sorted breakpoints are the reference's exactly (the same products;
+    zeros, ties and a partial last tile included); a count that is not a power of two (3 levels) takes the torch
+    sort."""
+    from dynaquant.kernels import kquant_search as ks
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(203, sub, generator=g)
+    x[0] = 0.0
+    x[1, ::2] = 0.0
+    x[2] = x[2, :1]  # ties everywhere in one row
+    x = x.to(DEVICE)
+    got = ks.sym_breakpoints(x, qlo, qhi)
+    want = kqs.exhaustive_breakpoints(x, qlo, qhi)
+    assert got.shape == (203, sub * max(-qlo, qhi))
+    assert torch.equal(got, want)
+    assert torch.equal(want[:, 1:] >= want[:, :-1], torch.ones_like(want[:, 1:], dtype=torch.bool))

@@ -26,6 +26,7 @@ from dynaquant.kernels.kquant_triton import (
     aff_refine_kernel,
     aff_step1_kernel,
     sym_pick_kernel,
+    sym_breakpoints_kernel,
     sym_refine_kernel,
     sym_step1_kernel,
 )
@@ -77,23 +78,39 @@ def aff_search_scales(x: torch.Tensor, w: torch.Tensor, spec: kqs.AffSearch, ite
 
 def sym_search_scales(x: torch.Tensor, w: torch.Tensor, spec: kqs.SymSearch, iters: int = 2) -> torch.Tensor:
     """Symmetric step 1 (fused): as :func:`dynaquant.quant.codecs._kquant_search.sym_search_scales`
-    ((n_super, n_sub, sub_size) float32 -> (n_super, n_sub) float64). The exhaustive search's
-    interval midpoints are sorted in torch (:func:`~dynaquant.quant.codecs._kquant_search.exhaustive_mids`)
-    and walked in the kernel."""
+    ((n_super, n_sub, sub_size) float32 -> (n_super, n_sub) float64). The exhaustive search's code breakpoints
+    (:func:`~dynaquant.quant.codecs._kquant_search.exhaustive_breakpoints`) are sorted a sub-block in registers by
+    one launch (:func:`sym_breakpoints`), and step 1 walks the middles of neighbours as
+    :func:`~dynaquant.quant.codecs._kquant_search.exhaustive_mids` lists them."""
     xc, wc, n_super, n_sub, sub = _flat(x, w)
     r = xc.shape[0]
     a = torch.empty(r, dtype=torch.float64, device=x.device)
     if r:
         signed = [s * t for t in spec.steps for s in (1.0, -1.0)]
         steps = torch.tensor(signed or [0.0], dtype=torch.float32, device=x.device)
-        mids = kqs.exhaustive_mids(xc, spec.qlo, spec.qhi).contiguous() if spec.exhaustive else xc
-        m = mids.shape[1] if spec.exhaustive else 0
+        bp = sym_breakpoints(xc, spec.qlo, spec.qhi) if spec.exhaustive else xc
+        m = bp.shape[1] if spec.exhaustive else 0
         block, grid = _rows_grid(r, sub)
         sym_step1_kernel[grid](
-            xc, wc, steps, mids, a, r, len(signed), m,
+            xc, wc, steps, bp, a, r, len(signed), m,
             N_ELEM=min(spec.n_elem, sub), QLO=spec.qlo, QHI=spec.qhi, ITERS=iters, SUB=sub, BLOCK_R=block, **_OPTS,
         )
     return a.view(n_super, n_sub)
+
+
+def sym_breakpoints(x: torch.Tensor, qlo: int, qhi: int) -> torch.Tensor:
+    """As :func:`dynaquant.quant.codecs._kquant_search.exhaustive_breakpoints` of (R, sub_size) float32 rows ->
+    (R, sub_size * max(-qlo, qhi)) float32 ascending, one launch (a sub-block's breakpoints sorted in registers);
+    the torch sort where that count is not a power of two."""
+    r, sub = x.shape
+    nl = max(-qlo, qhi)
+    if (sub * nl) & (sub * nl - 1) or nl & (nl - 1):
+        return kqs.exhaustive_breakpoints(x, qlo, qhi).contiguous()
+    bp = torch.empty(r, sub * nl, dtype=torch.float32, device=x.device)
+    if r:
+        block = max(1, _TILE // (sub * nl))
+        sym_breakpoints_kernel[(triton.cdiv(r, block),)](x, bp, r, SUB=sub, NL=nl, BLOCK_R=block, **_OPTS)
+    return bp
 
 
 def aff_pick(ref: tuple[torch.Tensor, ...], kmax: int, dc: torch.Tensor, mc: torch.Tensor):

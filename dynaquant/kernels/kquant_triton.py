@@ -9,8 +9,11 @@ differs. Launch with ``enable_fp_fusion=False`` (no multiply-add contraction, as
 reference's separate kernels).
 
 - :func:`aff_step1_kernel`: affine step 1, one sub-block a row of a (BLOCK_R, SUB) tile;
-- :func:`sym_step1_kernel`: symmetric step 1 (scaled steps, listed inverse scales, the
-  ``n_elem`` most important elements put on every level);
+- :func:`sym_step1_kernel`: symmetric step 1 (scaled steps, the exhaustive search's interval
+  midpoints taken from sorted breakpoints, the ``n_elem`` most important elements put on every
+  level);
+- :func:`sym_breakpoints_kernel`: the exhaustive search's code breakpoints of each sub-block,
+  sorted in registers (``tl.sort``);
 - :func:`aff_pick_kernel` / :func:`sym_pick_kernel`: step 2, the best candidate ``d`` (and
   ``dmin``) of each super-block by the closed-form error, one super-block a row;
 - :func:`aff_refine_kernel` / :func:`sym_refine_kernel`: step 3, the moves of each
@@ -29,6 +32,7 @@ import triton.language as tl
 __all__ = [
     "aff_step1_kernel",
     "sym_step1_kernel",
+    "sym_breakpoints_kernel",
     "aff_pick_kernel",
     "sym_pick_kernel",
     "aff_refine_kernel",
@@ -170,7 +174,7 @@ def sym_step1_kernel(
     x_ptr,
     w_ptr,
     steps_ptr,
-    mids_ptr,
+    bp_ptr,
     a_ptr,
     R,
     T,
@@ -192,8 +196,12 @@ def sym_step1_kernel(
     for i in range(T):
         st = tl.load(steps_ptr + i)
         best_g, best_a = _sym_consider(st * inv_amax, x, w, wx, best_g, best_a, QLO, QHI)
+    # bp_ptr: (R, M) ascending breakpoints (sym_breakpoints_kernel); the candidates are
+    # exhaustive_mids's: the middle of each pair of neighbours, then the last times 1.25
     for i in range(M):
-        m = tl.load(mids_ptr + rows * M + i, mask=rmask, other=0.0)
+        b0 = tl.load(bp_ptr + rows * M + i, mask=rmask, other=0.0)
+        b1 = tl.load(bp_ptr + rows * M + tl.minimum(i + 1, M - 1), mask=rmask, other=0.0)
+        m = tl.where(i + 1 < M, (b0 + b1) * 0.5, b0 * 1.25)
         best_g, best_a = _sym_consider(m, x, w, wx, best_g, best_a, QLO, QHI)
         best_g, best_a = _sym_consider(-1.0 * m, x, w, wx, best_g, best_a, QLO, QHI)
     if N_ELEM > 0:
@@ -211,6 +219,20 @@ def sym_step1_kernel(
     for _ in tl.static_range(ITERS):
         best_g, best_a = _sym_consider(_inv(best_a.to(tl.float32)), x, w, wx, best_g, best_a, QLO, QHI)
     tl.store(a_ptr + rows, best_a, mask=rmask)
+
+
+@triton.jit(do_not_specialize=["R"])
+def sym_breakpoints_kernel(x_ptr, bp_ptr, R, SUB: tl.constexpr, NL: tl.constexpr, BLOCK_R: tl.constexpr):
+    """:func:`dynaquant.quant.codecs._kquant_search.exhaustive_breakpoints` of a (BLOCK_R, SUB) tile: each
+    element's ``inv(|x|) * (l + 1/2)``, ``l < NL``, sorted ascending per row into bp (R, SUB * NL) float32
+    (the same products, so the same values and order as the reference's sort)."""
+    rows, rmask = _rows(R, BLOCK_R)
+    x = tl.load(x_ptr + rows[:, None] * SUB + tl.arange(0, SUB)[None, :], mask=rmask[:, None], other=0.0)
+    half = tl.arange(0, NL).to(tl.float32) + 0.5
+    bp = tl.reshape(_inv(tl.abs(x))[:, :, None] * half[None, None, :], (BLOCK_R, SUB * NL))
+    bp = tl.sort(bp, 1)
+    offs = rows[:, None] * (SUB * NL) + tl.arange(0, SUB * NL)[None, :]
+    tl.store(bp_ptr + offs, bp, mask=rmask[:, None])
 
 
 @triton.jit

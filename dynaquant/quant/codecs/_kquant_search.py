@@ -170,12 +170,18 @@ def sym_error(x: torch.Tensor, w: torch.Tensor, dl: torch.Tensor, q: torch.Tenso
     return (w * r * r).sum(-1).double()
 
 
-def exhaustive_mids(x: torch.Tensor, qlo: int, qhi: int) -> torch.Tensor:
-    """The exhaustive step 1's inverse scales (positive side): the middle of every interval
-    between consecutive code breakpoints ``(l + 1/2) / |x_i|`` and a point past the last,
+def exhaustive_breakpoints(x: torch.Tensor, qlo: int, qhi: int) -> torch.Tensor:
+    """Where the codes of the exhaustive step 1 change: ``inv(|x_i|) * (l + 1/2)`` for ``l < max(-qlo, qhi)``,
     ``(..., sub_size)`` float32 -> ``(..., sub_size * max(-qlo, qhi))`` ascending."""
     half = torch.arange(max(-qlo, qhi), dtype=x.dtype, device=x.device) + 0.5
-    bp = (inv(x.abs()).unsqueeze(-1) * half).flatten(-2).sort(-1).values
+    return (inv(x.abs()).unsqueeze(-1) * half).flatten(-2).sort(-1).values
+
+
+def exhaustive_mids(x: torch.Tensor, qlo: int, qhi: int) -> torch.Tensor:
+    """The exhaustive step 1's inverse scales (positive side): the middle of every interval
+    between consecutive code breakpoints (:func:`exhaustive_breakpoints`) and a point past the last,
+    ``(..., sub_size)`` float32 -> ``(..., sub_size * max(-qlo, qhi))`` ascending."""
+    bp = exhaustive_breakpoints(x, qlo, qhi)
     return torch.cat([(bp[..., :-1] + bp[..., 1:]) * 0.5, bp[..., -1:] * 1.25], -1)
 
 
