@@ -25,12 +25,13 @@ from dynaquant.kernels.kquant_triton import (
     aff_pick_kernel,
     aff_refine_kernel,
     aff_step1_kernel,
-    sym_pick_kernel,
     sym_breakpoints_kernel,
+    sym_pick_kernel,
     sym_refine_kernel,
     sym_step1_kernel,
 )
 from dynaquant.quant.codecs import _kquant_search as kqs
+from dynaquant.quant.codecs.consts import device_constant
 
 __all__ = ["aff_search_scales", "aff_pick", "aff_refine", "sym_search_scales", "sym_pick", "sym_refine"]
 
@@ -65,9 +66,9 @@ def aff_search_scales(x: torch.Tensor, w: torch.Tensor, spec: kqs.AffSearch, ite
     a = torch.empty(r, dtype=torch.float64, device=x.device)
     b = torch.empty_like(a)
     if r:
-        steps = torch.tensor(spec.steps, dtype=torch.float32, device=x.device)
-        shifts = torch.tensor(spec.shifts, dtype=torch.float32, device=x.device)
-        eps = torch.tensor([1e-12], dtype=torch.float64, device=x.device)
+        steps = device_constant(spec.steps, torch.float32, x.device)
+        shifts = device_constant(spec.shifts, torch.float32, x.device)
+        eps = device_constant([1e-12], torch.float64, x.device)
         block, grid = _rows_grid(r, sub)
         aff_step1_kernel[grid](
             xc, wc, steps, shifts, eps, a, b, r, len(spec.steps), len(spec.shifts),
@@ -87,7 +88,7 @@ def sym_search_scales(x: torch.Tensor, w: torch.Tensor, spec: kqs.SymSearch, ite
     a = torch.empty(r, dtype=torch.float64, device=x.device)
     if r:
         signed = [s * t for t in spec.steps for s in (1.0, -1.0)]
-        steps = torch.tensor(signed or [0.0], dtype=torch.float32, device=x.device)
+        steps = device_constant(signed or [0.0], torch.float32, x.device)
         bp = sym_breakpoints(xc, spec.qlo, spec.qhi) if spec.exhaustive else xc
         m = bp.shape[1] if spec.exhaustive else 0
         block, grid = _rows_grid(r, sub)
@@ -158,7 +159,7 @@ def aff_refine(x: torch.Tensor, w: torch.Tensor, cfg: kqs.AffConfig, spec: kqs.A
     km = torch.empty_like(ks)
     err = torch.empty(r, dtype=torch.float64, device=x.device)
     if r:
-        moves = torch.tensor(spec.moves, dtype=torch.int32, device=x.device).reshape(-1)
+        moves = device_constant(spec.moves, torch.int32, x.device).reshape(-1)
         block, grid = _rows_grid(r, sub)
         aff_refine_kernel[grid](
             xc, wc, cfg.d.float().contiguous(), cfg.dmin.float().contiguous(), cfg.ks.contiguous(), cfg.km.contiguous(),

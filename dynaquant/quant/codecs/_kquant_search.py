@@ -37,6 +37,7 @@ from functools import partial
 
 import torch
 
+from dynaquant.quant.codecs.consts import device_constant
 from dynaquant.quant.codecs.fastpaths import fast_path
 
 _F16_MAX = 65504.0
@@ -316,7 +317,7 @@ def sym_encode_torch(x: torch.Tensor, w: torch.Tensor, spec: SymSearch, backend:
     a = sym_search_scales(x, w, spec, backend=backend)
     q = sym_codes(x, a.float(), spec.qlo, spec.qhi)
     wx = w * x
-    ts = torch.tensor(spec.d_steps, dtype=torch.float64, device=x.device)
+    ts = device_constant(spec.d_steps, torch.float64, x.device)
     best: SymConfig | None = None
     best_err = None
     for r in range(spec.rounds):
@@ -621,7 +622,7 @@ def aff_encode_torch(x: torch.Tensor, w: torch.Tensor, spec: AffSearch, backend:
     wx = w * x
     sw = w.sum(-1).double()
     sx = wx.sum(-1).double()
-    ts = torch.tensor(spec.d_steps, dtype=torch.float32, device=x.device)
+    ts = device_constant(spec.d_steps, torch.float32, x.device)
     best: AffConfig | None = None
     best_err = None
     for r in range(spec.rounds):

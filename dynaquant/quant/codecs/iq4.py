@@ -45,6 +45,7 @@ import torch
 from dynaquant.quant.codecs import _kquant_search as kqs
 from dynaquant.quant.codecs._blockfit import fit_scale, in_subchunks, scale_targets
 from dynaquant.quant.codecs.base import Codec, LevelGrid, register
+from dynaquant.quant.codecs.consts import device_constant
 from dynaquant.quant.codecs.nonlinear import IQ4_NL, KVALUES_IQ4NL
 
 QK_K = 256
@@ -116,7 +117,7 @@ class IQ4_XS(Codec):
                              backend)
         q = lv[codes].reshape(n, _N_SUB, _SUB)
         wx = w3 * x3
-        ts = torch.tensor(self.d_steps, dtype=torch.float64, device=x.device)
+        ts = device_constant(self.d_steps, torch.float64, x.device)
         best: kqs.SymConfig | None = None
         best_err = None
         for r in range(self.rounds):
@@ -206,5 +207,5 @@ class IQ4_XS(Codec):
         dl = (d * lsc.to(torch.float32)).unsqueeze(-1)  # (n, 8, 1)
         qs = bi[:, 8:].reshape(n, _N_SUB, 1, 16) >> torch.tensor([0, 4], device=b.device, dtype=torch.int32).reshape(1, 1, 2, 1)
         q = (qs & 15).reshape(n, _N_SUB, 32).long()
-        lut = torch.tensor(KVALUES_IQ4NL, dtype=torch.float32, device=b.device)
+        lut = device_constant(KVALUES_IQ4NL, torch.float32, b.device)
         return (dl * lut[q]).reshape(n, QK_K)

@@ -37,6 +37,7 @@ import torch
 from dynaquant.quant.codecs import _kquant_search as kqs
 from dynaquant.quant.codecs import kquant_fast as kqf
 from dynaquant.quant.codecs.base import Codec, ColumnGrid, register
+from dynaquant.quant.codecs.consts import device_constant
 
 QK_K = 256
 
@@ -45,7 +46,7 @@ QK_K = 256
 
 
 def _shifts(values, shape, device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32, device=device).reshape(shape)
+    return device_constant(values, torch.int32, device).reshape(shape)
 
 
 def _f16_bytes(v: torch.Tensor) -> torch.Tensor:
