@@ -229,7 +229,10 @@ def sym_breakpoints_kernel(x_ptr, bp_ptr, R, SUB: tl.constexpr, NL: tl.constexpr
     rows, rmask = _rows(R, BLOCK_R)
     x = tl.load(x_ptr + rows[:, None] * SUB + tl.arange(0, SUB)[None, :], mask=rmask[:, None], other=0.0)
     half = tl.arange(0, NL).to(tl.float32) + 0.5
-    bp = tl.reshape(_inv(tl.abs(x))[:, :, None] * half[None, None, :], (BLOCK_R, SUB * NL))
+    ax = tl.abs(x)
+    nz = ax != 0
+    ia = tl.where(nz, tl.math.div_rn(tl.full(ax.shape, 1.0, tl.float32), tl.where(nz, ax, 1.0)), 0.0)  # IEEE, as torch's
+    bp = tl.reshape(ia[:, :, None] * half[None, None, :], (BLOCK_R, SUB * NL))
     bp = tl.sort(bp, 1)
     offs = rows[:, None] * (SUB * NL) + tl.arange(0, SUB * NL)[None, :]
     tl.store(bp_ptr + offs, bp, mask=rmask[:, None])
