@@ -243,6 +243,18 @@ def _gemm(m: int, n: int, k: int, bm: int, bn: int, bk: int, warps: int, stages:
     return LaunchConfig("gemm", bm, bn, 1, s, warps, stages, False, bk)
 
 
+def _gemm16(n: int, k: int, split: int) -> LaunchConfig:
+    """M = 9..16 on the fused GEMM: 64-row weight tiles, K tiles of 128, 4 warps, 3 stages, K split ``split``
+    (halved until it divides the K tiles). The H200 sweep of 2026-11-29 (``benchmarks/kernels.py --sweep
+    --sweep-m 16``: splits 1-8 and 32-128-row tiles, Llama-3-8B shapes;
+    ``benchmarks/out/kernels-h200-sweep16-s28.json``) put the split where the programs number ~400-900: q/o and
+    down 8, q/k/v and gate/up 4, stacked gate+up 2 for INT4 / INT2 (step 1.44x -> 1.50x and 1.59x -> 1.67x bf16),
+    and 8 (stacked gate+up 4) for MXFP4 (0.81x -> 0.93x); the former choice split only below one program an SM."""
+    while split > 1 and (k // 128) % split:
+        split //= 2
+    return LaunchConfig("gemm", 16, 64, 1, split, 4, 3, False, 128)
+
+
 def _fused_gemm_config(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) -> LaunchConfig | None:
     """The fused dequant-GEMM where it beat the mm and dequant paths in the H200 sweep (2026-11-28,
     ``benchmarks/kernels.py --sweep --sweep-m 16,64,256``, Llama-3-8B shapes; INT4/INT2 group 128 and
@@ -251,12 +263,8 @@ def _fused_gemm_config(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInf
         return None
     int_g128 = fmt.kind == "int" and fmt.symmetric and fmt.group_size == 128 and fmt.bits in (2, 4)
     if int_g128:
-        if m <= 16:  # gate/up 2-10 % faster, down and q/k/v 4-8 %; q/o and k/v stay on mm
-            if n >= 14336:
-                return _gemm(m, n, k, 16, 64, 128, 4, 3, dev, False)
-            if n * k >= 6144 * 4096:
-                return _gemm(m, n, k, 16, 128, 128, 8, 3, dev, True)
-            return None
+        if m <= 16:  # K splits from the 2026-11-29 sweep (below); k/v stays on mm
+            return _gemm16(n, k, 2 if n >= 28672 else 4 if n >= 6144 else 8) if n > 2048 else None
         if m <= 64:  # k/v 35 %, gate/up 7-14 %, down 6-12 % faster; gate+up stacked, q/o and q/k/v stay on mm
             if n >= 28672:
                 return None
@@ -276,7 +284,7 @@ def _fused_gemm_config(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInf
         return None
     if fmt.kind == "mxfp4" and fmt.group_size == 32 and m <= 64:  # 8-20 % at M = 16, 13-22 % at M = 64
         if m <= 16:
-            return _gemm(m, n, k, 16, 64, 128, 4, 3, dev, True)
+            return _gemm16(n, k, 4 if n >= 28672 else 8)
         if n <= 2048:
             return _gemm(m, n, k, 64, 64, 128, 4, 3, dev, True)
         if n * k <= 4096 * 4096:
@@ -367,7 +375,8 @@ def mm_candidates(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) ->
 def gemm_candidates(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) -> list[LaunchConfig]:
     """Fused dequant-GEMM configurations worth timing for a shape (the benchmark's sweep; M >= 16):
     token tiles up to 256, weight tiles of 64-128 rows, K tiles of 64 or 128 weights, 4 or 8 warps, and a
-    K split where the output tiles are fewer than the multiprocessors."""
+    K split where the output tiles are fewer than the multiprocessors; at M <= 16 every split 1-8 of 32-128-row
+    tiles."""
     top = min(_pow2_at_least(m, 16), 256)
     tiles = ((64, 64, 128, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 4, 3), (64, 128, 128, 8, 3), (128, 64, 128, 4, 3),
              (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (256, 128, 64, 8, 3))
@@ -376,4 +385,7 @@ def gemm_candidates(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) 
         bm = min(bm, top)
         for s in dict.fromkeys((1, _split_to(-(-m // bm) * -(-n // bn), k // bk, dev))):
             out.append(LaunchConfig("gemm", bm, bn, 1, s, warps, stages, False, bk))
+    if m <= 16:  # every split at one token tile: the programs, not the SMs, decide (see _gemm16)
+        for bn, bk, warps in ((32, 128, 4), (64, 128, 4), (64, 64, 4), (128, 128, 8), (128, 64, 4)):
+            out += [LaunchConfig("gemm", 16, bn, 1, s, warps, 3, False, bk) for s in (1, 2, 4, 8)]
     return [c for c in dict.fromkeys(out) if valid_config(c, fmt, m, n, k)]
