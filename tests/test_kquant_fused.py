@@ -141,3 +141,25 @@ def test_breakpoints_sorted_in_registers_equal_the_torch_sort(qlo, qhi, sub):
     assert got.shape == (203, sub * max(-qlo, qhi))
     assert torch.equal(got, want)
     assert torch.equal(want[:, 1:] >= want[:, :-1], torch.ones_like(want[:, 1:], dtype=torch.bool))
+
+
+def test_pick_with_eight_sub_blocks_as_iq4_xs_uses_it():
+    """IQ4_XS's step 2 is the K-quants' symmetric pick over 8 sub-blocks of 32 (integer scales -32..31, 136
+    candidates): the kernel picks the reference's candidate, or one of equal ranking error to rounding."""
+    from dynaquant.kernels import kquant_search as ks
+    from dynaquant.quant.codecs.iq4 import IQ4_XS
+
+    g = torch.Generator().manual_seed(5)
+    n = 64 if HAS_CUDA else 24
+    a = (torch.randn(n, 8, generator=g) * torch.rand(n, 1, generator=g) * 3).to(DEVICE)
+    sqq = (torch.rand(n, 8, generator=g) * 50 + 0.1).to(DEVICE)
+    a[0] = 0.0  # an all-zero block
+    am = a.double().gather(1, a.abs().argmax(1, keepdim=True))
+    ts = torch.tensor(IQ4_XS.d_steps, dtype=torch.float64, device=DEVICE)
+    cand = kqs.f16_candidates(torch.cat([am / ts, -am / ts], 1))
+    got, want = ks.sym_pick(a, sqq, -32, 31, cand), kqs.sym_pick_torch(a, sqq, -32, 31, cand)
+    e_got = kqs.sym_eval_error(a, sqq, -32, 31, got[0][:, None])[:, 0]
+    e_want = kqs.sym_eval_error(a, sqq, -32, 31, want[0][:, None])[:, 0]
+    same = (got[0] == want[0]) & (got[1] == want[1]).all(1)
+    assert same.float().mean() >= 0.95
+    assert torch.all(e_got <= e_want * (1 + 1e-5) + 1e-12)
