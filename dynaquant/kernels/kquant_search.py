@@ -39,6 +39,8 @@ _TILE = 2048  # elements of a (rows, sub_size) register tile
 _PICK_ROWS = 64  # super-blocks a step-2 program
 _NUM_WARPS = 4
 _OPTS = {"num_warps": _NUM_WARPS, "enable_fp_fusion": False}
+# symmetric step 1 compares gains by cross-multiplying (no float64 division a candidate; sym_step1_kernel's CROSS)
+SYM_CROSS = False
 
 
 def _flat(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
@@ -94,7 +96,8 @@ def sym_search_scales(x: torch.Tensor, w: torch.Tensor, spec: kqs.SymSearch, ite
         block, grid = _rows_grid(r, sub)
         sym_step1_kernel[grid](
             xc, wc, steps, bp, a, r, len(signed), m,
-            N_ELEM=min(spec.n_elem, sub), QLO=spec.qlo, QHI=spec.qhi, ITERS=iters, SUB=sub, BLOCK_R=block, **_OPTS,
+            N_ELEM=min(spec.n_elem, sub), QLO=spec.qlo, QHI=spec.qhi, ITERS=iters, SUB=sub, BLOCK_R=block,
+            CROSS=SYM_CROSS, **_OPTS,
         )
     return a.view(n_super, n_sub)
 

@@ -159,14 +159,33 @@ def aff_step1_kernel(
 
 
 @triton.jit
-def _sym_consider(iscale, x, w, wx, best_g, best_a, QLO: tl.constexpr, QHI: tl.constexpr):
-    """One symmetric step-1 candidate inverse scale per row: kept where ``Sxq**2 / Sqq`` gains."""
+def _sym_consider(iscale, x, w, wx, g, a, s, QLO: tl.constexpr, QHI: tl.constexpr, CROSS: tl.constexpr):
+    """One symmetric step-1 candidate inverse scale per row: kept where ``Sxq**2 / Sqq`` gains.
+
+    State ``(g, a, s)``: without ``CROSS`` the best gain, its ``A = Sxq / Sqq`` and an unused ``s``, as the
+    reference; with ``CROSS`` the best's ``Sxq**2`` (-1 before the first), ``Sxq`` and ``Sqq`` (1 where 0), gains
+    compared by cross-multiplying (``Sxq**2 Sqq' > Sxq'**2 Sqq``, no float64 division a candidate: the same order
+    but where the rounded quotients tie); :func:`_sym_a` gives ``A``."""
     q = round_clamp(x * iscale[:, None], QLO, QHI)
     sxq = tl.sum(wx * q, 1).to(tl.float64)
     sqq = tl.sum(w * q * q, 1).to(tl.float64)
+    if CROSS:
+        nz = sqq != 0
+        gn = tl.where(nz, sxq * sxq, 0.0)
+        gd = tl.where(nz, sqq, 1.0)
+        better = gn * s > g * gd
+        return tl.where(better, gn, g), tl.where(better, tl.where(nz, sxq, 0.0), a), tl.where(better, gd, s)
     gain = _safe_div(sxq * sxq, sqq)
-    better = gain > best_g
-    return tl.where(better, gain, best_g), tl.where(better, _safe_div(sxq, sqq), best_a)
+    better = gain > g
+    return tl.where(better, gain, g), tl.where(better, _safe_div(sxq, sqq), a), s
+
+
+@triton.jit
+def _sym_a(a, s, CROSS: tl.constexpr):
+    """The best candidate's ``A`` from :func:`_sym_consider`'s state."""
+    if CROSS:
+        return a / s
+    return a
 
 
 @triton.jit(do_not_specialize=["R", "T", "M"])
@@ -185,25 +204,27 @@ def sym_step1_kernel(
     ITERS: tl.constexpr,
     SUB: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    CROSS: tl.constexpr = False,
 ):
     rows, rmask, x, w = _row_tile(x_ptr, w_ptr, R, SUB, BLOCK_R)
     cols = tl.arange(0, SUB)
     wx = w * x
     inv_amax = _inv(tl.max(tl.abs(x), 1))
-    best_g = tl.full((BLOCK_R,), -1.0, dtype=tl.float64)
-    best_a = tl.zeros((BLOCK_R,), dtype=tl.float64)
+    g = tl.full((BLOCK_R,), -1.0, dtype=tl.float64)
+    a = tl.zeros((BLOCK_R,), dtype=tl.float64)
+    s = tl.full((BLOCK_R,), 1.0, dtype=tl.float64)
     # steps_ptr holds the signed multipliers in the reference's order (t, -t for each step)
     for i in range(T):
         st = tl.load(steps_ptr + i)
-        best_g, best_a = _sym_consider(st * inv_amax, x, w, wx, best_g, best_a, QLO, QHI)
+        g, a, s = _sym_consider(st * inv_amax, x, w, wx, g, a, s, QLO, QHI, CROSS)
     # bp_ptr: (R, M) ascending breakpoints (sym_breakpoints_kernel); the candidates are
     # exhaustive_mids's: the middle of each pair of neighbours, then the last times 1.25
     for i in range(M):
         b0 = tl.load(bp_ptr + rows * M + i, mask=rmask, other=0.0)
         b1 = tl.load(bp_ptr + rows * M + tl.minimum(i + 1, M - 1), mask=rmask, other=0.0)
         m = tl.where(i + 1 < M, (b0 + b1) * 0.5, b0 * 1.25)
-        best_g, best_a = _sym_consider(m, x, w, wx, best_g, best_a, QLO, QHI)
-        best_g, best_a = _sym_consider(-1.0 * m, x, w, wx, best_g, best_a, QLO, QHI)
+        g, a, s = _sym_consider(m, x, w, wx, g, a, s, QLO, QHI, CROSS)
+        g, a, s = _sym_consider(-1.0 * m, x, w, wx, g, a, s, QLO, QHI, CROSS)
     if N_ELEM > 0:
         v = w * x * x
         for _e in tl.static_range(N_ELEM):
@@ -213,12 +234,12 @@ def sym_step1_kernel(
             v = tl.where(hit, -float("inf"), v)
             # every nonzero level in ascending order (two loops: no level 0)
             for lev in range(QLO, 0):
-                best_g, best_a = _sym_consider(lev * inv_xi, x, w, wx, best_g, best_a, QLO, QHI)
+                g, a, s = _sym_consider(lev * inv_xi, x, w, wx, g, a, s, QLO, QHI, CROSS)
             for lev in range(1, QHI + 1):
-                best_g, best_a = _sym_consider(lev * inv_xi, x, w, wx, best_g, best_a, QLO, QHI)
+                g, a, s = _sym_consider(lev * inv_xi, x, w, wx, g, a, s, QLO, QHI, CROSS)
     for _ in tl.static_range(ITERS):
-        best_g, best_a = _sym_consider(_inv(best_a.to(tl.float32)), x, w, wx, best_g, best_a, QLO, QHI)
-    tl.store(a_ptr + rows, best_a, mask=rmask)
+        g, a, s = _sym_consider(_inv(_sym_a(a, s, CROSS).to(tl.float32)), x, w, wx, g, a, s, QLO, QHI, CROSS)
+    tl.store(a_ptr + rows, _sym_a(a, s, CROSS), mask=rmask)
 
 
 @triton.jit(do_not_specialize=["R"])
