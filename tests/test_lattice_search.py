@@ -149,6 +149,72 @@ def test_iq1_encoder_on_fused_path(interpreted, name):
     assert torch.equal(quantize(x, name, im, backend="triton").cpu(), ref)
 
 
+def _iq1_inputs(n: int, seed: int):
+    """(n, 256) weights with exact ties (values on a lattice), a zero sub-block and a zero-importance group."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 256, generator=g) * 0.02 * torch.exp(torch.randn(n, 1, generator=g))
+    x[0, :64] = torch.round(x[0, :64] / 0.01) * 0.01
+    x[1, 32:64] = 0.0
+    w = torch.exp(torch.randn(n, 256, generator=g))
+    w[2, :8] = 0.0
+    return x, w
+
+
+@pytest.mark.parametrize("sub,per_group", [(32, False), (16, True)])
+def test_iq1_sub_scales_match_reference(sub, per_group):
+    """IQ1's step-1 kernel equals its torch reference bit for bit (IQ1_S and IQ1_M layouts)."""
+    from dynaquant.kernels import iq1_search
+    from dynaquant.quant.codecs import iq1
+
+    x, w = _iq1_inputs(5, 7)  # 40 or 80 sub-blocks: not a multiple of the kernel's tile
+    ref_t, ref_h = iq1.sub_scales_torch(x, w, sub, per_group)
+    t, h = iq1_search.sub_scales(x.to(DEVICE), w.to(DEVICE), iq1._consts(torch.device(DEVICE))["ratios"], sub, per_group, iq1.DELTA)
+    assert t.shape == h.shape == (5, 256 // sub)
+    assert torch.equal(t.cpu(), ref_t) and torch.equal(h.cpu(), ref_h)
+    assert (ref_t[1, 32 // sub : 64 // sub] == 0).all()  # the zero sub-block(s): scale 0
+
+
+@pytest.mark.parametrize("rep,gps", [(2, 4), (1, 2)])
+def test_iq1_ternary_search_matches_reference(interpreted, rep, gps):
+    """Both delta signs, the trial scales read per group, and the errors: equal to the torch reference."""
+    from dynaquant.quant.codecs import iq1
+
+    x, w = _iq1_inputs(3, 8)
+    n, s = 3, 256 // (8 * gps)
+    xg, wg = x.view(n, s, gps, 8), w.view(n, s, gps, 8)
+    g = torch.Generator().manual_seed(9)
+    amax = x.view(n, s, -1).abs().amax(2)
+    t = (amax[..., None] * torch.rand(n, s, rep, generator=g) * 0.5).unsqueeze(3).expand(n, s, rep, gps).reshape(-1).contiguous()
+    t[5] = 0.0
+    ref_idx, ref_err = iq1.ternary_search_torch(xg, wg, t, rep, backend="torch")
+    dev = torch.device(DEVICE)
+    tables = (*iq1._kernel_tables(dev), iq1._grid_digits(dev))
+    xd, wd = x.view(-1, 8).to(DEVICE), w.view(-1, 8).to(DEVICE)
+    idx, err = interpreted.ternary_search(xd, wd, t.to(DEVICE), *tables, iq1.DELTA, rep, gps)
+    assert torch.equal(idx.cpu(), ref_idx) and torch.equal(err.cpu(), ref_err)
+    # the indices are nearest_points' (one sign at a time)
+    xf = xg.unsqueeze(2).expand(n, s, rep, gps, 8).reshape(-1, 8)
+    wf = wg.unsqueeze(2).expand(n, s, rep, gps, 8).reshape(-1, 8)
+    for row, sign in ((0, 1.0), (1, -1.0)):
+        i1, e1 = iq1.nearest_points(xf, wf, t, torch.full_like(t, sign), backend="torch")
+        assert torch.equal(idx[row].cpu(), i1) and torch.equal(err[row].cpu(), e1)
+
+
+@pytest.mark.parametrize("name", ["IQ1_S", "IQ1_M"])
+def test_iq1_full_search_on_fused_path(interpreted, name, monkeypatch):
+    """The GPU's full search (second scale code, refit of d) through the kernels gives the torch reference's bytes."""
+    from dynaquant.quant.codecs import iq1, quantize
+
+    monkeypatch.setitem(iq1.CPU_SEARCH, "second_code", True)
+    monkeypatch.setitem(iq1.CPU_SEARCH, "refit", True)
+    x, _ = _iq1_inputs(4, 10)
+    x = x.reshape(2, 512).to(DEVICE)
+    im = torch.exp(torch.randn(512, generator=torch.Generator().manual_seed(11))).to(DEVICE)
+    for imatrix in (im, None):
+        ref = quantize(x, name, imatrix, backend="torch").cpu()
+        assert torch.equal(quantize(x, name, imatrix, backend="triton").cpu(), ref)
+
+
 def test_empty(interpreted):
     grid = lat.gguf_grid("IQ2_XXS", DEVICE)
     x = torch.zeros(0, 8, device=DEVICE)

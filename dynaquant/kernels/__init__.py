@@ -53,8 +53,10 @@ def _loader(module: str, attr: str, build: bool = False):
 
 
 for _name, _attr in (("lattice.nearest_codewords", "nearest_codewords"), ("lattice.candidate_terms", "candidate_terms"),
-                     ("lattice.subset_min_costs", "subset_min_costs"), ("iq1.ternary_nearest", "ternary_nearest")):
+                     ("lattice.subset_min_costs", "subset_min_costs"), ("iq1.ternary_nearest", "ternary_nearest"),
+                     ("iq1.ternary_search", "ternary_search")):
     fastpaths.register(_name, _loader("dynaquant.kernels.lattice_search", _attr))
+fastpaths.register("iq1.sub_scales", _loader("dynaquant.kernels.iq1_search", "sub_scales"))
 for _attr in ("fit_scale", "fit_affine", "fit_int_zero"):
     fastpaths.register(f"blockfit.{_attr}", _loader("dynaquant.kernels.scalefit", _attr))
 for _attr in ("fit_scale", "fit_pow2"):

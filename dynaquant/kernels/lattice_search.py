@@ -35,7 +35,9 @@ included; reference :func:`dynaquant.quant.codecs._lattice.candidate_terms_torch
 
 :func:`ternary_nearest` is IQ1_S/IQ1_M's exact nearest point of the ternary grid (its
 candidate-list search, :func:`dynaquant.quant.codecs.iq1.nearest_points`, one group per lane,
-bit-identical indices).
+bit-identical indices); :func:`ternary_search` runs it for both delta signs at once, reads each
+group once for all its trial scales, and also returns each group's error (reference
+:func:`dynaquant.quant.codecs.iq1.ternary_search_torch`, bit for bit).
 
 Importing this module imports Triton. :mod:`dynaquant.kernels` registers these functions into
 :mod:`dynaquant.quant.codecs.fastpaths` (loaded on first use) without importing it; the codecs
@@ -56,9 +58,10 @@ from dynaquant.kernels.lattice_triton import (
     nearest_tile_kernel,
     subset_min_kernel,
     ternary_nearest_kernel,
+    ternary_search_kernel,
 )
 
-__all__ = ["nearest_codewords", "candidate_terms", "subset_min_costs", "ternary_nearest"]
+__all__ = ["nearest_codewords", "candidate_terms", "subset_min_costs", "ternary_nearest", "ternary_search"]
 
 # Two implementations of nearest_codewords: "rows" (one group per lane, the codebook walked
 # codeword by codeword, no cross-lane reduction; D = 4 or 8) and "tile" (a (BLOCK_N, G)
@@ -259,3 +262,64 @@ def ternary_nearest(
         num_warps=4,
     )
     return idx
+
+
+def ternary_search(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    t: torch.Tensor,
+    grid_of: torch.Tensor,
+    count: torch.Tensor,
+    codes: torch.Tensor,
+    digits: torch.Tensor,
+    delta: float,
+    rep: int,
+    gps: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ1's nearest ternary grid points and their errors, both delta signs, ``rep`` trial scales a group (fused).
+
+    Same result as the torch reference :func:`dynaquant.quant.codecs.iq1.ternary_search_torch`, bit for bit
+    (launched without multiply-add fusion, so each error is formed with the reference's roundings).
+
+    Args:
+        x, w: (r, 8) float32 weights and importance (>= 0), sub-blocks of ``gps`` consecutive groups.
+        t: (m,) float32 scales, m = r * rep, ordered (sub-block, trial, group): lane ``l`` is group
+            ``(l // (rep gps)) gps + l % gps``.
+        grid_of, count, codes: :func:`dynaquant.quant.codecs.iq1._kernel_tables`; digits: (2048,) int32 each
+            grid point's 2-bit digits (level + 1 at bits ``2 i``).
+        delta: the grid shift.
+    Returns:
+        (idx, err): (2, m) int64 grid indices and (2, m) float32 errors ``sum w (x - t (g + sign delta))**2``;
+        row 0 for ``sign = +1``, row 1 for ``-1``.
+    Raises:
+        ValueError: shapes disagree.
+    """
+    m = t.shape[0]
+    if x.ndim != 2 or x.shape[1] != 8 or w.shape != x.shape or t.ndim != 1 or x.shape[0] * rep != m or x.shape[0] % gps:
+        raise ValueError(f"shapes disagree: x {tuple(x.shape)}, w {tuple(w.shape)}, t {tuple(t.shape)}, rep {rep}, gps {gps}")
+    idx = torch.empty(2, m, dtype=torch.int64, device=x.device)
+    err = torch.empty(2, m, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return idx, err
+    block_n = max(32, min(256, triton.next_power_of_2(m)))
+    ternary_search_kernel[(triton.cdiv(m, block_n),)](
+        x.to(torch.float32).contiguous(),
+        w.to(torch.float32).contiguous(),
+        t.to(torch.float32).contiguous(),
+        grid_of,
+        count,
+        codes,
+        digits,
+        idx,
+        err,
+        m,
+        float(delta),
+        KP=codes.shape[1],
+        REP=rep,
+        GPS=gps,
+        BLOCK_N=block_n,
+        DYNAMIC=os.environ.get("TRITON_INTERPRET", "0") != "1",
+        num_warps=4,
+        enable_fp_fusion=False,
+    )
+    return idx, err

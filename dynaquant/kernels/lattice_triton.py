@@ -17,7 +17,14 @@ this module imports Triton.
 import triton
 import triton.language as tl
 
-__all__ = ["nearest_tile_kernel", "nearest_rows_kernel", "candidate_terms_kernel", "subset_min_kernel", "ternary_nearest_kernel"]
+__all__ = [
+    "nearest_tile_kernel",
+    "nearest_rows_kernel",
+    "candidate_terms_kernel",
+    "subset_min_kernel",
+    "ternary_nearest_kernel",
+    "ternary_search_kernel",
+]
 
 
 @triton.jit
@@ -367,7 +374,7 @@ def ternary_nearest_kernel(
 ):
     # One group per lane: the free ternary rounding's pattern id, then its candidate list
     # (each entry: grid index | 2-bit digits << 11). Level costs and their sum are formed in
-    # the reference's order, so costs and argmins equal it bit for bit.
+    # the reference's order, so costs and argmins equal it bit for bit (:func:`_ternary_index`).
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     rmask = rows < n
@@ -376,22 +383,49 @@ def ternary_nearest_kernel(
     sd = tl.load(sign_ptr + rows, mask=rmask, other=1.0) * delta
     xp = x_ptr + rows * 8
     wp = w_ptr + rows * 8
-    w0 = tl.load(wp + 0, mask=rmask, other=0.0)
-    w1 = tl.load(wp + 1, mask=rmask, other=0.0)
-    w2 = tl.load(wp + 2, mask=rmask, other=0.0)
-    w3 = tl.load(wp + 3, mask=rmask, other=0.0)
-    w4 = tl.load(wp + 4, mask=rmask, other=0.0)
-    w5 = tl.load(wp + 5, mask=rmask, other=0.0)
-    w6 = tl.load(wp + 6, mask=rmask, other=0.0)
-    w7 = tl.load(wp + 7, mask=rmask, other=0.0)
-    a0 = 2 * w0 * (sd - tl.load(xp + 0, mask=rmask, other=0.0) / ts)
-    a1 = 2 * w1 * (sd - tl.load(xp + 1, mask=rmask, other=0.0) / ts)
-    a2 = 2 * w2 * (sd - tl.load(xp + 2, mask=rmask, other=0.0) / ts)
-    a3 = 2 * w3 * (sd - tl.load(xp + 3, mask=rmask, other=0.0) / ts)
-    a4 = 2 * w4 * (sd - tl.load(xp + 4, mask=rmask, other=0.0) / ts)
-    a5 = 2 * w5 * (sd - tl.load(xp + 5, mask=rmask, other=0.0) / ts)
-    a6 = 2 * w6 * (sd - tl.load(xp + 6, mask=rmask, other=0.0) / ts)
-    a7 = 2 * w7 * (sd - tl.load(xp + 7, mask=rmask, other=0.0) / ts)
+    best_idx = _ternary_index(
+        tl.load(xp + 0, mask=rmask, other=0.0),
+        tl.load(xp + 1, mask=rmask, other=0.0),
+        tl.load(xp + 2, mask=rmask, other=0.0),
+        tl.load(xp + 3, mask=rmask, other=0.0),
+        tl.load(xp + 4, mask=rmask, other=0.0),
+        tl.load(xp + 5, mask=rmask, other=0.0),
+        tl.load(xp + 6, mask=rmask, other=0.0),
+        tl.load(xp + 7, mask=rmask, other=0.0),
+        tl.load(wp + 0, mask=rmask, other=0.0),
+        tl.load(wp + 1, mask=rmask, other=0.0),
+        tl.load(wp + 2, mask=rmask, other=0.0),
+        tl.load(wp + 3, mask=rmask, other=0.0),
+        tl.load(wp + 4, mask=rmask, other=0.0),
+        tl.load(wp + 5, mask=rmask, other=0.0),
+        tl.load(wp + 6, mask=rmask, other=0.0),
+        tl.load(wp + 7, mask=rmask, other=0.0),
+        ts,
+        sd,
+        rmask,
+        grid_of_ptr,
+        count_ptr,
+        code_ptr,
+        KP,
+        BLOCK_N,
+        DYNAMIC,
+    )
+    tl.store(idx_ptr + rows, best_idx.to(tl.int64), mask=rmask)
+
+
+@triton.jit
+def _ternary_index(x0, x1, x2, x3, x4, x5, x6, x7, w0, w1, w2, w3, w4, w5, w6, w7, ts, sd, rmask, grid_of_ptr, count_ptr,
+                   code_ptr, KP: tl.constexpr, BLOCK_N: tl.constexpr, DYNAMIC: tl.constexpr):
+    """:func:`ternary_nearest_kernel`'s search of one lane's group: the grid index (int32). Divisions are
+    ``div_rn`` (IEEE, as torch's; Triton's ``/`` is an approximate division on CUDA)."""
+    a0 = 2 * w0 * (sd - tl.div_rn(x0, ts))
+    a1 = 2 * w1 * (sd - tl.div_rn(x1, ts))
+    a2 = 2 * w2 * (sd - tl.div_rn(x2, ts))
+    a3 = 2 * w3 * (sd - tl.div_rn(x3, ts))
+    a4 = 2 * w4 * (sd - tl.div_rn(x4, ts))
+    a5 = 2 * w5 * (sd - tl.div_rn(x5, ts))
+    a6 = 2 * w6 * (sd - tl.div_rn(x6, ts))
+    a7 = 2 * w7 * (sd - tl.div_rn(x7, ts))
     p = (
         ((a0 < -w0).to(tl.int32) - (a0 > w0).to(tl.int32) + 1)
         + ((a1 < -w1).to(tl.int32) - (a1 > w1).to(tl.int32) + 1) * 3
@@ -416,4 +450,77 @@ def ternary_nearest_kernel(
             best, best_idx = _ternary_step(
                 cp, k, cnt, best, best_idx, w0, w1, w2, w3, w4, w5, w6, w7, a0, a1, a2, a3, a4, a5, a6, a7
             )
-    tl.store(idx_ptr + rows, best_idx.to(tl.int64), mask=rmask)
+    return best_idx
+
+
+@triton.jit
+def _ternary_term(x, w, t, sd, dig, i: tl.constexpr):
+    """``w (x - t (g + sd))**2`` of element ``i`` (level ``g`` from 2-bit digit ``i`` of ``dig``)."""
+    g = (((dig >> (2 * i)) & 3) - 1).to(tl.float32)
+    d = x - t * (g + sd)
+    return w * (d * d)
+
+
+@triton.jit
+def ternary_search_kernel(
+    x_ptr,
+    w_ptr,
+    t_ptr,
+    grid_of_ptr,
+    count_ptr,
+    code_ptr,
+    digits_ptr,
+    idx_ptr,
+    err_ptr,
+    m,
+    delta,
+    KP: tl.constexpr,
+    REP: tl.constexpr,
+    GPS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DYNAMIC: tl.constexpr,
+):
+    # One (group, scale) per lane, both delta signs (+delta into row 0 of idx/err, -delta into
+    # row 1): :func:`_ternary_index`'s search, then the group's error on the decoded values,
+    # summed halves first (((e0 + e4) + (e2 + e6)) + ((e1 + e5) + (e3 + e7))). Lane l reads
+    # group row (l // (REP GPS)) GPS + l % GPS: REP scales of each sub-block of GPS groups.
+    pid = tl.program_id(0)
+    lanes = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    rmask = lanes < m
+    rows = (lanes // (REP * GPS)) * GPS + lanes % GPS
+    t = tl.load(t_ptr + lanes, mask=rmask, other=1.0)
+    ts = tl.where(t > 0, t, 1.0)
+    xp = x_ptr + rows * 8
+    wp = w_ptr + rows * 8
+    x0 = tl.load(xp + 0, mask=rmask, other=0.0)
+    x1 = tl.load(xp + 1, mask=rmask, other=0.0)
+    x2 = tl.load(xp + 2, mask=rmask, other=0.0)
+    x3 = tl.load(xp + 3, mask=rmask, other=0.0)
+    x4 = tl.load(xp + 4, mask=rmask, other=0.0)
+    x5 = tl.load(xp + 5, mask=rmask, other=0.0)
+    x6 = tl.load(xp + 6, mask=rmask, other=0.0)
+    x7 = tl.load(xp + 7, mask=rmask, other=0.0)
+    w0 = tl.load(wp + 0, mask=rmask, other=0.0)
+    w1 = tl.load(wp + 1, mask=rmask, other=0.0)
+    w2 = tl.load(wp + 2, mask=rmask, other=0.0)
+    w3 = tl.load(wp + 3, mask=rmask, other=0.0)
+    w4 = tl.load(wp + 4, mask=rmask, other=0.0)
+    w5 = tl.load(wp + 5, mask=rmask, other=0.0)
+    w6 = tl.load(wp + 6, mask=rmask, other=0.0)
+    w7 = tl.load(wp + 7, mask=rmask, other=0.0)
+    for s in tl.static_range(2):
+        sd = delta if s == 0 else -delta
+        idx = _ternary_index(x0, x1, x2, x3, x4, x5, x6, x7, w0, w1, w2, w3, w4, w5, w6, w7, ts, sd, rmask,
+                             grid_of_ptr, count_ptr, code_ptr, KP, BLOCK_N, DYNAMIC)
+        dig = tl.load(digits_ptr + idx, mask=rmask, other=0)
+        e0 = _ternary_term(x0, w0, t, sd, dig, 0)
+        e1 = _ternary_term(x1, w1, t, sd, dig, 1)
+        e2 = _ternary_term(x2, w2, t, sd, dig, 2)
+        e3 = _ternary_term(x3, w3, t, sd, dig, 3)
+        e4 = _ternary_term(x4, w4, t, sd, dig, 4)
+        e5 = _ternary_term(x5, w5, t, sd, dig, 5)
+        e6 = _ternary_term(x6, w6, t, sd, dig, 6)
+        e7 = _ternary_term(x7, w7, t, sd, dig, 7)
+        err = ((e0 + e4) + (e2 + e6)) + ((e1 + e5) + (e3 + e7))
+        tl.store(idx_ptr + s * m + lanes, idx.to(tl.int64), mask=rmask)
+        tl.store(err_ptr + s * m + lanes, err, mask=rmask)

@@ -33,6 +33,8 @@ NAMES = {
     "lattice.candidate_terms": "dynaquant.quant.codecs._lattice.candidate_terms_torch",
     "lattice.subset_min_costs": "dynaquant.quant.codecs._lattice.subset_min_costs_torch",
     "iq1.ternary_nearest": "dynaquant.quant.codecs.iq1.nearest_points (its indices)",
+    "iq1.ternary_search": "dynaquant.quant.codecs.iq1.ternary_search_torch",
+    "iq1.sub_scales": "dynaquant.quant.codecs.iq1.sub_scales_torch",
     "iq3.nearest_variants": "dynaquant.quant.codecs.iq3.nearest_variants_torch",
     "blockfit.fit_scale": "dynaquant.quant.codecs._blockfit.fit_scale_torch",
     "blockfit.fit_affine": "dynaquant.quant.codecs._blockfit.fit_affine_torch",

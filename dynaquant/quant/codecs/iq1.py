@@ -47,7 +47,12 @@ skipped: about 3x faster at 0.4% more error.
 
 On CUDA (with Triton) :func:`nearest_points` runs as one kernel
 (fast path ``iq1.ternary_nearest``, the same search and the same
-indices bit for bit); IQ1_S then encodes at 0.54 G weights/s on an H100 (4096 x 14336, 11-12x
+indices bit for bit), and so do step 1 (:func:`sub_scales_torch`, fast path ``iq1.sub_scales``:
+the reference's (blocks, S, 6, G, 8) temporaries never written) and the searches of steps 2-3
+(:func:`ternary_search_torch`, fast path ``iq1.ternary_search``: both delta signs, each group read
+once for all its trial scales, the errors summed in the kernel, no gathered grid rows). Their sums
+are :func:`tree_sum` (halves first) on every path, so the kernels give the torch path's bytes on any
+device. Before those two kernels, IQ1_S encoded at 0.54 G weights/s on an H100 (4096 x 14336, 11-12x
 llama.cpp's 16-thread ``ggml_quantize_chunk``, 45-48 M/s; 0.16 G/s torch-only). On CPU the same
 search runs as compiled C (:mod:`dynaquant.kernels.native.lattice`; the same indices bit for bit,
 IQ1_M 1.6x and IQ1_S 1.15x faster encodes on one thread).
@@ -161,8 +166,43 @@ def _kernel_tables(device: torch.device) -> tuple[torch.Tensor, ...]:
         grid, grid_of, cand, _, count, _ = _tables(torch.device("cpu"))
         digits = ((grid.to(torch.int64) + 1) << (2 * torch.arange(8))).sum(1)  # (2048,)
         codes = cand | (digits[cand] << 11)
-        _KERNEL_TABLES[key] = tuple(v.to(torch.int32).to(device) for v in (grid_of, count, codes))
-    return _KERNEL_TABLES[key]
+        _KERNEL_TABLES[key] = tuple(v.to(torch.int32).to(device) for v in (grid_of, count, codes, digits))
+    return _KERNEL_TABLES[key][:3]
+
+
+def _grid_digits(device: torch.device) -> torch.Tensor:
+    """(2048,) int32 on ``device``: each grid point's 2-bit digits (level + 1 at bits 2 i), for
+    fast path ``iq1.ternary_search`` (after :func:`_kernel_tables`'s three)."""
+    _kernel_tables(device)
+    return _KERNEL_TABLES[str(device)][3]
+
+
+_CONSTS: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def _consts(device: torch.device) -> dict[str, torch.Tensor]:
+    """The search's constant tensors on ``device``, made once (a host-to-device copy of a Python
+    list waits for the device's queue): ``ratios`` (R,) and ``divisors`` (M,) float32, ``qh_shifts``
+    (4,) int64 (IQ1_S's 3-bit fields of ``qh``), ``four`` (4,) int64 (0..3)."""
+    key = str(device)
+    if key not in _CONSTS:
+        _CONSTS[key] = {
+            "ratios": torch.tensor(_RATIOS, device=device),
+            "divisors": torch.tensor(_DIVISORS, device=device),
+            "qh_shifts": torch.tensor([0, 3, 6, 9], device=device),
+            "four": torch.arange(4, device=device),
+        }
+    return _CONSTS[key]
+
+
+def tree_sum(v: torch.Tensor) -> torch.Tensor:
+    """Sum over the last axis (a power of two long), halves first: ``v[..., :k] + v[..., k:]``
+    recursively. Every search sum is formed so, the same on every device and in the kernels
+    (:mod:`dynaquant.kernels.iq1_search`, :func:`dynaquant.kernels.lattice_search.ternary_search`)."""
+    while v.shape[-1] > 1:
+        h = v.shape[-1] // 2
+        v = v[..., :h] + v[..., h:]
+    return v[..., 0]
 
 
 def grid_values(device: torch.device | str = "cpu") -> torch.Tensor:
@@ -229,14 +269,14 @@ def nearest_points(
             bit for bit).
     Returns:
         (idx, err): (m,) int64 grid index minimising ``sum w (x - t (g + sign DELTA))**2``
-        and (m,) float32 that error, computed on the float32 values the decoder gives.
+        and (m,) float32 that error, computed on the float32 values the decoder gives (summed
+        halves first, :func:`tree_sum`).
     """
     grid, grid_of, cand, pow3, count, cand_lh = _tables(x.device)
     ternary_nearest = lat.fast_path("iq1.ternary_nearest", x, backend)
     if ternary_nearest is not None:  # the same search in one kernel (Triton or C; same indices, bit for bit)
         idx = ternary_nearest(x, w, t, sign, *_kernel_tables(x.device), DELTA)
-        y = t[:, None] * (grid[idx] + (sign * DELTA)[:, None])
-        return idx, (w * (x - y) ** 2).sum(1)
+        return idx, _group_error(x, w, t, sign, grid.index_select(0, idx))
     tables = (cand, cand_lh)
     ts = torch.where(t > 0, t, torch.ones_like(t))[:, None]
     # Cost of level v (dropping terms free of v, divided by t^2): w |v| + a v.
@@ -254,9 +294,13 @@ def nearest_points(
         for s in range(0, off.numel(), step):
             o = off[s : s + step]
             idx[o] = _best_candidate(a.index_select(0, o), w.index_select(0, o), pid[o], k, tables)
-    y = t[:, None] * (grid.index_select(0, idx) + (sign * DELTA)[:, None])
-    err = (w * (x - y) ** 2).sum(1)
-    return idx, err
+    return idx, _group_error(x, w, t, sign, grid.index_select(0, idx))
+
+
+def _group_error(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, sign: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """(m,) float32 ``sum w (x - t (g + sign DELTA))**2`` of (m, 8) groups at grid values ``g`` (:func:`tree_sum`)."""
+    d = x - t[:, None] * (g + (sign * DELTA)[:, None])
+    return tree_sum(w * (d * d))
 
 
 # --------------------------------------------------------------------------- search
@@ -276,22 +320,48 @@ def _search(xg: torch.Tensor, wg: torch.Tensor, t: torch.Tensor, per_group: bool
     """
     n, s, g, _ = xg.shape
     shape = (n, s, t.shape[2], g)
+    tf = t.unsqueeze(3).expand(shape).reshape(-1)
+    kernel = lat.fast_path("iq1.ternary_search", xg, backend) if backend != "native" else None
+    if kernel is not None:  # both signs, every trial scale, and the errors in one kernel (no expanded copies)
+        i2, e2 = kernel(
+            xg.reshape(-1, 8), wg.reshape(-1, 8), tf, *_kernel_tables(xg.device), _grid_digits(xg.device), DELTA, t.shape[2], g
+        )
+    else:
+        i2, e2 = ternary_search_torch(xg, wg, tf, t.shape[2], backend)
+    ip, im, ep, em = i2[0].view(shape), i2[1].view(shape), e2[0].view(shape), e2[1].view(shape)
+    neg = em < ep if per_group else (tree_sum(em) < tree_sum(ep)).unsqueeze(3).expand(shape)
+    return torch.where(neg, im, ip), neg, tree_sum(torch.where(neg, em, ep))
+
+
+def ternary_search_torch(
+    xg: torch.Tensor, wg: torch.Tensor, tf: torch.Tensor, rep: int, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`nearest_points` of every group at its ``rep`` trial scales, both delta signs.
+
+    Reference of fast path ``iq1.ternary_search`` (:func:`dynaquant.kernels.lattice_search.ternary_search`).
+
+    Args:
+        xg, wg: (n, S, G, 8) float32 weights and importance.
+        tf: (n * S * rep * G,) float32 scales, ordered (block, sub-block, trial, group).
+        rep: trial scales a sub-block.
+        backend: as :func:`nearest_points` (its ``"triton"`` or ``"native"`` fast path finds the indices).
+    Returns:
+        (idx, err): (2, m) int64 and (2, m) float32, row 0 for the delta ``+DELTA``, row 1 for ``-DELTA``.
+    """
+    n, s, g, _ = xg.shape
+    shape = (n, s, rep, g)
     xf = xg.unsqueeze(2).expand(*shape, 8).reshape(-1, 8)
     wf = wg.unsqueeze(2).expand(*shape, 8).reshape(-1, 8)
-    tf = t.unsqueeze(3).expand(shape).reshape(-1)
     m = tf.numel()
     if lat.fast_path("iq1.ternary_nearest", xf, backend) is not None:  # one kernel per sign, no concatenated copies
         ones = torch.ones(m, device=xg.device)
         ip, ep = nearest_points(xf, wf, tf, ones, backend)
         im, em = nearest_points(xf, wf, tf, -ones, backend)
-        ip, im, ep, em = ip.view(shape), im.view(shape), ep.view(shape), em.view(shape)
-    else:
-        sign = torch.ones(2 * m, device=xg.device)
-        sign[m:] = -1
-        i2, e2 = nearest_points(torch.cat([xf, xf]), torch.cat([wf, wf]), torch.cat([tf, tf]), sign, backend)
-        ip, im, ep, em = i2[:m].view(shape), i2[m:].view(shape), e2[:m].view(shape), e2[m:].view(shape)
-    neg = em < ep if per_group else (em.sum(3) < ep.sum(3)).unsqueeze(3).expand(shape)
-    return torch.where(neg, im, ip), neg, torch.where(neg, em, ep).sum(3)
+        return torch.stack([ip, im]), torch.stack([ep, em])
+    sign = torch.ones(2 * m, device=xg.device)
+    sign[m:] = -1
+    i2, e2 = nearest_points(torch.cat([xf, xf]), torch.cat([wf, wf]), torch.cat([tf, tf]), sign, backend)
+    return i2.view(2, m), e2.view(2, m)
 
 
 def _levels(idx: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
@@ -300,22 +370,42 @@ def _levels(idx: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
     return grid[idx] + torch.where(neg, -DELTA, DELTA).unsqueeze(-1)
 
 
-def _free_levels(xg: torch.Tensor, wg: torch.Tensor, t: torch.Tensor, per_group: bool) -> torch.Tensor:
-    """Levels ``v + delta`` of the unconstrained ternary rounding (any pattern, on the grid
-    or not) at R trial scales per sub-block, the better delta sign per sub-block or group.
+def sub_scales_torch(x: torch.Tensor, w: torch.Tensor, sub: int, per_group: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 1 of :func:`_encode`: the best free scale of every sub-block of ``sub`` weights.
 
-    ``xg``, ``wg``: (n, S, G, 8); ``t``: (n, S, R). Returns (n, S, R, G, 8) float32. A cheap
-    stand-in for :func:`_search` when ranking scales.
+    For each trial scale ``ts = amax * r`` (``_RATIOS``, ``amax`` the sub-block's max ``|x|``): the
+    unconstrained ternary rounding ``clamp(round(x / ts - sg), -1, 1) + sg`` at both delta signs
+    ``sg``, the better sign per group (``per_group``, IQ1_M) or per sub-block (IQ1_S), the
+    least-squares scale ``t = sum(w x q) / sum(w q q)`` (>= 0) of those levels and its error; the
+    trial of least error (the first on ties) wins. Sums are :func:`tree_sum`. Reference of fast
+    path ``iq1.sub_scales`` (:func:`dynaquant.kernels.iq1_search.sub_scales`, bit for bit).
+
+    Args:
+        x, w: (n, 256) float32 weights and importance.
+        sub: 32 (IQ1_S) or 16 (IQ1_M); per_group: as above.
+    Returns:
+        (t, h): (n, 256 // sub) float32, the winning trial's scale and ``sum w q**2`` (>= 1e-30).
     """
-    xr, wr = xg.unsqueeze(2), wg.unsqueeze(2)
-    ts = t.clamp_min(1e-30)[..., None, None]
+    n = x.shape[0]
+    S, G = QK_K // sub, sub // 8
+    xr, wr = x.view(n, S, 1, G, 8), w.view(n, S, 1, G, 8)
+    amax = x.view(n, S, sub).abs().amax(2)
+    ts = (amax.unsqueeze(2) * _consts(x.device)["ratios"]).clamp_min(1e-30)[..., None, None]  # (n, S, R, 1, 1)
     out, errs = [], []
     for sg in (DELTA, -DELTA):
         q = torch.round(xr / ts - sg).clamp(-1, 1) + sg
+        d = xr - ts * q
         out.append(q)
-        errs.append((wr * (xr - ts * q) ** 2).sum(4))
-    neg = errs[1] < errs[0] if per_group else (errs[1].sum(3) < errs[0].sum(3)).unsqueeze(3)
-    return torch.where(neg.unsqueeze(4), out[1], out[0])
+        errs.append(tree_sum(wr * (d * d)))  # (n, S, R, G)
+    neg = errs[1] < errs[0] if per_group else (tree_sum(errs[1]) < tree_sum(errs[0])).unsqueeze(3)
+    q = torch.where(neg.unsqueeze(4), out[1], out[0])
+    num = tree_sum((wr * xr * q).flatten(3))  # (n, S, R)
+    den = tree_sum((wr * q * q).flatten(3)).clamp_min(1e-30)
+    t = num / den
+    t = torch.where(t < 0, 0.0, t)  # (clamp_min(0), keeping -0.0 on every device)
+    d = xr - t[..., None, None] * q
+    r = tree_sum((wr * (d * d)).flatten(3)).argmin(2, keepdim=True)
+    return t.gather(2, r).squeeze(2), den.gather(2, r).squeeze(2)
 
 
 def _to_half(v: torch.Tensor) -> torch.Tensor:
@@ -371,21 +461,17 @@ def _encode(x: torch.Tensor, w: torch.Tensor, sub: int, per_group: bool, backend
     n = x.shape[0]
     S, G = QK_K // sub, sub // 8
     xg, wg = x.view(n, S, G, 8), w.view(n, S, G, 8)
-    amax = x.view(n, S, sub).abs().amax(2)
 
     # 1. the best free scale of each sub-block
-    q = _free_levels(xg, wg, amax.unsqueeze(2) * torch.tensor(_RATIOS, device=x.device), per_group)
-    xr, wr = xg.unsqueeze(2), wg.unsqueeze(2)
-    num = (wr * xr * q).sum((3, 4))  # (n, S, R)
-    den = (wr * q * q).sum((3, 4)).clamp_min(1e-30)
-    t = (num / den).clamp_min(0)
-    e = (wr * (xr - t[..., None, None] * q) ** 2).sum((3, 4))
-    r = e.argmin(2, keepdim=True)
-    best_t, best_h = t.gather(2, r).squeeze(2), den.gather(2, r).squeeze(2)
+    kernel = lat.fast_path("iq1.sub_scales", x, backend) if backend != "native" else None
+    if kernel is not None:
+        best_t, best_h = kernel(x, w, _consts(x.device)["ratios"], sub, per_group, DELTA)
+    else:
+        best_t, best_h = sub_scales_torch(x, w, sub, per_group)
 
     # 2. super-block scale: model-ranked candidates, the best few scored exactly
     tmax = best_t.amax(1)
-    m = torch.tensor(_DIVISORS, device=x.device)
+    m = _consts(x.device)["divisors"]
     dc = tmax[:, None] / m  # (n, M)
     sc = torch.round((best_t[:, None, :] / dc.clamp_min(1e-30)[..., None] - 1) / 2).clamp(0, 7)
     model = (best_h[:, None, :] * (dc[..., None] * (2 * sc + 1) - best_t[:, None, :]) ** 2).sum(2)
@@ -450,11 +536,12 @@ def _pick(a, b):
 
 
 def _default_importance(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``w``, or llama.cpp's no-imatrix weighting ``x**2`` when ``w`` is constant (no imatrix)."""
-    if w.numel() and bool((w == w.reshape(-1)[0]).all()):
-        x2 = x * x
-        return x2 + 1e-6 * x2.mean(1, keepdim=True) + 1e-30
-    return w
+    """``w``, or llama.cpp's no-imatrix weighting ``x**2`` when ``w`` is constant (no imatrix).
+    The choice is a ``torch.where`` on the device (no host sync)."""
+    if not w.numel():
+        return w
+    x2 = x * x
+    return torch.where((w == w.reshape(-1)[0]).all(), x2 + 1e-6 * x2.mean(1, keepdim=True) + 1e-30, w)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor) -> None:
@@ -512,8 +599,7 @@ class IQ1_S(Codec):
         d, s, idx, neg = _encode_both(x, w, 32, per_group=False, backend=backend)
         n = x.shape[0]
         qs = (idx & 255).reshape(n, 32).to(torch.uint8)
-        shifts = torch.tensor([0, 3, 6, 9], device=x.device)
-        qh = ((idx >> 8) << shifts).sum(2) | (s << 12) | (neg[:, :, 0].to(torch.int64) << 15)
+        qh = ((idx >> 8) << _consts(x.device)["qh_shifts"]).sum(2) | (s << 12) | (neg[:, :, 0].to(torch.int64) << 15)
         return torch.cat([_u16_bytes(_half_u16(d)[:, None]), qs, _u16_bytes(qh)], dim=1)
 
     def decode_blocks(self, b: torch.Tensor) -> torch.Tensor:
@@ -523,8 +609,7 @@ class IQ1_S(Codec):
         d = _u16_half(_bytes_u16(b[:, 0:2]))  # (n, 1)
         qs = b[:, 2:34].to(torch.int64).view(n, 8, 4)
         qh = _bytes_u16(b[:, 34:50]).to(torch.int64)  # (n, 8)
-        shifts = torch.tensor([0, 3, 6, 9], device=b.device)
-        idx = qs | (((qh[:, :, None] >> shifts) & 7) << 8)
+        idx = qs | (((qh[:, :, None] >> _consts(b.device)["qh_shifts"]) & 7) << 8)
         dl = d * (2 * ((qh >> 12) & 7) + 1).to(torch.float32)  # (n, 8)
         delta = torch.where((qh & 0x8000) != 0, -DELTA, DELTA)
         y = dl[:, :, None, None] * (grid_values(b.device)[idx] + delta[:, :, None, None])
@@ -560,7 +645,7 @@ class IQ1_M(Codec):
         nib = (idx >> 8) | (neg.to(torch.int64) << 3)  # (n, 16, 2)
         qh = (nib[:, :, 0] | (nib[:, :, 1] << 4)).to(torch.uint8)
         dbits = _half_u16(d).to(torch.int64)  # (n,)
-        four = torch.arange(4, device=x.device)
+        four = _consts(x.device)["four"]
         words = (s.view(n, 4, 4) << (3 * four)).sum(2) | (((dbits[:, None] >> (4 * four)) & 15) << 12)
         return torch.cat([qs, qh, _u16_bytes(words)], dim=1)
 
@@ -571,7 +656,7 @@ class IQ1_M(Codec):
         qs = b[:, 0:32].to(torch.int64).view(n, 16, 2)
         qh = b[:, 32:48].to(torch.int64)
         sc = _bytes_u16(b[:, 48:56]).to(torch.int64)  # (n, 4)
-        four = torch.arange(4, device=b.device)
+        four = _consts(b.device)["four"]
         dbits = ((sc >> 12) << (4 * four)).sum(1)
         d = _u16_half(dbits.to(torch.int32))[:, None]  # (n, 1)
         s = ((sc[:, :, None] >> (3 * four)) & 7).reshape(n, 16)

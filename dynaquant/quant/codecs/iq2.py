@@ -123,6 +123,18 @@ def _ksigns(device) -> torch.Tensor:
     return _KSIGNS[key]
 
 
+_CONST: dict[tuple, torch.Tensor] = {}
+
+
+def _const(values: tuple, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values)`` on ``device``, made once per (values, device): a host-to-device copy
+    of a Python list waits for the device's queue (a host sync in every chunk)."""
+    key = (values, str(device))
+    if key not in _CONST:
+        _CONST[key] = torch.tensor(values, device=device)
+    return _CONST[key]
+
+
 def _bits_of(pattern: torch.Tensor) -> torch.Tensor:
     """(...,) int64 8-bit patterns -> (..., 8) bool, bit i = element i."""
     return (pattern[..., None] >> torch.arange(8, device=pattern.device)) & 1 == 1
@@ -209,8 +221,8 @@ class _IQ2(Codec):
             )
         x = x.to(torch.float32)
         w = w.to(device=x.device, dtype=torch.float32)
-        if w.numel() and bool((w == w.reshape(-1)[0]).all()):
-            w = self.default_importance(x)
+        if w.numel():  # a torch.where on the device: no host sync
+            w = torch.where((w == w.reshape(-1)[0]).all(), self.default_importance(x), w)
         grid = lat.gguf_grid(self.grid_name, x.device)
         # The fused search (CUDA + Triton, or compiled C on CPU) holds no (groups, G) tensor: the largest temporaries
         # are (candidates x groups x 8), so the chunk the caller passes is one slice.
@@ -283,7 +295,7 @@ class _IQ2(Codec):
         # its candidate codewords for everything up to the final pass (or, with
         # ``exhaustive``, every codeword is a candidate).
         best_s, best_c = torch.zeros_like(amax), torch.zeros_like(amax)
-        sc = amax[None, :] / torch.tensor(self._knob("coarse_t", x.device), device=x.device)[:, None]  # (T, sub-blocks)
+        sc = amax[None, :] / _const(tuple(self._knob("coarse_t", x.device)), x.device)[:, None]  # (T, sub-blocks)
         cost, picks = lat.nearest_codewords(a, wg, grid, sc.repeat_interleave(gps, dim=1), odd, backend, variant)  # (T, groups)
         cost = sub_sum_batched(cost)
         pick = cost.argmin(dim=0, keepdim=True)
@@ -297,7 +309,7 @@ class _IQ2(Codec):
         else:  # (groups, K) terms of the candidates, the parity flip in bk
             bk, ck = lat.candidate_terms(a, wg, grid, cand, odd, backend)
         # all fine t at once: (T, sub-blocks)
-        sc = amax[None, :] / torch.tensor(self.t_candidates, device=x.device)[:, None]
+        sc = amax[None, :] / _const(tuple(self.t_candidates), x.device)[:, None]
         cost = sub_sum_batched(lat.subset_min_costs(bk, ck, sc.repeat_interleave(gps, dim=1), backend))
         pick = cost.argmin(dim=0, keepdim=True)
         best_s, best_c = keep_better(sc.gather(0, pick)[0], cost.gather(0, pick)[0], best_s, best_c)
@@ -309,7 +321,7 @@ class _IQ2(Codec):
         # 2. block scale d (fp16) and stored sub-block codes s: for a batch of candidate d
         # (F, n), every sub-block tries the codes s nearest its continuous scale.
         cont = best_s.view(n, n_sub)
-        offsets = torch.tensor(self.s_offsets, device=x.device)[:, None, None, None]  # (O, 1, 1, 1)
+        offsets = _const(tuple(self.s_offsets), x.device)[:, None, None, None]  # (O, 1, 1, 1)
 
         def try_d(d: torch.Tensor):
             """d: (F, n) float32 -> (total (F, n), d as stored (F, n), s (F, n, n_sub)), best s per d."""
@@ -337,7 +349,7 @@ class _IQ2(Codec):
             )
 
         smax = cont.amax(dim=1)
-        factors = torch.tensor(self.d_factors, device=x.device)[:, None]
+        factors = _const(tuple(self.d_factors), x.device)[:, None]
         blk = keep_block(*try_d(smax[None, :] * (8.0 / 31.0) * factors), None)
         # least-squares d given the chosen codes and codewords, and its fp16 neighbours
         _, blk_d, blk_s = blk
@@ -377,7 +389,7 @@ class IQ2_XXS(_IQ2):
         n = idx.shape[0]
         sub_idx = idx.view(n, 8, 4).to(torch.uint8)  # bytes of qs[2j]
         s7 = (neg & 127).view(n, 8, 4)
-        aux = (s7 << torch.tensor([0, 7, 14, 21], device=idx.device)).sum(dim=2) | (s << 28)  # (n, 8)
+        aux = (s7 << _const((0, 7, 14, 21), idx.device)).sum(dim=2) | (s << 28)  # (n, 8)
         words = torch.cat([sub_idx, _le_bytes(aux, 4).view(n, 8, 4)], dim=2).reshape(n, 64)
         return torch.cat([d16.contiguous().view(torch.uint8).reshape(n, 2), words], dim=1)
 
@@ -437,7 +449,7 @@ class IQ2_S(_IQ2):
         n = idx.shape[0]
         lo = (idx & 255).to(torch.uint8)
         hi = ((idx >> 8) & 3).view(n, 8, 4)
-        qh = (hi << torch.tensor([0, 2, 4, 6], device=idx.device)).sum(dim=2).to(torch.uint8)
+        qh = (hi << _const((0, 2, 4, 6), idx.device)).sum(dim=2).to(torch.uint8)
         sc = (s[:, 0::2] | (s[:, 1::2] << 4)).to(torch.uint8)
         return torch.cat([d16.contiguous().view(torch.uint8).reshape(n, 2), lo, neg.to(torch.uint8), qh, sc], dim=1)
 
