@@ -39,8 +39,10 @@ _TILE = 2048  # elements of a (rows, sub_size) register tile
 _PICK_ROWS = 64  # super-blocks a step-2 program
 _NUM_WARPS = 4
 _OPTS = {"num_warps": _NUM_WARPS, "enable_fp_fusion": False}
-# symmetric step 1 compares gains by cross-multiplying (no float64 division a candidate; sym_step1_kernel's CROSS)
-SYM_CROSS = False
+# symmetric step 1 compares gains by cross-multiplying (no float64 division a candidate; sym_step1_kernel's CROSS):
+# on the H200 a 16.5 M-weight chunk's step 1 took 3.33 -> 2.10 ms (Q3_K) and 3.78 -> 2.3 ms (Q6_K), the same scales
+# on every sub-block of the benchmark tensor (.dev/cross_bench.py, 2026-11-29)
+SYM_CROSS = True
 
 
 def _flat(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
