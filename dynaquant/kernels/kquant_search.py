@@ -41,7 +41,7 @@ _NUM_WARPS = 4
 _OPTS = {"num_warps": _NUM_WARPS, "enable_fp_fusion": False}
 # symmetric step 1 compares gains by cross-multiplying (no float64 division a candidate; sym_step1_kernel's CROSS):
 # on the H200 a 16.5 M-weight chunk's step 1 took 3.33 -> 2.10 ms (Q3_K) and 3.78 -> 2.3 ms (Q6_K), the same scales
-# on every sub-block of the benchmark tensor (.dev/cross_bench.py, 2026-11-29)
+# on every sub-block of the encode_speed tensor (both settings timed in one run, 2026-11-29)
 SYM_CROSS = True
 
 
