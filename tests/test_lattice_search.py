@@ -299,6 +299,34 @@ def test_iq3_assign_equals_the_composition(interpreted, name, parity, full, out)
     assert short[0] is None and short[1] is None and torch.equal(short[2].cpu(), got[2])
 
 
+@pytest.mark.parametrize("c", [0.25, 1.0])
+def test_iq3_pick_errors_equal_the_reference(interpreted, c):
+    """The fp16 ``d`` search's candidate errors (float64) from the kernel equal the torch reference's bit for bit,
+    with a zero scale, a sub-block without importance, a zero candidate and candidates past the last level (l = 15)."""
+    from dynaquant.kernels.iq3_search import pick_errors
+    from dynaquant.quant.codecs import _iq3_search as steps
+    from dynaquant.quant.codecs import _kquant_search as kqs
+
+    g = torch.Generator().manual_seed(1)
+    n = 37  # 37 x 63 lanes: a partial last program
+    a = torch.rand(n, 8, generator=g) * 3
+    a[0, 3] = 0.0
+    sgg = (torch.rand(n, 8, generator=g) * 5).double()
+    sgg[1] = 0.0
+    ts = torch.linspace(18.0, 33.0, 61, dtype=torch.float64)
+    cand = kqs.f16_candidates(torch.cat([a.amax(1, keepdim=True) / (c * ts), torch.rand(n, 2, generator=g) * 0.01], 1))
+    cand[2] = 0.0
+    ref = steps.pick_errors_torch(a, sgg, cand, c)
+    got = pick_errors(a.to(DEVICE), sgg.to(DEVICE), cand.to(DEVICE), c).cpu()
+    assert got.dtype == torch.float64 and got.shape == (n, 63, 8)
+    assert torch.equal(got, ref) and (ref[1] == 0).all() and ref.gt(0).float().mean() > 0.5
+    # the levels the encoder keeps for the best candidate are the reference's (its own l search, one candidate)
+    best = ref.sum(-1).argmin(1)
+    d = cand.gather(1, best[:, None]).squeeze(1)
+    lsc = steps.pick_levels(a, sgg, d, c)
+    assert lsc.min() >= 0 and lsc.max() <= 15 and (lsc == 15).any()
+
+
 def _spy(monkeypatch, name):
     from dynaquant.quant.codecs import fastpaths
 

@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from dynaquant.quant.codecs import _kquant_search as kqs
+
 _N_SUB = 8  # sub-blocks of 32 a super-block
 _N_GRP = 8  # groups of 4 a sub-block
 
@@ -129,3 +131,36 @@ def assign_torch(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool
     else:
         p, q = error_terms(x, w, neg, a, g, flip), None
     return (idx, flip, p, q) if want_idx else (None, None, p, q)
+
+
+def _pick_terms(a: torch.Tensor, sgg: torch.Tensor, cand: torch.Tensor, c: float):
+    """Step 2's per-candidate terms: (e (n, C, 8) float64 the least quadratic error of each sub-block over the two odd
+    multiples ``2 l + 1`` nearest ``A / (c d)``, ls (n, C, 8, 2) float64 those ``l``, i (n, C, 8) int64 the better)."""
+    d3 = cand.unsqueeze(-1).double()  # (n, C, 1)
+    ad = a.unsqueeze(1).double()
+    u = kqs.safe_div(ad, c * d3)  # ideal odd multiple
+    l0 = ((u - 1) * 0.5).floor().clamp(0, 15)
+    ls = torch.stack([l0, (l0 + 1).clamp(0, 15)], -1)  # (n, C, 8, 2)
+    r = c * d3.unsqueeze(-1) * (2 * ls + 1) - ad.unsqueeze(-1)
+    e, i = (sgg[:, None, :, None] * r * r).min(-1)
+    return e, ls, i
+
+
+def pick_errors_torch(a: torch.Tensor, sgg: torch.Tensor, cand: torch.Tensor, c: float) -> torch.Tensor:
+    """The fp16 ``d`` search's candidate errors (the reference of the fast path ``iq3.pick_errors``).
+
+    Args:
+        a: (n, 8) float32 continuous sub-block scales; sgg: (n, 8) float64 ``sum w g**2`` of their points;
+        cand: (n, C) float32 candidate ``d`` (>= 0); c: the format's ``A = c d (2 l + 1)`` factor.
+    Returns:
+        (n, C, 8) float64: per sub-block ``min over l in {l0, l0 + 1} of sgg (c d (2 l + 1) - A)**2``,
+        ``l0 = clamp(floor((A / (c d) - 1) / 2), 0, 15)``, ``l0 + 1`` clamped to 15.
+    """
+    return _pick_terms(a, sgg, cand, c)[0]
+
+
+def pick_levels(a: torch.Tensor, sgg: torch.Tensor, d: torch.Tensor, c: float) -> torch.Tensor:
+    """The sub-block levels ``l`` (n, 8) int64 :func:`pick_errors_torch` scores for one ``d`` (n,) float32 a
+    super-block (its better odd multiple, the first on a tie)."""
+    _, ls, i = _pick_terms(a, sgg, d[:, None], c)
+    return ls.gather(-1, i.unsqueeze(-1)).squeeze(-1).squeeze(1).long()

@@ -435,25 +435,27 @@ class _IQ3(Codec):
         idx, flip, p, q = fused(x, w, a, self.parity, False, "stats", want_idx, *self._tables(x.device))
         return idx, flip, p.sum(-1).double(), q.sum(-1).double()
 
-    def _pick_d(self, a: torch.Tensor, sgg: torch.Tensor, extra: list[torch.Tensor]):
-        """Step 2: (d (n,) float32 fp16 values, l (n, 8) int64) ranked by the quadratic error."""
+    def _pick_d(self, a: torch.Tensor, sgg: torch.Tensor, extra: list[torch.Tensor], backend: str = "auto"):
+        """Step 2: (d (n,) float32 fp16 values, l (n, 8) int64) ranked by the quadratic error; the candidates' errors
+        by the fast path ``iq3.pick_errors`` where there is one (:func:`._iq3_search.pick_errors_torch`)."""
         c = self.scale_mul
-        ts = torch.tensor(self.d_steps, dtype=torch.float64, device=a.device)
         am = a.amax(1, keepdim=True)
-        cand = kqs.f16_candidates(torch.cat([am / (c * ts), *extra], 1))  # (n, C) float32
+        cand = kqs.f16_candidates(torch.cat([am / (c * self._d_steps(a.device)), *extra], 1))  # (n, C) float32
         cand = cand.clamp_min(0)
-        d3 = cand.unsqueeze(-1).double()  # (n, C, 1)
-        ad = a.unsqueeze(1).double()
-        u = kqs.safe_div(ad, c * d3)  # ideal odd multiple
-        l0 = ((u - 1) * 0.5).floor().clamp(0, 15)
-        ls = torch.stack([l0, (l0 + 1).clamp(0, 15)], -1)  # (n, C, 8, 2)
-        r = c * d3.unsqueeze(-1) * (2 * ls + 1) - ad.unsqueeze(-1)
-        e, i = (sgg[:, None, :, None] * r * r).min(-1)
-        lsc = ls.gather(-1, i.unsqueeze(-1)).squeeze(-1)  # (n, C, 8)
-        best = e.sum(-1).argmin(1, keepdim=True)  # (n, 1)
+        try:
+            errors = lat.fast_path("iq3.pick_errors", a, backend) or steps.pick_errors_torch
+        except RuntimeError:  # none for this backend (the compiled CPU search has none)
+            errors = steps.pick_errors_torch
+        best = errors(a, sgg, cand, c).sum(-1).argmin(1, keepdim=True)  # (n, 1)
         d = cand.gather(1, best).squeeze(1)
-        lsc = lsc.gather(1, best.unsqueeze(-1).expand(-1, 1, _N_SUB)).squeeze(1).long()
-        return d, lsc
+        return d, steps.pick_levels(a, sgg, d, c)
+
+    def _d_steps(self, device) -> torch.Tensor:
+        """:attr:`d_steps` (T,) float64 on ``device`` (cached: no host-to-device copy a call)."""
+        key = ("d_steps", type(self).__name__, str(device))
+        if key not in _tables:
+            _tables[key] = torch.tensor(self.d_steps, dtype=torch.float64, device=device)
+        return _tables[key]
 
     def _encode(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, ...]:
         n = x.shape[0]
@@ -477,7 +479,7 @@ class _IQ3(Codec):
                 kf = self.scale_mul * (2 * best[1].double() + 1)
                 d_ls = kqs.safe_div((kf * sxg).sum(1), (kf * kf * sgg).sum(1))
                 extra = [best[0].double().unsqueeze(1), d_ls.unsqueeze(1)]
-            d, lsc = self._pick_d(a, sgg, extra)
+            d, lsc = self._pick_d(a, sgg, extra, backend)
             err, idx, flip = self._exact_error(x, w, xa, neg, d, lsc, False, backend)
             for delta in self._knob("l_deltas", x.device):
                 lt = (lsc + delta).clamp(0, 15)
