@@ -333,29 +333,104 @@ def test_iq3_nearest_variants_against_the_reference(interpreted, name, variants,
     assert (kmap[(lev << (3 * torch.arange(4))).sum(1)] >= 0).sum() >= 20
 
 
-@pytest.mark.parametrize("name", ["IQ3_XXS", "IQ3_S"])
-def test_iq3_encoder_on_fused_path(interpreted, name, monkeypatch):
-    """IQ3's assignment through the fused kernel (forced on CPU, interpreted; the torch side on CPU searches the exact
-    candidate lists): the kernel is called, the bytes decode as gguf-py does and are as good as torch's."""
-    from dynaquant.quant.codecs import fastpaths, quantize
+@pytest.mark.parametrize("name,parity,full", [("IQ3_XXS", True, False), ("IQ3_XXS", True, True), ("IQ3_S", False, False)])
+@pytest.mark.parametrize("out", ["stats", "error"])
+def test_iq3_assign_equals_the_composition(interpreted, name, parity, full, out):
+    """The fused assignment (one launch: features, every variant's search, the parity choice, the per-weight terms)
+    equals, bit for bit, its torch reference composed with the fused search (the encoder's former fast path: the
+    same operations, so the same bytes) and with the torch search; with and without the assignment returned."""
+    from dynaquant.kernels.iq3_search import assign, nearest_variants
+    from dynaquant.quant.codecs import _iq3_search as steps
+    from dynaquant.quant.codecs import iq3
+
+    g = torch.Generator().manual_seed(7)
+    n = 3  # 96 lanes: one partial program
+    x = torch.randn(n, 8, 32, generator=g) * 0.02 * torch.exp(torch.randn(n, 8, 1, generator=g))
+    w = torch.exp(torch.randn(n, 8, 32, generator=g))
+    x[1, 2] = 0.0  # a zero sub-block
+    a = x.abs().amax(-1) / (50.0 if name == "IQ3_XXS" else 13.0) * (1 + 0.2 * torch.rand(n, 8, generator=g))
+    a[1, 2] = 0.0  # its scale 0
+    tables = tuple(t.to(DEVICE) for t in (*iq3._grid_map(name, "cpu"), *iq3._grid_table(name, "cpu")))
+    xd, wd, ad = x.to(DEVICE), w.to(DEVICE), a.to(DEVICE)
+    got = [t.cpu() for t in assign(xd, wd, ad, parity, full, out, True, *tables) if t is not None]
+    comp = [t.cpu() for t in steps.assign_torch(xd, wd, ad, parity, full, out, True, *tables, nearest=nearest_variants)
+            if t is not None]
+    ref = [t for t in steps.assign_torch(x, w, a, parity, full, out, True, *(t.cpu() for t in tables)) if t is not None]
+    assert len(got) == (4 if out == "stats" else 3)
+    for u, v, r in zip(got, comp, ref):
+        assert u.dtype == v.dtype and torch.equal(u, v) and torch.equal(u, r)
+    flip = got[1]
+    assert flip.any() == parity and not flip.reshape(n, 8, 4, 8).sum(-1).gt(1).any()  # one flip an 8-group at most
+    short = assign(xd, wd, ad, parity, full, out, False, *tables)
+    assert short[0] is None and short[1] is None and torch.equal(short[2].cpu(), got[2])
+
+
+@pytest.mark.parametrize("c", [0.25, 1.0])
+def test_iq3_pick_errors_equal_the_reference(interpreted, c):
+    """The fp16 ``d`` search's candidate errors (float64) from the kernel equal the torch reference's bit for bit,
+    with a zero scale, a sub-block without importance, a zero candidate and candidates past the last level (l = 15)."""
+    from dynaquant.kernels.iq3_search import pick_errors
+    from dynaquant.quant.codecs import _iq3_search as steps
+    from dynaquant.quant.codecs import _kquant_search as kqs
+
+    g = torch.Generator().manual_seed(1)
+    n = 37  # 37 x 63 lanes: a partial last program
+    a = torch.rand(n, 8, generator=g) * 3
+    a[0, 3] = 0.0
+    sgg = (torch.rand(n, 8, generator=g) * 5).double()
+    sgg[1] = 0.0
+    ts = torch.linspace(18.0, 33.0, 61, dtype=torch.float64)
+    cand = kqs.f16_candidates(torch.cat([a.amax(1, keepdim=True) / (c * ts), torch.rand(n, 2, generator=g) * 0.01], 1))
+    cand[2] = 0.0
+    ref = steps.pick_errors_torch(a, sgg, cand, c)
+    got = pick_errors(a.to(DEVICE), sgg.to(DEVICE), cand.to(DEVICE), c).cpu()
+    assert got.dtype == torch.float64 and got.shape == (n, 63, 8)
+    assert torch.equal(got, ref) and (ref[1] == 0).all() and ref.gt(0).float().mean() > 0.5
+    # the levels the encoder keeps for the best candidate are the reference's (its own l search, one candidate)
+    best = ref.sum(-1).argmin(1)
+    d = cand.gather(1, best[:, None]).squeeze(1)
+    lsc = steps.pick_levels(a, sgg, d, c)
+    assert lsc.min() >= 0 and lsc.max() <= 15 and (lsc == 15).any()
+
+
+def _spy(monkeypatch, name):
+    from dynaquant.quant.codecs import fastpaths
 
     calls = []
-    real = fastpaths.lookup("iq3.nearest_variants")
+    real = fastpaths.lookup(name)
 
     def spy(*a, **k):
-        calls.append((a[2] is None, a[3] is None))
+        calls.append(a)
         return real(*a, **k)
 
-    monkeypatch.setitem(fastpaths._LOADED, "iq3.nearest_variants", spy)
+    monkeypatch.setitem(fastpaths._LOADED, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["IQ3_XXS", "IQ3_S"])
+def test_iq3_encoder_on_fused_path(interpreted, name, monkeypatch):
+    """IQ3's assignment through the fused kernels (forced on CPU, interpreted; the torch side on CPU searches the exact
+    candidate lists): the fused assignment ``iq3.assign`` is called for the scale search and the exact errors, the
+    bytes decode as gguf-py does and are as good as torch's; with ``iq3.assign`` taken away the assignment runs the
+    fused search ``iq3.nearest_variants`` and the torch steps around it, and the bytes are the same."""
+    from dynaquant.quant.codecs import fastpaths, quantize
+
     g = torch.Generator().manual_seed(4)
     x = (torch.randn(3, 512, generator=g) * 0.02).to(DEVICE)
     x[0, :32] = 0.0  # a zero sub-block (scale 0)
     im = torch.exp(torch.randn(512, generator=g)).to(DEVICE)
+    calls = _spy(monkeypatch, "iq3.assign")
     ref = quantize(x, name, im, backend="torch").cpu()
     assert not calls
     ours = quantize(x, name, im, backend="triton").cpu()
-    assert calls and all(c == ((True, True) if name == "IQ3_S" else (False, c[1])) for c in calls)
+    assert {c[5] for c in calls} == {"stats", "error"} and all(c[3] == (name == "IQ3_XXS") for c in calls)
     _assert_as_good_as_torch(x, im, name, ours, ref)
+    monkeypatch.setitem(fastpaths._LOADED, "iq3.assign", None)
+    searches = _spy(monkeypatch, "iq3.nearest_variants")
+    unfused = quantize(x, name, im, backend="triton").cpu()
+    assert searches and all((c[2] is None, c[3] is None) == ((True, True) if name == "IQ3_S" else (False, c[3] is None))
+                            for c in searches)
+    assert torch.equal(ours, unfused)
 
 
 def test_backend_argument(monkeypatch):

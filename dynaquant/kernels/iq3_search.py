@@ -33,10 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
+from dynaquant.quant.codecs import _iq3_search as steps
 from dynaquant.quant.codecs import _lattice as lat
 from dynaquant.quant.codecs import iq3
 
-__all__ = ["nearest_variants"]
+__all__ = ["assign", "nearest_variants", "pick_errors"]
 
 _BLOCK = 128  # groups a program (one a lane)
 LISTS_FROM = 512  # grids of this many points or more walk candidate lists by default (measured: IQ3_S yes, IQ3_XXS no)
@@ -93,24 +94,18 @@ def _walk(cand_ptr, cnt_ptr, grid_ptr, g2_ptr, l0, l1, l2, l3, s0, s1, s2, s3, f
 
 
 @triton.jit
-def nearest_variants_kernel(f_ptr, t_ptr, odd_ptr, at_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr,
-                            score_ptr, idx_ptr, n, P: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
-                            BLOCK: tl.constexpr, LISTS: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    rm = rows < n
-    f0 = tl.load(f_ptr + rows * 8 + 0, mask=rm, other=0.0)
-    f1 = tl.load(f_ptr + rows * 8 + 1, mask=rm, other=0.0)
-    f2 = tl.load(f_ptr + rows * 8 + 2, mask=rm, other=0.0)
-    f3 = tl.load(f_ptr + rows * 8 + 3, mask=rm, other=0.0)
-    f4 = tl.load(f_ptr + rows * 8 + 4, mask=rm, other=0.0)
-    f5 = tl.load(f_ptr + rows * 8 + 5, mask=rm, other=0.0)
-    f6 = tl.load(f_ptr + rows * 8 + 6, mask=rm, other=0.0)
-    f7 = tl.load(f_ptr + rows * 8 + 7, mask=rm, other=0.0)
-    t0 = tl.load(t_ptr + rows * 4 + 0, mask=rm, other=0.0)
-    t1 = tl.load(t_ptr + rows * 4 + 1, mask=rm, other=0.0)
-    t2 = tl.load(t_ptr + rows * 4 + 2, mask=rm, other=0.0)
-    t3 = tl.load(t_ptr + rows * 4 + 3, mask=rm, other=0.0)
+def _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k, rm, kmap_ptr, mids_ptr, grid_ptr, g2_ptr, cand_ptr,
+            cnt_ptr, P: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr, LISTS: tl.constexpr):
+    # the best point (score, index) of each variant of the lanes' groups (features f, targets t): variant 0 the
+    # group, V = 2: weight k flipped, V = 5: weight i flipped in variant 1 + i (on the odd lanes; others unused)
+    i1 = tl.zeros((BLOCK,), tl.int32)
+    i2 = i1
+    i3 = i1
+    i4 = i1
+    s1 = tl.zeros((BLOCK,), tl.float32)
+    s2 = s1
+    s3 = s1
+    s4 = s1
     m0 = tl.load(mids_ptr + 0)
     m1 = tl.load(mids_ptr + 1)
     m2 = tl.load(mids_ptr + 2)
@@ -127,13 +122,11 @@ def nearest_variants_kernel(f_ptr, t_ptr, odd_ptr, at_ptr, kmap_ptr, mids_ptr, g
     i0, s0 = _on_grid(kmap_ptr, grid_ptr, g2_ptr, a0, a1, a2, a3, one, one, one, one, f0, f1, f2, f3, f4, f5, f6, f7, rm)
     off = (i0 < 0) & rm
     if V > 1:
-        odd = rm & (tl.load(odd_ptr + rows, mask=rm, other=0) != 0)
         z0 = _levels(-t0, m0, m1, m2, m3, m4, m5, m6)
         z1 = _levels(-t1, m0, m1, m2, m3, m4, m5, m6)
         z2 = _levels(-t2, m0, m1, m2, m3, m4, m5, m6)
         z3 = _levels(-t3, m0, m1, m2, m3, m4, m5, m6)
     if V == 2:
-        k = tl.load(at_ptr + rows, mask=rm, other=0).to(tl.int32)
         sg0 = tl.where(k == 0, -1.0, 1.0)
         sg1 = tl.where(k == 1, -1.0, 1.0)
         sg2 = tl.where(k == 2, -1.0, 1.0)
@@ -209,6 +202,37 @@ def nearest_variants_kernel(f_ptr, t_ptr, odd_ptr, at_ptr, kmap_ptr, mids_ptr, g
             s2, i2 = _take(i2 < 0, b2, j2, s2, i2)
             s3, i3 = _take(i3 < 0, b3, j3, s3, i3)
             s4, i4 = _take(i4 < 0, b4, j4, s4, i4)
+    return s0, i0.to(tl.int32), s1, i1.to(tl.int32), s2, i2.to(tl.int32), s3, i3.to(tl.int32), s4, i4.to(tl.int32)
+
+
+@triton.jit
+def nearest_variants_kernel(f_ptr, t_ptr, odd_ptr, at_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr,
+                            score_ptr, idx_ptr, n, P: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
+                            BLOCK: tl.constexpr, LISTS: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    rm = rows < n
+    f0 = tl.load(f_ptr + rows * 8 + 0, mask=rm, other=0.0)
+    f1 = tl.load(f_ptr + rows * 8 + 1, mask=rm, other=0.0)
+    f2 = tl.load(f_ptr + rows * 8 + 2, mask=rm, other=0.0)
+    f3 = tl.load(f_ptr + rows * 8 + 3, mask=rm, other=0.0)
+    f4 = tl.load(f_ptr + rows * 8 + 4, mask=rm, other=0.0)
+    f5 = tl.load(f_ptr + rows * 8 + 5, mask=rm, other=0.0)
+    f6 = tl.load(f_ptr + rows * 8 + 6, mask=rm, other=0.0)
+    f7 = tl.load(f_ptr + rows * 8 + 7, mask=rm, other=0.0)
+    t0 = tl.load(t_ptr + rows * 4 + 0, mask=rm, other=0.0)
+    t1 = tl.load(t_ptr + rows * 4 + 1, mask=rm, other=0.0)
+    t2 = tl.load(t_ptr + rows * 4 + 2, mask=rm, other=0.0)
+    t3 = tl.load(t_ptr + rows * 4 + 3, mask=rm, other=0.0)
+    odd = rm
+    k = tl.zeros((BLOCK,), tl.int32)
+    if V > 1:
+        odd = rm & (tl.load(odd_ptr + rows, mask=rm, other=0) != 0)
+    if V == 2:
+        k = tl.load(at_ptr + rows, mask=rm, other=0).to(tl.int32)
+    s0, i0, s1, i1, s2, i2, s3, i3, s4, i4 = _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k, rm, kmap_ptr,
+                                                     mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr, P, V, K, BLOCK,
+                                                     LISTS)
     out = rows * V
     tl.store(score_ptr + out, s0, mask=rm)
     tl.store(idx_ptr + out, i0.to(tl.int64), mask=rm)
@@ -223,6 +247,149 @@ def nearest_variants_kernel(f_ptr, t_ptr, odd_ptr, at_ptr, kmap_ptr, mids_ptr, g
         tl.store(idx_ptr + out + 3, tl.where(odd, i3, 0).to(tl.int64), mask=rm)
         tl.store(score_ptr + out + 4, tl.where(odd, s4, ninf), mask=rm)
         tl.store(idx_ptr + out + 4, tl.where(odd, i4, 0).to(tl.int64), mask=rm)
+
+
+@triton.jit
+def _half(x_ptr, w_ptr, base, rm, na, ia):
+    # one half (4 weights) of the lanes' 8-groups: x, w, |x|, x < 0 and the features f = [2 w |x|, -a w], t = |x| / a
+    x0 = tl.load(x_ptr + base + 0, mask=rm, other=0.0)
+    x1 = tl.load(x_ptr + base + 1, mask=rm, other=0.0)
+    x2 = tl.load(x_ptr + base + 2, mask=rm, other=0.0)
+    x3 = tl.load(x_ptr + base + 3, mask=rm, other=0.0)
+    w0 = tl.load(w_ptr + base + 0, mask=rm, other=0.0)
+    w1 = tl.load(w_ptr + base + 1, mask=rm, other=0.0)
+    w2 = tl.load(w_ptr + base + 2, mask=rm, other=0.0)
+    w3 = tl.load(w_ptr + base + 3, mask=rm, other=0.0)
+    v0 = tl.abs(x0)
+    v1 = tl.abs(x1)
+    v2 = tl.abs(x2)
+    v3 = tl.abs(x3)
+    return (x0, x1, x2, x3, w0, w1, w2, w3, v0, v1, v2, v3, 2.0 * w0 * v0, 2.0 * w1 * v1, 2.0 * w2 * v2, 2.0 * w3 * v3,
+            na * w0, na * w1, na * w2, na * w3, v0 * ia, v1 * ia, v2 * ia, v3 * ia)
+
+
+@triton.jit
+def _argmin4(e0, e1, e2, e3):
+    # torch's argmin over 4 values: the first minimum
+    k = tl.zeros(e0.shape, tl.int32)
+    b = e0
+    k = tl.where(e1 < b, 1, k)
+    b = tl.minimum(b, e1)
+    k = tl.where(e2 < b, 2, k)
+    b = tl.minimum(b, e2)
+    k = tl.where(e3 < b, 3, k)
+    return k
+
+
+@triton.jit
+def _best_flip(s1, i1, s2, i2, s3, i3, s4, i4, V: tl.constexpr):
+    # the best flip variant of a half (score, grid index, variant 1..4): torch's max over the variants, the first
+    # maximum
+    if V == 5:
+        b, i, v = s1, i1, tl.full(s1.shape, 1, tl.int32)
+        t = s2 > b
+        b, i, v = tl.where(t, s2, b), tl.where(t, i2, i), tl.where(t, 2, v)
+        t = s3 > b
+        b, i, v = tl.where(t, s3, b), tl.where(t, i3, i), tl.where(t, 3, v)
+        t = s4 > b
+        b, i, v = tl.where(t, s4, b), tl.where(t, i4, i), tl.where(t, 4, v)
+    else:
+        b, i, v = s1, i1, tl.full(s1.shape, 1, tl.int32)
+    return b, i, v
+
+
+@triton.jit
+def _emit(grid_ptr, p_ptr, q_ptr, flip_ptr, base, rm, idx, x, w, v, fl, j, a, OUT: tl.constexpr, IDX: tl.constexpr):
+    # weight j of a half: its grid value and the terms the encoder sums (torch's operations, in its order)
+    g = tl.load(grid_ptr + idx * 4 + j, mask=rm, other=0.0)
+    if OUT == 0:  # least squares: w v g and w g g, v = |x| negated where flipped
+        vv = tl.where(fl, -v, v)
+        tl.store(p_ptr + base + j, w * vv * g, mask=rm)
+        tl.store(q_ptr + base + j, w * g * g, mask=rm)
+    else:  # the exact error w (x - y)**2, y = (a g) * sign
+        y = (a * g) * tl.where((x < 0) ^ fl, -1.0, 1.0)
+        r = x - y
+        tl.store(p_ptr + base + j, w * r * r, mask=rm)
+    if IDX:
+        tl.store(flip_ptr + base + j, fl.to(tl.int8), mask=rm)
+
+
+@triton.jit
+def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr, idx_ptr,
+                  flip_ptr, p_ptr, q_ptr, n, P: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr,
+                  LISTS: tl.constexpr, OUT: tl.constexpr, IDX: tl.constexpr):
+    # one lane an 8-group (two halves of 4 weights, groups 2 l and 2 l + 1 of the (n * 64) groups)
+    pid = tl.program_id(0)
+    lane = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    rm = lane < n
+    a = tl.load(a_ptr + lane // 4, mask=rm, other=0.0)
+    ia = tl.load(ia_ptr + lane // 4, mask=rm, other=0.0)
+    na = -a
+    b0 = lane * 8
+    b1 = b0 + 4
+    (x0, x1, x2, x3, w0, w1, w2, w3, v0, v1, v2, v3, f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3) = _half(
+        x_ptr, w_ptr, b0, rm, na, ia)
+    (y0, y1, y2, y3, u0, u1, u2, u3, q0, q1, q2, q3, e0, e1, e2, e3, e4, e5, e6, e7, r0, r1, r2, r3) = _half(
+        x_ptr, w_ptr, b1, rm, na, ia)
+    odd = rm
+    k0 = tl.zeros((BLOCK,), tl.int32)
+    k1 = k0
+    if V > 1:  # an odd number of negative weights in the 8-group
+        nn = ((x0 < 0).to(tl.int32) + (x1 < 0).to(tl.int32)) + ((x2 < 0).to(tl.int32) + (x3 < 0).to(tl.int32))
+        nn += ((y0 < 0).to(tl.int32) + (y1 < 0).to(tl.int32)) + ((y2 < 0).to(tl.int32) + (y3 < 0).to(tl.int32))
+        odd = rm & ((nn % 2) == 1)
+    if V == 2:  # the flipped weight: least w |x|**2 of its half
+        k0 = _argmin4(w0 * v0 * v0, w1 * v1 * v1, w2 * v2 * v2, w3 * v3 * v3)
+        k1 = _argmin4(u0 * q0 * q0, u1 * q1 * q1, u2 * q2 * q2, u3 * q3 * q3)
+    s0, i0, s1, i1, s2, i2, s3, i3, s4, i4 = _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k0, rm, kmap_ptr,
+                                                     mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr, P, V, K, BLOCK,
+                                                     LISTS)
+    h0 = i0
+    h1 = i0
+    fa0 = lane < 0  # no flips (all False)
+    fa1 = fa0
+    fa2 = fa0
+    fa3 = fa0
+    fb0 = fa0
+    fb1 = fa0
+    fb2 = fa0
+    fb3 = fa0
+    if V == 1:
+        h1 = _search(e0, e1, e2, e3, e4, e5, e6, e7, r0, r1, r2, r3, odd, k1, rm, kmap_ptr, mids_ptr, grid_ptr, g2_ptr,
+                     cand_ptr, cnt_ptr, P, V, K, BLOCK, LISTS)[1]
+    else:
+        z0, j0, z1, j1, z2, j2, z3, j3, z4, j4 = _search(e0, e1, e2, e3, e4, e5, e6, e7, r0, r1, r2, r3, odd, k1, rm,
+                                                         kmap_ptr, mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr, P, V,
+                                                         K, BLOCK, LISTS)
+        # per 8-group: an odd one flips one weight, in the half where the pair scores best (ties: half 0)
+        sa, ja, va = _best_flip(s1, i1, s2, i2, s3, i3, s4, i4, V)
+        sb, jb, vb = _best_flip(z1, j1, z2, j2, z3, j3, z4, j4, V)
+        in_a = sa + z0 >= s0 + sb
+        ta = odd & in_a
+        tb = odd & ~in_a
+        h0 = tl.where(ta, ja, i0)
+        h1 = tl.where(tb, jb, j0)
+        if V == 2:
+            wa = k0
+            wb = k1
+        else:
+            wa = va - 1
+            wb = vb - 1
+        fa0, fa1, fa2, fa3 = ta & (wa == 0), ta & (wa == 1), ta & (wa == 2), ta & (wa == 3)
+        fb0, fb1, fb2, fb3 = tb & (wb == 0), tb & (wb == 1), tb & (wb == 2), tb & (wb == 3)
+    if IDX:
+        tl.store(idx_ptr + lane * 2, h0.to(tl.int64), mask=rm)
+        tl.store(idx_ptr + lane * 2 + 1, h1.to(tl.int64), mask=rm)
+    h0 = tl.where(rm, h0, 0)
+    h1 = tl.where(rm, h1, 0)
+    _emit(grid_ptr, p_ptr, q_ptr, flip_ptr, b0, rm, h0, x0, w0, v0, fa0, 0, a, OUT, IDX)
+    _emit(grid_ptr, p_ptr, q_ptr, flip_ptr, b0, rm, h0, x1, w1, v1, fa1, 1, a, OUT, IDX)
+    _emit(grid_ptr, p_ptr, q_ptr, flip_ptr, b0, rm, h0, x2, w2, v2, fa2, 2, a, OUT, IDX)
+    _emit(grid_ptr, p_ptr, q_ptr, flip_ptr, b0, rm, h0, x3, w3, v3, fa3, 3, a, OUT, IDX)
+    _emit(grid_ptr, p_ptr, q_ptr, flip_ptr, b1, rm, h1, y0, u0, q0, fb0, 0, a, OUT, IDX)
+    _emit(grid_ptr, p_ptr, q_ptr, flip_ptr, b1, rm, h1, y1, u1, q1, fb1, 1, a, OUT, IDX)
+    _emit(grid_ptr, p_ptr, q_ptr, flip_ptr, b1, rm, h1, y2, u2, q2, fb2, 2, a, OUT, IDX)
+    _emit(grid_ptr, p_ptr, q_ptr, flip_ptr, b1, rm, h1, y3, u3, q3, fb3, 3, a, OUT, IDX)
 
 
 def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None, flip_at: torch.Tensor | None,
@@ -244,15 +411,100 @@ def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None,
     tc = t.to(device=dev, dtype=torch.float32).contiguous()
     oc = odd.to(device=dev, dtype=torch.int8).contiguous() if odd is not None else fc
     ac = flip_at.to(device=dev, dtype=torch.int32).contiguous() if flip_at is not None else fc
-    gc = grid.to(device=dev, dtype=torch.float32).contiguous()
-    g2 = gc * gc
+    gc, g2, kc, mc = _tables(grid, kmap, mids, dev)
     cand, cnt = _candidate_lists(grid, dev)
     lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
     nearest_variants_kernel[(triton.cdiv(r, _BLOCK),)](
-        fc, tc, oc, ac, kmap.to(device=dev, dtype=torch.int64).contiguous(), mids.to(device=dev, dtype=torch.float32).contiguous(),
-        gc, g2, cand, cnt, score, idx, r, P=gc.shape[0], V=nv, K=cand.shape[1], BLOCK=_BLOCK, LISTS=lists,
+        fc, tc, oc, ac, kc, mc, gc, g2, cand, cnt, score, idx, r, P=gc.shape[0], V=nv, K=cand.shape[1], BLOCK=_BLOCK, LISTS=lists,
         num_warps=_WARPS)
     return score, idx
+
+
+def assign(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full: bool, out: str, want_idx: bool,
+           kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor, lists: bool | None = None):
+    """Fused :func:`dynaquant.quant.codecs._iq3_search.assign_torch` (the fast path ``iq3.assign``): same arguments
+    (``nearest`` is this module's search, ``lists`` as :func:`nearest_variants`), one launch; its result equals the
+    composition of :func:`nearest_variants` and the torch steps bit for bit (the same operations in the same order;
+    the interpreter tests check it). Raises ValueError on an unknown ``out`` or shapes that disagree."""
+    if out not in steps.OUTS:
+        raise ValueError(f"out must be one of {steps.OUTS}, got {out!r}")
+    n = x.shape[0]
+    if x.shape != (n, 8, 32) or w.shape != x.shape or a.shape != (n, 8):
+        raise ValueError(f"expected x, w (n, 8, 32) and a (n, 8), got {tuple(x.shape)}, {tuple(w.shape)}, {tuple(a.shape)}")
+    dev = x.device
+    xc, wc = x.to(torch.float32).contiguous(), w.to(torch.float32).contiguous()
+    ac = a.to(torch.float32).contiguous()
+    ia = steps.inv_scale(ac)
+    p = torch.empty_like(xc)
+    q = torch.empty_like(xc) if out == "stats" else p
+    idx = torch.empty(n, 8, 8, dtype=torch.int64, device=dev) if want_idx else p
+    flip = torch.zeros(n, 8, 32, dtype=torch.uint8, device=dev) if want_idx else p
+    if n:
+        gc, g2, kc, mc = _tables(grid, kmap, mids, dev)
+        cand, cnt = _candidate_lists(grid, dev)
+        lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
+        lanes = n * 32
+        nv = (5 if full else 2) if parity else 1
+        assign_kernel[(triton.cdiv(lanes, _BLOCK),)](
+            xc, wc, ac, ia, kc, mc, gc, g2, cand, cnt, idx, flip, p, q, lanes, P=gc.shape[0], V=nv, K=cand.shape[1],
+            BLOCK=_BLOCK, LISTS=lists, OUT=steps.OUTS.index(out), IDX=want_idx, num_warps=_WARPS)
+    if not want_idx:
+        return None, None, p, (q if out == "stats" else None)
+    return idx, flip.view(torch.bool), p, (q if out == "stats" else None)
+
+
+@triton.jit
+def pick_errors_kernel(a_ptr, sgg_ptr, cand_ptr, e_ptr, n, C, c, BLOCK: tl.constexpr):
+    # one lane a (super-block, candidate) pair; the reference's float64 operations in its order (launched without
+    # FMA contraction, so each rounds as torch's one-operation kernels do)
+    lane = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    rm = lane < n
+    sb = lane // C
+    cd = c * tl.load(cand_ptr + lane, mask=rm, other=0.0).to(tl.float64)
+    nz = cd != 0
+    den = tl.where(nz, cd, 1.0)
+    for j in tl.static_range(8):
+        ad = tl.load(a_ptr + sb * 8 + j, mask=rm, other=0.0).to(tl.float64)
+        s = tl.load(sgg_ptr + sb * 8 + j, mask=rm, other=0.0)
+        u = tl.where(nz, ad / den, 0.0)
+        l0 = tl.minimum(tl.maximum(tl.floor((u - 1.0) * 0.5), 0.0), 15.0)
+        l1 = tl.minimum(tl.maximum(l0 + 1.0, 0.0), 15.0)
+        r0 = cd * (2.0 * l0 + 1.0) - ad
+        r1 = cd * (2.0 * l1 + 1.0) - ad
+        e0 = s * r0 * r0
+        e1 = s * r1 * r1
+        tl.store(e_ptr + lane * 8 + j, tl.minimum(e0, e1), mask=rm)
+
+
+def pick_errors(a: torch.Tensor, sgg: torch.Tensor, cand: torch.Tensor, c: float) -> torch.Tensor:
+    """Fused :func:`dynaquant.quant.codecs._iq3_search.pick_errors_torch` (the fast path ``iq3.pick_errors``): same
+    arguments, the same (n, C, 8) float64 bit for bit, written once instead of a dozen (n, C, 8, 2) float64
+    temporaries. Raises ValueError when the shapes disagree."""
+    n = a.shape[0]
+    if a.shape != (n, 8) or sgg.shape != (n, 8) or cand.ndim != 2 or cand.shape[0] != n:
+        raise ValueError(f"expected a, sgg (n, 8) and cand (n, C), got {tuple(a.shape)}, {tuple(sgg.shape)}, "
+                         f"{tuple(cand.shape)}")
+    e = torch.empty(n, cand.shape[1], 8, dtype=torch.float64, device=a.device)
+    lanes = n * cand.shape[1]
+    if lanes:
+        pick_errors_kernel[(triton.cdiv(lanes, _BLOCK),)](
+            a.to(torch.float32).contiguous(), sgg.to(torch.float64).contiguous(), cand.to(torch.float32).contiguous(),
+            e, lanes, cand.shape[1], float(c), BLOCK=_BLOCK, num_warps=_WARPS, enable_fp_fusion=False)
+    return e
+
+
+_TABLES: dict = {}
+
+
+def _tables(grid: torch.Tensor, kmap: torch.Tensor, mids: torch.Tensor, device):
+    """(grid, grid**2 float32, kmap int64, mids float32), contiguous on ``device``, cached per table (the codecs pass
+    the same cached tables every call: no conversions or launches a call)."""
+    key = (grid.data_ptr(), kmap.data_ptr(), mids.data_ptr(), str(device))
+    if key not in _TABLES:
+        gc = grid.to(device=device, dtype=torch.float32).contiguous()
+        _TABLES[key] = (grid, kmap, mids, gc, gc * gc, kmap.to(device=device, dtype=torch.int64).contiguous(),
+                        mids.to(device=device, dtype=torch.float32).contiguous())  # (the inputs kept: their addresses are the key)
+    return _TABLES[key][3:]
 
 
 _LISTS: dict = {}

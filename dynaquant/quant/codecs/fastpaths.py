@@ -36,6 +36,8 @@ NAMES = {
     "iq1.ternary_search": "dynaquant.quant.codecs.iq1.ternary_search_torch",
     "iq1.sub_scales": "dynaquant.quant.codecs.iq1.sub_scales_torch",
     "iq3.nearest_variants": "dynaquant.quant.codecs.iq3.nearest_variants_torch",
+    "iq3.assign": "dynaquant.quant.codecs._iq3_search.assign_torch",
+    "iq3.pick_errors": "dynaquant.quant.codecs._iq3_search.pick_errors_torch",
     "blockfit.fit_scale": "dynaquant.quant.codecs._blockfit.fit_scale_torch",
     "blockfit.fit_affine": "dynaquant.quant.codecs._blockfit.fit_affine_torch",
     "blockfit.fit_int_zero": "dynaquant.quant.codecs.runtime_int.fit_int_zero_torch",

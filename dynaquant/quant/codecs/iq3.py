@@ -59,6 +59,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dynaquant.quant.codecs import _iq3_search as steps
 from dynaquant.quant.codecs import _kquant_search as kqs
 from dynaquant.quant.codecs import _lattice as lat
 from dynaquant.quant.codecs.base import Codec, register
@@ -327,50 +328,23 @@ class _IQ3(Codec):
             (idx (n, 8, 8) int64 grid indices, flip (n, 8, 32) bool: weight decoded with the
             sign opposite to ``x``'s).
         """
-        n = xa.shape[0]
-        xg = xa.reshape(n, _N_SUB, _N_GRP, 4)
-        wg = w.reshape(n, _N_SUB, _N_GRP, 4)
-        f = torch.cat([2 * wg * xg, -a[:, :, None, None] * wg], -1)  # (n, 8, 8, 8)
-        inv_a = torch.where(a > 0, 1.0 / torch.where(a > 0, a, 1.0), 0.0)[:, :, None, None]
-        tg = xg * inv_a
         kernel = lat.fast_path("iq3.nearest_variants", xa, backend)
-        tables = (*_grid_map(self.grid_name, xa.device), *_grid_table(self.grid_name, xa.device)) if kernel else None
-        if not self.parity:
-            if kernel is not None:
-                idx = kernel(f.reshape(-1, 8), tg.reshape(-1, 4), None, None, *tables)[1]
-            else:
-                idx = self._nearest(f.reshape(-1, 8), tg.reshape(-1, 4))[1]
-            return idx.reshape(n, _N_SUB, _N_GRP), torch.zeros_like(neg)
-        if full:
-            # variants: no flip, flip weight i of the group (i = 0..3)
-            eye = torch.eye(4, device=xa.device, dtype=torch.bool)
-            flips = torch.cat([torch.zeros(1, 4, dtype=torch.bool, device=xa.device), eye], 0)  # (5, 4)
-            flips = flips.expand(n, _N_SUB, _N_GRP, 5, 4)
-        else:
-            imin = (wg * xg * xg).argmin(-1)  # (n, 8, 8)
-            one = torch.nn.functional.one_hot(imin, 4).bool()
-            flips = torch.stack([torch.zeros_like(one), one], -2)  # (n, 8, 8, 2, 4)
-        nv = flips.shape[-2]
-        # Flip variants only where the 8-group has an odd number of negative weights.
-        odd = (neg.reshape(n, _N_SUB, 4, 8).sum(-1) % 2) == 1  # (n, 8, 4)
-        odd_rows = odd.repeat_interleave(2, dim=-1).reshape(-1)
         if kernel is not None:
-            score, idx = kernel(f.reshape(-1, 8), tg.reshape(-1, 4), odd_rows, None if full else imin.reshape(-1), *tables)
+            tables = (*_grid_map(self.grid_name, xa.device), *_grid_table(self.grid_name, xa.device))
+            return steps.assign_variants(xa, w, neg, a, self.parity, full, lambda f, t, o, k: kernel(f, t, o, k, *tables))
+        return steps.assign_variants(xa, w, neg, a, self.parity, full, self._torch_variants)
+
+    def _torch_variants(self, f, t, odd, flip_at):
+        """:func:`nearest_variants_torch`'s contract by :meth:`_nearest` (the odd rows' variants only)."""
+        if odd is None:
+            score, idx = self._nearest(f, t)
+            return score[:, None], idx[:, None]
+        flips = torch.zeros(f.shape[0], 5 if flip_at is None else 2, 4, dtype=torch.bool, device=f.device)
+        if flip_at is None:
+            flips[:, 1:] = torch.eye(4, dtype=torch.bool, device=f.device)
         else:
-            score, idx = self._variants(f, tg, flips, odd_rows)
-        score, idx = score.reshape(n, _N_SUB, 4, 2, nv), idx.reshape(n, _N_SUB, 4, 2, nv)
-        flips = flips.reshape(n, _N_SUB, 4, 2, nv, 4)
-        # Per 8-group (pair of halves): even parity -> no flip; odd -> flip in one half.
-        s0 = score[..., 0]  # (n, 8, 4, 2)
-        sf, vf = score[..., 1:].max(-1)  # best flip variant per half
-        vf = vf + 1
-        in_a = sf[..., 0] + s0[..., 1] >= s0[..., 0] + sf[..., 1]  # flip in half 0 is better
-        v0 = torch.where(odd & in_a, vf[..., 0], 0)
-        v1 = torch.where(odd & ~in_a, vf[..., 1], 0)
-        v = torch.stack([v0, v1], -1)  # (n, 8, 4, 2)
-        idx = idx.gather(-1, v.unsqueeze(-1)).squeeze(-1).reshape(n, _N_SUB, _N_GRP)
-        flip = flips.gather(-2, v[..., None, None].expand(-1, -1, -1, -1, 1, 4)).squeeze(-2)
-        return idx, flip.reshape(n, _N_SUB, 32)
+            flips[:, 1] = torch.nn.functional.one_hot(flip_at, 4).bool()
+        return self._variants(f, t, flips, odd)
 
     def _variants(self, f, tg, flips, odd_rows):
         """Torch side of :meth:`_assign`: (score, idx) (R, V) of each group's flip variants (variant 0 unflipped;
@@ -404,24 +378,41 @@ class _IQ3(Codec):
     def _exact_error(self, x, w, xa, neg, d, lsc, full, backend: str = "auto"):
         """Assignment under the stored scales and its exact error per sub-block (n, 8) float64."""
         dl = self._sub_scale(d, lsc)
+        fused = self._fused(xa, backend)
+        if fused is not None:
+            idx, flip, e, _ = fused(x, w, dl, self.parity, full, "error", True, *self._tables(xa.device))
+            return e.sum(-1).double(), idx, flip
         idx, flip = self._assign(xa, w, neg, dl, full, backend)
-        y = (dl.unsqueeze(-1) * self._points(idx)) * torch.where(neg ^ flip, -1.0, 1.0)
-        r = x - y
-        return (w * r * r).sum(-1).double(), idx, flip
+        e = steps.error_terms(x, w, neg, dl, self._points(idx), flip)
+        return e.sum(-1).double(), idx, flip
 
-    def _step1(self, xa, w, neg, backend: str = "auto") -> torch.Tensor:
+    @staticmethod
+    def _fused(x: torch.Tensor, backend: str):
+        """The fused assignment ``iq3.assign`` (:func:`._iq3_search.assign_torch`'s contract) for ``backend`` on ``x``'s
+        device, or None: the torch backend, or no fused assignment there (CPU: the compiled search; one not
+        registered or not loading), where :meth:`_assign` and the torch steps serve."""
+        try:
+            return lat.fast_path("iq3.assign", x, backend)
+        except RuntimeError:
+            return None
+
+    def _tables(self, device) -> tuple[torch.Tensor, ...]:
+        """The search tables of :func:`nearest_variants_torch` (kmap, mids, grid, g8) on ``device``."""
+        return (*_grid_map(self.grid_name, device), *_grid_table(self.grid_name, device))
+
+    def _step1(self, x, xa, w, neg, backend: str = "auto") -> torch.Tensor:
         """Step 1: the best continuous sub-block scales ``A`` (n, 8) float32 (0 for an all-zero sub-block)."""
         amax = xa.amax(-1)
         best_gain = torch.full(amax.shape, -1.0, dtype=torch.float64, device=xa.device)
         best_a = torch.zeros_like(amax)
+        fused = self._fused(xa, backend)
 
         def consider(a):
             nonlocal best_gain, best_a
-            idx, flip = self._assign(xa, w, neg, a, False, backend)
-            g = self._points(idx)
-            v = torch.where(flip, -xa, xa)
-            sxg = (w * v * g).sum(-1).double()
-            sgg = (w * g * g).sum(-1).double()
+            if fused is not None:
+                sxg, sgg = self._ls_stats_fused(fused, x, w, a, False)[2:]
+            else:
+                sxg, sgg = self._ls_stats(xa, w, *self._assign(xa, w, neg, a, False, backend))
             gain = kqs.safe_div(sxg * sxg, sgg)
             take = (gain > best_gain) & (sxg > 0)
             best_gain = torch.where(take, gain, best_gain)
@@ -434,48 +425,61 @@ class _IQ3(Codec):
         return best_a
 
     def _ls_stats(self, xa, w, idx, flip):
-        g = self._points(idx)
-        v = torch.where(flip, -xa, xa)
-        return (w * v * g).sum(-1).double(), (w * g * g).sum(-1).double()
+        """The least-squares sums (sxg, sgg) (n, 8) float64 of an assignment: ``sum w v g``, ``sum w g g``."""
+        p, q = steps.stats_terms(xa, w, self._points(idx), flip)
+        return p.sum(-1).double(), q.sum(-1).double()
 
-    def _pick_d(self, a: torch.Tensor, sgg: torch.Tensor, extra: list[torch.Tensor]):
-        """Step 2: (d (n,) float32 fp16 values, l (n, 8) int64) ranked by the quadratic error."""
+    def _ls_stats_fused(self, fused, x, w, a, want_idx):
+        """(idx, flip, sxg, sgg): :meth:`_assign` for scales ``a`` and :meth:`_ls_stats` of it, by the fused fast
+        path ``iq3.assign`` (idx, flip None unless ``want_idx``)."""
+        idx, flip, p, q = fused(x, w, a, self.parity, False, "stats", want_idx, *self._tables(x.device))
+        return idx, flip, p.sum(-1).double(), q.sum(-1).double()
+
+    def _pick_d(self, a: torch.Tensor, sgg: torch.Tensor, extra: list[torch.Tensor], backend: str = "auto"):
+        """Step 2: (d (n,) float32 fp16 values, l (n, 8) int64) ranked by the quadratic error; the candidates' errors
+        by the fast path ``iq3.pick_errors`` where there is one (:func:`._iq3_search.pick_errors_torch`)."""
         c = self.scale_mul
-        ts = torch.tensor(self.d_steps, dtype=torch.float64, device=a.device)
         am = a.amax(1, keepdim=True)
-        cand = kqs.f16_candidates(torch.cat([am / (c * ts), *extra], 1))  # (n, C) float32
+        cand = kqs.f16_candidates(torch.cat([am / (c * self._d_steps(a.device)), *extra], 1))  # (n, C) float32
         cand = cand.clamp_min(0)
-        d3 = cand.unsqueeze(-1).double()  # (n, C, 1)
-        ad = a.unsqueeze(1).double()
-        u = kqs.safe_div(ad, c * d3)  # ideal odd multiple
-        l0 = ((u - 1) * 0.5).floor().clamp(0, 15)
-        ls = torch.stack([l0, (l0 + 1).clamp(0, 15)], -1)  # (n, C, 8, 2)
-        r = c * d3.unsqueeze(-1) * (2 * ls + 1) - ad.unsqueeze(-1)
-        e, i = (sgg[:, None, :, None] * r * r).min(-1)
-        lsc = ls.gather(-1, i.unsqueeze(-1)).squeeze(-1)  # (n, C, 8)
-        best = e.sum(-1).argmin(1, keepdim=True)  # (n, 1)
+        try:
+            errors = lat.fast_path("iq3.pick_errors", a, backend) or steps.pick_errors_torch
+        except RuntimeError:  # none for this backend (the compiled CPU search has none)
+            errors = steps.pick_errors_torch
+        best = errors(a, sgg, cand, c).sum(-1).argmin(1, keepdim=True)  # (n, 1)
         d = cand.gather(1, best).squeeze(1)
-        lsc = lsc.gather(1, best.unsqueeze(-1).expand(-1, 1, _N_SUB)).squeeze(1).long()
-        return d, lsc
+        return d, steps.pick_levels(a, sgg, d, c)
+
+    def _d_steps(self, device) -> torch.Tensor:
+        """:attr:`d_steps` (T,) float64 on ``device`` (cached: no host-to-device copy a call)."""
+        key = ("d_steps", type(self).__name__, str(device))
+        if key not in _tables:
+            _tables[key] = torch.tensor(self.d_steps, dtype=torch.float64, device=device)
+        return _tables[key]
 
     def _encode(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, ...]:
         n = x.shape[0]
         x = x.reshape(n, _N_SUB, 32)
         w = w.reshape(n, _N_SUB, 32)
         xa, neg = x.abs(), x < 0
-        a = self._step1(xa, w, neg, backend)
-        idx, flip = self._assign(xa, w, neg, a, False, backend)
+        a = self._step1(x, xa, w, neg, backend)
+        fused = self._fused(xa, backend)
+        if fused is not None:
+            idx, flip, sxg, sgg = self._ls_stats_fused(fused, x, w, a, True)
+        else:
+            idx, flip = self._assign(xa, w, neg, a, False, backend)
         best = None
         rounds = self._knob("rounds", x.device)
         for r in range(rounds):
-            sxg, sgg = self._ls_stats(xa, w, idx, flip)
+            if fused is None or r > 0:
+                sxg, sgg = self._ls_stats(xa, w, idx, flip)
             a = kqs.safe_div(sxg, sgg).clamp_min(0)
             extra = []
             if best is not None:
                 kf = self.scale_mul * (2 * best[1].double() + 1)
                 d_ls = kqs.safe_div((kf * sxg).sum(1), (kf * kf * sgg).sum(1))
                 extra = [best[0].double().unsqueeze(1), d_ls.unsqueeze(1)]
-            d, lsc = self._pick_d(a, sgg, extra)
+            d, lsc = self._pick_d(a, sgg, extra, backend)
             err, idx, flip = self._exact_error(x, w, xa, neg, d, lsc, False, backend)
             for delta in self._knob("l_deltas", x.device):
                 lt = (lsc + delta).clamp(0, 15)

@@ -1,0 +1,166 @@
+"""IQ3 assignment steps shared by the codecs' torch path and the references of their fused fast paths.
+
+:func:`assign_variants` is :meth:`dynaquant.quant.codecs.iq3._IQ3._assign` given a nearest-point search of
+:func:`dynaquant.quant.codecs.iq3.nearest_variants_torch`'s contract; :func:`assign_torch` adds what the encoder
+computes from an assignment (the per-weight terms of the least-squares sums, or of the exact error) and is the
+reference of the fused fast path ``iq3.assign`` (:mod:`dynaquant.kernels.iq3_search`); :func:`pick_errors_torch`
+is the reference of ``iq3.pick_errors``, the fp16 ``d`` search's candidate errors. Pure torch; the operations are
+the encoder's own, in its order, so a fast path that repeats them gives the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from dynaquant.quant.codecs import _kquant_search as kqs
+
+_N_SUB = 8  # sub-blocks of 32 a super-block
+_N_GRP = 8  # groups of 4 a sub-block
+
+
+def inv_scale(a: torch.Tensor) -> torch.Tensor:
+    """``1 / a`` where ``a > 0``, else 0 (float32, ``a``'s shape)."""
+    return torch.where(a > 0, 1.0 / torch.where(a > 0, a, 1.0), 0.0)
+
+
+def assign_variants(xa: torch.Tensor, w: torch.Tensor, neg: torch.Tensor, a: torch.Tensor, parity: bool, full: bool,
+                    nearest: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best grid points and signs of every group of 4 for sub-block scales ``a``.
+
+    Args:
+        xa, w: (n, 8, 32) float32 ``|x|`` and importance; neg: (n, 8, 32) bool ``x < 0``.
+        a: (n, 8) float32 sub-block scales (>= 0) in grid units.
+        parity: the signs of each 8 weights must have even parity (IQ3_XXS): an 8-group with an odd number of
+            negative weights decodes one weight with the wrong sign, in the half where that costs least.
+        full: with ``parity``, try every weight of a half as the flipped one (else the one of least ``w x**2``).
+        nearest: ``nearest(f, t, odd, flip_at)``, the contract of :func:`.iq3.nearest_variants_torch` with its
+            tables bound.
+    Returns:
+        (idx (n, 8, 8) int64 grid indices, flip (n, 8, 32) bool: weight decoded with the sign opposite to ``x``'s).
+    """
+    n = xa.shape[0]
+    xg = xa.reshape(n, _N_SUB, _N_GRP, 4)
+    wg = w.reshape(n, _N_SUB, _N_GRP, 4)
+    f = torch.cat([2 * wg * xg, -a[:, :, None, None] * wg], -1)  # (n, 8, 8, 8)
+    tg = xg * inv_scale(a)[:, :, None, None]
+    if not parity:
+        idx = nearest(f.reshape(-1, 8), tg.reshape(-1, 4), None, None)[1]
+        return idx.reshape(n, _N_SUB, _N_GRP), torch.zeros_like(neg)
+    if full:
+        # variants: no flip, flip weight i of the group (i = 0..3)
+        eye = torch.eye(4, device=xa.device, dtype=torch.bool)
+        flips = torch.cat([torch.zeros(1, 4, dtype=torch.bool, device=xa.device), eye], 0)  # (5, 4)
+        flips = flips.expand(n, _N_SUB, _N_GRP, 5, 4)
+        imin = None
+    else:
+        imin = (wg * xg * xg).argmin(-1)  # (n, 8, 8)
+        one = torch.nn.functional.one_hot(imin, 4).bool()
+        flips = torch.stack([torch.zeros_like(one), one], -2)  # (n, 8, 8, 2, 4)
+    nv = flips.shape[-2]
+    # Flip variants only where the 8-group has an odd number of negative weights.
+    odd = (neg.reshape(n, _N_SUB, 4, 8).sum(-1) % 2) == 1  # (n, 8, 4)
+    odd_rows = odd.repeat_interleave(2, dim=-1).reshape(-1)
+    score, idx = nearest(f.reshape(-1, 8), tg.reshape(-1, 4), odd_rows, None if imin is None else imin.reshape(-1))
+    score, idx = score.reshape(n, _N_SUB, 4, 2, nv), idx.reshape(n, _N_SUB, 4, 2, nv)
+    flips = flips.reshape(n, _N_SUB, 4, 2, nv, 4)
+    # Per 8-group (pair of halves): even parity -> no flip; odd -> flip in one half.
+    s0 = score[..., 0]  # (n, 8, 4, 2)
+    sf, vf = score[..., 1:].max(-1)  # best flip variant per half
+    vf = vf + 1
+    in_a = sf[..., 0] + s0[..., 1] >= s0[..., 0] + sf[..., 1]  # flip in half 0 is better
+    v0 = torch.where(odd & in_a, vf[..., 0], 0)
+    v1 = torch.where(odd & ~in_a, vf[..., 1], 0)
+    v = torch.stack([v0, v1], -1)  # (n, 8, 4, 2)
+    idx = idx.gather(-1, v.unsqueeze(-1)).squeeze(-1).reshape(n, _N_SUB, _N_GRP)
+    flip = flips.gather(-2, v[..., None, None].expand(-1, -1, -1, -1, 1, 4)).squeeze(-2)
+    return idx, flip.reshape(n, _N_SUB, 32)
+
+
+def stats_terms(xa: torch.Tensor, w: torch.Tensor, g: torch.Tensor, flip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-weight terms of the least-squares sums of an assignment: ``(w v g, w g g)``, each (n, 8, 32) float32, for
+    ``|x|``, importance, grid values ``g`` and ``flip`` (n, 8, 32) (``v`` is ``|x|`` negated where flipped)."""
+    v = torch.where(flip, -xa, xa)
+    return w * v * g, w * g * g
+
+
+def error_terms(x: torch.Tensor, w: torch.Tensor, neg: torch.Tensor, a: torch.Tensor, g: torch.Tensor,
+                flip: torch.Tensor) -> torch.Tensor:
+    """Per-weight exact error ``w (x - y)**2`` (n, 8, 32) float32 of the decoded ``y = (a g) * sign``."""
+    y = (a.unsqueeze(-1) * g) * torch.where(neg ^ flip, -1.0, 1.0)
+    r = x - y
+    return w * r * r
+
+
+OUTS = ("stats", "error")
+
+
+def assign_torch(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full: bool, out: str,
+                 want_idx: bool, kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor,
+                 nearest: Callable | None = None):
+    """An assignment (:func:`assign_variants`) and the per-weight terms the encoder sums over it: the reference of
+    the fused fast path ``iq3.assign``.
+
+    Args:
+        x, w: (n, 8, 32) float32 weights and importance; a: (n, 8) float32 sub-block scales (>= 0).
+        parity, full: as :func:`assign_variants`.
+        out: ``"stats"``: ``(p, q) = (w v g, w g g)`` (:func:`stats_terms`); ``"error"``: ``p = w (x - y)**2``
+            (:func:`error_terms`, ``y`` decoded with scale ``a``), ``q`` None.
+        want_idx: also return the assignment (else None, None).
+        kmap, mids, grid, g8: the tables of :func:`.iq3.nearest_variants_torch`.
+        nearest: the nearest-point search (default :func:`.iq3.nearest_variants_torch`; the tests pass its fast path
+            to show the fused kernel equals the composition).
+    Returns:
+        (idx (n, 8, 8) int64 | None, flip (n, 8, 32) bool | None, p (n, 8, 32) float32, q (n, 8, 32) float32 | None).
+    Raises:
+        ValueError: an unknown ``out`` or shapes that disagree.
+    """
+    if out not in OUTS:
+        raise ValueError(f"out must be one of {OUTS}, got {out!r}")
+    n = x.shape[0]
+    if x.shape != (n, _N_SUB, 32) or w.shape != x.shape or a.shape != (n, _N_SUB):
+        raise ValueError(f"expected x, w (n, 8, 32) and a (n, 8), got {tuple(x.shape)}, {tuple(w.shape)}, {tuple(a.shape)}")
+    if nearest is None:
+        from dynaquant.quant.codecs.iq3 import nearest_variants_torch as nearest
+    xa, neg = x.abs(), x < 0
+    idx, flip = assign_variants(xa, w, neg, a, parity, full, lambda f, t, o, k: nearest(f, t, o, k, kmap, mids, grid, g8))
+    g = grid.index_select(0, idx.reshape(-1)).reshape(n, _N_SUB, 32)
+    if out == "stats":
+        p, q = stats_terms(xa, w, g, flip)
+    else:
+        p, q = error_terms(x, w, neg, a, g, flip), None
+    return (idx, flip, p, q) if want_idx else (None, None, p, q)
+
+
+def _pick_terms(a: torch.Tensor, sgg: torch.Tensor, cand: torch.Tensor, c: float):
+    """Step 2's per-candidate terms: (e (n, C, 8) float64 the least quadratic error of each sub-block over the two odd
+    multiples ``2 l + 1`` nearest ``A / (c d)``, ls (n, C, 8, 2) float64 those ``l``, i (n, C, 8) int64 the better)."""
+    d3 = cand.unsqueeze(-1).double()  # (n, C, 1)
+    ad = a.unsqueeze(1).double()
+    u = kqs.safe_div(ad, c * d3)  # ideal odd multiple
+    l0 = ((u - 1) * 0.5).floor().clamp(0, 15)
+    ls = torch.stack([l0, (l0 + 1).clamp(0, 15)], -1)  # (n, C, 8, 2)
+    r = c * d3.unsqueeze(-1) * (2 * ls + 1) - ad.unsqueeze(-1)
+    e, i = (sgg[:, None, :, None] * r * r).min(-1)
+    return e, ls, i
+
+
+def pick_errors_torch(a: torch.Tensor, sgg: torch.Tensor, cand: torch.Tensor, c: float) -> torch.Tensor:
+    """The fp16 ``d`` search's candidate errors (the reference of the fast path ``iq3.pick_errors``).
+
+    Args:
+        a: (n, 8) float32 continuous sub-block scales; sgg: (n, 8) float64 ``sum w g**2`` of their points;
+        cand: (n, C) float32 candidate ``d`` (>= 0); c: the format's ``A = c d (2 l + 1)`` factor.
+    Returns:
+        (n, C, 8) float64: per sub-block ``min over l in {l0, l0 + 1} of sgg (c d (2 l + 1) - A)**2``,
+        ``l0 = clamp(floor((A / (c d) - 1) / 2), 0, 15)``, ``l0 + 1`` clamped to 15.
+    """
+    return _pick_terms(a, sgg, cand, c)[0]
+
+
+def pick_levels(a: torch.Tensor, sgg: torch.Tensor, d: torch.Tensor, c: float) -> torch.Tensor:
+    """The sub-block levels ``l`` (n, 8) int64 :func:`pick_errors_torch` scores for one ``d`` (n,) float32 a
+    super-block (its better odd multiple, the first on a tie)."""
+    _, ls, i = _pick_terms(a, sgg, d[:, None], c)
+    return ls.gather(-1, i.unsqueeze(-1)).squeeze(-1).squeeze(1).long()
