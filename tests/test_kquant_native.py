@@ -75,6 +75,39 @@ def test_exact_sums_give_the_reference_bit_for_bit(name, seed):
     assert torch.equal(native_bytes, codec.encode_blocks(x, w))  # "auto" on CPU is the compiled search
 
 
+def _tied_topk(first: bool):
+    """``Tensor.topk`` whose ties go to the first index (``first``) or the last: the tie rule made explicit."""
+
+    def topk(t, k, dim=-1, largest=True, sorted=True):  # noqa: A002  (Tensor.topk's own keywords)
+        src = t if first else t.flip(dim)
+        idx = src.sort(dim=dim, descending=largest, stable=True).indices.narrow(dim, 0, k)
+        return torch.return_types.topk((t.gather(dim, idx if first else t.shape[dim] - 1 - idx),
+                                        idx if first else t.shape[dim] - 1 - idx))
+
+    return topk
+
+
+def test_step1_ties_in_importance_take_the_first_index(monkeypatch):
+    """Q6_K's step 1 puts its ``n_elem`` largest ``w x^2`` on every level; where three tie (x 1/2, 1/4, 1/8 with w
+    1, 4, 16: sums exact), the compiled selection takes the first two indices, bit for bit the reference with such a
+    topk, and the last two would have given other scales (so the rule is what the test sees)."""
+    x, w = _exact_blocks(32, 5)
+    x = (x * 0.25).clamp(-0.34375, 0.34375)  # every other w x^2 below the tie's 1/4 (w <= 2)
+    for j, (xv, wv) in enumerate(((0.5, 1.0), (0.25, 4.0), (-0.125, 16.0))):
+        x[:, 3 + 4 * j :: 16], w[:, 3 + 4 * j :: 16] = xv, wv
+    codec, x3, w3 = split("Q6_K", x, w)
+    sp = codec.search
+    assert sp.n_elem == 2
+    got = nk.sym_search_scales(x3, w3, sp)
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "topk", _tied_topk(True))
+        want = kqs.sym_search_scales_torch(x3, w3, sp)
+        m.setattr(torch.Tensor, "topk", _tied_topk(False))
+        last = kqs.sym_search_scales_torch(x3, w3, sp)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, last)
+
+
 @pytest.mark.parametrize("name", KQUANTS)
 def test_step1_matches_reference(name):
     """Step 1 on random weights: the continuous scales are the reference's to rounding, and where a near-tie went

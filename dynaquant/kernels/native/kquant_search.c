@@ -123,18 +123,17 @@ void dq_sym_search_scales(const float *x, const float *w, int64_t n, int L, int 
     static __thread float cand[MAX_CAND][LANES], bp[MAX_MIDS][LANES];
     float inv_amax[LANES];
     for (int64_t j0 = 0; j0 < n; j0 += LANES) {
-        int nv = n - j0 < LANES ? (int)(n - j0) : LANES;
-        for (int v = 0; v < LANES; v++) {
-            float amax = 0.0f;
-            for (int l = 0; l < L; l++) {
-                float xv = v < nv ? x[(j0 + v) * L + l] : 0.0f, wv = v < nv ? w[(j0 + v) * L + l] : 0.0f;
-                s.xt[l][v] = xv;
-                s.wt[l][v] = wv;
-                s.wxt[l][v] = wv * xv;
-                float ax = fabsf(xv);
-                amax = ax > amax ? ax : amax; /* amax of |x| (no NaN in weights) */
+        int nv = load_lanes(x, w, n, j0, L, s.xt, s.wt);
+        float amax[LANES];
+        for (int v = 0; v < LANES; v++) amax[v] = 0.0f;
+        for (int l = 0; l < L; l++)
+            for (int v = 0; v < LANES; v++) {
+                s.wxt[l][v] = s.wt[l][v] * s.xt[l][v];
+                float ax = fabsf(s.xt[l][v]);
+                amax[v] = ax > amax[v] ? ax : amax[v]; /* amax of |x| (no NaN in weights) */
             }
-            inv_amax[v] = invf(amax);
+        for (int v = 0; v < LANES; v++) {
+            inv_amax[v] = invf(amax[v]);
             s.best_gain[v] = -1.0;
             s.best_a[v] = 0.0;
         }
@@ -172,23 +171,33 @@ void dq_sym_search_scales(const float *x, const float *w, int64_t n, int L, int 
         }
         if (n_elem > 0) {
             int ne = n_elem < L ? n_elem : L;
-            int idx[LANES][MAX_L];
-            for (int v = 0; v < LANES; v++) { /* the ne largest w x x, the first index on a tie */
-                int used[MAX_L] = {0};
-                for (int k = 0; k < ne; k++) {
-                    int bi = -1;
-                    float bk = 0.0f;
-                    for (int l = 0; l < L; l++) {
-                        float key = (s.wt[l][v] * s.xt[l][v]) * s.xt[l][v];
-                        if (!used[l] && (bi < 0 || key > bk)) { bi = l; bk = key; }
-                    }
-                    used[bi] = 1;
-                    idx[v][k] = bi;
+            /* the ne largest w x x of every lane, the first index on a tie (a select a lane: no branch to mispredict,
+               the loop over lanes one vector), kept as the element's x */
+            float key[MAX_L][LANES], xsel[MAX_L][LANES];
+            int used[MAX_L][LANES];
+            for (int l = 0; l < L; l++)
+                for (int v = 0; v < LANES; v++) {
+                    key[l][v] = s.wxt[l][v] * s.xt[l][v];
+                    used[l][v] = 0;
                 }
+            for (int k = 0; k < ne; k++) {
+                int bi[LANES];
+                float bk[LANES], bx[LANES];
+                for (int v = 0; v < LANES; v++) { bi[v] = -1; bk[v] = 0.0f; bx[v] = 0.0f; }
+                for (int l = 0; l < L; l++)
+                    for (int v = 0; v < LANES; v++) {
+                        int take = !used[l][v] & ((bi[v] < 0) | (key[l][v] > bk[v]));
+                        bi[v] = take ? l : bi[v];
+                        bk[v] = take ? key[l][v] : bk[v];
+                        bx[v] = take ? s.xt[l][v] : bx[v];
+                    }
+                for (int l = 0; l < L; l++)
+                    for (int v = 0; v < LANES; v++) used[l][v] |= bi[v] == l;
+                for (int v = 0; v < LANES; v++) xsel[k][v] = bx[v];
             }
             for (int k = 0; k < ne; k++) {
                 float inv_xi[LANES];
-                for (int v = 0; v < LANES; v++) inv_xi[v] = invf(s.xt[idx[v][k]][v]);
+                for (int v = 0; v < LANES; v++) inv_xi[v] = invf(xsel[k][v]);
                 nc = 0;
                 for (int lev = qlo; lev <= qhi; lev++) {
                     if (!lev) continue;
