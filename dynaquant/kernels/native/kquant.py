@@ -1,10 +1,10 @@
 """The K-quant searches' steps 1 to 3 on the CPU, compiled (``kquant_search.c``): the CPU fast paths
 ``kquant.sym_search_scales``, ``kquant.aff_search_scales``, ``kquant.sym_pick``, ``kquant.aff_pick``,
-``kquant.sym_refine``, ``kquant.aff_refine`` and the whole searches ``kquant.sym_encode`` (Q3_K, Q6_K) and
-``kquant.aff_encode`` (Q2_K, Q4_K, Q5_K) of
+``kquant.sym_refine``, ``kquant.aff_refine``, the whole searches ``kquant.sym_encode`` (Q3_K, Q6_K) and
+``kquant.aff_encode`` (Q2_K, Q4_K, Q5_K), and the symmetric blocks' bytes ``kquant.sym_bytes``, of
 :mod:`dynaquant.quant.codecs.fastpaths`, with the signatures and returns of their torch references in
-:mod:`dynaquant.quant.codecs._kquant_search` (shapes and dtypes there). Raises RuntimeError (from
-:func:`dynaquant.kernels.native.library`) when the library cannot be built.
+:mod:`dynaquant.quant.codecs._kquant_search` and :mod:`dynaquant.quant.codecs.kquants` (shapes and dtypes there).
+Raises RuntimeError (from :func:`dynaquant.kernels.native.library`) when the library cannot be built.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ def _lib() -> ctypes.CDLL:
         lib.dq_aff_encode.argtypes = [vp, vp, _I64, _INT, _INT, _INT, _INT, vp, _INT, vp, _INT, _INT, vp, _INT, vp, _INT, _INT,
                                       vp, vp, vp, vp]
         lib.dq_aff_encode.restype = _INT
+        lib.dq_sym_bytes.argtypes = [vp, _I64, vp, vp, _INT, vp]
+        lib.dq_sym_bytes.restype = None
         for f in (lib.dq_sym_search_scales, lib.dq_aff_search_scales, lib.dq_sym_pick, lib.dq_aff_pick, lib.dq_sym_refine,
                   lib.dq_aff_refine):
             f.restype = None
@@ -229,3 +231,29 @@ def aff_encode(x: torch.Tensor, w: torch.Tensor, spec) -> AffConfig:
 
     split_rows(B, run)
     return AffConfig(d, m, ks, km)
+
+
+_SYM_BYTES = {"Q3_K": (3, 110), "Q6_K": (6, 210)}  # code bits and block bytes of the symmetric K-quants
+
+
+def sym_bytes(format_name: str, x: torch.Tensor, cfg: SymConfig) -> torch.Tensor:
+    """As :func:`dynaquant.quant.codecs.kquants.sym_bytes_torch`: the codes and their packing in one compiled pass
+    (the torch version makes an int64 code tensor and a dozen shifted copies of it). Raises ValueError for another
+    format or shape."""
+    if format_name not in _SYM_BYTES:
+        raise ValueError(f"no compiled packing of {format_name}: {', '.join(_SYM_BYTES)}")
+    n = x.shape[0]
+    if x.shape != (n, 256) or cfg.d.shape != (n,) or cfg.k.shape != (n, 16):
+        raise ValueError(f"expected x (n, 256), d (n,), k (n, 16), got {tuple(x.shape)}, {tuple(cfg.d.shape)}, "
+                         f"{tuple(cfg.k.shape)}")
+    qbits, tsize = _SYM_BYTES[format_name]
+    x = cpu_contiguous(x, torch.float32)
+    d, k = cpu_contiguous(cfg.d, torch.float32), cpu_contiguous(cfg.k, torch.int64)
+    out = torch.empty(n, tsize, dtype=torch.uint8)
+    lib = _lib()
+
+    def run(i0, i1):
+        lib.dq_sym_bytes(ptr(x, i0 * 256), i1 - i0, ptr(d, i0), ptr(k, i0 * 16), qbits, ptr(out, i0 * tsize))
+
+    split_rows(n, run)
+    return out

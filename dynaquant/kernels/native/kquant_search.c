@@ -832,3 +832,52 @@ int dq_aff_encode(const float *x, const float *w, int64_t n, int S, int L, int q
     free(dl); free(ml); free(dc); free(mc); free(gm); free(d); free(dm); free(ks); free(km);
     return ok ? 0 : -1;
 }
+
+/* ------------------------------------------------------------------------------------------- block bytes */
+
+/* The bytes of n symmetric super-blocks (kquants.sym_bytes_torch: codes_rows' nearest codes at decode's sub-block
+   scales d * k, stored as llama.cpp's block_q3_K (qbits 3: hmask[32], qs[64], scales[12], d) or block_q6_K
+   (qbits 6: ql[128], qh[64], scales[16], d)): x (n, 256) float32, d (n,) float32 holding float16 values, k (n, 16)
+   int64 -> out (n, 110 or 210) uint8. */
+void dq_sym_bytes(const float *x, int64_t n, const float *d, const int64_t *k, int qbits, uint8_t *out) {
+    const int qlo = qbits == 3 ? -4 : -32, qhi = -qlo - 1, tsize = qbits == 3 ? 110 : 210;
+    for (int64_t b = 0; b < n; b++) {
+        float dl[16], qf[256];
+        uint8_t c[256], *o = out + b * tsize;
+        for (int j = 0; j < 16; j++) dl[j] = d[b] * (float)k[b * 16 + j];
+        codes_rows(x + b * 256, dl, NULL, 16, 16, (float)qlo, (float)qhi, qf);
+        for (int i = 0; i < 256; i++) c[i] = (uint8_t)((int)qf[i] - qlo); /* the stored value q - qlo */
+        uint16_t h = f32_to_f16(d[b]);
+        if (qbits == 3) {
+            memset(o, 0, 32);
+            for (int i = 0; i < 256; i++) o[i % 32] |= (uint8_t)((c[i] >> 2) << (i / 32)); /* hmask: bit planes */
+            for (int hh = 0; hh < 2; hh++) /* qs: element 128 h + 32 s + l at bits 2 s of byte 32 h + l */
+                for (int l = 0; l < 32; l++) {
+                    const uint8_t *e = c + 128 * hh + l;
+                    o[32 + 32 * hh + l] = (uint8_t)((e[0] & 3) | ((e[32] & 3) << 2) | ((e[64] & 3) << 4) | ((e[96] & 3) << 6));
+                }
+            uint8_t *sc = o + 96;
+            memset(sc, 0, 12);
+            for (int j = 0; j < 16; j++) { /* 6-bit k + 32: low nibbles of j and j + 8 share byte j % 8 */
+                int s = (int)k[b * 16 + j] + 32;
+                sc[j % 8] |= (uint8_t)((s & 15) << (j < 8 ? 0 : 4));
+                sc[8 + j % 4] |= (uint8_t)((s >> 4) << (2 * (j / 4)));
+            }
+            o[108] = (uint8_t)(h & 255);
+            o[109] = (uint8_t)(h >> 8);
+        } else {
+            for (int hh = 0; hh < 2; hh++) {
+                for (int l = 0; l < 64; l++) /* ql: element 128 h + l low nibble, 128 h + 64 + l high, byte 64 h + l */
+                    o[64 * hh + l] = (uint8_t)((c[128 * hh + l] & 15) | ((c[128 * hh + 64 + l] & 15) << 4));
+                for (int l = 0; l < 32; l++) { /* qh: the high 2 bits, laid out as Q3_K's qs */
+                    const uint8_t *e = c + 128 * hh + l;
+                    o[128 + 32 * hh + l] =
+                        (uint8_t)((e[0] >> 4) | ((e[32] >> 4) << 2) | ((e[64] >> 4) << 4) | ((e[96] >> 4) << 6));
+                }
+            }
+            for (int j = 0; j < 16; j++) o[192 + j] = (uint8_t)(int8_t)k[b * 16 + j];
+            o[208] = (uint8_t)(h & 255);
+            o[209] = (uint8_t)(h >> 8);
+        }
+    }
+}

@@ -36,7 +36,8 @@ import torch
 
 from dynaquant.quant.codecs import _kquant_search as kqs
 from dynaquant.quant.codecs import kquant_fast as kqf
-from dynaquant.quant.codecs.base import Codec, ColumnGrid, register
+from dynaquant.quant.codecs.base import Codec, ColumnGrid, get_codec, register
+from dynaquant.quant.codecs.fastpaths import fast_path
 
 QK_K = 256
 
@@ -176,8 +177,13 @@ class _KQuant(Codec):
     ) -> torch.Tensor:
         """As :meth:`Codec.encode_blocks`; ``thorough=False`` runs the fast search of :mod:`.kquant_fast`;
         ``backend`` chooses the thorough search's fused kernels (``kquant.*`` of
-        :mod:`.fastpaths`: on CUDA tensors under ``"auto"``); ``variant`` is unused."""
+        :mod:`.fastpaths`: on CUDA tensors under ``"auto"``; on CPU tensors the compiled search, and for Q3_K and
+        Q6_K the compiled :func:`sym_bytes_torch`); ``variant`` is unused."""
         params = self.fit_params(x, w, thorough=thorough, backend=backend)
+        if isinstance(params, kqs.SymConfig) and backend in ("auto", "native"):  # Q3_K, Q6_K: codes and bytes compiled
+            fn = fast_path("kquant.sym_bytes", x, backend)
+            if fn is not None:
+                return fn(self.format_name, x, params)
         return self.pack(params, self._block_codes(x, params))
 
     def _block_codes(self, x: torch.Tensor, params) -> torch.Tensor:
@@ -367,6 +373,17 @@ class Q5_K(_KQuant):
         self._check_bytes(b)
         q = _unpack_nibbles(b[:, 48:176]) | (_unpack_bitplanes(b[:, 16:48]) << 4)
         return _decode_q45(b, q)
+
+
+def sym_bytes_torch(format_name: str, x: torch.Tensor, cfg: kqs.SymConfig) -> torch.Tensor:
+    """The bytes of symmetric K-quant blocks (``"Q3_K"`` or ``"Q6_K"``) for their configuration: the nearest codes at
+    decode's sub-block scales, packed. x (n, 256) float32, ``cfg.d`` (n,) float32 holding float16 values, ``cfg.k``
+    (n, 16) int64 -> (n, type_size) uint8. The reference of the fast path ``kquant.sym_bytes``. Raises ValueError
+    for another format."""
+    codec = get_codec(format_name)
+    if not isinstance(codec, _KQuant) or not isinstance(codec.search, kqs.SymSearch):
+        raise ValueError(f"{format_name} is not a symmetric K-quant (Q3_K, Q6_K)")
+    return codec.pack(cfg, codec._block_codes(x, cfg))
 
 
 def _decode_q45(b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
