@@ -298,7 +298,10 @@ class Q3_K(_KQuant):
 
     format_name = "Q3_K"
     n_sub = 16
-    search = kqs.SymSearch(qlo=-4, qhi=3, klo=-32, khi=31, d_steps=_grid(20.0, 32.5, 0.25), exhaustive=True)
+    search = kqs.SymSearch(
+        qlo=-4, qhi=3, klo=-32, khi=31, d_steps=_grid(20.0, 32.5, 0.25), exhaustive=True,
+        clip_steps=_geom(32.5 * 1.25, 1.25, 6),  # d down to max|A| / 124: an outlier sub-block's scale clipped
+    )
     fast = kqf.FastSym(qlo=-4, qhi=3, klo=-32, khi=31, d_steps=_geom(28.0, 1.12, 11), exact=True)
 
     def pack(self, params: kqs.SymConfig, codes: torch.Tensor) -> torch.Tensor:
