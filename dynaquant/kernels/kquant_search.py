@@ -126,7 +126,9 @@ def sym_pick(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, sqq: torch.Tenso
     d = torch.zeros(n_super, dtype=torch.float32, device=a.device)
     k = torch.zeros(n_super, n_sub, dtype=torch.int64, device=a.device)
     if n_super:
-        block = _PICK_ROWS
+        # the clip steps load (block, n_sub, sub_size) tiles of x and w a candidate: rows for _TILE elements a tile
+        # (8 super-blocks of Q3_K; a power of two)
+        block = max(1, min(_PICK_ROWS, _TILE // (n_sub * sub))) if clip else _PICK_ROWS
         sym_pick_kernel[(triton.cdiv(n_super, block),)](
             xc, wc, a.to(torch.float32).contiguous(), sqq.to(torch.float32).contiguous(),
             cand.to(torch.float32).contiguous(), d, k, n_super, c, QLO=spec.qlo, QHI=spec.qhi, KLO=spec.klo,
