@@ -59,9 +59,10 @@ def step1(sp, x3, w3, impl):
     return a_f, a_t, err(a_f), err(a_t), torch.isclose(a_f, a_t, rtol=1e-5, atol=0)
 
 
-def step2(sp, x3, w3, pick):
+def step2(sp, x3, w3, pick, clip: bool = False):
     """Step 2 (one round's pick) by ``pick`` and by the reference, from the reference's step 1: ``(got, want, e_got,
-    e_want, cfg)``, ``e`` the pick's ranking error per super-block, ``cfg`` the reference's configuration."""
+    e_want, cfg)``, ``e`` the pick's ranking error per super-block, ``cfg`` the reference's configuration; ``clip``:
+    the symmetric search's clip-step candidates, ranked with clipping, instead of its grid."""
     if isinstance(sp, kqs.AffSearch):
         a, b = kqs.aff_search_scales_torch(x3, w3, sp)
         q = kqs.aff_codes(x3, a.float(), (-b).float(), sp.qmax)
@@ -79,13 +80,13 @@ def step2(sp, x3, w3, pick):
     sxq, sqq = (w3 * x3 * q).sum(-1).double(), (w3 * q * q).sum(-1).double()
     a = kqs.safe_div(sxq, sqq)
     am = a.gather(1, a.abs().argmax(1, keepdim=True))
-    ts = torch.tensor(sp.d_steps, dtype=torch.float64, device=x3.device)
+    ts = torch.tensor(sp.clip_steps if clip else sp.d_steps, dtype=torch.float64, device=x3.device)
     cand = kqs.f16_candidates(torch.cat([am / ts, -am / ts], 1))
-    args = (a.float(), sqq.float(), sp.klo, sp.khi, cand)
+    args = (x3, w3, a.float(), sqq.float(), sp, cand, clip)
     got, want = pick(*args), kqs.sym_pick_torch(*args)
 
     def err(r):
-        return kqs.sym_eval_error(*args[:4], r[0][:, None])[:, 0]
+        return kqs.sym_clip_error(*args[:5], r[0][:, None], torch.full_like(r[0][:, None], clip, dtype=torch.bool))[:, 0]
 
     return got, want, err(got), err(want), kqs.SymConfig(*want)
 
@@ -100,3 +101,29 @@ def step3(sp, x3, w3, cfg, refine):
         (c_got, e_got), (c_want, e_want) = refine(x3, w3, cfg, sp), kqs.sym_refine_torch(x3, w3, cfg, sp)
         same = (c_got.k == c_want.k).all(-1)
     return (c_got, e_got), (c_want, e_want), same
+
+
+def outlier_blocks(n: int, seed: int = 0, device="cpu"):
+    """(n, 256) weights whose super-blocks each have one sub-block of 16 (a random one) scaled 40-100x with importance
+    1e-3 (a low-importance outlier sub-block, which sets ``max|A|``), the others N(0, 1) of importance in [0.5, 2]."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 16, 16, generator=g)
+    w = torch.rand(n, 16, 16, generator=g) * 1.5 + 0.5
+    j = torch.randint(0, 16, (n,), generator=g)
+    rows = torch.arange(n)
+    x[rows, j] *= 40 + 60 * torch.rand(n, 1, generator=g)
+    w[rows, j] = 1e-3
+    return x.reshape(n, 256).to(device), w.reshape(n, 256).to(device)
+
+
+def clip_pick_inputs(sp, x3, w3):
+    """Step 2's inputs for the clip steps: ``(x, w, a, sqq, spec, cand, True)`` from the reference's step 1, the
+    candidates ``+-max|A| / t`` for ``t`` in ``clip_steps`` as sym_encode_torch makes them."""
+    a = kqs.sym_search_scales_torch(x3, w3, sp)
+    q = kqs.sym_codes(x3, a.float(), sp.qlo, sp.qhi)
+    sxq, sqq = (w3 * x3 * q).sum(-1).double(), (w3 * q * q).sum(-1).double()
+    a = kqs.safe_div(sxq, sqq)
+    am = a.gather(1, a.abs().argmax(1, keepdim=True))
+    tc = torch.tensor(sp.clip_steps, dtype=torch.float64, device=x3.device)
+    cand = kqs.f16_candidates(torch.cat([am / tc, -am / tc], 1))
+    return x3, w3, a.float(), sqq.float(), sp, cand, True

@@ -18,7 +18,7 @@ from triton_mode import DEVICE, HAS_CUDA  # (imported before Triton: the interpr
 
 pytest.importorskip("triton")
 
-from kquant_cases import KQUANTS, hard_blocks, split, step1, step2, step3  # noqa: E402
+from kquant_cases import KQUANTS, clip_pick_inputs, hard_blocks, outlier_blocks, split, step1, step2, step3  # noqa: E402
 
 import dynaquant.kernels  # noqa: E402,F401  (registers the kernels as the codecs' fast paths)
 from dynaquant.quant.codecs import _kquant_search as kqs  # noqa: E402
@@ -73,6 +73,29 @@ def test_steps_2_and_3_match_reference(name):
     assert same.float().mean() >= 0.95, same.float().mean()
     assert torch.allclose(err_got[same], err_want[same], rtol=1e-5, atol=1e-30)
     assert (err_got <= err_want * (1 + 1e-4) + 1e-30).all()
+
+
+def test_clip_step_pick_matches_reference():
+    """Q3_K's clip steps (``sym_pick_kernel`` with ``CLIP``: a clamped sub-block's exact error) on blocks with a
+    low-importance outlier sub-block, where those errors decide: the reference's candidate and integer scales but for
+    near-ties, never a higher ranking error."""
+    from dynaquant.kernels import kquant_search as ks
+
+    codec, x3, w3 = split("Q3_K", *outlier_blocks(N_SUPER, 2, DEVICE))
+    args = clip_pick_inputs(codec.search, x3, w3)
+    (d_f, k_f), (d_t, k_t) = ks.sym_pick(*args), kqs.sym_pick_torch(*args)
+    assert d_f.dtype == torch.float32 and k_f.dtype == torch.int64 and k_f.shape == k_t.shape
+    same = (d_f == d_t) & (k_f == k_t).all(-1)
+    assert same.float().mean() >= 0.9, same.float().mean()
+    cand = args[5]
+    e = kqs.sym_clip_error(*args[:5], cand, torch.ones_like(cand, dtype=torch.bool))
+    quad = kqs.sym_eval_error(args[2], args[3], codec.search.klo, codec.search.khi, cand)
+
+    def err(d, e):
+        return e.gather(1, (cand == d[:, None]).float().argmax(1, keepdim=True))[:, 0]
+
+    assert (err(d_f, e) <= err(d_t, e) * (1 + 1e-5)).all()
+    assert (err(d_t, e) < err(d_t, quad)).float().mean() >= 0.5  # the exact errors decided most picks
 
 
 @pytest.mark.parametrize("name", KQUANTS)

@@ -24,7 +24,7 @@ import torch
 import dynaquant.kernels  # noqa: F401  (registers the CPU fast paths)
 from dynaquant.kernels import native
 from dynaquant.quant.codecs import _kquant_search as kqs
-from dynaquant.quant.codecs import fastpaths, get_codec
+from dynaquant.quant.codecs import fastpaths, get_codec, kquants
 
 if shutil.which(os.environ.get("CC") or "cc") is None:
     pytest.skip("no C compiler: the compiled CPU searches cannot be built here", allow_module_level=True)
@@ -73,6 +73,39 @@ def test_exact_sums_give_the_reference_bit_for_bit(name, seed):
     native_bytes = codec.encode_blocks(x, w, backend="native")
     assert torch.equal(native_bytes, codec.encode_blocks(x, w, backend="torch"))
     assert torch.equal(native_bytes, codec.encode_blocks(x, w))  # "auto" on CPU is the compiled search
+
+
+def _tied_topk(first: bool):
+    """``Tensor.topk`` whose ties go to the first index (``first``) or the last: the tie rule made explicit."""
+
+    def topk(t, k, dim=-1, largest=True, sorted=True):  # noqa: A002  (Tensor.topk's own keywords)
+        src = t if first else t.flip(dim)
+        idx = src.sort(dim=dim, descending=largest, stable=True).indices.narrow(dim, 0, k)
+        return torch.return_types.topk((t.gather(dim, idx if first else t.shape[dim] - 1 - idx),
+                                        idx if first else t.shape[dim] - 1 - idx))
+
+    return topk
+
+
+def test_step1_ties_in_importance_take_the_first_index(monkeypatch):
+    """Q6_K's step 1 puts its ``n_elem`` largest ``w x^2`` on every level; where three tie (x 1/2, 1/4, 1/8 with w
+    1, 4, 16: sums exact), the compiled selection takes the first two indices, bit for bit the reference with such a
+    topk, and the last two would have given other scales (so the rule is what the test sees)."""
+    x, w = _exact_blocks(32, 5)
+    x = (x * 0.25).clamp(-0.34375, 0.34375)  # every other w x^2 below the tie's 1/4 (w <= 2)
+    for j, (xv, wv) in enumerate(((0.5, 1.0), (0.25, 4.0), (-0.125, 16.0))):
+        x[:, 3 + 4 * j :: 16], w[:, 3 + 4 * j :: 16] = xv, wv
+    codec, x3, w3 = split("Q6_K", x, w)
+    sp = codec.search
+    assert sp.n_elem == 2
+    got = nk.sym_search_scales(x3, w3, sp)
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "topk", _tied_topk(True))
+        want = kqs.sym_search_scales_torch(x3, w3, sp)
+        m.setattr(torch.Tensor, "topk", _tied_topk(False))
+        last = kqs.sym_search_scales_torch(x3, w3, sp)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, last)
 
 
 @pytest.mark.parametrize("name", KQUANTS)
@@ -137,6 +170,37 @@ def test_whole_search_glue_matches_the_reference_glue(name):
         assert g.dtype == t.dtype and g.shape == t.shape, f
         same &= (g == t) if g.ndim == 1 else (g == t).all(-1)
     assert same.float().mean() >= 0.95, same.float().mean()
+
+
+@pytest.mark.parametrize("name", ["Q3_K", "Q6_K"])
+def test_block_bytes_are_the_torch_packing(name):
+    """``kquant.sym_bytes`` (codes and packing in C) against the torch codes and ``pack``, bit for bit: searched
+    configurations of hard blocks and random ones with the integer scales at both ends of their range and zeros."""
+    codec = get_codec(name)
+    sp = codec.search
+    x, w = hard_blocks(70, 5)
+    g = torch.Generator().manual_seed(6)
+    k = torch.randint(sp.klo, sp.khi + 1, (70, 16), generator=g)
+    k[:, 0], k[:, 1], k[:, 2] = sp.klo, sp.khi, 0
+    d = kqs.f16_candidates(x.abs().amax(1) / (sp.khi * sp.qhi) * torch.rand(70, generator=g) * 3)
+    searched = codec.fit_params(x, w)
+    for cfg in (searched, kqs.SymConfig(d, k)):
+        got = nk.sym_bytes(name, x, cfg)
+        assert got.dtype == torch.uint8 and got.shape == (70, codec.format.type_size)
+        assert torch.equal(got, kquants.sym_bytes_torch(name, x, cfg))
+    assert torch.equal(codec.encode_blocks(x, w), kquants.sym_bytes_torch(name, x, searched))  # "auto": the C bytes
+    assert fastpaths.lookup("kquant.sym_bytes", "cpu") is nk.sym_bytes
+
+
+def test_block_bytes_only_for_the_symmetric_types():
+    x = torch.randn(2, 256)
+    cfg = kqs.SymConfig(torch.ones(2), torch.ones(2, 16, dtype=torch.int64))
+    with pytest.raises(ValueError, match="Q4_K"):
+        nk.sym_bytes("Q4_K", x, cfg)
+    with pytest.raises(ValueError, match="Q4_K"):
+        kquants.sym_bytes_torch("Q4_K", x, cfg)
+    with pytest.raises(ValueError, match=r"\(3, 256\)"):
+        nk.sym_bytes("Q6_K", torch.randn(3, 256), cfg)
 
 
 def test_threads_do_not_change_the_bytes():

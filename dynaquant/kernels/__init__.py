@@ -72,7 +72,7 @@ fastpaths.register("gptq.round_block", _loader("dynaquant.kernels.gptq_block", "
 for _attr in ("aff_search_scales", "aff_pick", "aff_refine", "sym_search_scales", "sym_pick", "sym_refine"):
     fastpaths.register(f"kquant.{_attr}", _loader("dynaquant.kernels.kquant_search", _attr))
     fastpaths.register(f"kquant.{_attr}", _loader("dynaquant.kernels.native.kquant", _attr, True), device="cpu")
-for _attr in ("sym_encode", "aff_encode"):  # the whole searches (only compiled CPU ones exist)
+for _attr in ("sym_encode", "aff_encode", "sym_bytes"):  # the whole searches and Q3_K/Q6_K's bytes (compiled CPU only)
     fastpaths.register(f"kquant.{_attr}", _loader("dynaquant.kernels.native.kquant", _attr, True), device="cpu")
 
 __all__ = ["KernelFormat", "PackedWeight", "LaunchConfig", "DeviceInfo", "pack", "unpack", "stack", "linear", "dequantize",

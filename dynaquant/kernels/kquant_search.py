@@ -139,18 +139,23 @@ def aff_pick(ref: tuple[torch.Tensor, ...], kmax: int, dc: torch.Tensor, mc: tor
     return d, dm, ks, km
 
 
-def sym_pick(a: torch.Tensor, sqq: torch.Tensor, klo: int, khi: int, cand: torch.Tensor):
+def sym_pick(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, sqq: torch.Tensor, spec: kqs.SymSearch,
+             cand: torch.Tensor, clip: bool = False):
     """Symmetric step 2 (fused): as :func:`dynaquant.quant.codecs._kquant_search.sym_pick_torch`
-    (``a``, ``sqq`` (n_super, n_sub) float32, candidates (n_super, C) float32 -> d (n_super,)
-    float32, k (n_super, n_sub) int64)."""
-    n_super, n_sub = a.shape
+    (``x``, ``w`` (n_super, n_sub, sub_size), ``a``, ``sqq`` (n_super, n_sub) float32, candidates (n_super, C)
+    float32, ranked with ``clip`` by the clipping error -> d (n_super,) float32, k (n_super, n_sub) int64)."""
+    xc, wc, n_super, n_sub, sub = _flat(x, w)
+    c = cand.shape[1]
     d = torch.zeros(n_super, dtype=torch.float32, device=a.device)
     k = torch.zeros(n_super, n_sub, dtype=torch.int64, device=a.device)
     if n_super:
-        block = _PICK_ROWS
+        # the clip steps load (block, n_sub, sub_size) tiles of x and w a candidate: rows for _TILE elements a tile
+        # (8 super-blocks of Q3_K; a power of two)
+        block = max(1, min(_PICK_ROWS, _TILE // (n_sub * sub))) if clip else _PICK_ROWS
         sym_pick_kernel[(triton.cdiv(n_super, block),)](
-            a.to(torch.float32).contiguous(), sqq.to(torch.float32).contiguous(), cand.to(torch.float32).contiguous(),
-            d, k, n_super, cand.shape[1], KLO=klo, KHI=khi, NSUB=n_sub, BLOCK_B=block, **_OPTS,
+            xc, wc, a.to(torch.float32).contiguous(), sqq.to(torch.float32).contiguous(),
+            cand.to(torch.float32).contiguous(), d, k, n_super, c, QLO=spec.qlo, QHI=spec.qhi, KLO=spec.klo,
+            KHI=spec.khi, CLIP=bool(clip), CLIP_MAX=spec.clip_max, SUB=sub, NSUB=n_sub, BLOCK_B=block, **_OPTS,
         )
     return d, k
 

@@ -15,7 +15,9 @@ reference's separate kernels).
 - :func:`sym_breakpoints_kernel`: the exhaustive search's code breakpoints of each sub-block,
   sorted in registers (``tl.sort``);
 - :func:`aff_pick_kernel` / :func:`sym_pick_kernel`: step 2, the best candidate ``d`` (and
-  ``dmin``) of each super-block by the closed-form error, one super-block a row;
+  ``dmin``) of each super-block by the closed-form error, one super-block a row (the symmetric
+  one's clip steps, ``CLIP``, also by the exact error of a clamped sub-block, loading the
+  super-block's elements for each candidate);
 - :func:`aff_refine_kernel` / :func:`sym_refine_kernel`: step 3, the moves of each
   sub-block's integer scale (and min) tried on the elements.
 
@@ -346,6 +348,8 @@ def aff_pick_kernel(
 
 @triton.jit(do_not_specialize=["B", "C"])
 def sym_pick_kernel(
+    x_ptr,
+    w_ptr,
     a_ptr,
     sqq_ptr,
     cand_ptr,
@@ -353,14 +357,21 @@ def sym_pick_kernel(
     k_ptr,
     B,
     C,
+    QLO: tl.constexpr,
+    QHI: tl.constexpr,
     KLO: tl.constexpr,
     KHI: tl.constexpr,
+    CLIP: tl.constexpr,
+    CLIP_MAX: tl.constexpr,
+    SUB: tl.constexpr,
     NSUB: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
     sb, bmask = _rows(B, BLOCK_B)
     offs = sb[:, None] * NSUB + tl.arange(0, NSUB)[None, :]
     m2 = bmask[:, None]
+    offs3 = offs[:, :, None] * SUB + tl.arange(0, SUB)[None, None, :]  # (BLOCK_B, NSUB, SUB) elements
+    m3 = bmask[:, None, None]
     a = tl.load(a_ptr + offs, mask=m2, other=0.0)
     sqq = tl.load(sqq_ptr + offs, mask=m2, other=0.0)
     best_e = tl.full((BLOCK_B,), float("inf"), dtype=tl.float32)
@@ -368,7 +379,8 @@ def sym_pick_kernel(
     best_k = tl.zeros((BLOCK_B, NSUB), dtype=tl.float32)
     for c in range(C):
         d = tl.load(cand_ptr + sb * C + c, mask=bmask, other=0.0)
-        k0 = _clampf(tl.floor(a * _inv(d)[:, None]), KLO, KHI)
+        f = tl.floor(a * _inv(d)[:, None])
+        k0 = _clampf(f, KLO, KHI)
         k1 = tl.minimum(k0 + 1.0, KHI)
         r0 = d[:, None] * k0 - a
         r1 = d[:, None] * k1 - a
@@ -377,6 +389,16 @@ def sym_pick_kernel(
         t = e1 < e0
         e = tl.where(t, e1, e0)
         k = tl.where(t, k1, k0)
+        if CLIP:  # the clip steps: a clamped sub-block's exact error where 1..CLIP_MAX clamp (sym_clip_error)
+            out = (f < KLO) | (f >= KHI)
+            cnt = tl.sum(out.to(tl.int32), 1)
+            exact = out & (cnt <= CLIP_MAX)[:, None]
+            x = tl.load(x_ptr + offs3, mask=m3, other=0.0)
+            w = tl.load(w_ptr + offs3, mask=m3, other=0.0)
+            dl = d[:, None] * k0
+            q = round_clamp(x * _inv(dl)[:, :, None], QLO, QHI)
+            r = x - dl[:, :, None] * q
+            e = tl.where(exact, tl.sum(w * r * r, 2), e)
         tot = tl.sum(e, 1)
         take = tot < best_e
         best_e = tl.where(take, tot, best_e)

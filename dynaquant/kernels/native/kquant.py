@@ -1,10 +1,10 @@
 """The K-quant searches' steps 1 to 3 on the CPU, compiled (``kquant_search.c``): the CPU fast paths
 ``kquant.sym_search_scales``, ``kquant.aff_search_scales``, ``kquant.sym_pick``, ``kquant.aff_pick``,
-``kquant.sym_refine``, ``kquant.aff_refine`` and the whole searches ``kquant.sym_encode`` (Q3_K, Q6_K) and
-``kquant.aff_encode`` (Q2_K, Q4_K, Q5_K) of
+``kquant.sym_refine``, ``kquant.aff_refine``, the whole searches ``kquant.sym_encode`` (Q3_K, Q6_K) and
+``kquant.aff_encode`` (Q2_K, Q4_K, Q5_K), and the symmetric blocks' bytes ``kquant.sym_bytes``, of
 :mod:`dynaquant.quant.codecs.fastpaths`, with the signatures and returns of their torch references in
-:mod:`dynaquant.quant.codecs._kquant_search` (shapes and dtypes there). Raises RuntimeError (from
-:func:`dynaquant.kernels.native.library`) when the library cannot be built.
+:mod:`dynaquant.quant.codecs._kquant_search` and :mod:`dynaquant.quant.codecs.kquants` (shapes and dtypes there).
+Raises RuntimeError (from :func:`dynaquant.kernels.native.library`) when the library cannot be built.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ _I64, _INT = ctypes.c_int64, ctypes.c_int
 _MAX_L = 32
 _MAX_MIDS = 256
 _MAX_S = 64
+_MAX_S_SYM = 16  # sub-blocks of a symmetric super-block (kquant_search.c's MAX_S_SYM)
 _MAX_CAND = 512  # step-1 candidates of one phase (kquant_search.c's MAX_CAND)
 
 
@@ -29,16 +30,18 @@ def _lib() -> ctypes.CDLL:
         vp = ctypes.c_void_p
         lib.dq_sym_search_scales.argtypes = [vp, vp, _I64, _INT, _INT, _INT, vp, _INT, _INT, _INT, _INT, vp]
         lib.dq_aff_search_scales.argtypes = [vp, vp, _I64, _INT, _INT, vp, _INT, vp, _INT, _INT, vp, vp]
-        lib.dq_sym_pick.argtypes = [vp, vp, _I64, _INT, _INT, _INT, vp, _INT, vp, vp]
+        lib.dq_sym_pick.argtypes = [vp, vp, vp, vp, _I64, _INT, _INT, _INT, _INT, _INT, _INT, _INT, vp, _INT, _INT, vp, vp]
         lib.dq_aff_pick.argtypes = [vp, _I64, _INT, _INT, vp, vp, _INT, vp, vp, vp, vp]
         lib.dq_sym_refine.argtypes = [vp, vp, _I64, _INT, _INT, vp, vp, _INT, _INT, _INT, _INT, vp]
         lib.dq_aff_refine.argtypes = [vp, vp, _I64, _INT, _INT, vp, vp, vp, vp, _INT, _INT, vp, _INT, vp]
         lib.dq_sym_encode.argtypes = [vp, vp, _I64, _INT, _INT, _INT, _INT, _INT, _INT, vp, _INT, _INT, _INT, _INT, vp, _INT,
-                                      _INT, vp, vp]
+                                      _INT, _INT, _INT, vp, vp]
         lib.dq_sym_encode.restype = _INT
         lib.dq_aff_encode.argtypes = [vp, vp, _I64, _INT, _INT, _INT, _INT, vp, _INT, vp, _INT, _INT, vp, _INT, vp, _INT, _INT,
                                       vp, vp, vp, vp]
         lib.dq_aff_encode.restype = _INT
+        lib.dq_sym_bytes.argtypes = [vp, _I64, vp, vp, _INT, vp]
+        lib.dq_sym_bytes.restype = None
         for f in (lib.dq_sym_search_scales, lib.dq_aff_search_scales, lib.dq_sym_pick, lib.dq_aff_pick, lib.dq_sym_refine,
                   lib.dq_aff_refine):
             f.restype = None
@@ -105,17 +108,24 @@ def aff_search_scales(x: torch.Tensor, w: torch.Tensor, spec, iters: int = 3):
     return a, b
 
 
-def sym_pick(a: torch.Tensor, sqq: torch.Tensor, klo: int, khi: int, cand: torch.Tensor):
+def sym_pick(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, sqq: torch.Tensor, spec, cand: torch.Tensor,
+             clip: bool = False):
     """As :func:`dynaquant.quant.codecs._kquant_search.sym_pick_torch`."""
+    x, w = _sub_blocks(x, w)
+    if x.shape[1] > _MAX_S_SYM:
+        raise ValueError(f"at most {_MAX_S_SYM} sub-blocks a symmetric super-block, got {x.shape[1]}")
     a, sqq, cand = (cpu_contiguous(t, torch.float32) for t in (a, sqq, cand))
     B, S = a.shape
+    L = x.shape[-1]
     C = cand.shape[1]
     lib = _lib()
     d = torch.empty(B, dtype=torch.float32)
     k = torch.empty(B, S, dtype=torch.int64)
 
     def run(i0, i1):
-        lib.dq_sym_pick(ptr(a, i0 * S), ptr(sqq, i0 * S), i1 - i0, S, klo, khi, ptr(cand, i0 * C), C, ptr(d, i0), ptr(k, i0 * S))
+        lib.dq_sym_pick(ptr(x, i0 * S * L), ptr(w, i0 * S * L), ptr(a, i0 * S), ptr(sqq, i0 * S), i1 - i0, S, L, spec.qlo,
+                        spec.qhi, spec.klo, spec.khi, spec.clip_max, ptr(cand, i0 * C), C, int(bool(clip)), ptr(d, i0),
+                        ptr(k, i0 * S))
 
     split_rows(B, run)
     return d, k
@@ -188,16 +198,18 @@ def sym_encode(x: torch.Tensor, w: torch.Tensor, spec) -> SymConfig:
     B, S, L = x.shape
     if spec.exhaustive and L * max(-spec.qlo, spec.qhi) > _MAX_MIDS:
         raise ValueError(f"exhaustive search of {L} x {max(-spec.qlo, spec.qhi)} breakpoints: at most {_MAX_MIDS}")
+    if S > _MAX_S_SYM:
+        raise ValueError(f"at most {_MAX_S_SYM} sub-blocks a symmetric super-block, got {S}")
     _check_candidates(spec)
     lib, steps = _lib(), _f32(spec.steps)
-    ds = torch.tensor([float(t) for t in spec.d_steps], dtype=torch.float64)
+    ds = torch.tensor([float(t) for t in spec.d_grid()], dtype=torch.float64)
     d = torch.empty(B, dtype=torch.float32)
     k = torch.empty(B, S, dtype=torch.int64)
 
     def run(i0, i1):
         rc = lib.dq_sym_encode(ptr(x, i0 * S * L), ptr(w, i0 * S * L), i1 - i0, S, L, spec.qlo, spec.qhi, spec.klo, spec.khi,
                                ptr(steps), len(steps), int(bool(spec.exhaustive)), int(spec.n_elem), 2, ptr(ds), len(ds),
-                               spec.rounds, ptr(d, i0), ptr(k, i0 * S))
+                               len(spec.d_steps), spec.rounds, spec.clip_max, ptr(d, i0), ptr(k, i0 * S))
         if rc:
             raise MemoryError(f"the compiled K-quant search could not allocate buffers for {i1 - i0} super-blocks")
 
@@ -229,3 +241,29 @@ def aff_encode(x: torch.Tensor, w: torch.Tensor, spec) -> AffConfig:
 
     split_rows(B, run)
     return AffConfig(d, m, ks, km)
+
+
+_SYM_BYTES = {"Q3_K": (3, 110), "Q6_K": (6, 210)}  # code bits and block bytes of the symmetric K-quants
+
+
+def sym_bytes(format_name: str, x: torch.Tensor, cfg: SymConfig) -> torch.Tensor:
+    """As :func:`dynaquant.quant.codecs.kquants.sym_bytes_torch`: the codes and their packing in one compiled pass
+    (the torch version makes an int64 code tensor and a dozen shifted copies of it). Raises ValueError for another
+    format or shape."""
+    if format_name not in _SYM_BYTES:
+        raise ValueError(f"no compiled packing of {format_name}: {', '.join(_SYM_BYTES)}")
+    n = x.shape[0]
+    if x.shape != (n, 256) or cfg.d.shape != (n,) or cfg.k.shape != (n, 16):
+        raise ValueError(f"expected x (n, 256), d (n,), k (n, 16), got {tuple(x.shape)}, {tuple(cfg.d.shape)}, "
+                         f"{tuple(cfg.k.shape)}")
+    qbits, tsize = _SYM_BYTES[format_name]
+    x = cpu_contiguous(x, torch.float32)
+    d, k = cpu_contiguous(cfg.d, torch.float32), cpu_contiguous(cfg.k, torch.int64)
+    out = torch.empty(n, tsize, dtype=torch.uint8)
+    lib = _lib()
+
+    def run(i0, i1):
+        lib.dq_sym_bytes(ptr(x, i0 * 256), i1 - i0, ptr(d, i0), ptr(k, i0 * 16), qbits, ptr(out, i0 * tsize))
+
+    split_rows(n, run)
+    return out

@@ -6,6 +6,9 @@
    contract of the Triton fast paths, held by tests/test_kquant_native.py). Built with -ffp-contract=off (no fused
    multiply-adds) and without -ffast-math, so a result does not depend on the machine's vector width.
 
+   Step 2 of the symmetric search ranks its clip steps (candidates that clamp the largest sub-block scales) with the
+   exact error of a clamped sub-block (sym_clip_lanes), its grid by the quadratic alone (sym_pick_lanes).
+
    Speed comes from lanes: step 1 runs LANES sub-blocks side by side (an element loop whose body is one vector
    operation a lane group; each lane's sum stays in element order), step 2 runs LANES candidates side by side.
    No allocation, no threads: the Python side splits the super-blocks across threads (ctypes releases the GIL).
@@ -22,11 +25,19 @@
 #define MAX_L 32    /* sub-block size: 16 (Q2_K, Q3_K, Q6_K) or 32 (Q4_K, Q5_K) */
 #define MAX_MIDS 256 /* exhaustive candidates a sub-block: L * max(-qlo, qhi) */
 #define MAX_CAND 512 /* step-1 candidates of one phase: 2 x MAX_MIDS, 2 x steps, the nonzero levels */
+#define MAX_S_SYM 16 /* sub-blocks of a symmetric super-block (Q3_K, Q6_K) */
 
 /* inv(): 1 / b where b != 0, else 0 (the quotient computed either way: a select, not a branch, in vector loops) */
 static inline float invf(float b) {
     float r = 1.0f / b;
     return b != 0.0f ? r : 0.0f;
+}
+/* clampf where lo <= hi, for the hot loops: the same value (NaN passes through, a signed zero is kept), written in
+   the operand orders of the minps / maxps instructions so that the compiler emits those instead of a compare and a
+   blend a side (step 1 of Q6_K 22% faster; in aff_pick_lanes it made the loop slower, so it stays on clampf) */
+static inline float clamp_mm(float v, float lo, float hi) {
+    float t = hi < v ? hi : v;
+    return lo > t ? lo : t;
 }
 static inline double safe_divd(double a, double b) { return b != 0.0 ? a / b : 0.0; }
 
@@ -66,7 +77,7 @@ static void sym_consider(SymLanes *s, float (*isc)[LANES], int nc) {
         for (int l = 0; l < s->L; l++)
             for (int k = 0; k < 4; k++)
                 for (int v = 0; v < LANES; v++) {
-                    float q = clampf(nearbyintf(s->xt[l][v] * isc[c + k][v]), s->qlo, s->qhi);
+                    float q = clamp_mm(nearbyintf(s->xt[l][v] * isc[c + k][v]), s->qlo, s->qhi);
                     sxq[k][v] += s->wxt[l][v] * q;
                     sqq[k][v] += (s->wt[l][v] * q) * q;
                 }
@@ -77,7 +88,7 @@ static void sym_consider(SymLanes *s, float (*isc)[LANES], int nc) {
         for (int v = 0; v < LANES; v++) sxq[v] = sqq[v] = 0.0f;
         for (int l = 0; l < s->L; l++)
             for (int v = 0; v < LANES; v++) {
-                float q = clampf(nearbyintf(s->xt[l][v] * isc[c][v]), s->qlo, s->qhi);
+                float q = clamp_mm(nearbyintf(s->xt[l][v] * isc[c][v]), s->qlo, s->qhi);
                 sxq[v] += s->wxt[l][v] * q;
                 sqq[v] += (s->wt[l][v] * q) * q;
             }
@@ -116,18 +127,17 @@ void dq_sym_search_scales(const float *x, const float *w, int64_t n, int L, int 
     static __thread float cand[MAX_CAND][LANES], bp[MAX_MIDS][LANES];
     float inv_amax[LANES];
     for (int64_t j0 = 0; j0 < n; j0 += LANES) {
-        int nv = n - j0 < LANES ? (int)(n - j0) : LANES;
-        for (int v = 0; v < LANES; v++) {
-            float amax = 0.0f;
-            for (int l = 0; l < L; l++) {
-                float xv = v < nv ? x[(j0 + v) * L + l] : 0.0f, wv = v < nv ? w[(j0 + v) * L + l] : 0.0f;
-                s.xt[l][v] = xv;
-                s.wt[l][v] = wv;
-                s.wxt[l][v] = wv * xv;
-                float ax = fabsf(xv);
-                amax = ax > amax ? ax : amax; /* amax of |x| (no NaN in weights) */
+        int nv = load_lanes(x, w, n, j0, L, s.xt, s.wt);
+        float amax[LANES];
+        for (int v = 0; v < LANES; v++) amax[v] = 0.0f;
+        for (int l = 0; l < L; l++)
+            for (int v = 0; v < LANES; v++) {
+                s.wxt[l][v] = s.wt[l][v] * s.xt[l][v];
+                float ax = fabsf(s.xt[l][v]);
+                amax[v] = ax > amax[v] ? ax : amax[v]; /* amax of |x| (no NaN in weights) */
             }
-            inv_amax[v] = invf(amax);
+        for (int v = 0; v < LANES; v++) {
+            inv_amax[v] = invf(amax[v]);
             s.best_gain[v] = -1.0;
             s.best_a[v] = 0.0;
         }
@@ -165,23 +175,33 @@ void dq_sym_search_scales(const float *x, const float *w, int64_t n, int L, int 
         }
         if (n_elem > 0) {
             int ne = n_elem < L ? n_elem : L;
-            int idx[LANES][MAX_L];
-            for (int v = 0; v < LANES; v++) { /* the ne largest w x x, the first index on a tie */
-                int used[MAX_L] = {0};
-                for (int k = 0; k < ne; k++) {
-                    int bi = -1;
-                    float bk = 0.0f;
-                    for (int l = 0; l < L; l++) {
-                        float key = (s.wt[l][v] * s.xt[l][v]) * s.xt[l][v];
-                        if (!used[l] && (bi < 0 || key > bk)) { bi = l; bk = key; }
-                    }
-                    used[bi] = 1;
-                    idx[v][k] = bi;
+            /* the ne largest w x x of every lane, the first index on a tie (a select a lane: no branch to mispredict,
+               the loop over lanes one vector), kept as the element's x */
+            float key[MAX_L][LANES], xsel[MAX_L][LANES];
+            int used[MAX_L][LANES];
+            for (int l = 0; l < L; l++)
+                for (int v = 0; v < LANES; v++) {
+                    key[l][v] = s.wxt[l][v] * s.xt[l][v];
+                    used[l][v] = 0;
                 }
+            for (int k = 0; k < ne; k++) {
+                int bi[LANES];
+                float bk[LANES], bx[LANES];
+                for (int v = 0; v < LANES; v++) { bi[v] = -1; bk[v] = 0.0f; bx[v] = 0.0f; }
+                for (int l = 0; l < L; l++)
+                    for (int v = 0; v < LANES; v++) {
+                        int take = !used[l][v] & ((bi[v] < 0) | (key[l][v] > bk[v]));
+                        bi[v] = take ? l : bi[v];
+                        bk[v] = take ? key[l][v] : bk[v];
+                        bx[v] = take ? s.xt[l][v] : bx[v];
+                    }
+                for (int l = 0; l < L; l++)
+                    for (int v = 0; v < LANES; v++) used[l][v] |= bi[v] == l;
+                for (int v = 0; v < LANES; v++) xsel[k][v] = bx[v];
             }
             for (int k = 0; k < ne; k++) {
                 float inv_xi[LANES];
-                for (int v = 0; v < LANES; v++) inv_xi[v] = invf(s.xt[idx[v][k]][v]);
+                for (int v = 0; v < LANES; v++) inv_xi[v] = invf(xsel[k][v]);
                 nc = 0;
                 for (int lev = qlo; lev <= qhi; lev++) {
                     if (!lev) continue;
@@ -336,25 +356,86 @@ void dq_aff_search_scales(const float *x, const float *w, int64_t n, int L, int 
 
 /* ------------------------------------------------------------------------------------------- step 2, symmetric */
 
-/* One sub-block's term of sym_eval_error for LANES candidates d (inverses id), added to e. */
-static void sym_pick_lanes(const float *restrict d, const float *restrict id, float aj, float qj, float flo, float fhi,
-                           float *restrict e) {
+/* One sub-block's term of sym_eval_error (the quadratic alone) for LANES candidates d (inverses id), added to e. */
+static inline void sym_pick_lanes(const float *restrict d, const float *restrict id, float aj, float qj, float flo,
+                                  float fhi, float *restrict e) {
     for (int v = 0; v < LANES; v++) {
-        float k0 = clampf(floorf(aj * id[v]), flo, fhi);
-        float k1 = clampf(k0 + 1.0f, flo, fhi);
+        float k0 = clamp_mm(floorf(aj * id[v]), flo, fhi);
+        float k1 = clamp_mm(k0 + 1.0f, flo, fhi);
         float r0 = d[v] * k0 - aj, r1 = d[v] * k1 - aj;
         float e0 = qj * r0 * r0, e1 = qj * r1 * r1;
         e[v] += e1 < e0 ? e1 : e0; /* torch.minimum (no NaN here) */
     }
 }
 
-/* sym_pick_torch for n super-blocks of S sub-blocks: a, sqq (n, S) float32, cand (n, C) float32 -> out_d (n,)
-   float32, out_k (n, S) int64. Candidates run LANES at a time, each lane's sum over sub-blocks in order. */
-void dq_sym_pick(const float *a, const float *sqq, int64_t n, int S, int klo, int khi, const float *cand, int C,
-                 float *out_d, int64_t *out_k) {
-    const float flo = (float)klo, fhi = (float)khi;
+/* The exact error of one sub-block's L elements (x, w) at the scales d k of LANES candidates: sym_error's terms in
+   element order, codes re-rounded. */
+static inline void sym_pick_exact(const float *restrict d, const float *restrict k, const float *restrict xj,
+                                  const float *restrict wj, int L, float qlo, float qhi, float *restrict ex) {
+    float dl[LANES], idl[LANES];
+    for (int v = 0; v < LANES; v++) {
+        dl[v] = d[v] * k[v];
+        idl[v] = invf(dl[v]);
+        ex[v] = 0.0f;
+    }
+    for (int l = 0; l < L; l++)
+        for (int v = 0; v < LANES; v++) {
+            float q = clamp_mm(nearbyintf(xj[l] * idl[v]), qlo, qhi);
+            float r = xj[l] - dl[v] * q;
+            ex[v] += (wj[l] * r) * r;
+        }
+}
+
+/* sym_clip_error of LANES candidates d over a super-block's S sub-blocks -> e (sums in sub-block order): the
+   quadratic terms, but where a lane clamps 1 to clip_max sub-blocks, those sub-blocks' exact errors at the clamped
+   scale (one vector pass over a clamped sub-block's elements for all lanes). */
+static void sym_clip_lanes(const float *restrict d, const float *restrict ab, const float *restrict qb,
+                           const float *restrict xb, const float *restrict wb, int S, int L, float flo, float fhi,
+                           float qlo, float qhi, int clip_max, float *restrict e) {
+    float id[LANES], cnt[LANES];
+    for (int v = 0; v < LANES; v++) {
+        id[v] = invf(d[v]);
+        cnt[v] = e[v] = 0.0f;
+    }
+    for (int j = 0; j < S; j++)
+        for (int v = 0; v < LANES; v++) {
+            float f = floorf(ab[j] * id[v]);
+            cnt[v] += (f < flo) | (f >= fhi) ? 1.0f : 0.0f;
+        }
+    const float cmax = (float)clip_max;
+    for (int j = 0; j < S; j++) {
+        float eq[LANES], k0[LANES], ex[LANES];
+        int any = 0;
+        for (int v = 0; v < LANES; v++) {
+            float f = floorf(ab[j] * id[v]);
+            k0[v] = clamp_mm(f, flo, fhi);
+            float k1 = clamp_mm(k0[v] + 1.0f, flo, fhi);
+            float r0 = d[v] * k0[v] - ab[j], r1 = d[v] * k1 - ab[j];
+            float e0 = qb[j] * r0 * r0, e1 = qb[j] * r1 * r1;
+            eq[v] = e1 < e0 ? e1 : e0;
+            any |= ((f < flo) | (f >= fhi)) & (cnt[v] <= cmax);
+        }
+        if (any) {
+            sym_pick_exact(d, k0, xb + j * L, wb + j * L, L, qlo, qhi, ex);
+            for (int v = 0; v < LANES; v++) {
+                float f = floorf(ab[j] * id[v]);
+                eq[v] = ((f < flo) | (f >= fhi)) & (cnt[v] <= cmax) ? ex[v] : eq[v];
+            }
+        }
+        for (int v = 0; v < LANES; v++) e[v] += eq[v];
+    }
+}
+
+/* sym_pick_torch for n super-blocks of S sub-blocks of L: x, w (n, S, L) float32, a, sqq (n, S) float32, cand
+   (n, C) float32 ranked by sym_eval_error, or with clip by sym_clip_error -> out_d (n,) float32, out_k (n, S) int64.
+   Candidates run LANES at a time, each lane's sum over sub-blocks in order. */
+void dq_sym_pick(const float *x, const float *w, const float *a, const float *sqq, int64_t n, int S, int L, int qlo,
+                 int qhi, int klo, int khi, int clip_max, const float *cand, int C, int clip, float *out_d,
+                 int64_t *out_k) {
+    const float flo = (float)klo, fhi = (float)khi, fqlo = (float)qlo, fqhi = (float)qhi;
     for (int64_t b = 0; b < n; b++) {
         const float *ab = a + b * S, *qb = sqq + b * S, *cb = cand + b * (int64_t)C;
+        const float *xb = x + b * S * L, *wb = w + b * S * L;
         float best_e = 0.0f, best_d = 0.0f;
         int have = 0;
         for (int c0 = 0; c0 < C; c0 += LANES) {
@@ -365,7 +446,10 @@ void dq_sym_pick(const float *a, const float *sqq, int64_t n, int S, int klo, in
                 id[v] = invf(d[v]);
                 e[v] = 0.0f;
             }
-            for (int j = 0; j < S; j++) sym_pick_lanes(d, id, ab[j], qb[j], flo, fhi, e);
+            if (!clip)
+                for (int j = 0; j < S; j++) sym_pick_lanes(d, id, ab[j], qb[j], flo, fhi, e);
+            else
+                sym_clip_lanes(d, ab, qb, xb, wb, S, L, flo, fhi, fqlo, fqhi, clip_max, e);
             for (int v = 0; v < nc; v++) {
                 if (!have || e[v] < best_e) { best_e = e[v]; best_d = d[v]; have = 1; }
             }
@@ -373,8 +457,8 @@ void dq_sym_pick(const float *a, const float *sqq, int64_t n, int S, int klo, in
         out_d[b] = best_d;
         float id = invf(best_d);
         for (int j = 0; j < S; j++) {
-            float k0 = clampf(floorf(ab[j] * id), flo, fhi);
-            float k1 = clampf(k0 + 1.0f, flo, fhi);
+            float k0 = clamp_mm(floorf(ab[j] * id), flo, fhi);
+            float k1 = clamp_mm(k0 + 1.0f, flo, fhi);
             float r0 = best_d * k0 - ab[j], r1 = best_d * k1 - ab[j];
             float e0 = qb[j] * r0 * r0, e1 = qb[j] * r1 * r1;
             out_k[b * S + j] = (int64_t)(e1 < e0 ? k1 : k0);
@@ -506,7 +590,7 @@ static void lane_error(float xt[][LANES], float wt[][LANES], int L, const float 
     }
     for (int l = 0; l < L; l++)
         for (int v = 0; v < LANES; v++) {
-            float q = clampf(nearbyintf((xt[l][v] + ml[v]) * idl[v]), qlo, qhi);
+            float q = clamp_mm(nearbyintf((xt[l][v] + ml[v]) * idl[v]), qlo, qhi);
             float r = xt[l][v] - (dl[v] * q - ml[v]);
             err[v] += (wt[l][v] * r) * r;
         }
@@ -597,17 +681,18 @@ static void codes_rows(const float *x, const float *dl, const float *ml, int64_t
     for (int64_t j = 0; j < n_sub; j++) {
         float id = invf(dl[j]);
         if (ml == NULL)
-            for (int l = 0; l < L; l++) q[j * L + l] = clampf(nearbyintf(x[j * L + l] * id), lo, hi);
+            for (int l = 0; l < L; l++) q[j * L + l] = clamp_mm(nearbyintf(x[j * L + l] * id), lo, hi);
         else
-            for (int l = 0; l < L; l++) q[j * L + l] = clampf(nearbyintf((x[j * L + l] + ml[j]) * id), lo, hi);
+            for (int l = 0; l < L; l++) q[j * L + l] = clamp_mm(nearbyintf((x[j * L + l] + ml[j]) * id), lo, hi);
     }
 }
 
 /* sym_encode_torch (steps 1-3, spec.rounds rounds) for n super-blocks of S sub-blocks of L: out_d (n,) float32,
-   out_k (n, S) int64. Returns 0, or -1 when memory runs out. d_steps as float64. */
+   out_k (n, S) int64. Returns 0, or -1 when memory runs out. d_steps as float64: the spec's d_steps (the first
+   n_grid) then its clip_steps. */
 int dq_sym_encode(const float *x, const float *w, int64_t n, int S, int L, int qlo, int qhi, int klo, int khi,
                   const float *steps, int n_steps, int exhaustive, int n_elem, int iters, const double *d_steps, int n_d,
-                  int rounds, float *out_d, int64_t *out_k) {
+                  int n_grid, int rounds, int clip_max, float *out_d, int64_t *out_k) {
     const int64_t ns = n * S;
     const int cmax = 2 * n_d + 2;
     double *a = malloc(ns * sizeof(double)), *err = malloc(n * sizeof(double)), *best_err = malloc(n * sizeof(double));
@@ -634,16 +719,18 @@ int dq_sym_encode(const float *x, const float *w, int64_t n, int S, int L, int q
                 af[j] = (float)a[j];
                 sqqf[j] = s2;
             }
-            int C = r > 0 ? 2 * n_d + 2 : 2 * n_d;
+            const int n_clip = n_d - n_grid, Cg = r > 0 ? 2 * n_grid + 2 : 2 * n_grid, Cc = 2 * n_clip;
             for (int64_t b = 0; b < n; b++) {
                 const double *ab = a + b * S;
                 int im = 0;
                 for (int j = 1; j < S; j++)
                     if (fabs(ab[j]) > fabs(ab[im])) im = j; /* argmax: the first maximum */
                 double am = ab[im];
-                float *cb = cand + b * C;
-                for (int t = 0; t < n_d; t++) cb[t] = f16_candidate(am / d_steps[t]);
-                for (int t = 0; t < n_d; t++) cb[n_d + t] = f16_candidate(-am / d_steps[t]);
+                float *cb = cand + b * Cg, *cc = cand + n * Cg + b * Cc; /* the grid's candidates, the clip steps' */
+                for (int t = 0; t < n_grid; t++) cb[t] = f16_candidate(am / d_steps[t]);
+                for (int t = 0; t < n_grid; t++) cb[n_grid + t] = f16_candidate(-am / d_steps[t]);
+                for (int t = 0; t < n_clip; t++) cc[t] = f16_candidate(am / d_steps[n_grid + t]);
+                for (int t = 0; t < n_clip; t++) cc[n_clip + t] = f16_candidate(-am / d_steps[n_grid + t]);
                 if (r > 0) { /* the kept d and its least-squares refit to the current codes and integer scales */
                     double num = 0.0, den = 0.0;
                     for (int j = 0; j < S; j++) {
@@ -651,18 +738,23 @@ int dq_sym_encode(const float *x, const float *w, int64_t n, int S, int L, int q
                         num += kf * sxq[b * S + j];
                         den += kf * kf * sqq[b * S + j];
                     }
-                    cb[2 * n_d] = f16_candidate((double)out_d[b]);
-                    cb[2 * n_d + 1] = f16_candidate(den != 0.0 ? num / den : 0.0);
+                    cb[2 * n_grid] = f16_candidate((double)out_d[b]);
+                    cb[2 * n_grid + 1] = f16_candidate(den != 0.0 ? num / den : 0.0);
                 }
             }
-            dq_sym_pick(af, sqqf, n, S, klo, khi, cand, C, d, k);
-            dq_sym_refine(x, w, n, S, L, d, k, qlo, qhi, klo, khi, err);
-            for (int64_t b = 0; b < n; b++)
-                if (r == 0 || err[b] < best_err[b]) {
-                    best_err[b] = err[b];
-                    out_d[b] = d[b];
-                    memcpy(out_k + b * S, k + b * S, S * sizeof(int64_t));
-                }
+            /* the grid by the quadratic, then the clip steps with clipping: each picked and refined, the exact error
+               keeping the best (the first on a tie) */
+            for (int g = 0; g < (n_clip > 0 ? 2 : 1); g++) {
+                dq_sym_pick(x, w, af, sqqf, n, S, L, qlo, qhi, klo, khi, clip_max, g ? cand + n * Cg : cand,
+                            g ? Cc : Cg, g, d, k);
+                dq_sym_refine(x, w, n, S, L, d, k, qlo, qhi, klo, khi, err);
+                for (int64_t b = 0; b < n; b++)
+                    if ((r == 0 && g == 0) || err[b] < best_err[b]) {
+                        best_err[b] = err[b];
+                        out_d[b] = d[b];
+                        memcpy(out_k + b * S, k + b * S, S * sizeof(int64_t));
+                    }
+            }
             if (r + 1 < rounds) {
                 for (int64_t j = 0; j < ns; j++) dl[j] = out_d[j / S] * (float)out_k[j];
                 codes_rows(x, dl, NULL, ns, L, (float)qlo, (float)qhi, q);
@@ -815,4 +907,53 @@ int dq_aff_encode(const float *x, const float *w, int64_t n, int S, int L, int q
     free(a); free(b); free(sw); free(sx); free(sq); free(sqq); free(sxq); free(err); free(best_err); free(q); free(ref);
     free(dl); free(ml); free(dc); free(mc); free(gm); free(d); free(dm); free(ks); free(km);
     return ok ? 0 : -1;
+}
+
+/* ------------------------------------------------------------------------------------------- block bytes */
+
+/* The bytes of n symmetric super-blocks (kquants.sym_bytes_torch: codes_rows' nearest codes at decode's sub-block
+   scales d * k, stored as llama.cpp's block_q3_K (qbits 3: hmask[32], qs[64], scales[12], d) or block_q6_K
+   (qbits 6: ql[128], qh[64], scales[16], d)): x (n, 256) float32, d (n,) float32 holding float16 values, k (n, 16)
+   int64 -> out (n, 110 or 210) uint8. */
+void dq_sym_bytes(const float *x, int64_t n, const float *d, const int64_t *k, int qbits, uint8_t *out) {
+    const int qlo = qbits == 3 ? -4 : -32, qhi = -qlo - 1, tsize = qbits == 3 ? 110 : 210;
+    for (int64_t b = 0; b < n; b++) {
+        float dl[16], qf[256];
+        uint8_t c[256], *o = out + b * tsize;
+        for (int j = 0; j < 16; j++) dl[j] = d[b] * (float)k[b * 16 + j];
+        codes_rows(x + b * 256, dl, NULL, 16, 16, (float)qlo, (float)qhi, qf);
+        for (int i = 0; i < 256; i++) c[i] = (uint8_t)((int)qf[i] - qlo); /* the stored value q - qlo */
+        uint16_t h = f32_to_f16(d[b]);
+        if (qbits == 3) {
+            memset(o, 0, 32);
+            for (int i = 0; i < 256; i++) o[i % 32] |= (uint8_t)((c[i] >> 2) << (i / 32)); /* hmask: bit planes */
+            for (int hh = 0; hh < 2; hh++) /* qs: element 128 h + 32 s + l at bits 2 s of byte 32 h + l */
+                for (int l = 0; l < 32; l++) {
+                    const uint8_t *e = c + 128 * hh + l;
+                    o[32 + 32 * hh + l] = (uint8_t)((e[0] & 3) | ((e[32] & 3) << 2) | ((e[64] & 3) << 4) | ((e[96] & 3) << 6));
+                }
+            uint8_t *sc = o + 96;
+            memset(sc, 0, 12);
+            for (int j = 0; j < 16; j++) { /* 6-bit k + 32: low nibbles of j and j + 8 share byte j % 8 */
+                int s = (int)k[b * 16 + j] + 32;
+                sc[j % 8] |= (uint8_t)((s & 15) << (j < 8 ? 0 : 4));
+                sc[8 + j % 4] |= (uint8_t)((s >> 4) << (2 * (j / 4)));
+            }
+            o[108] = (uint8_t)(h & 255);
+            o[109] = (uint8_t)(h >> 8);
+        } else {
+            for (int hh = 0; hh < 2; hh++) {
+                for (int l = 0; l < 64; l++) /* ql: element 128 h + l low nibble, 128 h + 64 + l high, byte 64 h + l */
+                    o[64 * hh + l] = (uint8_t)((c[128 * hh + l] & 15) | ((c[128 * hh + 64 + l] & 15) << 4));
+                for (int l = 0; l < 32; l++) { /* qh: the high 2 bits, laid out as Q3_K's qs */
+                    const uint8_t *e = c + 128 * hh + l;
+                    o[128 + 32 * hh + l] =
+                        (uint8_t)((e[0] >> 4) | ((e[32] >> 4) << 2) | ((e[64] >> 4) << 4) | ((e[96] >> 4) << 6));
+                }
+            }
+            for (int j = 0; j < 16; j++) o[192 + j] = (uint8_t)(int8_t)k[b * 16 + j];
+            o[208] = (uint8_t)(h & 255);
+            o[209] = (uint8_t)(h >> 8);
+        }
+    }
 }

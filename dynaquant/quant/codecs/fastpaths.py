@@ -50,6 +50,7 @@ NAMES = {
     "kquant.sym_refine": "dynaquant.quant.codecs._kquant_search.sym_refine_torch",
     "kquant.sym_encode": "dynaquant.quant.codecs._kquant_search.sym_encode_torch",
     "kquant.aff_encode": "dynaquant.quant.codecs._kquant_search.aff_encode_torch",
+    "kquant.sym_bytes": "dynaquant.quant.codecs.kquants.sym_bytes_torch",
     "gptq.round_block": "dynaquant.quant.gptq.round_block_torch",
 }
 

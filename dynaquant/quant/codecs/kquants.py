@@ -36,8 +36,9 @@ import torch
 
 from dynaquant.quant.codecs import _kquant_search as kqs
 from dynaquant.quant.codecs import kquant_fast as kqf
-from dynaquant.quant.codecs.base import Codec, ColumnGrid, register
+from dynaquant.quant.codecs.base import Codec, ColumnGrid, get_codec, register
 from dynaquant.quant.codecs.consts import device_constant
+from dynaquant.quant.codecs.fastpaths import fast_path
 
 QK_K = 256
 
@@ -177,8 +178,13 @@ class _KQuant(Codec):
     ) -> torch.Tensor:
         """As :meth:`Codec.encode_blocks`; ``thorough=False`` runs the fast search of :mod:`.kquant_fast`;
         ``backend`` chooses the thorough search's fused kernels (``kquant.*`` of
-        :mod:`.fastpaths`: on CUDA tensors under ``"auto"``); ``variant`` is unused."""
+        :mod:`.fastpaths`: on CUDA tensors under ``"auto"``; on CPU tensors the compiled search, and for Q3_K and
+        Q6_K the compiled :func:`sym_bytes_torch`); ``variant`` is unused."""
         params = self.fit_params(x, w, thorough=thorough, backend=backend)
+        if isinstance(params, kqs.SymConfig) and backend in ("auto", "native"):  # Q3_K, Q6_K: codes and bytes compiled
+            fn = fast_path("kquant.sym_bytes", x, backend)
+            if fn is not None:
+                return fn(self.format_name, x, params)
         return self.pack(params, self._block_codes(x, params))
 
     def _block_codes(self, x: torch.Tensor, params) -> torch.Tensor:
@@ -293,7 +299,10 @@ class Q3_K(_KQuant):
 
     format_name = "Q3_K"
     n_sub = 16
-    search = kqs.SymSearch(qlo=-4, qhi=3, klo=-32, khi=31, d_steps=_grid(20.0, 32.5, 0.25), exhaustive=True)
+    search = kqs.SymSearch(
+        qlo=-4, qhi=3, klo=-32, khi=31, d_steps=_grid(20.0, 32.5, 0.25), exhaustive=True,
+        clip_steps=_geom(32.5 * 1.25, 1.25, 6),  # d down to max|A| / 124: an outlier sub-block's scale clipped
+    )
     fast = kqf.FastSym(qlo=-4, qhi=3, klo=-32, khi=31, d_steps=_geom(28.0, 1.12, 11), exact=True)
 
     def pack(self, params: kqs.SymConfig, codes: torch.Tensor) -> torch.Tensor:
@@ -368,6 +377,17 @@ class Q5_K(_KQuant):
         self._check_bytes(b)
         q = _unpack_nibbles(b[:, 48:176]) | (_unpack_bitplanes(b[:, 16:48]) << 4)
         return _decode_q45(b, q)
+
+
+def sym_bytes_torch(format_name: str, x: torch.Tensor, cfg: kqs.SymConfig) -> torch.Tensor:
+    """The bytes of symmetric K-quant blocks (``"Q3_K"`` or ``"Q6_K"``) for their configuration: the nearest codes at
+    decode's sub-block scales, packed. x (n, 256) float32, ``cfg.d`` (n,) float32 holding float16 values, ``cfg.k``
+    (n, 16) int64 -> (n, type_size) uint8. The reference of the fast path ``kquant.sym_bytes``. Raises ValueError
+    for another format."""
+    codec = get_codec(format_name)
+    if not isinstance(codec, _KQuant) or not isinstance(codec.search, kqs.SymSearch):
+        raise ValueError(f"{format_name} is not a symmetric K-quant (Q3_K, Q6_K)")
+    return codec.pack(cfg, codec._block_codes(x, cfg))
 
 
 def _decode_q45(b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
