@@ -180,7 +180,9 @@ def test_pick_with_eight_sub_blocks_as_iq4_xs_uses_it():
     am = a.double().gather(1, a.abs().argmax(1, keepdim=True))
     ts = torch.tensor(IQ4_XS.d_steps, dtype=torch.float64, device=DEVICE)
     cand = kqs.f16_candidates(torch.cat([am / ts, -am / ts], 1))
-    got, want = ks.sym_pick(a, sqq, -32, 31, cand), kqs.sym_pick_torch(a, sqq, -32, 31, cand)
+    x3 = torch.randn(n, 8, 32, generator=g).to(DEVICE)  # (read only by clip candidates)
+    spec = IQ4_XS._pick_spec
+    got, want = ks.sym_pick(x3, x3.abs(), a, sqq, spec, cand), kqs.sym_pick_torch(x3, x3.abs(), a, sqq, spec, cand)
     e_got = kqs.sym_eval_error(a, sqq, -32, 31, got[0][:, None])[:, 0]
     e_want = kqs.sym_eval_error(a, sqq, -32, 31, want[0][:, None])[:, 0]
     same = (got[0] == want[0]) & (got[1] == want[1]).all(1)

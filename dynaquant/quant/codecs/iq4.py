@@ -80,6 +80,8 @@ class IQ4_XS(Codec):
     anchor_offsets = (-2, -1, 0, 1, 2)
     d_steps = _d_steps()
     rounds = 2
+    # step 2's ranges for kquant's symmetric pick (no clip candidates: only the integer sub-scale range is read)
+    _pick_spec = kqs.SymSearch(qlo=0, qhi=0, klo=_KLO, khi=_KHI, d_steps=d_steps)
 
     # ------------------------------------------------------------------ search
 
@@ -131,7 +133,7 @@ class IQ4_XS(Codec):
             cand = kqs.f16_candidates(torch.cat(cand, 1))
             # the K-quants' step 2 (its fused kernel on a GPU: the (n, candidates, sub-blocks) float64 errors of the
             # torch reference were most of this search's time on an H200)
-            d, k = kqs.sym_pick(a.float(), sqq.float(), _KLO, _KHI, cand, backend)
+            d, k = kqs.sym_pick(x3, w3, a.float(), sqq.float(), self._pick_spec, cand, backend=backend)
             cfg, err = self._refine(x3, w3, kqs.SymConfig(d, k))
             if best is None:
                 best, best_err = cfg, err
