@@ -3,7 +3,8 @@
 On the CPU the codecs' torch references make one pass over memory an operation, which left the K-quant searches
 10-30x slower than llama.cpp's C encoders on the same cores (``benchmarks/encode_speed.py --device cpu``). This
 package compiles small C versions of the heaviest searches (``kquant_search.c``: the K-quant steps 1 to 3;
-``blockfit.c``: the one-scale search of Q4_0, Q5_0, Q8_0, IQ4_NL and IQ4_XS's sub-blocks; ``lattice_search.c``: the
+``blockfit.c``: the one-scale searches of Q4_0, Q5_0, Q8_0, IQ4_NL, IQ4_XS's sub-blocks, MXFP4 and NVFP4, which for
+the GGUF and FP4 block formats also write the block records themselves; ``lattice_search.c``: the
 codeword searches of the grid i-quants IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S and IQ1_M) with the system's C
 compiler, once a machine, and :mod:`dynaquant.kernels` registers them as the CPU fast paths of
 :mod:`dynaquant.quant.codecs.fastpaths` (``backend="auto"`` on CPU tensors, or ``"native"``). Each keeps its torch
