@@ -70,3 +70,23 @@ def test_chunk_error_reaches_the_caller_and_threads_restored(weight, monkeypatch
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "MXFP4", "Q4_K", "F16"])
+def test_a_bfloat16_weight_is_converted_a_chunk_at_a_time(fmt, weight, monkeypatch):
+    """A bfloat16 weight, converted to float32 in the chunk workers, gives the bytes of its float32 copy (several
+    chunks on two threads); an imatrix with unseen (zero) columns is floored as before, at 1e-3 of its smallest
+    positive entry."""
+    x, im = weight
+    im = im.clone()
+    im[::5] = 0.0
+    xb = x.to(torch.bfloat16)
+    monkeypatch.setattr(base, "CPU_CHUNK_WEIGHTS", 5 * 2048)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(quantize(xb, fmt, im), quantize(xb.float(), fmt, im))
+    finally:
+        torch.set_num_threads(old)
+    floored = base.block_importance(im, 1, 2048, "cpu")[0]
+    assert torch.equal(floored, im.clamp_min(im[im > 0].min() * 1e-3))
