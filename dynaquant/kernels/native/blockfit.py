@@ -67,40 +67,45 @@ def _grid_tables(grid: Grid) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 @functools.cache
-def _layout(record: Record | None, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """blockfit.c's writer of ``record`` (None: int64 codes): (layout (4,) int32, code_map int32 or None)."""
+def _layout(record: Record | None, n: int) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
+    """blockfit.c's writer of ``record`` (None: int64 codes) for blocks of ``n``: (layout (4,) int32, code_map int32
+    or None, blocks a record, output elements a record)."""
     if record is None:
-        return torch.tensor([0, 1, 0, 0], dtype=torch.int32), None
-    layout = torch.tensor([_WRITERS[record.codes], record.sub_blocks, record.code_offset, record.record_bytes(n)],
-                          dtype=torch.int32)
+        return torch.tensor([0, 1, 0, 0], dtype=torch.int32), None, 1, n
+    size = record.record_bytes(n)
+    layout = torch.tensor([_WRITERS[record.codes], record.sub_blocks, record.code_offset, size], dtype=torch.int32)
     cmap = None if record.code_map is None else torch.tensor(record.code_map, dtype=torch.int32)
-    return layout, cmap
+    return layout, cmap, record.sub_blocks, size
 
 
 @functools.cache
-def _candidates(targets: tuple[float, ...], anchor_offsets: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.tensor([float(t) for t in targets], dtype=torch.float32),
-            torch.tensor(list(anchor_offsets) or [0], dtype=torch.int32))
+def _scale_plan(grid: Grid, targets: tuple[float, ...], anchor_offsets: tuple[int, ...], lloyd_steps: int,
+                record: Record | None, n: int) -> tuple[tuple, int, int, tuple]:
+    """dq_fit_scale's arguments that do not change from call to call (ctypes pointers to the tables), blocks a record,
+    output elements a record, and the tables (kept alive with the pointers): made once a search configuration."""
+    vlut, lut, levels = _grid_tables(grid)
+    tg = torch.tensor([float(t) for t in targets], dtype=torch.float32)
+    offs = torch.tensor(list(anchor_offsets) or [0], dtype=torch.int32)
+    layout, cmap, sub, row = _layout(record, n)
+    kmin, kmax = (0, 0) if grid.linear else (grid.kmin, grid.kmax)
+    consts = (int(grid.linear), grid.lo, grid.hi, kmin, kmax, ptr(vlut), ptr(lut), grid.zero_code(), ptr(levels),
+              len(grid.levels), ptr(tg), len(targets), ptr(offs), len(anchor_offsets), lloyd_steps, ptr(layout),
+              None if cmap is None else ptr(cmap))
+    return consts, sub, row, (tg, offs)
 
 
 def _scale_call(x, w, grid, targets, anchor_offsets, lloyd_steps, record, d, out) -> None:
     """dq_fit_scale over x, w (B, N) float32 contiguous, into d (B,) float16 and out (int64 codes, record None) or
     out (B / sub_blocks, record_bytes) uint8, split over the threads at whole records."""
     B, N = x.shape
-    lib = _lib()
-    vlut, lut, levels = _grid_tables(grid)
-    tg, offs = _candidates(tuple(targets), tuple(anchor_offsets))
-    layout, cmap = _layout(record, N)
-    kmin, kmax = (0, 0) if grid.linear else (grid.kmin, grid.kmax)
-    consts = (int(grid.linear), grid.lo, grid.hi, kmin, kmax, ptr(vlut), ptr(lut), grid.zero_code(), ptr(levels),
-              len(grid.levels), ptr(tg), len(targets), ptr(offs), len(anchor_offsets), lloyd_steps, ptr(layout),
-              None if cmap is None else ptr(cmap))
-    sub = 1 if record is None else record.sub_blocks
-    row = N if record is None else out.shape[1]
+    fn = _lib().dq_fit_scale
+    consts, sub, row, _ = _scale_plan(grid, tuple(targets), tuple(anchor_offsets), lloyd_steps, record, N)
+    xp, wp, dp, op = x.data_ptr(), w.data_ptr(), d.data_ptr(), out.data_ptr()
+    osize = out.element_size() * row
 
     def run(r0, r1):  # records r0 .. r1 - 1
         i0, i1 = r0 * sub, r1 * sub
-        lib.dq_fit_scale(ptr(x, i0 * N), ptr(w, i0 * N), i1 - i0, N, i1 - i0, *consts, ptr(d, i0), ptr(out, r0 * row))
+        fn(xp + 4 * i0 * N, wp + 4 * i0 * N, i1 - i0, N, i1 - i0, *consts, dp + 2 * i0, op + osize * r0)
 
     split_rows(B // sub, run)
 
@@ -149,38 +154,48 @@ def encode_scale(
 
 
 @functools.cache
-def _scale_tables(scale_of: Callable[[torch.Tensor], torch.Tensor], emax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale_of of every code 0..emax, float32; 1 / scale where that is exact, else 0): a power of two whose
-    reciprocal is a normal float (x * inv is then x / scale bit for bit, blockfit.c)."""
+def _scale_tables(scale_of: Callable[[torch.Tensor], torch.Tensor], emin: int, emax: int) -> tuple[torch.Tensor,
+                                                                                                  torch.Tensor, bool]:
+    """(scale_of of every code 0..emax, float32; 1 / scale where that is exact, else 0: a power of two whose reciprocal
+    is a normal float, x * inv is then x / scale bit for bit, blockfit.c; whether every scale from emin on is > 0)."""
     table = scale_of(torch.arange(emax + 1, dtype=torch.int64)).to(torch.float32).contiguous()
     mant, exp = torch.frexp(table)
     exact = (table > 0) & (mant == 0.5) & (exp - 1 <= 126) & (exp - 1 >= -125)  # 2**(exp-1), its inverse normal
     inv = torch.where(exact, 1.0 / torch.where(exact, table, 1.0), 0.0).to(torch.float32).contiguous()
-    return table, inv
+    return table, inv, bool((table[emin:] > 0).all())
+
+
+@functools.cache
+def _pow2_plan(grid: Grid, offsets: tuple[int, ...], record: Record | None, n: int) -> tuple[tuple, tuple, tuple, int,
+                                                                                            int, torch.Tensor]:
+    """dq_fit_pow2's arguments that do not change from call to call (the grid's, the offsets', the writer's), blocks a
+    record, output elements a record, and the offsets' tensor (kept alive with its pointer): made once a search
+    configuration."""
+    vlut, lut, _ = _grid_tables(grid)
+    offs = torch.tensor(list(offsets), dtype=torch.int32)
+    layout, cmap, sub, row = _layout(record, n)
+    writer = (ptr(layout), None if cmap is None else ptr(cmap))
+    return (grid.kmin, grid.kmax, ptr(vlut), ptr(lut)), (ptr(offs), len(offsets)), writer, sub, row, offs
 
 
 def _pow2_call(x, w, grid, e0, e0_bias, offsets, emin, emax, table, inv, zero_empty, record, e, out) -> None:
     B, N = x.shape
-    lib = _lib()
-    vlut, lut, _ = _grid_tables(grid)
-    offs = _candidates((), tuple(offsets))[1]
-    layout, cmap = _layout(record, N)
-    sub = 1 if record is None else record.sub_blocks
-    row = N if record is None else out.shape[1]
+    fn = _lib().dq_fit_pow2
+    head, offs, writer, sub, row, _ = _pow2_plan(grid, tuple(offsets), record, N)
+    mid = (*offs, emin, emax, table.data_ptr(), inv.data_ptr(), int(zero_empty), *writer)
+    xp, wp, op = x.data_ptr(), w.data_ptr(), out.data_ptr()
+    osize = out.element_size() * row
 
     def run(r0, r1):
         i0, i1 = r0 * sub, r1 * sub
-        lib.dq_fit_pow2(ptr(x, i0 * N), ptr(w, i0 * N), i1 - i0, N, i1 - i0, grid.kmin, grid.kmax, ptr(vlut), ptr(lut),
-                        None if e0 is None else ptr(e0, i0), e0_bias, ptr(offs), len(offsets), emin, emax, ptr(table),
-                        ptr(inv), int(zero_empty), ptr(layout), None if cmap is None else ptr(cmap),
-                        None if e is None else ptr(e, i0), ptr(out, r0 * row))
+        fn(xp + 4 * i0 * N, wp + 4 * i0 * N, i1 - i0, N, i1 - i0, *head, None if e0 is None else e0.data_ptr() + 8 * i0,
+           e0_bias, *mid, None if e is None else e.data_ptr() + 8 * i0, op + osize * r0)
 
     split_rows(B // sub, run)
 
 
-def _pow2_covered(grid: Grid, x: torch.Tensor, emin: int, emax: int, offsets: Sequence[int], table) -> bool:
-    return (not grid.linear and _covered(grid) and x.ndim == 2 and x.shape[1] <= _MAX_N and 0 <= emin <= emax
-            and len(offsets) > 0 and bool((table[emin:] > 0).all()))
+def _pow2_covered(grid: Grid, x: torch.Tensor, offsets: Sequence[int], positive: bool) -> bool:
+    return not grid.linear and _covered(grid) and x.ndim == 2 and x.shape[1] <= _MAX_N and len(offsets) > 0 and positive
 
 
 def fit_pow2(
@@ -197,8 +212,8 @@ def fit_pow2(
     are ``scale_of`` of every code ``0..emax`` (a table), which must be positive from ``emin`` on."""
     if grid.linear or not 0 <= emin <= emax:
         return fit_pow2_torch(x, w, grid, e0, offsets, emin, emax, scale_of)
-    table, inv = _scale_tables(scale_of, emax)
-    if not _pow2_covered(grid, x, emin, emax, offsets, table):
+    table, inv, positive = _scale_tables(scale_of, emin, emax)
+    if not _pow2_covered(grid, x, offsets, positive):
         return fit_pow2_torch(x, w, grid, e0, offsets, emin, emax, scale_of)
     x, w = cpu_contiguous(x, torch.float32), cpu_contiguous(w, torch.float32)
     e0 = cpu_contiguous(e0, torch.int64)
@@ -225,8 +240,8 @@ def encode_pow2(
     args = (x, w, grid, e0, e0_bias, offsets, emin, emax, scale_of, record, zero_empty)
     if grid.linear or not 0 <= emin <= emax or record.scale_bytes != 1 or x.ndim != 2 or x.shape[0] % record.sub_blocks:
         return encode_pow2_torch(*args)
-    table, inv = _scale_tables(scale_of, emax)
-    if not _pow2_covered(grid, x, emin, emax, offsets, table) or emax > 255:
+    table, inv, positive = _scale_tables(scale_of, emin, emax)
+    if not _pow2_covered(grid, x, offsets, positive) or emax > 255:
         return encode_pow2_torch(*args)
     x, w = cpu_contiguous(x, torch.float32), cpu_contiguous(w, torch.float32)
     e0 = None if e0 is None else cpu_contiguous(e0, torch.int64)

@@ -357,15 +357,19 @@ def quantize(
         return blocks.reshape(*shape[:-1], row_bytes)
     step = max(1, chunk_weights(x.device, large=codec.cross_block) // k)
     per_expert = _expert_importance(imatrix, shape, x.device)
-    shared = block_importance(imatrix, 1, k, x.device) if per_expert is None else None  # floored once, not a chunk
+    shared = None
+    if per_expert is None:  # floored once, and repeated over a chunk's rows once: each chunk takes a prefix of it
+        shared = block_importance(imatrix, 1, k, x.device).expand(min(step, rows), k).reshape(-1, fmt.block_size)
+        shared = shared.contiguous()
 
     def encode(r0: int) -> None:
         xr = x[r0 : r0 + step].to(torch.float32)
         if per_expert is None:
-            wr = shared.expand(xr.shape[0], k)
+            wb = shared[: xr.shape[0] * (k // fmt.block_size)]
         else:
             wr = per_expert[torch.arange(r0, r0 + xr.shape[0], device=x.device) // shape[1]]
-        xb, wb = xr.reshape(-1, fmt.block_size).contiguous(), wr.reshape(-1, fmt.block_size).contiguous()
+            wb = wr.reshape(-1, fmt.block_size).contiguous()
+        xb = xr.reshape(-1, fmt.block_size).contiguous()
         blocks = codec.encode_blocks(xb, wb, **opts)
         out[r0 : r0 + step] = blocks.reshape(xr.shape[0], row_bytes)
 
