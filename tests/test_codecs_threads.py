@@ -90,3 +90,24 @@ def test_a_bfloat16_weight_is_converted_a_chunk_at_a_time(fmt, weight, monkeypat
         torch.set_num_threads(old)
     floored = base.block_importance(im, 1, 2048, "cpu")[0]
     assert torch.equal(floored, im.clamp_min(im[im > 0].min() * 1e-3))
+
+
+def test_the_setup_runs_on_one_intra_op_thread(weight, monkeypatch):
+    """The imatrix's floor and repeat before the chunks run with torch's intra-op threads at one (an OpenMP team
+    started there spins on the chunk workers' cores), and the thread count is restored after."""
+    x, im = weight
+    seen = []
+    real = base.block_importance
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(base, "block_importance", spy)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        quantize(x, "Q8_0", im)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(old)

@@ -9,10 +9,15 @@ intra-op threads set to one for the call (restored after): the searches are long
 ops, and intra-op parallelism on them waits at a barrier after every op, which on a machine shared with other
 jobs costs a scheduler slice each time (measured on a loaded 2-core box: an op on 262 144 floats 0.09 ms on one
 thread, 8 ms on two; Q6_K 20x faster on one). Chunks of :data:`CPU_CHUNK_WEIGHTS` keep the temporaries in cache.
+The setup before the chunks (the imatrix floored and repeated over a chunk's rows) runs on one intra-op thread too:
+an OpenMP region there leaves its idle workers spinning (OpenMP's default wait policy, where torch was imported
+before dynaquant) on the cores the chunk workers then need (Q8_0 on 2 threads, 256 x 14336: 27 against 16 ms of CPU
+time a call).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable
@@ -356,11 +361,12 @@ def quantize(
         blocks = codec.encode_blocks(xf, xf)
         return blocks.reshape(*shape[:-1], row_bytes)
     step = max(1, chunk_weights(x.device, large=codec.cross_block) // k)
-    per_expert = _expert_importance(imatrix, shape, x.device)
-    shared = None
-    if per_expert is None:  # floored once, and repeated over a chunk's rows once: each chunk takes a prefix of it
-        shared = block_importance(imatrix, 1, k, x.device).expand(min(step, rows), k).reshape(-1, fmt.block_size)
-        shared = shared.contiguous()
+    with intra_op_threads(1) if x.device.type == "cpu" else contextlib.nullcontext():  # (module docstring: OpenMP)
+        per_expert = _expert_importance(imatrix, shape, x.device)
+        shared = None
+        if per_expert is None:  # floored once, and repeated over a chunk's rows once: each chunk takes a prefix of it
+            shared = block_importance(imatrix, 1, k, x.device).expand(min(step, rows), k).reshape(-1, fmt.block_size)
+            shared = shared.contiguous()
 
     def encode(r0: int) -> None:
         xr = x[r0 : r0 + step].to(torch.float32)
