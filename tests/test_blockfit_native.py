@@ -10,6 +10,7 @@ rounding.
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 
 import pytest
@@ -197,3 +198,19 @@ def test_switched_off_by_the_environment(fresh_registry, monkeypatch):
         assert torch.equal(codec.encode_blocks(xb, wb), codec.encode_blocks(xb, wb, backend="torch"))
         with pytest.raises(RuntimeError, match="native"):
             codec.encode_blocks(xb, wb, backend="native")
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector widths")
+@pytest.mark.parametrize("flags", [["-mno-avx512f"], ["-march=x86-64"]], ids=["avx2", "sse2"])
+def test_bytes_do_not_depend_on_the_vector_width(flags, fresh_registry, monkeypatch):
+    """blockfit.c built for 8 lanes (AVX, no AVX-512: no register tables, lane-by-lane gathers) or 4 (SSE2) writes
+    the bytes of the default build, on random blocks of every record format."""
+    from dynaquant.kernels import native
+
+    blocks = {name: _random_blocks(301, get_codec(name).format.block_size, 4) for name in RECORD_TYPES}
+    want = {name: get_codec(name).encode_blocks(*blocks[name], backend="native") for name in RECORD_TYPES}
+    base = [f for f in native.FLAGS if f != "-march=native"] if flags[0].startswith("-march") else list(native.FLAGS)
+    monkeypatch.setattr(native, "FLAGS", base + flags)
+    native.library.cache_clear()
+    for name in RECORD_TYPES:
+        assert torch.equal(get_codec(name).encode_blocks(*blocks[name], backend="native"), want[name]), name

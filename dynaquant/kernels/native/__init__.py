@@ -15,7 +15,8 @@ are exact (``tests/test_kquant_native.py``).
 Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -ffp-contract=off -fno-trapping-math`` (no contracted
 multiply-adds and no fast-math: every float operation is IEEE's, so the bytes do not depend on the vector width; the
 one fused multiply-add, ``fmaf`` in ``lattice_search.c``, is its torch reference's, ``addcmul_``, and rounds once
-everywhere),
+everywhere; ``blockfit.c`` is written on GCC's vector types, which GCC and Clang both take, one block a lane, with
+AVX-512 permutes and gathers for its table lookups where the CPU has them, the same results either way),
 into ``CACHE/native/<hash of the source, the flags and the CPU>/`` (CACHE: :func:`dynaquant.workdir.cache_root`; a
 temporary folder when the cache is off), written under a temporary name and renamed, so concurrent first runs do not
 collide. Without a compiler, or with ``DYNAQUANT_NATIVE=0``, :func:`library` raises RuntimeError, the registry logs

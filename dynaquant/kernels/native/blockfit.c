@@ -6,33 +6,43 @@
    elements, added here in element order: results agree to rounding, and exactly where those sums are exact
    (tests/test_blockfit_native.py).
 
-   Lanes: LANES blocks side by side in GCC vector types (vf: one float of each block; -march=native makes one AVX-512
-   register of it, or two AVX2 ones), each lane's sums in element order. Plain C loops over the lanes are left to the
-   auto-vectoriser, which vectorised the element loops instead (a 16 x 16 transpose an operation: 3x slower).
+   Lanes: BL blocks side by side in GCC vector types (vf: one float of each block, one register), each lane's sums in
+   element order. (Plain C loops over the lanes, as the other searches have, were vectorised by GCC along the
+   elements instead, with a 16 x 16 transpose an operation: 1.7x the time.)
    Rounding to an integer is (t + 1.5 * 2^23) - 1.5 * 2^23, round half to even as nearbyintf for |t| <= 2^22; larger
    |t| give some value past 2^22 - 2 of t's sign, which the grid's clamp (|levels|, |k| < 2^21, checked by the
    Python side) turns into the end it would have been; a zero's sign may differ, which no result sees (a +-0 term
    leaves a sum that starts at +0 unchanged, 0 * q and r * r are +0 either way, and a code is clamp(q) - lo).
 
    Layout: x (n, N) float32 contiguous, N <= MAX_N; w (n, N), or (w_period, N) repeated (block j's importance is row
-   j % w_period: one imatrix row for a call over whole rows of a weight).
+   j % w_period; the Python side passes w_period = n).
    Output (Writer): int64 codes and the scale apart (the fast paths of fit_scale / fit_pow2), or the format's block
-   records straight (_blockfit.Record's kinds; the reference is _blockfit.pack_record). */
+   records straight (_records.Record's kinds; the reference is _records.pack_record). */
 
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "f16.h"
-#include "lanes.h"
+
+/* Blocks side by side (BL): one vector register of floats, AVX-512's 16, AVX's 8, else 4 (SSE, NEON). GCC splits
+   wider vector types into pieces it moves through memory (on AVX2, 16 lanes took 3x the time of 8). A block's result
+   does not depend on it. */
+#if defined(__AVX512F__)
+#define BL 16
+#elif defined(__AVX__)
+#define BL 8
+#else
+#define BL 4
+#endif
 
 #define MAX_N 32
 #define MAX_CAND 64
 
 #define INLINE static inline __attribute__((always_inline))
 
-typedef float vf __attribute__((vector_size(4 * LANES)));
-typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+typedef float vf __attribute__((vector_size(4 * BL)));
+typedef int32_t vi __attribute__((vector_size(4 * BL)));
 
 INLINE vf vsel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
 INLINE vi vseli(vi m, vi a, vi b) { return (a & m) | (b & ~m); }
@@ -46,7 +56,7 @@ INLINE vf vfloor(vf t) {
     vf r = vrint(t);
     return vsel(r > t, r - 1.0f, r);
 }
-#if defined(__AVX512F__) && LANES == 16
+#if defined(__AVX512F__) && BL == 16
 /* AVX-512: gathers by the instruction, and tables of up to 64 entries held in registers, read by two-register
    permutes (a gather's latency was a third of MXFP4's search) */
 #include <immintrin.h>
@@ -82,12 +92,12 @@ static void small_load(Small *s, const void *tab, int n) {
 }
 INLINE vf vgather(const float *tab, vi k) {
     vf r;
-    for (int v = 0; v < LANES; v++) r[v] = tab[k[v]];
+    for (int v = 0; v < BL; v++) r[v] = tab[k[v]];
     return r;
 }
 INLINE vi vgatheri(const int32_t *tab, vi k) {
     vi r;
-    for (int v = 0; v < LANES; v++) r[v] = tab[k[v]];
+    for (int v = 0; v < BL; v++) r[v] = tab[k[v]];
     return r;
 }
 INLINE vf small_get(const Small *s, vi k) { (void)s; (void)k; return (vf)k; } /* (never called: n > DQ_SMALL) */
@@ -99,7 +109,7 @@ INLINE vi lookupi(const int32_t *tab, const Small *small, vi k) {
 }
 INLINE int vany(vi m) {
     int a = 0;
-    for (int v = 0; v < LANES; v++) a |= m[v];
+    for (int v = 0; v < BL; v++) a |= m[v];
     return a != 0;
 }
 
@@ -141,12 +151,12 @@ INLINE vi grid_code(const Grid *g, vi kk, const int linear) {
     return linear ? kk - (int32_t)g->lo : lookupi(g->lut, &g->slut, kk);
 }
 
-/* Load LANES blocks of N elements from block j0 (of n) transposed, x[l] one element of each; lanes past the end are
+/* Load BL blocks of N elements from block j0 (of n) transposed, x[l] one element of each; lanes past the end are
    zero. Returns the number of real lanes. */
 INLINE int load_blocks(const float *x, const float *w, int64_t n, int64_t w_period, int64_t j0, int N, vf *xt, vf *wt) {
-    int nv = n - j0 < LANES ? (int)(n - j0) : LANES;
+    int nv = n - j0 < BL ? (int)(n - j0) : BL;
     int64_t jw = j0 % w_period;
-    for (int v = 0; v < LANES; v++) {
+    for (int v = 0; v < BL; v++) {
         if (v >= nv) {
             for (int l = 0; l < N; l++) xt[l][v] = wt[l][v] = 0.0f;
             continue;
@@ -184,10 +194,10 @@ INLINE void write_blocks(const Writer *wr, int64_t j0, int nv, int N, const vi s
         }
         return;
     }
-    uint8_t c[LANES][MAX_N];
+    uint8_t c[BL][MAX_N];
     for (int l = 0; l < N; l++) {
         vi s = wr->code_map ? vgatheri(wr->code_map, codes[l]) : codes[l] + wr->code_offset;
-        for (int v = 0; v < LANES; v++) c[v][l] = (uint8_t)s[v];
+        for (int v = 0; v < BL; v++) c[v][l] = (uint8_t)s[v];
     }
     const int sb = wr->scale_bytes, S = wr->sub, cb = wr->kind == WR_I8 ? N : (wr->kind == WR_Q5 ? N / 8 + N / 2 : N / 2);
     for (int v = 0; v < nv; v++) {
@@ -222,7 +232,7 @@ INLINE void write_blocks(const Writer *wr, int64_t j0, int nv, int N, const vi s
 /* float32 -> stored float16 bits (to_half) and back, lane by lane */
 INLINE vi to_half_bits(vf d) {
     vi h = {0};
-    for (int v = 0; v < LANES; v++) {
+    for (int v = 0; v < BL; v++) {
         float c = d[v] < -65504.0f ? -65504.0f : (d[v] > 65504.0f ? 65504.0f : d[v]);
         h[v] = f32_to_f16(c);
     }
@@ -230,7 +240,7 @@ INLINE vi to_half_bits(vf d) {
 }
 INLINE vf from_half_bits(vi h) {
     vf f = {0};
-    for (int v = 0; v < LANES; v++) f[v] = f16_to_f32((uint16_t)h[v]);
+    for (int v = 0; v < BL; v++) f[v] = f16_to_f32((uint16_t)h[v]);
     return f;
 }
 
@@ -270,7 +280,7 @@ INLINE void fit_scale(const float *x, const float *w, int64_t n, int N, int64_t 
     const float lev_abs_max = fabsf(g.lo) > fabsf(g.hi) ? fabsf(g.lo) : fabsf(g.hi);
     vf xt[MAX_N], wt[MAX_N], wxt[MAX_N], q[MAX_N], inv[MAX_CAND];
     vi bk[MAX_N], codes[MAX_N];
-    for (int64_t j0 = 0; j0 < n; j0 += LANES) {
+    for (int64_t j0 = 0; j0 < n; j0 += BL) {
         int nv = load_blocks(x, w, n, w_period, j0, N, xt, wt);
         /* the largest |x| and the largest w x^2 (argmax: the first maximum) */
         vf zero = xt[0] * 0.0f, am = zero - 1.0f, xmax = zero, bkey = zero, xj = zero;
@@ -383,12 +393,12 @@ void dq_fit_pow2(const float *x, const float *w, int64_t n, int N, int64_t w_per
     Writer wr = writer(layout, code_map, layout[0] == WR_CODES ? 8 : 1, out_e, out);
     vf xt[MAX_N], wt[MAX_N];
     vi bk[MAX_N], kk[MAX_N], codes[MAX_N];
-    for (int64_t j0 = 0; j0 < n; j0 += LANES) {
+    for (int64_t j0 = 0; j0 < n; j0 += BL) {
         int nv = load_blocks(x, w, n, w_period, j0, N, xt, wt);
         vf zero = xt[0] * 0.0f, amax = zero;
         for (int l = 0; l < N; l++) amax = vsel(vabs(xt[l]) > amax, vabs(xt[l]), amax);
         vi start;
-        for (int v = 0; v < LANES; v++) {
+        for (int v = 0; v < BL; v++) {
             if (e0 != NULL) {
                 start[v] = v < nv ? (int32_t)e0[j0 + v] : emin;
             } else {
