@@ -10,10 +10,12 @@ rounding.
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 
 import pytest
 import torch
+from native_cases import assert_threads_keep_bytes
 
 import dynaquant.kernels  # noqa: F401  (registers the CPU fast paths)
 from dynaquant.quant.codecs import _blockfit, fastpaths, get_codec
@@ -117,3 +119,98 @@ def test_pow2_scale_search_matches_the_reference(name):
     assert abs(e_n - e_t) <= 1e-4 * e_t
     params = codec.fit_params(x, w)  # the two-step path (fit, then round) writes the same bytes
     assert torch.equal(codec.pack(params, codec.round_to_grid(x, params)[0]), b_n)
+
+
+RECORD_TYPES = ["Q8_0", "Q4_0", "Q5_0", "IQ4_NL", "MXFP4", "MXFP4_G32", "NVFP4"]
+
+
+def _random_blocks(n: int, m: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, m) weights with lognormal block scales, an all-zero block, a zero sub-block and an outlier; importance > 0."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, m, generator=g) * torch.exp(torch.randn(n, 1, generator=g))
+    x[n // 2] = 0.0
+    x[n // 3, :16] = 0.0
+    x[-1, 3] = 40.0
+    return x, torch.exp(torch.randn(n, m, generator=g)) + 0.01
+
+
+@pytest.mark.parametrize("name", RECORD_TYPES)
+def test_records_as_data_write_the_codecs_pack(name):
+    """The record description (``_records.pack_record``, the fused writer's reference) writes the codec's own ``pack``
+    of the same parameters and codes, byte for byte."""
+    from dynaquant.quant.codecs._blockfit import half_bytes
+    from dynaquant.quant.codecs._records import pack_record
+
+    codec = get_codec(name)
+    x, w = _random_blocks(37, codec.format.block_size, 8)
+    params = codec.fit_params(x, w, backend="torch")
+    codes, _ = codec.round_to_grid(x, params)
+    s = params[0]
+    scale = half_bytes(s) if s.dtype == torch.float16 else s.to(torch.uint8).reshape(-1, 1)
+    sub = codec.record.sub_blocks
+    level_idx = codes if codec.record.code_map is None else _level_indices(codec, codes)
+    got = pack_record(codec.record, scale, level_idx.reshape(x.shape[0] * sub, -1))
+    assert torch.equal(got, codec.pack(params, codes))
+
+
+def _level_indices(codec, codes: torch.Tensor) -> torch.Tensor:
+    """Stored E2M1 nibbles -> indices into the codec's grid (the inverse of the record's code_map; -0, nibble 8, is
+    never written)."""
+    inv = torch.full((16,), -1, dtype=torch.int64)
+    inv[torch.tensor(codec.record.code_map)] = torch.arange(len(codec.record.code_map))
+    idx = inv[codes]
+    assert (idx >= 0).all()
+    return idx
+
+
+@pytest.mark.parametrize("name", RECORD_TYPES)
+@pytest.mark.parametrize("n", [1, 37, 300])
+def test_fused_records_are_the_search_then_the_pack(name, n):
+    """The compiled search writing the records (``blockfit.encode_scale`` / ``encode_pow2``) gives the bytes of the
+    compiled search's parameters and codes packed by the codec (odd block counts: lanes past the end), of the torch
+    reference where the sums are exact, and the same bytes on one thread as on several."""
+    codec = get_codec(name)
+    m = codec.format.block_size
+    x, w = _random_blocks(n, m, n)
+    fused = codec.encode_blocks(x, w)
+    assert fused.shape == (n, codec.format.type_size) and fused.dtype == torch.uint8
+    params = codec.fit_params(x, w)  # the compiled search alone (int64 codes), then torch's round and pack
+    assert torch.equal(fused, codec.pack(params, codec.round_to_grid(x, params)[0]))
+    xe, we = (t.reshape(-1, m)[:n] for t in _exact_blocks(n * m // 256 + 3, 5))
+    assert torch.equal(codec.encode_blocks(xe, we, backend="native"), codec.encode_blocks(xe, we, backend="torch"))
+    assert_threads_keep_bytes(codec, x, w)
+
+
+def test_fused_paths_registered():
+    assert fastpaths.lookup("blockfit.encode_scale", "cpu") is nb.encode_scale
+    assert fastpaths.lookup("blockfit.encode_pow2", "cpu") is nb.encode_pow2
+    assert fastpaths.fused_path("blockfit.encode_scale", torch.zeros(1), "triton") is None  # (no Triton version)
+
+
+def test_switched_off_by_the_environment(fresh_registry, monkeypatch):
+    """With ``DYNAQUANT_NATIVE=0`` no fused writer loads and the codecs run their torch references (the search, then
+    ``pack``); ``backend="native"`` raises."""
+    monkeypatch.setenv("DYNAQUANT_NATIVE", "0")
+    x, w = _random_blocks(40, 64, 2)
+    for name in RECORD_TYPES:
+        codec = get_codec(name)
+        xb, wb = x.reshape(-1, codec.format.block_size), w.reshape(-1, codec.format.block_size)
+        assert torch.equal(codec.encode_blocks(xb, wb), codec.encode_blocks(xb, wb, backend="torch"))
+        with pytest.raises(RuntimeError, match="native"):
+            codec.encode_blocks(xb, wb, backend="native")
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector widths")
+@pytest.mark.parametrize("flags", [["-mno-avx512f"], ["-march=x86-64"]], ids=["avx2", "sse2"])
+def test_bytes_do_not_depend_on_the_vector_width(flags, fresh_registry, monkeypatch):
+    """blockfit.c built for 8 lanes (AVX, no AVX-512: no register tables, lane-by-lane gathers) or 4 (SSE2) writes
+    the bytes of the default build, on random blocks of every record format."""
+    from dynaquant.kernels import native
+
+    blocks = {name: _random_blocks(301, get_codec(name).format.block_size, 4) for name in RECORD_TYPES}
+    want = {name: get_codec(name).encode_blocks(*blocks[name], backend="native") for name in RECORD_TYPES}
+    base = [f for f in native.FLAGS if f != "-march=native"] if flags[0].startswith("-march") else list(native.FLAGS)
+    monkeypatch.setattr(native, "FLAGS", base + flags)
+    native.library.cache_clear()
+    for name in RECORD_TYPES:
+        assert torch.equal(get_codec(name).encode_blocks(*blocks[name], backend="native"), want[name]), name

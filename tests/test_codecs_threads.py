@@ -70,3 +70,44 @@ def test_chunk_error_reaches_the_caller_and_threads_restored(weight, monkeypatch
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "MXFP4", "Q4_K", "F16"])
+def test_a_bfloat16_weight_is_converted_a_chunk_at_a_time(fmt, weight, monkeypatch):
+    """A bfloat16 weight, converted to float32 in the chunk workers, gives the bytes of its float32 copy (several
+    chunks on two threads); an imatrix with unseen (zero) columns is floored as before, at 1e-3 of its smallest
+    positive entry."""
+    x, im = weight
+    im = im.clone()
+    im[::5] = 0.0
+    xb = x.to(torch.bfloat16)
+    monkeypatch.setattr(base, "CPU_CHUNK_WEIGHTS", 5 * 2048)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(quantize(xb, fmt, im), quantize(xb.float(), fmt, im))
+    finally:
+        torch.set_num_threads(old)
+    floored = base.block_importance(im, 1, 2048, "cpu")[0]
+    assert torch.equal(floored, im.clamp_min(im[im > 0].min() * 1e-3))
+
+
+def test_the_setup_runs_on_one_intra_op_thread(weight, monkeypatch):
+    """The imatrix's floor and repeat before the chunks run with torch's intra-op threads at one (an OpenMP team
+    started there spins on the chunk workers' cores), and the thread count is restored after."""
+    x, im = weight
+    seen = []
+    real = base.block_importance
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(base, "block_importance", spy)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        quantize(x, "Q8_0", im)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(old)

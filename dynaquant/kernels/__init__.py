@@ -59,7 +59,7 @@ for _name, _attr in (("lattice.nearest_codewords", "nearest_codewords"), ("latti
 fastpaths.register("iq1.sub_scales", _loader("dynaquant.kernels.iq1_search", "sub_scales"))
 for _attr in ("fit_scale", "fit_affine", "fit_int_zero"):
     fastpaths.register(f"blockfit.{_attr}", _loader("dynaquant.kernels.scalefit", _attr))
-for _attr in ("fit_scale", "fit_pow2"):
+for _attr in ("fit_scale", "fit_pow2", "encode_scale", "encode_pow2"):
     fastpaths.register(f"blockfit.{_attr}", _loader("dynaquant.kernels.native.blockfit", _attr, True), device="cpu")
 for _attr in ("nearest_codewords", "candidate_terms", "subset_min_costs"):
     fastpaths.register(f"lattice.{_attr}", _loader("dynaquant.kernels.native.lattice", _attr, True), device="cpu")

@@ -3,7 +3,8 @@
 On the CPU the codecs' torch references make one pass over memory an operation, which left the K-quant searches
 10-30x slower than llama.cpp's C encoders on the same cores (``benchmarks/encode_speed.py --device cpu``). This
 package compiles small C versions of the heaviest searches (``kquant_search.c``: the K-quant steps 1 to 3;
-``blockfit.c``: the one-scale search of Q4_0, Q5_0, Q8_0, IQ4_NL and IQ4_XS's sub-blocks; ``lattice_search.c``: the
+``blockfit.c``: the one-scale searches of Q4_0, Q5_0, Q8_0, IQ4_NL, IQ4_XS's sub-blocks, MXFP4 and NVFP4, which for
+the GGUF and FP4 block formats also write the block records themselves; ``lattice_search.c``: the
 codeword searches of the grid i-quants IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S and IQ1_M) with the system's C
 compiler, once a machine, and :mod:`dynaquant.kernels` registers them as the CPU fast paths of
 :mod:`dynaquant.quant.codecs.fastpaths` (``backend="auto"`` on CPU tensors, or ``"native"``). Each keeps its torch
@@ -14,7 +15,8 @@ are exact (``tests/test_kquant_native.py``).
 Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -ffp-contract=off -fno-trapping-math`` (no contracted
 multiply-adds and no fast-math: every float operation is IEEE's, so the bytes do not depend on the vector width; the
 one fused multiply-add, ``fmaf`` in ``lattice_search.c``, is its torch reference's, ``addcmul_``, and rounds once
-everywhere),
+everywhere; ``blockfit.c`` is written on GCC's vector types, which GCC and Clang both take, one block a lane, with
+AVX-512 permutes and gathers for its table lookups where the CPU has them, the same results either way),
 into ``CACHE/native/<hash of the source, the flags and the CPU>/`` (CACHE: :func:`dynaquant.workdir.cache_root`; a
 temporary folder when the cache is off), written under a temporary name and renamed, so concurrent first runs do not
 collide. Without a compiler, or with ``DYNAQUANT_NATIVE=0``, :func:`library` raises RuntimeError, the registry logs

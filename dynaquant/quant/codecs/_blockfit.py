@@ -26,12 +26,16 @@ The search, per block:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from dynaquant.quant.codecs.base import Codec, LevelGrid
-from dynaquant.quant.codecs.fastpaths import fast_path
+from dynaquant.quant.codecs.fastpaths import fast_path, fused_path
+
+if TYPE_CHECKING:
+    from dynaquant.quant.codecs._records import Record
 
 FP16_MAX = 65504.0
 
@@ -375,7 +379,9 @@ class ScaleCodec(Codec):
     ``decode_blocks``.
 
     Block parameters (:meth:`fit_params`): the tuple ``(d,)``, ``d`` (n_blocks,) float16 as stored. Codes
-    (:meth:`round_to_grid`, :meth:`pack`): indices into ``grid``.
+    (:meth:`round_to_grid`, :meth:`pack`): indices into ``grid``. ``record``: the block layout as data
+    (:class:`._records.Record`, equal to :meth:`pack`'s), which the fused search ``blockfit.encode_scale`` writes
+    straight; None: the search's codes are packed by :meth:`pack`.
     """
 
     grid: Grid
@@ -383,8 +389,9 @@ class ScaleCodec(Codec):
     anchor_offsets: tuple[int, ...] = ()
     lloyd_steps: int = 1
     ulps: tuple[int, ...] = ()
+    record: Record | None = None
 
-    fast_paths = True  # the scale search's fused kernel (blockfit.fit_scale)
+    fast_paths = True  # the scale search's fused kernel (blockfit.fit_scale), and its record writer (encode_scale)
 
     def _fit(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
         x, w = x.to(torch.float32), w.to(torch.float32)
@@ -397,8 +404,13 @@ class ScaleCodec(Codec):
         return (self._fit(x, w, backend)[0],)
 
     def encode_blocks(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto", variant: str | None = None) -> torch.Tensor:
-        """As :meth:`Codec.encode_blocks`; ``backend`` chooses the scale search's fused kernel (:func:`fit_scale`);
-        ``variant`` is unused."""
+        """As :meth:`Codec.encode_blocks`; ``backend`` chooses the scale search's fused kernel (:func:`fit_scale`), or
+        on the CPU the one that also writes the records (``blockfit.encode_scale``, :attr:`record`); ``variant`` is
+        unused."""
+        fused = fused_path("blockfit.encode_scale", x, backend) if self.record is not None else None
+        if fused is not None:
+            args = (self.grid, self.targets, self.anchor_offsets, self.lloyd_steps, self.ulps, self.record)
+            return fused(x.to(torch.float32), w.to(torch.float32), *args)
         # The search's codes are round_to_grid's (nearest under the stored scale): no second pass.
         d, codes = self._fit(x, w, backend)
         return self.pack((d,), codes)

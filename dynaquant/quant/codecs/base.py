@@ -9,10 +9,15 @@ intra-op threads set to one for the call (restored after): the searches are long
 ops, and intra-op parallelism on them waits at a barrier after every op, which on a machine shared with other
 jobs costs a scheduler slice each time (measured on a loaded 2-core box: an op on 262 144 floats 0.09 ms on one
 thread, 8 ms on two; Q6_K 20x faster on one). Chunks of :data:`CPU_CHUNK_WEIGHTS` keep the temporaries in cache.
+The setup before the chunks (the imatrix floored and repeated over a chunk's rows) runs on one intra-op thread too:
+an OpenMP region there leaves its idle workers spinning (OpenMP's default wait policy, where torch was imported
+before dynaquant) on the cores the chunk workers then need (Q8_0 on 2 threads, 256 x 14336: 27 against 16 ms of CPU
+time a call).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable
@@ -278,8 +283,12 @@ def block_importance(imatrix: torch.Tensor | None, rows: int, k: int, device, dt
 def _floored(imatrix: torch.Tensor) -> torch.Tensor:
     if not torch.isfinite(imatrix).all() or (imatrix < 0).any():
         raise ValueError("imatrix must be finite and non-negative")
-    # A column never seen in calibration (0) keeps a small weight so its values are not arbitrary.
-    floor = imatrix[imatrix > 0].min() * 1e-3 if (imatrix > 0).any() else torch.tensor(1.0, device=imatrix.device)
+    # A column never seen in calibration (0) keeps a small weight so its values are not arbitrary. (The smallest
+    # positive entry by where/min, not a boolean index: on a CPU that one starts OpenMP's team for a 14K-entry row,
+    # whose idle workers then spin, by default, on the cores the chunk workers need: Q8_0 22.8 against 17.9 ms of
+    # CPU time on 2 threads, 256x14336.)
+    pos = imatrix > 0
+    floor = torch.where(pos, imatrix, torch.inf).min() * 1e-3 if pos.any() else torch.tensor(1.0, device=imatrix.device)
     return imatrix.clamp_min(floor)
 
 
@@ -344,23 +353,29 @@ def quantize(
     shape = weight.shape
     k = shape[-1]
     row_bytes = fmt.record_bytes(k)  # the codecs' records (= the GGUF row for GGUF formats)
-    x = weight.reshape(-1, k).to(torch.float32)
+    x = weight.reshape(-1, k)  # (converted to float32 a chunk at a time, in the chunk workers: no whole-tensor copy)
     rows = x.shape[0]
     out = torch.empty(rows, row_bytes, dtype=torch.uint8, device=x.device)
     if fmt.kind == "float":  # plain conversion: no search, no importance
-        blocks = codec.encode_blocks(x.reshape(-1, 1), x.reshape(-1, 1))
+        xf = x.to(torch.float32).reshape(-1, 1)
+        blocks = codec.encode_blocks(xf, xf)
         return blocks.reshape(*shape[:-1], row_bytes)
     step = max(1, chunk_weights(x.device, large=codec.cross_block) // k)
-    per_expert = _expert_importance(imatrix, shape, x.device)
-    shared = block_importance(imatrix, 1, k, x.device) if per_expert is None else None  # floored once, not a chunk
+    with intra_op_threads(1) if x.device.type == "cpu" else contextlib.nullcontext():  # (module docstring: OpenMP)
+        per_expert = _expert_importance(imatrix, shape, x.device)
+        shared = None
+        if per_expert is None:  # floored once, and repeated over a chunk's rows once: each chunk takes a prefix of it
+            shared = block_importance(imatrix, 1, k, x.device).expand(min(step, rows), k).reshape(-1, fmt.block_size)
+            shared = shared.contiguous()
 
     def encode(r0: int) -> None:
-        xr = x[r0 : r0 + step]
+        xr = x[r0 : r0 + step].to(torch.float32)
         if per_expert is None:
-            wr = shared.expand(xr.shape[0], k)
+            wb = shared[: xr.shape[0] * (k // fmt.block_size)]
         else:
             wr = per_expert[torch.arange(r0, r0 + xr.shape[0], device=x.device) // shape[1]]
-        xb, wb = xr.reshape(-1, fmt.block_size).contiguous(), wr.reshape(-1, fmt.block_size).contiguous()
+            wb = wr.reshape(-1, fmt.block_size).contiguous()
+        xb = xr.reshape(-1, fmt.block_size).contiguous()
         blocks = codec.encode_blocks(xb, wb, **opts)
         out[r0 : r0 + step] = blocks.reshape(xr.shape[0], row_bytes)
 

@@ -42,6 +42,8 @@ NAMES = {
     "blockfit.fit_affine": "dynaquant.quant.codecs._blockfit.fit_affine_torch",
     "blockfit.fit_int_zero": "dynaquant.quant.codecs.runtime_int.fit_int_zero_torch",
     "blockfit.fit_pow2": "dynaquant.quant.codecs._blockfit.fit_pow2_torch",
+    "blockfit.encode_scale": "dynaquant.quant.codecs._records.encode_scale_torch",
+    "blockfit.encode_pow2": "dynaquant.quant.codecs._records.encode_pow2_torch",
     "kquant.aff_search_scales": "dynaquant.quant.codecs._kquant_search.aff_search_scales_torch",
     "kquant.aff_pick": "dynaquant.quant.codecs._kquant_search.aff_pick_torch",
     "kquant.aff_refine": "dynaquant.quant.codecs._kquant_search.aff_refine_torch",
@@ -131,3 +133,10 @@ def fast_path(name: str, x: torch.Tensor, backend: str = "auto"):
         raise RuntimeError(f"backend={backend!r}: no fast {name} is registered or it does not load "
                            f"(import dynaquant.kernels; {what})")
     return fn
+
+
+def fused_path(name: str, x: torch.Tensor, backend: str = "auto"):
+    """:func:`fast_path` for a search that has no Triton version (``blockfit.encode_scale``, ``blockfit.encode_pow2``:
+    the search and the write of the block records fused): None under ``"torch"`` and ``"triton"`` (the codec then
+    runs its search's own fast path and packs), else as :func:`fast_path`."""
+    return fast_path(name, x, backend) if backend in ("auto", "native") else None

@@ -39,6 +39,7 @@ from dynaquant.quant.codecs._blockfit import (
     unpack_high_bits,
     unpack_nibbles,
 )
+from dynaquant.quant.codecs._records import Record
 from dynaquant.quant.codecs.base import Codec, register
 
 
@@ -74,6 +75,7 @@ class Q8_0(_SymmetricCodec):
     # with these 6 candidates, 0.97 with the max-based one alone, 0.82 with the former 41).
     targets = [127.0]
     anchor_offsets = (-2, -1, 0, 1, 2)
+    record = Record("i8", 2, code_offset=-127)
 
     def pack(self, params, codes: torch.Tensor) -> torch.Tensor:
         (d,) = params
@@ -96,6 +98,7 @@ class Q4_0(_SymmetricCodec):
     # (13 candidates: error ratio to llama.cpp 0.952 on the benchmark tensor, 0.946 with 45).
     targets = _geo(-8, 0.85, 2.0, 6) + _geo(7, 0.9, 2.0, 4)
     anchor_offsets = (-1, 0, 1)
+    record = Record("nibbles", 2)
 
     def pack(self, params, codes: torch.Tensor) -> torch.Tensor:
         (d,) = params
@@ -115,6 +118,7 @@ class Q5_0(_SymmetricCodec):
     grid = Grid(range(-16, 16))
     targets = scale_targets([-16, 15], 5, 2, (0.85, 1.08), 3.0)
     anchor_offsets = (-2, -1, 0, 1, 2)
+    record = Record("q5", 2)
 
     def pack(self, params, codes: torch.Tensor) -> torch.Tensor:
         (d,) = params

@@ -43,8 +43,9 @@ from dynaquant.quant.codecs._blockfit import (
     scale_targets,
     unpack_nibbles,
 )
+from dynaquant.quant.codecs._records import Record, pow2_start
 from dynaquant.quant.codecs.base import Codec, register
-from dynaquant.quant.codecs.fastpaths import fast_path
+from dynaquant.quant.codecs.fastpaths import fast_path, fused_path
 from dynaquant.quant.formats import E2M1_VALUES
 
 KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -76,6 +77,7 @@ class IQ4_NL(ScaleCodec):
     anchor_offsets = (-1, 0, 1)
     lloyd_steps = 1
     ulps: tuple[int, ...] = ()
+    record = Record("nibbles", 2)
 
     def pack(self, params, codes: torch.Tensor) -> torch.Tensor:
         (d,) = params
@@ -127,16 +129,15 @@ class MXFP4(Codec):
     # Exponents tried around llama.cpp's floor(log2(amax)) - 2 + 127.
     # (-3..2 gave the same error on the benchmark tensor, 0.88 of llama.cpp's; -1..0 gives 1.0.)
     offsets = (-2, -1, 0, 1)
+    e0_bias = 125  # the start: llama.cpp's floor(log2(amax)) - 2, as an E8M0 code (bias 127)
+    record = Record("nibbles", 1, code_map=MX_CODES)  # the block layout as data (the fused search writes it)
 
-    fast_paths = True  # the exponent search's compiled CPU version (blockfit.fit_pow2)
+    fast_paths = True  # the exponent search's compiled CPU version (blockfit.fit_pow2, blockfit.encode_pow2)
 
     def _search(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
         """(e (n_blocks,) int64, level indices (n_blocks, 32) int64 under the chosen scale)."""
         x = x.to(torch.float32)
-        amax = x.abs().max(dim=1).values
-        # floor(log2(amax)) exactly: frexp gives amax = mant * 2**exp with mant in [0.5, 1).
-        exp = torch.frexp(amax).exponent.to(torch.int64) - 1
-        e0 = torch.where(amax > 0, exp - 2 + 127, torch.zeros_like(exp))
+        e0 = pow2_start(x, self.e0_bias)
         return fit_pow2(x, w.to(torch.float32), self.grid, e0, self.offsets, 0, 254, e8m0_to_fp32_half, backend=backend)
 
     def fit_params(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor]:
@@ -145,7 +146,12 @@ class MXFP4(Codec):
     def encode_blocks(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto", variant: str | None = None) -> torch.Tensor:
         """As :meth:`Codec.encode_blocks`; the search's level indices are :meth:`round_to_grid`'s (nearest under the
         chosen scale), so they are packed as they are. ``backend``: the search's compiled CPU version
-        (:func:`._blockfit.fit_pow2`); ``variant`` is unused."""
+        (:func:`._blockfit.fit_pow2`), on the CPU the one that also writes the records (``blockfit.encode_pow2``,
+        :attr:`record`); ``variant`` is unused."""
+        fused = fused_path("blockfit.encode_pow2", x, backend)
+        if fused is not None:
+            return fused(x.to(torch.float32), w.to(torch.float32), self.grid, None, self.e0_bias, self.offsets, 0, 254,
+                         e8m0_to_fp32_half, self.record)
         e, idx = self._search(x, w, backend)
         return self.pack((e,), _mx_codes(x.device)[idx])
 
@@ -214,21 +220,27 @@ class NVFP4(Codec):
     sub = 16
     # Up to +6: a sub-block whose max sits on level 8 (not 12) has its exact scale there.
     offsets = tuple(range(-3, 7))
+    record = Record("nibbles", 1, code_map=MX_CODES, sub_blocks=4)  # the block layout as data (the fused search's)
 
-    fast_paths = True  # the scale search's compiled CPU version (blockfit.fit_pow2)
+    fast_paths = True  # the scale search's compiled CPU version (blockfit.fit_pow2, blockfit.encode_pow2)
 
-    def _search(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-        """(e (n, 4) int64 scale codes, level indices (n * 4, 16) int64 under them); raises ValueError on shapes
-        other than (n, 64)."""
+    def _starts(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(sub-blocks of x and w (n * 4, 16) float32, their amax (n * 4,), start codes (n * 4,) int64); raises
+        ValueError on shapes other than (n, 64)."""
         if x.ndim != 2 or x.shape[1] != 64 or w.shape != x.shape:
             raise ValueError(f"NVFP4: expected x and w of shape (n_blocks, 64), got {tuple(x.shape)} and {tuple(w.shape)}")
-        n = x.shape[0]
         xs = x.to(torch.float32).reshape(-1, self.sub)
         ws = w.to(torch.float32).reshape(-1, self.sub)
         amax = xs.abs().amax(dim=1)
         # Code whose value is nearest amax / 12 from above (ggml rounds amax / 6 to UE4M3).
         table = ue4m3_to_fp32(torch.arange(1, _UE4M3_MAX_CODE + 1, device=x.device))
-        e0 = torch.bucketize(amax / 12, table).clamp_(0, _UE4M3_MAX_CODE - 1) + 1
+        return xs, ws, amax, torch.bucketize(amax / 12, table).clamp_(0, _UE4M3_MAX_CODE - 1) + 1
+
+    def _search(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+        """(e (n, 4) int64 scale codes, level indices (n * 4, 16) int64 under them); raises ValueError on shapes
+        other than (n, 64)."""
+        n = x.shape[0]
+        xs, ws, amax, e0 = self._starts(x, w)
         if fast_path("blockfit.fit_pow2", xs, backend) is not None:  # a fused search: no sub-chunks needed
             e, idx = fit_pow2(xs, ws, self.grid, e0, self.offsets, 1, _UE4M3_MAX_CODE, ue4m3_to_fp32, backend=backend)
         else:
@@ -243,7 +255,13 @@ class NVFP4(Codec):
     def encode_blocks(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto", variant: str | None = None) -> torch.Tensor:
         """As :meth:`Codec.encode_blocks`: the search's level indices packed as they are (:meth:`round_to_grid`'s
         under a nonzero scale; an all-zero sub-block, scale code 0, gets nibble 0). ``backend``: the search's compiled
-        CPU version (:func:`._blockfit.fit_pow2`); ``variant`` is unused."""
+        CPU version (:func:`._blockfit.fit_pow2`), or the one that also writes the records (``blockfit.encode_pow2``,
+        :attr:`record`); ``variant`` is unused."""
+        fused = fused_path("blockfit.encode_pow2", x, backend)
+        if fused is not None:
+            xs, ws, _, e0 = self._starts(x, w)
+            return fused(xs, ws, self.grid, e0, 0, self.offsets, 1, _UE4M3_MAX_CODE, ue4m3_to_fp32, self.record,
+                         zero_empty=True)
         e, idx = self._search(x, w, backend)
         codes = torch.where(e.reshape(-1, 1) == 0, 0, _mx_codes(x.device)[idx])
         return self.pack((e,), codes.reshape(x.shape[0], 64))

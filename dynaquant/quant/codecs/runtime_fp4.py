@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from dynaquant.quant.codecs._blockfit import Grid
+from dynaquant.quant.codecs._records import Record
 from dynaquant.quant.codecs.base import Codec, register
 from dynaquant.quant.codecs.nonlinear import KVALUES_MXFP4, MX_CODES, MX_LEVELS, MXFP4, e8m0_to_fp32_half
 
@@ -59,6 +60,7 @@ class MXFP4_G32(MXFP4):
     """
 
     format_name = "MXFP4_G32"
+    record = Record("pairs", 1, code_map=MX_CODES)
 
     def pack(self, params, codes: torch.Tensor) -> torch.Tensor:
         (e,) = params
