@@ -26,16 +26,12 @@ The search, per block:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from dynaquant.quant.codecs.base import Codec, LevelGrid
 from dynaquant.quant.codecs.fastpaths import fast_path, fused_path
-
-if TYPE_CHECKING:
-    from dynaquant.quant.codecs._records import Record
 
 FP16_MAX = 65504.0
 
@@ -389,7 +385,7 @@ class ScaleCodec(Codec):
     anchor_offsets: tuple[int, ...] = ()
     lloyd_steps: int = 1
     ulps: tuple[int, ...] = ()
-    record: Record | None = None
+    record: object | None = None  # a _records.Record (not imported here: _records builds on this module)
 
     fast_paths = True  # the scale search's fused kernel (blockfit.fit_scale), and its record writer (encode_scale)
 

@@ -1,7 +1,7 @@
 """IQ3 assignment steps shared by the codecs' torch path and the references of their fused fast paths.
 
 :func:`assign_variants` is :meth:`dynaquant.quant.codecs.iq3._IQ3._assign` given a nearest-point search of
-:func:`dynaquant.quant.codecs.iq3.nearest_variants_torch`'s contract; :func:`assign_torch` adds what the encoder
+:func:`nearest_variants_torch`'s contract; :func:`assign_torch` adds what the encoder
 computes from an assignment (the per-weight terms of the least-squares sums, or of the exact error) and is the
 reference of the fused fast path ``iq3.assign`` (:mod:`dynaquant.kernels.iq3_search`); :func:`pick_errors_torch`
 is the reference of ``iq3.pick_errors``, the fp16 ``d`` search's candidate errors. Pure torch; the operations are
@@ -35,7 +35,7 @@ def assign_variants(xa: torch.Tensor, w: torch.Tensor, neg: torch.Tensor, a: tor
         parity: the signs of each 8 weights must have even parity (IQ3_XXS): an 8-group with an odd number of
             negative weights decodes one weight with the wrong sign, in the half where that costs least.
         full: with ``parity``, try every weight of a half as the flipped one (else the one of least ``w x**2``).
-        nearest: ``nearest(f, t, odd, flip_at)``, the contract of :func:`.iq3.nearest_variants_torch` with its
+        nearest: ``nearest(f, t, odd, flip_at)``, the contract of :func:`nearest_variants_torch` with its
             tables bound.
     Returns:
         (idx (n, 8, 8) int64 grid indices, flip (n, 8, 32) bool: weight decoded with the sign opposite to ``x``'s).
@@ -108,8 +108,8 @@ def assign_torch(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool
         out: ``"stats"``: ``(p, q) = (w v g, w g g)`` (:func:`stats_terms`); ``"error"``: ``p = w (x - y)**2``
             (:func:`error_terms`, ``y`` decoded with scale ``a``), ``q`` None.
         want_idx: also return the assignment (else None, None).
-        kmap, mids, grid, g8: the tables of :func:`.iq3.nearest_variants_torch`.
-        nearest: the nearest-point search (default :func:`.iq3.nearest_variants_torch`; the tests pass its fast path
+        kmap, mids, grid, g8: the tables of :func:`nearest_variants_torch`.
+        nearest: the nearest-point search (default :func:`nearest_variants_torch`; the tests pass its fast path
             to show the fused kernel equals the composition).
     Returns:
         (idx (n, 8, 8) int64 | None, flip (n, 8, 32) bool | None, p (n, 8, 32) float32, q (n, 8, 32) float32 | None).
@@ -122,7 +122,7 @@ def assign_torch(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool
     if x.shape != (n, _N_SUB, 32) or w.shape != x.shape or a.shape != (n, _N_SUB):
         raise ValueError(f"expected x, w (n, 8, 32) and a (n, 8), got {tuple(x.shape)}, {tuple(w.shape)}, {tuple(a.shape)}")
     if nearest is None:
-        from dynaquant.quant.codecs.iq3 import nearest_variants_torch as nearest
+        nearest = nearest_variants_torch
     xa, neg = x.abs(), x < 0
     idx, flip = assign_variants(xa, w, neg, a, parity, full, lambda f, t, o, k: nearest(f, t, o, k, kmap, mids, grid, g8))
     g = grid.index_select(0, idx.reshape(-1)).reshape(n, _N_SUB, 32)
@@ -164,3 +164,58 @@ def pick_levels(a: torch.Tensor, sgg: torch.Tensor, d: torch.Tensor, c: float) -
     super-block (its better odd multiple, the first on a tie)."""
     _, ls, i = _pick_terms(a, sgg, d[:, None], c)
     return ls.gather(-1, i.unsqueeze(-1)).squeeze(-1).squeeze(1).long()
+
+
+def variant_count(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None, flip_at: torch.Tensor | None,
+                  kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor) -> int:
+    """The number of variants V (1, 2 or 5) a call of :func:`nearest_variants_torch` (or of a fast path with its
+    arguments) scores per group. Raises ValueError when the arguments' shapes disagree (the message lists them)."""
+    r = f.shape[0]
+    if (f.shape != (r, 8) or t.shape != (r, 4) or (odd is not None and odd.shape != (r,))
+            or (flip_at is not None and (odd is None or flip_at.shape != (r,))) or kmap.shape != (4096,)
+            or mids.shape != (7,) or grid.ndim != 2 or grid.shape[1] != 4 or g8.shape != (8, grid.shape[0])):
+        raise ValueError(f"shapes disagree: f {tuple(f.shape)}, t {tuple(t.shape)}, odd "
+                         f"{None if odd is None else tuple(odd.shape)}, flip_at "
+                         f"{None if flip_at is None else tuple(flip_at.shape)}, kmap {tuple(kmap.shape)}, mids "
+                         f"{tuple(mids.shape)}, grid {tuple(grid.shape)}, g8 {tuple(g8.shape)}")
+    return 1 if odd is None else (5 if flip_at is None else 2)
+
+
+def nearest_variants_torch(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None, flip_at: torch.Tensor | None,
+                           kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor,
+                           g8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best grid point of every group of 4 and of its sign-flip variants (the torch reference of the fused search
+    ``iq3.nearest_variants``, :mod:`.fastpaths`).
+
+    Args:
+        f: (R, 8) float32 features ``[2 w v, -A w]``; t: (R, 4) float32 targets ``v / A`` (``v = |x|``).
+        odd: (R,) bool groups whose 8-group has an odd number of negative weights (their flip variants are
+            scored), or None: variant 0 only (V = 1).
+        flip_at: (R,) int64 the weight (0-3) flipped in variant 1 (V = 2), or None with ``odd``: variant ``1 + i``
+            flips weight ``i`` (V = 5). A flip negates ``f[:, i]`` and ``t[:, i]``.
+        kmap, mids: :func:`_grid_map`'s (4096,) int64 level pattern -> grid index (-1 off the grid) and (7,)
+            float32 level midpoints; grid, g8: :func:`_grid_table`'s (P, 4) float32 points and (8, P) ``[g; g**2]``.
+    Returns:
+        (score (R, V) float32, idx (R, V) int64): ``sum w v**2 - score`` is the variant's error; a group whose
+        per-weight nearest levels form a grid point takes that point, the others the best of the whole grid (the
+        first on an exact tie); variants > 0 of even groups score -inf with index 0.
+    """
+    r = f.shape[0]
+    nv = variant_count(f, t, odd, flip_at, kmap, mids, grid, g8)
+    flips = torch.zeros(r, nv, 4, dtype=torch.bool, device=f.device)
+    if nv == 5:
+        flips[:, 1:] = torch.eye(4, dtype=torch.bool, device=f.device)
+    elif nv == 2:
+        flips[:, 1] = torch.nn.functional.one_hot(flip_at, 4).bool()
+    sign = torch.where(flips, -1.0, 1.0)
+    fv = torch.cat([f[:, None, :4] * sign, f[:, None, 4:].expand(r, nv, 4)], -1)  # (R, V, 8)
+    lev = torch.bucketize(t[:, None, :] * sign, mids)
+    idx = kmap[(lev << (3 * torch.arange(4, device=f.device))).sum(-1)]
+    on = idx >= 0
+    s_on = (fv * g8.T[idx.clamp_min(0)]).sum(-1)
+    s_all, i_all = (fv @ g8).max(-1)
+    score, idx = torch.where(on, s_on, s_all), torch.where(on, idx, i_all)
+    if nv > 1:
+        keep = odd[:, None] | (torch.arange(nv, device=f.device) == 0)
+        score, idx = torch.where(keep, score, -torch.inf), torch.where(keep, idx, 0)
+    return score, idx

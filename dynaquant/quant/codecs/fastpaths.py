@@ -35,7 +35,7 @@ NAMES = {
     "iq1.ternary_nearest": "dynaquant.quant.codecs.iq1.nearest_points (its indices)",
     "iq1.ternary_search": "dynaquant.quant.codecs.iq1.ternary_search_torch",
     "iq1.sub_scales": "dynaquant.quant.codecs.iq1.sub_scales_torch",
-    "iq3.nearest_variants": "dynaquant.quant.codecs.iq3.nearest_variants_torch",
+    "iq3.nearest_variants": "dynaquant.quant.codecs._iq3_search.nearest_variants_torch",
     "iq3.assign": "dynaquant.quant.codecs._iq3_search.assign_torch",
     "iq3.pick_errors": "dynaquant.quant.codecs._iq3_search.pick_errors_torch",
     "blockfit.fit_scale": "dynaquant.quant.codecs._blockfit.fit_scale_torch",

@@ -62,6 +62,7 @@ import torch
 from dynaquant.quant.codecs import _iq3_search as steps
 from dynaquant.quant.codecs import _kquant_search as kqs
 from dynaquant.quant.codecs import _lattice as lat
+from dynaquant.quant.codecs._iq3_search import nearest_variants_torch, variant_count  # noqa: F401  (iq3's names)
 from dynaquant.quant.codecs.base import Codec, register
 
 QK_K = 256
@@ -129,61 +130,6 @@ def _grid_map(name: str, device) -> tuple[torch.Tensor, torch.Tensor]:
         kmap[u] = torch.arange(g.shape[0])
         _tables[key] = (kmap.to(device), ((levels[1:] + levels[:-1]) * 0.5).to(device))
     return _tables[key]
-
-
-def variant_count(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None, flip_at: torch.Tensor | None,
-                  kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor) -> int:
-    """The number of variants V (1, 2 or 5) a call of :func:`nearest_variants_torch` (or of a fast path with its
-    arguments) scores per group. Raises ValueError when the arguments' shapes disagree (the message lists them)."""
-    r = f.shape[0]
-    if (f.shape != (r, 8) or t.shape != (r, 4) or (odd is not None and odd.shape != (r,))
-            or (flip_at is not None and (odd is None or flip_at.shape != (r,))) or kmap.shape != (4096,)
-            or mids.shape != (7,) or grid.ndim != 2 or grid.shape[1] != 4 or g8.shape != (8, grid.shape[0])):
-        raise ValueError(f"shapes disagree: f {tuple(f.shape)}, t {tuple(t.shape)}, odd "
-                         f"{None if odd is None else tuple(odd.shape)}, flip_at "
-                         f"{None if flip_at is None else tuple(flip_at.shape)}, kmap {tuple(kmap.shape)}, mids "
-                         f"{tuple(mids.shape)}, grid {tuple(grid.shape)}, g8 {tuple(g8.shape)}")
-    return 1 if odd is None else (5 if flip_at is None else 2)
-
-
-def nearest_variants_torch(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None, flip_at: torch.Tensor | None,
-                           kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor,
-                           g8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Best grid point of every group of 4 and of its sign-flip variants (the torch reference of the fused search
-    ``iq3.nearest_variants``, :mod:`.fastpaths`).
-
-    Args:
-        f: (R, 8) float32 features ``[2 w v, -A w]``; t: (R, 4) float32 targets ``v / A`` (``v = |x|``).
-        odd: (R,) bool groups whose 8-group has an odd number of negative weights (their flip variants are
-            scored), or None: variant 0 only (V = 1).
-        flip_at: (R,) int64 the weight (0-3) flipped in variant 1 (V = 2), or None with ``odd``: variant ``1 + i``
-            flips weight ``i`` (V = 5). A flip negates ``f[:, i]`` and ``t[:, i]``.
-        kmap, mids: :func:`_grid_map`'s (4096,) int64 level pattern -> grid index (-1 off the grid) and (7,)
-            float32 level midpoints; grid, g8: :func:`_grid_table`'s (P, 4) float32 points and (8, P) ``[g; g**2]``.
-    Returns:
-        (score (R, V) float32, idx (R, V) int64): ``sum w v**2 - score`` is the variant's error; a group whose
-        per-weight nearest levels form a grid point takes that point, the others the best of the whole grid (the
-        first on an exact tie); variants > 0 of even groups score -inf with index 0.
-    """
-    r = f.shape[0]
-    nv = variant_count(f, t, odd, flip_at, kmap, mids, grid, g8)
-    flips = torch.zeros(r, nv, 4, dtype=torch.bool, device=f.device)
-    if nv == 5:
-        flips[:, 1:] = torch.eye(4, dtype=torch.bool, device=f.device)
-    elif nv == 2:
-        flips[:, 1] = torch.nn.functional.one_hot(flip_at, 4).bool()
-    sign = torch.where(flips, -1.0, 1.0)
-    fv = torch.cat([f[:, None, :4] * sign, f[:, None, 4:].expand(r, nv, 4)], -1)  # (R, V, 8)
-    lev = torch.bucketize(t[:, None, :] * sign, mids)
-    idx = kmap[(lev << (3 * torch.arange(4, device=f.device))).sum(-1)]
-    on = idx >= 0
-    s_on = (fv * g8.T[idx.clamp_min(0)]).sum(-1)
-    s_all, i_all = (fv @ g8).max(-1)
-    score, idx = torch.where(on, s_on, s_all), torch.where(on, idx, i_all)
-    if nv > 1:
-        keep = odd[:, None] | (torch.arange(nv, device=f.device) == 0)
-        score, idx = torch.where(keep, score, -torch.inf), torch.where(keep, idx, 0)
-    return score, idx
 
 
 def _candidates(name: str) -> tuple[torch.Tensor, torch.Tensor]:
