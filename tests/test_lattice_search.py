@@ -168,7 +168,8 @@ def test_iq1_sub_scales_match_reference(sub, per_group):
 
     x, w = _iq1_inputs(5, 7)  # 40 or 80 sub-blocks: not a multiple of the kernel's tile
     ref_t, ref_h = iq1.sub_scales_torch(x, w, sub, per_group)
-    t, h = iq1_search.sub_scales(x.to(DEVICE), w.to(DEVICE), iq1._consts(torch.device(DEVICE))["ratios"], sub, per_group, iq1.DELTA)
+    ratios = torch.tensor(iq1._RATIOS, dtype=torch.float32, device=DEVICE)  # the encoder's trial scale ratios
+    t, h = iq1_search.sub_scales(x.to(DEVICE), w.to(DEVICE), ratios, sub, per_group, iq1.DELTA)
     assert t.shape == h.shape == (5, 256 // sub)
     assert torch.equal(t.cpu(), ref_t) and torch.equal(h.cpu(), ref_h)
     assert (ref_t[1, 32 // sub : 64 // sub] == 0).all()  # the zero sub-block(s): scale 0

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from dynaquant.kernels.kquant_triton import round_clamp
 from dynaquant.quant.codecs import _blockfit as bf
+from dynaquant.quant.codecs.consts import device_constant
 
 __all__ = ["fit_scale", "fit_affine", "fit_int_zero", "supported"]
 
@@ -395,9 +396,6 @@ def fit_scale(
     return d, codes
 
 
-_CONSTS: dict = {}  # device constants of the affine and zero-point searches (steps, eps; factors), per device
-
-
 def fit_affine(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -414,11 +412,8 @@ def fit_affine(
         return bf.fit_affine_torch(x, w, nmax, steps, n_anchor, lloyd_steps, ulps)
     b, n = x.shape
     xc, wc, block = _inputs(x, w)
-    key = ("affine", tuple(steps), nmax, str(x.device))
-    if key not in _CONSTS:
-        _CONSTS[key] = (torch.tensor([nmax + float(v) for v in steps], dtype=torch.float32, device=x.device),
-                     torch.tensor([1e-6], dtype=torch.float64, device=x.device))
-    st, eps = _CONSTS[key]
+    st = device_constant([nmax + float(v) for v in steps], torch.float32, x.device)
+    eps = device_constant([1e-6], torch.float64, x.device)
     d = torch.empty(b, dtype=torch.float16, device=x.device)
     m = torch.empty(b, dtype=torch.float16, device=x.device)
     codes = torch.empty(b, n, dtype=torch.int64, device=x.device)
@@ -440,12 +435,10 @@ def fit_int_zero(x: torch.Tensor, w: torch.Tensor, nmax: int, factors: Sequence[
         return runtime_int.fit_int_zero_torch(x, w, nmax, factors, lloyd_steps, ulps)
     b, n = x.shape
     xc, wc, block = _inputs(x, w)
-    key = ("zero", tuple(factors), nmax, str(x.device))
-    if key not in _CONSTS:
-        _CONSTS[key] = torch.tensor([f / nmax for f in factors], dtype=torch.float32, device=x.device)
+    fac = device_constant([f / nmax for f in factors], torch.float32, x.device)
     d = torch.empty(b, dtype=torch.float16, device=x.device)
     z = torch.empty(b, dtype=torch.int64, device=x.device)
     if b:
-        fit_int_zero_kernel[(triton.cdiv(b, block),)](xc, wc, _CONSTS[key], d, z, b, len(factors), NMAX=float(nmax),
+        fit_int_zero_kernel[(triton.cdiv(b, block),)](xc, wc, fac, d, z, b, len(factors), NMAX=float(nmax),
                                                       LLOYD=int(lloyd_steps), N=n, BLOCK_B=block, **_OPTS)
     return d, z

@@ -73,6 +73,7 @@ import torch
 
 from dynaquant.quant.codecs import _lattice as lat
 from dynaquant.quant.codecs.base import Codec, register
+from dynaquant.quant.codecs.consts import device_constant
 
 QK_K = 256
 DELTA = 0.125  # IQ1S_DELTA == IQ1M_DELTA
@@ -175,24 +176,6 @@ def _grid_digits(device: torch.device) -> torch.Tensor:
     fast path ``iq1.ternary_search`` (after :func:`_kernel_tables`'s three)."""
     _kernel_tables(device)
     return _KERNEL_TABLES[str(device)][3]
-
-
-_CONSTS: dict[str, dict[str, torch.Tensor]] = {}
-
-
-def _consts(device: torch.device) -> dict[str, torch.Tensor]:
-    """The search's constant tensors on ``device``, made once (a host-to-device copy of a Python
-    list waits for the device's queue): ``ratios`` (R,) and ``divisors`` (M,) float32, ``qh_shifts``
-    (4,) int64 (IQ1_S's 3-bit fields of ``qh``), ``four`` (4,) int64 (0..3)."""
-    key = str(device)
-    if key not in _CONSTS:
-        _CONSTS[key] = {
-            "ratios": torch.tensor(_RATIOS, device=device),
-            "divisors": torch.tensor(_DIVISORS, device=device),
-            "qh_shifts": torch.tensor([0, 3, 6, 9], device=device),
-            "four": torch.arange(4, device=device),
-        }
-    return _CONSTS[key]
 
 
 def tree_sum(v: torch.Tensor) -> torch.Tensor:
@@ -390,7 +373,8 @@ def sub_scales_torch(x: torch.Tensor, w: torch.Tensor, sub: int, per_group: bool
     S, G = QK_K // sub, sub // 8
     xr, wr = x.view(n, S, 1, G, 8), w.view(n, S, 1, G, 8)
     amax = x.view(n, S, sub).abs().amax(2)
-    ts = (amax.unsqueeze(2) * _consts(x.device)["ratios"]).clamp_min(1e-30)[..., None, None]  # (n, S, R, 1, 1)
+    ratios = device_constant(_RATIOS, torch.float32, x.device)
+    ts = (amax.unsqueeze(2) * ratios).clamp_min(1e-30)[..., None, None]  # (n, S, R, 1, 1)
     out, errs = [], []
     for sg in (DELTA, -DELTA):
         q = torch.round(xr / ts - sg).clamp(-1, 1) + sg
@@ -432,6 +416,8 @@ def _codes_at(xg, wg, d, st, per_group, backend):
     ]
 
 
+# IQ1_S: the bit offsets of a sub-block's four 3-bit high index fields in ``qh``.
+_QH_SHIFTS = (0, 3, 6, 9)
 # Sub-block scale candidates, as fractions of the sub-block's max |x|.
 _RATIOS = tuple(0.15 * (0.95 / 0.15) ** (i / 5) for i in range(6))
 # Super-block scale candidates: max(sub-block scale) / m.
@@ -465,13 +451,13 @@ def _encode(x: torch.Tensor, w: torch.Tensor, sub: int, per_group: bool, backend
     # 1. the best free scale of each sub-block
     kernel = lat.fast_path("iq1.sub_scales", x, backend) if backend != "native" else None
     if kernel is not None:
-        best_t, best_h = kernel(x, w, _consts(x.device)["ratios"], sub, per_group, DELTA)
+        best_t, best_h = kernel(x, w, device_constant(_RATIOS, torch.float32, x.device), sub, per_group, DELTA)
     else:
         best_t, best_h = sub_scales_torch(x, w, sub, per_group)
 
     # 2. super-block scale: model-ranked candidates, the best few scored exactly
     tmax = best_t.amax(1)
-    m = _consts(x.device)["divisors"]
+    m = device_constant(_DIVISORS, torch.float32, x.device)
     dc = tmax[:, None] / m  # (n, M)
     sc = torch.round((best_t[:, None, :] / dc.clamp_min(1e-30)[..., None] - 1) / 2).clamp(0, 7)
     model = (best_h[:, None, :] * (dc[..., None] * (2 * sc + 1) - best_t[:, None, :]) ** 2).sum(2)
@@ -599,7 +585,8 @@ class IQ1_S(Codec):
         d, s, idx, neg = _encode_both(x, w, 32, per_group=False, backend=backend)
         n = x.shape[0]
         qs = (idx & 255).reshape(n, 32).to(torch.uint8)
-        qh = ((idx >> 8) << _consts(x.device)["qh_shifts"]).sum(2) | (s << 12) | (neg[:, :, 0].to(torch.int64) << 15)
+        shifts = device_constant(_QH_SHIFTS, torch.int64, x.device)
+        qh = ((idx >> 8) << shifts).sum(2) | (s << 12) | (neg[:, :, 0].to(torch.int64) << 15)
         return torch.cat([_u16_bytes(_half_u16(d)[:, None]), qs, _u16_bytes(qh)], dim=1)
 
     def decode_blocks(self, b: torch.Tensor) -> torch.Tensor:
@@ -609,7 +596,7 @@ class IQ1_S(Codec):
         d = _u16_half(_bytes_u16(b[:, 0:2]))  # (n, 1)
         qs = b[:, 2:34].to(torch.int64).view(n, 8, 4)
         qh = _bytes_u16(b[:, 34:50]).to(torch.int64)  # (n, 8)
-        idx = qs | (((qh[:, :, None] >> _consts(b.device)["qh_shifts"]) & 7) << 8)
+        idx = qs | (((qh[:, :, None] >> device_constant(_QH_SHIFTS, torch.int64, b.device)) & 7) << 8)
         dl = d * (2 * ((qh >> 12) & 7) + 1).to(torch.float32)  # (n, 8)
         delta = torch.where((qh & 0x8000) != 0, -DELTA, DELTA)
         y = dl[:, :, None, None] * (grid_values(b.device)[idx] + delta[:, :, None, None])
@@ -645,7 +632,7 @@ class IQ1_M(Codec):
         nib = (idx >> 8) | (neg.to(torch.int64) << 3)  # (n, 16, 2)
         qh = (nib[:, :, 0] | (nib[:, :, 1] << 4)).to(torch.uint8)
         dbits = _half_u16(d).to(torch.int64)  # (n,)
-        four = _consts(x.device)["four"]
+        four = device_constant((0, 1, 2, 3), torch.int64, x.device)
         words = (s.view(n, 4, 4) << (3 * four)).sum(2) | (((dbits[:, None] >> (4 * four)) & 15) << 12)
         return torch.cat([qs, qh, _u16_bytes(words)], dim=1)
 
@@ -656,7 +643,7 @@ class IQ1_M(Codec):
         qs = b[:, 0:32].to(torch.int64).view(n, 16, 2)
         qh = b[:, 32:48].to(torch.int64)
         sc = _bytes_u16(b[:, 48:56]).to(torch.int64)  # (n, 4)
-        four = _consts(b.device)["four"]
+        four = device_constant((0, 1, 2, 3), torch.int64, b.device)
         dbits = ((sc >> 12) << (4 * four)).sum(1)
         d = _u16_half(dbits.to(torch.int32))[:, None]  # (n, 1)
         s = ((sc[:, :, None] >> (3 * four)) & 7).reshape(n, 16)

@@ -93,6 +93,7 @@ import torch
 
 from dynaquant.quant.codecs import _lattice as lat
 from dynaquant.quant.codecs.base import Codec, register
+from dynaquant.quant.codecs.consts import device_constant
 
 QK_K = 256
 GROUP = 8
@@ -121,18 +122,6 @@ def _ksigns(device) -> torch.Tensor:
 
         _KSIGNS[key] = torch.frombuffer(bytearray(gguf.quants.IQ2_XXS.ksigns), dtype=torch.uint8).long().to(device)
     return _KSIGNS[key]
-
-
-_CONST: dict[tuple, torch.Tensor] = {}
-
-
-def _const(values: tuple, device: torch.device) -> torch.Tensor:
-    """``torch.tensor(values)`` on ``device``, made once per (values, device): a host-to-device copy
-    of a Python list waits for the device's queue (a host sync in every chunk)."""
-    key = (values, str(device))
-    if key not in _CONST:
-        _CONST[key] = torch.tensor(values, device=device)
-    return _CONST[key]
 
 
 def _bits_of(pattern: torch.Tensor) -> torch.Tensor:
@@ -295,7 +284,7 @@ class _IQ2(Codec):
         # its candidate codewords for everything up to the final pass (or, with
         # ``exhaustive``, every codeword is a candidate).
         best_s, best_c = torch.zeros_like(amax), torch.zeros_like(amax)
-        sc = amax[None, :] / _const(tuple(self._knob("coarse_t", x.device)), x.device)[:, None]  # (T, sub-blocks)
+        sc = amax[None, :] / device_constant(self._knob("coarse_t", x.device), torch.float32, x.device)[:, None]  # (T, sub-blocks)
         cost, picks = lat.nearest_codewords(a, wg, grid, sc.repeat_interleave(gps, dim=1), odd, backend, variant)  # (T, groups)
         cost = sub_sum_batched(cost)
         pick = cost.argmin(dim=0, keepdim=True)
@@ -309,7 +298,7 @@ class _IQ2(Codec):
         else:  # (groups, K) terms of the candidates, the parity flip in bk
             bk, ck = lat.candidate_terms(a, wg, grid, cand, odd, backend)
         # all fine t at once: (T, sub-blocks)
-        sc = amax[None, :] / _const(tuple(self.t_candidates), x.device)[:, None]
+        sc = amax[None, :] / device_constant(self.t_candidates, torch.float32, x.device)[:, None]
         cost = sub_sum_batched(lat.subset_min_costs(bk, ck, sc.repeat_interleave(gps, dim=1), backend))
         pick = cost.argmin(dim=0, keepdim=True)
         best_s, best_c = keep_better(sc.gather(0, pick)[0], cost.gather(0, pick)[0], best_s, best_c)
@@ -321,7 +310,7 @@ class _IQ2(Codec):
         # 2. block scale d (fp16) and stored sub-block codes s: for a batch of candidate d
         # (F, n), every sub-block tries the codes s nearest its continuous scale.
         cont = best_s.view(n, n_sub)
-        offsets = _const(tuple(self.s_offsets), x.device)[:, None, None, None]  # (O, 1, 1, 1)
+        offsets = device_constant(self.s_offsets, torch.int64, x.device)[:, None, None, None]  # (O, 1, 1, 1)
 
         def try_d(d: torch.Tensor):
             """d: (F, n) float32 -> (total (F, n), d as stored (F, n), s (F, n, n_sub)), best s per d."""
@@ -349,7 +338,7 @@ class _IQ2(Codec):
             )
 
         smax = cont.amax(dim=1)
-        factors = _const(tuple(self.d_factors), x.device)[:, None]
+        factors = device_constant(self.d_factors, torch.float32, x.device)[:, None]
         blk = keep_block(*try_d(smax[None, :] * (8.0 / 31.0) * factors), None)
         # least-squares d given the chosen codes and codewords, and its fp16 neighbours
         _, blk_d, blk_s = blk
@@ -389,7 +378,7 @@ class IQ2_XXS(_IQ2):
         n = idx.shape[0]
         sub_idx = idx.view(n, 8, 4).to(torch.uint8)  # bytes of qs[2j]
         s7 = (neg & 127).view(n, 8, 4)
-        aux = (s7 << _const((0, 7, 14, 21), idx.device)).sum(dim=2) | (s << 28)  # (n, 8)
+        aux = (s7 << device_constant((0, 7, 14, 21), torch.int64, idx.device)).sum(dim=2) | (s << 28)  # (n, 8)
         words = torch.cat([sub_idx, _le_bytes(aux, 4).view(n, 8, 4)], dim=2).reshape(n, 64)
         return torch.cat([d16.contiguous().view(torch.uint8).reshape(n, 2), words], dim=1)
 
@@ -449,7 +438,7 @@ class IQ2_S(_IQ2):
         n = idx.shape[0]
         lo = (idx & 255).to(torch.uint8)
         hi = ((idx >> 8) & 3).view(n, 8, 4)
-        qh = (hi << _const((0, 2, 4, 6), idx.device)).sum(dim=2).to(torch.uint8)
+        qh = (hi << device_constant((0, 2, 4, 6), torch.int64, idx.device)).sum(dim=2).to(torch.uint8)
         sc = (s[:, 0::2] | (s[:, 1::2] << 4)).to(torch.uint8)
         return torch.cat([d16.contiguous().view(torch.uint8).reshape(n, 2), lo, neg.to(torch.uint8), qh, sc], dim=1)
 

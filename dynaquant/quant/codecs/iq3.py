@@ -64,6 +64,7 @@ from dynaquant.quant.codecs import _kquant_search as kqs
 from dynaquant.quant.codecs import _lattice as lat
 from dynaquant.quant.codecs._iq3_search import nearest_variants_torch, variant_count  # noqa: F401  (iq3's names)
 from dynaquant.quant.codecs.base import Codec, register
+from dynaquant.quant.codecs.consts import device_constant
 
 QK_K = 256
 _N_SUB = 8  # sub-blocks of 32
@@ -386,7 +387,8 @@ class _IQ3(Codec):
         by the fast path ``iq3.pick_errors`` where there is one (:func:`._iq3_search.pick_errors_torch`)."""
         c = self.scale_mul
         am = a.amax(1, keepdim=True)
-        cand = kqs.f16_candidates(torch.cat([am / (c * self._d_steps(a.device)), *extra], 1))  # (n, C) float32
+        ts = device_constant(self.d_steps, torch.float64, a.device)
+        cand = kqs.f16_candidates(torch.cat([am / (c * ts), *extra], 1))  # (n, C) float32
         cand = cand.clamp_min(0)
         try:
             errors = lat.fast_path("iq3.pick_errors", a, backend) or steps.pick_errors_torch
@@ -395,13 +397,6 @@ class _IQ3(Codec):
         best = errors(a, sgg, cand, c).sum(-1).argmin(1, keepdim=True)  # (n, 1)
         d = cand.gather(1, best).squeeze(1)
         return d, steps.pick_levels(a, sgg, d, c)
-
-    def _d_steps(self, device) -> torch.Tensor:
-        """:attr:`d_steps` (T,) float64 on ``device`` (cached: no host-to-device copy a call)."""
-        key = ("d_steps", type(self).__name__, str(device))
-        if key not in _tables:
-            _tables[key] = torch.tensor(self.d_steps, dtype=torch.float64, device=device)
-        return _tables[key]
 
     def _encode(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, ...]:
         n = x.shape[0]
