@@ -39,10 +39,6 @@ _TILE = 2048  # elements of a (rows, sub_size) register tile
 _PICK_ROWS = 64  # super-blocks a step-2 program
 _NUM_WARPS = 4
 _OPTS = {"num_warps": _NUM_WARPS, "enable_fp_fusion": False}
-# symmetric step 1 compares gains by cross-multiplying (no float64 division a candidate; sym_step1_kernel's CROSS):
-# on the H200 a 16.5 M-weight chunk's step 1 took 3.33 -> 2.10 ms (Q3_K) and 3.78 -> 2.3 ms (Q6_K), the same scales
-# on every sub-block of the encode_speed tensor (both settings timed in one run, 2026-11-29)
-SYM_CROSS = True
 
 
 def _flat(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
@@ -98,8 +94,7 @@ def sym_search_scales(x: torch.Tensor, w: torch.Tensor, spec: kqs.SymSearch, ite
         block, grid = _rows_grid(r, sub)
         sym_step1_kernel[grid](
             xc, wc, steps, bp, a, r, len(signed), m,
-            N_ELEM=min(spec.n_elem, sub), QLO=spec.qlo, QHI=spec.qhi, ITERS=iters, SUB=sub, BLOCK_R=block,
-            CROSS=SYM_CROSS, **_OPTS,
+            N_ELEM=min(spec.n_elem, sub), QLO=spec.qlo, QHI=spec.qhi, ITERS=iters, SUB=sub, BLOCK_R=block, **_OPTS,
         )
     return a.view(n_super, n_sub)
 
