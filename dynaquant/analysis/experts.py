@@ -34,6 +34,7 @@ from dynaquant.analysis.errors import (
     measure_samples,
     sample_tensor,
 )
+from dynaquant.analysis.moments import gram
 from dynaquant.sources.experts import dispatch, expert_linear, expert_matrix, find_experts, layout_of
 
 # Per experts module and input (gate/up's, down's), the full per-expert second moments (E, K, K) float32 are kept
@@ -199,7 +200,7 @@ class _ExpertsForward:
                 shape = (st.n_expert, k, k) if st.n_expert * k * k * 4 <= EXPERT_HESSIAN_BYTES else (st.n_expert, k)
                 hs = st.hessian_sum[key] = torch.zeros(shape, dtype=torch.float32, device=v.device)
             if hs.dim() == 3:  # this call's, then added (the same bits as a partial sum merged: stats.Collector)
-                hs[e] += torch.zeros(hs.shape[1:], dtype=hs.dtype, device=hs.device).addmm_(v.T, v)
+                hs[e] += gram(v)
             else:
                 hs[e] += (v * v).sum(0)
         st.tokens[e] += x.shape[0]

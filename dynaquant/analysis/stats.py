@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from dynaquant.analysis import experts as moe
 from dynaquant.analysis.imatrix import Imatrix
+from dynaquant.analysis.moments import gram
 from dynaquant.sources.experts import PROJS
 
 
@@ -205,9 +206,11 @@ class Collect:
             raise ValueError("the Fisher diagonals are kept with the activation statistics: Collect(hessian=True)")
 
 
-def _token_quant_err(x: torch.Tensor, levels: int) -> float:
+def _token_quant_err(x: torch.Tensor, levels: int) -> torch.Tensor:
+    """0-d float32 (on ``x``'s device): the summed squared error of ``x`` (tokens, K) rounded per token to
+    ``levels`` steps of its absmax (symmetric integer activation quantization)."""
     s = x.abs().amax(-1, keepdim=True).clamp_min(1e-30) / levels
-    return float(((torch.round(x / s) * s - x) ** 2).sum())
+    return ((torch.round(x / s) * s - x) ** 2).sum()
 
 
 def _grad_sq_sum(g: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -353,16 +356,17 @@ class Collector:
         x = x.reshape(-1, x.shape[-1]).to(torch.float32)
         s = self.st.inputs.get(name)
         k = x.shape[1]
-        h = torch.zeros((k, k), dtype=torch.float32, device=x.device).addmm_(x.T, x)  # this call's, then added
+        h = gram(x)  # this call's, then added
         if s is None:
             s = self.st.inputs[name] = InputStats([name], h, absmax=torch.zeros(k, dtype=torch.float32, device=x.device))
         else:
             s.hessian_sum += h
         s.tokens += x.shape[0]
         s.absmax = torch.maximum(s.absmax, x.abs().amax(0))
-        s.sq_sum += float((x * x).sum())
-        s.qerr_sum["int8"] += _token_quant_err(x, 127)
-        s.qerr_sum["int4"] += _token_quant_err(x, 7)
+        sq, q8, q4 = torch.stack([(x * x).sum(), _token_quant_err(x, 127), _token_quant_err(x, 7)]).tolist()  # one sync
+        s.sq_sum += sq
+        s.qerr_sum["int8"] += q8
+        s.qerr_sum["int4"] += q4
 
     def _accumulate_output(self, name, out):
         with torch.no_grad():
