@@ -22,7 +22,7 @@ from dynaquant.analysis.calibration import CalibrationSpec, calibration_chunks
 from dynaquant.analysis.errors import SAMPLE_FRACTION, ErrorSample, measure_samples, sample_tensor
 from dynaquant.analysis.imatrix import Imatrix
 from dynaquant.analysis.report.schema import save_report, tensor_group
-from dynaquant.analysis.sensitivity import ReferenceLogits, group_sensitivity, kld_with_weights
+from dynaquant.analysis.sensitivity import ReferenceLogits, group_sensitivity, kld_with_weights, tf32_matmuls
 from dynaquant.analysis.stats import ModelStats, collect_stats
 from dynaquant.analysis.superweights import confirm, find_candidates
 from dynaquant.config import CORRECT_SEQUENCES, DEFAULT_CANDIDATES, FISHER_SEQUENCES, AnalyzeConfig
@@ -159,7 +159,10 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
     section gathers the rounds of every size; each ``plans`` row gets ``corrected``: the final plan's figures). A
     tensor of a GGUF source planned in its stored type keeps the source's bytes, so that format's error is 0 (not with
     ``allow_nonfinite``: the model's weights may then differ from the stored ones); ``sample_fraction``: the rows
-    of each tensor whose errors are measured (:func:`dynaquant.analysis.errors.sample_size`)."""
+    of each tensor whose errors are measured (:func:`dynaquant.analysis.errors.sample_size`). On CUDA the calibration
+    passes run their float32 matmuls on TF32 tensor cores (:func:`~dynaquant.analysis.sensitivity.tf32_matmuls`; the
+    input moments: :func:`dynaquant.analysis.moments.gram`), as llama.cpp's imatrix runs its GPU matmuls in half
+    precision."""
     timings = {} if timings is None else timings
     device = next(model.parameters()).device
     t0 = time.perf_counter()
@@ -172,7 +175,8 @@ def run_analysis(source: ModelSource, ts: TensorSource, model, tokenizer, spec: 
 
         samples = vl_calibration_samples(ts.folder, tokenizer, chunks, spec.images, spec.n_images,
                                          trust_remote_code=source.trust_remote_code)
-    stats = collect_stats(model, samples, fisher_sequences=fisher_sequences, progress=progress)
+    with tf32_matmuls(device):  # the calibration forward (and Fisher backward) passes; the moments: stats' gram
+        stats = collect_stats(model, samples, fisher_sequences=fisher_sequences, progress=progress)
     timings["calibration_s"] = time.perf_counter() - t0
     info = model_info(ts)
     src_tensors = ts.tensors()
