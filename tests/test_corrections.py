@@ -536,3 +536,43 @@ def test_a_given_first_plan_is_measured_not_planned_again():
                              held_out={"sequences": 2, "tokens": 8}, first=first)
     assert len(calls) == 2 and len(made) == 1 and made[0]["corrections"]["factors"]  # one re-plan, with factors
     assert sec["rounds"][0]["kld_pred"] == first.kld_pred
+
+
+def test_batched_reference_measures_what_single_passes_measure():
+    """``batch`` sequences a pass (the CUDA default batches the held-out sequences): prefix-state passes of a batch are
+    the whole batched pass's bit for bit, a last partial batch included; the KLD equals the one-a-pass KLD to float32
+    rounding; an unchanged model measures 0."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    chunks = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(3))
+    ref = ReferenceLogits(model, chunks, prefix_states=True, batch=2)
+    whole, single = ReferenceLogits(model, chunks, batch=2), ReferenceLogits(model, chunks)
+    assert ref.states is not None and [b.shape[0] for b in ref.batches] == [2, 1] and single.batch == 1
+    assert [lp.shape for lp in ref.logp] == [(2, 16, 128), (1, 16, 128)]
+    assert ref.kld(model) == whole.kld(model) == 0.0
+    params = dict(model.named_parameters())
+    g = torch.Generator().manual_seed(4)
+    for names in (["model.layers.2.mlp.down_proj.weight"], ["lm_head.weight"], ["model.embed_tokens.weight"]):
+        moved = {n: params[n].detach() + 0.05 * torch.randn(params[n].shape, generator=g) for n in names}
+        with SwappedWeights(params, moved, names):
+            got = ref.kld(model, start=ref.start_of(model, names))
+            assert got == whole.kld(model) > 0
+            assert got == pytest.approx(single.kld(model), rel=1e-4)
+    with pytest.raises(ValueError, match="batch 0"):
+        ReferenceLogits(model, chunks, batch=0)
+
+
+def test_reference_batch_is_one_off_cuda():
+    from dynaquant.analysis.sensitivity import reference_batch
+
+    class M:
+        class config:
+            @staticmethod
+            def get_text_config():
+                return type("C", (), {"vocab_size": 128})
+
+    assert reference_batch(M, torch.zeros(8, 16, dtype=torch.long), torch.device("cpu")) == 1

@@ -31,6 +31,11 @@ class ReferenceLogits:
             weights unchanged must give the reference itself), else the states are dropped and every pass is whole
             (as for models whose decoder layers cannot be found, or return more than a tensor, or whose states
             would take more than :data:`PREFIX_STATES_FRACTION` of the device's free memory).
+        batch: sequences per forward pass (the reference's and every measured pass's alike, so that an unchanged
+            model measures 0 bit for bit); None: :func:`reference_batch` (1 off CUDA; on CUDA as many as
+            :data:`LOGITS_BATCH_BYTES` of logits allow: the 8 held-out sequences of a Llama-3-8B's corrections in one
+            pass instead of eight, each pass's matmuls 8x taller and one host sync a measurement instead of one a
+            sequence).
 
     The reference log-probabilities stay on the model's device (n x T x vocab float32: 8 x 512 x 49152 x 4 bytes =
     0.8 GB for SmolLM2, 2.1 GB for a 128k vocabulary), so each KL divergence is computed where the logits are, not
@@ -39,15 +44,19 @@ class ReferenceLogits:
     """
 
     @torch.no_grad()
-    def __init__(self, model, chunks: torch.Tensor, prefix_states: bool = False):
+    def __init__(self, model, chunks: torch.Tensor, prefix_states: bool = False, batch: int | None = None):
         self.chunks = chunks
         self.device = next(model.parameters()).device
+        self.batch = batch if batch is not None else reference_batch(model, chunks, self.device)
+        if self.batch < 1:
+            raise ValueError(f"batch {self.batch}: at least one sequence a pass")
+        self.batches = [chunks[i : i + self.batch] for i in range(0, chunks.shape[0], self.batch)]
         self.layers = decoder_layers(model) if prefix_states else None
         self.states: list[list[torch.Tensor]] | None = None
         if self.layers is not None and _states_fit(model, chunks, len(self.layers[1]), self.device):
-            self.states = [[] for _ in range(chunks.shape[0])]
+            self.states = [[] for _ in self.batches]
             self.logp = []
-            for i, c in enumerate(chunks):
+            for i, c in enumerate(self.batches):
                 with _recording(self.layers[1], self.states[i]) as ok:
                     self.logp.append(self._logp(model, c))
                 if not ok[0]:
@@ -55,19 +64,19 @@ class ReferenceLogits:
             if self.states is not None and not self._check(model):
                 self.states = None
         else:
-            self.logp = [self._logp(model, c) for c in chunks]
-        self._chunk = 0
+            self.logp = [self._logp(model, c) for c in self.batches]
+        self._batch = 0
 
     def _logp(self, model, c: torch.Tensor) -> torch.Tensor:
-        """(T, vocab) float32 log-probabilities of ``model`` on one (T,) chunk, on the model's device."""
-        return torch.log_softmax(model(c.to(self.device)[None], use_cache=False).logits[0].float(), -1)
+        """(B, T, vocab) float32 log-probabilities of ``model`` on (B, T) chunks, on the model's device."""
+        return torch.log_softmax(model(c.to(self.device), use_cache=False).logits.float(), -1)
 
     def _check(self, model) -> bool:
         """A pass from the middle layer, weights unchanged, gives the reference bit for bit."""
         b = max(1, len(self.layers[1]) // 2)
         with self._skipping(b):
-            self._chunk = 0
-            return torch.equal(self._logp(model, self.chunks[0]), self.logp[0])
+            self._batch = 0
+            return torch.equal(self._logp(model, self.batches[0]), self.logp[0])
 
     def start_of(self, model, names: Iterable[str]) -> int:
         """The first decoder layer the parameters ``names`` (HF names) can change: their layers' least index; the
@@ -91,7 +100,7 @@ class ReferenceLogits:
     @contextmanager
     def _skipping(self, b: int):
         """Decoder layers ``0 .. b - 1`` pass their input through, and layer ``b - 1`` gives its kept output for the
-        chunk :attr:`_chunk` (``b`` = 0: nothing changed)."""
+        batch :attr:`_batch` (``b`` = 0: nothing changed)."""
         if not b:
             yield
             return
@@ -101,7 +110,7 @@ class ReferenceLogits:
             for i in range(b):
                 saved[i] = layers[i].__dict__.get("forward")
                 layers[i].forward = _pass_through
-            handle = layers[b - 1].register_forward_hook(lambda m, a, out: self.states[self._chunk][b - 1])
+            handle = layers[b - 1].register_forward_hook(lambda m, a, out: self.states[self._batch][b - 1])
             yield
         finally:
             if handle is not None:
@@ -115,15 +124,33 @@ class ReferenceLogits:
     @torch.no_grad()
     def kld(self, model, start: int = 0) -> float:
         """Mean KL(reference || model) per token (nats) over all positions of the chunks; ``start``: the first decoder
-        layer whose weights differ from the reference's (:meth:`start_of`; used only with :attr:`states`)."""
-        tot, n = 0.0, 0
+        layer whose weights differ from the reference's (:meth:`start_of`; used only with :attr:`states`). Each
+        sequence's sum is float32, the total float64 on the device (one host sync a call)."""
+        tot, n = torch.zeros((), dtype=torch.float64, device=self.device), 0
         with self._skipping(start if self.states is not None else 0):
-            for i, (c, lp) in enumerate(zip(self.chunks, self.logp)):
-                self._chunk = i
+            for i, (c, lp) in enumerate(zip(self.batches, self.logp)):
+                self._batch = i
                 lq = self._logp(model, c)
-                tot += float((lp.exp() * (lp - lq)).sum(-1).clamp_min(0).sum())
-                n += lp.shape[0]
-        return tot / n
+                for j in range(lq.shape[0]):  # a sequence at a time: the temporaries are one (T, vocab) each
+                    tot += (lp[j].exp() * (lp[j] - lq[j])).sum(-1).clamp_min(0).sum()
+                n += lp.shape[0] * lp.shape[1]
+        return float(tot) / n
+
+
+# Logits bytes a ReferenceLogits batch may take on CUDA (each sequence: its float32 logits and log-probabilities).
+LOGITS_BATCH_BYTES = 4 << 30
+
+
+def reference_batch(model, chunks: torch.Tensor, device: torch.device) -> int:
+    """Sequences per :class:`ReferenceLogits` pass: 1 off CUDA (the CPU's passes gain nothing from it), else all of
+    ``chunks`` as far as their logits (2 x T x vocab x 4 bytes a sequence) fit in :data:`LOGITS_BATCH_BYTES` and an
+    eighth of the free memory, at least 1."""
+    if device.type != "cuda":
+        return 1
+    vocab = getattr(model.config.get_text_config(), "vocab_size", None) or 1
+    per_seq = 2 * chunks.shape[1] * vocab * 4
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, min(chunks.shape[0], min(LOGITS_BATCH_BYTES, free // 8) // per_seq))
 
 
 @contextmanager
