@@ -110,6 +110,26 @@ def test_subset_min_costs_match_reference(interpreted, lead):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("gps", [2, 4])
+@pytest.mark.parametrize("lead", [(), (3,), (2, 5)])
+def test_subset_min_costs_per_sub_block(interpreted, gps, lead):
+    """One scale a sub-block of ``gps`` groups: bit for bit the per-group kernel on the repeated scales, its
+    minima summed by torch (what the IQ2 codecs did before), and close to the reference; odd sub-block count,
+    a zero scale, K not a power of two."""
+    g = torch.Generator().manual_seed(5)
+    n = 13 * gps
+    b, c = torch.randn(n, 6, generator=g).to(DEVICE), torch.rand(n, 6, generator=g).to(DEVICE)
+    scale = torch.rand(*lead, n // gps, generator=g).to(DEVICE)
+    scale[..., 3] = 0.0
+    got = interpreted.subset_min_costs(b, c, scale, gps)
+    per_group = interpreted.subset_min_costs(b, c, scale.repeat_interleave(gps, dim=-1))
+    before = per_group.view(*lead, n // gps, gps).sum(dim=-1)
+    assert got.shape == scale.shape and torch.equal(got, before)
+    torch.testing.assert_close(got, lat.subset_min_costs_torch(b, c, scale, gps), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError):
+        interpreted.subset_min_costs(b, c, scale[..., :-1], gps)
+
+
 def test_rows_kernel_more_than_eight_scales(interpreted):
     grid = lat.gguf_grid("IQ2_XXS", DEVICE)
     x, w, scale, odd = _inputs(40, 8, 10, DEVICE)

@@ -333,20 +333,31 @@ def candidate_terms(
     return candidate_terms_torch(x, w, grid, idx, odd)
 
 
-def subset_min_costs_torch(b: torch.Tensor, c: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``min_k S**2 c_k - 2 S b_k`` per group for a batch of scales: (n, K), (n, K), (..., n)
-    float32 -> (..., n) float32 (:func:`scaled_costs` without the argmin). Reference of
-    fast path ``lattice.subset_min_costs`` (same signature)."""
-    return scaled_costs(b, c, scale, False)[0]
+def subset_min_costs_torch(b: torch.Tensor, c: torch.Tensor, scale: torch.Tensor, gps: int = 1) -> torch.Tensor:
+    """``min_k S**2 c_k - 2 S b_k`` per group for a batch of scales (:func:`scaled_costs` without the argmin),
+    summed over sub-blocks of ``gps`` consecutive groups that share one scale. Reference of fast path
+    ``lattice.subset_min_costs`` (same signature).
+
+    Args:
+        b, c: (n, K) float32 terms of each group's candidates.
+        scale: (..., n // gps) float32, one scale a sub-block.
+        gps: groups a sub-block (divides n).
+    Returns:
+        (..., n // gps) float32: each sub-block's sum (torch's ``sum``) of its groups' minima.
+    """
+    if gps == 1:
+        return scaled_costs(b, c, scale, False)[0]
+    cost = scaled_costs(b, c, scale.repeat_interleave(gps, dim=-1), False)[0]
+    return cost.view(*cost.shape[:-1], -1, gps).sum(dim=-1)
 
 
-def subset_min_costs(b: torch.Tensor, c: torch.Tensor, scale: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+def subset_min_costs(b: torch.Tensor, c: torch.Tensor, scale: torch.Tensor, backend: str = "auto", gps: int = 1) -> torch.Tensor:
     """:func:`subset_min_costs_torch`, or its fast path (a Triton kernel, which never writes the
     (..., n, K) temporary) as ``backend`` chooses (:func:`fast_path`)."""
     kernel = fast_path("lattice.subset_min_costs", b, backend)
     if kernel is not None:
-        return kernel(b, c, scale)
-    return subset_min_costs_torch(b, c, scale)
+        return kernel(b, c, scale, gps)
+    return subset_min_costs_torch(b, c, scale, gps)
 
 
 def subset_penalty(a: torch.Tensor, grid: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

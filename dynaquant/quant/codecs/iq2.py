@@ -271,7 +271,7 @@ class _IQ2(Codec):
 
         def sub_cost(scale_sub: torch.Tensor, bb: torch.Tensor, cc: torch.Tensor, want_idx: bool = False):
             if not want_idx:
-                return sub_sum(lat.subset_min_costs(bb, cc, scale_sub.repeat_interleave(gps), backend)), None
+                return lat.subset_min_costs(bb, cc, scale_sub, backend, gps), None
             cost, idx = lat.scaled_costs(bb, cc, scale_sub.repeat_interleave(gps), want_idx)
             return sub_sum(cost), idx
 
@@ -299,7 +299,7 @@ class _IQ2(Codec):
             bk, ck = lat.candidate_terms(a, wg, grid, cand, odd, backend)
         # all fine t at once: (T, sub-blocks)
         sc = amax[None, :] / device_constant(self.t_candidates, torch.float32, x.device)[:, None]
-        cost = sub_sum_batched(lat.subset_min_costs(bk, ck, sc.repeat_interleave(gps, dim=1), backend))
+        cost = lat.subset_min_costs(bk, ck, sc, backend, gps)
         pick = cost.argmin(dim=0, keepdim=True)
         best_s, best_c = keep_better(sc.gather(0, pick)[0], cost.gather(0, pick)[0], best_s, best_c)
         for _ in range(self.n_refine):
@@ -318,9 +318,7 @@ class _IQ2(Codec):
             safe = torch.where(d > 0, d, torch.ones_like(d))
             s = (torch.floor((8.0 * cont / safe - 1.0) * 0.5).to(torch.int64) + offsets).clamp(0, 15)  # (O, F, n, n_sub)
             scale = _sub_scale(d, s)  # (O, F, n, n_sub)
-            per_group = scale.reshape(*scale.shape[:2], -1).repeat_interleave(gps, dim=2)
-            cost = sub_sum_batched(lat.subset_min_costs(bk, ck, per_group, backend))
-            cost = cost.view(s.shape)
+            cost = lat.subset_min_costs(bk, ck, scale.reshape(*scale.shape[:2], -1), backend, gps).view(s.shape)
             sub_best, o = cost.min(dim=0)  # (F, n, n_sub)
             return sub_best.sum(dim=2), d[..., 0], s.gather(0, o[None])[0]
 
