@@ -417,6 +417,18 @@ def scaled_costs(
     return e.amin(dim=-1), None
 
 
+def last_sum(t: torch.Tensor) -> torch.Tensor:
+    """``t.sum(dim=-1)``; a last axis of two as one elementwise add, ``t[..., 0] + t[..., 1]`` (the same value, the
+    one rounding of a two-term sum, without a reduction kernel over pairs: slow on CUDA).
+
+    Args:
+        t: (..., m) float tensor.
+    Returns:
+        (...,) tensor.
+    """
+    return t[..., 0] + t[..., 1] if t.shape[-1] == 2 else t.sum(dim=-1)
+
+
 def lsq_scale(b_sel: torch.Tensor, c_sel: torch.Tensor) -> torch.Tensor:
     """Least-squares scale of sub-blocks given their chosen codewords.
 
@@ -425,5 +437,5 @@ def lsq_scale(b_sel: torch.Tensor, c_sel: torch.Tensor) -> torch.Tensor:
     Returns:
         (...,) float32 ``sum B / sum C`` (0 where ``sum C`` is 0), clamped at >= 0.
     """
-    num, den = b_sel.sum(dim=-1), c_sel.sum(dim=-1)
+    num, den = last_sum(b_sel), last_sum(c_sel)
     return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(den)).clamp_min(0)

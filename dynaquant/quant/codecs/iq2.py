@@ -264,10 +264,10 @@ class _IQ2(Codec):
         amax = a.reshape(-1, self.sub_len).amax(dim=1)
 
         def sub_sum(cost: torch.Tensor) -> torch.Tensor:
-            return cost.view(-1, gps).sum(dim=1)
+            return lat.last_sum(cost.view(-1, gps))
 
         def sub_sum_batched(cost: torch.Tensor) -> torch.Tensor:  # (..., groups) -> (..., sub-blocks)
-            return cost.view(*cost.shape[:-1], -1, gps).sum(dim=-1)
+            return lat.last_sum(cost.view(*cost.shape[:-1], -1, gps))
 
         def sub_cost(scale_sub: torch.Tensor, bb: torch.Tensor, cc: torch.Tensor, want_idx: bool = False):
             if not want_idx:
@@ -342,8 +342,8 @@ class _IQ2(Codec):
         _, blk_d, blk_s = blk
         _, idx = sub_cost(_sub_scale(blk_d[:, None], blk_s).reshape(-1), bk, ck, want_idx=True)
         u = ((2 * blk_s + 1).to(torch.float32) / 8.0).reshape(-1)  # S = d * u
-        bs = bk.gather(1, idx[:, None]).view(-1, gps).sum(dim=1) * u
-        cs = ck.gather(1, idx[:, None]).view(-1, gps).sum(dim=1) * u * u
+        bs = lat.last_sum(bk.gather(1, idx[:, None]).view(-1, gps)) * u
+        cs = lat.last_sum(ck.gather(1, idx[:, None]).view(-1, gps)) * u * u
         num, den = bs.view(n, n_sub).sum(dim=1), cs.view(n, n_sub).sum(dim=1)
         d_ls = torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), blk_d).clamp_min(0)
         bits = d_ls.clamp(0, FP16_MAX).to(torch.float16).view(torch.int16)
