@@ -94,6 +94,7 @@ import torch
 from dynaquant.quant.codecs import _lattice as lat
 from dynaquant.quant.codecs.base import Codec, register
 from dynaquant.quant.codecs.consts import device_constant
+from dynaquant.quant.codecs.fastpaths import fast_path
 
 QK_K = 256
 GROUP = 8
@@ -152,6 +153,43 @@ def _sub_scale(d: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     d: (n, 1) float32 (fp16 values); s: (n, m) int64 -> (n, m) float32.
     """
     return d * (0.5 + s.to(torch.float32)) * 0.25
+
+
+def stored_scale_costs_torch(
+    b: torch.Tensor, c: torch.Tensor, d: torch.Tensor, cont: torch.Tensor, offsets: torch.Tensor, gps: int, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sub-block's best stored code ``s`` near its continuous scale, for a batch of block scales (step 2 of
+    the module docstring). Reference of fast path ``iq2.stored_scale_costs``.
+
+    Args:
+        b, c: (n n_sub gps, K) float32 terms of each group's candidate codewords (:func:`._lattice.candidate_terms`).
+        d: (F, n) float32 block scales as stored (fp16 values, >= 0).
+        cont: (n, n_sub) float32 continuous sub-block scales.
+        offsets: (O,) int64 codes tried around ``floor((8 cont / d - 1) / 2)`` (clamped to 0..15).
+        gps: groups a sub-block.
+        backend: how the candidate costs run (:func:`._lattice.subset_min_costs`).
+    Returns:
+        (cost, s): (F, n, n_sub) float32 the sub-block's least cost (less ``sum(w x**2)``) over the offsets under
+        the stored scale ``d (0.5 + s) / 4``, and (F, n, n_sub) int64 its code (the first offset on a tie).
+    """
+    d = d[..., None]  # (F, n, 1)
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    s = (torch.floor((8.0 * cont / safe - 1.0) * 0.5).to(torch.int64) + offsets[:, None, None, None]).clamp(0, 15)
+    scale = _sub_scale(d, s)  # (O, F, n, n_sub)
+    cost = lat.subset_min_costs(b, c, scale.reshape(*scale.shape[:2], -1), backend, gps).view(s.shape)
+    sub_best, o = cost.min(dim=0)  # (F, n, n_sub)
+    return sub_best, s.gather(0, o[None])[0]
+
+
+def stored_scale_costs(
+    b: torch.Tensor, c: torch.Tensor, d: torch.Tensor, cont: torch.Tensor, offsets: torch.Tensor, gps: int, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`stored_scale_costs_torch`, or its fast path (a Triton kernel; sub-blocks of 2 groups) as ``backend``
+    chooses (:func:`._lattice.fast_path`); the compiled CPU path runs the reference on its compiled costs."""
+    kernel = fast_path("iq2.stored_scale_costs", b, backend) if gps == 2 and backend in ("auto", "triton") else None
+    if kernel is not None:
+        return kernel(b, c, d, cont, offsets, gps)
+    return stored_scale_costs_torch(b, c, d, cont, offsets, gps, backend)
 
 
 class _IQ2(Codec):
@@ -310,17 +348,13 @@ class _IQ2(Codec):
         # 2. block scale d (fp16) and stored sub-block codes s: for a batch of candidate d
         # (F, n), every sub-block tries the codes s nearest its continuous scale.
         cont = best_s.view(n, n_sub)
-        offsets = device_constant(self.s_offsets, torch.int64, x.device)[:, None, None, None]  # (O, 1, 1, 1)
+        offsets = device_constant(self.s_offsets, torch.int64, x.device)  # (O,)
 
         def try_d(d: torch.Tensor):
             """d: (F, n) float32 -> (total (F, n), d as stored (F, n), s (F, n, n_sub)), best s per d."""
-            d = d.clamp(0, FP16_MAX).to(torch.float16).to(torch.float32)[..., None]  # (F, n, 1) as stored
-            safe = torch.where(d > 0, d, torch.ones_like(d))
-            s = (torch.floor((8.0 * cont / safe - 1.0) * 0.5).to(torch.int64) + offsets).clamp(0, 15)  # (O, F, n, n_sub)
-            scale = _sub_scale(d, s)  # (O, F, n, n_sub)
-            cost = lat.subset_min_costs(bk, ck, scale.reshape(*scale.shape[:2], -1), backend, gps).view(s.shape)
-            sub_best, o = cost.min(dim=0)  # (F, n, n_sub)
-            return sub_best.sum(dim=2), d[..., 0], s.gather(0, o[None])[0]
+            d = d.clamp(0, FP16_MAX).to(torch.float16).to(torch.float32)  # (F, n) as stored
+            sub_best, s = stored_scale_costs(bk, ck, d, cont, offsets, gps, backend)  # (F, n, n_sub)
+            return sub_best.sum(dim=2), d, s
 
         def keep_block(total, d, s, blk):
             f = total.argmin(dim=0, keepdim=True)  # (1, n)
