@@ -164,6 +164,8 @@ def test_subset_min_costs_is_the_reference(k, n_scales):
     got = nl.subset_min_costs(b, c, scale)
     assert got.shape == (n_scales, 45) and torch.equal(got, lat.subset_min_costs_torch(b, c, scale))
     assert torch.equal(nl.subset_min_costs(b, c, scale[None]), got[None])
+    sub = scale[:, ::3]  # one scale a sub-block of 3 groups: the reference's repeat and sum, bit for bit
+    assert torch.equal(nl.subset_min_costs(b, c, sub, 3), lat.subset_min_costs_torch(b, c, sub, 3))
 
 
 def _iq3_inputs(name: str, n: int, exact: bool, seed: int):

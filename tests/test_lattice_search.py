@@ -110,6 +110,52 @@ def test_subset_min_costs_match_reference(interpreted, lead):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("gps", [2, 4])
+@pytest.mark.parametrize("lead", [(), (3,), (2, 5)])
+def test_subset_min_costs_per_sub_block(interpreted, gps, lead):
+    """One scale a sub-block of ``gps`` groups: bit for bit the per-group kernel on the repeated scales, its
+    minima summed by torch (what the IQ2 codecs did before), and close to the reference; odd sub-block count,
+    a zero scale, K not a power of two."""
+    g = torch.Generator().manual_seed(5)
+    n = 13 * gps
+    b, c = torch.randn(n, 6, generator=g).to(DEVICE), torch.rand(n, 6, generator=g).to(DEVICE)
+    scale = torch.rand(*lead, n // gps, generator=g).to(DEVICE)
+    scale[..., 3] = 0.0
+    got = interpreted.subset_min_costs(b, c, scale, gps)
+    per_group = interpreted.subset_min_costs(b, c, scale.repeat_interleave(gps, dim=-1))
+    before = per_group.view(*lead, n // gps, gps).sum(dim=-1)
+    assert got.shape == scale.shape and torch.equal(got, before)
+    torch.testing.assert_close(got, lat.subset_min_costs_torch(b, c, scale, gps), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError):
+        interpreted.subset_min_costs(b, c, scale[..., :-1], gps)
+
+
+def test_iq2_stored_scale_costs_equal_the_reference(interpreted):
+    """IQ2's fused choice of stored sub-block codes: bit for bit the reference's torch steps over the Triton
+    sub-block costs (codes, the first offset on a tie, costs), with a zero block scale, a zero sub-block, codes
+    clamped at 0 and 15, and a tie (a zero-cost sub-block: every offset ties)."""
+    from dynaquant.quant.codecs import iq2
+
+    g = torch.Generator().manual_seed(7)
+    n, n_sub, k = 5, 16, 8
+    b, c = torch.rand(n * n_sub * 2, k, generator=g).to(DEVICE), torch.rand(n * n_sub * 2, k, generator=g).to(DEVICE)
+    b[6:8] = 0.0  # sub-block 3 of block 0: all costs +0 at any scale
+    c[6:8] = 0.0
+    cont = torch.rand(n, n_sub, generator=g).to(DEVICE)
+    cont[1, 2] = 0.0
+    cont[2, 5] = 50.0  # past code 15
+    d = (torch.rand(3, n, generator=g) * 0.2).to(torch.float16).to(torch.float32).to(DEVICE)
+    d[1, 4] = 0.0
+    offsets = torch.tensor([-1, 0, 1, 2]).to(DEVICE)
+    cost, s = interpreted.stored_scale_costs(b, c, d, cont, offsets, 2)
+    ref_cost, ref_s = iq2.stored_scale_costs_torch(b, c, d, cont, offsets, 2, backend="triton")
+    assert cost.shape == (3, n, n_sub) and s.dtype == torch.int64
+    assert torch.equal(cost, ref_cost) and torch.equal(s, ref_s)
+    assert s.eq(15).any() and s.eq(0).any()
+    with pytest.raises(ValueError):
+        interpreted.stored_scale_costs(b, c, d, cont, offsets, 4)
+
+
 def test_rows_kernel_more_than_eight_scales(interpreted):
     grid = lat.gguf_grid("IQ2_XXS", DEVICE)
     x, w, scale, odd = _inputs(40, 8, 10, DEVICE)

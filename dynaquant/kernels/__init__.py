@@ -57,6 +57,7 @@ for _name, _attr in (("lattice.nearest_codewords", "nearest_codewords"), ("latti
                      ("iq1.ternary_search", "ternary_search")):
     fastpaths.register(_name, _loader("dynaquant.kernels.lattice_search", _attr))
 fastpaths.register("iq1.sub_scales", _loader("dynaquant.kernels.iq1_search", "sub_scales"))
+fastpaths.register("iq2.stored_scale_costs", _loader("dynaquant.kernels.lattice_search", "stored_scale_costs"))
 for _attr in ("fit_scale", "fit_affine", "fit_int_zero"):
     fastpaths.register(f"blockfit.{_attr}", _loader("dynaquant.kernels.scalefit", _attr))
 for _attr in ("fit_scale", "fit_pow2", "encode_scale", "encode_pow2"):

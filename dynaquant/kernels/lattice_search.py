@@ -56,12 +56,14 @@ from dynaquant.kernels.lattice_triton import (
     candidate_terms_kernel,
     nearest_rows_kernel,
     nearest_tile_kernel,
+    stored_scale_kernel,
     subset_min_kernel,
+    subset_min_sub_kernel,
     ternary_nearest_kernel,
     ternary_search_kernel,
 )
 
-__all__ = ["nearest_codewords", "candidate_terms", "subset_min_costs", "ternary_nearest", "ternary_search"]
+__all__ = ["nearest_codewords", "candidate_terms", "subset_min_costs", "stored_scale_costs", "ternary_nearest", "ternary_search"]
 
 # Two implementations of nearest_codewords: "rows" (one group per lane, the codebook walked
 # codeword by codeword, no cross-lane reduction; D = 4 or 8) and "tile" (a (BLOCK_N, G)
@@ -195,23 +197,76 @@ def candidate_terms(
     return b, c
 
 
-def subset_min_costs(b: torch.Tensor, c: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def subset_min_costs(b: torch.Tensor, c: torch.Tensor, scale: torch.Tensor, gps: int = 1) -> torch.Tensor:
     """``min_k S**2 c_k - 2 S b_k`` of each group for a batch of scales (fused): as the torch
     reference :func:`dynaquant.quant.codecs._lattice.subset_min_costs_torch` ((n, K), (n, K),
-    (..., n) float32 -> (..., n) float32), without the (..., n, K) temporary."""
+    (..., n // gps) float32 -> (..., n // gps) float32; with ``gps`` > 1 one scale a sub-block of ``gps``
+    consecutive groups, and the sub-block's sum of its groups' minima), without the (..., n, K) temporary
+    nor a per-group copy of the scales. The sum of two minima (``gps`` = 2) is formed in the kernel
+    (``m0 + m1``, the one rounding torch's sum makes); longer sums are torch's (``.sum(-1)`` of the
+    (..., n) minima), so they round as the reference's do.
+
+    Raises:
+        ValueError: ``gps`` < 1 or it does not divide n, or scale's last axis is not n // gps.
+    """
     n, k = b.shape
+    if gps < 1 or n % gps or scale.shape[-1] != n // gps:
+        raise ValueError(f"scale {tuple(scale.shape)} must end in n // gps = {n} // {gps} sub-blocks")
     lead = scale.shape[:-1]
     t = math.prod(lead)
-    cost = torch.empty(t, n, dtype=torch.float32, device=b.device)
+    n_sub = n // gps
+    if gps == 2:
+        cost = torch.empty(t, n_sub, dtype=torch.float32, device=b.device)
+    else:
+        cost = torch.empty(t, n, dtype=torch.float32, device=b.device)
     if n == 0 or t == 0:
-        return cost.reshape(*lead, n)
-    sc = scale.reshape(t, n).to(torch.float32).contiguous()
+        return cost[:, :n_sub].reshape(*lead, n_sub)
+    sc = scale.reshape(t, n_sub).to(torch.float32).contiguous()
     block_k = triton.next_power_of_2(k)
-    block_n = max(1, min(1024 // block_k, triton.next_power_of_2(n)))
-    subset_min_kernel[(triton.cdiv(n, block_n),)](
-        b.contiguous(), c.contiguous(), sc, cost, n, k, T=t, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4
+    bc, cc = b.contiguous(), c.contiguous()
+    if gps == 1:
+        block_n = max(1, min(1024 // block_k, triton.next_power_of_2(n)))
+        subset_min_kernel[(triton.cdiv(n, block_n),)](bc, cc, sc, cost, n, k, T=t, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        return cost.reshape(*lead, n)
+    block_s = max(1, min(1024 // block_k, triton.next_power_of_2(n_sub)))
+    subset_min_sub_kernel[(triton.cdiv(n_sub, block_s),)](
+        bc, cc, sc, cost, n_sub, k, T=t, GPS=gps, SUM=gps == 2, BLOCK_S=block_s, BLOCK_K=block_k, num_warps=4
     )
-    return cost.reshape(*lead, n)
+    if gps == 2:
+        return cost.reshape(*lead, n_sub)
+    return cost.view(t, n_sub, gps).sum(dim=-1).reshape(*lead, n_sub)
+
+
+def stored_scale_costs(
+    b: torch.Tensor, c: torch.Tensor, d: torch.Tensor, cont: torch.Tensor, offsets: torch.Tensor, gps: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ2's best stored sub-block code for each candidate block scale (fused): as the torch reference
+    :func:`dynaquant.quant.codecs.iq2.stored_scale_costs_torch` (b, c (n_sub 2, K) float32, d (F, n) float32,
+    cont (n, n_sub) float32, offsets (O,) int64 -> cost (F, n, n_sub) float32, s (F, n, n_sub) int64), without
+    the (O, F, n, n_sub) codes, scales and costs in memory.
+
+    Raises:
+        ValueError: ``gps`` is not 2 (longer sub-blocks sum their minima in torch's order: the reference), or
+            shapes disagree.
+    """
+    n, n_sub = cont.shape
+    if gps != 2 or b.shape != c.shape or b.shape[0] != n * n_sub * 2 or d.ndim != 2 or d.shape[1] != n:
+        raise ValueError(f"shapes disagree: b {tuple(b.shape)}, c {tuple(c.shape)}, d {tuple(d.shape)}, "
+                         f"cont {tuple(cont.shape)}, gps {gps} (2 only)")
+    f, k = d.shape[0], b.shape[1]
+    cost = torch.empty(f, n, n_sub, dtype=torch.float32, device=b.device)
+    s = torch.empty(f, n, n_sub, dtype=torch.int64, device=b.device)
+    m = n * n_sub
+    if m == 0 or f == 0:
+        return cost, s
+    block_k = triton.next_power_of_2(k)
+    block_s = max(1, min(1024 // block_k, triton.next_power_of_2(m)))
+    stored_scale_kernel[(triton.cdiv(m, block_s),)](
+        b.contiguous(), c.contiguous(), d.to(torch.float32).contiguous(), cont.to(torch.float32).contiguous(),
+        offsets.to(device=b.device, dtype=torch.int64).contiguous(), cost, s, m, n, k, f,
+        N_OFF=offsets.numel(), NSUB=n_sub, BLOCK_S=block_s, BLOCK_K=block_k, num_warps=4,
+    )
+    return cost, s
 
 
 def ternary_nearest(

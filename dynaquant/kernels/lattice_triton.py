@@ -7,6 +7,10 @@ are in :mod:`dynaquant.kernels.lattice_search`).
   up to 8 running (min, argmin) pairs per group in registers (D = 4 or 8);
 - :func:`candidate_terms_kernel`: ``B`` and ``C`` (parity flip included) of K candidates a group;
 - :func:`subset_min_kernel`: ``min_k S**2 C_k - 2 S B_k`` for T scales a group;
+- :func:`subset_min_sub_kernel`: the same for one scale a sub-block of GPS groups (no per-group copy of
+  the scales), the two group minima of a GPS = 2 sub-block summed when SUM;
+- :func:`stored_scale_kernel`: IQ2's stored sub-block scales: for F block scales ``d`` and O code offsets
+  around each sub-block's continuous scale, the best code and its cost (sub-blocks of 2 groups);
 - :func:`ternary_nearest_kernel`: IQ1's nearest ternary grid point, one group per lane.
 
 Memory layout: ``x``, ``w`` (n, D) float32 row-major, ``grid`` (G, D) float32 row-major,
@@ -22,6 +26,8 @@ __all__ = [
     "nearest_rows_kernel",
     "candidate_terms_kernel",
     "subset_min_kernel",
+    "subset_min_sub_kernel",
+    "stored_scale_kernel",
     "ternary_nearest_kernel",
     "ternary_search_kernel",
 ]
@@ -327,6 +333,118 @@ def subset_min_kernel(b_ptr, c_ptr, scale_ptr, cost_ptr, n, K, T: tl.constexpr, 
         tl.store(cp, tl.min(e, axis=1), mask=rmask)
         sp += n
         cp += n
+
+
+@triton.jit
+def _subset_min_of(b, c, s, kmask):
+    """``min_k S**2 c_k - 2 S b_k`` of each row of a (rows, BLOCK_K) tile at the rows' scales ``s``: the same
+    expression as :func:`subset_min_kernel`'s."""
+    e = (s * s)[:, None] * c - (2.0 * s)[:, None] * b
+    e = tl.where(kmask, e, float("inf"))
+    return tl.min(e, axis=1)
+
+
+@triton.jit
+def subset_min_sub_kernel(
+    b_ptr,
+    c_ptr,
+    scale_ptr,
+    cost_ptr,
+    n_sub,
+    K,
+    T: tl.constexpr,
+    GPS: tl.constexpr,
+    SUM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # One sub-block (GPS consecutive groups) a lane: scales (T, n_sub), b and c (n_sub GPS, K). Each group's
+    # minimum is formed as subset_min_kernel forms it. SUM (GPS = 2): the two minima added, m0 + m1, into cost
+    # (T, n_sub); else each group's minimum stored at cost[t, sub GPS + j] (T, n_sub GPS).
+    pid = tl.program_id(0)
+    subs = pid.to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)
+    smask = subs < n_sub
+    ks = tl.arange(0, BLOCK_K)
+    kmask = (ks < K)[None, :]
+    mask = smask[:, None] & kmask
+    if SUM:
+        off = (subs * 2)[:, None] * K + ks[None, :]
+        b0 = tl.load(b_ptr + off, mask=mask, other=0.0)
+        c0 = tl.load(c_ptr + off, mask=mask, other=0.0)
+        b1 = tl.load(b_ptr + off + K, mask=mask, other=0.0)
+        c1 = tl.load(c_ptr + off + K, mask=mask, other=0.0)
+        sp = scale_ptr + subs
+        cp = cost_ptr + subs
+        for _t in range(T):
+            s = tl.load(sp, mask=smask, other=0.0)
+            tl.store(cp, _subset_min_of(b0, c0, s, kmask) + _subset_min_of(b1, c1, s, kmask), mask=smask)
+            sp += n_sub
+            cp += n_sub
+    else:
+        for j in tl.static_range(GPS):
+            off = (subs * GPS + j)[:, None] * K + ks[None, :]
+            b = tl.load(b_ptr + off, mask=mask, other=0.0)
+            c = tl.load(c_ptr + off, mask=mask, other=0.0)
+            sp = scale_ptr + subs
+            cp = cost_ptr + subs * GPS + j
+            for _t in range(T):
+                s = tl.load(sp, mask=smask, other=0.0)
+                tl.store(cp, _subset_min_of(b, c, s, kmask), mask=smask)
+                sp += n_sub
+                cp += n_sub * GPS
+
+
+@triton.jit
+def stored_scale_kernel(
+    b_ptr,
+    c_ptr,
+    d_ptr,
+    cont_ptr,
+    off_ptr,
+    cost_ptr,
+    s_ptr,
+    n_sub,
+    n_blk,
+    K,
+    F,
+    N_OFF: tl.constexpr,
+    NSUB: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # One sub-block of 2 groups a lane (NSUB sub-blocks a block): for each of F block scales d (F, n_blk) and
+    # each of N_OFF code offsets, the code s = clamp(floor((8 cont / d - 1) / 2) + offset, 0, 15), its stored scale
+    # d (0.5 + s) / 4 and the sub-block's cost (the two minima of subset_min_sub_kernel, m0 + m1); the first
+    # offset of least cost is kept: cost, s (F, n_sub). Each step is torch's operation of the reference
+    # (the division IEEE, div_rn), so the values are the reference's.
+    pid = tl.program_id(0)
+    subs = pid.to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)
+    smask = subs < n_sub
+    ks = tl.arange(0, BLOCK_K)
+    kmask = (ks < K)[None, :]
+    mask = smask[:, None] & kmask
+    off = (subs * 2)[:, None] * K + ks[None, :]
+    b0 = tl.load(b_ptr + off, mask=mask, other=0.0)
+    c0 = tl.load(c_ptr + off, mask=mask, other=0.0)
+    b1 = tl.load(b_ptr + off + K, mask=mask, other=0.0)
+    c1 = tl.load(c_ptr + off + K, mask=mask, other=0.0)
+    c8 = 8.0 * tl.load(cont_ptr + subs, mask=smask, other=0.0)
+    blk = subs // NSUB
+    for f in range(F):
+        dv = tl.load(d_ptr + f * n_blk + blk, mask=smask, other=0.0)
+        safe = tl.where(dv > 0, dv, 1.0)
+        base = tl.floor((tl.div_rn(c8, safe) - 1.0) * 0.5).to(tl.int64)
+        best = tl.full((BLOCK_S,), float("inf"), dtype=tl.float32)
+        best_s = tl.zeros((BLOCK_S,), dtype=tl.int64)
+        for o in tl.static_range(N_OFF):
+            s = tl.minimum(tl.maximum(base + tl.load(off_ptr + o), 0), 15)
+            sc = dv * (0.5 + s.to(tl.float32)) * 0.25
+            e = _subset_min_of(b0, c0, sc, kmask) + _subset_min_of(b1, c1, sc, kmask)
+            u = e < best
+            best = tl.where(u, e, best)
+            best_s = tl.where(u, s, best_s)
+        tl.store(cost_ptr + f * n_sub + subs, best, mask=smask)
+        tl.store(s_ptr + f * n_sub + subs, best_s, mask=smask)
 
 
 @triton.jit

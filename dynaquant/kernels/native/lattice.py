@@ -148,11 +148,15 @@ def candidate_terms(
     return b, c
 
 
-def subset_min_costs(b: torch.Tensor, c: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """As :func:`dynaquant.quant.codecs._lattice.subset_min_costs_torch`: (n, K), (n, K), (..., n) float32 ->
-    (..., n) float32, without the (..., n, K) temporary."""
+def subset_min_costs(b: torch.Tensor, c: torch.Tensor, scale: torch.Tensor, gps: int = 1) -> torch.Tensor:
+    """As :func:`dynaquant.quant.codecs._lattice.subset_min_costs_torch`: (n, K), (n, K), (..., n // gps) float32 ->
+    (..., n // gps) float32, without the (..., n, K) temporary (``gps`` > 1: the scales repeated over each
+    sub-block's groups and the minima summed by torch, as the reference does)."""
     if b.ndim != 2 or c.shape != b.shape:
         raise ValueError(f"expected b, c (n, K), got {tuple(b.shape)}, {tuple(c.shape)}")
+    if gps != 1:
+        cost = subset_min_costs(b, c, scale.repeat_interleave(gps, dim=-1))
+        return cost.view(*cost.shape[:-1], -1, gps).sum(dim=-1)
     b, c = cpu_contiguous(b, torch.float32), cpu_contiguous(c, torch.float32)
     n, k = b.shape
     sc, lead = _scales(scale, n)

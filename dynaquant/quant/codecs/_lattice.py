@@ -333,20 +333,31 @@ def candidate_terms(
     return candidate_terms_torch(x, w, grid, idx, odd)
 
 
-def subset_min_costs_torch(b: torch.Tensor, c: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``min_k S**2 c_k - 2 S b_k`` per group for a batch of scales: (n, K), (n, K), (..., n)
-    float32 -> (..., n) float32 (:func:`scaled_costs` without the argmin). Reference of
-    fast path ``lattice.subset_min_costs`` (same signature)."""
-    return scaled_costs(b, c, scale, False)[0]
+def subset_min_costs_torch(b: torch.Tensor, c: torch.Tensor, scale: torch.Tensor, gps: int = 1) -> torch.Tensor:
+    """``min_k S**2 c_k - 2 S b_k`` per group for a batch of scales (:func:`scaled_costs` without the argmin),
+    summed over sub-blocks of ``gps`` consecutive groups that share one scale. Reference of fast path
+    ``lattice.subset_min_costs`` (same signature).
+
+    Args:
+        b, c: (n, K) float32 terms of each group's candidates.
+        scale: (..., n // gps) float32, one scale a sub-block.
+        gps: groups a sub-block (divides n).
+    Returns:
+        (..., n // gps) float32: each sub-block's sum (torch's ``sum``) of its groups' minima.
+    """
+    if gps == 1:
+        return scaled_costs(b, c, scale, False)[0]
+    cost = scaled_costs(b, c, scale.repeat_interleave(gps, dim=-1), False)[0]
+    return cost.view(*cost.shape[:-1], -1, gps).sum(dim=-1)
 
 
-def subset_min_costs(b: torch.Tensor, c: torch.Tensor, scale: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+def subset_min_costs(b: torch.Tensor, c: torch.Tensor, scale: torch.Tensor, backend: str = "auto", gps: int = 1) -> torch.Tensor:
     """:func:`subset_min_costs_torch`, or its fast path (a Triton kernel, which never writes the
     (..., n, K) temporary) as ``backend`` chooses (:func:`fast_path`)."""
     kernel = fast_path("lattice.subset_min_costs", b, backend)
     if kernel is not None:
-        return kernel(b, c, scale)
-    return subset_min_costs_torch(b, c, scale)
+        return kernel(b, c, scale, gps)
+    return subset_min_costs_torch(b, c, scale, gps)
 
 
 def subset_penalty(a: torch.Tensor, grid: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -406,6 +417,18 @@ def scaled_costs(
     return e.amin(dim=-1), None
 
 
+def last_sum(t: torch.Tensor) -> torch.Tensor:
+    """``t.sum(dim=-1)``; a last axis of two as one elementwise add, ``t[..., 0] + t[..., 1]`` (the same value, the
+    one rounding of a two-term sum, without a reduction kernel over pairs: slow on CUDA).
+
+    Args:
+        t: (..., m) float tensor.
+    Returns:
+        (...,) tensor.
+    """
+    return t[..., 0] + t[..., 1] if t.shape[-1] == 2 else t.sum(dim=-1)
+
+
 def lsq_scale(b_sel: torch.Tensor, c_sel: torch.Tensor) -> torch.Tensor:
     """Least-squares scale of sub-blocks given their chosen codewords.
 
@@ -414,5 +437,5 @@ def lsq_scale(b_sel: torch.Tensor, c_sel: torch.Tensor) -> torch.Tensor:
     Returns:
         (...,) float32 ``sum B / sum C`` (0 where ``sum C`` is 0), clamped at >= 0.
     """
-    num, den = b_sel.sum(dim=-1), c_sel.sum(dim=-1)
+    num, den = last_sum(b_sel), last_sum(c_sel)
     return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(den)).clamp_min(0)

@@ -32,6 +32,7 @@ NAMES = {
     "lattice.nearest_codewords": "dynaquant.quant.codecs._lattice.nearest_codewords_torch",
     "lattice.candidate_terms": "dynaquant.quant.codecs._lattice.candidate_terms_torch",
     "lattice.subset_min_costs": "dynaquant.quant.codecs._lattice.subset_min_costs_torch",
+    "iq2.stored_scale_costs": "dynaquant.quant.codecs.iq2.stored_scale_costs_torch",
     "iq1.ternary_nearest": "dynaquant.quant.codecs.iq1.nearest_points (its indices)",
     "iq1.ternary_search": "dynaquant.quant.codecs.iq1.ternary_search_torch",
     "iq1.sub_scales": "dynaquant.quant.codecs.iq1.sub_scales_torch",

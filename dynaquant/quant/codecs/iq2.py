@@ -94,6 +94,7 @@ import torch
 from dynaquant.quant.codecs import _lattice as lat
 from dynaquant.quant.codecs.base import Codec, register
 from dynaquant.quant.codecs.consts import device_constant
+from dynaquant.quant.codecs.fastpaths import fast_path
 
 QK_K = 256
 GROUP = 8
@@ -152,6 +153,43 @@ def _sub_scale(d: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     d: (n, 1) float32 (fp16 values); s: (n, m) int64 -> (n, m) float32.
     """
     return d * (0.5 + s.to(torch.float32)) * 0.25
+
+
+def stored_scale_costs_torch(
+    b: torch.Tensor, c: torch.Tensor, d: torch.Tensor, cont: torch.Tensor, offsets: torch.Tensor, gps: int, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sub-block's best stored code ``s`` near its continuous scale, for a batch of block scales (step 2 of
+    the module docstring). Reference of fast path ``iq2.stored_scale_costs``.
+
+    Args:
+        b, c: (n n_sub gps, K) float32 terms of each group's candidate codewords (:func:`._lattice.candidate_terms`).
+        d: (F, n) float32 block scales as stored (fp16 values, >= 0).
+        cont: (n, n_sub) float32 continuous sub-block scales.
+        offsets: (O,) int64 codes tried around ``floor((8 cont / d - 1) / 2)`` (clamped to 0..15).
+        gps: groups a sub-block.
+        backend: how the candidate costs run (:func:`._lattice.subset_min_costs`).
+    Returns:
+        (cost, s): (F, n, n_sub) float32 the sub-block's least cost (less ``sum(w x**2)``) over the offsets under
+        the stored scale ``d (0.5 + s) / 4``, and (F, n, n_sub) int64 its code (the first offset on a tie).
+    """
+    d = d[..., None]  # (F, n, 1)
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    s = (torch.floor((8.0 * cont / safe - 1.0) * 0.5).to(torch.int64) + offsets[:, None, None, None]).clamp(0, 15)
+    scale = _sub_scale(d, s)  # (O, F, n, n_sub)
+    cost = lat.subset_min_costs(b, c, scale.reshape(*scale.shape[:2], -1), backend, gps).view(s.shape)
+    sub_best, o = cost.min(dim=0)  # (F, n, n_sub)
+    return sub_best, s.gather(0, o[None])[0]
+
+
+def stored_scale_costs(
+    b: torch.Tensor, c: torch.Tensor, d: torch.Tensor, cont: torch.Tensor, offsets: torch.Tensor, gps: int, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`stored_scale_costs_torch`, or its fast path (a Triton kernel; sub-blocks of 2 groups) as ``backend``
+    chooses (:func:`._lattice.fast_path`); the compiled CPU path runs the reference on its compiled costs."""
+    kernel = fast_path("iq2.stored_scale_costs", b, backend) if gps == 2 and backend in ("auto", "triton") else None
+    if kernel is not None:
+        return kernel(b, c, d, cont, offsets, gps)
+    return stored_scale_costs_torch(b, c, d, cont, offsets, gps, backend)
 
 
 class _IQ2(Codec):
@@ -264,14 +302,14 @@ class _IQ2(Codec):
         amax = a.reshape(-1, self.sub_len).amax(dim=1)
 
         def sub_sum(cost: torch.Tensor) -> torch.Tensor:
-            return cost.view(-1, gps).sum(dim=1)
+            return lat.last_sum(cost.view(-1, gps))
 
         def sub_sum_batched(cost: torch.Tensor) -> torch.Tensor:  # (..., groups) -> (..., sub-blocks)
-            return cost.view(*cost.shape[:-1], -1, gps).sum(dim=-1)
+            return lat.last_sum(cost.view(*cost.shape[:-1], -1, gps))
 
         def sub_cost(scale_sub: torch.Tensor, bb: torch.Tensor, cc: torch.Tensor, want_idx: bool = False):
             if not want_idx:
-                return sub_sum(lat.subset_min_costs(bb, cc, scale_sub.repeat_interleave(gps), backend)), None
+                return lat.subset_min_costs(bb, cc, scale_sub, backend, gps), None
             cost, idx = lat.scaled_costs(bb, cc, scale_sub.repeat_interleave(gps), want_idx)
             return sub_sum(cost), idx
 
@@ -299,7 +337,7 @@ class _IQ2(Codec):
             bk, ck = lat.candidate_terms(a, wg, grid, cand, odd, backend)
         # all fine t at once: (T, sub-blocks)
         sc = amax[None, :] / device_constant(self.t_candidates, torch.float32, x.device)[:, None]
-        cost = sub_sum_batched(lat.subset_min_costs(bk, ck, sc.repeat_interleave(gps, dim=1), backend))
+        cost = lat.subset_min_costs(bk, ck, sc, backend, gps)
         pick = cost.argmin(dim=0, keepdim=True)
         best_s, best_c = keep_better(sc.gather(0, pick)[0], cost.gather(0, pick)[0], best_s, best_c)
         for _ in range(self.n_refine):
@@ -310,19 +348,13 @@ class _IQ2(Codec):
         # 2. block scale d (fp16) and stored sub-block codes s: for a batch of candidate d
         # (F, n), every sub-block tries the codes s nearest its continuous scale.
         cont = best_s.view(n, n_sub)
-        offsets = device_constant(self.s_offsets, torch.int64, x.device)[:, None, None, None]  # (O, 1, 1, 1)
+        offsets = device_constant(self.s_offsets, torch.int64, x.device)  # (O,)
 
         def try_d(d: torch.Tensor):
             """d: (F, n) float32 -> (total (F, n), d as stored (F, n), s (F, n, n_sub)), best s per d."""
-            d = d.clamp(0, FP16_MAX).to(torch.float16).to(torch.float32)[..., None]  # (F, n, 1) as stored
-            safe = torch.where(d > 0, d, torch.ones_like(d))
-            s = (torch.floor((8.0 * cont / safe - 1.0) * 0.5).to(torch.int64) + offsets).clamp(0, 15)  # (O, F, n, n_sub)
-            scale = _sub_scale(d, s)  # (O, F, n, n_sub)
-            per_group = scale.reshape(*scale.shape[:2], -1).repeat_interleave(gps, dim=2)
-            cost = sub_sum_batched(lat.subset_min_costs(bk, ck, per_group, backend))
-            cost = cost.view(s.shape)
-            sub_best, o = cost.min(dim=0)  # (F, n, n_sub)
-            return sub_best.sum(dim=2), d[..., 0], s.gather(0, o[None])[0]
+            d = d.clamp(0, FP16_MAX).to(torch.float16).to(torch.float32)  # (F, n) as stored
+            sub_best, s = stored_scale_costs(bk, ck, d, cont, offsets, gps, backend)  # (F, n, n_sub)
+            return sub_best.sum(dim=2), d, s
 
         def keep_block(total, d, s, blk):
             f = total.argmin(dim=0, keepdim=True)  # (1, n)
@@ -344,8 +376,8 @@ class _IQ2(Codec):
         _, blk_d, blk_s = blk
         _, idx = sub_cost(_sub_scale(blk_d[:, None], blk_s).reshape(-1), bk, ck, want_idx=True)
         u = ((2 * blk_s + 1).to(torch.float32) / 8.0).reshape(-1)  # S = d * u
-        bs = bk.gather(1, idx[:, None]).view(-1, gps).sum(dim=1) * u
-        cs = ck.gather(1, idx[:, None]).view(-1, gps).sum(dim=1) * u * u
+        bs = lat.last_sum(bk.gather(1, idx[:, None]).view(-1, gps)) * u
+        cs = lat.last_sum(ck.gather(1, idx[:, None]).view(-1, gps)) * u * u
         num, den = bs.view(n, n_sub).sum(dim=1), cs.view(n, n_sub).sum(dim=1)
         d_ls = torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), blk_d).clamp_min(0)
         bits = d_ls.clamp(0, FP16_MAX).to(torch.float16).view(torch.int16)
