@@ -44,6 +44,11 @@ _TILE = 2048  # elements of a (rows, sub_size) register tile
 _PICK_ROWS = 64  # super-blocks a step-2 program
 _NUM_WARPS = 4
 _OPTS = {"num_warps": _NUM_WARPS, "enable_fp_fusion": False}
+# The symmetric step 1's tile (elements) and warps: any with at least 4 elements of a row a thread (tile / (32 *
+# warps) >= 4) gives its sums over a sub-block the same layout (4 neighbours a thread, 4 lanes a row), so the same
+# order and results; .dev/k_bench.py times the choices.
+_STEP1_SYM_TILE = _TILE
+_STEP1_SYM_WARPS = _NUM_WARPS
 _BLOCK_B = 8  # super-blocks a program of the symmetric glue and bytes: (8, 16, 16) tiles of x and w
 _SYM_BYTES = {"Q3_K": (False, 110), "Q6_K": (True, 210)}  # sym_bytes: Q6 flag and block bytes
 
@@ -98,10 +103,10 @@ def sym_search_scales(x: torch.Tensor, w: torch.Tensor, spec: kqs.SymSearch, ite
         steps = device_constant(signed or [0.0], torch.float32, x.device)
         bp = sym_breakpoints(xc, spec.qlo, spec.qhi) if spec.exhaustive else xc
         m = bp.shape[1] if spec.exhaustive else 0
-        block, grid = _rows_grid(r, sub)
-        sym_step1_kernel[grid](
-            xc, wc, steps, bp, a, r, len(signed), m,
-            N_ELEM=min(spec.n_elem, sub), QLO=spec.qlo, QHI=spec.qhi, ITERS=iters, SUB=sub, BLOCK_R=block, **_OPTS,
+        block = _STEP1_SYM_TILE // sub
+        sym_step1_kernel[(triton.cdiv(r, block),)](
+            xc, wc, steps, bp, a, r, len(signed), m, N_ELEM=min(spec.n_elem, sub), QLO=spec.qlo, QHI=spec.qhi,
+            ITERS=iters, SUB=sub, BLOCK_R=block, num_warps=_STEP1_SYM_WARPS, enable_fp_fusion=False,
         )
     return a.view(n_super, n_sub)
 
