@@ -8,9 +8,10 @@ of :func:`dynaquant.quant.codecs.kquants.sym_bytes_torch` (launchers and checks 
 - :func:`sym_bytes_kernel`: the nearest codes at decode's sub-block scales, packed as ``block_q3_K`` / ``block_q6_K``.
 
 They replace torch's operations bit for bit on CUDA: the same float operations in the same order, IEEE divisions
-(float32 ``div_rn``; float64 ``/`` is ``div.rn.f64``, as torch's), and every sum over 16 values in the order of torch's CUDA reduction of a 16-long
-contiguous last axis (:func:`tree16`: ``0 + v`` a lane, then lanes 8, 4, 2, 1 apart added, the shuffle-down tree of
-``Reduce.cuh``'s ``block_x_reduce``). Launch with ``enable_fp_fusion=False``. Importing this module imports Triton.
+(float32 ``div_rn``; float64 ``/`` is ``div.rn.f64``, as torch's), and every sum over 16 values in the order of
+torch's CUDA reduction of a 16-long contiguous last axis (:func:`tree16`: ``0 + v`` a lane, then lanes 8, 4, 2, 1
+apart added: the shuffle-down tree, offsets decreasing, of ``Reduce.cuh``'s ``block_x_reduce`` in recent torch).
+Launch with ``enable_fp_fusion=False``. Importing this module imports Triton.
 """
 
 import triton
