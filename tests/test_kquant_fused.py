@@ -18,9 +18,13 @@ from triton_mode import DEVICE, HAS_CUDA  # (imported before Triton: the interpr
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from kquant_cases import KQUANTS, clip_pick_inputs, hard_blocks, outlier_blocks, split, step1, step2, step3  # noqa: E402
 
 import dynaquant.kernels  # noqa: E402,F401  (registers the kernels as the codecs' fast paths)
+from dynaquant.kernels.kquant_sym_triton import tree16  # noqa: E402
+from dynaquant.kernels.kquant_triton import round_clamp, round_clamp_low  # noqa: E402
 from dynaquant.quant.codecs import _kquant_search as kqs  # noqa: E402
 from dynaquant.quant.codecs import dequantize, fastpaths, get_codec, quantize  # noqa: E402
 
@@ -28,6 +32,20 @@ N_SUPER = 96 if HAS_CUDA else 12
 
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+
+@triton.jit
+def _tree16_rows(x_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    tl.store(out_ptr + tl.arange(0, N), tree16(tl.load(x_ptr + offs), N))
+
+
+@triton.jit
+def _both_roundings(x_ptr, a_ptr, b_ptr, n, LO: tl.constexpr, HI: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + i, mask=i < n, other=0.0)
+    tl.store(a_ptr + i, round_clamp(v, LO, HI), mask=i < n)
+    tl.store(b_ptr + i, round_clamp_low(v, LO, HI), mask=i < n)
 
 
 def _blocks(n: int, seed: int = 0):
@@ -188,3 +206,77 @@ def test_pick_with_eight_sub_blocks_as_iq4_xs_uses_it():
     same = (got[0] == want[0]) & (got[1] == want[1]).all(1)
     assert same.float().mean() >= 0.95
     assert torch.all(e_got <= e_want * (1 + 1e-5) + 1e-12)
+
+
+@pytest.mark.parametrize("name", ["Q3_K", "Q6_K"])
+def test_fused_sym_encode_matches_the_step_kernels(name):
+    """``kquant.sym_encode`` (the glue between the step kernels fused) gives the configurations of
+    ``sym_encode_torch`` with the step kernels: bit for bit where torch sums in the fused kernels' order (CUDA); on CPU
+    torch's sums may differ in the last bit, so nearly every block and the same error to rounding."""
+    from dynaquant.kernels import kquant_search as ks
+
+    x, w = _blocks(N_SUPER, seed=4)
+    sp = get_codec(name).search
+    x3, w3 = x.reshape(-1, 16, 16), w.reshape(-1, 16, 16)
+    got, want = ks.sym_encode(x3, w3, sp), kqs.sym_encode_torch(x3, w3, sp, "triton")
+    same = (got.d == want.d) & (got.k == want.k).all(1)
+    assert same.float().mean() >= (1.0 if HAS_CUDA else 0.9)
+
+    def err(c):
+        dl = c.sub_scales()
+        return kqs.sym_error(x3, w3, dl, kqs.sym_codes(x3, dl, sp.qlo, sp.qhi)).sum()
+
+    assert err(got) <= err(want) * (1 + 1e-6)
+    assert got.k.dtype == torch.int64 and got.d.dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", ["Q3_K", "Q6_K"])
+def test_sym_bytes_kernel_equals_the_torch_packing(name):
+    """``kquant.sym_bytes`` on the search's configurations and on random ones (every integer scale, a zero ``d``):
+    the bytes of ``sym_bytes_torch``, exactly."""
+    from dynaquant.kernels import kquant_search as ks
+    from dynaquant.quant.codecs.kquants import sym_bytes_torch
+
+    x, w = _blocks(N_SUPER, seed=5)
+    codec = get_codec(name)
+    cfg = codec.fit_params(x, w, backend="triton")
+    assert torch.equal(ks.sym_bytes(name, x, cfg), sym_bytes_torch(name, x, cfg))
+    g = torch.Generator().manual_seed(6)
+    sp = codec.search
+    k = torch.randint(sp.klo, sp.khi + 1, (N_SUPER, 16), generator=g).to(DEVICE)
+    d = kqs.f16_candidates(torch.rand(N_SUPER, generator=g).to(DEVICE) * 0.01)
+    d[0] = 0
+    cfg = kqs.SymConfig(d, k)
+    assert torch.equal(ks.sym_bytes(name, x, cfg), sym_bytes_torch(name, x, cfg))
+    with pytest.raises(ValueError):
+        ks.sym_bytes("Q4_K", x, cfg)
+
+
+def test_tree16_sums_in_torch_cuda_order():
+    """The fused kernels' sums over 16: ``0 + v`` then lanes 8, 4, 2, 1 apart added (``Reduce.cuh``'s shuffle-down
+    tree), float32 and float64; values chosen so that another order gives another sum."""
+    g = torch.Generator().manual_seed(7)
+    for dt in (torch.float32, torch.float64):
+        v = (torch.randn(64, 16, generator=g, dtype=dt) * torch.logspace(0, 12, 16, dtype=dt)).to(DEVICE)
+        want = v + 0.0
+        for h in (8, 4, 2, 1):
+            want = want[:, :h] + want[:, h : 2 * h]
+        out = torch.empty(64, dtype=dt, device=DEVICE)
+        _tree16_rows[(1,)](v, out, N=64)
+        assert torch.equal(out, want[:, 0])
+        seq = v.cumsum(1)[:, -1]
+        assert not torch.equal(out, seq)  # the data tells the orders apart
+
+
+def test_round_clamp_low_equals_round_clamp():
+    """``round_clamp_low`` (step 1's rounding in 4 operations) gives ``round_clamp``'s value on ties, the range
+    edges, large values and infinities."""
+    edge = [-0.0, 0.5, 1.5, 2.5, -0.5, -1.5, -3.5, -4.5, -5.0, 3.49, 3.5, 4.5, 31.5, -32.5, 2.0**22, 2.0**23 + 1,
+            -(2.0**24), 1e30, -1e30, float("inf"), float("-inf")]
+    g = torch.Generator().manual_seed(8)
+    v = torch.cat([torch.tensor(edge), torch.randn(1000, generator=g) * 40]).to(DEVICE)
+    for lo, hi in ((-4, 3), (-32, 31)):
+        a, b = torch.empty_like(v), torch.empty_like(v)
+        _both_roundings[(1,)](v, a, b, v.numel(), LO=lo, HI=hi, BLOCK=2048)
+        assert torch.equal(a, b)
+        assert torch.equal(a, v.round().clamp(lo, hi))

@@ -73,8 +73,10 @@ fastpaths.register("gptq.round_block", _loader("dynaquant.kernels.gptq_block", "
 for _attr in ("aff_search_scales", "aff_pick", "aff_refine", "sym_search_scales", "sym_pick", "sym_refine"):
     fastpaths.register(f"kquant.{_attr}", _loader("dynaquant.kernels.kquant_search", _attr))
     fastpaths.register(f"kquant.{_attr}", _loader("dynaquant.kernels.native.kquant", _attr, True), device="cpu")
-for _attr in ("sym_encode", "aff_encode", "sym_bytes"):  # the whole searches and Q3_K/Q6_K's bytes (compiled CPU only)
+for _attr in ("sym_encode", "aff_encode", "sym_bytes"):  # the whole searches and Q3_K/Q6_K's bytes
     fastpaths.register(f"kquant.{_attr}", _loader("dynaquant.kernels.native.kquant", _attr, True), device="cpu")
+for _attr in ("sym_encode", "sym_bytes"):  # the symmetric search with its glue fused, and its bytes (Triton)
+    fastpaths.register(f"kquant.{_attr}", _loader("dynaquant.kernels.kquant_search", _attr))
 
 __all__ = ["KernelFormat", "PackedWeight", "LaunchConfig", "DeviceInfo", "pack", "unpack", "stack", "linear", "dequantize",
            "uses_triton", "dequantize_ref", "dequantize_packed_ref", "linear_ref", "e2m1_to_float", "e8m0_to_float",

@@ -11,7 +11,10 @@ sub-blocks), whose order differs, so a block whose two best candidates are withi
 may keep the other one (a tie either way). The tests compare with the references.
 
 Functions (shapes as the references): :func:`aff_search_scales`, :func:`aff_pick`,
-:func:`aff_refine`, :func:`sym_search_scales`, :func:`sym_pick`, :func:`sym_refine`.
+:func:`aff_refine`, :func:`sym_search_scales`, :func:`sym_pick`, :func:`sym_refine`; and the whole symmetric
+search :func:`sym_encode` (the steps' kernels with the torch glue between them fused too:
+:mod:`dynaquant.kernels.kquant_sym_triton`; bit for bit ``sym_encode_torch`` with the steps' kernels on CUDA) and
+its bytes :func:`sym_bytes`.
 :mod:`dynaquant.kernels` registers them into :mod:`dynaquant.quant.codecs.fastpaths`
 (``kquant.*``). Importing this module imports Triton.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from dynaquant.kernels.kquant_sym_triton import sym_bytes_kernel, sym_keep_kernel, sym_round_kernel
 from dynaquant.kernels.kquant_triton import (
     aff_pick_kernel,
     aff_refine_kernel,
@@ -33,12 +37,20 @@ from dynaquant.kernels.kquant_triton import (
 from dynaquant.quant.codecs import _kquant_search as kqs
 from dynaquant.quant.codecs.consts import device_constant
 
-__all__ = ["aff_search_scales", "aff_pick", "aff_refine", "sym_search_scales", "sym_pick", "sym_refine"]
+__all__ = ["aff_search_scales", "aff_pick", "aff_refine", "sym_search_scales", "sym_pick", "sym_refine", "sym_encode",
+           "sym_bytes"]
 
 _TILE = 2048  # elements of a (rows, sub_size) register tile
 _PICK_ROWS = 64  # super-blocks a step-2 program
 _NUM_WARPS = 4
 _OPTS = {"num_warps": _NUM_WARPS, "enable_fp_fusion": False}
+# The symmetric step 1's tile (elements) and warps: any with at least 4 elements of a row a thread (tile / (32 *
+# warps) >= 4) gives its sums over a sub-block the same layout (4 neighbours a thread, 4 lanes a row), so the same
+# order and results; .dev/k_bench.py times the choices.
+_STEP1_SYM_TILE = _TILE
+_STEP1_SYM_WARPS = _NUM_WARPS
+_BLOCK_B = 8  # super-blocks a program of the symmetric glue and bytes: (8, 16, 16) tiles of x and w
+_SYM_BYTES = {"Q3_K": (False, 110), "Q6_K": (True, 210)}  # sym_bytes: Q6 flag and block bytes
 
 
 def _flat(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
@@ -91,10 +103,10 @@ def sym_search_scales(x: torch.Tensor, w: torch.Tensor, spec: kqs.SymSearch, ite
         steps = device_constant(signed or [0.0], torch.float32, x.device)
         bp = sym_breakpoints(xc, spec.qlo, spec.qhi) if spec.exhaustive else xc
         m = bp.shape[1] if spec.exhaustive else 0
-        block, grid = _rows_grid(r, sub)
-        sym_step1_kernel[grid](
-            xc, wc, steps, bp, a, r, len(signed), m,
-            N_ELEM=min(spec.n_elem, sub), QLO=spec.qlo, QHI=spec.qhi, ITERS=iters, SUB=sub, BLOCK_R=block, **_OPTS,
+        block = _STEP1_SYM_TILE // sub
+        sym_step1_kernel[(triton.cdiv(r, block),)](
+            xc, wc, steps, bp, a, r, len(signed), m, N_ELEM=min(spec.n_elem, sub), QLO=spec.qlo, QHI=spec.qhi,
+            ITERS=iters, SUB=sub, BLOCK_R=block, num_warps=_STEP1_SYM_WARPS, enable_fp_fusion=False,
         )
     return a.view(n_super, n_sub)
 
@@ -189,3 +201,68 @@ def sym_refine(x: torch.Tensor, w: torch.Tensor, cfg: kqs.SymConfig, spec: kqs.S
             QLO=spec.qlo, QHI=spec.qhi, KLO=spec.klo, KHI=spec.khi, SUB=sub, NSUB=n_sub, BLOCK_R=block, **_OPTS,
         )
     return kqs.SymConfig(cfg.d, k.view(n_super, n_sub)), err.view(n_super, n_sub).sum(-1)
+
+
+def sym_encode(x: torch.Tensor, w: torch.Tensor, spec: kqs.SymSearch) -> kqs.SymConfig:
+    """As :func:`dynaquant.quant.codecs._kquant_search.sym_encode_torch` with the step kernels (``backend="triton"``):
+    x, w (n_super, 16, 16) float32 -> :class:`~dynaquant.quant.codecs._kquant_search.SymConfig`, the same values.
+    Other shapes (not 16 sub-blocks of 16) run ``sym_encode_torch``."""
+    if x.ndim != 3 or x.shape[1:] != (16, 16) or w.shape != x.shape:
+        return kqs.sym_encode_torch(x, w, spec, "triton")
+    xc, wc, n, n_sub, sub = _flat(x, w)
+    dev = x.device
+    bd = torch.zeros(n, dtype=torch.float32, device=dev)
+    bk = torch.zeros(n, n_sub, dtype=torch.int64, device=dev)
+    if n == 0:
+        return kqs.SymConfig(bd, bk)
+    be = torch.zeros(n, dtype=torch.float64, device=dev)
+    a1 = sym_search_scales(x, w, spec)
+    ts = device_constant(spec.d_steps, torch.float64, dev)
+    nc = len(spec.clip_steps)
+    tc = device_constant(spec.clip_steps, torch.float64, dev) if nc else ts
+    r = n * n_sub
+    a32 = torch.empty(n, n_sub, dtype=torch.float32, device=dev)
+    sqq32 = torch.empty_like(a32)
+    grid = (triton.cdiv(n, _BLOCK_B),)
+    first = True
+    for rnd in range(spec.rounds):
+        c = 2 * len(spec.d_steps) + (0 if rnd == 0 else 2)
+        cand = torch.empty(n, c, dtype=torch.float32, device=dev)
+        candc = torch.empty(n, 2 * nc, dtype=torch.float32, device=dev) if nc else cand
+        sym_round_kernel[grid](
+            xc, wc, a1, bd, bk, ts, tc, a32, sqq32, cand, candc, n, len(spec.d_steps), nc, c,
+            FIRST=rnd == 0, QLO=spec.qlo, QHI=spec.qhi, BLOCK_B=_BLOCK_B, **_OPTS,
+        )
+        groups = [(cand, False)] + ([(candc, True)] if nc else [])
+        for cg, clip in groups:
+            d, k = sym_pick(x, w, a32, sqq32, spec, cg, clip)
+            k2 = torch.empty(r, dtype=torch.int64, device=dev)
+            err = torch.empty(r, dtype=torch.float64, device=dev)
+            block, rgrid = _rows_grid(r, sub)
+            sym_refine_kernel[rgrid](
+                xc, wc, d, k, k2, err, r,
+                QLO=spec.qlo, QHI=spec.qhi, KLO=spec.klo, KHI=spec.khi, SUB=sub, NSUB=n_sub, BLOCK_R=block, **_OPTS,
+            )
+            sym_keep_kernel[grid](err, d, k2, bd, bk, be, n, FIRST=first, BLOCK_B=_BLOCK_B, **_OPTS)
+            first = False
+    return kqs.SymConfig(bd, bk)
+
+
+def sym_bytes(format_name: str, x: torch.Tensor, cfg: kqs.SymConfig) -> torch.Tensor:
+    """As :func:`dynaquant.quant.codecs.kquants.sym_bytes_torch`, one launch: x (n, 256) float32, ``cfg.d`` (n,)
+    float32 holding float16 values, ``cfg.k`` (n, 16) int64 -> (n, type_size) uint8. Raises ValueError for another
+    format or shape."""
+    if format_name not in _SYM_BYTES:
+        raise ValueError(f"no Triton packing of {format_name}: {', '.join(_SYM_BYTES)}")
+    n = x.shape[0]
+    if x.shape != (n, 256) or cfg.d.shape != (n,) or cfg.k.shape != (n, 16):
+        raise ValueError(f"expected x (n, 256), d (n,), k (n, 16), got {tuple(x.shape)}, {tuple(cfg.d.shape)}, "
+                         f"{tuple(cfg.k.shape)}")
+    q6, tsize = _SYM_BYTES[format_name]
+    out = torch.empty(n, tsize, dtype=torch.uint8, device=x.device)
+    if n:
+        xc = x.to(torch.float32).contiguous()
+        d = cfg.d.to(device=x.device, dtype=torch.float32).contiguous()
+        k = cfg.k.to(device=x.device, dtype=torch.int64).contiguous()
+        sym_bytes_kernel[(triton.cdiv(n, _BLOCK_B),)](xc, d, k, out, n, Q6=q6, TS=tsize, BLOCK_B=_BLOCK_B, **_OPTS)
+    return out

@@ -40,6 +40,7 @@ __all__ = [
     "aff_refine_kernel",
     "sym_refine_kernel",
     "round_clamp",
+    "round_clamp_low",
 ]
 
 # 1.5 * 2**23: adding and subtracting it rounds a float32 of magnitude below 2**22 to the
@@ -54,6 +55,15 @@ def round_clamp(v, lo, hi):
     v = tl.minimum(tl.maximum(v, lo - 1.0), hi + 1.0)
     r = (v + _MAGIC) - _MAGIC
     return tl.minimum(tl.maximum(r, lo), hi)
+
+
+@triton.jit
+def round_clamp_low(v, lo, hi):
+    """:func:`round_clamp` in 4 operations instead of 6, the same value for every ``v`` (NaN and +-inf too, with
+    PTX's NaN-dropping max): ``max(v, lo)`` (an integer below every ``v`` it passes), rounded (ties to even; from
+    2**22 up the trick leaves a value above ``hi``), then ``min(., hi)``."""
+    r = (tl.maximum(v, lo) + _MAGIC) - _MAGIC
+    return tl.minimum(r, hi)
 
 
 @triton.jit
@@ -169,7 +179,7 @@ def _sym_consider(iscale, x, w, wx, g, a, s, QLO: tl.constexpr, QHI: tl.constexp
     the same order but where the rounded quotients tie, and no float64 division a candidate (on the H200 a 16.5 M-weight
     chunk's step 1 took 3.33 -> 2.10 ms for Q3_K, 3.78 -> 2.3 ms for Q6_K, the same scale on every sub-block of the
     encode_speed tensor). ``A = a / s`` (:func:`_sym_a`)."""
-    q = round_clamp(x * iscale[:, None], QLO, QHI)
+    q = round_clamp_low(x * iscale[:, None], QLO, QHI)
     sxq = tl.sum(wx * q, 1).to(tl.float64)
     sqq = tl.sum(w * q * q, 1).to(tl.float64)
     nz = sqq != 0
@@ -215,8 +225,10 @@ def sym_step1_kernel(
         g, a, s = _sym_consider(st * inv_amax, x, w, wx, g, a, s, QLO, QHI)
     # bp_ptr: (R, M) ascending breakpoints (sym_breakpoints_kernel); the candidates are
     # exhaustive_mids's: the middle of each pair of neighbours, then the last times 1.25
+    # (each breakpoint loaded once: the right neighbour of one interval is the left of the next)
+    b1 = tl.load(bp_ptr + rows * M, mask=rmask, other=0.0)  # (M = 0: bp is x, a valid address)
     for i in range(M):
-        b0 = tl.load(bp_ptr + rows * M + i, mask=rmask, other=0.0)
+        b0 = b1
         b1 = tl.load(bp_ptr + rows * M + tl.minimum(i + 1, M - 1), mask=rmask, other=0.0)
         m = tl.where(i + 1 < M, (b0 + b1) * 0.5, b0 * 1.25)
         g, a, s = _sym_consider(m, x, w, wx, g, a, s, QLO, QHI)

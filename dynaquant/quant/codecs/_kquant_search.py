@@ -356,8 +356,9 @@ def sym_refine_torch(x, w, cfg: SymConfig, spec: SymSearch):
 
 
 def sym_encode(x: torch.Tensor, w: torch.Tensor, spec: SymSearch, backend: str = "auto") -> SymConfig:
-    """The whole search's fast path ``kquant.sym_encode`` as ``backend`` chooses (only a compiled CPU one exists), else
-    :func:`sym_encode_torch` with the steps' own fast paths (``"triton"``: the steps' kernels)."""
+    """The whole search's fast path ``kquant.sym_encode`` as ``backend`` chooses (``"auto"``: the compiled one on CPU,
+    on CUDA the steps' kernels with the glue between them fused, the same bytes), else :func:`sym_encode_torch` with
+    the steps' own fast paths (``"triton"``: the steps' kernels)."""
     fn = None if backend == "triton" else fast_path("kquant.sym_encode", x, backend)
     return fn(x, w, spec) if fn is not None else sym_encode_torch(x, w, spec, backend)
 

@@ -178,8 +178,9 @@ class _KQuant(Codec):
     ) -> torch.Tensor:
         """As :meth:`Codec.encode_blocks`; ``thorough=False`` runs the fast search of :mod:`.kquant_fast`;
         ``backend`` chooses the thorough search's fused kernels (``kquant.*`` of
-        :mod:`.fastpaths`: on CUDA tensors under ``"auto"``; on CPU tensors the compiled search, and for Q3_K and
-        Q6_K the compiled :func:`sym_bytes_torch`); ``variant`` is unused."""
+        :mod:`.fastpaths`: on CUDA tensors under ``"auto"``; on CPU tensors the compiled search; for Q3_K and
+        Q6_K under ``"auto"`` also :func:`sym_bytes_torch`'s fast path, compiled on CPU, Triton on CUDA);
+        ``variant`` is unused."""
         params = self.fit_params(x, w, thorough=thorough, backend=backend)
         if isinstance(params, kqs.SymConfig) and backend in ("auto", "native"):  # Q3_K, Q6_K: codes and bytes compiled
             fn = fast_path("kquant.sym_bytes", x, backend)
