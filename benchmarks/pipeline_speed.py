@@ -126,6 +126,18 @@ def make_checkpoint(folder: Path, shape: dict, tokenizer, device: str, seed: int
 # --------------------------------------------------------------------------- steps
 
 
+def python_env(path: Path | None) -> dict:
+    """The environment of a Python step (dynaquant, ``convert_hf_to_gguf.py``): ``path`` first on ``PYTHONPATH``, and
+    without ``PYTHONDONTWRITEBYTECODE`` (set in some container images): each run would compile transformers' and
+    torch's modules from source again (~10 s of an 8B run on the device machine), where an installed package has its
+    bytecode (pip writes it)."""
+    env = dict(os.environ)
+    if path is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(path), os.environ.get("PYTHONPATH")) if p)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
 def run_step(cmd: list[str], log_path: Path, env: dict | None = None, timeout: float | None = None) -> tuple[float, str]:
     """Run ``cmd`` (stdout and stderr to ``log_path``), return (wall seconds, stdout). Raises CalledProcessError."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -195,15 +207,16 @@ class Bench:
 def convert_env(work: Path) -> tuple[dict | None, str | None]:
     """The environment of ``convert_hf_to_gguf.py``: without the ``sentencepiece`` package, a stub of it on
     PYTHONPATH (the script imports it before it looks for ``tokenizer.model``; a folder without one, as here, then
-    takes the ``tokenizer.json`` path as it would with the package); (None, None) when the package is there."""
+    takes the ``tokenizer.json`` path as it would with the package); (:func:`python_env`, None) when the package is
+    there."""
     import importlib.util
 
     if importlib.util.find_spec("sentencepiece") is not None:
-        return None, None
+        return python_env(None), None
     stub = work / "stub" / "sentencepiece"
     stub.mkdir(parents=True, exist_ok=True)
     (stub / "__init__.py").write_text("class SentencePieceProcessor:  # stub: the folder has no tokenizer.model\n    pass\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(stub.parent), os.environ.get("PYTHONPATH")) if p))
+    env = python_env(stub.parent)
     return env, "sentencepiece not installed: convert_hf_to_gguf.py ran with a stub of it (no tokenizer.model here)"
 
 
@@ -276,11 +289,15 @@ def dynaquant_mode(bench: Bench, args, ckpt: Path, cal: Path, mode: str) -> dict
     if mode in args.mode_bpw:
         extra[extra.index("--bpw") + 1] = args.mode_bpw[mode]
     out = args.work / f"dynaquant-{mode}.gguf"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    env = python_env(ROOT)
     cmd = [sys.executable, "-m", "dynaquant", "quantize", str(ckpt), *extra, "--device", args.device, "--no-eval", "--json",
            "--calibration", str(cal), "--calibration-chunks", str(args.calibration_chunks), "--ctx", str(args.ctx),
            "-o", str(out), *args.dynaquant_arg]
     walls, results = [], []
+    if args.warmup:  # untimed: Triton compiles its kernels into its cache, Python writes the bytecode
+        out.unlink(missing_ok=True)
+        wall, stdout = run_step(cmd, args.work / "logs" / f"dynaquant-{mode}-warmup.log", env=env)
+        warm = {"warmup_time_s": wall, "warmup_timings_s": parse_quantize_json(stdout).get("timings_s")}
     for i in range(args.repeats):
         out.unlink(missing_ok=True)
         wall, stdout = run_step(cmd, args.work / "logs" / f"dynaquant-{mode}-{i}.log", env=env)
@@ -292,7 +309,7 @@ def dynaquant_mode(bench: Bench, args, ckpt: Path, cal: Path, mode: str) -> dict
     row = {"pipeline": "dynaquant", "stage": "total", "mode": mode, "args": extra, **_median_row(walls),
            "run_time_s": run_s, "startup_s": statistics.median(walls) - run_s, "timings_s": stages,
            "runs_run_time_s": [r["time_s"] for r in results], "runs_timings_s": [r["timings_s"] for r in results],
-           **file_stats(out), "formats": res.get("formats"), "gptq": res.get("gptq")}
+           **file_stats(out), "formats": res.get("formats"), "gptq": res.get("gptq"), **(warm if args.warmup else {})}
     if not args.keep:
         out.unlink()
     return row
@@ -372,6 +389,9 @@ def main(argv=None) -> int:
     p.add_argument("--ngl", type=int, default=99, help="llama-imatrix GPU layers (default 99)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp threads (default all)")
     p.add_argument("--repeats", type=int, default=1, help="runs of every step (medians reported)")
+    p.add_argument("--warmup", action="store_true",
+                   help="one untimed dynaquant run per mode first (its wall and stages kept as warmup_*): Triton's "
+                        "kernel cache and Python's bytecode filled, as on a machine that has run dynaquant before")
     p.add_argument("--mode-bpw", action="append", default=[], metavar="MODE=BPW",
                    help="another --bpw for a mode (tiny smoke shapes, whose embeddings need more: bpw4.5=6)")
     p.add_argument("--dynaquant-arg", action="append", default=[], help="one more dynaquant quantize argument (repeatable)")

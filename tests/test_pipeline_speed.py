@@ -7,6 +7,7 @@ random checkpoint of hidden 64 with a 300-token BPE tokenizer, no quantize run).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -101,3 +102,13 @@ def test_a_work_folder_holding_another_shape_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         ps.main([*common, "--layers", "1"])
     assert exc.value.code == 2 and "num_hidden_layers 2 != 1" in capsys.readouterr().err
+
+
+def test_python_steps_write_bytecode_and_see_the_repository(monkeypatch, tmp_path):
+    """A container's PYTHONDONTWRITEBYTECODE would make every timed run compile transformers again: the steps drop it."""
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    env = ps.python_env(tmp_path)
+    assert "PYTHONDONTWRITEBYTECODE" not in env and env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), "/elsewhere"]
+    assert "PYTHONDONTWRITEBYTECODE" not in ps.python_env(None) and ps.python_env(None)["PYTHONPATH"] == "/elsewhere"
+    assert os.environ["PYTHONDONTWRITEBYTECODE"] == "1"  # the benchmark's own environment is left alone
