@@ -127,3 +127,17 @@ def clip_pick_inputs(sp, x3, w3):
     tc = torch.tensor(sp.clip_steps, dtype=torch.float64, device=x3.device)
     cand = kqs.f16_candidates(torch.cat([am / tc, -am / tc], 1))
     return x3, w3, a.float(), sqq.float(), sp, cand, True
+
+
+def two_level_blocks(n: int, seed: int = 0, device="cpu"):
+    """(n, 256) all-negative weights (``-2 |N(0, 1)|`` times a lognormal block scale) with one outlier, ``-40`` times
+    that scale, at a random element, and lognormal importance (sigma 1.5), as the first row's second block of
+    tests/test_codecs_kquants.py's ``_weights``. Step 1's best fits of the outlier's sub-block have two levels (the
+    outlier and its fifteen neighbours' weighted mean) at any code spacing: ties, which rounding decides."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.exp(0.7 * torch.randn(n, 1, generator=g))
+    x = -2 * torch.randn(n, 256, generator=g).abs() * s
+    j = torch.randint(0, 256, (n,), generator=g)
+    x[torch.arange(n), j] = -40 * s[:, 0]
+    w = torch.exp(1.5 * torch.randn(n, 256, generator=g))
+    return x.to(device), w.to(device)

@@ -38,7 +38,7 @@ def _lib() -> ctypes.CDLL:
                                       _INT, _INT, _INT, vp, vp]
         lib.dq_sym_encode.restype = _INT
         lib.dq_aff_encode.argtypes = [vp, vp, _I64, _INT, _INT, _INT, _INT, vp, _INT, vp, _INT, _INT, vp, _INT, vp, _INT, _INT,
-                                      vp, vp, vp, vp]
+                                      _INT, vp, vp, vp, vp]
         lib.dq_aff_encode.restype = _INT
         lib.dq_sym_bytes.argtypes = [vp, _I64, vp, vp, _INT, vp]
         lib.dq_sym_bytes.restype = None
@@ -235,7 +235,8 @@ def aff_encode(x: torch.Tensor, w: torch.Tensor, spec) -> AffConfig:
     def run(i0, i1):
         rc = lib.dq_aff_encode(ptr(x, i0 * S * L), ptr(w, i0 * S * L), i1 - i0, S, L, spec.qmax, spec.kmax, ptr(steps),
                                len(steps), ptr(shifts), len(shifts), 3, ptr(ds), len(ds), ptr(moves), moves.shape[0],
-                               spec.rounds, ptr(d, i0), ptr(m, i0), ptr(ks, i0 * S), ptr(km, i0 * S))
+                               spec.rounds, int(bool(spec.widen)), ptr(d, i0), ptr(m, i0), ptr(ks, i0 * S),
+                               ptr(km, i0 * S))
         if rc:
             raise MemoryError(f"the compiled K-quant search could not allocate buffers for {i1 - i0} super-blocks")
 

@@ -767,13 +767,14 @@ int dq_sym_encode(const float *x, const float *w, int64_t n, int S, int L, int q
 }
 
 /* aff_encode_torch (steps 1-3, rounds rounds) for n super-blocks of S sub-blocks of L: d_steps float32 (as the
-   reference's tensor), moves (n_moves, 2) int32 -> out_d, out_m (n,) float32, out_ks, out_km (n, S) int64. The steps
+   reference's tensor), moves (n_moves, 2) int32, widen (AffSearch.widen: aff_widen after step 1) -> out_d, out_m
+   (n,) float32, out_ks, out_km (n, S) int64. The steps
    between the searches repeat aff_round_candidates / aff_reference / aff_ls_super in the reference's precision (sums
    over a sub-block's elements float32 then float64, over a super-block's sub-blocks float64, in order). Returns 0,
    or -1 when memory runs out. */
 int dq_aff_encode(const float *x, const float *w, int64_t n, int S, int L, int qmax, int kmax, const float *steps,
                   int n_steps, const float *shifts, int n_shifts, int iters, const float *d_steps, int n_d,
-                  const int *moves, int n_moves, int rounds, float *out_d, float *out_m, int64_t *out_ks,
+                  const int *moves, int n_moves, int rounds, int widen, float *out_d, float *out_m, int64_t *out_ks,
                   int64_t *out_km) {
     const int64_t ns = n * S;
     const int cmax = n_d + 2;
@@ -797,6 +798,36 @@ int dq_aff_encode(const float *x, const float *w, int64_t n, int S, int L, int q
             ml[j] = (float)(-b[j]);
         }
         codes_rows(x, dl, ml, ns, L, 0.0f, fq, q);
+        if (widen) { /* aff_widen: the used levels at the smallest scale that keeps them, A g / m, B the lowest */
+            int changed = 0;
+            for (int64_t j = 0; j < ns; j++) {
+                float lo = q[j * L];
+                for (int l = 1; l < L; l++) lo = fminf(lo, q[j * L + l]);
+                int64_t g = 0, top = 0;
+                for (int l = 0; l < L; l++) {
+                    int64_t dv = (int64_t)(q[j * L + l] - lo), r = g;
+                    if (dv > top) top = dv;
+                    while (dv) { /* g = gcd(g, dv) */
+                        int64_t t = r % dv;
+                        r = dv;
+                        dv = t;
+                    }
+                    g = r;
+                }
+                double gd = (double)g;
+                double span = (double)top / (gd > 1.0 ? gd : 1.0);
+                double m = floor((double)qmax / (span > 1.0 ? span : 1.0));
+                double v = a[j] * (double)lo + b[j];
+                if (g > 0 && m > gd && v <= 0) {
+                    a[j] = a[j] * gd / m;
+                    b[j] = v;
+                    dl[j] = (float)a[j];
+                    ml[j] = (float)(-b[j]);
+                    changed = 1;
+                }
+            }
+            if (changed) codes_rows(x, dl, ml, ns, L, 0.0f, fq, q);
+        }
         for (int64_t j = 0; j < ns; j++) { /* sw, sx: sum(w), sum(w x) per sub-block, float32 then float64 */
             float s1 = 0.0f, s2 = 0.0f;
             for (int l = 0; l < L; l++) {

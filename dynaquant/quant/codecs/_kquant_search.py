@@ -15,7 +15,9 @@ super-blocks (no loop over blocks; the loops are over candidates, keeping a runn
    starting offsets), each followed by a weighted least-squares refit of the scale (and
    offset) to the rounded codes, then a few re-round / refit steps from the best. Q3_K
    tries every interval of inverse scales with constant codes (the global optimum);
-   Q6_K adds the scales that put its most important elements exactly on a level.
+   Q6_K adds the scales that put its most important elements exactly on a level. Q2_K
+   then spreads codes that leave levels unused over the code range where the same levels fit
+   at a smaller scale (``AffSearch.widen``).
 2. the super-block scale ``d`` (and ``dmin``): many float16 candidates, each with its best
    integer sub-scales (floor or ceil; for the affine model, the min's floor or ceil at the
    best offset for that scale), ranked by the closed-form quadratic error of the current
@@ -412,6 +414,14 @@ class AffSearch:
         d_steps: candidate ``d`` are ``max(A) / t`` and candidate ``dmin`` ``max(-B) / t``.
         moves: step-3 moves ``(dks, dkm)`` of each sub-block's integer scale and min.
         rounds: repetitions of steps 2-3.
+        widen: after step 1, a sub-block whose codes' levels fit at a smaller scale gets them spread over the code
+            range (:func:`aff_widen`: the same levels kept, so no worse a fit).
+            Step 1's fits of such a sub-block (an outlier and fifteen weights on one level: two levels, at any
+            spacing) tie, and which one wins is a rounding; the widest ``A`` sets step 2's grid ``max(A) / t`` for
+            the whole super-block and leaves the other sub-blocks' scales at 0 or 1 (Q2_K: 2.9x the error of the
+            narrow fit on such a block, 13% on tests/test_codecs_kquants.py ``test_device``'s input). On for Q2_K
+            (its weighted error 1.5-7% lower on synthetic tensors, 6.4% on benchmarks/encode_speed.py's); off for
+            Q4_K and Q5_K, which keep their bytes (Q4_K 0.05% lower there with it, Q5_K unchanged).
     """
 
     qmax: int
@@ -421,6 +431,7 @@ class AffSearch:
     d_steps: tuple[float, ...]
     moves: tuple[tuple[int, int], ...] = MOVES_SMALL
     rounds: int = 2
+    widen: bool = False
 
 
 @dataclass
@@ -523,6 +534,39 @@ def aff_search_scales_torch(x: torch.Tensor, w: torch.Tensor, spec: AffSearch, i
     for _ in range(iters):
         consider(aff_codes(x, best_a.float(), (-best_b).float(), qmax))
     return best_a, best_b
+
+
+def aff_widen(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 1's fits with their codes spread over the code range where the same levels fit at a smaller scale.
+
+    The nearest codes ``q`` of ``x ~ A q + B`` in a sub-block use levels ``v + A (q - lo)``, ``v = A lo + B`` the
+    lowest; with ``g`` the greatest common divisor of the ``q - lo`` and ``s = (max q - lo) / g``, those levels are
+    ``v + (A g / m) k`` at the integer codes ``k = m (q - lo) / g <= qmax`` for ``m = floor(qmax / s)``. Where
+    ``m > g`` (a smaller scale) and ``v <= 0`` the fit becomes ``A g / m``, ``B = v``: its levels hold every used
+    one, so the nearest codes fit no worse, and the sub-block's scale, which may set step 2's grid ``max(A) / t``,
+    is the smallest that keeps them (two levels: ``(v_hi - v_lo) / qmax``, whichever code spacing step 1 kept).
+    Elsewhere ``(A, B)`` is returned as is. Float64 operations in this order (the compiled glue repeats them).
+
+    Args:
+        x: (n_super, n_sub, sub_size) float32 weights.
+        a, b: (n_super, n_sub) float64, ``A >= 0``, ``B <= 0`` (:func:`aff_search_scales_torch`).
+        qmax: top code.
+    Returns:
+        (A, B): (n_super, n_sub) float64 each, ``A >= 0``, ``B <= 0``.
+    """
+    q = aff_codes(x, a.float(), (-b).float(), qmax)
+    lo = q.amin(-1, keepdim=True)
+    dq = (q - lo).to(torch.int64)
+    g = dq[..., 0]
+    for i in range(1, dq.shape[-1]):
+        g = torch.gcd(g, dq[..., i])
+    lo = lo.squeeze(-1).double()
+    gd = g.double()
+    span = dq.amax(-1).double() / gd.clamp_min(1.0)
+    m = (qmax / span.clamp_min(1.0)).floor_()
+    v = a * lo + b
+    ok = (g > 0) & (m > gd) & (v <= 0)
+    return torch.where(ok, a * gd / m, a), torch.where(ok, v, b)
 
 
 def aff_reference(st):
@@ -674,6 +718,8 @@ def aff_encode_torch(x: torch.Tensor, w: torch.Tensor, spec: AffSearch, backend:
     ``backend`` chooses the steps' fast paths (:func:`dynaquant.quant.codecs.fastpaths.fast_path`)."""
     kmax = spec.kmax
     a, b = aff_search_scales(x, w, spec, backend=backend)
+    if spec.widen:
+        a, b = aff_widen(x, a, b, spec.qmax)
     q = aff_codes(x, a.float(), (-b).float(), spec.qmax)
     wx = w * x
     sw = w.sum(-1).double()

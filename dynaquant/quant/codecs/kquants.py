@@ -274,6 +274,7 @@ class Q2_K(_KQuant):
         shifts=(0.0, 0.25, -0.25, 0.5),
         d_steps=_grid(8.0, 15.5, 0.25),
         moves=kqs.MOVES_WIDE,
+        widen=True,
     )
     fast = kqf.FastAff(
         qmax=3, kmax=15, steps=_grid(2.0, 4.0, 0.25), shifts=(0.0,), d_steps=_geom(10.0, 1.1, 8), rounds=1
