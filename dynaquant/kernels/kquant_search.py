@@ -50,7 +50,6 @@ _OPTS = {"num_warps": _NUM_WARPS, "enable_fp_fusion": False}
 _STEP1_SYM_TILE = _TILE
 _STEP1_SYM_WARPS = _NUM_WARPS
 _BLOCK_B = 8  # super-blocks a program of the symmetric glue and bytes: (8, 16, 16) tiles of x and w
-_SYM_BYTES = {"Q3_K": (False, 110), "Q6_K": (True, 210)}  # sym_bytes: Q6 flag and block bytes
 
 
 def _flat(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
@@ -252,17 +251,12 @@ def sym_bytes(format_name: str, x: torch.Tensor, cfg: kqs.SymConfig) -> torch.Te
     """As :func:`dynaquant.quant.codecs.kquants.sym_bytes_torch`, one launch: x (n, 256) float32, ``cfg.d`` (n,)
     float32 holding float16 values, ``cfg.k`` (n, 16) int64 -> (n, type_size) uint8. Raises ValueError for another
     format or shape."""
-    if format_name not in _SYM_BYTES:
-        raise ValueError(f"no Triton packing of {format_name}: {', '.join(_SYM_BYTES)}")
+    qbits, tsize = kqs.sym_bytes_layout(format_name, x, cfg, "Triton")
     n = x.shape[0]
-    if x.shape != (n, 256) or cfg.d.shape != (n,) or cfg.k.shape != (n, 16):
-        raise ValueError(f"expected x (n, 256), d (n,), k (n, 16), got {tuple(x.shape)}, {tuple(cfg.d.shape)}, "
-                         f"{tuple(cfg.k.shape)}")
-    q6, tsize = _SYM_BYTES[format_name]
     out = torch.empty(n, tsize, dtype=torch.uint8, device=x.device)
     if n:
         xc = x.to(torch.float32).contiguous()
         d = cfg.d.to(device=x.device, dtype=torch.float32).contiguous()
         k = cfg.k.to(device=x.device, dtype=torch.int64).contiguous()
-        sym_bytes_kernel[(triton.cdiv(n, _BLOCK_B),)](xc, d, k, out, n, Q6=q6, TS=tsize, BLOCK_B=_BLOCK_B, **_OPTS)
+        sym_bytes_kernel[(triton.cdiv(n, _BLOCK_B),)](xc, d, k, out, n, Q6=qbits == 6, TS=tsize, BLOCK_B=_BLOCK_B, **_OPTS)
     return out

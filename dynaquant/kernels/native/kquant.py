@@ -14,7 +14,7 @@ import ctypes
 import torch
 
 from dynaquant.kernels.native import cpu_contiguous, library, ptr, split_rows
-from dynaquant.quant.codecs._kquant_search import AffConfig, SymConfig
+from dynaquant.quant.codecs._kquant_search import AffConfig, SymConfig, sym_bytes_layout
 
 _I64, _INT = ctypes.c_int64, ctypes.c_int
 _MAX_L = 32
@@ -244,20 +244,12 @@ def aff_encode(x: torch.Tensor, w: torch.Tensor, spec) -> AffConfig:
     return AffConfig(d, m, ks, km)
 
 
-_SYM_BYTES = {"Q3_K": (3, 110), "Q6_K": (6, 210)}  # code bits and block bytes of the symmetric K-quants
-
-
 def sym_bytes(format_name: str, x: torch.Tensor, cfg: SymConfig) -> torch.Tensor:
     """As :func:`dynaquant.quant.codecs.kquants.sym_bytes_torch`: the codes and their packing in one compiled pass
     (the torch version makes an int64 code tensor and a dozen shifted copies of it). Raises ValueError for another
     format or shape."""
-    if format_name not in _SYM_BYTES:
-        raise ValueError(f"no compiled packing of {format_name}: {', '.join(_SYM_BYTES)}")
+    qbits, tsize = sym_bytes_layout(format_name, x, cfg, "compiled")
     n = x.shape[0]
-    if x.shape != (n, 256) or cfg.d.shape != (n,) or cfg.k.shape != (n, 16):
-        raise ValueError(f"expected x (n, 256), d (n,), k (n, 16), got {tuple(x.shape)}, {tuple(cfg.d.shape)}, "
-                         f"{tuple(cfg.k.shape)}")
-    qbits, tsize = _SYM_BYTES[format_name]
     x = cpu_contiguous(x, torch.float32)
     d, k = cpu_contiguous(cfg.d, torch.float32), cpu_contiguous(cfg.k, torch.int64)
     out = torch.empty(n, tsize, dtype=torch.uint8)

@@ -357,6 +357,25 @@ def sym_refine_torch(x, w, cfg: SymConfig, spec: SymSearch):
     return SymConfig(cfg.d, k), err.sum(-1)
 
 
+SYM_BYTES = {"Q3_K": (3, 110), "Q6_K": (6, 210)}  # code bits and block bytes of the symmetric K-quants
+
+
+def sym_bytes_layout(format_name: str, x: torch.Tensor, cfg: SymConfig, packer: str) -> tuple[int, int]:
+    """(code bits, block bytes) of ``format_name`` for a ``kquant.sym_bytes`` fast path (``packer`` names it in
+    errors), after checking x (n, 256), ``cfg.d`` (n,) and ``cfg.k`` (n, 16).
+
+    Raises:
+        ValueError: a format other than Q3_K / Q6_K, or shapes that disagree.
+    """
+    if format_name not in SYM_BYTES:
+        raise ValueError(f"no {packer} packing of {format_name}: {', '.join(SYM_BYTES)}")
+    n = x.shape[0]
+    if x.shape != (n, 256) or cfg.d.shape != (n,) or cfg.k.shape != (n, 16):
+        raise ValueError(f"expected x (n, 256), d (n,), k (n, 16), got {tuple(x.shape)}, {tuple(cfg.d.shape)}, "
+                         f"{tuple(cfg.k.shape)}")
+    return SYM_BYTES[format_name]
+
+
 def sym_encode(x: torch.Tensor, w: torch.Tensor, spec: SymSearch, backend: str = "auto") -> SymConfig:
     """The whole search's fast path ``kquant.sym_encode`` as ``backend`` chooses (``"auto"``: the compiled one on CPU,
     on CUDA the steps' kernels with the glue between them fused, the same bytes), else :func:`sym_encode_torch` with
