@@ -215,10 +215,7 @@ def subset_min_costs(b: torch.Tensor, c: torch.Tensor, scale: torch.Tensor, gps:
     lead = scale.shape[:-1]
     t = math.prod(lead)
     n_sub = n // gps
-    if gps == 2:
-        cost = torch.empty(t, n_sub, dtype=torch.float32, device=b.device)
-    else:
-        cost = torch.empty(t, n, dtype=torch.float32, device=b.device)
+    cost = torch.empty(t, n_sub if gps == 2 else n, dtype=torch.float32, device=b.device)  # (gps = 2: summed here)
     if n == 0 or t == 0:
         return cost[:, :n_sub].reshape(*lead, n_sub)
     sc = scale.reshape(t, n_sub).to(torch.float32).contiguous()

@@ -314,6 +314,26 @@ def candidate_terms_kernel(
 
 
 @triton.jit
+def _subset_min_of(b, c, s, kmask):
+    """``min_k S**2 c_k - 2 S b_k`` of each row of a (rows, BLOCK_K) tile at the rows' scales ``s`` (the subset-min
+    kernels' one expression)."""
+    e = (s * s)[:, None] * c - (2.0 * s)[:, None] * b
+    e = tl.where(kmask, e, float("inf"))
+    return tl.min(e, axis=1)
+
+
+@triton.jit
+def _pair_tiles(b_ptr, c_ptr, subs, K, ks, mask):
+    """b and c of the two groups of each sub-block ``subs`` (b, c: (n_sub 2, K)): four (rows, BLOCK_K) tiles."""
+    off = (subs * 2)[:, None] * K + ks[None, :]
+    b0 = tl.load(b_ptr + off, mask=mask, other=0.0)
+    c0 = tl.load(c_ptr + off, mask=mask, other=0.0)
+    b1 = tl.load(b_ptr + off + K, mask=mask, other=0.0)
+    c1 = tl.load(c_ptr + off + K, mask=mask, other=0.0)
+    return b0, c0, b1, c1
+
+
+@triton.jit
 def subset_min_kernel(b_ptr, c_ptr, scale_ptr, cost_ptr, n, K, T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
@@ -328,20 +348,9 @@ def subset_min_kernel(b_ptr, c_ptr, scale_ptr, cost_ptr, n, K, T: tl.constexpr, 
     cp = cost_ptr + rows
     for _t in range(T):
         s = tl.load(sp, mask=rmask, other=0.0)
-        e = (s * s)[:, None] * c - (2.0 * s)[:, None] * b
-        e = tl.where(kmask, e, float("inf"))
-        tl.store(cp, tl.min(e, axis=1), mask=rmask)
+        tl.store(cp, _subset_min_of(b, c, s, kmask), mask=rmask)
         sp += n
         cp += n
-
-
-@triton.jit
-def _subset_min_of(b, c, s, kmask):
-    """``min_k S**2 c_k - 2 S b_k`` of each row of a (rows, BLOCK_K) tile at the rows' scales ``s``: the same
-    expression as :func:`subset_min_kernel`'s."""
-    e = (s * s)[:, None] * c - (2.0 * s)[:, None] * b
-    e = tl.where(kmask, e, float("inf"))
-    return tl.min(e, axis=1)
 
 
 @triton.jit
@@ -368,11 +377,7 @@ def subset_min_sub_kernel(
     kmask = (ks < K)[None, :]
     mask = smask[:, None] & kmask
     if SUM:
-        off = (subs * 2)[:, None] * K + ks[None, :]
-        b0 = tl.load(b_ptr + off, mask=mask, other=0.0)
-        c0 = tl.load(c_ptr + off, mask=mask, other=0.0)
-        b1 = tl.load(b_ptr + off + K, mask=mask, other=0.0)
-        c1 = tl.load(c_ptr + off + K, mask=mask, other=0.0)
+        b0, c0, b1, c1 = _pair_tiles(b_ptr, c_ptr, subs, K, ks, mask)
         sp = scale_ptr + subs
         cp = cost_ptr + subs
         for _t in range(T):
@@ -423,11 +428,7 @@ def stored_scale_kernel(
     ks = tl.arange(0, BLOCK_K)
     kmask = (ks < K)[None, :]
     mask = smask[:, None] & kmask
-    off = (subs * 2)[:, None] * K + ks[None, :]
-    b0 = tl.load(b_ptr + off, mask=mask, other=0.0)
-    c0 = tl.load(c_ptr + off, mask=mask, other=0.0)
-    b1 = tl.load(b_ptr + off + K, mask=mask, other=0.0)
-    c1 = tl.load(c_ptr + off + K, mask=mask, other=0.0)
+    b0, c0, b1, c1 = _pair_tiles(b_ptr, c_ptr, subs, K, ks, mask)
     c8 = 8.0 * tl.load(cont_ptr + subs, mask=smask, other=0.0)
     blk = subs // NSUB
     for f in range(F):

@@ -301,10 +301,7 @@ class _IQ2(Codec):
         odd = ((neg.sum(dim=1) % 2) == 1) if self.parity else None  # groups that must flip one sign
         amax = a.reshape(-1, self.sub_len).amax(dim=1)
 
-        def sub_sum(cost: torch.Tensor) -> torch.Tensor:
-            return lat.last_sum(cost.view(-1, gps))
-
-        def sub_sum_batched(cost: torch.Tensor) -> torch.Tensor:  # (..., groups) -> (..., sub-blocks)
+        def sub_sum(cost: torch.Tensor) -> torch.Tensor:  # (..., groups) -> (..., sub-blocks)
             return lat.last_sum(cost.view(*cost.shape[:-1], -1, gps))
 
         def sub_cost(scale_sub: torch.Tensor, bb: torch.Tensor, cc: torch.Tensor, want_idx: bool = False):
@@ -324,7 +321,7 @@ class _IQ2(Codec):
         best_s, best_c = torch.zeros_like(amax), torch.zeros_like(amax)
         sc = amax[None, :] / device_constant(self._knob("coarse_t", x.device), torch.float32, x.device)[:, None]  # (T, sub-blocks)
         cost, picks = lat.nearest_codewords(a, wg, grid, sc.repeat_interleave(gps, dim=1), odd, backend, variant)  # (T, groups)
-        cost = sub_sum_batched(cost)
+        cost = sub_sum(cost)
         pick = cost.argmin(dim=0, keepdim=True)
         best_s, best_c = keep_better(sc.gather(0, pick)[0], cost.gather(0, pick)[0], best_s, best_c)
         cand = torch.arange(grid.shape[0], device=x.device).expand(a.shape[0], -1) if self.exhaustive else picks.T
