@@ -19,7 +19,7 @@ rows (32 x (qkv, o, gate+up, down) + lm_head: the calls ``dynaquant.load`` makes
 stacked), both against bf16 called as transformers calls it, and a table printed at the end.
 
 Usage (on a CUDA machine):
-    python benchmarks/kernels.py [--formats INT4_G128,MXFP4_G32] [--m 1,4,16] [--sweep] [--quick]
+    python benchmarks/kernel_speed.py [--formats INT4_G128,MXFP4_G32] [--m 1,4,16] [--sweep] [--quick]
 """
 
 from __future__ import annotations
