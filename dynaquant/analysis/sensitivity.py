@@ -154,9 +154,10 @@ def reference_batch(model, chunks: torch.Tensor, device: torch.device) -> int:
 
 
 @contextmanager
-def tf32_matmuls(device: str | torch.device):
+def tf32_matmuls(device: str | torch.device, enabled: bool = True):
     """``with``: float32 matmuls on ``device`` run on CUDA's TF32 tensor cores (operands rounded to a 10-bit mantissa,
-    float32 accumulation), restored on exit (also on error); on other devices nothing changes.
+    float32 accumulation), restored on exit (also on error); on other devices nothing changes. ``enabled=False``: in
+    full float32 instead (IEEE), e.g. for a measurement made inside a TF32 pass.
 
     For KL divergence measurements whose reference and measured passes both run inside: the rounding (relative
     ~2**-11 per operand, 8x finer than bf16's) is far below the quantization errors measured (Q8_0's ~2**-8 per
@@ -167,7 +168,7 @@ def tf32_matmuls(device: str | torch.device):
     mm = torch.backends.cuda.matmul
     attr = "fp32_precision" if hasattr(mm, "fp32_precision") else "allow_tf32"  # (torch >= 2.9: the first)
     old = getattr(mm, attr)
-    setattr(mm, attr, "tf32" if attr == "fp32_precision" else True)
+    setattr(mm, attr, ("tf32" if enabled else "ieee") if attr == "fp32_precision" else enabled)
     try:
         yield
     finally:

@@ -32,6 +32,7 @@ from dynaquant.analysis import experts
 from dynaquant.analysis.blockwise import collect_blockwise, hidden_bytes
 from dynaquant.analysis.calibration import CalibrationSpec, calibration_chunks
 from dynaquant.analysis.errors import SAMPLE_FRACTION, RowErrors, RowWeights, TensorError, measure_samples, sample_tensor
+from dynaquant.analysis.sensitivity import tf32_matmuls
 from dynaquant.analysis.stats import Collect, ModelStats, module_of, stats_from_state, stats_state
 from dynaquant.analysis.superweights import SuperWeight, confirm_blockwise, find_candidates
 from dynaquant.config import DEFAULT_CANDIDATES
@@ -172,7 +173,8 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
             owners.append((j, module_of(t.hf_name), len(samples), len(samples) + 1))
             samples.append(sample_tensor(w.detach(), RowWeights(hessian=rw.hessian), imatrix=imp, score="output",
                                          stored=stored.get(t.gguf_name), fraction=sample_fraction))
-        results = measure(samples, per_row=True)
+        with tf32_matmuls(device, enabled=False):  # the errors in full float32, as the whole-model analysis measures
+            results = measure(samples, per_row=True)
         pending.extend((j, module, results[a] if module is not None else results[a:b]) for j, module, a, b in owners)
         st.drop_hessians(modules | {m for m in [*st.input_of, *st.experts] if _module_block(m) == i})  # routers too
         spent[0] += time.perf_counter() - t1
@@ -191,9 +193,10 @@ def run_blockwise_analysis(source, ts: TensorSource, tokenizer, spec: Calibratio
     ckpts = rundir  # (several ranks: each its own, restarting at a step all of them completed)
     if rundir is not None and grp.active:
         ckpts = RankCheckpoints(rundir, grp)
-    stats = collect_blockwise(sk, samples, Collect(fisher_sequences=fisher_sequences), progress=progress,
-                              on_block=on_block, checkpoints=ckpts, checkpoint_every=checkpoint_interval_s(),
-                              extra=(get_state, set_state), offload_dir=offload)
+    with tf32_matmuls(device):  # the calibration passes on TF32, as run_analysis's (the errors: full float32, above)
+        stats = collect_blockwise(sk, samples, Collect(fisher_sequences=fisher_sequences), progress=progress,
+                                  on_block=on_block, checkpoints=ckpts, checkpoint_every=checkpoint_interval_s(),
+                                  extra=(get_state, set_state), offload_dir=offload)
     timings["calibration_s"] = time.perf_counter() - t0 - spent[0]
     log_gpu_peak(device, "calibration and the blocks' errors")
     t2 = time.perf_counter()
