@@ -323,7 +323,8 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
             continue
         log.warning("the budget is below what the default floors allow; relaxed: %s", "; ".join(names))
         plan = _make_plan(tensors, model, model_id, **{**args, "defaults": relaxed})
-        plan.method += f"; default floors relaxed ({'; '.join(names)})"
+        # short: the GGUF's dynaquant.plan.method has room for ~90 characters (targets.gguf_extra_kv's estimate)
+        plan.method += f"; default floors relaxed ({len(names)} step{'s' if len(names) > 1 else ''})"
         plan.relaxed = list(names)
         return plan
     min_plan_bytes(tensors, model, **args)  # raises: the fully relaxed minimum
