@@ -48,7 +48,12 @@ from dynaquant.quant.codecs import get_codec
 from dynaquant.quant.formats import RUNTIME_FORMATS, get_format, resolve_for_row
 from dynaquant.quant.plan import Plan, PlanEntry, TensorInfo
 from dynaquant.quant.presets import ModelInfo, preset_format, requires_imatrix
-from dynaquant.quant.rules import EXPERT_CAP, Rule, default_rules, relaxation_levels  # noqa: F401  (default_rules: its callers import it here)
+from dynaquant.quant.rules import (
+    EXPERT_CAP,
+    Rule,
+    default_rules,  # noqa: F401  (its callers import it here)
+    relaxation_levels,
+)
 
 log = logging.getLogger(__name__)
 

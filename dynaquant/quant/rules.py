@@ -180,7 +180,8 @@ def floor_relaxations(model: ModelInfo) -> list[Relaxation]:
     steps = [Relaxation(("" if tied else "token embedding: Q2_K class; ") + "attention: attn_q/k/output no floor, attn_v "
                         + ("Q4_0" if gqa else "Q2_K") + " class (llama.cpp's IQ2 mixes)", iq2)]
     if gqa:
-        steps.append(Relaxation("attn_v: Q2_K class", ((_ATTN_V, (rule(r"\.attn_v\.", "Q2_K", "attn_v, relaxed to the Q2_K class"),)),)))
+        attn_v = rule(r"\.attn_v\.", "Q2_K", "attn_v, relaxed to the Q2_K class")
+        steps.append(Relaxation("attn_v: Q2_K class", ((_ATTN_V, (attn_v,)),)))
     head = "output head (the tied token embedding)" if tied else "output head"
     pattern = r"^(token_embd|output)\." if tied else r"^output\."
     steps.append(Relaxation(f"{head}: Q2_K class", ((out, (rule(pattern, "Q2_K", f"{head}, relaxed to the Q2_K class"),)),)))
