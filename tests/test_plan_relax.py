@@ -159,3 +159,51 @@ def test_the_quantize_pipelines_default_target_does_not_relax():
     for target in (GGUFTarget(), SafetensorsTarget()):
         assert target.plan_options(m, [], None, QuantizeConfig())["relax_floors"] is False
         assert target.plan_options(m, [], None, QuantizeConfig(bpw=2.5))["relax_floors"] is True
+
+
+def test_relaxed_floors_in_plan_json_are_checked():
+    from dynaquant.quant.plan import PlanError
+
+    d = make_plan(llama3_8b_tensors(2), ModelInfo(n_layers=2, n_head=32, n_head_kv=8), bpw=5.0).to_dict()
+    for bad in ([1], "token embedding", {"a": 1}):
+        with pytest.raises(PlanError, match="relaxed_floors"):
+            Plan.from_dict({**d, "relaxed_floors": bad})
+    assert Plan.from_dict({**d, "relaxed_floors": ["x"]}).to_dict()["relaxed_floors"] == ["x"]
+
+
+def _small_report() -> dict:
+    """A report of a 4-block model with rows of 512 (token embedding, output, attn_q, attn_v, ffn_down), measured in
+    Q2_K, Q4_0, Q8_0: the default floors need 4.76 bpw at least, 4.04 with the first step relaxed."""
+    def errs(n, w):
+        return {f: {"size_bytes": n // 256 * get_format(f).row_bytes(256), "bpw": get_format(f).bpw, "weighted_rel": r,
+                    "output_rel": r, "kld_pred": w * r} for f, r in (("Q2_K", 0.07), ("Q4_0", 0.007), ("Q8_0", 3e-5))}
+    t = [{"name": "token_embd.weight", "hf_name": "model.embed_tokens.weight", "shape": [1024, 512], "quantizable": True,
+          "errors": errs(1024 * 512, 0.5)}]
+    for i in range(4):
+        for kind, hf, shape in (("attn_q", "self_attn.q_proj", [512, 512]), ("attn_v", "self_attn.v_proj", [128, 512]),
+                                ("ffn_down", "mlp.down_proj", [512, 512])):
+            t.append({"name": f"blk.{i}.{kind}.weight", "hf_name": f"model.layers.{i}.{hf}.weight", "shape": shape,
+                      "quantizable": True, "errors": errs(shape[0] * shape[1], 1.0)})
+    t.append({"name": "output.weight", "hf_name": "lm_head.weight", "shape": [1024, 512], "quantizable": True,
+              "errors": errs(1024 * 512, 4.0)})
+    return {"version": 1, "model": {"id": "tiny", "n_layers": 4, "n_head": 8, "n_head_kv": 2, "gguf_overhead_bytes": 4096},
+            "candidates": ["Q2_K", "Q4_0", "Q8_0"], "tensors": t}
+
+
+def test_cli_plan_relaxes_the_floors_below_their_minimum(tmp_path, capsys, caplog):
+    from dynaquant.cli import main
+
+    rep = tmp_path / "report.json"
+    rep.write_text(json.dumps(_small_report()))
+    with caplog.at_level(logging.WARNING, logger="dynaquant.quant.planner"):
+        assert main(["plan", str(rep), "--bpw", "4.2", "-o", str(tmp_path / "plan.json")]) == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["bpw"] <= 4.2 and plan["relaxed_floors"] == [
+        "token embedding: Q2_K class; attention: attn_q/k/output no floor, attn_v Q4_0 class (llama.cpp's IQ2 mixes)"]
+    assert any("default floors allow; relaxed: token embedding" in r.getMessage() for r in caplog.records)
+    f = {t["name"]: t["format"] for t in plan["tensors"]}
+    assert f["token_embd.weight"] == "Q2_K" and f["output.weight"] in ("Q4_0", "Q8_0") and f["blk.0.ffn_down.weight"] == "Q8_0"
+    # below the fully relaxed minimum (everything Q2_K, 2.625 bpw): refused, the minimum named
+    capsys.readouterr()
+    assert main(["plan", str(rep), "--bpw", "2.6", "-o", str(tmp_path / "p2.json")]) != 0
+    assert "need at least 2.6250 bpw even with the default floors relaxed" in capsys.readouterr().err
