@@ -29,6 +29,12 @@ records the solver, the predicted error, the Lagrangian lower bound and the gap 
 error comes from ``error_fn(tensor, format)``; without measurements the default prior is
 ``n_elements * priority(tensor) * rel_mse(format)``, where ``rel_mse`` is each codec's
 relative squared error on Gaussian weights (measured once with the codecs themselves).
+
+A budget below what the default rules' floors allow (``defaults``; a dense Llama-3-8B at 2.5 bpw) relaxes those floors
+(``rules.floor_relaxations``: the token embedding and attention as llama.cpp's IQ2 mixes first, the first layers last),
+the fewest steps that make it feasible, then allocates as usual; ``Plan.relaxed`` names the steps, each entry's reason
+the relaxed rule that bound it, and a warning is logged. User rules are never relaxed; a plan whose budget the
+unrelaxed floors allow is made exactly as without this.
 """
 
 from __future__ import annotations
