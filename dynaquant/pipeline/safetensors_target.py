@@ -69,7 +69,7 @@ class SafetensorsTarget:
 
     def plan_options(self, info, super_weights, report, cfg) -> dict:
         opts = dict(defaults=default_rules(info, super_weights, target="safetensors") if cfg.default_rules_on else (),
-                    target="safetensors")
+                    target="safetensors", relax_floors=cfg.explicit_target)
         if report is not None:
             opts.update(candidates=[c for c in report["candidates"] if get_format(c).allowed_in("safetensors")],
                         error_source="measured kld")

@@ -273,7 +273,7 @@ class GGUFTarget:
 
     def plan_options(self, info, super_weights, report, cfg) -> dict:
         opts = dict(defaults=default_rules(info, super_weights, cfg.use_imatrix) if cfg.default_rules_on else (),
-                    has_imatrix=cfg.use_imatrix, lift_expert_caps=cfg.explicit_target)
+                    has_imatrix=cfg.use_imatrix, lift_expert_caps=cfg.explicit_target, relax_floors=cfg.explicit_target)
         if report is not None:
             opts.update(candidates=[c for c in report["candidates"] if c in GGUF_CANDIDATES] or GGUF_CANDIDATES,
                         error_source="measured kld")

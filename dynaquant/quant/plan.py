@@ -204,6 +204,8 @@ class Plan:
             predicted - bound, "gap_rel": gap / predicted, "exact": proved optimal, "states": the exact solver's
             dynamic-program states, "time_s": seconds}`` (``planner``, ``quant.knapsack``). ``time_s`` is not
             written to the JSON (a plan.json is the same on every run).
+        relaxed: the default floors relaxed to make ``budget`` feasible (``quant.rules.floor_relaxations``' step
+            names, in the order applied), or None (none relaxed; then absent from the JSON, ``relaxed_floors`` there).
     """
 
     target: str
@@ -216,6 +218,7 @@ class Plan:
     fit: MemoryFit | None = None
     corrections: dict | None = None
     solver: dict | None = None
+    relaxed: list[str] | None = None
 
     @property
     def size_bytes(self) -> int:
@@ -257,6 +260,7 @@ class Plan:
             "method": self.method,
             "rules": list(self.rules),
             "budget": dict(self.budget),
+            **({"relaxed_floors": list(self.relaxed)} if self.relaxed is not None else {}),
             **({"fit": self.fit.to_dict()} if self.fit is not None else {}),
             **({"solver": {k: v for k, v in self.solver.items() if k != "time_s"}} if self.solver is not None else {}),
             "sources": dict(self.sources),
@@ -272,7 +276,7 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict, source: str = "plan") -> Plan:
         """Build and validate a plan from its dict (``to_dict``'s layout; ``version``, ``model``, ``method``,
-        ``rules``, ``budget``, ``fit``, ``sources``, ``corrections``, ``solver`` and each entry's ``hf_name``,
+        ``rules``, ``budget``, ``relaxed_floors``, ``fit``, ``sources``, ``corrections``, ``solver`` and each entry's ``hf_name``,
         ``requested``, ``reason``, ``kld_pred`` optional; the derived ``size_bytes``, ``bpw`` and ``kld_pred`` totals are
         recomputed).
 
@@ -319,8 +323,11 @@ class Plan:
         except ValueError as e:
             raise PlanError(str(e)) from None
         corrections = _opt(d, "corrections", dict, None, source)
+        relaxed = _opt(d, "relaxed_floors", list, None, source)
+        if relaxed is not None and not all(isinstance(r, str) for r in relaxed):
+            raise PlanError(f"{source}: 'relaxed_floors' must be a list of strings (the relaxed floors' names)")
         plan = cls(target, model, entries, method, list(rules), _budget(d, source), dict(sources), fit,
-                   corrections=corrections, solver=_solver(d, source))
+                   corrections=corrections, solver=_solver(d, source), relaxed=relaxed)
         plan._check_budget(source)
         return plan
 

@@ -29,10 +29,17 @@ records the solver, the predicted error, the Lagrangian lower bound and the gap 
 error comes from ``error_fn(tensor, format)``; without measurements the default prior is
 ``n_elements * priority(tensor) * rel_mse(format)``, where ``rel_mse`` is each codec's
 relative squared error on Gaussian weights (measured once with the codecs themselves).
+
+A budget below what the default rules' floors allow (``defaults``; a dense Llama-3-8B at 2.5 bpw) relaxes those floors
+(``rules.floor_relaxations``: the token embedding and attention as llama.cpp's IQ2 mixes first, the first layers last),
+the fewest steps that make it feasible, then allocates as usual; ``Plan.relaxed`` names the steps, each entry's reason
+the relaxed rule that bound it, and a warning is logged. User rules are never relaxed; a plan whose budget the
+unrelaxed floors allow is made exactly as without this.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import time
@@ -47,7 +54,14 @@ from dynaquant.quant.codecs import get_codec
 from dynaquant.quant.formats import RUNTIME_FORMATS, get_format, resolve_for_row
 from dynaquant.quant.plan import Plan, PlanEntry, TensorInfo
 from dynaquant.quant.presets import ModelInfo, preset_format, requires_imatrix
-from dynaquant.quant.rules import EXPERT_CAP, Rule, default_rules  # noqa: F401  (default_rules: its callers import it here)
+from dynaquant.quant.rules import (
+    EXPERT_CAP,
+    Rule,
+    default_rules,  # noqa: F401  (its callers import it here)
+    relaxation_levels,
+)
+
+log = logging.getLogger(__name__)
 
 ErrorFn = Callable[[TensorInfo, str], float]
 SOLVERS = ("exact", "greedy")
@@ -265,7 +279,7 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
               overhead_bytes: int = 0, error_fn: ErrorFn | None = None,
               candidates: Sequence[str] | None = None, defaults: Sequence[Rule] = (),
               error_source: str = "prior error", target: str = "gguf",
-              has_imatrix: bool = False, lift_expert_caps: bool = True, solver: str = "exact") -> Plan:
+              has_imatrix: bool = False, lift_expert_caps: bool = True, solver: str = "exact", relax_floors: bool = True) -> Plan:
     """Plan every tensor of a GGUF (or safetensors) target.
 
     Args:
@@ -292,14 +306,45 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
             (``default_rules``) and keep that plan when its predicted error is lower (the method
             records it). False keeps them (the default target of a MoE model).
         solver: the allocation's solver (module docstring): ``exact`` (``quant.knapsack``) or ``greedy``.
+        relax_floors: a budget below what ``defaults`` allow relaxes their floors, step by step in
+            ``rules.floor_relaxations``' order, until it fits (module docstring); False: ``BudgetError`` (the default
+            target of a quantize run, which drops to the floors' minimum instead).
     Returns:
         The plan; with a budget, its tensor data fits ``bpw`` or ``size_bytes - overhead_bytes``, and ``solver``
         records the solver, the predicted error of the allocated tensors, its lower bound and the gap.
     Raises:
         ValueError: both or neither of preset/budget given (a preset for safetensors), a bad rule,
             or a candidate or ``=`` rule format not allowed in the target's files, an unknown solver.
-        BudgetError: the fixed choices (rules, unquantized tensors, cheapest candidates) exceed the budget.
+        BudgetError: the fixed choices (rules, unquantized tensors, cheapest candidates) exceed the budget, with
+            ``relax_floors`` even with every default floor relaxed (``min_bytes`` then that relaxed minimum).
     """
+    args = dict(preset=preset, rules=rules, bpw=bpw, size_bytes=size_bytes, overhead_bytes=overhead_bytes,
+                error_fn=error_fn, candidates=candidates, defaults=defaults, error_source=error_source, target=target,
+                has_imatrix=has_imatrix, lift_expert_caps=lift_expert_caps, solver=solver)
+    try:
+        return _make_plan(tensors, model, model_id, **args)
+    except BudgetError:
+        levels = relaxation_levels(defaults, model) if relax_floors and (bpw is not None or size_bytes is not None) else []
+        if not levels:
+            raise
+    for names, relaxed in levels:  # the least relaxed defaults that fit
+        try:
+            min_plan_bytes(tensors, model, **{**args, "defaults": relaxed}, relax_floors=False)
+        except BudgetError:
+            continue
+        log.warning("the budget is below what the default floors allow; relaxed: %s", "; ".join(names))
+        plan = _make_plan(tensors, model, model_id, **{**args, "defaults": relaxed})
+        # short: the GGUF's dynaquant.plan.method has room for ~90 characters (targets.gguf_extra_kv's estimate)
+        plan.method += f"; default floors relaxed ({len(names)} step{'s' if len(names) > 1 else ''})"
+        plan.relaxed = list(names)
+        return plan
+    min_plan_bytes(tensors, model, **args)  # raises: the fully relaxed minimum
+    raise AssertionError("unreachable: the fully relaxed defaults fit")
+
+
+def _make_plan(tensors, model, model_id, *, preset, rules, bpw, size_bytes, overhead_bytes, error_fn, candidates, defaults,
+               error_source, target, has_imatrix, lift_expert_caps, solver) -> Plan:
+    """``make_plan`` with ``defaults`` as given (no floor relaxed)."""
     if bpw is not None and size_bytes is not None:
         raise ValueError("give at most one of bpw and size_bytes")
     if solver not in SOLVERS:
@@ -309,9 +354,9 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
         args = dict(preset=preset, rules=rules, bpw=bpw, size_bytes=size_bytes, overhead_bytes=overhead_bytes,
                     error_fn=error_fn, candidates=candidates, error_source=error_source, target=target,
                     has_imatrix=has_imatrix, lift_expert_caps=False, solver=solver)
-        plan = make_plan(tensors, model, model_id, defaults=defaults, **args)
+        plan = _make_plan(tensors, model, model_id, defaults=defaults, **args)
         try:
-            lifted = make_plan(tensors, model, model_id, defaults=[r for r in defaults if r not in capped], **args)
+            lifted = _make_plan(tensors, model, model_id, defaults=[r for r in defaults if r not in capped], **args)
         except BudgetError:  # without the caps other rules (first layers) bind the experts: keep the capped plan
             return plan
         err, by = error_fn or prior_error(model), {t.name: t for t in tensors}
@@ -352,10 +397,11 @@ def make_plan(tensors: Sequence[TensorInfo], model: ModelInfo, model_id: str = "
 def min_plan_bytes(tensors: Sequence[TensorInfo], model: ModelInfo, *, rules: Sequence[Rule | str] = (),
                    bpw: float | None = None, size_bytes: int | None = None, overhead_bytes: int = 0,
                    error_fn: ErrorFn | None = None, candidates: Sequence[str] | None = None, defaults: Sequence[Rule] = (),
-                   target: str = "gguf", has_imatrix: bool = False, **_ignored) -> int:
+                   target: str = "gguf", has_imatrix: bool = False, relax_floors: bool = True, **_ignored) -> int:
     """The smallest whole-file size (bytes, ``overhead_bytes`` included) a budgeted ``make_plan`` with these arguments
     can have: the fixed rules' and unquantized tensors' bytes plus each free tensor's (or tie group's) cheapest
-    allowed format with a finite ``error_fn`` error. Exactly ``BudgetError.min_bytes``; no allocation is run.
+    allowed format with a finite ``error_fn`` error, with ``relax_floors`` every default floor relaxed
+    (``rules.relaxation_levels``). Exactly ``BudgetError.min_bytes``; no allocation is run.
 
     Args:
         as ``make_plan`` (its other keyword arguments, ``error_source``, ``lift_expert_caps``, are ignored: a budget
@@ -366,12 +412,15 @@ def min_plan_bytes(tensors: Sequence[TensorInfo], model: ModelInfo, *, rules: Se
     """
     if bpw is not None and size_bytes is not None:
         raise ValueError("give at most one of bpw and size_bytes")
-    _, _, entries, free, candidates = _decide(tensors, model, None, rules, True, candidates, defaults, target, has_imatrix)
+    levels = relaxation_levels(defaults, model) if relax_floors else []
+    _, _, entries, free, candidates = _decide(tensors, model, None, rules, True, candidates,
+                                              levels[-1][1] if levels else defaults, target, has_imatrix)
     _, used = _cheapest(free, entries, candidates, error_fn or prior_error(model), target,
                         tie_groups if target == "safetensors" else None, has_imatrix)
     if bpw is not None or size_bytes is not None:
         total = sum(t.n_elements for t in tensors)
-        _check_limit(used, int(bpw * total / 8) if bpw is not None else size_bytes - overhead_bytes, overhead_bytes, total, bpw)
+        _check_limit(used, int(bpw * total / 8) if bpw is not None else size_bytes - overhead_bytes, overhead_bytes, total, bpw,
+                     " even with the default floors relaxed" if levels else "")
     return used + overhead_bytes
 
 
@@ -475,10 +524,10 @@ def _cheapest(free, entries, candidates, error_fn, target, tie, has_imatrix, opt
     return units, sum(e.size_bytes for e in entries.values()) + sum(opts[0][0] for _, opts in units.values())
 
 
-def _check_limit(used: int, limit: int, overhead: int, total: int, bpw: float | None) -> None:
+def _check_limit(used: int, limit: int, overhead: int, total: int, bpw: float | None, relaxed: str = "") -> None:
     if used > limit:
         unit = f"{8 * used / total:.4f} bpw" if bpw is not None else f"{used + overhead} bytes"
-        raise BudgetError(f"the target is too small: the fixed rules and the cheapest formats need at least {unit} "
+        raise BudgetError(f"the target is too small: the fixed rules and the cheapest formats need at least {unit}{relaxed} "
                           f"({used + overhead} bytes with metadata)", used + overhead)
 
 
