@@ -173,7 +173,7 @@ def tile_values(w, hsrc, zoff, magic, KIND: tl.constexpr, BITS: tl.constexpr, EP
 
 
 @triton.jit
-def _finish(y, rn, n_mask, pid_n, pid_k, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, out_mul,
+def finish_gemv(y, rn, n_mask, pid_n, pid_k, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, out_mul,
             HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
     """Store one row of outputs (GEMV), reducing split-K partials in the last program of the tile."""
     if SPLIT_K == 1:
@@ -301,7 +301,7 @@ def _gemv_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
     y = tl.sum(acc, axis=1)
     if HALF2:
         y = y * X_UNSCALE
-    _finish(y, rn, n_mask, pid_n, pid_k, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, out_mul, HAS_BIAS, SPLIT_K)
+    finish_gemv(y, rn, n_mask, pid_n, pid_k, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, out_mul, HAS_BIAS, SPLIT_K)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -462,6 +462,10 @@ def call_buffers(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
 
 def _launch_args(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig):
     """(kernel, grid, args, kwargs, y) of one call on the gemv or mm path."""
+    if cfg.path == "gemv" and cfg.resident:
+        from dynaquant.kernels.triton_resident import resident_launch_args  # (it imports this module)
+
+        return resident_launch_args(x2, packed, bias, cfg)
     m, k = x2.shape
     n = packed.out_features
     split = cfg.split_k

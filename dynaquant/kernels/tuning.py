@@ -25,7 +25,7 @@ import torch
 from dynaquant.kernels.formats import KernelFormat
 
 __all__ = ["LaunchConfig", "DeviceInfo", "device_info", "choose_config", "valid_config", "gemv_candidates",
-           "mm_candidates", "gemm_candidates"]
+           "mm_candidates", "gemm_candidates", "resident_gemv_config", "resident_candidates", "resident_grid"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,10 @@ class LaunchConfig:
         scale_words: ``half2``: runs of this many words (1, 2 or 4; at most a group's) summed in float32 before
             their group's scale multiplies them: the scale is loaded and converted once a run (1: once a word).
         pairs: ``half2``: two words' products summed in fp16 before the float32 conversion (runs of 2+ words).
+        resident: ``gemv`` with ``half2``: the resident-activation GEMV (:mod:`dynaquant.kernels.triton_resident`)
+            with at most this many programs an SM (one wave; 0: off). Each program keeps one K slice's activation
+            pairs in registers (the K tile is the slice: ``split_k * groups`` is the row's groups) and loops over
+            row tiles of ``block_n`` rows, ``prefetch`` loading the next tile's words first.
     """
 
     path: str
@@ -61,6 +65,7 @@ class LaunchConfig:
     half2: bool = False
     scale_words: int = 4
     pairs: bool = False
+    resident: int = 0
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,8 @@ def valid_config(cfg: LaunchConfig, fmt: KernelFormat, m: int, n: int, k: int) -
     n_groups = k // fmt.group_size
     if cfg.split_k < 1 or n_groups % cfg.split_k or (n_groups // cfg.split_k) % cfg.groups:
         return False
+    if cfg.resident and not _resident_valid(cfg, fmt, m, n_groups):
+        return False
     if cfg.half2 and not (cfg.path == "gemv" and has_half2(fmt)):
         return False
     if cfg.scale_words not in (1, 2, 4) or (cfg.pairs and not (cfg.half2 and min(cfg.scale_words,
@@ -126,6 +133,58 @@ def valid_config(cfg: LaunchConfig, fmt: KernelFormat, m: int, n: int, k: int) -
     if cfg.path == "mm":
         return cfg.block_n >= 16 and cfg.block_m >= 16 and (cfg.split_k == 1 or m <= cfg.block_m)
     return cfg.path == "dequant" and cfg.split_k == 1
+
+
+def _resident_valid(cfg: LaunchConfig, fmt: KernelFormat, m: int, n_groups: int) -> bool:
+    """The resident GEMV: M = 1, half2 formats, the K split in slices of one K tile each (a power-of-two number of
+    words), row tiles of 16+ rows (a split-K counter each), a power of two."""
+    words = cfg.groups * _words_per_group(fmt)
+    return (cfg.path == "gemv" and m == 1 and cfg.half2 and has_half2(fmt) and not cfg.pairs and cfg.resident >= 1
+            and cfg.split_k * cfg.groups == n_groups and words & (words - 1) == 0
+            and cfg.block_n >= 16 and cfg.block_n & (cfg.block_n - 1) == 0)
+
+
+def resident_grid(n: int, cfg: LaunchConfig, sm_count: int) -> tuple[int, int, int]:
+    """The resident GEMV's row tiles, programs along N and row tiles a program: ``(tiles, P, per)`` with ``P *
+    split_k`` at most ``resident * sm_count`` (at least ``P = 1``) and ``P * per >= tiles``, ``P`` as small as
+    ``per`` allows (every program ``per`` tiles, or ``per - 1``)."""
+    tiles = -(-n // cfg.block_n)
+    target = max(1, min(tiles, cfg.resident * sm_count // cfg.split_k))
+    per = -(-tiles // target)
+    return tiles, -(-tiles // per), per
+
+
+def _resident(fmt: KernelFormat, k: int, words: int, block_n: int, warps: int, per_sm: int, runs: int = 4,
+              prefetch: bool = True) -> LaunchConfig:
+    """A resident-GEMV config of K slices of ``words`` words (the split follows)."""
+    groups = max(1, words // _words_per_group(fmt))
+    split = max(1, (k // fmt.group_size) // groups)
+    return LaunchConfig("gemv", 1, block_n, groups, split, warps, 1, prefetch, 0, True, runs, False, per_sm)
+
+
+def resident_gemv_config(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> LaunchConfig | None:
+    """A resident-GEMV configuration for the shape (``benchmarks/kernels.py --gemv-xpre``; not yet the default
+    anywhere, unmeasured): K slices of 128 words (64 where 128 do not divide the row), 32-row tiles, 4 warps, 4
+    programs an SM, prefetch, a scale a run of 4 words; None for formats without the packed-fp16 products or rows
+    no slice divides."""
+    if not has_half2(fmt):
+        return None
+    for words in (128, 64, 32):
+        cfg = _resident(fmt, k, words, 32, 4, 4)
+        if valid_config(cfg, fmt, 1, n, k):
+            return cfg
+    return None
+
+
+def resident_candidates(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> list[LaunchConfig]:
+    """Resident-GEMV configurations worth timing (the sweep): K slices of 64, 128 or 256 words, 16 rows on 4 warps
+    or 32 rows on 4 or 8, 2, 4 or 8 programs an SM, prefetch, runs of 4 words; and one without prefetch."""
+    if not has_half2(fmt):
+        return []
+    out = [_resident(fmt, k, words, bn, warps, per_sm)
+           for words, (bn, warps), per_sm in itertools.product((64, 128, 256), ((16, 4), (32, 4), (32, 8)), (2, 4, 8))]
+    out.append(_resident(fmt, k, 128, 32, 4, 4, prefetch=False))
+    return [c for c in dict.fromkeys(out) if valid_config(c, fmt, 1, n, k)]
 
 
 def _pow2_at_least(v: int, lo: int) -> int:
@@ -316,7 +375,7 @@ def gemv_candidates(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> list[
     """GEMV configurations worth timing for a shape (the benchmark's sweep): rows a thread, warps, K split,
     (symmetric formats) K tiles of 32 words and prefetching, and (:func:`has_half2` formats) wide K tiles of 128
     and 256 words with the packed-fp16 products, a scale a word or a run of words (``scale_words``; ``pairs`` is left
-    out: 1.1-2.8x slower on an H200)."""
+    out: 1.1-2.8x slower on an H200), and the resident-activation GEMV's (:func:`resident_candidates`)."""
     n_groups = k // fmt.group_size
     wpg = _words_per_group(fmt)
     out = []
@@ -348,6 +407,7 @@ def gemv_candidates(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> list[
             groups = max(1, words // wpg)
             split = _split_for(n_groups, groups, -(-n // block_n), target * dev.sm_count, 32)
             out.append(LaunchConfig("gemv", 1, block_n, groups, split, warps, 1, False, 0, True, runs))
+    out += resident_candidates(fmt, n, k, dev)  # the resident-activation GEMV
     return [c for c in dict.fromkeys(out) if valid_config(c, fmt, 1, n, k)]
 
 

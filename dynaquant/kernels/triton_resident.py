@@ -1,0 +1,107 @@
+"""The resident-activation GEMV (M = 1): each program keeps one K slice's activation pairs in registers and streams
+many small row tiles of packed weights past them (``LaunchConfig.resident``).
+
+Why (``kernels/NOTES.md``, ncu of the half2 GEMV, session 28): the wide-tile half2 GEMV re-reads and re-packs its
+activations every K tile (INT2's L1/TEX pipe 76 % busy, 42 % of the stalls on the L1TEX scoreboard), its 512-word
+INT4 tiles hold 168 registers (19 % occupancy), and its grids end on partial waves. Here:
+
+- the grid is ``(P, SPLIT_K)``: program ``(p, s)`` owns K slice ``s`` (``BLOCK_KW`` words of every row: the K split
+  is the whole row in slices, ``SPLIT_K * BLOCK_KW = KW``) and the row tiles ``p, p + P, p + 2P, ...`` of
+  ``BLOCK_N`` rows; ``P * SPLIT_K`` is at most ``resident`` programs an SM, so the grid is one wave and each
+  program persistent over its row tiles (``P`` is chosen so that every program has the same number of tiles, or
+  one fewer);
+- the slice's activations are loaded and packed into the f16x2 pairs of :func:`.triton_half2.x_pairs` once, before
+  the loop, in the products' register layout (16 / BITS int32 registers a word column a thread);
+- a tile's words are loaded one tile ahead (``prefetch``), its word products (:func:`.triton_half2.pairs_dot`)
+  summed over runs of ``CW`` words (one group's scale a run, as :func:`.triton_linear._half2_part`), its rows'
+  partial sums stored and reduced by the last of the ``SPLIT_K`` programs of the tile
+  (:func:`.triton_linear.finish_gemv`, the split-K counter of the tile).
+
+Numerics: the half2 GEMV's exactly (same word products, same runs, same float32 sums): with the same rows a tile,
+K tile and runs as a half2 config whose K tile is its K slice, the outputs are equal bit for bit in the interpreter.
+Formats: those of :func:`.tuning.has_half2` (symmetric INT4 / INT2, MXFP4, NVFP4).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dynaquant.kernels.packing import PackedWeight
+from dynaquant.kernels.triton_half2 import X_UNSCALE, pairs_dot, x_pairs
+from dynaquant.kernels.triton_linear import (
+    call_buffers,
+    finish_gemv,
+    format_constants,
+    group_scale,
+    interpreting,
+    out_multiplier,
+)
+from dynaquant.kernels.tuning import LaunchConfig, device_info, resident_grid
+
+
+@triton.jit
+def _resident_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, KW, NG, out_mul, NTILES, TPP,
+                     TPP_C: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, PREFETCH: tl.constexpr,
+                     SPLIT_K: tl.constexpr, ASM: tl.constexpr, CW: tl.constexpr):
+    """Program ``(p, s)``: K slice ``s`` (words ``s * BLOCK_KW ..``), row tiles ``p + i P`` for i < TPP (tiles past
+    NTILES skipped). TPP_C: TPP as a constant (the interpreter), else 0."""
+    EPW: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = G // EPW
+    NC: tl.constexpr = BLOCK_KW // CW
+    pid_n = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    pid_k = tl.program_id(1)
+    base = pid_k * BLOCK_KW
+    word = base + tl.arange(0, BLOCK_KW)
+    p0, p1, p2, p3, p4, p5, p6, p7 = x_pairs(x_ptr, word * EPW, BITS, ASM)
+    p0 = p0[None, :]
+    p1 = p1[None, :]
+    p2 = p2[None, :]
+    p3 = p3[None, :]
+    p4 = p4[None, :]
+    p5 = p5[None, :]
+    p6 = p6[None, :]
+    p7 = p7[None, :]
+    wcol = qw_ptr + word[None, :]
+    # each run's group, as (scalar + per-element constant): the runs of one group load the same scale
+    scol = s_ptr + (base // WPG + tl.arange(0, NC) // (WPG // CW))[None, :]
+    rr = tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        w_next = tl.load(wcol + tl.minimum(pid_n * BLOCK_N + rr, N - 1)[:, None] * KW)
+    for i in range(0, TPP_C if TPP_C > 0 else TPP):  # (an assigned ternary trips the 3.6 interpreter)
+        tile = pid_n + i * n_prog
+        rn = tile * BLOCK_N + rr
+        row = tl.minimum(rn, N - 1)[:, None]  # tiles past the last read its last row (skipped below)
+        if PREFETCH:
+            w = w_next
+            w_next = tl.load(wcol + tl.minimum(rn + n_prog * BLOCK_N, N - 1)[:, None] * KW)
+        else:
+            w = tl.load(wcol + row * KW)
+        d = pairs_dot(w, p0, p1, p2, p3, p4, p5, p6, p7, BITS, ASM, KIND != 0)  # [BLOCK_N, BLOCK_KW]
+        part = tl.sum(tl.reshape(d, [BLOCK_N, NC, CW]), axis=2)
+        sc = group_scale(tl.load(scol + row * NG), KIND)
+        y = tl.sum(part * sc, axis=1) * X_UNSCALE
+        if tile < NTILES:
+            finish_gemv(y, rn, rn < N, tile, pid_k, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, out_mul, HAS_BIAS, SPLIT_K)
+
+
+def resident_launch_args(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig):
+    """(kernel, grid, args, kwargs, y) of one resident-GEMV call (x2 (1, K); ``cfg`` valid for the shape, see
+    :func:`.tuning.valid_config`); the grid from :func:`.tuning.resident_grid` on x2's device."""
+    n = packed.out_features
+    split = cfg.split_k
+    kw, _, ng, y, ws, _, _, b = call_buffers(x2, packed, bias, split)
+    f = packed.fmt
+    wpg = f.group_size // (32 // f.bits)
+    ntiles, n_prog, tpp = resident_grid(n, cfg, device_info(x2.device).sm_count)
+    args = (x2, packed.qweight, packed.scales, b, y, ws, packed.counters, n, kw, ng, out_multiplier(packed, False),
+            ntiles, tpp)
+    fc = format_constants(packed)
+    kwargs = dict(TPP_C=tpp if interpreting() else 0, KIND=fc["KIND"], BITS=fc["BITS"], G=fc["G"],
+                  HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_KW=cfg.groups * wpg, PREFETCH=cfg.prefetch,
+                  SPLIT_K=split, ASM=not interpreting(), CW=min(cfg.scale_words, wpg), num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
+    return _resident_kernel, (n_prog, split), args, kwargs, y
