@@ -173,7 +173,7 @@ def tile_values(w, hsrc, zoff, magic, KIND: tl.constexpr, BITS: tl.constexpr, EP
 
 
 @triton.jit
-def finish_gemv(y, rn, n_mask, pid_n, pid_k, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, out_mul,
+def _finish(y, rn, n_mask, pid_n, pid_k, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, out_mul,
             HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
     """Store one row of outputs (GEMV), reducing split-K partials in the last program of the tile."""
     if SPLIT_K == 1:
@@ -301,7 +301,7 @@ def _gemv_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
     y = tl.sum(acc, axis=1)
     if HALF2:
         y = y * X_UNSCALE
-    finish_gemv(y, rn, n_mask, pid_n, pid_k, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, out_mul, HAS_BIAS, SPLIT_K)
+    _finish(y, rn, n_mask, pid_n, pid_k, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, out_mul, HAS_BIAS, SPLIT_K)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,8 +14,9 @@ INT4 tiles hold 168 registers (19 % occupancy), and its grids end on partial wav
   the loop, in the products' register layout (16 / BITS int32 registers a word column a thread);
 - a tile's words are loaded one tile ahead (``prefetch``), its word products (:func:`.triton_half2.pairs_dot`)
   summed over runs of ``CW`` words (one group's scale a run, as :func:`.triton_linear._half2_part`), its rows'
-  partial sums stored and reduced by the last of the ``SPLIT_K`` programs of the tile
-  (:func:`.triton_linear.finish_gemv`, the split-K counter of the tile).
+  sums stored (no split) or written to the float32 workspace; programs ``(p, 0 .. SPLIT_K - 1)`` own the same row
+  tiles, so one split-K counter a column ``p`` and one atomic a program (after its last tile) suffice: the last of
+  them sums the column's partials (the fence and the atomic's round trip once a program, not once a tile).
 
 Numerics: the half2 GEMV's exactly (same word products, same runs, same float32 sums): with the same rows a tile,
 K tile and runs as a half2 config whose K tile is its K slice, the outputs are equal bit for bit in the interpreter.
@@ -32,7 +33,6 @@ from dynaquant.kernels.packing import PackedWeight
 from dynaquant.kernels.triton_half2 import X_UNSCALE, pairs_dot, x_pairs
 from dynaquant.kernels.triton_linear import (
     call_buffers,
-    finish_gemv,
     format_constants,
     group_scale,
     interpreting,
@@ -42,12 +42,23 @@ from dynaquant.kernels.tuning import LaunchConfig, device_info, resident_grid
 
 
 @triton.jit
-def _resident_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, KW, NG, out_mul, NTILES, TPP,
+def _store_rows(y, rn, b_ptr, y_ptr, N, out_mul, HAS_BIAS: tl.constexpr):
+    """``y * out_mul (+ bias)`` of rows ``rn`` into the output (rows past N masked)."""
+    out = y * out_mul
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def _resident_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, KW, NG, out_mul, TPP,
                      TPP_C: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, PREFETCH: tl.constexpr,
-                     SPLIT_K: tl.constexpr, ASM: tl.constexpr, CW: tl.constexpr):
-    """Program ``(p, s)``: K slice ``s`` (words ``s * BLOCK_KW ..``), row tiles ``p + i P`` for i < TPP (tiles past
-    NTILES skipped). TPP_C: TPP as a constant (the interpreter), else 0."""
+                     SPLIT_K: tl.constexpr, ASM: tl.constexpr, CW: tl.constexpr, RB: tl.constexpr):
+    """Program ``(p, s)``: K slice ``s`` (words ``s * BLOCK_KW ..``), row tiles ``p + i P`` for i < TPP (rows past N
+    masked). With a K split each tile's partial sums go to the workspace, and the last of the SPLIT_K programs of
+    column ``p`` (one split-K counter a column, one atomic a program) reduces all the column's tiles, RB at a time.
+    TPP_C: TPP as a constant (the interpreter), else 0."""
     EPW: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = G // EPW
     NC: tl.constexpr = BLOCK_KW // CW
@@ -72,9 +83,8 @@ def _resident_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, KW,
     if PREFETCH:
         w_next = tl.load(wcol + tl.minimum(pid_n * BLOCK_N + rr, N - 1)[:, None] * KW)
     for i in range(0, TPP_C if TPP_C > 0 else TPP):  # (an assigned ternary trips the 3.6 interpreter)
-        tile = pid_n + i * n_prog
-        rn = tile * BLOCK_N + rr
-        row = tl.minimum(rn, N - 1)[:, None]  # tiles past the last read its last row (skipped below)
+        rn = (pid_n + i * n_prog) * BLOCK_N + rr
+        row = tl.minimum(rn, N - 1)[:, None]  # tiles past the last read its last row (masked below)
         if PREFETCH:
             w = w_next
             w_next = tl.load(wcol + tl.minimum(rn + n_prog * BLOCK_N, N - 1)[:, None] * KW)
@@ -84,8 +94,26 @@ def _resident_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, KW,
         part = tl.sum(tl.reshape(d, [BLOCK_N, NC, CW]), axis=2)
         sc = group_scale(tl.load(scol + row * NG), KIND)
         y = tl.sum(part * sc, axis=1) * X_UNSCALE
-        if tile < NTILES:
-            finish_gemv(y, rn, rn < N, tile, pid_k, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, out_mul, HAS_BIAS, SPLIT_K)
+        if SPLIT_K == 1:
+            _store_rows(y, rn, b_ptr, y_ptr, N, out_mul, HAS_BIAS)
+        else:
+            tl.store(ws_ptr + pid_k * N + rn, y, mask=rn < N)
+    if SPLIT_K > 1:
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            ri = tl.arange(0, RB)
+            for j in range(0, TPP_C if TPP_C > 0 else TPP, RB):
+                rn2 = ((pid_n + (j + ri) * n_prog) * BLOCK_N)[:, None] + rr[None, :]  # [RB, BLOCK_N]
+                m2 = (rn2 < N) & ((j + ri) < TPP)[:, None]
+                tot = tl.zeros([RB, BLOCK_N], dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):  # (all the loads in flight at once)
+                    tot += tl.load(ws_ptr + s * N + rn2, mask=m2, other=0.0, cache_modifier=".cg")
+                out = tot * out_mul
+                if HAS_BIAS:
+                    out += tl.load(b_ptr + rn2, mask=m2, other=0.0).to(tl.float32)
+                tl.store(y_ptr + rn2, out.to(y_ptr.dtype.element_ty), mask=m2)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
 
 
 def resident_launch_args(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig):
@@ -96,12 +124,11 @@ def resident_launch_args(x2: torch.Tensor, packed: PackedWeight, bias: torch.Ten
     kw, _, ng, y, ws, _, _, b = call_buffers(x2, packed, bias, split)
     f = packed.fmt
     wpg = f.group_size // (32 // f.bits)
-    ntiles, n_prog, tpp = resident_grid(n, cfg, device_info(x2.device).sm_count)
-    args = (x2, packed.qweight, packed.scales, b, y, ws, packed.counters, n, kw, ng, out_multiplier(packed, False),
-            ntiles, tpp)
+    _, n_prog, tpp = resident_grid(n, cfg, device_info(x2.device).sm_count)
+    args = (x2, packed.qweight, packed.scales, b, y, ws, packed.counters, n, kw, ng, out_multiplier(packed, False), tpp)
     fc = format_constants(packed)
     kwargs = dict(TPP_C=tpp if interpreting() else 0, KIND=fc["KIND"], BITS=fc["BITS"], G=fc["G"],
                   HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_KW=cfg.groups * wpg, PREFETCH=cfg.prefetch,
-                  SPLIT_K=split, ASM=not interpreting(), CW=min(cfg.scale_words, wpg), num_warps=cfg.num_warps,
+                  SPLIT_K=split, ASM=not interpreting(), CW=min(cfg.scale_words, wpg), RB=8, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)
     return _resident_kernel, (n_prog, split), args, kwargs, y
