@@ -150,8 +150,8 @@ def resident_grid(n: int, cfg: LaunchConfig, sm_count: int) -> tuple[int, int, i
     ``per`` allows (every program ``per`` tiles, or ``per - 1``)."""
     tiles = -(-n // cfg.block_n)
     target = max(1, min(tiles, cfg.resident * sm_count // cfg.split_k))
-    per = -(-tiles // target)
-    return tiles, -(-tiles // per), per
+    progs = -(-tiles // -(-tiles // target))
+    return tiles, progs, -(-tiles // progs)
 
 
 def _resident(fmt: KernelFormat, k: int, words: int, block_n: int, warps: int, per_sm: int, runs: int = 4,
