@@ -37,17 +37,9 @@ from dynaquant.kernels.triton_linear import (
     group_scale,
     interpreting,
     out_multiplier,
+    store_rows,
 )
 from dynaquant.kernels.tuning import LaunchConfig, device_info, resident_grid
-
-
-@triton.jit
-def _store_rows(y, rn, b_ptr, y_ptr, N, out_mul, HAS_BIAS: tl.constexpr):
-    """``y * out_mul (+ bias)`` of rows ``rn`` into the output (rows past N masked)."""
-    out = y * out_mul
-    if HAS_BIAS:
-        out += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
 @triton.jit
@@ -95,7 +87,7 @@ def _resident_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, KW,
         sc = group_scale(tl.load(scol + row * NG), KIND)
         y = tl.sum(part * sc, axis=1) * X_UNSCALE
         if SPLIT_K == 1:
-            _store_rows(y, rn, b_ptr, y_ptr, N, out_mul, HAS_BIAS)
+            store_rows(y, rn, rn < N, b_ptr, y_ptr, out_mul, HAS_BIAS)
         else:
             tl.store(ws_ptr + pid_k * N + rn, y, mask=rn < N)
     if SPLIT_K > 1:
@@ -109,10 +101,7 @@ def _resident_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, KW,
                 tot = tl.zeros([RB, BLOCK_N], dtype=tl.float32)
                 for s in tl.static_range(SPLIT_K):  # (all the loads in flight at once)
                     tot += tl.load(ws_ptr + s * N + rn2, mask=m2, other=0.0, cache_modifier=".cg")
-                out = tot * out_mul
-                if HAS_BIAS:
-                    out += tl.load(b_ptr + rn2, mask=m2, other=0.0).to(tl.float32)
-                tl.store(y_ptr + rn2, out.to(y_ptr.dtype.element_ty), mask=m2)
+                store_rows(tot, rn2, m2, b_ptr, y_ptr, out_mul, HAS_BIAS)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
 
 
