@@ -178,12 +178,14 @@ def resident_gemv_config(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> 
 
 def resident_candidates(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> list[LaunchConfig]:
     """Resident-GEMV configurations worth timing (the sweep): K slices of 64, 128 or 256 words, 16 rows on 4 warps
-    or 32 rows on 4 or 8, 2, 4 or 8 programs an SM, prefetch, runs of 4 words; and one without prefetch."""
+    or 32 rows on 4 or 8, 4 or 8 programs an SM, prefetch, runs of 4 words; 2 programs an SM for the widest tiles
+    (256 words x 32 rows, 8 warps, ~80 registers on sm_90), a scale a word, and one without prefetch."""
     if not has_half2(fmt):
         return []
     out = [_resident(fmt, k, words, bn, warps, per_sm)
-           for words, (bn, warps), per_sm in itertools.product((64, 128, 256), ((16, 4), (32, 4), (32, 8)), (2, 4, 8))]
-    out.append(_resident(fmt, k, 128, 32, 4, 4, prefetch=False))
+           for words, (bn, warps), per_sm in itertools.product((64, 128, 256), ((16, 4), (32, 4), (32, 8)), (4, 8))]
+    out += [_resident(fmt, k, 256, 32, 8, 2), _resident(fmt, k, 128, 32, 4, 4, runs=1),
+            _resident(fmt, k, 128, 32, 4, 4, prefetch=False)]
     return [c for c in dict.fromkeys(out) if valid_config(c, fmt, 1, n, k)]
 
 
