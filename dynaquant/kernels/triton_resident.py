@@ -12,7 +12,7 @@ INT4 tiles hold 168 registers (19 % occupancy), and its grids end on partial wav
   one fewer);
 - the slice's activations are loaded and packed into the f16x2 pairs of :func:`.triton_half2.x_pairs` once, before
   the loop, in the products' register layout (16 / BITS int32 registers a word column a thread);
-- a tile's words are loaded one tile ahead (``prefetch``), its word products (:func:`.triton_half2.pairs_dot`)
+- a tile's words and scales are loaded two tiles ahead (``prefetch``; registers for three tiles), its word products (:func:`.triton_half2.pairs_dot`)
   summed over runs of ``CW`` words (one group's scale a run, as :func:`.triton_linear._half2_part`), its rows'
   sums stored (no split) or written to the float32 workspace; programs ``(p, 0 .. SPLIT_K - 1)`` own the same row
   tiles, so one split-K counter a column ``p`` and one atomic a program (after its last tile) suffice: the last of
@@ -72,19 +72,33 @@ def _resident_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, KW,
     # each run's group, as (scalar + per-element constant): the runs of one group load the same scale
     scol = s_ptr + (base // WPG + tl.arange(0, NC) // (WPG // CW))[None, :]
     rr = tl.arange(0, BLOCK_N)
-    if PREFETCH:
-        w_next = tl.load(wcol + tl.minimum(pid_n * BLOCK_N + rr, N - 1)[:, None] * KW)
+    if PREFETCH:  # tiles 0 and 1 of the program
+        row_a = tl.minimum(pid_n * BLOCK_N + rr, N - 1)[:, None]
+        w_a = tl.load(wcol + row_a * KW)
+        s_a = tl.load(scol + row_a * NG)
+        row_b = tl.minimum((pid_n + n_prog) * BLOCK_N + rr, N - 1)[:, None]
+        w_b = tl.load(wcol + row_b * KW)
+        s_b = tl.load(scol + row_b * NG)
     for i in range(0, TPP_C if TPP_C > 0 else TPP):  # (an assigned ternary trips the 3.6 interpreter)
         rn = (pid_n + i * n_prog) * BLOCK_N + rr
         row = tl.minimum(rn, N - 1)[:, None]  # tiles past the last read its last row (masked below)
         if PREFETCH:
-            w = w_next
-            w_next = tl.load(wcol + tl.minimum(rn + n_prog * BLOCK_N, N - 1)[:, None] * KW)
+            # two tiles ahead: ptxas issues a loop iteration's loads after its arithmetic (offline sm_90 SASS), so
+            # loads of the next tile would be waited on at the top of the next iteration; tile i + 2's have all of
+            # tile i + 1's decoding to arrive
+            w = w_a
+            s_raw = s_a
+            w_a = w_b
+            s_a = s_b
+            row_c = tl.minimum(rn + 2 * n_prog * BLOCK_N, N - 1)[:, None]
+            w_b = tl.load(wcol + row_c * KW)
+            s_b = tl.load(scol + row_c * NG)
         else:
             w = tl.load(wcol + row * KW)
+            s_raw = tl.load(scol + row * NG)
         d = pairs_dot(w, p0, p1, p2, p3, p4, p5, p6, p7, BITS, ASM, KIND != 0)  # [BLOCK_N, BLOCK_KW]
         part = tl.sum(tl.reshape(d, [BLOCK_N, NC, CW]), axis=2)
-        sc = group_scale(tl.load(scol + row * NG), KIND)
+        sc = group_scale(s_raw, KIND)
         y = tl.sum(part * sc, axis=1) * X_UNSCALE
         if SPLIT_K == 1:
             store_rows(y, rn, rn < N, b_ptr, y_ptr, out_mul, HAS_BIAS)
