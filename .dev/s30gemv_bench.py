@@ -45,10 +45,10 @@ DRY_SHAPES = {"qkv": (48, 512), "o": (32, 512), "gate_up2": (80, 512), "down": (
 DRY_BF16 = {"q_o": ((32, 512), 64), "k_v": ((16, 512), 64), "gate_up": ((40, 512), 64), "down": ((32, 1024), 32),
             "lm_head": ((100, 512), 1)}
 # resident variants: (label, K-slice words, rows a tile, warps, programs an SM, prefetch)
-VARIANTS = [("r128x32w4p4", 128, 32, 4, 4, True), ("r128x16w4p4", 128, 16, 4, 4, True),
-            ("r64x32w4p4", 64, 32, 4, 4, True), ("r128x16w4p8", 128, 16, 4, 8, True),
-            ("r64x16w4p8", 64, 16, 4, 8, True), ("r256x32w8p2", 256, 32, 8, 2, True),
-            ("r128x32w8p4", 128, 32, 8, 4, True), ("r128x32w4p4_nopf", 128, 32, 4, 4, False)]
+VARIANTS = [("r128x32w4p4", 128, 32, 4, 4, True), ("r64x32w4p4", 64, 32, 4, 4, True),
+            ("r128x16w4p8", 128, 16, 4, 8, True), ("r64x16w4p8", 64, 16, 4, 8, True),
+            ("r64x16w4p4", 64, 16, 4, 4, True), ("r256x32w8p2", 256, 32, 8, 2, True),
+            ("r128x32w8p4", 128, 32, 8, 4, True), ("r128x16w4p4_nopf", 128, 16, 4, 4, False)]
 
 
 def resident_cfg(f: KernelFormat, k: int, words: int, block_n: int, warps: int, per_sm: int, prefetch: bool):

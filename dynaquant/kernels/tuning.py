@@ -164,13 +164,13 @@ def _resident(fmt: KernelFormat, k: int, words: int, block_n: int, warps: int, p
 
 def resident_gemv_config(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> LaunchConfig | None:
     """A resident-GEMV configuration for the shape (``benchmarks/kernels.py --gemv-xpre``; not yet the default
-    anywhere, unmeasured): K slices of 128 words (64 where 128 do not divide the row), 32-row tiles, 4 warps, 4
-    programs an SM, prefetch, a scale a run of 4 words; None for formats without the packed-fp16 products or rows
-    no slice divides."""
+    anywhere, unmeasured): K slices of 128 words (64 where 128 do not divide the row), 16-row tiles, 4 warps, 4
+    programs an SM (80-104 registers on sm_90 with the prefetch, so 4 fit), prefetch, a scale a run of 4 words; None
+    for formats without the packed-fp16 products or rows no slice divides."""
     if not has_half2(fmt):
         return None
     for words in (128, 64, 32):
-        cfg = _resident(fmt, k, words, 32, 4, 4)
+        cfg = _resident(fmt, k, words, 16, 4, 4)
         if valid_config(cfg, fmt, 1, n, k):
             return cfg
     return None
