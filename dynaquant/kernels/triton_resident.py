@@ -12,11 +12,12 @@ INT4 tiles hold 168 registers (19 % occupancy), and its grids end on partial wav
   one fewer);
 - the slice's activations are loaded and packed into the f16x2 pairs of :func:`.triton_half2.x_pairs` once, before
   the loop, in the products' register layout (16 / BITS int32 registers a word column a thread);
-- a tile's words and scales are loaded two tiles ahead (``prefetch``; registers for three tiles), its word products (:func:`.triton_half2.pairs_dot`)
-  summed over runs of ``CW`` words (one group's scale a run, as :func:`.triton_linear._half2_part`), its rows'
-  sums stored (no split) or written to the float32 workspace; programs ``(p, 0 .. SPLIT_K - 1)`` own the same row
-  tiles, so one split-K counter a column ``p`` and one atomic a program (after its last tile) suffice: the last of
-  them sums the column's partials (the fence and the atomic's round trip once a program, not once a tile).
+- a tile's words and scales are loaded two tiles ahead (``prefetch``; registers for three tiles), its word products
+  (:func:`.triton_half2.pairs_dot`) summed over runs of ``CW`` words (one group's scale a run, as
+  :func:`.triton_linear._half2_part`), its rows' sums stored (no split) or written to the float32 workspace;
+  programs ``(p, 0 .. SPLIT_K - 1)`` own the same row tiles, so one split-K counter a column ``p`` and one atomic a
+  program (after its last tile) suffice: the last of them sums the column's partials (the fence and the atomic's
+  round trip once a program, not once a tile).
 
 Numerics: the half2 GEMV's exactly (same word products, same runs, same float32 sums): with the same rows a tile,
 K tile and runs as a half2 config whose K tile is its K slice, the outputs are equal bit for bit in the interpreter.
