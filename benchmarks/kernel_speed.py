@@ -18,8 +18,11 @@ rows (one decode step's linear layers summed: 32 x (q, k, v, o, gate, up, down) 
 rows (32 x (qkv, o, gate+up, down) + lm_head: the calls ``dynaquant.load`` makes, q/k/v and gate/up
 stacked), both against bf16 called as transformers calls it, and a table printed at the end.
 
+``--gemv-xpre`` runs the M = 1 rows on the resident-activation GEMV (``tuning.resident_gemv_config``) where the
+format has it (symmetric INT4 / INT2, MXFP4, NVFP4), whatever ``choose_config`` picks.
+
 Usage (on a CUDA machine):
-    python benchmarks/kernel_speed.py [--formats INT4_G128,MXFP4_G32] [--m 1,4,16] [--sweep] [--quick]
+    python benchmarks/kernel_speed.py [--formats INT4_G128,MXFP4_G32] [--m 1,4,16] [--sweep] [--gemv-xpre] [--quick]
 """
 
 from __future__ import annotations
@@ -46,7 +49,13 @@ except ImportError:
 
 from dynaquant.kernels import KernelFormat, PackedWeight, choose_config, device_info, linear, pack  # noqa: E402
 from dynaquant.kernels.ops import dequantize_packed_ref  # noqa: E402
-from dynaquant.kernels.tuning import gemm_candidates, gemv_candidates, mm_candidates, valid_config  # noqa: E402
+from dynaquant.kernels.tuning import (  # noqa: E402
+    gemm_candidates,
+    gemv_candidates,
+    mm_candidates,
+    resident_gemv_config,
+    valid_config,
+)
 
 log = logging.getLogger("kernels")
 
@@ -250,6 +259,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="time launch-config candidates of the priority formats")
     ap.add_argument("--sweep-m", default="1")
     ap.add_argument("--sweep-formats", default=",".join(PRIORITY))
+    ap.add_argument("--gemv-xpre", "--gemv-resident", dest="gemv_xpre", action="store_true",
+                    help="M = 1 rows on the resident-activation GEMV (tuning.resident_gemv_config) where the format has "
+                         "it, instead of choose_config's")
     ap.add_argument("--quick", action="store_true", help="fewer copies and shorter timing (a smoke run)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new rows after this many seconds")
     ap.add_argument("--dry-run", action="store_true",
@@ -280,7 +292,7 @@ def main(argv=None) -> int:
     header = {"row": "header", "device": props.name, "sm_count": props.multi_processor_count,
               "l2_bytes": getattr(props, "L2_cache_size", None), "torch": torch.__version__, "triton": triton.__version__,
               "cuda": torch.version.cuda, "python": platform.python_version(), "git": _git(),
-              "ceiling": ceiling, "min_bytes_per_sequence": MIN_BYTES,
+              "ceiling": ceiling, "min_bytes_per_sequence": MIN_BYTES, "gemv_xpre": args.gemv_xpre,
               "timing": "median of CUDA-graph replays of a sequence of calls over distinct weight copies, / calls"}
     out = Writer(Path(args.out), header)
     log.info("device %s, read ceiling %.0f GB/s (sum), copy %.0f GB/s", props.name, ceiling["read_bandwidth_gbps"],
@@ -316,8 +328,16 @@ def main(argv=None) -> int:
     log.info("bf16 done (%.0f s)", time.time() - t_start)
 
 
+    def chosen(f, m, n, k):
+        """The configuration a row runs: choose_config's, or with --gemv-xpre the resident GEMV's at M = 1."""
+        if args.gemv_xpre and m == 1:
+            cfg = resident_gemv_config(f, n, k, info)
+            if cfg is not None:
+                return cfg
+        return choose_config(f, m, n, k, info)
+
     def candidates(f, m, n, k):
-        default = choose_config(f, m, n, k, info)
+        default = chosen(f, m, n, k)
         cands = gemv_candidates(f, n, k, info) if m == 1 else []
         cands += [c for c in mm_candidates(f, max(m, 2), n, k, info)
                   if (c.num_warps == 4 or m > 64) and c.groups * f.group_size <= 128]
@@ -333,7 +353,7 @@ def main(argv=None) -> int:
                 if sname != "lm_head":
                     jobs += [(fmt, n, k, m, c) for m in sweep_ms for c in candidates(f, m, n, k)]
             else:
-                jobs += [(fmt, n, k, m, choose_config(f, m, n, k, info)) for m in ms]
+                jobs += [(fmt, n, k, m, chosen(f, m, n, k)) for m in ms]
         return jobs
 
     compile_s = {}
@@ -353,7 +373,7 @@ def main(argv=None) -> int:
             ws = copies_of(p0, n_copies(p0.nbytes))
             for m in sweep_ms:
                 xs = [torch.randn(m, k, device=DEVICE, generator=gen).to(torch.bfloat16) for _ in ws]
-                default = choose_config(f, m, n, k, info)
+                default = chosen(f, m, n, k)
                 results = []
                 for cfg in candidates(f, m, n, k):
                     if over_budget():
@@ -393,7 +413,7 @@ def main(argv=None) -> int:
             ws = copies_of(p0, n_copies(p0.nbytes))
             for m in ms:
                 xs = [torch.randn(m, k, device=DEVICE, generator=gen).to(torch.bfloat16) for _ in ws]
-                cfg = choose_config(f, m, n, k, info)
+                cfg = chosen(f, m, n, k)
                 row = {"row": "kernel", "format": fmt, "shape": sname, "n": n, "k": k, "m": m,
                        "config": dataclasses.asdict(cfg), "weight_bytes": p0.nbytes, "copies": len(ws)}
                 try:

@@ -208,16 +208,32 @@ def word_pair_dot(wa, wb, x_ptr, kba, kbb, BITS: tl.constexpr, ASM: tl.constexpr
 
 
 @triton.jit
-def word_dot(w, x_ptr, kb, BITS: tl.constexpr, ASM: tl.constexpr, FP4: tl.constexpr = False):
-    """Dot products of words ``w`` [R, W] (symmetric INT4 or INT2 codes, or with FP4 E2M1 codes, natural order) with
-    the activations ``x_ptr[kb + i]`` (``kb`` [W]: each word's first K index): float32 [R, W], 1/16 of the products'
-    sums (multiply the sum by :data:`X_UNSCALE`). ``ASM``: the f16x2 PTX (GPU); else float32 of the same pairs
-    (interpreter)."""
+def x_pairs(x_ptr, kb, BITS: tl.constexpr, ASM: tl.constexpr):
+    """The activation pairs of words whose first K index is ``kb`` [W]: int32 [W] each, pair ``j`` holding
+    ``(fp16(x[kb + j]), fp16(x[kb + j + 16 / BITS]))`` (low, high), j = 0 .. 16 / BITS - 1 (INT4 / FP4: 4, INT2: 8;
+    for INT4 / FP4 the last four are copies of the first, unused). :func:`pairs_dot` takes them, expanded."""
     H: tl.constexpr = 16 // BITS
-    p0 = _pack_pair(_x_at(x_ptr, kb, 0), _x_at(x_ptr, kb, H), ASM)[None, :]
-    p1 = _pack_pair(_x_at(x_ptr, kb, 1), _x_at(x_ptr, kb, H + 1), ASM)[None, :]
-    p2 = _pack_pair(_x_at(x_ptr, kb, 2), _x_at(x_ptr, kb, H + 2), ASM)[None, :]
-    p3 = _pack_pair(_x_at(x_ptr, kb, 3), _x_at(x_ptr, kb, H + 3), ASM)[None, :]
+    p0 = _pack_pair(_x_at(x_ptr, kb, 0), _x_at(x_ptr, kb, H), ASM)
+    p1 = _pack_pair(_x_at(x_ptr, kb, 1), _x_at(x_ptr, kb, H + 1), ASM)
+    p2 = _pack_pair(_x_at(x_ptr, kb, 2), _x_at(x_ptr, kb, H + 2), ASM)
+    p3 = _pack_pair(_x_at(x_ptr, kb, 3), _x_at(x_ptr, kb, H + 3), ASM)
+    if BITS == 4:
+        p4 = p0
+        p5 = p0
+        p6 = p0
+        p7 = p0
+    else:
+        p4 = _pack_pair(_x_at(x_ptr, kb, 4), _x_at(x_ptr, kb, H + 4), ASM)
+        p5 = _pack_pair(_x_at(x_ptr, kb, 5), _x_at(x_ptr, kb, H + 5), ASM)
+        p6 = _pack_pair(_x_at(x_ptr, kb, 6), _x_at(x_ptr, kb, H + 6), ASM)
+        p7 = _pack_pair(_x_at(x_ptr, kb, 7), _x_at(x_ptr, kb, H + 7), ASM)
+    return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@triton.jit
+def pairs_dot(w, p0, p1, p2, p3, p4, p5, p6, p7, BITS: tl.constexpr, ASM: tl.constexpr, FP4: tl.constexpr = False):
+    """Dot products of words ``w`` [R, W] with their activation pairs (:func:`x_pairs`, each [1, W] or [R, W]):
+    float32 [R, W], 1/16 of the products' sums (see :func:`word_dot`; INT4 / FP4 read ``p0 .. p3`` only)."""
     if BITS == 4:
         if ASM:
             out = tl.inline_asm_elementwise(FP4_ASM if FP4 else INT4_ASM, INT4_CONSTRAINTS, [w, p0, p1, p2, p3],
@@ -226,10 +242,6 @@ def word_dot(w, x_ptr, kb, BITS: tl.constexpr, ASM: tl.constexpr, FP4: tl.conste
             out = (_pair_dot(w, p0, 0, 4, FP4) + _pair_dot(w, p1, 1, 4, FP4) + _pair_dot(w, p2, 2, 4, FP4)
                    + _pair_dot(w, p3, 3, 4, FP4))
     else:
-        p4 = _pack_pair(_x_at(x_ptr, kb, 4), _x_at(x_ptr, kb, H + 4), ASM)[None, :]
-        p5 = _pack_pair(_x_at(x_ptr, kb, 5), _x_at(x_ptr, kb, H + 5), ASM)[None, :]
-        p6 = _pack_pair(_x_at(x_ptr, kb, 6), _x_at(x_ptr, kb, H + 6), ASM)[None, :]
-        p7 = _pack_pair(_x_at(x_ptr, kb, 7), _x_at(x_ptr, kb, H + 7), ASM)[None, :]
         if ASM:
             out = tl.inline_asm_elementwise(INT2_ASM, INT2_CONSTRAINTS, [w, p0, p1, p2, p3, p4, p5, p6, p7],
                                             dtype=tl.float32, is_pure=True, pack=1)
@@ -239,3 +251,13 @@ def word_dot(w, x_ptr, kb, BITS: tl.constexpr, ASM: tl.constexpr, FP4: tl.conste
                    + _pair_dot(w, p6, 6, 2, False) + _pair_dot(w, p7, 7, 2, False))
     return out
 
+
+@triton.jit
+def word_dot(w, x_ptr, kb, BITS: tl.constexpr, ASM: tl.constexpr, FP4: tl.constexpr = False):
+    """Dot products of words ``w`` [R, W] (symmetric INT4 or INT2 codes, or with FP4 E2M1 codes, natural order) with
+    the activations ``x_ptr[kb + i]`` (``kb`` [W]: each word's first K index): float32 [R, W], 1/16 of the products'
+    sums (multiply the sum by :data:`X_UNSCALE`). ``ASM``: the f16x2 PTX (GPU); else float32 of the same pairs
+    (interpreter)."""
+    p0, p1, p2, p3, p4, p5, p6, p7 = x_pairs(x_ptr, kb, BITS, ASM)
+    return pairs_dot(w, p0[None, :], p1[None, :], p2[None, :], p3[None, :], p4[None, :], p5[None, :], p6[None, :],
+                     p7[None, :], BITS, ASM, FP4)

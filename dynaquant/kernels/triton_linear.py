@@ -173,14 +173,20 @@ def tile_values(w, hsrc, zoff, magic, KIND: tl.constexpr, BITS: tl.constexpr, EP
 
 
 @triton.jit
+def store_rows(y, rn, mask, b_ptr, y_ptr, out_mul, HAS_BIAS: tl.constexpr):
+    """``y * out_mul (+ bias[rn])`` (float32) into ``y_ptr[rn]`` where ``mask``, in the output's dtype."""
+    out = y * out_mul
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rn, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _finish(y, rn, n_mask, pid_n, pid_k, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, out_mul,
             HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
     """Store one row of outputs (GEMV), reducing split-K partials in the last program of the tile."""
     if SPLIT_K == 1:
-        out = y * out_mul
-        if HAS_BIAS:
-            out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=n_mask)
+        store_rows(y, rn, n_mask, b_ptr, y_ptr, out_mul, HAS_BIAS)
     else:
         tl.store(ws_ptr + pid_k * N + rn, y, mask=n_mask)
         tl.debug_barrier()
@@ -189,10 +195,7 @@ def _finish(y, rn, n_mask, pid_n, pid_k, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, out_m
             tot = tl.zeros_like(y)
             for s in range(SPLIT_K):
                 tot += tl.load(ws_ptr + s * N + rn, mask=n_mask, other=0.0, cache_modifier=".cg")
-            out = tot * out_mul
-            if HAS_BIAS:
-                out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-            tl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=n_mask)
+            store_rows(tot, rn, n_mask, b_ptr, y_ptr, out_mul, HAS_BIAS)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
 
 
@@ -462,6 +465,10 @@ def call_buffers(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
 
 def _launch_args(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig):
     """(kernel, grid, args, kwargs, y) of one call on the gemv or mm path."""
+    if cfg.path == "gemv" and cfg.resident:
+        from dynaquant.kernels.triton_resident import resident_launch_args  # (it imports this module)
+
+        return resident_launch_args(x2, packed, bias, cfg)
     m, k = x2.shape
     n = packed.out_features
     split = cfg.split_k

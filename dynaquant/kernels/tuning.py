@@ -25,7 +25,7 @@ import torch
 from dynaquant.kernels.formats import KernelFormat
 
 __all__ = ["LaunchConfig", "DeviceInfo", "device_info", "choose_config", "valid_config", "gemv_candidates",
-           "mm_candidates", "gemm_candidates"]
+           "mm_candidates", "gemm_candidates", "resident_gemv_config", "resident_candidates", "resident_grid"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,10 @@ class LaunchConfig:
         scale_words: ``half2``: runs of this many words (1, 2 or 4; at most a group's) summed in float32 before
             their group's scale multiplies them: the scale is loaded and converted once a run (1: once a word).
         pairs: ``half2``: two words' products summed in fp16 before the float32 conversion (runs of 2+ words).
+        resident: ``gemv`` with ``half2``: the resident-activation GEMV (:mod:`dynaquant.kernels.triton_resident`)
+            with at most this many programs an SM (one wave; 0: off). Each program keeps one K slice's activation
+            pairs in registers (the K tile is the slice: ``split_k * groups`` is the row's groups) and loops over
+            row tiles of ``block_n`` rows, ``prefetch`` loading the next tile's words first.
     """
 
     path: str
@@ -61,6 +65,7 @@ class LaunchConfig:
     half2: bool = False
     scale_words: int = 4
     pairs: bool = False
+    resident: int = 0
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,8 @@ def valid_config(cfg: LaunchConfig, fmt: KernelFormat, m: int, n: int, k: int) -
     n_groups = k // fmt.group_size
     if cfg.split_k < 1 or n_groups % cfg.split_k or (n_groups // cfg.split_k) % cfg.groups:
         return False
+    if cfg.resident and not _resident_valid(cfg, fmt, m, n_groups):
+        return False
     if cfg.half2 and not (cfg.path == "gemv" and has_half2(fmt)):
         return False
     if cfg.scale_words not in (1, 2, 4) or (cfg.pairs and not (cfg.half2 and min(cfg.scale_words,
@@ -126,6 +133,60 @@ def valid_config(cfg: LaunchConfig, fmt: KernelFormat, m: int, n: int, k: int) -
     if cfg.path == "mm":
         return cfg.block_n >= 16 and cfg.block_m >= 16 and (cfg.split_k == 1 or m <= cfg.block_m)
     return cfg.path == "dequant" and cfg.split_k == 1
+
+
+def _resident_valid(cfg: LaunchConfig, fmt: KernelFormat, m: int, n_groups: int) -> bool:
+    """The resident GEMV: M = 1, half2 formats, the K split in slices of one K tile each (a power-of-two number of
+    words), row tiles of 16+ rows (a split-K counter each), a power of two."""
+    words = cfg.groups * _words_per_group(fmt)
+    return (cfg.path == "gemv" and m == 1 and cfg.half2 and has_half2(fmt) and not cfg.pairs and cfg.resident >= 1
+            and cfg.split_k * cfg.groups == n_groups and words & (words - 1) == 0
+            and cfg.block_n >= 16 and cfg.block_n & (cfg.block_n - 1) == 0)
+
+
+def resident_grid(n: int, cfg: LaunchConfig, sm_count: int) -> tuple[int, int, int]:
+    """The resident GEMV's row tiles, programs along N and row tiles a program: ``(tiles, P, per)`` with ``P *
+    split_k`` at most ``resident * sm_count`` (at least ``P = 1``) and ``P * per >= tiles``, ``P`` as small as
+    ``per`` allows (every program ``per`` tiles, or ``per - 1``)."""
+    tiles = -(-n // cfg.block_n)
+    target = max(1, min(tiles, cfg.resident * sm_count // cfg.split_k))
+    progs = -(-tiles // -(-tiles // target))
+    return tiles, progs, -(-tiles // progs)
+
+
+def _resident(fmt: KernelFormat, k: int, words: int, block_n: int, warps: int, per_sm: int, runs: int = 4,
+              prefetch: bool = True) -> LaunchConfig:
+    """A resident-GEMV config of K slices of ``words`` words (the split follows)."""
+    groups = max(1, words // _words_per_group(fmt))
+    split = max(1, (k // fmt.group_size) // groups)
+    return LaunchConfig("gemv", 1, block_n, groups, split, warps, 1, prefetch, 0, True, runs, False, per_sm)
+
+
+def resident_gemv_config(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> LaunchConfig | None:
+    """A resident-GEMV configuration for the shape (``benchmarks/kernel_speed.py --gemv-xpre``; not yet the default
+    anywhere, unmeasured): K slices of 128 words (64 where 128 do not divide the row), 16-row tiles, 4 warps, 4
+    programs an SM (80-104 registers on sm_90 with the prefetch, so 4 fit), prefetch, a scale a run of 4 words; None
+    for formats without the packed-fp16 products or rows no slice divides."""
+    if not has_half2(fmt):
+        return None
+    for words in (128, 64, 32):
+        cfg = _resident(fmt, k, words, 16, 4, 4)
+        if valid_config(cfg, fmt, 1, n, k):
+            return cfg
+    return None
+
+
+def resident_candidates(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> list[LaunchConfig]:
+    """Resident-GEMV configurations worth timing (the sweep): K slices of 64, 128 or 256 words, 16 rows on 4 warps
+    or 32 rows on 4 or 8, 4 or 8 programs an SM, prefetch, runs of 4 words; 2 programs an SM for the widest tiles
+    (256 words x 32 rows, 8 warps, ~80 registers on sm_90), a scale a word, and one without prefetch."""
+    if not has_half2(fmt):
+        return []
+    out = [_resident(fmt, k, words, bn, warps, per_sm)
+           for words, (bn, warps), per_sm in itertools.product((64, 128, 256), ((16, 4), (32, 4), (32, 8)), (4, 8))]
+    out += [_resident(fmt, k, 256, 32, 8, 2), _resident(fmt, k, 128, 32, 4, 4, runs=1),
+            _resident(fmt, k, 128, 32, 4, 4, prefetch=False)]
+    return [c for c in dict.fromkeys(out) if valid_config(c, fmt, 1, n, k)]
 
 
 def _pow2_at_least(v: int, lo: int) -> int:
@@ -189,7 +250,7 @@ def _gemv_config(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> LaunchCo
     n_groups = k // fmt.group_size
     if dev.name == "cpu":  # the interpreter: small tiles, and exercise split-K
         return LaunchConfig("gemv", 1, 16, 1, _split_for(n_groups, 1, 1, 2, 2), 4, 1)
-    # measured on an H100 (benchmarks/kernels.py --sweep, M = 1, Llama-3-8B shapes): 4 rows a thread
+    # measured on an H100 (benchmarks/kernel_speed.py --sweep, M = 1, Llama-3-8B shapes): 4 rows a thread
     # for groups of 8+ words, 2 rows a thread (BLOCK_N 256) for smaller groups (MXFP4: 10-20 % faster
     # than 4); K split until about 2 programs per SM
     # Third run (2026-11-22, 264 candidates): 2-group K tiles with prefetch for int 16-word groups
@@ -245,7 +306,7 @@ def _gemm(m: int, n: int, k: int, bm: int, bn: int, bk: int, warps: int, stages:
 
 def _gemm16(n: int, k: int, split: int) -> LaunchConfig:
     """M = 9..16 on the fused GEMM: 64-row weight tiles, K tiles of 128, 4 warps, 3 stages, K split ``split``
-    (halved until it divides the K tiles). The H200 sweep of 2026-11-29 (``benchmarks/kernels.py --sweep
+    (halved until it divides the K tiles). The H200 sweep of 2026-11-29 (``benchmarks/kernel_speed.py --sweep
     --sweep-m 16``: splits 1-8 and 32-128-row tiles, Llama-3-8B shapes;
     ``benchmarks/out/kernels-h200-sweep16-s28.json``) put the split where the programs number ~400-900: q/o and
     down 8, q/k/v and gate/up 4, stacked gate+up 2 for INT4 / INT2 (step 1.44x -> 1.50x and 1.59x -> 1.67x bf16),
@@ -257,7 +318,7 @@ def _gemm16(n: int, k: int, split: int) -> LaunchConfig:
 
 def _fused_gemm_config(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) -> LaunchConfig | None:
     """The fused dequant-GEMM where it beat the mm and dequant paths in the H200 sweep (2026-11-28,
-    ``benchmarks/kernels.py --sweep --sweep-m 16,64,256``, Llama-3-8B shapes; INT4/INT2 group 128 and
+    ``benchmarks/kernel_speed.py --sweep --sweep-m 16,64,256``, Llama-3-8B shapes; INT4/INT2 group 128 and
     MXFP4); None elsewhere (other formats and devices keep the earlier paths until measured)."""
     if dev.capability < (9, 0) or m < 9:
         return None
@@ -316,7 +377,7 @@ def gemv_candidates(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> list[
     """GEMV configurations worth timing for a shape (the benchmark's sweep): rows a thread, warps, K split,
     (symmetric formats) K tiles of 32 words and prefetching, and (:func:`has_half2` formats) wide K tiles of 128
     and 256 words with the packed-fp16 products, a scale a word or a run of words (``scale_words``; ``pairs`` is left
-    out: 1.1-2.8x slower on an H200)."""
+    out: 1.1-2.8x slower on an H200), and the resident-activation GEMV's (:func:`resident_candidates`)."""
     n_groups = k // fmt.group_size
     wpg = _words_per_group(fmt)
     out = []
@@ -348,6 +409,7 @@ def gemv_candidates(fmt: KernelFormat, n: int, k: int, dev: DeviceInfo) -> list[
             groups = max(1, words // wpg)
             split = _split_for(n_groups, groups, -(-n // block_n), target * dev.sm_count, 32)
             out.append(LaunchConfig("gemv", 1, block_n, groups, split, warps, 1, False, 0, True, runs))
+    out += resident_candidates(fmt, n, k, dev)  # the resident-activation GEMV
     return [c for c in dict.fromkeys(out) if valid_config(c, fmt, 1, n, k)]
 
 
