@@ -25,7 +25,8 @@ import torch
 from dynaquant.kernels.formats import KernelFormat
 
 __all__ = ["LaunchConfig", "DeviceInfo", "device_info", "choose_config", "valid_config", "gemv_candidates",
-           "mm_candidates", "gemm_candidates"]
+           "mm_candidates", "gemm_candidates",
+           "gemm_variant_candidates"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,14 @@ class LaunchConfig:
         scale_words: ``half2``: runs of this many words (1, 2 or 4; at most a group's) summed in float32 before
             their group's scale multiplies them: the scale is loaded and converted once a run (1: once a word).
         pairs: ``half2``: two words' products summed in fp16 before the float32 conversion (runs of 2+ words).
+        xa: ``gemm``: the tokens as the ``tl.dot``'s A operand (``acc (BLOCK_M, BLOCK_N) += X_tile @ W_tile^T``), the
+            decoded weight tile as B (on Hopper: stored once to shared memory, where every warp group's ``wgmma``
+            reads it; the default puts the weight tile in A, in registers, and the tokens in B).
+        post_scale: ``gemm``, K tiles inside one group (``block_k <= group_size``): the tile's exact codes
+            (``code - zero``, E2M1 values) enter the dot and the group's float32 scale multiplies its float32
+            product (one multiply an output instead of one a weight; a second accumulator's registers).
+        warp_spec: ``gemm``: ``tl.range(..., warp_specialize=True)`` on the K loop (Triton's producer / consumer
+            warp partitions, where the compiler supports them for the target; 4+ warps).
     """
 
     path: str
@@ -61,6 +70,9 @@ class LaunchConfig:
     half2: bool = False
     scale_words: int = 4
     pairs: bool = False
+    xa: bool = False
+    post_scale: bool = False
+    warp_spec: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,7 +112,8 @@ def _gemm_valid(cfg: LaunchConfig, fmt: KernelFormat, m: int, n: int, k: int) ->
     words = bk // epw if bk % epw == 0 else 0
     tiles = -(-m // max(cfg.block_m, 1)) * -(-n // max(cfg.block_n, 1))
     return (min(cfg.block_m, cfg.block_n) >= 16 and bk >= 32 and k % bk == 0 and words > 0 and words & (words - 1) == 0
-            and (g % bk == 0 or bk % g == 0) and s >= 1 and (k // bk) % s == 0 and (s == 1 or tiles <= -(-n // 16)))
+            and (g % bk == 0 or bk % g == 0) and s >= 1 and (k // bk) % s == 0 and (s == 1 or tiles <= -(-n // 16))
+            and (not cfg.post_scale or bk <= g) and (not cfg.warp_spec or cfg.num_warps >= 4))
 
 
 def has_half2(fmt: KernelFormat) -> bool:
@@ -113,6 +126,8 @@ def valid_config(cfg: LaunchConfig, fmt: KernelFormat, m: int, n: int, k: int) -
     """Whether ``cfg`` can run this shape: the K split and the K tile divide the row's groups."""
     if cfg.path == "gemm":
         return _gemm_valid(cfg, fmt, m, n, k)
+    if cfg.xa or cfg.post_scale or cfg.warp_spec:
+        return False
     n_groups = k // fmt.group_size
     if cfg.split_k < 1 or n_groups % cfg.split_k or (n_groups // cfg.split_k) % cfg.groups:
         return False
@@ -388,4 +403,30 @@ def gemm_candidates(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) 
     if m <= 16:  # every split at one token tile: the programs, not the SMs, decide (see _gemm16)
         for bn, bk, warps in ((32, 128, 4), (64, 128, 4), (64, 64, 4), (128, 128, 8), (128, 64, 4)):
             out += [LaunchConfig("gemm", 16, bn, 1, s, warps, 3, False, bk) for s in (1, 2, 4, 8)]
+    out += gemm_variant_candidates(fmt, m, n, k, dev)
+    return [c for c in dict.fromkeys(out) if valid_config(c, fmt, m, n, k)]
+
+
+def gemm_variant_candidates(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) -> list[LaunchConfig]:
+    """The fused GEMM's operand and pipelining variants (``xa``, ``post_scale``, ``warp_spec``; none measured yet,
+    none a default): at M <= 16 one 16-token tile, 64 or 128 weight rows, K splits 2-8, the codes' exact values
+    with the scale on the product (K tiles of one group, at most 128) and / or the tokens as A; above, token tiles
+    of 128-256 over 64-256 weight rows with the tokens as A (the decoded tile shared by the warp groups), 3-4
+    stages, and Triton's warp specialization on two of them."""
+    out = []
+    if m <= 16:
+        bk = min(128, fmt.group_size)
+        for bn, s, (xa, post) in itertools.product((64, 128), (2, 4, 8), ((False, True), (True, False), (True, True))):
+            out.append(LaunchConfig("gemm", 16, bn, 1, s, 4, 3, False, bk, xa=xa, post_scale=post))
+        return [c for c in out if valid_config(c, fmt, m, n, k)]
+    top = min(_pow2_at_least(m, 16), 256)
+    for bm, bn, bk, warps, stages in ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3),
+                                      (256, 64, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 32, 8, 4),
+                                      (64, 128, 64, 4, 4)):
+        bm = min(bm, top)
+        for s in dict.fromkeys((1, _split_to(-(-m // bm) * -(-n // bn), k // bk, dev))):
+            out.append(LaunchConfig("gemm", bm, bn, 1, s, warps, stages, False, bk, xa=True))
+    for bm, bn, xa in ((128, 128, False), (128, 128, True), (256, 128, True)):
+        bm = min(bm, top)
+        out.append(LaunchConfig("gemm", bm, bn, 1, 1, 8, 3, False, 64, xa=xa, warp_spec=True))
     return [c for c in dict.fromkeys(out) if valid_config(c, fmt, m, n, k)]
