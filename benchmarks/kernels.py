@@ -20,6 +20,7 @@ stacked), both against bf16 called as transformers calls it, and a table printed
 
 Usage (on a CUDA machine):
     python benchmarks/kernels.py [--formats INT4_G128,MXFP4_G32] [--m 1,4,16] [--sweep] [--quick]
+        [--force-gemm xa,post_scale,warp_spec]
 """
 
 from __future__ import annotations
@@ -46,7 +47,13 @@ except ImportError:
 
 from dynaquant.kernels import KernelFormat, PackedWeight, choose_config, device_info, linear, pack  # noqa: E402
 from dynaquant.kernels.ops import dequantize_packed_ref  # noqa: E402
-from dynaquant.kernels.tuning import gemm_candidates, gemv_candidates, mm_candidates, valid_config  # noqa: E402
+from dynaquant.kernels.tuning import (  # noqa: E402
+    LaunchConfig,
+    gemm_candidates,
+    gemv_candidates,
+    mm_candidates,
+    valid_config,
+)
 
 log = logging.getLogger("kernels")
 
@@ -241,6 +248,22 @@ def check(packed, w_ref: torch.Tensor, m: int, gen: torch.Generator, config=None
     return float((y - ref).norm() / ref.norm())
 
 
+def forced_gemm(f, m: int, n: int, k: int, cfg, options: list[str], info):
+    """``cfg`` with the gemm ``options`` switched on; a non-gemm ``cfg`` first becomes a gemm tile (16 x 64 rows, K
+    tiles of 128, split 4 at M <= 16; 128 x 128, K tiles of 64, 8 warps, 3 stages above); ``post_scale`` narrows the
+    K tile to one group. ``cfg`` unchanged where the result does not fit the shape."""
+    base = cfg
+    if cfg.path != "gemm":
+        base = (LaunchConfig("gemm", 16, 64, 1, 4, 4, 3, False, 128) if m <= 16 else
+                LaunchConfig("gemm", min(128, max(16, 1 << (m - 1).bit_length())), 128, 1, 1, 8, 3, False, 64))
+    new = dataclasses.replace(base, **{o: True for o in options})
+    if new.post_scale and new.block_k > f.group_size:
+        new = dataclasses.replace(new, block_k=f.group_size)
+    if new.split_k > 1 and (k // new.block_k) % new.split_k:
+        new = dataclasses.replace(new, split_k=1)
+    return new if valid_config(new, f, m, n, k) else cfg
+
+
 def main(argv=None) -> int:
     global MIN_BYTES, DEVICE, SHAPES
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -250,6 +273,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="time launch-config candidates of the priority formats")
     ap.add_argument("--sweep-m", default="1")
     ap.add_argument("--sweep-formats", default=",".join(PRIORITY))
+    ap.add_argument("--force-gemm", default="",
+                    help="comma list of LaunchConfig gemm options (xa, post_scale, warp_spec) forced on every call "
+                         "with M >= 16 (on the default gemm tile, else a 128 x 128 / 16 x 64 one); sweeps unchanged")
     ap.add_argument("--quick", action="store_true", help="fewer copies and shorter timing (a smoke run)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new rows after this many seconds")
     ap.add_argument("--dry-run", action="store_true",
@@ -316,6 +342,15 @@ def main(argv=None) -> int:
     log.info("bf16 done (%.0f s)", time.time() - t_start)
 
 
+    forced = [o for o in args.force_gemm.split(",") if o]
+
+    def default_config(f, m, n, k):
+        """choose_config, or with --force-gemm its options on a gemm tile (the default one where it is a gemm)."""
+        cfg = choose_config(f, m, n, k, info)
+        if not forced or m < 16:
+            return cfg
+        return forced_gemm(f, m, n, k, cfg, forced, info)
+
     def candidates(f, m, n, k):
         default = choose_config(f, m, n, k, info)
         cands = gemv_candidates(f, n, k, info) if m == 1 else []
@@ -333,7 +368,7 @@ def main(argv=None) -> int:
                 if sname != "lm_head":
                     jobs += [(fmt, n, k, m, c) for m in sweep_ms for c in candidates(f, m, n, k)]
             else:
-                jobs += [(fmt, n, k, m, choose_config(f, m, n, k, info)) for m in ms]
+                jobs += [(fmt, n, k, m, default_config(f, m, n, k)) for m in ms]
         return jobs
 
     compile_s = {}
@@ -393,7 +428,7 @@ def main(argv=None) -> int:
             ws = copies_of(p0, n_copies(p0.nbytes))
             for m in ms:
                 xs = [torch.randn(m, k, device=DEVICE, generator=gen).to(torch.bfloat16) for _ in ws]
-                cfg = choose_config(f, m, n, k, info)
+                cfg = default_config(f, m, n, k)
                 row = {"row": "kernel", "format": fmt, "shape": sname, "n": n, "k": k, "m": m,
                        "config": dataclasses.asdict(cfg), "weight_bytes": p0.nbytes, "copies": len(ws)}
                 try:

@@ -410,14 +410,16 @@ def gemm_candidates(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) 
 def gemm_variant_candidates(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) -> list[LaunchConfig]:
     """The fused GEMM's operand and pipelining variants (``xa``, ``post_scale``, ``warp_spec``; none measured yet,
     none a default): at M <= 16 one 16-token tile, 64 or 128 weight rows, K splits 2-8, the codes' exact values
-    with the scale on the product (K tiles of one group, at most 128) and / or the tokens as A; above, token tiles
-    of 128-256 over 64-256 weight rows with the tokens as A (the decoded tile shared by the warp groups), 3-4
-    stages, and Triton's warp specialization on two of them."""
+    with the scale on the product (K tiles of one group, at most 128) and / or the tokens as A, and K tiles of 256
+    weights (with and without xa); above, token tiles of 128-256 over 64-256 weight rows with the tokens as A (the
+    decoded tile shared by the warp groups), 3-4 stages, and Triton's warp specialization on three of them."""
     out = []
     if m <= 16:
         bk = min(128, fmt.group_size)
         for bn, s, (xa, post) in itertools.product((64, 128), (2, 4, 8), ((False, True), (True, False), (True, True))):
             out.append(LaunchConfig("gemm", 16, bn, 1, s, 4, 3, False, bk, xa=xa, post_scale=post))
+        for s, xa in itertools.product((2, 4, 8), (False, True)):  # more bytes of a row in flight a K tile
+            out.append(LaunchConfig("gemm", 16, 64, 1, s, 4, 3, False, 256, xa=xa))
         return [c for c in out if valid_config(c, fmt, m, n, k)]
     top = min(_pow2_at_least(m, 16), 256)
     for bm, bn, bk, warps, stages in ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3),
