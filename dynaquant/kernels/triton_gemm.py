@@ -170,7 +170,7 @@ def _launch_args(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
             y.stride(0), out_multiplier(packed, False), MAGIC, nkt)
     kwargs = dict(NKT_C=nkt if interpreting() else 0, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, DOT_F32=interpreting(), XA=cfg.xa,
-                  POST=cfg.post_scale, WS=cfg.warp_spec,
+                  POST=cfg.post_scale, WS=cfg.warp_spec, **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **format_constants(packed))
     return grid, args, kwargs, y
 
