@@ -20,7 +20,7 @@ stacked), both against bf16 called as transformers calls it, and a table printed
 
 Usage (on a CUDA machine):
     python benchmarks/kernels.py [--formats INT4_G128,MXFP4_G32] [--m 1,4,16] [--sweep] [--quick]
-        [--force-gemm xa,post_scale,warp_spec]
+        [--force-gemm xa,post_scale,warp_spec,max_regs=128]
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ def forced_gemm(f, m: int, n: int, k: int, cfg, options: list[str], info):
     if cfg.path != "gemm":
         base = (LaunchConfig("gemm", 16, 64, 1, 4, 4, 3, False, 128) if m <= 16 else
                 LaunchConfig("gemm", min(128, max(16, 1 << (m - 1).bit_length())), 128, 1, 1, 8, 3, False, 64))
-    new = dataclasses.replace(base, **{o: True for o in options})
+    new = dataclasses.replace(base, **{o.split("=")[0]: int(o.split("=")[1]) if "=" in o else True for o in options})
     if new.post_scale and new.block_k > f.group_size:
         new = dataclasses.replace(new, block_k=f.group_size)
     if new.split_k > 1 and (k // new.block_k) % new.split_k:
@@ -274,8 +274,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-m", default="1")
     ap.add_argument("--sweep-formats", default=",".join(PRIORITY))
     ap.add_argument("--force-gemm", default="",
-                    help="comma list of LaunchConfig gemm options (xa, post_scale, warp_spec) forced on every call "
-                         "with M >= 16 (on the default gemm tile, else a 128 x 128 / 16 x 64 one); sweeps unchanged")
+                    help="comma list of LaunchConfig gemm options (xa, post_scale, warp_spec, max_regs=128, "
+                         "block_k=32, ...) forced on every call with M >= 16 (on the default gemm tile, else a "
+                         "128 x 128 / 16 x 64 one); sweeps unchanged")
     ap.add_argument("--quick", action="store_true", help="fewer copies and shorter timing (a smoke run)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new rows after this many seconds")
     ap.add_argument("--dry-run", action="store_true",

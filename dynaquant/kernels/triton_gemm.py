@@ -10,6 +10,11 @@ dequantize-then-cuBLAS (``round((code - zero) * scale)``); only the float32 summ
 Programs run with the token tile fastest, so the programs sharing a weight tile run together and its
 bytes come from L2 after the first. NVFP4's global scale is applied to the float32 result.
 
+Variants (``LaunchConfig`` options, off by default): ``xa`` swaps the operands (``acc (BLOCK_M, BLOCK_N) +=
+X_tile @ W_tile^T``: the decoded weight tile is the dot's B, in shared memory on Hopper); ``post_scale`` (K tiles
+inside one group) multiplies exact codes and applies the group's scale to the tile's float32 product;
+``warp_spec`` asks Triton to warp-specialize the K loop; ``max_regs`` caps the registers (``maxnreg``).
+
 Imported lazily, like :mod:`dynaquant.kernels.triton_linear` (``TRITON_INTERPRET=1`` first for CPU).
 """
 
