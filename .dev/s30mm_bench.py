@@ -164,7 +164,7 @@ def main() -> int:
     for fmt in formats:
         f = KernelFormat.parse(fmt)
         jobs = []
-        for sname, (n, k, _) in FUSED.items():
+        for n, k, _ in FUSED.values():
             for m in ms:
                 d = choose_config(f, m, n, k, info)
                 jobs += [(fmt, n, k, m, c) for c in [d, *variants(f, m, n, k, d, sms).values()]

@@ -98,7 +98,6 @@ def _gemm_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.minimum(rn, N - 1)[:, None]
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = rm < M
     if XA:  # tokens as the dot's A operand: x [BLOCK_M, BLOCK_K], the decoded weight tile transposed as B
         xrow = x_ptr + tl.minimum(rm, M - 1)[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
