@@ -50,6 +50,7 @@ except ImportError:
 from dynaquant.kernels import KernelFormat, PackedWeight, choose_config, device_info, linear, pack  # noqa: E402
 from dynaquant.kernels.ops import dequantize_packed_ref  # noqa: E402
 from dynaquant.kernels.tuning import (  # noqa: E402
+    LaunchConfig,
     gemm_candidates,
     gemv_candidates,
     mm_candidates,
@@ -250,6 +251,22 @@ def check(packed, w_ref: torch.Tensor, m: int, gen: torch.Generator, config=None
     return float((y - ref).norm() / ref.norm())
 
 
+def forced_gemm(f, m: int, n: int, k: int, cfg, options: list[str], info):
+    """``cfg`` with the gemm ``options`` switched on; a non-gemm ``cfg`` first becomes a gemm tile (16 x 64 rows, K
+    tiles of 128, split 4 at M <= 16; 128 x 128, K tiles of 64, 8 warps, 3 stages above); ``post_scale`` narrows the
+    K tile to one group. ``cfg`` unchanged where the result does not fit the shape."""
+    base = cfg
+    if cfg.path != "gemm":
+        base = (LaunchConfig("gemm", 16, 64, 1, 4, 4, 3, False, 128) if m <= 16 else
+                LaunchConfig("gemm", min(128, max(16, 1 << (m - 1).bit_length())), 128, 1, 1, 8, 3, False, 64))
+    new = dataclasses.replace(base, **{o.split("=")[0]: int(o.split("=")[1]) if "=" in o else True for o in options})
+    if new.post_scale and new.block_k > f.group_size:
+        new = dataclasses.replace(new, block_k=f.group_size)
+    if new.split_k > 1 and (k // new.block_k) % new.split_k:
+        new = dataclasses.replace(new, split_k=1)
+    return new if valid_config(new, f, m, n, k) else cfg
+
+
 def main(argv=None) -> int:
     global MIN_BYTES, DEVICE, SHAPES
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -262,6 +279,10 @@ def main(argv=None) -> int:
     ap.add_argument("--gemv-xpre", "--gemv-resident", dest="gemv_xpre", action="store_true",
                     help="M = 1 rows on the resident-activation GEMV (tuning.resident_gemv_config) where the format has "
                          "it, instead of choose_config's")
+    ap.add_argument("--force-gemm", default="",
+                    help="comma list of LaunchConfig gemm options (xa, post_scale, warp_spec, max_regs=128, "
+                         "block_k=32, ...) forced on every call with M >= 16 (on the default gemm tile, else a "
+                         "128 x 128 / 16 x 64 one); sweeps unchanged")
     ap.add_argument("--quick", action="store_true", help="fewer copies and shorter timing (a smoke run)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new rows after this many seconds")
     ap.add_argument("--dry-run", action="store_true",
@@ -328,13 +349,19 @@ def main(argv=None) -> int:
     log.info("bf16 done (%.0f s)", time.time() - t_start)
 
 
+    forced = [o for o in args.force_gemm.split(",") if o]
+
     def chosen(f, m, n, k):
-        """The configuration a row runs: choose_config's, or with --gemv-xpre the resident GEMV's at M = 1."""
+        """The configuration a row runs: choose_config's; with --gemv-xpre the resident GEMV's at M = 1; with
+        --force-gemm its options on a gemm tile (the default one where it is a gemm) at M >= 16."""
         if args.gemv_xpre and m == 1:
             cfg = resident_gemv_config(f, n, k, info)
             if cfg is not None:
                 return cfg
-        return choose_config(f, m, n, k, info)
+        cfg = choose_config(f, m, n, k, info)
+        if not forced or m < 16:
+            return cfg
+        return forced_gemm(f, m, n, k, cfg, forced, info)
 
     def candidates(f, m, n, k):
         default = chosen(f, m, n, k)

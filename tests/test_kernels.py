@@ -348,6 +348,52 @@ def test_gemm_path(fmt, block_k, split):
     assert int(pw.counters.abs().sum()) == 0
 
 
+@pytest.mark.parametrize("fmt", ["INT4_G128", "INT2_G128", "MXFP4_G32", "INT4_G64_ASYM", "INT3_G128", "NVFP4_G16"])
+@pytest.mark.parametrize("xa,post,ws,split,regs", [(True, False, False, 1, 0), (False, True, False, 2, 0),
+                                                   (True, True, False, 2, 128), (True, False, True, 1, 0)])
+def test_gemm_variants(fmt, xa, post, ws, split, regs):
+    """The fused GEMM's variants (tokens as A, the scale on the product, warp specialization, a register cap) against
+    the float32 reference: a partial token tile and a partial row tile (19 tokens, 56 rows), a K split, bias,
+    counters reset; ``post_scale`` takes K tiles of one group (32 for MXFP4), and is refused for wider ones."""
+    f = KernelFormat.parse(fmt)
+    gen = torch.Generator().manual_seed(31)
+    n, k, m = 56, 512, 19
+    pw = packed_weight(fmt, n, k, gen)
+    bk = min(64, f.group_size) if post else 64
+    cfg = LaunchConfig("gemm", 16, 32, 1, split, 4, 2, False, bk, xa=xa, post_scale=post, warp_spec=ws, max_regs=regs)
+    if post and f.group_size < 32:  # NVFP4: K tiles of 32 hold two groups
+        assert not valid_config(cfg, f, m, n, k)
+        return
+    assert valid_config(cfg, f, m, n, k)
+    assert not valid_config(LaunchConfig("gemm", 16, 32, 1, 1, 4, 2, False, 2 * f.group_size, post_scale=True), f, m,
+                            n, 4 * f.group_size)
+    bias = torch.randn(n, generator=gen).to(DEVICE, torch.bfloat16)
+    for _ in range(2):
+        x = torch.randn(m, k, generator=gen).to(DEVICE, torch.bfloat16)
+        assert rel_err(linear(x, pw, bias, config=cfg), fp32_ref(x, pw, bias)) < tolerance(torch.bfloat16)
+    assert int(pw.counters.abs().sum()) == 0
+
+
+def test_gemm_variant_candidates():
+    """The variants are sweep candidates (valid, off by default), and only the gemm path takes them."""
+    dev = DeviceInfo("NVIDIA H100 80GB HBM3", 132, (9, 0))
+    for fmt in ("INT4_G128", "INT2_G128", "MXFP4_G32"):
+        f = KernelFormat.parse(fmt)
+        for m, n, k in ((16, 4096, 4096), (256, 28672, 4096), (256, 4096, 14336)):
+            cands = gemm_candidates(f, m, n, k, dev)
+            assert any(c.xa for c in cands)
+            assert any(c.post_scale for c in cands) == (m <= 16)
+            assert any(c.warp_spec for c in cands) == (m > 16)
+            assert any(c.max_regs for c in cands) == (m > 16)
+            assert all(valid_config(c, f, m, n, k) for c in cands)
+            assert not any(c.xa or c.post_scale or c.warp_spec for c in (choose_config(f, m, n, k, dev),))
+    f = KernelFormat.parse("INT4_G128")
+    assert not valid_config(LaunchConfig("mm", 16, 64, 1, 1, 4, 3, xa=True), f, 16, 256, 4096)
+    assert not valid_config(LaunchConfig("gemm", 16, 64, 1, 1, 2, 3, False, 128, warp_spec=True), f, 16, 256, 4096)
+    assert not valid_config(LaunchConfig("gemm", 16, 64, 1, 1, 4, 3, False, 128, max_regs=300), f, 16, 256, 4096)
+    assert not valid_config(LaunchConfig("mm", 16, 64, 1, 1, 4, 3, max_regs=128), f, 16, 256, 4096)
+
+
 def test_gemm_config_checks():
     f = KernelFormat.parse("INT4_G128")
     ok = LaunchConfig("gemm", 64, 128, 1, 1, 4, 3, False, 128)

@@ -10,6 +10,11 @@ dequantize-then-cuBLAS (``round((code - zero) * scale)``); only the float32 summ
 Programs run with the token tile fastest, so the programs sharing a weight tile run together and its
 bytes come from L2 after the first. NVFP4's global scale is applied to the float32 result.
 
+Variants (``LaunchConfig`` options, off by default): ``xa`` swaps the operands (``acc (BLOCK_M, BLOCK_N) +=
+X_tile @ W_tile^T``: the decoded weight tile is the dot's B, in shared memory on Hopper); ``post_scale`` (K tiles
+inside one group) multiplies exact codes and applies the group's scale to the tile's float32 product;
+``warp_spec`` asks Triton to warp-specialize the K loop; ``max_regs`` caps the registers (``maxnreg``).
+
 Imported lazily, like :mod:`dynaquant.kernels.triton_linear` (``TRITON_INTERPRET=1`` first for CPU).
 """
 
@@ -31,6 +36,7 @@ from dynaquant.kernels.triton_linear import (
     hi_source,
     interpreting,
     out_multiplier,
+    tile_values,
 )
 from dynaquant.kernels.tuning import LaunchConfig
 
@@ -79,7 +85,8 @@ def _gemm_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
                  M, N, KW, KH, NG, stride_xm, stride_ym, out_mul, magic, NKT, NKT_C: tl.constexpr,
                  KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ZC: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr):
+                 SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, XA: tl.constexpr = False, POST: tl.constexpr = False,
+                 WS: tl.constexpr = False):
     EPW: tl.constexpr = 16 if BITS == 3 else 32 // BITS
     WPG: tl.constexpr = G // EPW  # words a group
     KWT: tl.constexpr = BLOCK_K // EPW  # words a K tile
@@ -89,16 +96,18 @@ def _gemm_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = rn < N
     row = tl.minimum(rn, N - 1)[:, None]
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = rm < M
-    xrow = x_ptr + tl.minimum(rm, M - 1)[None, :] * stride_xm + tl.arange(0, BLOCK_K)[:, None]  # [BLOCK_K, BLOCK_M]
+    if XA:  # tokens as the dot's A operand: x [BLOCK_M, BLOCK_K], the decoded weight tile transposed as B
+        xrow = x_ptr + tl.minimum(rm, M - 1)[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:  # the weight tile as A, x^T [BLOCK_K, BLOCK_M] as B
+        xrow = x_ptr + tl.minimum(rm, M - 1)[None, :] * stride_xm + tl.arange(0, BLOCK_K)[:, None]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     rw = tl.arange(0, KWT)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     nkt = NKT_C if NKT_C > 0 else NKT
     t0 = pid_k * nkt
-    for t in range(t0, t0 + nkt):  # pipelined by the launch's num_stages
+    for t in tl.range(t0, t0 + nkt, warp_specialize=WS):  # pipelined by the launch's num_stages
         word = t * KWT + rw
         w = tl.load(qw_ptr + row * KW + word[None, :])  # [BLOCK_N, KWT]
         if ONE_GROUP:
@@ -111,14 +120,32 @@ def _gemm_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
         else:
             zoff = ZC
         hsrc = hi_source(w, qh_ptr, row, KH, word, BITS)
-        wt = scaled_tile(w, hsrc, zoff, sc, magic, KIND, BITS, EPW, DT)  # [BLOCK_N, BLOCK_K]
-        xt = tl.load(xrow + t * BLOCK_K).to(DT)  # [BLOCK_K, BLOCK_M]
-        acc = tl.dot(wt, xt, acc)
+        if POST:  # exact codes (one group a tile): the scale multiplies the tile's float32 product
+            wt = tile_values(w, hsrc, zoff, magic, KIND, BITS, EPW, DT)  # [BLOCK_N, BLOCK_K]
+        else:
+            wt = scaled_tile(w, hsrc, zoff, sc, magic, KIND, BITS, EPW, DT)  # [BLOCK_N, BLOCK_K]
+        xt = tl.load(xrow + t * BLOCK_K).to(DT)
+        if XA:
+            if POST:
+                acc += tl.dot(xt, tl.trans(wt)) * tl.trans(sc)
+            else:
+                acc = tl.dot(xt, tl.trans(wt), acc)
+        else:
+            if POST:
+                acc += tl.dot(wt, xt) * sc
+            else:
+                acc = tl.dot(wt, xt, acc)
     out = acc * out_mul
-    mask = n_mask[:, None] & m_mask[None, :]
+    if XA:  # offsets and masks in the accumulator's orientation
+        ym = rm[:, None]
+        yn = rn[None, :]
+    else:
+        ym = rm[None, :]
+        yn = rn[:, None]
+    mask = (ym < M) & (yn < N)
     if SPLIT_K > 1:  # float32 partials; the last program of the tile adds them up (counter reset for the next call)
         tile = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
-        part = ws_ptr + rm[None, :] * N + rn[:, None]
+        part = ws_ptr + ym * N + yn
         tl.store(part + pid_k * M * N, out, mask=mask)
         tl.debug_barrier()
         done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
@@ -128,12 +155,12 @@ def _gemm_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
                 out += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(cnt_ptr + tile, 0)
             if HAS_BIAS:
-                out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-            tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], out.to(y_ptr.dtype.element_ty), mask=mask)
+                out += tl.load(b_ptr + yn, mask=yn < N, other=0.0).to(tl.float32)
+            tl.store(y_ptr + ym * stride_ym + yn, out.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         if HAS_BIAS:
-            out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], out.to(y_ptr.dtype.element_ty), mask=mask)
+            out += tl.load(b_ptr + yn, mask=yn < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + ym * stride_ym + yn, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch_args(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig):
@@ -146,7 +173,8 @@ def _launch_args(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     args = (x2, packed.qweight, qh, packed.scales, z, b, y, ws, packed.counters, m, n, kw, kh, ng, x2.stride(0),
             y.stride(0), out_multiplier(packed, False), MAGIC, nkt)
     kwargs = dict(NKT_C=nkt if interpreting() else 0, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
-                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, DOT_F32=interpreting(),
+                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, DOT_F32=interpreting(), XA=cfg.xa,
+                  POST=cfg.post_scale, WS=cfg.warp_spec, **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **format_constants(packed))
     return grid, args, kwargs, y
 

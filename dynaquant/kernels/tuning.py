@@ -25,7 +25,8 @@ import torch
 from dynaquant.kernels.formats import KernelFormat
 
 __all__ = ["LaunchConfig", "DeviceInfo", "device_info", "choose_config", "valid_config", "gemv_candidates",
-           "mm_candidates", "gemm_candidates", "resident_gemv_config", "resident_candidates", "resident_grid"]
+           "mm_candidates", "gemm_candidates", "resident_gemv_config", "resident_candidates", "resident_grid",
+           "gemm_variant_candidates"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,16 @@ class LaunchConfig:
             with at most this many programs an SM (one wave; 0: off). Each program keeps one K slice's activation
             pairs in registers (the K tile is the slice: ``split_k * groups`` is the row's groups) and loops over
             row tiles of ``block_n`` rows, ``prefetch`` loading the next tile's words first.
+        xa: ``gemm``: the tokens as the ``tl.dot``'s A operand (``acc (BLOCK_M, BLOCK_N) += X_tile @ W_tile^T``), the
+            decoded weight tile as B (on Hopper: stored once to shared memory, where every warp group's ``wgmma``
+            reads it; the default puts the weight tile in A, in registers, and the tokens in B).
+        post_scale: ``gemm``, K tiles inside one group (``block_k <= group_size``): the tile's exact codes
+            (``code - zero``, E2M1 values) enter the dot and the group's float32 scale multiplies its float32
+            product (one multiply an output instead of one a weight; a second accumulator's registers).
+        warp_spec: ``gemm``: ``tl.range(..., warp_specialize=True)`` on the K loop (Triton's producer / consumer
+            warp partitions, where the compiler supports them for the target; 4+ warps).
+        max_regs: ``gemm``: Triton's ``maxnreg`` (registers a thread; 0: the compiler's choice). 128 at 8 warps lets
+            two programs share a multiprocessor, so one program's decode runs while the other's ``wgmma`` does.
     """
 
     path: str
@@ -66,6 +77,10 @@ class LaunchConfig:
     scale_words: int = 4
     pairs: bool = False
     resident: int = 0
+    xa: bool = False
+    post_scale: bool = False
+    warp_spec: bool = False
+    max_regs: int = 0
 
 
 @dataclass(frozen=True)
@@ -105,7 +120,9 @@ def _gemm_valid(cfg: LaunchConfig, fmt: KernelFormat, m: int, n: int, k: int) ->
     words = bk // epw if bk % epw == 0 else 0
     tiles = -(-m // max(cfg.block_m, 1)) * -(-n // max(cfg.block_n, 1))
     return (min(cfg.block_m, cfg.block_n) >= 16 and bk >= 32 and k % bk == 0 and words > 0 and words & (words - 1) == 0
-            and (g % bk == 0 or bk % g == 0) and s >= 1 and (k // bk) % s == 0 and (s == 1 or tiles <= -(-n // 16)))
+            and (g % bk == 0 or bk % g == 0) and s >= 1 and (k // bk) % s == 0 and (s == 1 or tiles <= -(-n // 16))
+            and (not cfg.post_scale or bk <= g) and (not cfg.warp_spec or cfg.num_warps >= 4)
+            and (cfg.max_regs == 0 or 24 <= cfg.max_regs <= 255))
 
 
 def has_half2(fmt: KernelFormat) -> bool:
@@ -118,6 +135,8 @@ def valid_config(cfg: LaunchConfig, fmt: KernelFormat, m: int, n: int, k: int) -
     """Whether ``cfg`` can run this shape: the K split and the K tile divide the row's groups."""
     if cfg.path == "gemm":
         return _gemm_valid(cfg, fmt, m, n, k)
+    if cfg.xa or cfg.post_scale or cfg.warp_spec or cfg.max_regs:
+        return False
     n_groups = k // fmt.group_size
     if cfg.split_k < 1 or n_groups % cfg.split_k or (n_groups // cfg.split_k) % cfg.groups:
         return False
@@ -450,4 +469,37 @@ def gemm_candidates(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) 
     if m <= 16:  # every split at one token tile: the programs, not the SMs, decide (see _gemm16)
         for bn, bk, warps in ((32, 128, 4), (64, 128, 4), (64, 64, 4), (128, 128, 8), (128, 64, 4)):
             out += [LaunchConfig("gemm", 16, bn, 1, s, warps, 3, False, bk) for s in (1, 2, 4, 8)]
+    out += gemm_variant_candidates(fmt, m, n, k, dev)
+    return [c for c in dict.fromkeys(out) if valid_config(c, fmt, m, n, k)]
+
+
+def gemm_variant_candidates(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) -> list[LaunchConfig]:
+    """The fused GEMM's operand and pipelining variants (``xa``, ``post_scale``, ``warp_spec``; none measured yet,
+    none a default): at M <= 16 one 16-token tile, 64 or 128 weight rows, K splits 2-8, the codes' exact values
+    with the scale on the product (K tiles of one group, at most 128) and / or the tokens as A, and K tiles of 256
+    weights (with and without xa); above, token tiles of 128-256 over 64-128 weight rows, mostly K tiles of 32 (no
+    spills), with and without the tokens as A, 128 registers on some (two programs a multiprocessor), 3-4 stages,
+    and Triton's warp specialization on one."""
+    out = []
+    if m <= 16:
+        bk = min(128, fmt.group_size)
+        for bn, s, (xa, post) in itertools.product((64, 128), (2, 4, 8), ((False, True), (True, False), (True, True))):
+            out.append(LaunchConfig("gemm", 16, bn, 1, s, 4, 3, False, bk, xa=xa, post_scale=post))
+        for s, xa in itertools.product((2, 4, 8), (False, True)):  # more bytes of a row in flight a K tile
+            out.append(LaunchConfig("gemm", 16, 64, 1, s, 4, 3, False, 256, xa=xa))
+        return [c for c in out if valid_config(c, fmt, m, n, k)]
+    top = min(_pow2_at_least(m, 16), 256)
+    # (token tile, weight rows, K tile, warps, stages, xa, registers): offline sm_90 compiles (Triton 3.9) spill
+    # at K tiles of 64 from 128 x 64 tokens x rows up (4 warps) and 256 x 64 (8 warps); K tiles of 32 do not, and
+    # 128 x 128 x 32 on 8 warps fits 128 registers (two programs a multiprocessor); 128 x 256 with xa fails to compile
+    tiles = ((128, 128, 64, 8, 3, True, 0), (256, 128, 32, 8, 4, True, 0), (256, 128, 32, 8, 4, False, 0),
+             (256, 64, 32, 8, 4, True, 0), (256, 64, 32, 8, 4, True, 128), (256, 64, 32, 8, 4, False, 128),
+             (128, 128, 32, 8, 4, True, 0), (128, 128, 32, 8, 4, True, 128), (128, 128, 32, 8, 3, False, 128),
+             (128, 128, 32, 8, 4, False, 128), (128, 64, 32, 4, 4, True, 0), (128, 64, 32, 4, 4, False, 0))
+    for bm, bn, bk, warps, stages, xa, regs in tiles:
+        bm = min(bm, top)
+        for s in dict.fromkeys((1, _split_to(-(-m // bm) * -(-n // bn), k // bk, dev))):
+            out.append(LaunchConfig("gemm", bm, bn, 1, s, warps, stages, False, bk, xa=xa, max_regs=regs))
+    # warp specialization: no partitions on sm_90 in Triton 3.9's compile of this loop (same code); one to confirm
+    out.append(LaunchConfig("gemm", min(128, top), 128, 1, 1, 8, 4, False, 32, xa=True, warp_spec=True))
     return [c for c in dict.fromkeys(out) if valid_config(c, fmt, m, n, k)]
