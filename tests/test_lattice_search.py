@@ -412,6 +412,36 @@ def test_iq3_assign_equals_the_composition(interpreted, name, parity, full, out)
     assert short[0] is None and short[1] is None and torch.equal(short[2].cpu(), got[2])
 
 
+@pytest.mark.parametrize("name,parity,full", [("IQ3_XXS", True, False), ("IQ3_XXS", True, True), ("IQ3_S", False, False)])
+@pytest.mark.parametrize("lists", [True, False])
+def test_iq3_packed_tables_change_nothing(interpreted, name, parity, full, lists):
+    """The fused assignment reading packed words (map, candidate lists, chosen points) equals the one reading the
+    float tables, bit for bit (the same coordinates, the same operations), for both terms, both walks and all variants;
+    the packed words decode to the grid and the map."""
+    from dynaquant.kernels.iq3_search import _candidate_lists, assign, packed_points
+    from dynaquant.quant.codecs import iq3
+
+    kmap, mids, grid, g8 = (*iq3._grid_map(name, "cpu"), *iq3._grid_table(name, "cpu"))
+    cand, _ = _candidate_lists(grid, "cpu")
+    pts, kpk, cpk, fb, step = packed_points(grid, kmap, cand)
+    fields = (pts[:, None].long() >> (fb * torch.arange(4))) & ((1 << fb) - 1)
+    assert torch.equal(fields.float() * step, grid) and torch.equal(pts.long() >> (4 * fb), torch.arange(grid.shape[0]))
+    assert torch.equal(torch.where(kmap >= 0, kpk.long() >> (4 * fb), -1), kmap) and torch.equal(cpk, pts[cand.long()])
+    assert packed_points(grid + 0.5, kmap, cand) is None
+    g = torch.Generator().manual_seed(11)
+    n = 5  # 160 lanes: two programs, the last partial
+    x = torch.randn(n, 8, 32, generator=g) * 0.02 * torch.exp(torch.randn(n, 8, 1, generator=g))
+    w = torch.exp(torch.randn(n, 8, 32, generator=g))
+    a = x.abs().amax(-1) / (50.0 if name == "IQ3_XXS" else 13.0) * (1 + 0.3 * torch.rand(n, 8, generator=g))
+    a[1, 2] = 0.0
+    tables = tuple(t.to(DEVICE) for t in (kmap, mids, grid, g8))
+    xd, wd, ad = x.to(DEVICE), w.to(DEVICE), a.to(DEVICE)
+    for out in ("stats", "error"):
+        new = [t for t in assign(xd, wd, ad, parity, full, out, True, *tables, lists=lists, packed=True) if t is not None]
+        old = [t for t in assign(xd, wd, ad, parity, full, out, True, *tables, lists=lists, packed=False) if t is not None]
+        assert all(u.dtype == v.dtype and torch.equal(u.cpu(), v.cpu()) for u, v in zip(new, old))
+
+
 @pytest.mark.parametrize("c", [0.25, 1.0])
 def test_iq3_pick_errors_equal_the_reference(interpreted, c):
     """The fp16 ``d`` search's candidate errors (float64) from the kernel equal the torch reference's bit for bit,
