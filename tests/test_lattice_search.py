@@ -442,6 +442,38 @@ def test_iq3_packed_tables_change_nothing(interpreted, name, parity, full, lists
         assert all(u.dtype == v.dtype and torch.equal(u.cpu(), v.cpu()) for u, v in zip(new, old))
 
 
+@pytest.mark.parametrize("name,parity,full", [("IQ3_XXS", True, True), ("IQ3_S", False, False)])
+def test_iq3_assign_sums(interpreted, name, parity, full):
+    """``sums=True``: the fused assignment's (n, 8) sub-block sums formed in the kernel equal the reference's
+    ``sum(-1)`` of its terms to float32 rounding (the same assignment: idx and flip bit for bit); summed by torch
+    (``fused_sums=False``) they are the reference's bit for bit."""
+    from dynaquant.kernels.iq3_search import assign
+    from dynaquant.quant.codecs import _iq3_search as steps
+    from dynaquant.quant.codecs import iq3
+
+    g = torch.Generator().manual_seed(12)
+    n = 5  # 160 lanes: two programs, the last partial
+    x = torch.randn(n, 8, 32, generator=g) * 0.02 * torch.exp(torch.randn(n, 8, 1, generator=g))
+    w = torch.exp(torch.randn(n, 8, 32, generator=g))
+    a = x.abs().amax(-1) / (50.0 if name == "IQ3_XXS" else 13.0) * (1 + 0.3 * torch.rand(n, 8, generator=g))
+    a[1, 2] = 0.0
+    tables = tuple(t.to(DEVICE) for t in (*iq3._grid_map(name, "cpu"), *iq3._grid_table(name, "cpu")))
+    xd, wd, ad = x.to(DEVICE), w.to(DEVICE), a.to(DEVICE)
+    for out in ("stats", "error"):
+        ref = steps.assign_torch(x, w, a, parity, full, out, True, *(t.cpu() for t in tables), sums=True)
+        assert ref[2].shape == (n, 8)
+        fused = [None if t is None else t.cpu() for t in assign(xd, wd, ad, parity, full, out, True, *tables, sums=True)]
+        torch_sums = [None if t is None else t.cpu()
+                      for t in assign(xd, wd, ad, parity, full, out, True, *tables, sums=True, fused_sums=False)]
+        assert torch.equal(fused[0], ref[0]) and torch.equal(fused[1], ref[1])
+        for k in (2, 3):
+            if ref[k] is None:
+                assert fused[k] is None and torch_sums[k] is None
+                continue
+            assert fused[k].shape == (n, 8) and torch.equal(torch_sums[k], ref[k])
+            torch.testing.assert_close(fused[k], ref[k], rtol=1e-6, atol=1e-12)
+
+
 @pytest.mark.parametrize("c", [0.25, 1.0])
 def test_iq3_pick_errors_equal_the_reference(interpreted, c):
     """The fp16 ``d`` search's candidate errors (float64) from the kernel equal the torch reference's bit for bit,

@@ -19,7 +19,13 @@ scattered back) and in the (rows, P) score matrices' reductions, not in arithmet
   groups is off it (points and squares as uniform loads), all variants scored from the same products (a flip of
   weight ``i`` lowers the score by ``2 f_i g_i``);
 - nothing of size (groups, P) or (groups, V, 8) touches memory: a call reads ``f``, ``t`` (and the flags) and writes
-  the (R, V) scores and indices.
+  the (R, V) scores and indices;
+- with :data:`PACKED` (default) a grid point is one int32 word (:func:`packed_points`: its 4 coordinates as fields
+  times the grid's step, and its index), so a lookup in the level-pattern map, a candidate of a list and the chosen
+  point of :func:`assign` are one 4-byte load each (the float tables took 8 loads a point, plus the index): the
+  same coordinates, the same operations, the same results;
+- :func:`assign` with ``sums=True`` (the encoder's calls) sums the per-weight terms of each sub-block in the kernel
+  (:data:`SUMS`) and writes (n, 8) sums, not (n, 8, 32) terms that torch reads back to sum.
 
 Sums run in a fixed order, not torch's, so scores can differ from the reference by float32 rounding and a near-tie
 can pick the other point (the tests compare the errors, and the bytes through gguf-py's decoder).
@@ -41,6 +47,7 @@ __all__ = ["assign", "nearest_variants", "pick_errors"]
 
 _BLOCK = 128  # groups a program (one a lane)
 PACKED = True  # grid lookups and candidate lists as packed words (packed_points; the same values, fewer loads)
+SUMS = True  # assign(sums=True) sums the terms a sub-block in the kernel (else torch sums the written terms)
 LISTS_FROM = 512  # grids of this many points or more walk candidate lists by default (measured: IQ3_S yes, IQ3_XXS no)
 _WARPS = 4
 
@@ -338,25 +345,40 @@ def _best_flip(s1, i1, s2, i2, s3, i3, s4, i4, V: tl.constexpr):
 
 
 @triton.jit
-def _emit(p_ptr, q_ptr, flip_ptr, base, rm, g, x, w, v, fl, j: tl.constexpr, a, OUT: tl.constexpr, IDX: tl.constexpr):
-    # weight j of a half: its grid value g and the terms the encoder sums (torch's operations, in its order)
+def _emit(p_ptr, q_ptr, flip_ptr, base, rm, g, x, w, v, fl, j: tl.constexpr, a, OUT: tl.constexpr, IDX: tl.constexpr,
+          SUMS: tl.constexpr):
+    # weight j of a half: its grid value g and the terms the encoder sums (torch's operations, in its order), stored
+    # per weight unless SUMS (then only returned: the kernel sums them per sub-block)
     if OUT == 0:  # least squares: w v g and w g g, v = |x| negated where flipped
         vv = tl.where(fl, -v, v)
-        tl.store(p_ptr + base + j, w * vv * g, mask=rm)
-        tl.store(q_ptr + base + j, w * g * g, mask=rm)
+        pt = w * vv * g
+        qt = w * g * g
     else:  # the exact error w (x - y)**2, y = (a g) * sign
         y = (a * g) * tl.where((x < 0) ^ fl, -1.0, 1.0)
         r = x - y
-        tl.store(p_ptr + base + j, w * r * r, mask=rm)
+        pt = w * r * r
+        qt = pt
+    if SUMS == 0:
+        tl.store(p_ptr + base + j, pt, mask=rm)
+        if OUT == 0:
+            tl.store(q_ptr + base + j, qt, mask=rm)
     if IDX:
         tl.store(flip_ptr + base + j, fl.to(tl.int8), mask=rm)
+    return pt, qt
+
+
+@triton.jit
+def _sub_sums(t0, t1, t2, t3, u0, u1, u2, u3, rm, BLOCK: tl.constexpr):
+    # per sub-block (4 consecutive lanes) sums of the lanes' 8 terms: pairwise within a lane, then over the 4 lanes
+    s = ((t0 + t1) + (t2 + t3)) + ((u0 + u1) + (u2 + u3))
+    return tl.sum(tl.reshape(tl.where(rm, s, 0.0), (BLOCK // 4, 4)), axis=1)
 
 
 @triton.jit
 def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_ptr, pts_ptr, cand_ptr, cnt_ptr,
                   idx_ptr, flip_ptr, p_ptr, q_ptr, n, P: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
                   BLOCK: tl.constexpr, LISTS: tl.constexpr, OUT: tl.constexpr, IDX: tl.constexpr, FB: tl.constexpr,
-                  GSTEP: tl.constexpr):
+                  GSTEP: tl.constexpr, SUMS: tl.constexpr):
     # one lane an 8-group (two halves of 4 weights, groups 2 l and 2 l + 1 of the (n * 64) groups)
     pid = tl.program_id(0)
     lane = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -435,14 +457,20 @@ def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_
         gb1 = tl.load(grid_ptr + h1 * 4 + 1, mask=rm, other=0.0)
         gb2 = tl.load(grid_ptr + h1 * 4 + 2, mask=rm, other=0.0)
         gb3 = tl.load(grid_ptr + h1 * 4 + 3, mask=rm, other=0.0)
-    _emit(p_ptr, q_ptr, flip_ptr, b0, rm, ga0, x0, w0, v0, fa0, 0, a, OUT, IDX)
-    _emit(p_ptr, q_ptr, flip_ptr, b0, rm, ga1, x1, w1, v1, fa1, 1, a, OUT, IDX)
-    _emit(p_ptr, q_ptr, flip_ptr, b0, rm, ga2, x2, w2, v2, fa2, 2, a, OUT, IDX)
-    _emit(p_ptr, q_ptr, flip_ptr, b0, rm, ga3, x3, w3, v3, fa3, 3, a, OUT, IDX)
-    _emit(p_ptr, q_ptr, flip_ptr, b1, rm, gb0, y0, u0, q0, fb0, 0, a, OUT, IDX)
-    _emit(p_ptr, q_ptr, flip_ptr, b1, rm, gb1, y1, u1, q1, fb1, 1, a, OUT, IDX)
-    _emit(p_ptr, q_ptr, flip_ptr, b1, rm, gb2, y2, u2, q2, fb2, 2, a, OUT, IDX)
-    _emit(p_ptr, q_ptr, flip_ptr, b1, rm, gb3, y3, u3, q3, fb3, 3, a, OUT, IDX)
+    pa0, qa0 = _emit(p_ptr, q_ptr, flip_ptr, b0, rm, ga0, x0, w0, v0, fa0, 0, a, OUT, IDX, SUMS)
+    pa1, qa1 = _emit(p_ptr, q_ptr, flip_ptr, b0, rm, ga1, x1, w1, v1, fa1, 1, a, OUT, IDX, SUMS)
+    pa2, qa2 = _emit(p_ptr, q_ptr, flip_ptr, b0, rm, ga2, x2, w2, v2, fa2, 2, a, OUT, IDX, SUMS)
+    pa3, qa3 = _emit(p_ptr, q_ptr, flip_ptr, b0, rm, ga3, x3, w3, v3, fa3, 3, a, OUT, IDX, SUMS)
+    pb0, qb0 = _emit(p_ptr, q_ptr, flip_ptr, b1, rm, gb0, y0, u0, q0, fb0, 0, a, OUT, IDX, SUMS)
+    pb1, qb1 = _emit(p_ptr, q_ptr, flip_ptr, b1, rm, gb1, y1, u1, q1, fb1, 1, a, OUT, IDX, SUMS)
+    pb2, qb2 = _emit(p_ptr, q_ptr, flip_ptr, b1, rm, gb2, y2, u2, q2, fb2, 2, a, OUT, IDX, SUMS)
+    pb3, qb3 = _emit(p_ptr, q_ptr, flip_ptr, b1, rm, gb3, y3, u3, q3, fb3, 3, a, OUT, IDX, SUMS)
+    if SUMS:  # (n, 8) sums a sub-block instead of (n, 8, 32) terms
+        sb = pid.to(tl.int64) * (BLOCK // 4) + tl.arange(0, BLOCK // 4).to(tl.int64)
+        sm = sb < n // 4
+        tl.store(p_ptr + sb, _sub_sums(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, rm, BLOCK), mask=sm)
+        if OUT == 0:
+            tl.store(q_ptr + sb, _sub_sums(qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, rm, BLOCK), mask=sm)
 
 
 def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None, flip_at: torch.Tensor | None,
@@ -476,22 +504,26 @@ def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None,
 
 def assign(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full: bool, out: str, want_idx: bool,
            kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor, lists: bool | None = None,
-           packed: bool | None = None):
+           packed: bool | None = None, sums: bool = False, fused_sums: bool | None = None):
     """Fused :func:`dynaquant.quant.codecs._iq3_search.assign_torch` (the fast path ``iq3.assign``): same arguments
-    (``nearest`` is this module's search, ``lists`` and ``packed`` as :func:`nearest_variants`), one launch; its result equals the
-    composition of :func:`nearest_variants` and the torch steps bit for bit (the same operations in the same order;
-    the interpreter tests check it). Raises ValueError on an unknown ``out`` or shapes that disagree."""
+    (``nearest`` is this module's search, ``lists`` and ``packed`` as :func:`nearest_variants`), one launch. With
+    ``sums`` False its result equals the composition of :func:`nearest_variants` and the torch steps bit for bit (the
+    same operations in the same order; the interpreter tests check it). With ``sums`` the (n, 8) sums a sub-block
+    are formed in the kernel (``fused_sums``, default :data:`SUMS`: no (n, 8, 32) terms written and read back; each
+    lane's 8 terms pairwise, then the 4 lanes: float32 rounding differs from torch's ``sum(-1)``) or by torch from the
+    terms (bit for bit the reference's). Raises ValueError on an unknown ``out`` or shapes that disagree."""
     if out not in steps.OUTS:
         raise ValueError(f"out must be one of {steps.OUTS}, got {out!r}")
     n = x.shape[0]
     if x.shape != (n, 8, 32) or w.shape != x.shape or a.shape != (n, 8):
         raise ValueError(f"expected x, w (n, 8, 32) and a (n, 8), got {tuple(x.shape)}, {tuple(w.shape)}, {tuple(a.shape)}")
     dev = x.device
+    in_kernel = sums and (SUMS if fused_sums is None else fused_sums)
     xc, wc = x.to(torch.float32).contiguous(), w.to(torch.float32).contiguous()
     ac = a.to(torch.float32).contiguous()
     ia = steps.inv_scale(ac)
-    p = torch.empty_like(xc)
-    q = torch.empty_like(xc) if out == "stats" else p
+    p = torch.empty(n, 8, dtype=torch.float32, device=dev) if in_kernel else torch.empty_like(xc)
+    q = torch.empty_like(p) if out == "stats" else p
     idx = torch.empty(n, 8, 8, dtype=torch.int64, device=dev) if want_idx else p
     flip = torch.zeros(n, 8, 32, dtype=torch.uint8, device=dev) if want_idx else p
     if n:
@@ -502,7 +534,9 @@ def assign(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full
         assign_kernel[(triton.cdiv(lanes, _BLOCK),)](
             xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, idx, flip, p, q, lanes, P=gc.shape[0], V=nv,
             K=cand.shape[1], BLOCK=_BLOCK, LISTS=lists, OUT=steps.OUTS.index(out), IDX=want_idx, FB=fb, GSTEP=gstep,
-            num_warps=_WARPS)
+            SUMS=in_kernel, num_warps=_WARPS)
+    if sums and not in_kernel:
+        p, q = p.sum(-1), (q.sum(-1) if out == "stats" else p)
     if not want_idx:
         return None, None, p, (q if out == "stats" else None)
     return idx, flip.view(torch.bool), p, (q if out == "stats" else None)

@@ -98,7 +98,7 @@ OUTS = ("stats", "error")
 
 def assign_torch(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full: bool, out: str,
                  want_idx: bool, kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor,
-                 nearest: Callable | None = None):
+                 nearest: Callable | None = None, sums: bool = False):
     """An assignment (:func:`assign_variants`) and the per-weight terms the encoder sums over it: the reference of
     the fused fast path ``iq3.assign``.
 
@@ -111,8 +111,11 @@ def assign_torch(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool
         kmap, mids, grid, g8: the tables of :func:`nearest_variants_torch`.
         nearest: the nearest-point search (default :func:`nearest_variants_torch`; the tests pass its fast path
             to show the fused kernel equals the composition).
+        sums: return ``p`` and ``q`` summed over each sub-block's 32 weights, (n, 8) float32 (``sum(-1)``), the sums
+            the encoder uses (a fast path may form them in another order).
     Returns:
-        (idx (n, 8, 8) int64 | None, flip (n, 8, 32) bool | None, p (n, 8, 32) float32, q (n, 8, 32) float32 | None).
+        (idx (n, 8, 8) int64 | None, flip (n, 8, 32) bool | None, p (n, 8, 32) float32, q (n, 8, 32) float32 | None)
+        (p, q (n, 8) with ``sums``).
     Raises:
         ValueError: an unknown ``out`` or shapes that disagree.
     """
@@ -130,6 +133,8 @@ def assign_torch(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool
         p, q = stats_terms(xa, w, g, flip)
     else:
         p, q = error_terms(x, w, neg, a, g, flip), None
+    if sums:
+        p, q = p.sum(-1), (None if q is None else q.sum(-1))
     return (idx, flip, p, q) if want_idx else (None, None, p, q)
 
 
