@@ -183,10 +183,14 @@ def _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k, rm, kmap_ptr
         off = off | (odd & (i1 < 0))
     if V == 5:
         neg = -one
-        i1, s1 = _on_grid(kmap_ptr, grid_ptr, g2_ptr, z0, a1, a2, a3, neg, one, one, one, f0, f1, f2, f3, f4, f5, f6, f7, odd, FB, GSTEP)
-        i2, s2 = _on_grid(kmap_ptr, grid_ptr, g2_ptr, a0, z1, a2, a3, one, neg, one, one, f0, f1, f2, f3, f4, f5, f6, f7, odd, FB, GSTEP)
-        i3, s3 = _on_grid(kmap_ptr, grid_ptr, g2_ptr, a0, a1, z2, a3, one, one, neg, one, f0, f1, f2, f3, f4, f5, f6, f7, odd, FB, GSTEP)
-        i4, s4 = _on_grid(kmap_ptr, grid_ptr, g2_ptr, a0, a1, a2, z3, one, one, one, neg, f0, f1, f2, f3, f4, f5, f6, f7, odd, FB, GSTEP)
+        i1, s1 = _on_grid(kmap_ptr, grid_ptr, g2_ptr, z0, a1, a2, a3, neg, one, one, one,
+                          f0, f1, f2, f3, f4, f5, f6, f7, odd, FB, GSTEP)
+        i2, s2 = _on_grid(kmap_ptr, grid_ptr, g2_ptr, a0, z1, a2, a3, one, neg, one, one,
+                          f0, f1, f2, f3, f4, f5, f6, f7, odd, FB, GSTEP)
+        i3, s3 = _on_grid(kmap_ptr, grid_ptr, g2_ptr, a0, a1, z2, a3, one, one, neg, one,
+                          f0, f1, f2, f3, f4, f5, f6, f7, odd, FB, GSTEP)
+        i4, s4 = _on_grid(kmap_ptr, grid_ptr, g2_ptr, a0, a1, a2, z3, one, one, one, neg,
+                          f0, f1, f2, f3, f4, f5, f6, f7, odd, FB, GSTEP)
         off = off | (odd & ((i1 < 0) | (i2 < 0) | (i3 < 0) | (i4 < 0)))
     if LISTS:  # each off-grid variant walks its pattern's exact candidate list
         i0 = i0.to(tl.int32)
