@@ -418,11 +418,12 @@ def test_iq3_packed_tables_change_nothing(interpreted, name, parity, full, lists
     """The fused assignment reading packed words (map, candidate lists, chosen points) equals the one reading the
     float tables, bit for bit (the same coordinates, the same operations), for both terms, both walks and all variants;
     the packed words decode to the grid and the map."""
-    from dynaquant.kernels.iq3_search import _candidate_lists, assign, packed_points
+    from dynaquant.kernels.iq3_search import assign
+    from dynaquant.kernels.iq3_tables import candidate_lists, packed_points
     from dynaquant.quant.codecs import iq3
 
     kmap, mids, grid, g8 = (*iq3._grid_map(name, "cpu"), *iq3._grid_table(name, "cpu"))
-    cand, _ = _candidate_lists(grid, "cpu")
+    cand, _ = candidate_lists(grid, "cpu")
     pts, kpk, cpk, fb, step = packed_points(grid, kmap, cand)
     fields = (pts[:, None].long() >> (fb * torch.arange(4))) & ((1 << fb) - 1)
     assert torch.equal(fields.float() * step, grid) and torch.equal(pts.long() >> (4 * fb), torch.arange(grid.shape[0]))

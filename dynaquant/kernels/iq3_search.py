@@ -20,7 +20,7 @@ scattered back) and in the (rows, P) score matrices' reductions, not in arithmet
   weight ``i`` lowers the score by ``2 f_i g_i``);
 - nothing of size (groups, P) or (groups, V, 8) touches memory: a call reads ``f``, ``t`` (and the flags) and writes
   the (R, V) scores and indices;
-- with :data:`PACKED` (default) a grid point is one int32 word (:func:`packed_points`: its 4 coordinates as fields
+- with :data:`PACKED` (default) a grid point is one int32 word (:func:`.iq3_tables.packed_points`: its 4 coordinates as fields
   times the grid's step, and its index), so a lookup in the level-pattern map, a candidate of a list and the chosen
   point of :func:`assign` are one 4-byte load each (the float tables took 8 loads a point, plus the index): the
   same coordinates, the same operations, the same results;
@@ -34,19 +34,18 @@ Importing this module imports Triton.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from dynaquant.kernels import iq3_tables as tables
 from dynaquant.quant.codecs import _iq3_search as steps
-from dynaquant.quant.codecs import _lattice as lat
 from dynaquant.quant.codecs import iq3
 
 __all__ = ["assign", "nearest_variants", "pick_errors"]
 
 _BLOCK = 128  # groups a program (one a lane)
-PACKED = True  # grid lookups and candidate lists as packed words (packed_points; the same values, fewer loads)
+PACKED = True  # grid lookups and candidate lists as packed words (iq3_tables.packed_points; the same values, fewer loads)
 SUMS = True  # assign(sums=True) sums the terms a sub-block in the kernel (else torch sums the written terms)
 LISTS_FROM = 512  # grids of this many points or more walk candidate lists by default (measured: IQ3_S yes, IQ3_XXS no)
 _WARPS = 4
@@ -485,7 +484,7 @@ def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None,
     docstring for the rounding); ``lists``: off-grid variants walk their exact candidate lists (else the whole
     grid); None: lists on grids of at least :data:`LISTS_FROM` points (IQ3_S's 512: 1.6x faster on an H200, the
     same bytes; IQ3_XXS's 256: no faster, so its bytes stay the whole grid's); ``packed``: grid lookups and
-    candidates read as packed words (:func:`packed_points`; None: :data:`PACKED`), the same values and results.
+    candidates read as packed words (:func:`.iq3_tables.packed_points`; None: :data:`PACKED`), the same values and results.
     Raises ValueError when the shapes disagree."""
     r = f.shape[0]
     nv = iq3.variant_count(f, t, odd, flip_at, kmap, mids, grid, g8)
@@ -498,7 +497,8 @@ def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None,
     tc = t.to(device=dev, dtype=torch.float32).contiguous()
     oc = odd.to(device=dev, dtype=torch.int8).contiguous() if odd is not None else fc
     ac = flip_at.to(device=dev, dtype=torch.int32).contiguous() if flip_at is not None else fc
-    gc, g2, mc, kc, _, cand, cnt, fb, gstep = _launch_tables(grid, kmap, mids, dev, packed)
+    gc, g2, mc, kc, _, cand, cnt, fb, gstep = tables.launch_tables(grid, kmap, mids, dev,
+                                                                       PACKED if packed is None else packed)
     lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
     nearest_variants_kernel[(triton.cdiv(r, _BLOCK),)](
         fc, tc, oc, ac, kc, mc, gc, g2, cand, cnt, score, idx, r, P=gc.shape[0], V=nv, K=cand.shape[1], BLOCK=_BLOCK,
@@ -531,7 +531,8 @@ def assign(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full
     idx = torch.empty(n, 8, 8, dtype=torch.int64, device=dev) if want_idx else p
     flip = torch.zeros(n, 8, 32, dtype=torch.uint8, device=dev) if want_idx else p
     if n:
-        gc, g2, mc, kc, pts, cand, cnt, fb, gstep = _launch_tables(grid, kmap, mids, dev, packed)
+        gc, g2, mc, kc, pts, cand, cnt, fb, gstep = tables.launch_tables(grid, kmap, mids, dev,
+                                                                         PACKED if packed is None else packed)
         lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
         lanes = n * 32
         nv = (5 if full else 2) if parity else 1
@@ -584,90 +585,3 @@ def pick_errors(a: torch.Tensor, sgg: torch.Tensor, cand: torch.Tensor, c: float
             a.to(torch.float32).contiguous(), sgg.to(torch.float64).contiguous(), cand.to(torch.float32).contiguous(),
             e, lanes, cand.shape[1], float(c), BLOCK=_BLOCK, num_warps=_WARPS, enable_fp_fusion=False)
     return e
-
-
-_TABLES: dict = {}
-
-
-def _tables(grid: torch.Tensor, kmap: torch.Tensor, mids: torch.Tensor, device):
-    """(grid, grid**2 float32, kmap int64, mids float32), contiguous on ``device``, cached per table (the codecs pass
-    the same cached tables every call: no conversions or launches a call)."""
-    key = (grid.data_ptr(), kmap.data_ptr(), mids.data_ptr(), str(device))
-    if key not in _TABLES:
-        gc = grid.to(device=device, dtype=torch.float32).contiguous()
-        _TABLES[key] = (grid, kmap, mids, gc, gc * gc, kmap.to(device=device, dtype=torch.int64).contiguous(),
-                        mids.to(device=device, dtype=torch.float32).contiguous())  # (the inputs kept: their addresses are the key)
-    return _TABLES[key][3:]
-
-
-_LISTS: dict = {}
-
-
-def _candidate_lists(grid: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cand (4096, K) int32, count (4096,) int32) on ``device``: the exact candidate lists of a grid of 8 levels
-    (:func:`dynaquant.quant.codecs._lattice.dominance_candidates`, the lists the CPU search walks), cached per grid."""
-    key = (grid.data_ptr(), tuple(grid.shape), str(grid.device), str(device))
-    if key not in _LISTS:
-        gn = grid.detach().to("cpu", torch.float32).numpy()
-        cand, cnt = lat.dominance_candidates(np.searchsorted(np.unique(gn), gn), 8)
-        _LISTS[key] = (grid, cand.to(device=device, dtype=torch.int32).contiguous(),
-                       cnt.to(device=device, dtype=torch.int32).contiguous())  # (the grid kept: its address is the key)
-    return _LISTS[key][1:]
-
-
-def packed_points(grid: torch.Tensor, kmap: torch.Tensor, cand: torch.Tensor):
-    """The grid's points as single int32 words, for one load a lookup or a candidate, or None when they don't fit.
-
-    Coordinate ``j`` of a point is field ``j`` (``FB`` bits at bit ``FB j``) times ``GSTEP`` (the coordinates' greatest
-    common divisor, so the product is the exact float32 coordinate); the point's index sits above the four fields.
-    IQ3_XXS (values 4 .. 62, step 2): FB = 5 and 8 index bits; IQ3_S (1 .. 15, step 1): FB = 4 and 9 index bits.
-
-    Args:
-        grid: (P, 4) float32 points (non-negative integers); kmap: (4096,) int64 level pattern -> index (-1 off the
-            grid); cand: (4096, K) int64 candidate lists (:func:`dynaquant.quant.codecs._lattice.dominance_candidates`).
-    Returns:
-        (pts (P,) int32 word of each point, kpk (4096,) int32 ``kmap``'s words (-1 off the grid), cpk (4096, K) int32
-        the lists' words, FB, GSTEP) on the CPU, or None: coordinates that are not small non-negative integers, or
-        words over 31 bits.
-    """
-    g = grid.detach().to("cpu", torch.float64)
-    if g.numel() == 0 or bool((g != g.round()).any() | (g < 0).any() | (g > 255).any()):
-        return None
-    gi = g.long()
-    step = int(np.gcd.reduce(gi.reshape(-1).numpy()))
-    step = max(step, 1)
-    fields = gi // step
-    fb = max(1, int(fields.max()).bit_length())
-    if 4 * fb + max(1, grid.shape[0] - 1).bit_length() > 31:
-        return None
-    pts = (fields << (fb * torch.arange(4))).sum(1) | (torch.arange(grid.shape[0]) << (4 * fb))
-    km = kmap.detach().to("cpu", torch.int64)
-    kpk = torch.where(km >= 0, pts[km.clamp_min(0)], -1)
-    cpk = pts[cand.to(torch.int64)]
-    return pts.to(torch.int32), kpk.to(torch.int32), cpk.to(torch.int32), fb, float(step)
-
-
-def _launch_tables(grid: torch.Tensor, kmap: torch.Tensor, mids: torch.Tensor, device, packed: bool | None):
-    """The kernels' table arguments on ``device``: (grid, grid**2, mids, the map, the packed points, the candidate
-    lists, their counts, FB, GSTEP); packed (``packed``, default :data:`PACKED`, and the grid fits
-    :func:`packed_points`): the map and the lists as packed words, FB > 0; else ``kmap`` and index lists, FB = 0."""
-    gc, g2, kc, mc = _tables(grid, kmap, mids, device)
-    cand, cnt = _candidate_lists(grid, device)
-    pk = _packed_tables(grid, kmap, device) if (PACKED if packed is None else packed) else None
-    if pk is None:
-        return gc, g2, mc, kc, gc, cand, cnt, 0, 1.0
-    pts, kpk, cpk, fb, gstep = pk
-    return gc, g2, mc, kpk, pts, cpk, cnt, fb, gstep
-
-
-_PACKED: dict = {}
-
-
-def _packed_tables(grid: torch.Tensor, kmap: torch.Tensor, device):
-    """:func:`packed_points` of a grid on ``device`` (or None), cached per table like :func:`_tables`."""
-    key = (grid.data_ptr(), kmap.data_ptr(), tuple(grid.shape), str(device))
-    if key not in _PACKED:
-        pk = packed_points(grid, kmap, _candidate_lists(grid, device)[0].cpu())
-        tabs = None if pk is None else (*(t.to(device).contiguous() for t in pk[:3]), *pk[3:])
-        _PACKED[key] = (grid, kmap, tabs)  # (the inputs kept: their addresses are the key)
-    return _PACKED[key][2]
