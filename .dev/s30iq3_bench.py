@@ -1,11 +1,12 @@
 """s30iq3: IQ3_XXS / IQ3_S encode on CUDA, git main's kernel behaviour against this branch's (issue 16).
 
 Configurations of dynaquant.kernels.iq3_search (module flags, set per run):
-  old          PACKED=False, SUMS=False, LISTS_FROM=512, BLOCK 128 / 4 warps   (git main: float-table loads, (n, 8, 32)
-               terms written and summed by torch; XXS walks the whole grid)
-  new          PACKED=True, SUMS=True, LISTS_FROM=512, BLOCK 128 / 4 warps     (this branch's default: packed words,
-               sub-block sums in the kernel)
-  new_lists    PACKED=True,  LISTS_FROM=256 (IQ3_XXS walks its exact candidate lists too)
+  old          PACKED=False, SUMS=False, CONSIDER=False, LISTS_FROM=512, BLOCK 128 / 4 warps: git main's behaviour
+               (float-table loads, (n, 8, 32) terms written and summed by torch, step 1's update in torch; IQ3_XXS
+               walks the whole grid, IQ3_S its candidate lists)
+  new          PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=512, BLOCK 128 / 4 warps: this branch's default
+               (packed words, sub-block sums and step 1's running best in the kernel)
+  new_lists    as new with LISTS_FROM=256 (IQ3_XXS walks its exact candidate lists too)
   new_lists64  as new_lists with BLOCK 64 / 2 warps (smaller programs: shorter list walks)
   new_lists32  as new_lists with BLOCK 32 / 1 warp
 Times ``dynaquant.quant.codecs.quantize`` of a random 4096 x 14336 float32 tensor with a random positive imatrix
@@ -30,11 +31,11 @@ from dynaquant.kernels import iq3_search as ks
 from dynaquant.quant.codecs import dequantize, quantize
 
 CONFIGS = {
-    "old": dict(PACKED=False, SUMS=False, LISTS_FROM=512, _BLOCK=128, _WARPS=4),
-    "new": dict(PACKED=True, SUMS=True, LISTS_FROM=512, _BLOCK=128, _WARPS=4),
-    "new_lists": dict(PACKED=True, SUMS=True, LISTS_FROM=256, _BLOCK=128, _WARPS=4),
-    "new_lists64": dict(PACKED=True, SUMS=True, LISTS_FROM=256, _BLOCK=64, _WARPS=2),
-    "new_lists32": dict(PACKED=True, SUMS=True, LISTS_FROM=256, _BLOCK=32, _WARPS=1),
+    "old": dict(PACKED=False, SUMS=False, CONSIDER=False, LISTS_FROM=512, _BLOCK=128, _WARPS=4),
+    "new": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=512, _BLOCK=128, _WARPS=4),
+    "new_lists": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=128, _WARPS=4),
+    "new_lists64": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=64, _WARPS=2),
+    "new_lists32": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=32, _WARPS=1),
 }
 DEFAULTS = {k: getattr(ks, k) for k in CONFIGS["new"]}
 

@@ -25,7 +25,9 @@ scattered back) and in the (rows, P) score matrices' reductions, not in arithmet
   point of :func:`assign` are one 4-byte load each (the float tables took 8 loads a point, plus the index): the
   same coordinates, the same operations, the same results;
 - :func:`assign` with ``sums=True`` (the encoder's calls) sums the per-weight terms of each sub-block in the kernel
-  (:data:`SUMS`) and writes (n, 8) sums, not (n, 8, 32) terms that torch reads back to sum.
+  (:data:`SUMS`) and writes (n, 8) sums, not (n, 8, 32) terms that torch reads back to sum;
+- :func:`consider` (fast path ``iq3.consider``) is one candidate scale of step 1 in one launch: the assignment, its
+  sums and the running best's float64 update (:data:`CONSIDER`), where ~17 small torch ops a candidate ran.
 
 Sums run in a fixed order, not torch's, so scores can differ from the reference by float32 rounding and a near-tie
 can pick the other point (the tests compare the errors, and the bytes through gguf-py's decoder).
@@ -42,11 +44,12 @@ from dynaquant.kernels import iq3_tables as tables
 from dynaquant.quant.codecs import _iq3_search as steps
 from dynaquant.quant.codecs import iq3
 
-__all__ = ["assign", "nearest_variants", "pick_errors"]
+__all__ = ["assign", "consider", "nearest_variants", "pick_errors"]
 
 _BLOCK = 128  # groups a program (one a lane)
 PACKED = True  # grid lookups and candidate lists as packed words (iq3_tables.packed_points; the same values, fewer loads)
 SUMS = True  # assign(sums=True) sums the terms a sub-block in the kernel (else torch sums the written terms)
+CONSIDER = True  # consider() updates step 1's running best in the kernel (else torch, from assign's sums)
 LISTS_FROM = 512  # grids of this many points or more walk candidate lists by default (measured: IQ3_S yes, IQ3_XXS no)
 _WARPS = 4
 
@@ -379,9 +382,9 @@ def _sub_sums(t0, t1, t2, t3, u0, u1, u2, u3, rm, BLOCK: tl.constexpr):
 
 @triton.jit
 def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_ptr, pts_ptr, cand_ptr, cnt_ptr,
-                  idx_ptr, flip_ptr, p_ptr, q_ptr, n, P: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
+                  idx_ptr, flip_ptr, p_ptr, q_ptr, bg_ptr, ba_ptr, n, P: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
                   BLOCK: tl.constexpr, LISTS: tl.constexpr, OUT: tl.constexpr, IDX: tl.constexpr, FB: tl.constexpr,
-                  GSTEP: tl.constexpr, SUMS: tl.constexpr):
+                  GSTEP: tl.constexpr, SUMS: tl.constexpr, BEST: tl.constexpr):
     # one lane an 8-group (two halves of 4 weights, groups 2 l and 2 l + 1 of the (n * 64) groups)
     pid = tl.program_id(0)
     lane = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -471,9 +474,23 @@ def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_
     if SUMS:  # (n, 8) sums a sub-block instead of (n, 8, 32) terms
         sb = pid.to(tl.int64) * (BLOCK // 4) + tl.arange(0, BLOCK // 4).to(tl.int64)
         sm = sb < n // 4
-        tl.store(p_ptr + sb, _sub_sums(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, rm, BLOCK), mask=sm)
-        if OUT == 0:
-            tl.store(q_ptr + sb, _sub_sums(qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, rm, BLOCK), mask=sm)
+        ps = _sub_sums(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, rm, BLOCK)
+        if BEST:  # step 1's running best (steps.best_scale_update's float64 operations): p, q the updated (gain, A)
+            qs = _sub_sums(qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, rm, BLOCK)
+            sxg = ps.to(tl.float64)
+            sgg = qs.to(tl.float64)
+            nz = sgg != 0
+            den = tl.where(nz, sgg, 1.0)
+            gain = tl.where(nz, (sxg * sxg) / den, 0.0)
+            bg = tl.load(bg_ptr + sb, mask=sm, other=0.0)
+            take = (gain > bg) & (sxg > 0)
+            tl.store(p_ptr + sb, tl.where(take, gain, bg), mask=sm)
+            ba = tl.load(ba_ptr + sb, mask=sm, other=0.0)
+            tl.store(q_ptr + sb, tl.where(take, tl.where(nz, sxg / den, 0.0).to(tl.float32), ba), mask=sm)
+        else:
+            tl.store(p_ptr + sb, ps, mask=sm)
+            if OUT == 0:
+                tl.store(q_ptr + sb, _sub_sums(qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, rm, BLOCK), mask=sm)
 
 
 def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None, flip_at: torch.Tensor | None,
@@ -537,14 +554,47 @@ def assign(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full
         lanes = n * 32
         nv = (5 if full else 2) if parity else 1
         assign_kernel[(triton.cdiv(lanes, _BLOCK),)](
-            xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, idx, flip, p, q, lanes, P=gc.shape[0], V=nv,
+            xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, idx, flip, p, q, p, p, lanes, P=gc.shape[0], V=nv,
             K=cand.shape[1], BLOCK=_BLOCK, LISTS=lists, OUT=steps.OUTS.index(out), IDX=want_idx, FB=fb, GSTEP=gstep,
-            SUMS=in_kernel, num_warps=_WARPS)
+            SUMS=in_kernel, BEST=False, num_warps=_WARPS)
     if sums and not in_kernel:
         p, q = p.sum(-1), (q.sum(-1) if out == "stats" else p)
     if not want_idx:
         return None, None, p, (q if out == "stats" else None)
     return idx, flip.view(torch.bool), p, (q if out == "stats" else None)
+
+
+def consider(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, best_gain: torch.Tensor,
+             best_a: torch.Tensor, kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor,
+             lists: bool | None = None, packed: bool | None = None):
+    """Fused :func:`dynaquant.quant.codecs._iq3_search.consider_torch` (the fast path ``iq3.consider``, one candidate
+    scale of step 1): the assignment for scales ``a``, its least-squares sums a sub-block and the running best's
+    update in one launch (:data:`CONSIDER`; else :func:`assign` with ``sums`` and the reference's update in torch).
+    The update is the reference's float64 operations on the kernel's sums (:func:`assign`'s ``sums`` order). Same
+    arguments; returns the new (best_gain (n, 8) float64, best_a (n, 8) float32). Raises ValueError as :func:`assign`."""
+    n = x.shape[0]
+    if not (CONSIDER and SUMS) or n == 0:
+        p, q = assign(x, w, a, parity, False, "stats", False, kmap, mids, grid, g8, lists, packed, sums=True)[2:]
+        return steps.best_scale_update(p.double(), q.double(), best_gain, best_a)
+    if x.shape != (n, 8, 32) or w.shape != x.shape or a.shape != (n, 8) or best_gain.shape != (n, 8) \
+            or best_a.shape != (n, 8):
+        raise ValueError(f"expected x, w (n, 8, 32) and a, best_gain, best_a (n, 8), got {tuple(x.shape)}, "
+                         f"{tuple(w.shape)}, {tuple(a.shape)}, {tuple(best_gain.shape)}, {tuple(best_a.shape)}")
+    dev = x.device
+    xc, wc = x.to(torch.float32).contiguous(), w.to(torch.float32).contiguous()
+    ac = a.to(torch.float32).contiguous()
+    ia = steps.inv_scale(ac)
+    bg, ba = best_gain.to(torch.float64).contiguous(), best_a.to(torch.float32).contiguous()
+    gain, scale = torch.empty_like(bg), torch.empty_like(ba)
+    gc, g2, mc, kc, pts, cand, cnt, fb, gstep = tables.launch_tables(grid, kmap, mids, dev,
+                                                                     PACKED if packed is None else packed)
+    lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
+    lanes = n * 32
+    assign_kernel[(triton.cdiv(lanes, _BLOCK),)](
+        xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, gain, gain, gain, scale, bg, ba, lanes, P=gc.shape[0],
+        V=2 if parity else 1, K=cand.shape[1], BLOCK=_BLOCK, LISTS=lists, OUT=0, IDX=False, FB=fb, GSTEP=gstep,
+        SUMS=True, BEST=True, num_warps=_WARPS)
+    return gain, scale
 
 
 @triton.jit

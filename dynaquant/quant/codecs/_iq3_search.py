@@ -138,6 +138,27 @@ def assign_torch(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool
     return (idx, flip, p, q) if want_idx else (None, None, p, q)
 
 
+def best_scale_update(sxg: torch.Tensor, sgg: torch.Tensor, best_gain: torch.Tensor,
+                      best_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 1's running choice of sub-block scale: a candidate's least-squares sums ``sxg``, ``sgg`` (n, 8) float64
+    give the gain ``sxg**2 / sgg`` and the refit scale ``sxg / sgg`` (0 where ``sgg`` is 0); it replaces the best
+    where its gain is larger and ``sxg > 0``. Returns (best_gain (n, 8) float64, best_a (n, 8) float32)."""
+    gain = kqs.safe_div(sxg * sxg, sgg)
+    take = (gain > best_gain) & (sxg > 0)
+    return torch.where(take, gain, best_gain), torch.where(take, kqs.safe_div(sxg, sgg).float(), best_a)
+
+
+def consider_torch(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, best_gain: torch.Tensor,
+                   best_a: torch.Tensor, kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor,
+                   g8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One candidate of step 1 (the reference of the fast path ``iq3.consider``): the assignment for scales ``a``
+    (n, 8) float32 (:func:`assign_torch`, ``full`` False), its least-squares sums and :func:`best_scale_update`.
+    x, w: (n, 8, 32) float32; best_gain (n, 8) float64, best_a (n, 8) float32; tables as :func:`assign_torch`.
+    Returns the new (best_gain, best_a). Raises ValueError as :func:`assign_torch`."""
+    p, q = assign_torch(x, w, a, parity, False, "stats", False, kmap, mids, grid, g8, sums=True)[2:]
+    return best_scale_update(p.double(), q.double(), best_gain, best_a)
+
+
 def _pick_terms(a: torch.Tensor, sgg: torch.Tensor, cand: torch.Tensor, c: float):
     """Step 2's per-candidate terms: (e (n, C, 8) float64 the least quadratic error of each sub-block over the two odd
     multiples ``2 l + 1`` nearest ``A / (c d)``, ls (n, C, 8, 2) float64 those ``l``, i (n, C, 8) int64 the better)."""

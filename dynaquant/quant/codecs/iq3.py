@@ -354,16 +354,23 @@ class _IQ3(Codec):
         best_a = torch.zeros_like(amax)
         fused = self._fused(xa, backend)
 
+        update = None
+        if fused is not None:  # the fused candidate step (iq3.consider) where there is one
+            try:
+                update = lat.fast_path("iq3.consider", xa, backend)
+            except RuntimeError:
+                update = None
+
         def consider(a):
             nonlocal best_gain, best_a
+            if update is not None:
+                best_gain, best_a = update(x, w, a, self.parity, best_gain, best_a, *self._tables(x.device))
+                return
             if fused is not None:
                 sxg, sgg = self._ls_stats_fused(fused, x, w, a, False)[2:]
             else:
                 sxg, sgg = self._ls_stats(xa, w, *self._assign(xa, w, neg, a, False, backend))
-            gain = kqs.safe_div(sxg * sxg, sgg)
-            take = (gain > best_gain) & (sxg > 0)
-            best_gain = torch.where(take, gain, best_gain)
-            best_a = torch.where(take, kqs.safe_div(sxg, sgg).float(), best_a)
+            best_gain, best_a = steps.best_scale_update(sxg, sgg, best_gain, best_a)
 
         for t in self._knob("step1_t", xa.device):
             consider(amax / t)
