@@ -14,7 +14,7 @@ Times ``dynaquant.quant.codecs.quantize`` of a random 4096 x 14336 float32 tenso
 bytes / rows equal to old, a gguf-py decode check of the new bytes, a torch.profiler top-15 CUDA kernel table of one
 encode under the fastest new configuration, and one JSON line at the end.
 
-usage: PYTHONPATH=$PWD python3 .dev/s30iq3_bench.py
+usage: PYTHONPATH=$PWD python3 .dev/s30iq3_bench.py [--configs old,new,new_lists,new_lists64,new_lists32]
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ CONFIGS = {
     "new_lists64": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=64, _WARPS=2),
     "new_lists32": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=32, _WARPS=1),
 }
+DEFAULT_CONFIGS = ("old", "new", "new_lists", "new_lists64")  # --configs to choose (each compiles its own kernels)
 DEFAULTS = {k: getattr(ks, k) for k in CONFIGS["new"]}
 
 
@@ -73,6 +74,12 @@ def gguf_ok(b, fmt, rows=64):
 
 
 def main():
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
+    configs = ap.parse_args().configs.split(",")
+    assert configs[0] == "old" and all(c in CONFIGS for c in configs), f"configs: old first, then of {list(CONFIGS)}"
     assert torch.cuda.is_available(), "needs CUDA"
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(4096, 14336, device="cuda", generator=g)
@@ -83,7 +90,7 @@ def main():
         for fmt in ("IQ3_XXS", "IQ3_S"):
             res = {}
             base = None
-            for cfg in CONFIGS:
+            for cfg in configs:
                 if fmt == "IQ3_S" and cfg == "new_lists":
                     continue  # IQ3_S walks lists under "new" already (LISTS_FROM=512)
                 configure(cfg)
