@@ -412,6 +412,112 @@ def test_iq3_assign_equals_the_composition(interpreted, name, parity, full, out)
     assert short[0] is None and short[1] is None and torch.equal(short[2].cpu(), got[2])
 
 
+@pytest.mark.parametrize("name,parity,full", [("IQ3_XXS", True, False), ("IQ3_XXS", True, True), ("IQ3_S", False, False)])
+@pytest.mark.parametrize("lists", [True, False])
+def test_iq3_packed_tables_change_nothing(interpreted, name, parity, full, lists):
+    """The fused assignment reading packed words (map, candidate lists, chosen points) equals the one reading the
+    float tables, bit for bit (the same coordinates, the same operations), for both terms, both walks and all variants;
+    the packed words decode to the grid and the map."""
+    from dynaquant.kernels.iq3_search import assign
+    from dynaquant.kernels.iq3_tables import candidate_lists, packed_points
+    from dynaquant.quant.codecs import iq3
+
+    kmap, mids, grid, g8 = (*iq3._grid_map(name, "cpu"), *iq3._grid_table(name, "cpu"))
+    cand, _ = candidate_lists(grid, "cpu")
+    pts, kpk, cpk, fb, step = packed_points(grid, kmap, cand)
+    fields = (pts[:, None].long() >> (fb * torch.arange(4))) & ((1 << fb) - 1)
+    assert torch.equal(fields.float() * step, grid) and torch.equal(pts.long() >> (4 * fb), torch.arange(grid.shape[0]))
+    assert torch.equal(torch.where(kmap >= 0, kpk.long() >> (4 * fb), -1), kmap) and torch.equal(cpk, pts[cand.long()])
+    assert packed_points(grid + 0.5, kmap, cand) is None
+    g = torch.Generator().manual_seed(11)
+    n = 5  # 160 lanes: two programs, the last partial
+    x = torch.randn(n, 8, 32, generator=g) * 0.02 * torch.exp(torch.randn(n, 8, 1, generator=g))
+    w = torch.exp(torch.randn(n, 8, 32, generator=g))
+    a = x.abs().amax(-1) / (50.0 if name == "IQ3_XXS" else 13.0) * (1 + 0.3 * torch.rand(n, 8, generator=g))
+    a[1, 2] = 0.0
+    tables = tuple(t.to(DEVICE) for t in (kmap, mids, grid, g8))
+    xd, wd, ad = x.to(DEVICE), w.to(DEVICE), a.to(DEVICE)
+    for out in ("stats", "error"):
+        new = [t for t in assign(xd, wd, ad, parity, full, out, True, *tables, lists=lists, packed=True) if t is not None]
+        old = [t for t in assign(xd, wd, ad, parity, full, out, True, *tables, lists=lists, packed=False) if t is not None]
+        assert all(u.dtype == v.dtype and torch.equal(u.cpu(), v.cpu()) for u, v in zip(new, old))
+
+
+@pytest.mark.parametrize("name,parity,full", [("IQ3_XXS", True, True), ("IQ3_S", False, False)])
+def test_iq3_assign_sums(interpreted, name, parity, full):
+    """``sums=True``: the fused assignment's (n, 8) sub-block sums formed in the kernel equal the reference's
+    ``sum(-1)`` of its terms to float32 rounding (the same assignment: idx and flip bit for bit); summed by torch
+    (``fused_sums=False``) they are the reference's bit for bit."""
+    from dynaquant.kernels.iq3_search import assign
+    from dynaquant.quant.codecs import _iq3_search as steps
+    from dynaquant.quant.codecs import iq3
+
+    g = torch.Generator().manual_seed(12)
+    n = 5  # 160 lanes: two programs, the last partial
+    x = torch.randn(n, 8, 32, generator=g) * 0.02 * torch.exp(torch.randn(n, 8, 1, generator=g))
+    w = torch.exp(torch.randn(n, 8, 32, generator=g))
+    a = x.abs().amax(-1) / (50.0 if name == "IQ3_XXS" else 13.0) * (1 + 0.3 * torch.rand(n, 8, generator=g))
+    a[1, 2] = 0.0
+    tables = tuple(t.to(DEVICE) for t in (*iq3._grid_map(name, "cpu"), *iq3._grid_table(name, "cpu")))
+    xd, wd, ad = x.to(DEVICE), w.to(DEVICE), a.to(DEVICE)
+    for out in ("stats", "error"):
+        ref = steps.assign_torch(x, w, a, parity, full, out, True, *(t.cpu() for t in tables), sums=True)
+        assert ref[2].shape == (n, 8)
+        fused = [None if t is None else t.cpu() for t in assign(xd, wd, ad, parity, full, out, True, *tables, sums=True)]
+        torch_sums = [None if t is None else t.cpu()
+                      for t in assign(xd, wd, ad, parity, full, out, True, *tables, sums=True, fused_sums=False)]
+        assert torch.equal(fused[0], ref[0]) and torch.equal(fused[1], ref[1])
+        for k in (2, 3):
+            if ref[k] is None:
+                assert fused[k] is None and torch_sums[k] is None
+                continue
+            assert fused[k].shape == (n, 8) and torch.equal(torch_sums[k], ref[k])
+            torch.testing.assert_close(fused[k], ref[k], rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,parity", [("IQ3_XXS", True), ("IQ3_S", False)])
+def test_iq3_consider_updates_as_the_reference(interpreted, name, parity, monkeypatch):
+    """Step 1's fused candidate (``iq3.consider``: assignment, sums and the running best's update in one launch) gives
+    the reference's update (float64, bit for bit) of the kernel's own sums, and with the kernel update switched off
+    (``CONSIDER``) the same; torch's sums of the same assignment agree to their rounding (the reference
+    ``consider_torch`` searches by its own float order: a near-tie may take another point); a taken gain is larger, a
+    kept one unchanged."""
+    from dynaquant.kernels import iq3_search
+    from dynaquant.quant.codecs import _iq3_search as steps
+    from dynaquant.quant.codecs import iq3
+
+    g = torch.Generator().manual_seed(13)
+    n = 5  # 160 lanes: two programs, the last partial
+    x = torch.randn(n, 8, 32, generator=g) * 0.02 * torch.exp(torch.randn(n, 8, 1, generator=g))
+    w = torch.exp(torch.randn(n, 8, 32, generator=g))
+    x[1, 2] = 0.0  # a zero sub-block: sxg 0, never taken
+    a = x.abs().amax(-1) / (50.0 if name == "IQ3_XXS" else 13.0)
+    best_gain = torch.rand(n, 8, generator=g, dtype=torch.float64) * 1e-3
+    best_gain[0] = -1.0  # the first candidate's start: taken wherever sxg > 0
+    best_a = torch.rand(n, 8, generator=g)
+    tables = tuple(t.to(DEVICE) for t in (*iq3._grid_map(name, "cpu"), *iq3._grid_table(name, "cpu")))
+    xd, wd, ad, bgd, bad = (t.to(DEVICE) for t in (x, w, a, best_gain, best_a))
+    gain, scale = (t.cpu() for t in iq3_search.consider(xd, wd, ad, parity, bgd, bad, *tables))
+    p, q = (t.cpu() for t in iq3_search.assign(xd, wd, ad, parity, False, "stats", False, *tables, sums=True)[2:])
+    ref = steps.best_scale_update(p.double(), q.double(), best_gain, best_a)
+    assert gain.dtype == torch.float64 and scale.dtype == torch.float32
+    assert torch.equal(gain, ref[0]) and torch.equal(scale, ref[1])
+    monkeypatch.setattr(iq3_search, "CONSIDER", False)
+    off = [t.cpu() for t in iq3_search.consider(xd, wd, ad, parity, bgd, bad, *tables)]
+    assert torch.equal(off[0], gain) and torch.equal(off[1], scale)
+    # torch's sums of the same assignment (the fused search's points): equal to the sums' rounding
+    p, q = steps.assign_torch(xd, wd, ad, parity, False, "stats", False, *tables, nearest=iq3_search.nearest_variants,
+                              sums=True)[2:]
+    tg, ta = steps.best_scale_update(p.cpu().double(), q.cpu().double(), best_gain, best_a)
+    torch.testing.assert_close(gain, tg, rtol=1e-5, atol=0)
+    torch.testing.assert_close(scale, ta, rtol=1e-5, atol=0)
+    tg, ta = steps.consider_torch(x, w, a, parity, best_gain, best_a, *(t.cpu() for t in tables))  # the reference
+    assert tg.shape == ta.shape == (n, 8) and ((tg - gain).abs() <= 1e-2 * gain.abs()).float().mean() > 0.8
+    taken = gain != best_gain
+    assert taken[0].sum() >= 7 and not taken[1, 2] and (gain[taken] > best_gain[taken]).all()
+    assert torch.equal(scale[~taken], best_a[~taken])
+
+
 @pytest.mark.parametrize("c", [0.25, 1.0])
 def test_iq3_pick_errors_equal_the_reference(interpreted, c):
     """The fp16 ``d`` search's candidate errors (float64) from the kernel equal the torch reference's bit for bit,

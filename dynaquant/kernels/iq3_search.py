@@ -19,7 +19,15 @@ scattered back) and in the (rows, P) score matrices' reductions, not in arithmet
   groups is off it (points and squares as uniform loads), all variants scored from the same products (a flip of
   weight ``i`` lowers the score by ``2 f_i g_i``);
 - nothing of size (groups, P) or (groups, V, 8) touches memory: a call reads ``f``, ``t`` (and the flags) and writes
-  the (R, V) scores and indices.
+  the (R, V) scores and indices;
+- with :data:`PACKED` (default) a grid point is one int32 word (:func:`.iq3_tables.packed_points`: its 4 coordinates as fields
+  times the grid's step, and its index), so a lookup in the level-pattern map, a candidate of a list and the chosen
+  point of :func:`assign` are one 4-byte load each (the float tables took 8 loads a point, plus the index): the
+  same coordinates, the same operations, the same results;
+- :func:`assign` with ``sums=True`` (the encoder's calls) sums the per-weight terms of each sub-block in the kernel
+  (:data:`SUMS`) and writes (n, 8) sums, not (n, 8, 32) terms that torch reads back to sum;
+- :func:`consider` (fast path ``iq3.consider``) is one candidate scale of step 1 in one launch: the assignment, its
+  sums and the running best's float64 update (:data:`CONSIDER`), where ~17 small torch ops a candidate ran.
 
 Sums run in a fixed order, not torch's, so scores can differ from the reference by float32 rounding and a near-tie
 can pick the other point (the tests compare the errors, and the bytes through gguf-py's decoder).
@@ -28,18 +36,20 @@ Importing this module imports Triton.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from dynaquant.kernels import iq3_tables as tables
 from dynaquant.quant.codecs import _iq3_search as steps
-from dynaquant.quant.codecs import _lattice as lat
 from dynaquant.quant.codecs import iq3
 
-__all__ = ["assign", "nearest_variants", "pick_errors"]
+__all__ = ["assign", "consider", "nearest_variants", "pick_errors"]
 
 _BLOCK = 128  # groups a program (one a lane)
+PACKED = True  # grid lookups and candidate lists as packed words (iq3_tables.packed_points; the same values, fewer loads)
+SUMS = True  # assign(sums=True) sums the terms a sub-block in the kernel (else torch sums the written terms)
+CONSIDER = True  # consider() updates step 1's running best in the kernel (else torch, from assign's sums)
 LISTS_FROM = 512  # grids of this many points or more walk candidate lists by default (measured: IQ3_S yes, IQ3_XXS no)
 _WARPS = 4
 
@@ -52,11 +62,26 @@ def _levels(t, m0, m1, m2, m3, m4, m5, m6):
 
 
 @triton.jit
-def _on_grid(kmap_ptr, grid_ptr, g2_ptr, l0, l1, l2, l3, s0, s1, s2, s3, f0, f1, f2, f3, f4, f5, f6, f7, mask):
+def _on_grid(kmap_ptr, grid_ptr, g2_ptr, l0, l1, l2, l3, s0, s1, s2, s3, f0, f1, f2, f3, f4, f5, f6, f7, mask,
+             FB: tl.constexpr, GSTEP: tl.constexpr):
     # the grid point the levels l0..l3 form (-1 off the grid) and its score with the first four features signed
-    # by s0..s3 (+1 or -1)
-    idx = tl.load(kmap_ptr + (l0 + 8 * l1 + 64 * l2 + 512 * l3), mask=mask, other=-1).to(tl.int32)
+    # by s0..s3 (+1 or -1); FB > 0: kmap_ptr is the packed map (one word: the point's coordinates and its index)
+    u = l0 + 8 * l1 + 64 * l2 + 512 * l3
+    if FB > 0:
+        word = tl.load(kmap_ptr + u, mask=mask, other=-1)
+        idx = word >> (4 * FB)
+        word = tl.where(mask & (idx >= 0), word, 0)
+        return idx, _word_score(word, s0, s1, s2, s3, f0, f1, f2, f3, f4, f5, f6, f7, FB, GSTEP)
+    idx = tl.load(kmap_ptr + u, mask=mask, other=-1).to(tl.int32)
     return idx, _point_score(grid_ptr, g2_ptr, idx, s0, s1, s2, s3, f0, f1, f2, f3, f4, f5, f6, f7, mask & (idx >= 0))
+
+
+@triton.jit
+def _score(g0, g1, g2, g3, q0, q1, q2, q3, s0, s1, s2, s3, f0, f1, f2, f3, f4, f5, f6, f7):
+    # a point's score: coordinates g, their squares q, the first four features signed by s0..s3
+    b = (s0 * f0 * g0 + s1 * f1 * g1) + (s2 * f2 * g2 + s3 * f3 * g3)
+    c = (f4 * q0 + f5 * q1) + (f6 * q2 + f7 * q3)
+    return b + c
 
 
 @triton.jit
@@ -64,11 +89,27 @@ def _point_score(grid_ptr, g2_ptr, idx, s0, s1, s2, s3, f0, f1, f2, f3, f4, f5, 
     # grid point idx's score, the first four features signed by s0..s3; 0 where not ok
     gp = grid_ptr + idx * 4
     qp = g2_ptr + idx * 4
-    b = (s0 * f0 * tl.load(gp + 0, mask=ok, other=0.0) + s1 * f1 * tl.load(gp + 1, mask=ok, other=0.0)) + (
-        s2 * f2 * tl.load(gp + 2, mask=ok, other=0.0) + s3 * f3 * tl.load(gp + 3, mask=ok, other=0.0))
-    c = (f4 * tl.load(qp + 0, mask=ok, other=0.0) + f5 * tl.load(qp + 1, mask=ok, other=0.0)) + (
-        f6 * tl.load(qp + 2, mask=ok, other=0.0) + f7 * tl.load(qp + 3, mask=ok, other=0.0))
-    return b + c
+    return _score(tl.load(gp + 0, mask=ok, other=0.0), tl.load(gp + 1, mask=ok, other=0.0),
+                  tl.load(gp + 2, mask=ok, other=0.0), tl.load(gp + 3, mask=ok, other=0.0),
+                  tl.load(qp + 0, mask=ok, other=0.0), tl.load(qp + 1, mask=ok, other=0.0),
+                  tl.load(qp + 2, mask=ok, other=0.0), tl.load(qp + 3, mask=ok, other=0.0),
+                  s0, s1, s2, s3, f0, f1, f2, f3, f4, f5, f6, f7)
+
+
+@triton.jit
+def _coord(word, j: tl.constexpr, FB: tl.constexpr, GSTEP: tl.constexpr):
+    # coordinate j of a packed point (:func:`packed_points`): field j times the grid's step (exact)
+    return ((word >> (FB * j)) & ((1 << FB) - 1)).to(tl.float32) * GSTEP
+
+
+@triton.jit
+def _word_score(word, s0, s1, s2, s3, f0, f1, f2, f3, f4, f5, f6, f7, FB: tl.constexpr, GSTEP: tl.constexpr):
+    # :func:`_point_score` of a packed point (word 0: every coordinate 0, the score of a masked load)
+    g0 = _coord(word, 0, FB, GSTEP)
+    g1 = _coord(word, 1, FB, GSTEP)
+    g2 = _coord(word, 2, FB, GSTEP)
+    g3 = _coord(word, 3, FB, GSTEP)
+    return _score(g0, g1, g2, g3, g0 * g0, g1 * g1, g2 * g2, g3 * g3, s0, s1, s2, s3, f0, f1, f2, f3, f4, f5, f6, f7)
 
 
 @triton.jit
@@ -78,24 +119,31 @@ def _take(take, s, i, best, arg):
 
 @triton.jit
 def _walk(cand_ptr, cnt_ptr, grid_ptr, g2_ptr, l0, l1, l2, l3, s0, s1, s2, s3, f0, f1, f2, f3, f4, f5, f6, f7, need,
-          best, arg, K: tl.constexpr):
+          best, arg, K: tl.constexpr, FB: tl.constexpr, GSTEP: tl.constexpr):
     # an off-grid variant's best point: the exact candidates of its level pattern (the points no other point
-    # dominates), ascending, strict '>' keeping the first maximum; lanes not in need keep (best, arg)
+    # dominates), ascending, strict '>' keeping the first maximum; lanes not in need keep (best, arg); FB > 0:
+    # cand_ptr holds packed points (one 4-byte load a candidate), else indices (then 8 loads of grid and squares)
     u = l0 + 8 * l1 + 64 * l2 + 512 * l3
     cnt = tl.load(cnt_ptr + u, mask=need, other=0)
     b = tl.full(best.shape, float("-inf"), tl.float32)
     j = tl.zeros(arg.shape, tl.int32)
     for k in range(tl.max(cnt, axis=0)):
         m = need & (k < cnt)
-        p = tl.load(cand_ptr + u * K + k, mask=m, other=0)
-        v = _point_score(grid_ptr, g2_ptr, p, s0, s1, s2, s3, f0, f1, f2, f3, f4, f5, f6, f7, m)
+        if FB > 0:
+            word = tl.load(cand_ptr + u * K + k, mask=m, other=0)
+            p = word >> (4 * FB)
+            v = _word_score(word, s0, s1, s2, s3, f0, f1, f2, f3, f4, f5, f6, f7, FB, GSTEP)
+        else:
+            p = tl.load(cand_ptr + u * K + k, mask=m, other=0)
+            v = _point_score(grid_ptr, g2_ptr, p, s0, s1, s2, s3, f0, f1, f2, f3, f4, f5, f6, f7, m)
         b, j = _take(m & (v > b), v, p, b, j)
     return tl.where(need, b, best), tl.where(need, j, arg)
 
 
 @triton.jit
 def _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k, rm, kmap_ptr, mids_ptr, grid_ptr, g2_ptr, cand_ptr,
-            cnt_ptr, P: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr, LISTS: tl.constexpr):
+            cnt_ptr, P: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr, LISTS: tl.constexpr,
+            FB: tl.constexpr, GSTEP: tl.constexpr):
     # the best point (score, index) of each variant of the lanes' groups (features f, targets t): variant 0 the
     # group, V = 2: weight k flipped, V = 5: weight i flipped in variant 1 + i (on the odd lanes; others unused)
     i1 = tl.zeros((BLOCK,), tl.int32)
@@ -119,7 +167,7 @@ def _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k, rm, kmap_ptr
     a2 = _levels(t2, m0, m1, m2, m3, m4, m5, m6)
     a3 = _levels(t3, m0, m1, m2, m3, m4, m5, m6)
     one = tl.full((BLOCK,), 1.0, tl.float32)
-    i0, s0 = _on_grid(kmap_ptr, grid_ptr, g2_ptr, a0, a1, a2, a3, one, one, one, one, f0, f1, f2, f3, f4, f5, f6, f7, rm)
+    i0, s0 = _on_grid(kmap_ptr, grid_ptr, g2_ptr, a0, a1, a2, a3, one, one, one, one, f0, f1, f2, f3, f4, f5, f6, f7, rm, FB, GSTEP)
     off = (i0 < 0) & rm
     if V > 1:
         z0 = _levels(-t0, m0, m1, m2, m3, m4, m5, m6)
@@ -133,32 +181,36 @@ def _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k, rm, kmap_ptr
         sg3 = tl.where(k == 3, -1.0, 1.0)
         i1, s1 = _on_grid(kmap_ptr, grid_ptr, g2_ptr, tl.where(k == 0, z0, a0), tl.where(k == 1, z1, a1),
                           tl.where(k == 2, z2, a2), tl.where(k == 3, z3, a3), sg0, sg1, sg2, sg3,
-                          f0, f1, f2, f3, f4, f5, f6, f7, odd)
+                          f0, f1, f2, f3, f4, f5, f6, f7, odd, FB, GSTEP)
         off = off | (odd & (i1 < 0))
     if V == 5:
         neg = -one
-        i1, s1 = _on_grid(kmap_ptr, grid_ptr, g2_ptr, z0, a1, a2, a3, neg, one, one, one, f0, f1, f2, f3, f4, f5, f6, f7, odd)
-        i2, s2 = _on_grid(kmap_ptr, grid_ptr, g2_ptr, a0, z1, a2, a3, one, neg, one, one, f0, f1, f2, f3, f4, f5, f6, f7, odd)
-        i3, s3 = _on_grid(kmap_ptr, grid_ptr, g2_ptr, a0, a1, z2, a3, one, one, neg, one, f0, f1, f2, f3, f4, f5, f6, f7, odd)
-        i4, s4 = _on_grid(kmap_ptr, grid_ptr, g2_ptr, a0, a1, a2, z3, one, one, one, neg, f0, f1, f2, f3, f4, f5, f6, f7, odd)
+        i1, s1 = _on_grid(kmap_ptr, grid_ptr, g2_ptr, z0, a1, a2, a3, neg, one, one, one,
+                          f0, f1, f2, f3, f4, f5, f6, f7, odd, FB, GSTEP)
+        i2, s2 = _on_grid(kmap_ptr, grid_ptr, g2_ptr, a0, z1, a2, a3, one, neg, one, one,
+                          f0, f1, f2, f3, f4, f5, f6, f7, odd, FB, GSTEP)
+        i3, s3 = _on_grid(kmap_ptr, grid_ptr, g2_ptr, a0, a1, z2, a3, one, one, neg, one,
+                          f0, f1, f2, f3, f4, f5, f6, f7, odd, FB, GSTEP)
+        i4, s4 = _on_grid(kmap_ptr, grid_ptr, g2_ptr, a0, a1, a2, z3, one, one, one, neg,
+                          f0, f1, f2, f3, f4, f5, f6, f7, odd, FB, GSTEP)
         off = off | (odd & ((i1 < 0) | (i2 < 0) | (i3 < 0) | (i4 < 0)))
     if LISTS:  # each off-grid variant walks its pattern's exact candidate list
         i0 = i0.to(tl.int32)
         s0, i0 = _walk(cand_ptr, cnt_ptr, grid_ptr, g2_ptr, a0, a1, a2, a3, one, one, one, one, f0, f1, f2, f3, f4, f5,
-                       f6, f7, rm & (i0 < 0), s0, i0, K)
+                       f6, f7, rm & (i0 < 0), s0, i0, K, FB, GSTEP)
         if V == 2:
             s1, i1 = _walk(cand_ptr, cnt_ptr, grid_ptr, g2_ptr, tl.where(k == 0, z0, a0), tl.where(k == 1, z1, a1),
                            tl.where(k == 2, z2, a2), tl.where(k == 3, z3, a3), sg0, sg1, sg2, sg3, f0, f1, f2, f3, f4,
-                           f5, f6, f7, odd & (i1 < 0), s1, i1.to(tl.int32), K)
+                           f5, f6, f7, odd & (i1 < 0), s1, i1.to(tl.int32), K, FB, GSTEP)
         if V == 5:
             s1, i1 = _walk(cand_ptr, cnt_ptr, grid_ptr, g2_ptr, z0, a1, a2, a3, neg, one, one, one, f0, f1, f2, f3, f4,
-                           f5, f6, f7, odd & (i1 < 0), s1, i1.to(tl.int32), K)
+                           f5, f6, f7, odd & (i1 < 0), s1, i1.to(tl.int32), K, FB, GSTEP)
             s2, i2 = _walk(cand_ptr, cnt_ptr, grid_ptr, g2_ptr, a0, z1, a2, a3, one, neg, one, one, f0, f1, f2, f3, f4,
-                           f5, f6, f7, odd & (i2 < 0), s2, i2.to(tl.int32), K)
+                           f5, f6, f7, odd & (i2 < 0), s2, i2.to(tl.int32), K, FB, GSTEP)
             s3, i3 = _walk(cand_ptr, cnt_ptr, grid_ptr, g2_ptr, a0, a1, z2, a3, one, one, neg, one, f0, f1, f2, f3, f4,
-                           f5, f6, f7, odd & (i3 < 0), s3, i3.to(tl.int32), K)
+                           f5, f6, f7, odd & (i3 < 0), s3, i3.to(tl.int32), K, FB, GSTEP)
             s4, i4 = _walk(cand_ptr, cnt_ptr, grid_ptr, g2_ptr, a0, a1, a2, z3, one, one, one, neg, f0, f1, f2, f3, f4,
-                           f5, f6, f7, odd & (i4 < 0), s4, i4.to(tl.int32), K)
+                           f5, f6, f7, odd & (i4 < 0), s4, i4.to(tl.int32), K, FB, GSTEP)
     elif tl.max(off.to(tl.int32), axis=0) > 0:
         # the whole grid, every variant from the same products; strict '>' keeps the first maximum
         b0 = tl.full((BLOCK,), float("-inf"), tl.float32)
@@ -208,7 +260,7 @@ def _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k, rm, kmap_ptr
 @triton.jit
 def nearest_variants_kernel(f_ptr, t_ptr, odd_ptr, at_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr,
                             score_ptr, idx_ptr, n, P: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
-                            BLOCK: tl.constexpr, LISTS: tl.constexpr):
+                            BLOCK: tl.constexpr, LISTS: tl.constexpr, FB: tl.constexpr, GSTEP: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     rm = rows < n
@@ -232,7 +284,7 @@ def nearest_variants_kernel(f_ptr, t_ptr, odd_ptr, at_ptr, kmap_ptr, mids_ptr, g
         k = tl.load(at_ptr + rows, mask=rm, other=0).to(tl.int32)
     s0, i0, s1, i1, s2, i2, s3, i3, s4, i4 = _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k, rm, kmap_ptr,
                                                      mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr, P, V, K, BLOCK,
-                                                     LISTS)
+                                                     LISTS, FB, GSTEP)
     out = rows * V
     tl.store(score_ptr + out, s0, mask=rm)
     tl.store(idx_ptr + out, i0.to(tl.int64), mask=rm)
@@ -299,25 +351,40 @@ def _best_flip(s1, i1, s2, i2, s3, i3, s4, i4, V: tl.constexpr):
 
 
 @triton.jit
-def _emit(grid_ptr, p_ptr, q_ptr, flip_ptr, base, rm, idx, x, w, v, fl, j, a, OUT: tl.constexpr, IDX: tl.constexpr):
-    # weight j of a half: its grid value and the terms the encoder sums (torch's operations, in its order)
-    g = tl.load(grid_ptr + idx * 4 + j, mask=rm, other=0.0)
+def _emit(p_ptr, q_ptr, flip_ptr, base, rm, g, x, w, v, fl, j: tl.constexpr, a, OUT: tl.constexpr, IDX: tl.constexpr,
+          SUMS: tl.constexpr):
+    # weight j of a half: its grid value g and the terms the encoder sums (torch's operations, in its order), stored
+    # per weight unless SUMS (then only returned: the kernel sums them per sub-block)
     if OUT == 0:  # least squares: w v g and w g g, v = |x| negated where flipped
         vv = tl.where(fl, -v, v)
-        tl.store(p_ptr + base + j, w * vv * g, mask=rm)
-        tl.store(q_ptr + base + j, w * g * g, mask=rm)
+        pt = w * vv * g
+        qt = w * g * g
     else:  # the exact error w (x - y)**2, y = (a g) * sign
         y = (a * g) * tl.where((x < 0) ^ fl, -1.0, 1.0)
         r = x - y
-        tl.store(p_ptr + base + j, w * r * r, mask=rm)
+        pt = w * r * r
+        qt = pt
+    if SUMS == 0:
+        tl.store(p_ptr + base + j, pt, mask=rm)
+        if OUT == 0:
+            tl.store(q_ptr + base + j, qt, mask=rm)
     if IDX:
         tl.store(flip_ptr + base + j, fl.to(tl.int8), mask=rm)
+    return pt, qt
 
 
 @triton.jit
-def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr, idx_ptr,
-                  flip_ptr, p_ptr, q_ptr, n, P: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr,
-                  LISTS: tl.constexpr, OUT: tl.constexpr, IDX: tl.constexpr):
+def _sub_sums(t0, t1, t2, t3, u0, u1, u2, u3, rm, BLOCK: tl.constexpr):
+    # per sub-block (4 consecutive lanes) sums of the lanes' 8 terms: pairwise within a lane, then over the 4 lanes
+    s = ((t0 + t1) + (t2 + t3)) + ((u0 + u1) + (u2 + u3))
+    return tl.sum(tl.reshape(tl.where(rm, s, 0.0), (BLOCK // 4, 4)), axis=1)
+
+
+@triton.jit
+def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_ptr, pts_ptr, cand_ptr, cnt_ptr,
+                  idx_ptr, flip_ptr, p_ptr, q_ptr, bg_ptr, ba_ptr, n, P: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
+                  BLOCK: tl.constexpr, LISTS: tl.constexpr, OUT: tl.constexpr, IDX: tl.constexpr, FB: tl.constexpr,
+                  GSTEP: tl.constexpr, SUMS: tl.constexpr, BEST: tl.constexpr):
     # one lane an 8-group (two halves of 4 weights, groups 2 l and 2 l + 1 of the (n * 64) groups)
     pid = tl.program_id(0)
     lane = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -343,7 +410,7 @@ def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_
         k1 = _argmin4(u0 * q0 * q0, u1 * q1 * q1, u2 * q2 * q2, u3 * q3 * q3)
     s0, i0, s1, i1, s2, i2, s3, i3, s4, i4 = _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k0, rm, kmap_ptr,
                                                      mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr, P, V, K, BLOCK,
-                                                     LISTS)
+                                                     LISTS, FB, GSTEP)
     h0 = i0
     h1 = i0
     fa0 = lane < 0  # no flips (all False)
@@ -356,11 +423,11 @@ def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_
     fb3 = fa0
     if V == 1:
         h1 = _search(e0, e1, e2, e3, e4, e5, e6, e7, r0, r1, r2, r3, odd, k1, rm, kmap_ptr, mids_ptr, grid_ptr, g2_ptr,
-                     cand_ptr, cnt_ptr, P, V, K, BLOCK, LISTS)[1]
+                     cand_ptr, cnt_ptr, P, V, K, BLOCK, LISTS, FB, GSTEP)[1]
     else:
         z0, j0, z1, j1, z2, j2, z3, j3, z4, j4 = _search(e0, e1, e2, e3, e4, e5, e6, e7, r0, r1, r2, r3, odd, k1, rm,
                                                          kmap_ptr, mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr, P, V,
-                                                         K, BLOCK, LISTS)
+                                                         K, BLOCK, LISTS, FB, GSTEP)
         # per 8-group: an odd one flips one weight, in the half where the pair scores best (ties: half 0)
         sa, ja, va = _best_flip(s1, i1, s2, i2, s3, i3, s4, i4, V)
         sb, jb, vb = _best_flip(z1, j1, z2, j2, z3, j3, z4, j4, V)
@@ -382,24 +449,60 @@ def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_
         tl.store(idx_ptr + lane * 2 + 1, h1.to(tl.int64), mask=rm)
     h0 = tl.where(rm, h0, 0)
     h1 = tl.where(rm, h1, 0)
-    _emit(grid_ptr, p_ptr, q_ptr, flip_ptr, b0, rm, h0, x0, w0, v0, fa0, 0, a, OUT, IDX)
-    _emit(grid_ptr, p_ptr, q_ptr, flip_ptr, b0, rm, h0, x1, w1, v1, fa1, 1, a, OUT, IDX)
-    _emit(grid_ptr, p_ptr, q_ptr, flip_ptr, b0, rm, h0, x2, w2, v2, fa2, 2, a, OUT, IDX)
-    _emit(grid_ptr, p_ptr, q_ptr, flip_ptr, b0, rm, h0, x3, w3, v3, fa3, 3, a, OUT, IDX)
-    _emit(grid_ptr, p_ptr, q_ptr, flip_ptr, b1, rm, h1, y0, u0, q0, fb0, 0, a, OUT, IDX)
-    _emit(grid_ptr, p_ptr, q_ptr, flip_ptr, b1, rm, h1, y1, u1, q1, fb1, 1, a, OUT, IDX)
-    _emit(grid_ptr, p_ptr, q_ptr, flip_ptr, b1, rm, h1, y2, u2, q2, fb2, 2, a, OUT, IDX)
-    _emit(grid_ptr, p_ptr, q_ptr, flip_ptr, b1, rm, h1, y3, u3, q3, fb3, 3, a, OUT, IDX)
+    if FB > 0:  # each half's point: one packed word
+        pa = tl.load(pts_ptr + h0, mask=rm, other=0)
+        pb = tl.load(pts_ptr + h1, mask=rm, other=0)
+        ga0, ga1, ga2, ga3 = _coord(pa, 0, FB, GSTEP), _coord(pa, 1, FB, GSTEP), _coord(pa, 2, FB, GSTEP), _coord(pa, 3, FB, GSTEP)
+        gb0, gb1, gb2, gb3 = _coord(pb, 0, FB, GSTEP), _coord(pb, 1, FB, GSTEP), _coord(pb, 2, FB, GSTEP), _coord(pb, 3, FB, GSTEP)
+    else:
+        ga0 = tl.load(grid_ptr + h0 * 4 + 0, mask=rm, other=0.0)
+        ga1 = tl.load(grid_ptr + h0 * 4 + 1, mask=rm, other=0.0)
+        ga2 = tl.load(grid_ptr + h0 * 4 + 2, mask=rm, other=0.0)
+        ga3 = tl.load(grid_ptr + h0 * 4 + 3, mask=rm, other=0.0)
+        gb0 = tl.load(grid_ptr + h1 * 4 + 0, mask=rm, other=0.0)
+        gb1 = tl.load(grid_ptr + h1 * 4 + 1, mask=rm, other=0.0)
+        gb2 = tl.load(grid_ptr + h1 * 4 + 2, mask=rm, other=0.0)
+        gb3 = tl.load(grid_ptr + h1 * 4 + 3, mask=rm, other=0.0)
+    pa0, qa0 = _emit(p_ptr, q_ptr, flip_ptr, b0, rm, ga0, x0, w0, v0, fa0, 0, a, OUT, IDX, SUMS)
+    pa1, qa1 = _emit(p_ptr, q_ptr, flip_ptr, b0, rm, ga1, x1, w1, v1, fa1, 1, a, OUT, IDX, SUMS)
+    pa2, qa2 = _emit(p_ptr, q_ptr, flip_ptr, b0, rm, ga2, x2, w2, v2, fa2, 2, a, OUT, IDX, SUMS)
+    pa3, qa3 = _emit(p_ptr, q_ptr, flip_ptr, b0, rm, ga3, x3, w3, v3, fa3, 3, a, OUT, IDX, SUMS)
+    pb0, qb0 = _emit(p_ptr, q_ptr, flip_ptr, b1, rm, gb0, y0, u0, q0, fb0, 0, a, OUT, IDX, SUMS)
+    pb1, qb1 = _emit(p_ptr, q_ptr, flip_ptr, b1, rm, gb1, y1, u1, q1, fb1, 1, a, OUT, IDX, SUMS)
+    pb2, qb2 = _emit(p_ptr, q_ptr, flip_ptr, b1, rm, gb2, y2, u2, q2, fb2, 2, a, OUT, IDX, SUMS)
+    pb3, qb3 = _emit(p_ptr, q_ptr, flip_ptr, b1, rm, gb3, y3, u3, q3, fb3, 3, a, OUT, IDX, SUMS)
+    if SUMS:  # (n, 8) sums a sub-block instead of (n, 8, 32) terms
+        sb = pid.to(tl.int64) * (BLOCK // 4) + tl.arange(0, BLOCK // 4).to(tl.int64)
+        sm = sb < n // 4
+        ps = _sub_sums(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, rm, BLOCK)
+        if BEST:  # step 1's running best (steps.best_scale_update's float64 operations): p, q the updated (gain, A)
+            qs = _sub_sums(qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, rm, BLOCK)
+            sxg = ps.to(tl.float64)
+            sgg = qs.to(tl.float64)
+            nz = sgg != 0
+            den = tl.where(nz, sgg, 1.0)
+            gain = tl.where(nz, (sxg * sxg) / den, 0.0)
+            bg = tl.load(bg_ptr + sb, mask=sm, other=0.0)
+            take = (gain > bg) & (sxg > 0)
+            tl.store(p_ptr + sb, tl.where(take, gain, bg), mask=sm)
+            ba = tl.load(ba_ptr + sb, mask=sm, other=0.0)
+            tl.store(q_ptr + sb, tl.where(take, tl.where(nz, sxg / den, 0.0).to(tl.float32), ba), mask=sm)
+        else:
+            tl.store(p_ptr + sb, ps, mask=sm)
+            if OUT == 0:
+                tl.store(q_ptr + sb, _sub_sums(qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, rm, BLOCK), mask=sm)
 
 
 def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None, flip_at: torch.Tensor | None,
                      kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor,
-                     g8: torch.Tensor, lists: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     g8: torch.Tensor, lists: bool | None = None,
+                     packed: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused :func:`dynaquant.quant.codecs.iq3.nearest_variants_torch`: same arguments, same result (module
     docstring for the rounding); ``lists``: off-grid variants walk their exact candidate lists (else the whole
     grid); None: lists on grids of at least :data:`LISTS_FROM` points (IQ3_S's 512: 1.6x faster on an H200, the
-    same bytes; IQ3_XXS's 256: no faster, so its bytes stay the whole grid's). Raises ValueError when the shapes
-    disagree."""
+    same bytes; IQ3_XXS's 256: no faster, so its bytes stay the whole grid's); ``packed``: grid lookups and
+    candidates read as packed words (:func:`.iq3_tables.packed_points`; None: :data:`PACKED`), the same values and results.
+    Raises ValueError when the shapes disagree."""
     r = f.shape[0]
     nv = iq3.variant_count(f, t, odd, flip_at, kmap, mids, grid, g8)
     score = torch.empty(r, nv, dtype=torch.float32, device=f.device)
@@ -411,46 +514,87 @@ def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None,
     tc = t.to(device=dev, dtype=torch.float32).contiguous()
     oc = odd.to(device=dev, dtype=torch.int8).contiguous() if odd is not None else fc
     ac = flip_at.to(device=dev, dtype=torch.int32).contiguous() if flip_at is not None else fc
-    gc, g2, kc, mc = _tables(grid, kmap, mids, dev)
-    cand, cnt = _candidate_lists(grid, dev)
+    gc, g2, mc, kc, _, cand, cnt, fb, gstep = tables.launch_tables(grid, kmap, mids, dev,
+                                                                       PACKED if packed is None else packed)
     lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
     nearest_variants_kernel[(triton.cdiv(r, _BLOCK),)](
-        fc, tc, oc, ac, kc, mc, gc, g2, cand, cnt, score, idx, r, P=gc.shape[0], V=nv, K=cand.shape[1], BLOCK=_BLOCK, LISTS=lists,
-        num_warps=_WARPS)
+        fc, tc, oc, ac, kc, mc, gc, g2, cand, cnt, score, idx, r, P=gc.shape[0], V=nv, K=cand.shape[1], BLOCK=_BLOCK,
+        LISTS=lists, FB=fb, GSTEP=gstep, num_warps=_WARPS)
     return score, idx
 
 
 def assign(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full: bool, out: str, want_idx: bool,
-           kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor, lists: bool | None = None):
+           kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor, lists: bool | None = None,
+           packed: bool | None = None, sums: bool = False, fused_sums: bool | None = None):
     """Fused :func:`dynaquant.quant.codecs._iq3_search.assign_torch` (the fast path ``iq3.assign``): same arguments
-    (``nearest`` is this module's search, ``lists`` as :func:`nearest_variants`), one launch; its result equals the
-    composition of :func:`nearest_variants` and the torch steps bit for bit (the same operations in the same order;
-    the interpreter tests check it). Raises ValueError on an unknown ``out`` or shapes that disagree."""
+    (``nearest`` is this module's search, ``lists`` and ``packed`` as :func:`nearest_variants`), one launch. With
+    ``sums`` False its result equals the composition of :func:`nearest_variants` and the torch steps bit for bit (the
+    same operations in the same order; the interpreter tests check it). With ``sums`` the (n, 8) sums a sub-block
+    are formed in the kernel (``fused_sums``, default :data:`SUMS`: no (n, 8, 32) terms written and read back; each
+    lane's 8 terms pairwise, then the 4 lanes: float32 rounding differs from torch's ``sum(-1)``) or by torch from the
+    terms (bit for bit the reference's). Raises ValueError on an unknown ``out`` or shapes that disagree."""
     if out not in steps.OUTS:
         raise ValueError(f"out must be one of {steps.OUTS}, got {out!r}")
     n = x.shape[0]
     if x.shape != (n, 8, 32) or w.shape != x.shape or a.shape != (n, 8):
         raise ValueError(f"expected x, w (n, 8, 32) and a (n, 8), got {tuple(x.shape)}, {tuple(w.shape)}, {tuple(a.shape)}")
     dev = x.device
+    in_kernel = sums and (SUMS if fused_sums is None else fused_sums)
     xc, wc = x.to(torch.float32).contiguous(), w.to(torch.float32).contiguous()
     ac = a.to(torch.float32).contiguous()
     ia = steps.inv_scale(ac)
-    p = torch.empty_like(xc)
-    q = torch.empty_like(xc) if out == "stats" else p
+    p = torch.empty(n, 8, dtype=torch.float32, device=dev) if in_kernel else torch.empty_like(xc)
+    q = torch.empty_like(p) if out == "stats" else p
     idx = torch.empty(n, 8, 8, dtype=torch.int64, device=dev) if want_idx else p
     flip = torch.zeros(n, 8, 32, dtype=torch.uint8, device=dev) if want_idx else p
     if n:
-        gc, g2, kc, mc = _tables(grid, kmap, mids, dev)
-        cand, cnt = _candidate_lists(grid, dev)
+        gc, g2, mc, kc, pts, cand, cnt, fb, gstep = tables.launch_tables(grid, kmap, mids, dev,
+                                                                         PACKED if packed is None else packed)
         lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
         lanes = n * 32
         nv = (5 if full else 2) if parity else 1
         assign_kernel[(triton.cdiv(lanes, _BLOCK),)](
-            xc, wc, ac, ia, kc, mc, gc, g2, cand, cnt, idx, flip, p, q, lanes, P=gc.shape[0], V=nv, K=cand.shape[1],
-            BLOCK=_BLOCK, LISTS=lists, OUT=steps.OUTS.index(out), IDX=want_idx, num_warps=_WARPS)
+            xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, idx, flip, p, q, p, p, lanes, P=gc.shape[0], V=nv,
+            K=cand.shape[1], BLOCK=_BLOCK, LISTS=lists, OUT=steps.OUTS.index(out), IDX=want_idx, FB=fb, GSTEP=gstep,
+            SUMS=in_kernel, BEST=False, num_warps=_WARPS)
+    if sums and not in_kernel:
+        p, q = p.sum(-1), (q.sum(-1) if out == "stats" else p)
     if not want_idx:
         return None, None, p, (q if out == "stats" else None)
     return idx, flip.view(torch.bool), p, (q if out == "stats" else None)
+
+
+def consider(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, best_gain: torch.Tensor,
+             best_a: torch.Tensor, kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor,
+             lists: bool | None = None, packed: bool | None = None):
+    """Fused :func:`dynaquant.quant.codecs._iq3_search.consider_torch` (the fast path ``iq3.consider``, one candidate
+    scale of step 1): the assignment for scales ``a``, its least-squares sums a sub-block and the running best's
+    update in one launch (:data:`CONSIDER`; else :func:`assign` with ``sums`` and the reference's update in torch).
+    The update is the reference's float64 operations on the kernel's sums (:func:`assign`'s ``sums`` order). Same
+    arguments; returns the new (best_gain (n, 8) float64, best_a (n, 8) float32). Raises ValueError as :func:`assign`."""
+    n = x.shape[0]
+    if not (CONSIDER and SUMS) or n == 0:
+        p, q = assign(x, w, a, parity, False, "stats", False, kmap, mids, grid, g8, lists, packed, sums=True)[2:]
+        return steps.best_scale_update(p.double(), q.double(), best_gain, best_a)
+    if x.shape != (n, 8, 32) or w.shape != x.shape or a.shape != (n, 8) or best_gain.shape != (n, 8) \
+            or best_a.shape != (n, 8):
+        raise ValueError(f"expected x, w (n, 8, 32) and a, best_gain, best_a (n, 8), got {tuple(x.shape)}, "
+                         f"{tuple(w.shape)}, {tuple(a.shape)}, {tuple(best_gain.shape)}, {tuple(best_a.shape)}")
+    dev = x.device
+    xc, wc = x.to(torch.float32).contiguous(), w.to(torch.float32).contiguous()
+    ac = a.to(torch.float32).contiguous()
+    ia = steps.inv_scale(ac)
+    bg, ba = best_gain.to(torch.float64).contiguous(), best_a.to(torch.float32).contiguous()
+    gain, scale = torch.empty_like(bg), torch.empty_like(ba)
+    gc, g2, mc, kc, pts, cand, cnt, fb, gstep = tables.launch_tables(grid, kmap, mids, dev,
+                                                                     PACKED if packed is None else packed)
+    lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
+    lanes = n * 32
+    assign_kernel[(triton.cdiv(lanes, _BLOCK),)](
+        xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, gain, gain, gain, scale, bg, ba, lanes, P=gc.shape[0],
+        V=2 if parity else 1, K=cand.shape[1], BLOCK=_BLOCK, LISTS=lists, OUT=0, IDX=False, FB=fb, GSTEP=gstep,
+        SUMS=True, BEST=True, num_warps=_WARPS)
+    return gain, scale
 
 
 @triton.jit
@@ -491,32 +635,3 @@ def pick_errors(a: torch.Tensor, sgg: torch.Tensor, cand: torch.Tensor, c: float
             a.to(torch.float32).contiguous(), sgg.to(torch.float64).contiguous(), cand.to(torch.float32).contiguous(),
             e, lanes, cand.shape[1], float(c), BLOCK=_BLOCK, num_warps=_WARPS, enable_fp_fusion=False)
     return e
-
-
-_TABLES: dict = {}
-
-
-def _tables(grid: torch.Tensor, kmap: torch.Tensor, mids: torch.Tensor, device):
-    """(grid, grid**2 float32, kmap int64, mids float32), contiguous on ``device``, cached per table (the codecs pass
-    the same cached tables every call: no conversions or launches a call)."""
-    key = (grid.data_ptr(), kmap.data_ptr(), mids.data_ptr(), str(device))
-    if key not in _TABLES:
-        gc = grid.to(device=device, dtype=torch.float32).contiguous()
-        _TABLES[key] = (grid, kmap, mids, gc, gc * gc, kmap.to(device=device, dtype=torch.int64).contiguous(),
-                        mids.to(device=device, dtype=torch.float32).contiguous())  # (the inputs kept: their addresses are the key)
-    return _TABLES[key][3:]
-
-
-_LISTS: dict = {}
-
-
-def _candidate_lists(grid: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cand (4096, K) int32, count (4096,) int32) on ``device``: the exact candidate lists of a grid of 8 levels
-    (:func:`dynaquant.quant.codecs._lattice.dominance_candidates`, the lists the CPU search walks), cached per grid."""
-    key = (grid.data_ptr(), tuple(grid.shape), str(grid.device), str(device))
-    if key not in _LISTS:
-        gn = grid.detach().to("cpu", torch.float32).numpy()
-        cand, cnt = lat.dominance_candidates(np.searchsorted(np.unique(gn), gn), 8)
-        _LISTS[key] = (grid, cand.to(device=device, dtype=torch.int32).contiguous(),
-                       cnt.to(device=device, dtype=torch.int32).contiguous())  # (the grid kept: its address is the key)
-    return _LISTS[key][1:]

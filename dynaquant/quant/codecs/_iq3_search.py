@@ -98,7 +98,7 @@ OUTS = ("stats", "error")
 
 def assign_torch(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full: bool, out: str,
                  want_idx: bool, kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor,
-                 nearest: Callable | None = None):
+                 nearest: Callable | None = None, sums: bool = False):
     """An assignment (:func:`assign_variants`) and the per-weight terms the encoder sums over it: the reference of
     the fused fast path ``iq3.assign``.
 
@@ -111,8 +111,11 @@ def assign_torch(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool
         kmap, mids, grid, g8: the tables of :func:`nearest_variants_torch`.
         nearest: the nearest-point search (default :func:`nearest_variants_torch`; the tests pass its fast path
             to show the fused kernel equals the composition).
+        sums: return ``p`` and ``q`` summed over each sub-block's 32 weights, (n, 8) float32 (``sum(-1)``), the sums
+            the encoder uses (a fast path may form them in another order).
     Returns:
-        (idx (n, 8, 8) int64 | None, flip (n, 8, 32) bool | None, p (n, 8, 32) float32, q (n, 8, 32) float32 | None).
+        (idx (n, 8, 8) int64 | None, flip (n, 8, 32) bool | None, p (n, 8, 32) float32, q (n, 8, 32) float32 | None)
+        (p, q (n, 8) with ``sums``).
     Raises:
         ValueError: an unknown ``out`` or shapes that disagree.
     """
@@ -130,7 +133,30 @@ def assign_torch(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool
         p, q = stats_terms(xa, w, g, flip)
     else:
         p, q = error_terms(x, w, neg, a, g, flip), None
+    if sums:
+        p, q = p.sum(-1), (None if q is None else q.sum(-1))
     return (idx, flip, p, q) if want_idx else (None, None, p, q)
+
+
+def best_scale_update(sxg: torch.Tensor, sgg: torch.Tensor, best_gain: torch.Tensor,
+                      best_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 1's running choice of sub-block scale: a candidate's least-squares sums ``sxg``, ``sgg`` (n, 8) float64
+    give the gain ``sxg**2 / sgg`` and the refit scale ``sxg / sgg`` (0 where ``sgg`` is 0); it replaces the best
+    where its gain is larger and ``sxg > 0``. Returns (best_gain (n, 8) float64, best_a (n, 8) float32)."""
+    gain = kqs.safe_div(sxg * sxg, sgg)
+    take = (gain > best_gain) & (sxg > 0)
+    return torch.where(take, gain, best_gain), torch.where(take, kqs.safe_div(sxg, sgg).float(), best_a)
+
+
+def consider_torch(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, best_gain: torch.Tensor,
+                   best_a: torch.Tensor, kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor,
+                   g8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One candidate of step 1 (the reference of the fast path ``iq3.consider``): the assignment for scales ``a``
+    (n, 8) float32 (:func:`assign_torch`, ``full`` False), its least-squares sums and :func:`best_scale_update`.
+    x, w: (n, 8, 32) float32; best_gain (n, 8) float64, best_a (n, 8) float32; tables as :func:`assign_torch`.
+    Returns the new (best_gain, best_a). Raises ValueError as :func:`assign_torch`."""
+    p, q = assign_torch(x, w, a, parity, False, "stats", False, kmap, mids, grid, g8, sums=True)[2:]
+    return best_scale_update(p.double(), q.double(), best_gain, best_a)
 
 
 def _pick_terms(a: torch.Tensor, sgg: torch.Tensor, cand: torch.Tensor, c: float):

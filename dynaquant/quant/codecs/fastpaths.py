@@ -39,6 +39,7 @@ NAMES = {
     "iq3.nearest_variants": "dynaquant.quant.codecs._iq3_search.nearest_variants_torch",
     "iq3.assign": "dynaquant.quant.codecs._iq3_search.assign_torch",
     "iq3.pick_errors": "dynaquant.quant.codecs._iq3_search.pick_errors_torch",
+    "iq3.consider": "dynaquant.quant.codecs._iq3_search.consider_torch",
     "blockfit.fit_scale": "dynaquant.quant.codecs._blockfit.fit_scale_torch",
     "blockfit.fit_affine": "dynaquant.quant.codecs._blockfit.fit_affine_torch",
     "blockfit.fit_int_zero": "dynaquant.quant.codecs.runtime_int.fit_int_zero_torch",

@@ -327,8 +327,8 @@ class _IQ3(Codec):
         dl = self._sub_scale(d, lsc)
         fused = self._fused(xa, backend)
         if fused is not None:
-            idx, flip, e, _ = fused(x, w, dl, self.parity, full, "error", True, *self._tables(xa.device))
-            return e.sum(-1).double(), idx, flip
+            idx, flip, e, _ = fused(x, w, dl, self.parity, full, "error", True, *self._tables(xa.device), sums=True)
+            return e.double(), idx, flip
         idx, flip = self._assign(xa, w, neg, dl, full, backend)
         e = steps.error_terms(x, w, neg, dl, self._points(idx), flip)
         return e.sum(-1).double(), idx, flip
@@ -354,16 +354,23 @@ class _IQ3(Codec):
         best_a = torch.zeros_like(amax)
         fused = self._fused(xa, backend)
 
+        update = None
+        if fused is not None:  # the fused candidate step (iq3.consider) where there is one
+            try:
+                update = lat.fast_path("iq3.consider", xa, backend)
+            except RuntimeError:
+                update = None
+
         def consider(a):
             nonlocal best_gain, best_a
+            if update is not None:
+                best_gain, best_a = update(x, w, a, self.parity, best_gain, best_a, *self._tables(x.device))
+                return
             if fused is not None:
                 sxg, sgg = self._ls_stats_fused(fused, x, w, a, False)[2:]
             else:
                 sxg, sgg = self._ls_stats(xa, w, *self._assign(xa, w, neg, a, False, backend))
-            gain = kqs.safe_div(sxg * sxg, sgg)
-            take = (gain > best_gain) & (sxg > 0)
-            best_gain = torch.where(take, gain, best_gain)
-            best_a = torch.where(take, kqs.safe_div(sxg, sgg).float(), best_a)
+            best_gain, best_a = steps.best_scale_update(sxg, sgg, best_gain, best_a)
 
         for t in self._knob("step1_t", xa.device):
             consider(amax / t)
@@ -379,8 +386,8 @@ class _IQ3(Codec):
     def _ls_stats_fused(self, fused, x, w, a, want_idx):
         """(idx, flip, sxg, sgg): :meth:`_assign` for scales ``a`` and :meth:`_ls_stats` of it, by the fused fast
         path ``iq3.assign`` (idx, flip None unless ``want_idx``)."""
-        idx, flip, p, q = fused(x, w, a, self.parity, False, "stats", want_idx, *self._tables(x.device))
-        return idx, flip, p.sum(-1).double(), q.sum(-1).double()
+        idx, flip, p, q = fused(x, w, a, self.parity, False, "stats", want_idx, *self._tables(x.device), sums=True)
+        return idx, flip, p.double(), q.double()
 
     def _pick_d(self, a: torch.Tensor, sgg: torch.Tensor, extra: list[torch.Tensor], backend: str = "auto"):
         """Step 2: (d (n,) float32 fp16 values, l (n, 8) int64) ranked by the quadratic error; the candidates' errors

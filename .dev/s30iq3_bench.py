@@ -1,0 +1,134 @@
+"""s30iq3: IQ3_XXS / IQ3_S encode on CUDA, git main's kernel behaviour against this branch's (issue 16).
+
+Configurations of dynaquant.kernels.iq3_search (module flags, set per run):
+  old          PACKED=False, SUMS=False, CONSIDER=False, LISTS_FROM=512, BLOCK 128 / 4 warps: git main's behaviour
+               (float-table loads, (n, 8, 32) terms written and summed by torch, step 1's update in torch; IQ3_XXS
+               walks the whole grid, IQ3_S its candidate lists)
+  new          PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=512, BLOCK 128 / 4 warps: this branch's default
+               (packed words, sub-block sums and step 1's running best in the kernel)
+  new_lists    as new with LISTS_FROM=256 (IQ3_XXS walks its exact candidate lists too)
+  new_lists64  as new_lists with BLOCK 64 / 2 warps (smaller programs: shorter list walks)
+  new_lists32  as new_lists with BLOCK 32 / 1 warp
+Times ``dynaquant.quant.codecs.quantize`` of a random 4096 x 14336 float32 tensor with a random positive imatrix
+(median of 7 runs after 2 warm-ups, CUDA synchronized), prints weights/s, the weighted error ratio to old, the
+bytes / rows equal to old, a gguf-py decode check of the new bytes, a torch.profiler top-15 CUDA kernel table of one
+encode under the fastest new configuration, and one JSON line at the end.
+
+usage: PYTHONPATH=$PWD python3 .dev/s30iq3_bench.py [--configs old,new,new_lists,new_lists64,new_lists32]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import dynaquant.kernels  # noqa: F401  (registers the fast paths)
+from dynaquant.kernels import iq3_search as ks
+from dynaquant.quant.codecs import dequantize, quantize
+
+CONFIGS = {
+    "old": dict(PACKED=False, SUMS=False, CONSIDER=False, LISTS_FROM=512, _BLOCK=128, _WARPS=4),
+    "new": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=512, _BLOCK=128, _WARPS=4),
+    "new_lists": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=128, _WARPS=4),
+    "new_lists64": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=64, _WARPS=2),
+    "new_lists32": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=32, _WARPS=1),
+}
+DEFAULT_CONFIGS = ("old", "new", "new_lists", "new_lists64")  # --configs to choose (each compiles its own kernels)
+DEFAULTS = {k: getattr(ks, k) for k in CONFIGS["new"]}
+
+
+def configure(name):
+    for k, v in CONFIGS[name].items():
+        setattr(ks, k, v)
+
+
+def timed(x, fmt, imp, reps=7, warm=2):
+    for _ in range(warm):
+        quantize(x, fmt, imp)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        b = quantize(x, fmt, imp)
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts), b
+
+
+def werr(x, b, fmt, imp):
+    y = dequantize(b, fmt).reshape(x.shape)
+    return float((imp * (x - y).double() ** 2).sum())
+
+
+def gguf_ok(b, fmt, rows=64):
+    import gguf
+
+    qt = getattr(gguf.GGMLQuantizationType, fmt)
+    ref = gguf.quants.dequantize(b[:rows].cpu().numpy(), qt)
+    ours = dequantize(b[:rows], fmt).cpu().numpy()
+    return bool(np.array_equal(ref.view(np.uint32), ours.reshape(ref.shape).view(np.uint32)))
+
+
+def main():
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
+    configs = ap.parse_args().configs.split(",")
+    assert configs[0] == "old" and all(c in CONFIGS for c in configs), f"configs: old first, then of {list(CONFIGS)}"
+    assert torch.cuda.is_available(), "needs CUDA"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4096, 14336, device="cuda", generator=g)
+    x *= torch.exp(0.5 * torch.randn(4096, 1, device="cuda", generator=g))
+    imp = torch.rand(14336, device="cuda", generator=g) + 0.05
+    summary = {"device": torch.cuda.get_device_name(), "shape": list(x.shape), "results": {}}
+    try:
+        for fmt in ("IQ3_XXS", "IQ3_S"):
+            res = {}
+            base = None
+            for cfg in configs:
+                if fmt == "IQ3_S" and cfg == "new_lists":
+                    continue  # IQ3_S walks lists under "new" already (LISTS_FROM=512)
+                configure(cfg)
+                t0 = time.perf_counter()
+                quantize(x[:64], fmt, imp)  # compile
+                torch.cuda.synchronize()
+                comp = time.perf_counter() - t0
+                s, b = timed(x, fmt, imp)
+                e = werr(x, b, fmt, imp)
+                if base is None:
+                    base = (b, e)
+                r = {"s": round(s, 5), "weights_per_s": x.numel() / s, "werr_ratio_vs_old": e / base[1],
+                     "bytes_equal_old": bool(torch.equal(b, base[0])),
+                     "rows_equal_old": float((b == base[0]).all(1).float().mean()), "gguf_decode_ok": gguf_ok(b, fmt),
+                     "compile_s": round(comp, 2)}
+                res[cfg] = r
+                print(fmt, cfg, {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
+                del b
+            best = min((c for c in res if c != "old"), key=lambda c: res[c]["s"])
+            res["best_new"] = best
+            res["speedup_best_vs_old"] = res["old"]["s"] / res[best]["s"]
+            summary["results"][fmt] = res
+            # profile one encode of the fastest new configuration
+            configure(best)
+            quantize(x, fmt, imp)
+            torch.cuda.synchronize()
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                quantize(x, fmt, imp)
+                torch.cuda.synchronize()
+            print(f"--- {fmt} ({best}) top-15 CUDA kernels of one encode")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
+    finally:
+        for k, v in DEFAULTS.items():
+            setattr(ks, k, v)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
