@@ -463,7 +463,8 @@ def test_iq3_assign_sums(interpreted, name, parity, full):
     for out in ("stats", "error"):
         ref = steps.assign_torch(x, w, a, parity, full, out, True, *(t.cpu() for t in tables), sums=True)
         assert ref[2].shape == (n, 8)
-        fused = [None if t is None else t.cpu() for t in assign(xd, wd, ad, parity, full, out, True, *tables, sums=True)]
+        fused = [None if t is None else t.cpu()
+                 for t in assign(xd, wd, ad, parity, full, out, True, *tables, sums=True, fused_sums=True)]
         torch_sums = [None if t is None else t.cpu()
                       for t in assign(xd, wd, ad, parity, full, out, True, *tables, sums=True, fused_sums=False)]
         assert torch.equal(fused[0], ref[0]) and torch.equal(fused[1], ref[1])
@@ -486,6 +487,8 @@ def test_iq3_consider_updates_as_the_reference(interpreted, name, parity, monkey
     from dynaquant.quant.codecs import _iq3_search as steps
     from dynaquant.quant.codecs import iq3
 
+    monkeypatch.setattr(iq3_search, "CONSIDER", True)  # (off by default until measured on a GPU)
+    monkeypatch.setattr(iq3_search, "SUMS", True)
     g = torch.Generator().manual_seed(13)
     n = 5  # 160 lanes: two programs, the last partial
     x = torch.randn(n, 8, 32, generator=g) * 0.02 * torch.exp(torch.randn(n, 8, 1, generator=g))

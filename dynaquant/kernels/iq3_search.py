@@ -47,9 +47,11 @@ from dynaquant.quant.codecs import iq3
 __all__ = ["assign", "consider", "nearest_variants", "pick_errors"]
 
 _BLOCK = 128  # groups a program (one a lane)
-PACKED = True  # grid lookups and candidate lists as packed words (iq3_tables.packed_points; the same values, fewer loads)
-SUMS = True  # assign(sums=True) sums the terms a sub-block in the kernel (else torch sums the written terms)
-CONSIDER = True  # consider() updates step 1's running best in the kernel (else torch, from assign's sums)
+# The three paths below are off until measured on a GPU (session 30 built them in Triton's interpreter; no device time
+# was had): .dev/s30iq3_bench.py times them against these defaults and checks the error and gguf-py's decoding.
+PACKED = False  # grid lookups and candidate lists as packed words (iq3_tables.packed_points; the same values, fewer loads)
+SUMS = False  # assign(sums=True) sums the terms a sub-block in the kernel (else torch sums the written terms)
+CONSIDER = False  # consider() updates step 1's running best in the kernel (else torch, from assign's sums)
 LISTS_FROM = 512  # grids of this many points or more walk candidate lists by default (measured: IQ3_S yes, IQ3_XXS no)
 _WARPS = 4
 
