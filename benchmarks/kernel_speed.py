@@ -204,6 +204,7 @@ def prewarm(jobs, threads: int = 16) -> float:
 
     from dynaquant.kernels.triton_gemm import compile_gemm
     from dynaquant.kernels.triton_linear import compile_linear
+    from dynaquant.kernels.triton_resident import compile_resident
 
     t0 = time.time()
     uniq = list(dict.fromkeys(jobs))
@@ -214,7 +215,8 @@ def prewarm(jobs, threads: int = 16) -> float:
         fmt, n, k, m, cfg = job
         try:
             x = torch.empty(m, k, dtype=torch.bfloat16, device=DEVICE)
-            (compile_gemm if cfg.path == "gemm" else compile_linear)(x, dummy_packed(fmt, n, k), None, cfg)
+            compile_ = compile_gemm if cfg.path == "gemm" else compile_resident if cfg.resident else compile_linear
+            compile_(x, dummy_packed(fmt, n, k), None, cfg)
         except Exception as e:  # reported when the call runs
             log.warning("prewarm %s: %r", job, e)
 

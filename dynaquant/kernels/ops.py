@@ -78,6 +78,10 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = No
         from dynaquant.kernels import triton_gemm
 
         y = triton_gemm.run_gemm(x2, packed, bias, cfg)
+    elif cfg.path == "gemv" and cfg.resident:
+        from dynaquant.kernels import triton_resident
+
+        y = triton_resident.run_resident(x2, packed, bias, cfg)
     else:
         from dynaquant.kernels import triton_linear
 

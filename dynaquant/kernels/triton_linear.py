@@ -464,11 +464,8 @@ def call_buffers(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
 
 
 def _launch_args(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig):
-    """(kernel, grid, args, kwargs, y) of one call on the gemv or mm path."""
-    if cfg.path == "gemv" and cfg.resident:
-        from dynaquant.kernels.triton_resident import resident_launch_args  # (it imports this module)
-
-        return resident_launch_args(x2, packed, bias, cfg)
+    """(kernel, grid, args, kwargs, y) of one call on the gemv or mm path (the resident GEMV:
+    :mod:`dynaquant.kernels.triton_resident`)."""
     m, k = x2.shape
     n = packed.out_features
     split = cfg.split_k

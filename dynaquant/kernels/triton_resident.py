@@ -136,3 +136,17 @@ def resident_launch_args(x2: torch.Tensor, packed: PackedWeight, bias: torch.Ten
                   SPLIT_K=split, ASM=not interpreting(), CW=min(cfg.scale_words, wpg), RB=8, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)
     return _resident_kernel, (n_prog, split), args, kwargs, y
+
+
+def run_resident(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig) -> torch.Tensor:
+    """``x2 (1, K) @ dequant(W).T + bias`` (1, N) on the resident GEMV (``cfg.resident``; no super weights), as
+    :func:`.triton_linear.run_linear` on the other gemv configurations."""
+    kernel, grid, args, kwargs, y = resident_launch_args(x2, packed, bias, cfg)
+    kernel[grid](*args, **kwargs)
+    return y
+
+
+def compile_resident(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig) -> None:
+    """Compile (without running) the kernel :func:`run_resident` would launch; safe to call from threads."""
+    kernel, grid, args, kwargs, _ = resident_launch_args(x2[:1], packed, bias, cfg)
+    kernel.warmup(*args, grid=grid, **kwargs)
