@@ -284,7 +284,7 @@ def main(argv=None) -> int:
     ap.add_argument("--force-gemm", default="",
                     help="comma list of LaunchConfig gemm options (xa, post_scale, warp_spec, max_regs=128, "
                          "block_k=32, ...) forced on every call with M >= 16 (on the default gemm tile, else a "
-                         "128 x 128 / 16 x 64 one); sweeps unchanged")
+                         "128 x 128 / 16 x 64 one); in a sweep it is the default the candidates are compared with")
     ap.add_argument("--quick", action="store_true", help="fewer copies and shorter timing (a smoke run)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new rows after this many seconds")
     ap.add_argument("--dry-run", action="store_true",

@@ -412,6 +412,18 @@ def test_iq3_assign_equals_the_composition(interpreted, name, parity, full, out)
     assert short[0] is None and short[1] is None and torch.equal(short[2].cpu(), got[2])
 
 
+def _iq3_assign_inputs(name: str, seed: int):
+    """IQ3 assignment inputs of 5 rows (160 lanes: two programs, the last partial): x, w (5, 8, 32) and per
+    sub-block scales a (5, 8) near the type's, one of them 0."""
+    g = torch.Generator().manual_seed(seed)
+    n = 5
+    x = torch.randn(n, 8, 32, generator=g) * 0.02 * torch.exp(torch.randn(n, 8, 1, generator=g))
+    w = torch.exp(torch.randn(n, 8, 32, generator=g))
+    a = x.abs().amax(-1) / (50.0 if name == "IQ3_XXS" else 13.0) * (1 + 0.3 * torch.rand(n, 8, generator=g))
+    a[1, 2] = 0.0
+    return x, w, a
+
+
 @pytest.mark.parametrize("name,parity,full", [("IQ3_XXS", True, False), ("IQ3_XXS", True, True), ("IQ3_S", False, False)])
 @pytest.mark.parametrize("lists", [True, False])
 def test_iq3_packed_tables_change_nothing(interpreted, name, parity, full, lists):
@@ -429,12 +441,7 @@ def test_iq3_packed_tables_change_nothing(interpreted, name, parity, full, lists
     assert torch.equal(fields.float() * step, grid) and torch.equal(pts.long() >> (4 * fb), torch.arange(grid.shape[0]))
     assert torch.equal(torch.where(kmap >= 0, kpk.long() >> (4 * fb), -1), kmap) and torch.equal(cpk, pts[cand.long()])
     assert packed_points(grid + 0.5, kmap, cand) is None
-    g = torch.Generator().manual_seed(11)
-    n = 5  # 160 lanes: two programs, the last partial
-    x = torch.randn(n, 8, 32, generator=g) * 0.02 * torch.exp(torch.randn(n, 8, 1, generator=g))
-    w = torch.exp(torch.randn(n, 8, 32, generator=g))
-    a = x.abs().amax(-1) / (50.0 if name == "IQ3_XXS" else 13.0) * (1 + 0.3 * torch.rand(n, 8, generator=g))
-    a[1, 2] = 0.0
+    x, w, a = _iq3_assign_inputs(name, 11)
     tables = tuple(t.to(DEVICE) for t in (kmap, mids, grid, g8))
     xd, wd, ad = x.to(DEVICE), w.to(DEVICE), a.to(DEVICE)
     for out in ("stats", "error"):
@@ -452,12 +459,8 @@ def test_iq3_assign_sums(interpreted, name, parity, full):
     from dynaquant.quant.codecs import _iq3_search as steps
     from dynaquant.quant.codecs import iq3
 
-    g = torch.Generator().manual_seed(12)
-    n = 5  # 160 lanes: two programs, the last partial
-    x = torch.randn(n, 8, 32, generator=g) * 0.02 * torch.exp(torch.randn(n, 8, 1, generator=g))
-    w = torch.exp(torch.randn(n, 8, 32, generator=g))
-    a = x.abs().amax(-1) / (50.0 if name == "IQ3_XXS" else 13.0) * (1 + 0.3 * torch.rand(n, 8, generator=g))
-    a[1, 2] = 0.0
+    x, w, a = _iq3_assign_inputs(name, 12)
+    n = x.shape[0]
     tables = tuple(t.to(DEVICE) for t in (*iq3._grid_map(name, "cpu"), *iq3._grid_table(name, "cpu")))
     xd, wd, ad = x.to(DEVICE), w.to(DEVICE), a.to(DEVICE)
     for out in ("stats", "error"):
