@@ -289,7 +289,8 @@ def main(argv=None) -> int:
     p.add_argument("--append", type=Path, action="append", default=[], metavar="JSON",
                    help="result rows of an earlier scale.py run on the same cut (the same seed makes the same "
                    "checkpoint): copied into this run's rows and its speedup row (e.g. --nproc 1 on one device call, "
-                   "--nproc 2 --append THAT on the next, each call within the device's time limit)")
+                   "--nproc 2 --append THAT on the next, each call within the device's time limit; or --blocks 5 "
+                   "--append THE-4-BLOCK-RUN: the two cuts' extrapolation)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="run each quantize under cProfile: the N top functions by cumulative and own time, per rank, "
                    "in --out's folder (profile-OUTPUT-nN-rR-cumulative.txt, ...; the whole profile: profile-OUTPUT-nN-rR.pstats); "
@@ -312,7 +313,11 @@ def main(argv=None) -> int:
     earlier = [{**r, "appended_from": str(f)} for f in args.append for r in json.loads(f.read_text())
                if r.get("row") == "result"]
     for shape in args.shape:
-        done = []
+        # the extrapolation's cuts: this run's single-process stream rows, and an appended one of a cut not run here
+        # (--blocks 5 --append THE-4-BLOCK-RUN: each cut within one device call's limit)
+        done = [r for r in earlier if r.get("shape") == shape and r.get("mode") == "stream" and r.get("nproc", 1) == 1
+                and not r.get("torchrun") and r.get("blocks") not in cuts]
+        rows.extend(done)
         full_blocks = SHAPES[shape][1].get("num_hidden_layers") or make_config(shape, 61, tokenizer).num_hidden_layers
         for n in cuts:
             ckpt = args.work / f"{shape}-{n}"
@@ -339,7 +344,7 @@ def main(argv=None) -> int:
                 write()
             if not args.keep:
                 shutil.rmtree(ckpt, ignore_errors=True)
-        if len(done) == 2 and all("error" not in r for r in done):
+        if len(done) == 2 and all("error" not in r for r in done):  # (appended rows first)
             a, b = sorted(done, key=lambda r: r["blocks"])
             per_block_bytes = (b["checkpoint"]["size_bytes"] - a["checkpoint"]["size_bytes"]) / (b["blocks"] - a["blocks"])
             full_bytes = a["checkpoint"]["size_bytes"] + per_block_bytes * (full_blocks - a["blocks"])

@@ -95,3 +95,29 @@ def test_append_brings_an_earlier_runs_rows_into_the_speedup(tmp_path, monkeypat
     assert [r["nproc"] for r in results] == [1, 2] and results[0]["appended_from"] == str(first)
     sp = next(r for r in rows if r["row"] == "speedup")
     assert sp["same_bytes"] and sp["nproc_2"]["wall"] == 2.0
+
+
+def test_append_of_another_cut_gives_the_extrapolation(tmp_path, monkeypatch):
+    """``--blocks 5 --append THE-4-BLOCK-RUN``: the appended cut and this run's make the two points of the full model's
+    extrapolation (each cut within one device call's time limit), as one run of ``--blocks 4,5`` would."""
+    monkeypatch.setattr(scale, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(scale, "make_checkpoint", lambda ckpt, shape, n, *a, **k: {"parameters": n, "size_bytes": 10 * n,
+                                                                                   "time_s": 0.1})
+
+    def fake_run(ckpt, out, work, args, mode="stream", nproc=1, torchrun=False):
+        n = int(ckpt.name.rsplit("-", 1)[1])
+        return {"nproc": nproc, "time_s": 100.0 * n + 50, "timings_s": {"quantize_s": 60.0 * n}}
+    monkeypatch.setattr(scale, "run_quantize", fake_run)
+    first, second, both = tmp_path / "one.json", tmp_path / "two.json", tmp_path / "both.json"
+    common = ["--shape", "tiny-llama", "--device", "cpu", "--work", str(tmp_path / "w")]
+    assert scale.main([*common, "--blocks", "2", "--out", str(first)]) == 0
+    assert not [r for r in json.loads(first.read_text()) if r["row"] == "extrapolated"]  # one cut: nothing to extrapolate
+    assert scale.main([*common, "--blocks", "3", "--out", str(second), "--append", str(first)]) == 0
+    assert scale.main([*common, "--blocks", "2,3", "--out", str(both)]) == 0
+    rows = json.loads(second.read_text())
+    assert sorted(r["blocks"] for r in rows if r["row"] == "result") == [2, 3]
+    ext = next(r for r in rows if r["row"] == "extrapolated")
+    full = scale.SHAPES["tiny-llama"][1]["num_hidden_layers"]
+    assert ext["from_blocks"] == [2, 3] and ext["per_block_s"] == 100.0 and ext["time_s"] == 100.0 * full + 50
+    assert ext["stages_s"] == {"quantize_s": 60.0 * full}
+    assert ext == next(r for r in json.loads(both.read_text()) if r["row"] == "extrapolated")
