@@ -528,7 +528,7 @@ def test_iq3_consider_updates_as_the_reference(interpreted, name, parity, monkey
 def test_iq3_pick_errors_equal_the_reference(interpreted, c):
     """The fp16 ``d`` search's candidate errors (float64) from the kernel equal the torch reference's bit for bit,
     with a zero scale, a sub-block without importance, a zero candidate and candidates past the last level (l = 15)."""
-    from dynaquant.kernels.iq3_search import pick_errors
+    from dynaquant.kernels.iq3_scales import pick_errors
     from dynaquant.quant.codecs import _iq3_search as steps
     from dynaquant.quant.codecs import _kquant_search as kqs
 

@@ -66,7 +66,7 @@ for _attr in ("nearest_codewords", "candidate_terms", "subset_min_costs"):
     fastpaths.register(f"lattice.{_attr}", _loader("dynaquant.kernels.native.lattice", _attr, True), device="cpu")
 fastpaths.register("iq3.nearest_variants", _loader("dynaquant.kernels.iq3_search", "nearest_variants"))
 fastpaths.register("iq3.assign", _loader("dynaquant.kernels.iq3_search", "assign"))
-fastpaths.register("iq3.pick_errors", _loader("dynaquant.kernels.iq3_search", "pick_errors"))
+fastpaths.register("iq3.pick_errors", _loader("dynaquant.kernels.iq3_scales", "pick_errors"))
 fastpaths.register("iq3.consider", _loader("dynaquant.kernels.iq3_search", "consider"))
 fastpaths.register("iq3.nearest_variants", _loader("dynaquant.kernels.native.lattice", "nearest_variants", True), device="cpu")
 fastpaths.register("iq1.ternary_nearest", _loader("dynaquant.kernels.native.lattice", "ternary_nearest", True), device="cpu")
