@@ -459,6 +459,23 @@ def test_choose_config_llama_shapes():
     assert choose_config(KernelFormat.parse("INT4_G128"), 1, 4096, 4096, dev).path == "gemv"
 
 
+def test_mxfp4_m256_large_shapes_take_the_fused_gemm():
+    """MXFP4 at M = 65..256 (H100, 2026-12-07): gate+up, down and lm_head on the fused GEMM's 128 x 128 x 32 tiles
+    (0.47x -> 0.56x bf16 a step), q/k/v and o on dequantize + cuBLAS, which were faster there; above 256 tokens the
+    dequantized path as before (unmeasured)."""
+    dev = DeviceInfo("NVIDIA H100 80GB HBM3", 132, (9, 0))
+    f = KernelFormat.parse("MXFP4_G32")
+    for n, k in [(28672, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]:
+        cfg = choose_config(f, 256, n, k, dev)
+        assert (cfg.path, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == \
+            ("gemm", 128, 128, 32, 8, 4), (n, k, cfg)
+        assert valid_config(cfg, f, 256, n, k) and cfg.split_k >= 1
+        assert choose_config(f, 512, n, k, dev).path == "dequant"
+    for n, k in [(6144, 4096), (4096, 4096)]:
+        assert choose_config(f, 256, n, k, dev).path == "dequant"
+    assert choose_config(f, 256, 28672, 4096, DeviceInfo("NVIDIA A100", 108, (8, 0))).path != "gemm"
+
+
 # ----------------------------------------------------------------------------------------------
 # full size, on a GPU
 

@@ -490,7 +490,7 @@ def test_iq3_consider_updates_as_the_reference(interpreted, name, parity, monkey
     from dynaquant.quant.codecs import _iq3_search as steps
     from dynaquant.quant.codecs import iq3
 
-    monkeypatch.setattr(iq3_search, "CONSIDER", True)  # (off by default until measured on a GPU)
+    monkeypatch.setattr(iq3_search, "CONSIDER", True)  # (the defaults; set in case a run switched them off)
     monkeypatch.setattr(iq3_search, "SUMS", True)
     g = torch.Generator().manual_seed(13)
     n = 5  # 160 lanes: two programs, the last partial

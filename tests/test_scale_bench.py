@@ -121,3 +121,31 @@ def test_append_of_another_cut_gives_the_extrapolation(tmp_path, monkeypatch):
     assert ext["from_blocks"] == [2, 3] and ext["per_block_s"] == 100.0 and ext["time_s"] == 100.0 * full + 50
     assert ext["stages_s"] == {"quantize_s": 60.0 * full}
     assert ext == next(r for r in json.loads(both.read_text()) if r["row"] == "extrapolated")
+
+
+def test_warmup_runs_the_first_cut_once_untimed_and_a_cold_extrapolation_is_flagged(tmp_path, monkeypatch):
+    """``--warmup`` quantizes the first cut once before its timed run (row ``warmup``, not a cut of the
+    extrapolation); without it a first run slowed by compiles can make the larger cut faster, and the extrapolated
+    row then says so (``error``) instead of standing as a negative time."""
+    monkeypatch.setattr(scale, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(scale, "make_checkpoint", lambda ckpt, shape, n, *a, **k: {"parameters": n, "size_bytes": 10 * n,
+                                                                                   "time_s": 0.1})
+    calls = []
+
+    def fake_run(ckpt, out, work, args, mode="stream", nproc=1, torchrun=False):
+        n = int(ckpt.name.rsplit("-", 1)[1])
+        cold = not calls
+        calls.append((n, out.name))
+        return {"nproc": nproc, "time_s": 100.0 * n + (500 if cold else 0), "timings_s": {"errors_s": 10.0 * n}}
+    monkeypatch.setattr(scale, "run_quantize", fake_run)
+    common = ["--shape", "tiny-llama", "--device", "cpu", "--work", str(tmp_path / "w"), "--blocks", "2,3"]
+    assert scale.main([*common, "--out", str(tmp_path / "cold.json")]) == 0
+    ext = next(r for r in json.loads((tmp_path / "cold.json").read_text()) if r["row"] == "extrapolated")
+    assert ext["per_block_s"] < 0 and "warmup" in ext["error"]
+    calls.clear()
+    assert scale.main([*common, "--warmup", "--out", str(tmp_path / "warm.json")]) == 0
+    assert [n for n, _ in calls] == [2, 2, 3] and "warmup" in calls[0][1]
+    rows = json.loads((tmp_path / "warm.json").read_text())
+    assert [r["time_s"] for r in rows if r["row"] == "warmup"] == [700.0]
+    ext = next(r for r in rows if r["row"] == "extrapolated")
+    assert ext["per_block_s"] == 100.0 and "error" not in ext

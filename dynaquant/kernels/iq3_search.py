@@ -47,12 +47,14 @@ from dynaquant.quant.codecs import iq3
 __all__ = ["assign", "consider", "nearest_variants"]
 
 _BLOCK = 128  # groups a program (one a lane)
-# The three paths below are off until measured on a GPU (session 30 built them in Triton's interpreter; no device time
-# was had): .dev/s30iq3_bench.py times them against these defaults and checks the error and gguf-py's decoding.
-PACKED = False  # grid lookups and candidate lists as packed words (iq3_tables.packed_points; the same values, fewer loads)
-SUMS = False  # assign(sums=True) sums the terms a sub-block in the kernel (else torch sums the written terms)
-CONSIDER = False  # consider() updates step 1's running best in the kernel (else torch, from assign's sums)
-LISTS_FROM = 512  # grids of this many points or more walk candidate lists by default (measured: IQ3_S yes, IQ3_XXS no)
+# Measured on an H100 (2026-12-07, benchmarks/iq3_configs.py, a 4096 x 14336 tensor; out/iq3-configs-h100.json): the
+# three paths below on and IQ3_XXS walking its lists too: IQ3_XXS 4.70e8 -> 8.14e8, IQ3_S 7.89e8 -> 1.46e9 weights/s,
+# weighted error 1.0000002-4 of the former path's (near-ties in float32 sums), gguf-py decodes the bytes. Programs of
+# 64 groups (2 warps) gained 5 % on IQ3_S and nothing on IQ3_XXS: 128 kept.
+PACKED = True  # grid lookups and candidate lists as packed words (iq3_tables.packed_points; the same values, fewer loads)
+SUMS = True  # assign(sums=True) sums the terms a sub-block in the kernel (else torch sums the written terms)
+CONSIDER = True  # consider() updates step 1's running best in the kernel (else torch, from assign's sums)
+LISTS_FROM = 256  # grids of this many points or more walk candidate lists by default (both IQ3 grids)
 _WARPS = 4
 
 
@@ -501,8 +503,8 @@ def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None,
                      packed: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused :func:`dynaquant.quant.codecs.iq3.nearest_variants_torch`: same arguments, same result (module
     docstring for the rounding); ``lists``: off-grid variants walk their exact candidate lists (else the whole
-    grid); None: lists on grids of at least :data:`LISTS_FROM` points (IQ3_S's 512: 1.6x faster on an H200, the
-    same bytes; IQ3_XXS's 256: no faster, so its bytes stay the whole grid's); ``packed``: grid lookups and
+    grid); None: lists on grids of at least :data:`LISTS_FROM` points (both: with the packed words and in-kernel sums
+    IQ3_XXS's 256-point grid gained 1.46x from its lists on an H100, IQ3_S's 512 1.6x on an H200); ``packed``: grid lookups and
     candidates read as packed words (:func:`.iq3_tables.packed_points`; None: :data:`PACKED`), the same values and results.
     Raises ValueError when the shapes disagree."""
     r = f.shape[0]

@@ -338,7 +338,8 @@ def _gemm16(n: int, k: int, split: int) -> LaunchConfig:
 def _fused_gemm_config(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) -> LaunchConfig | None:
     """The fused dequant-GEMM where it beat the mm and dequant paths in the H200 sweep (2026-11-28,
     ``benchmarks/kernel_speed.py --sweep --sweep-m 16,64,256``, Llama-3-8B shapes; INT4/INT2 group 128 and
-    MXFP4); None elsewhere (other formats and devices keep the earlier paths until measured)."""
+    MXFP4) and, for MXFP4 at M = 65..256 on the large shapes, in the H100 variants run of 2026-12-07; None
+    elsewhere (other formats and devices keep the earlier paths until measured)."""
     if dev.capability < (9, 0) or m < 9:
         return None
     int_g128 = fmt.kind == "int" and fmt.symmetric and fmt.group_size == 128 and fmt.bits in (2, 4)
@@ -370,6 +371,12 @@ def _fused_gemm_config(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInf
         if n * k <= 4096 * 4096:
             return None
         return _gemm(m, n, k, 64, 128, 64, 4, 3, dev, True)
+    if fmt.kind == "mxfp4" and fmt.group_size == 32 and m <= 256 and n * k >= 14336 * 4096:
+        # M = 256 on an H100 (2026-12-07, the fused GEMM's variants, benchmarks/out/kernels-h100-gemm-variants.json):
+        # 128 x 128 tiles, K tiles of 32, 8 warps, 4 stages beat dequantize + cuBLAS on gate+up (277 -> 235 us), down
+        # (137 -> 119) and lm_head (1777 -> 909; the dequantized copy is 1 GB): step 0.47x -> 0.56x bf16; q/k/v and o
+        # stay (56 -> 88, 39 -> 43 us)
+        return _gemm(m, n, k, 128, 128, 32, 8, 4, dev, True)
     return None
 
 

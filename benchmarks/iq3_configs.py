@@ -1,12 +1,12 @@
-"""s30iq3: IQ3_XXS / IQ3_S encode on CUDA, git main's kernel behaviour against this branch's (issue 16).
+"""IQ3_XXS / IQ3_S encode on CUDA: the fused search's configurations against the former defaults (issue 16).
 
 Configurations of dynaquant.kernels.iq3_search (module flags, set per run):
-  old          PACKED=False, SUMS=False, CONSIDER=False, LISTS_FROM=512, BLOCK 128 / 4 warps: git main's behaviour
-               (float-table loads, (n, 8, 32) terms written and summed by torch, step 1's update in torch; IQ3_XXS
+  old          PACKED=False, SUMS=False, CONSIDER=False, LISTS_FROM=512, BLOCK 128 / 4 warps: the defaults before
+               2026-12-07 (float-table loads, (n, 8, 32) terms written and summed by torch, step 1's update in torch; IQ3_XXS
                walks the whole grid, IQ3_S its candidate lists)
-  new          PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=512, BLOCK 128 / 4 warps: this branch's default
-               (packed words, sub-block sums and step 1's running best in the kernel)
-  new_lists    as new with LISTS_FROM=256 (IQ3_XXS walks its exact candidate lists too)
+  new          PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=512, BLOCK 128 / 4 warps (packed words, sub-block
+               sums and step 1's running best in the kernel)
+  new_lists    as new with LISTS_FROM=256 (IQ3_XXS walks its exact candidate lists too): today's defaults
   new_lists64  as new_lists with BLOCK 64 / 2 warps (smaller programs: shorter list walks)
   new_lists32  as new_lists with BLOCK 32 / 1 warp
 Times ``dynaquant.quant.codecs.quantize`` of a random 4096 x 14336 float32 tensor with a random positive imatrix
@@ -14,7 +14,8 @@ Times ``dynaquant.quant.codecs.quantize`` of a random 4096 x 14336 float32 tenso
 bytes / rows equal to old, a gguf-py decode check of the new bytes, a torch.profiler top-15 CUDA kernel table of one
 encode under the fastest new configuration, and one JSON line at the end.
 
-usage: PYTHONPATH=$PWD python3 .dev/s30iq3_bench.py [--configs old,new,new_lists,new_lists64,new_lists32]
+usage: python3 benchmarks/iq3_configs.py [--configs old,new,new_lists,new_lists64,new_lists32] (on a GPU, ~1 min)
+H100 run of 2026-12-07: benchmarks/out/iq3-configs-h100.json.
 """
 
 from __future__ import annotations
