@@ -357,7 +357,7 @@ def main(argv=None) -> int:
                 write()
             if not args.keep:
                 shutil.rmtree(ckpt, ignore_errors=True)
-        if len(done) == 2 and all("error" not in r for r in done):  # (appended rows first)
+        if len(done) == 2 and all("error" not in r for r in done):
             a, b = sorted(done, key=lambda r: r["blocks"])
             per_block_bytes = (b["checkpoint"]["size_bytes"] - a["checkpoint"]["size_bytes"]) / (b["blocks"] - a["blocks"])
             full_bytes = a["checkpoint"]["size_bytes"] + per_block_bytes * (full_blocks - a["blocks"])

@@ -503,9 +503,10 @@ def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None,
                      packed: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused :func:`dynaquant.quant.codecs.iq3.nearest_variants_torch`: same arguments, same result (module
     docstring for the rounding); ``lists``: off-grid variants walk their exact candidate lists (else the whole
-    grid); None: lists on grids of at least :data:`LISTS_FROM` points (both: with the packed words and in-kernel sums
-    IQ3_XXS's 256-point grid gained 1.46x from its lists on an H100, IQ3_S's 512 1.6x on an H200); ``packed``: grid lookups and
-    candidates read as packed words (:func:`.iq3_tables.packed_points`; None: :data:`PACKED`), the same values and results.
+    grid); None: lists on grids of at least :data:`LISTS_FROM` points (both: with the packed words and in-kernel
+    sums IQ3_XXS's 256-point grid gained 1.46x from its lists on an H100, IQ3_S's 512 1.6x on an H200); ``packed``:
+    grid lookups and candidates read as packed words (:func:`.iq3_tables.packed_points`; None: :data:`PACKED`), the
+    same values and results.
     Raises ValueError when the shapes disagree."""
     r = f.shape[0]
     nv = iq3.variant_count(f, t, odd, flip_at, kmap, mids, grid, g8)

@@ -363,7 +363,9 @@ def _fused_gemm_config(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInf
             return LaunchConfig("gemm", min(128, _pow2_at_least(m, 16)), 64, 1, 2 if (k // 128) % 2 == 0 else 1, 4, 3,
                                 False, 128)
         return None
-    if fmt.kind == "mxfp4" and fmt.group_size == 32 and m <= 64:  # 8-20 % at M = 16, 13-22 % at M = 64
+    if fmt.kind != "mxfp4" or fmt.group_size != 32:
+        return None
+    if m <= 64:  # 8-20 % at M = 16, 13-22 % at M = 64
         if m <= 16:
             return _gemm16(n, k, 4 if n >= 28672 else 8)
         if n <= 2048:
@@ -371,7 +373,7 @@ def _fused_gemm_config(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInf
         if n * k <= 4096 * 4096:
             return None
         return _gemm(m, n, k, 64, 128, 64, 4, 3, dev, True)
-    if fmt.kind == "mxfp4" and fmt.group_size == 32 and m <= 256 and n * k >= 14336 * 4096:
+    if m <= 256 and n * k >= 14336 * 4096:
         # M = 256 on an H100 (2026-12-07, the fused GEMM's variants, benchmarks/out/kernels-h100-gemm-variants.json):
         # 128 x 128 tiles, K tiles of 32, 8 warps, 4 stages beat dequantize + cuBLAS on gate+up (277 -> 235 us), down
         # (137 -> 119) and lm_head (1777 -> 909; the dequantized copy is 1 GB): step 0.47x -> 0.56x bf16; q/k/v and o
