@@ -78,9 +78,10 @@ def test_expert_errors_batched_equal_per_expert():
         got, fallback = moe.measure_expert_errors(mod, proj, st, ["Q4_0", "Q8_0"], **kw)
         w = expert_weight(mod, proj).detach()
         per = []
+        rows = moe.expert_sample_rows(st.n_expert, w.shape[1])  # (the stack's sample spread over its experts)
         for e in range(st.n_expert):
             rw, imp, _ = st.row_weights(proj, e, **kw)
-            per.append(measure_errors(w[e], ["Q4_0", "Q8_0"], rw, imatrix=imp, seed=e))
+            per.append(measure_errors(w[e], ["Q4_0", "Q8_0"], rw, imatrix=imp, seed=e, rows=rows))
         assert got == moe.combine_expert_errors(st, per)
         assert got["Q4_0"].kld_pred == sum(p["Q4_0"].kld_pred for p in per) > got["Q8_0"].kld_pred > 0
         assert got["Q4_0"].size_bytes == w.numel() // 32 * 18 and fallback == st.unrouted()
@@ -121,9 +122,10 @@ def test_deferred_expert_errors_equal_direct():
         got = moe.expert_errors_with_fisher(st, proj, measure_samples(samples, ["Q4_0", "Q8_0"], per_row=True), **kw)
         w = expert_weight(mod, proj).detach()
         direct = []
+        rows = moe.expert_sample_rows(st.n_expert, w.shape[1])
         for e in range(st.n_expert):
             rw, imp, _ = st.row_weights(proj, e, **kw)
-            direct.append(measure_samples([sample_tensor(w[e], rw, imatrix=imp, seed=e, score="output")],
+            direct.append(measure_samples([sample_tensor(w[e], rw, imatrix=imp, seed=e, score="output", rows=rows)],
                                           ["Q4_0", "Q8_0"])[0])
         want = moe.combine_expert_errors(st, direct)
         for f in want:
@@ -157,11 +159,12 @@ def test_experts_beyond_the_bound_keep_diagonal_second_moments(monkeypatch):
     got, _ = moe.measure_expert_errors(mod, "down_proj", sd, ["Q4_0"], **kw)
     w = expert_weight(mod, "down_proj").detach()
     per = []
+    rows = moe.expert_sample_rows(sd.n_expert, w.shape[1])
     for e in range(sd.n_expert):
         rw, imp, _ = sd.row_weights("down_proj", e, **kw)
         assert rw.hessian.dim() == 1
         dense = RowWeights(rw.fisher, torch.diag(rw.hessian))
-        per.append(measure_errors(w[e], ["Q4_0"], dense, imatrix=imp, seed=e))
+        per.append(measure_errors(w[e], ["Q4_0"], dense, imatrix=imp, seed=e, rows=rows))
     want = moe.combine_expert_errors(sd, per)["Q4_0"]
     assert got["Q4_0"].kld_pred == pytest.approx(want.kld_pred, rel=1e-5) and got["Q4_0"].kld_pred > 0
     assert got["Q4_0"].output_rel == pytest.approx(want.output_rel, rel=1e-5)

@@ -390,12 +390,19 @@ def test_cpu_quantize_samples_every_tensor_at_the_cpu_fraction(tmp_path, monkeyp
 
     def spy(module):
         def sample_tensor(*args, **kw):
-            seen.append((module, kw.get("fraction")))
+            if module != experts.__name__:  # (each expert: its share of the stack's sample, below)
+                seen.append((module, kw.get("fraction")))
             return errors.sample_tensor(*args, **kw)
         return sample_tensor
 
+    def expert_rows(n_expert, n_rows, fraction):
+        seen.append((experts.__name__, fraction))
+        return expert_sample_rows(n_expert, n_rows, fraction)
+
+    expert_sample_rows = experts.expert_sample_rows
     for mod in (analyze, analyze_blocks, experts):
         monkeypatch.setattr(mod, "sample_tensor", spy(mod.__name__))
+    monkeypatch.setattr(experts, "expert_sample_rows", expert_rows)
     for stream in (False, True):
         seen.clear()
         dynaquant.quantize(tmp_path / "ckpt", output=tmp_path / f"moe-{stream}.gguf", stream=stream, device="cpu",

@@ -106,11 +106,13 @@ def test_fit_packs_only_a_block_that_does_not_fit(stored):
     sk = build_skeleton(source, ts)
     outer = sk.part_bytes(OUTER)
     full = max(sk.part_bytes(b, packed=False) for b in range(sk.n_blocks))
-    packed = max(sk.part_bytes(b, packed=True) for b in range(sk.n_blocks))
-    assert packed < full
+    packed = max(sk.part_bytes(b, packed=True) + sk.check_bytes(b) for b in range(sk.n_blocks))
+    assert packed < full and max(sk.check_bytes(b) for b in range(sk.n_blocks)) > 0 == sk.check_bytes(OUTER)
     sk.fit(outer + full)
     assert not sk.pack_experts
     sk.fit(outer + full - 1)
+    assert sk.pack_experts
+    sk.fit(outer + packed)
     assert sk.pack_experts
     with pytest.raises(InputError, match="do not fit --max-gpu-memory"):
         sk.fit(outer + packed - 1)

@@ -32,6 +32,7 @@ from dynaquant.analysis.errors import (
     RowWeights,
     TensorError,
     measure_samples,
+    sample_size,
     sample_tensor,
 )
 from dynaquant.analysis.moments import gram
@@ -42,6 +43,10 @@ from dynaquant.sources.experts import dispatch, expert_linear, expert_matrix, fi
 # 256 x 7168^2 x 4 = 49 GiB a layer) only their diagonals (E, K), the per-expert imatrix: the experts' errors then
 # take H as diagonal (``output_rel`` and the predicted KLD weigh each input column by its E[x^2] alone).
 EXPERT_HESSIAN_BYTES = 4 << 30
+
+# Rows sampled of each expert of a stack (:func:`expert_sample_rows`) at least: the stack's sample is spread over its
+# experts, each expert a stratum of at least this many rows (its own largest rows among them).
+EXPERT_MIN_ROWS = 16
 
 
 @dataclass
@@ -250,13 +255,32 @@ def uninstall(undo: list) -> None:
             del mod.forward
 
 
+def expert_sample_rows(n_expert: int, n_rows: int, fraction: int = SAMPLE_FRACTION) -> int:
+    """Rows sampled of each expert of a stack of ``n_expert`` experts of ``n_rows`` rows.
+
+    One GGUF type holds the whole stack (``ffn_{gate,up,down}_exps``), so its error is one estimate: the stack is
+    sampled as a tensor of ``n_expert * n_rows`` rows (:func:`.errors.sample_size`) stratified by expert, each
+    expert's share ``ceil(sample_size(E * N) / E)`` rows, at least :data:`EXPERT_MIN_ROWS` and at most what the expert
+    alone would get (``sample_size(N)``: every row of an expert of at most 64). DeepSeek-V3 (256 experts of 2048 and
+    7168 rows, fraction 16): 16 rows an expert, 4096 a stack, where sampling each expert as a tensor took 128 and
+    448; Mixtral (8 of 14336): 256 an expert.
+
+    Raises:
+        ValueError: ``fraction`` out of range (:func:`.errors.sample_size`).
+    """
+    alone = sample_size(n_rows, fraction)
+    if alone >= n_rows:
+        return n_rows
+    return min(alone, max(EXPERT_MIN_ROWS, -(-sample_size(n_expert * n_rows, fraction) // n_expert)))
+
+
 def expert_samples(module: torch.nn.Module, proj: str, st: ExpertStats, *, total_tokens: int, fisher_total: int,
                    seed: int = 0, defer_fisher: bool = False,
                    fraction: int = SAMPLE_FRACTION) -> tuple[list[ErrorSample], list[int]]:
     """The sampled rows of each expert of a stacked expert tensor (``ffn_{gate,up,down}_exps``).
 
     Each expert is sampled as a linear layer with its own statistics (:meth:`ExpertStats.row_weights`,
-    :func:`.errors.sample_tensor`, seed ``seed + e``); measure them (with other tensors) by
+    :func:`.errors.sample_tensor`, seed ``seed + e``), :func:`expert_sample_rows` rows each; measure them (with other tensors) by
     :func:`.errors.measure_samples` and add them up by :func:`combine_expert_errors`.
 
     Args:
@@ -266,20 +290,22 @@ def expert_samples(module: torch.nn.Module, proj: str, st: ExpertStats, *, total
         defer_fisher: the Fisher is not known yet (the block-by-block forward sweep): rows are sampled by their
             output energy and measured with ``per_row``; weigh them later with :meth:`ExpertStats.fisher`
             (:func:`combine_expert_errors` ``fisher_of``).
-        fraction: the rows sampled of each expert (:func:`.errors.sample_size`).
+        fraction: the stack's sampled rows (:func:`expert_sample_rows`).
     Returns:
         (one ErrorSample per expert, experts that used a fallback).
     """
     samples, fallback = [], []
+    rows = None
     for e in range(st.n_expert):
         w = expert_matrix(module, proj, e).detach()  # one expert at a time (decoded if packed)
+        rows = expert_sample_rows(st.n_expert, w.shape[0], fraction) if rows is None else rows
         rw, imp, fb = st.row_weights(proj, e, total_tokens, fisher_total)
         if fb and (not defer_fisher or st.tokens[e] == 0):  # deferred: no Fisher token is counted yet
             fallback.append(e)
         if defer_fisher:
             rw = RowWeights(hessian=rw.hessian)
         samples.append(sample_tensor(w, rw, imatrix=imp, seed=seed + e, score="output" if defer_fisher else "kld",
-                                     fraction=fraction))
+                                     rows=rows))
     return samples, fallback
 
 

@@ -35,7 +35,7 @@ from dynaquant.sources import hf_moe
 from dynaquant.sources import release as hf_dequant
 from dynaquant.sources.checkpoint import RemoteCodeError, from_pretrained
 from dynaquant.sources.gguf import SourceTensor, TensorSource
-from dynaquant.sources.readers import open_safetensors, read_json_object
+from dynaquant.sources.readers import SafetensorsReader, open_safetensors, read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +139,7 @@ class HFCheckpointSource(TensorSource):
         self.tied = bool(self.hparams.get("tie_word_embeddings", False))
         self.rope = dict(self.hparams.get("rope_parameters") or self.hparams.get("rope_scaling") or {})
         self._files = self._tensor_files()
+        self._reader = SafetensorsReader()  # (a shard's header parsed once per 512 MiB read, not per tensor)
         self._tensors, self._hf_of = self._index_tensors()
         logger.info("%s: %s -> GGUF %s, %d blocks, %d tensors", self.folder, self.hf_arch, self.arch,
                     self.n_layers, len(self._tensors))
@@ -330,14 +331,12 @@ class HFCheckpointSource(TensorSource):
             return super().read_stored(t, lo, hi)
         values, scales = [], []
         for name in members[lo:hi]:
-            with open_safetensors(self._files[name]) as f:
-                x = f.get_tensor(name)
+            x = self._reader.get_tensor(self._files[name], name)
             if tuple(x.shape) != tuple(t.shape[1:]):
                 raise ValueError(f"{name}: read shape {tuple(x.shape)}, expected {tuple(t.shape[1:])}")
             values.append(x)
             if (scale := self._fp8_scale.get(name)) is not None:
-                with open_safetensors(self._files[scale]) as f:
-                    scales.append(f.get_tensor(scale).to(torch.float32))
+                scales.append(self._reader.get_tensor(self._files[scale], scale).to(torch.float32))
         if scales and len(scales) != len(values):
             return super().read_stored(t, lo, hi)
         block = tuple(self._fp8_block) if scales and self._fp8_block else None
@@ -400,15 +399,14 @@ class HFCheckpointSource(TensorSource):
         """One checkpoint tensor in float32 (block-FP8 weights dequantized), moved to ``device`` as stored and
         converted there (None: on the CPU); packed uint8 data (MXFP4 blocks and scales) is returned as stored, for
         its reader to decode."""
-        with open_safetensors(self._files[hf_name]) as f:
-            x = f.get_tensor(hf_name)
+        x = self._reader.get_tensor(self._files[hf_name], hf_name)
         if device is not None:
             x = x.to(device)
         if x.dtype == torch.uint8:
             return x
         if (scale := self._fp8_scale.get(hf_name)) is not None:
-            with open_safetensors(self._files[scale]) as f:
-                return hf_dequant.dequant_block_fp8(x, f.get_tensor(scale).to(x.device), self._fp8_block)
+            return hf_dequant.dequant_block_fp8(x, self._reader.get_tensor(self._files[scale], scale).to(x.device),
+                                                self._fp8_block)
         return x.to(torch.float32)
 
     def _llama3_rope_factors(self) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The one place each file format a user gives us is opened: GGUF (:func:`open_gguf`), safetensors
-(:func:`open_safetensors`) and JSON objects (:func:`read_json_object`: ``config.json``, tokenizer files, indexes).
+(:func:`open_safetensors`, :class:`SafetensorsReader`) and JSON objects (:func:`read_json_object`: ``config.json``, tokenizer files, indexes).
 
 Both readers we build on trust the file: gguf-py's ``GGUFReader`` raises whatever numpy or ``struct`` raises
 on a damaged file (``IndexError``, ``KeyError``, ``UnicodeDecodeError``, ...) and loops over counts read from
@@ -377,6 +377,70 @@ def open_safetensors(path: str | os.PathLike, device: str = "cpu") -> Iterator:
             yield f
     except SafetensorError as e:
         raise InputError(f"{path}: damaged safetensors file ({e})") from e
+
+
+class SafetensorsReader:
+    """Tensors read from safetensors files through ``safe_open`` handles kept open between reads.
+
+    Opening a file parses its JSON header: a DeepSeek-V3 shard lists about 560 tensors, and a block's
+    256 routed experts are 1536 tensors (weights and FP8 scales) read one at a time, so opening per
+    tensor costs more than the reads. A handle here is reused until ``remap_bytes`` have been read
+    through it, then closed (its file mapping released) and reopened on the next read: the file pages a
+    handle maps while open stay within about ``remap_bytes``, and at most ``max_open`` handles are kept
+    (least recently used closed first), so the mapped pages the reads add to the process stay within
+    about ``max_open * remap_bytes`` (default 2 x 512 MiB). Thread-safe (one read at a time).
+    A reader is not pickled with its owner (:meth:`__getstate__`: a copy opens its own handles).
+    """
+
+    def __init__(self, max_open: int = 2, remap_bytes: int = 512 << 20):
+        import threading
+        from collections import OrderedDict
+
+        self.max_open, self.remap_bytes = max_open, remap_bytes
+        self._open: OrderedDict[str, list] = OrderedDict()  # path -> [handle, bytes read through it]
+        self._lock = threading.Lock()
+        self.opens = 0  # files opened (for tests and benchmarks)
+
+    def __getstate__(self) -> dict:
+        return {"max_open": self.max_open, "remap_bytes": self.remap_bytes}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["max_open"], state["remap_bytes"])
+
+    def get_tensor(self, path: str | os.PathLike, name: str):
+        """Tensor ``name`` of the safetensors file ``path`` (a torch tensor on the CPU, as stored).
+
+        Raises:
+            InputError: the file is missing, unreadable, not a valid safetensors file, or damaged (names the file).
+        """
+        from safetensors import SafetensorError, safe_open
+
+        key = str(path)
+        with self._lock:
+            entry = self._open.pop(key, None)
+            if entry is None:
+                try:
+                    entry = [safe_open(key, framework="pt", device="cpu"), 0]
+                except SafetensorError as e:
+                    raise InputError(f"{path}: not a valid safetensors file ({e})") from e
+                except OSError as e:
+                    raise InputError(f"{path}: cannot read safetensors file: {e.strerror or e}") from e
+                self.opens += 1
+            try:
+                x = entry[0].get_tensor(name)
+            except SafetensorError as e:
+                raise InputError(f"{path}: damaged safetensors file ({e})") from e
+            entry[1] += x.numel() * x.element_size()
+            if entry[1] < self.remap_bytes:  # kept (most recently used last)
+                self._open[key] = entry
+                while len(self._open) > self.max_open:
+                    self._open.popitem(last=False)
+            return x
+
+    def close(self) -> None:
+        """Close every handle (their mappings released); later reads reopen."""
+        with self._lock:
+            self._open.clear()
 
 
 def read_json_object(path: str | os.PathLike) -> dict:

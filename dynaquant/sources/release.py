@@ -45,10 +45,20 @@ def dequant_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor,
     s = scale_inv.to(torch.float32)
     if block_size is not None:
         lead = s.ndim - len(block_size)
+        dims = weight.shape[weight.ndim - len(block_size):]
         for i, size in enumerate(block_size):
-            if s.shape[lead + i] != math.ceil(weight.shape[weight.ndim - len(block_size) + i] / size):
+            if s.shape[lead + i] != math.ceil(dims[i] / size):
                 raise ValueError(f"FP8 scales of shape {tuple(s.shape)} do not cover a weight of shape "
                                  f"{tuple(weight.shape)} in blocks of {list(block_size)}")
+        if s.ndim == weight.ndim and all(n % b == 0 for n, b in zip(dims, block_size, strict=True)):
+            # whole blocks: each scale broadcast over its block in place (the same products, no scale copy of
+            # the weight's size)
+            split = [d for n, b in zip(s.shape[lead:], block_size, strict=True) for d in (n, b)]
+            out = weight.to(torch.float32)
+            out.view(*weight.shape[:lead], *split).mul_(
+                s.reshape(*s.shape[:lead], *[d for n in s.shape[lead:] for d in (n, 1)]))
+            return out
+        for i, size in enumerate(block_size):
             s = s.repeat_interleave(size, lead + i)
         s = s[tuple(slice(0, n) for n in weight.shape[weight.ndim - s.ndim:])]
     while s.ndim < weight.ndim:

@@ -34,7 +34,7 @@ from dynaquant.sources.params import ParamWriter
 log = logging.getLogger(__name__)
 
 OUTER = "outer"
-GROUP_BYTES = 1 << 30  # packed experts are read (and checked in float32) this many float32 bytes at a time
+GROUP_BYTES = 1 << 30  # packed experts are read (and checked in float32 on the device) this many float32 bytes at a time
 
 
 def _block_of_param(name: str) -> int | None:
@@ -107,6 +107,17 @@ class ModelSkeleton:
         n = sum(params[p].numel() * item for p in dict.fromkeys(self._params.get(part, [])) if p in params and p not in skip)
         return n + sum(self.ts.stored_bytes(t) for t in self._tensors.get(part, []) if packed and self._packs(t, part))
 
+    def check_bytes(self, part) -> int:
+        """Bytes a packed read of the part's experts decodes at once on the device (:meth:`_read_packed`: a group of
+        experts in float32, checked for NaN / Inf), the largest over its stacked tensors; 0 without packed experts."""
+        n = 0
+        for t in self._tensors.get(part, []):
+            if self._packs(t, part):
+                per_expert = max(1, t.numel // t.shape[0] * 4)
+                group = max(1, GROUP_BYTES // per_expert) if self.ts.reads_experts(t) else t.shape[0]
+                n = max(n, min(group, t.shape[0]) * per_expert)
+        return n
+
     def _fused_modules(self, part) -> dict[str, torch.nn.Module]:
         """The part's experts modules of the ``fused`` layout, by name (found once for the model)."""
         if self._fused is None:
@@ -125,7 +136,8 @@ class ModelSkeleton:
 
     def fit(self, max_gpu_memory: int) -> None:
         """Choose how the parts live within ``max_gpu_memory`` bytes: unpacked where the outer part and the largest
-        block fit it in the skeleton's dtype, else with the experts packed (:attr:`pack_experts`).
+        block fit it in the skeleton's dtype, else with the experts packed (:attr:`pack_experts`; the block as stored
+        plus a group of experts decoded to check it, :meth:`check_bytes`).
 
         Raises:
             InputError: neither fits (names the block and both sizes).
@@ -137,7 +149,7 @@ class ModelSkeleton:
         self.pack_experts = False
         if outer + self.part_bytes(block, packed=False) <= max_gpu_memory:
             return
-        packed = max(self.part_bytes(b, packed=True) for b in range(self.n_blocks))
+        packed = max(self.part_bytes(b, packed=True) + self.check_bytes(b) for b in range(self.n_blocks))
         if outer + packed <= max_gpu_memory and not self.allow_nonfinite:
             log.info("MoE experts kept as stored (%.2f GiB a block instead of %.2f GiB) to fit %.2f GiB of GPU memory",
                      packed / 2**30, self.part_bytes(block, packed=False) / 2**30, max_gpu_memory / 2**30)
@@ -201,7 +213,7 @@ class ModelSkeleton:
         group = max(1, GROUP_BYTES // per_expert) if self.ts.reads_experts(t) else t.shape[0]
         out = None
         for lo in range(0, t.shape[0], group):
-            g = self.ts.read_stored(t, lo, min(lo + group, t.shape[0]))
+            g = self.ts.read_stored(t, lo, min(lo + group, t.shape[0])).to(self.device)  # (checked where it runs)
             check_finite(g.decode(slice(None)), tensor_label(t.hf_name, t.gguf_name), self.ts.file_of(t))
             if out is None:
                 scale = None if g.scale is None else \
