@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dynaquant.analysis.experts import EXPERT_MIN_ROWS, expert_sample_rows
 from dynaquant.analysis.errors import sample_size
+from dynaquant.analysis.experts import EXPERT_MIN_ROWS, expert_sample_rows
 from dynaquant.errors import InputError
 from dynaquant.sources.readers import SafetensorsReader
 from dynaquant.sources.release import dequant_block_fp8

@@ -1,5 +1,6 @@
 """The one place each file format a user gives us is opened: GGUF (:func:`open_gguf`), safetensors
-(:func:`open_safetensors`, :class:`SafetensorsReader`) and JSON objects (:func:`read_json_object`: ``config.json``, tokenizer files, indexes).
+(:func:`open_safetensors`, :class:`SafetensorsReader`) and JSON objects (:func:`read_json_object`: ``config.json``,
+tokenizer files, indexes).
 
 Both readers we build on trust the file: gguf-py's ``GGUFReader`` raises whatever numpy or ``struct`` raises
 on a damaged file (``IndexError``, ``KeyError``, ``UnicodeDecodeError``, ...) and loops over counts read from
