@@ -25,7 +25,8 @@ a ``speedup`` row per cut gives the single process's wall time and stage times o
 ``--gptq`` to every run.
 
 Output: ``--out`` (JSON rows, rewritten after each run): a header (machine, versions, config), one row per run
-(shape, blocks, parameters, checkpoint bytes, wall time, the run's stage times, peak RSS and GPU bytes, file bytes),
+(shape, blocks, parameters, checkpoint bytes, wall time, the run's stage times (``write_s``: the tensor loop's
+writing, a part of ``quantize_s``), peak RSS and GPU bytes, file bytes),
 one ``extrapolated`` row per shape with two cuts. Peak RSS: the child's own ``ru_maxrss``.
 
     python benchmarks/scale.py --shape tiny-llama --blocks 2,4 --device cpu --bpw 6.5 --work /tmp/scale  # smoke test

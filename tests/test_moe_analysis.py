@@ -282,6 +282,7 @@ def test_streamed_moe_gguf_runs_in_llama_cpp(case, tmp_path, monkeypatch):
     q = dynaquant.quantize(tmp_path / "ckpt", output=out, stream=True, calibration=CalibrationSpec((), 4, 64),
                            device="cpu", correct_rounds=0, progress=False)
     assert "lifted" not in q.plan.method
+    assert 0 < q.timings_s["write_s"] < q.timings_s["quantize_s"]  # the tensor loop's writing, reported apart
     _check_runs_in_llama_cpp(tmp_path / "ckpt", out, sorted({int(e.name.split(".")[1]) for e in q.plan.entries
                                                               if "_exps." in e.name}))
 

@@ -350,6 +350,8 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
     t2 = time.perf_counter()
     path, nbytes = write_output(run, target, output)
     timings["quantize_s"] = time.perf_counter() - t2
+    if run.write_s:
+        timings["write_s"] = run.write_s  # (a part of quantize_s: the tensor loop's writing)
     if not grp.main:  # its share of the tensors is in the work folder; rank 0 wrote the file
         return None
     if cfg.stream:
@@ -433,11 +435,18 @@ def write_output(run: RunState, target: Target, path: Path) -> tuple[Path, int] 
             done, encoded = target.load_encoded(run.rundir, i) if run.rundir is not None else (False, None)
             if not done:
                 encoded = encode_planned(run, target, t)
+                t0 = time.perf_counter()
                 if run.rundir is not None:
                     target.save_encoded(run.rundir, i, encoded)
+            else:
+                t0 = time.perf_counter()
             target.add(t, encoded)
+            run.write_s += time.perf_counter() - t0
             bar.update(1)
-        return target.finish()
+        t0 = time.perf_counter()
+        out = target.finish()
+        run.write_s += time.perf_counter() - t0
+        return out
     except BaseException:
         target.abort()
         raise

@@ -36,6 +36,8 @@ class RunState:
             shows a bar of its own when ``cfg.progress``).
         encodings: the corrections' bytes of the final plan's parameters (:class:`dynaquant.analysis.corrections.
             Encodings`, HF names), which the GGUF writer writes instead of encoding them again; or None.
+        write_s: seconds the one-process tensor loop spent writing (each encoded tensor kept in the work folder,
+            handed to the target, the target finished), a part of its ``quantize_s``.
     """
 
     cfg: QuantizeConfig
@@ -54,3 +56,4 @@ class RunState:
     rundir: Any = None
     progress: Any = None
     encodings: Encodings | None = None
+    write_s: float = 0.0
