@@ -435,11 +435,9 @@ def write_output(run: RunState, target: Target, path: Path) -> tuple[Path, int] 
             done, encoded = target.load_encoded(run.rundir, i) if run.rundir is not None else (False, None)
             if not done:
                 encoded = encode_planned(run, target, t)
-                t0 = time.perf_counter()
-                if run.rundir is not None:
-                    target.save_encoded(run.rundir, i, encoded)
-            else:
-                t0 = time.perf_counter()
+            t0 = time.perf_counter()
+            if not done and run.rundir is not None:
+                target.save_encoded(run.rundir, i, encoded)
             target.add(t, encoded)
             run.write_s += time.perf_counter() - t0
             bar.update(1)

@@ -110,13 +110,15 @@ class ModelSkeleton:
     def check_bytes(self, part) -> int:
         """Bytes a packed read of the part's experts decodes at once on the device (:meth:`_read_packed`: a group of
         experts in float32, checked for NaN / Inf), the largest over its stacked tensors; 0 without packed experts."""
-        n = 0
-        for t in self._tensors.get(part, []):
-            if self._packs(t, part):
-                per_expert = max(1, t.numel // t.shape[0] * 4)
-                group = max(1, GROUP_BYTES // per_expert) if self.ts.reads_experts(t) else t.shape[0]
-                n = max(n, min(group, t.shape[0]) * per_expert)
-        return n
+        return max((min(self._read_group(t), t.shape[0]) * 4 * (t.numel // t.shape[0])
+                    for t in self._tensors.get(part, []) if self._packs(t, part)), default=0)
+
+    def _read_group(self, t: SourceTensor) -> int:
+        """Experts a packed read of the stacked tensor ``t`` takes at a time (:data:`GROUP_BYTES` in float32; all of
+        them from a source that reads the stack whole)."""
+        if not self.ts.reads_experts(t):
+            return t.shape[0]
+        return max(1, GROUP_BYTES // max(1, t.numel // t.shape[0] * 4))
 
     def _fused_modules(self, part) -> dict[str, torch.nn.Module]:
         """The part's experts modules of the ``fused`` layout, by name (found once for the model)."""
@@ -209,8 +211,7 @@ class ModelSkeleton:
 
     def _read_packed(self, t: SourceTensor) -> xp.Stored:
         """A stacked expert tensor as stored, on the device, read and checked a group of experts at a time."""
-        per_expert = max(1, t.numel // t.shape[0] * 4)
-        group = max(1, GROUP_BYTES // per_expert) if self.ts.reads_experts(t) else t.shape[0]
+        group = self._read_group(t)
         out = None
         for lo in range(0, t.shape[0], group):
             g = self.ts.read_stored(t, lo, min(lo + group, t.shape[0])).to(self.device)  # (checked where it runs)
