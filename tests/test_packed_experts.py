@@ -197,3 +197,30 @@ def test_packed_backward_keeps_no_decoded_weight(stored):
     torch.nn.functional.linear(x2, w).square().sum().backward()
     assert torch.equal(x.grad, x2.grad)
     sk.release(b)
+
+
+def test_dispatch_calls_each_expert_on_the_eager_loops_rows():
+    """``dispatch`` (one sort for all experts) hands each expert the rows transformers' eager loop gives it
+    (``torch.where((idx == e).T)``: by choice position, then token), skips masked choices (outside 0..E-1), and sums
+    the same result bit for bit."""
+    from dynaquant.sources.experts import dispatch
+
+    g = torch.Generator().manual_seed(0)
+    for t, k, n in [(37, 4, 16), (300, 8, 64), (5, 2, 3)]:
+        x, w = torch.randn(t, 24, generator=g), torch.rand(t, k, generator=g)
+        idx = torch.randint(-1, n + 1, (t, k), generator=g)
+        weights = torch.randn(n, 24, 24, generator=g)
+        calls = []
+
+        def fn(e, xs, ws, calls=calls, weights=weights):
+            calls.append((e, xs, ws))
+            return xs @ weights[e]
+        got = dispatch(x, idx, w, n, fn)
+        want, ref = torch.zeros_like(x), []
+        for e in torch.unique(idx).tolist():
+            if 0 <= e < n:
+                pos, tok = torch.where((idx == e).T)
+                ref.append((e, x[tok], w[tok, pos]))
+                want.index_add_(0, tok, (x[tok] @ weights[e]) * w[tok, pos, None])
+        assert torch.equal(got, want) and [c[0] for c in calls] == [r[0] for r in ref]
+        assert all(torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]) for a, b in zip(calls, ref, strict=True))

@@ -209,7 +209,7 @@ class _ExpertsForward:
             else:
                 hs[e] += (v * v).sum(0)
         st.tokens[e] += x.shape[0]
-        st.weight_sum[e] += float(w.detach().double().sum())
+        st.weight_sum[e] += w.detach().double().sum()  # (on the device: no wait for the GPU an expert)
 
 
 def new_expert_stats(name: str, n_expert: int, device) -> ExpertStats:

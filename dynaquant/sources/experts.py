@@ -89,10 +89,19 @@ def dispatch(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
     idx = top_k_index.reshape(x_all.shape[0], -1)
     w = top_k_weights.reshape(x_all.shape[0], -1)
     out = torch.zeros_like(x_all)
-    for e in torch.unique(idx).tolist():
+    # each expert's (choice position, token) pairs in that order (transformers' eager loop's rows, ``torch.where((idx
+    # == e).T)``): one stable sort of the choices for all experts, one transfer of the experts and counts to the host
+    n_tok = idx.shape[0]
+    flat = idx.T.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    pos_all, tok_all = order // n_tok, order % n_tok
+    start = 0
+    for e, c in zip(experts.tolist(), counts.tolist(), strict=True):
+        pos, tok = pos_all[start : start + c], tok_all[start : start + c]
+        start += c
         if not 0 <= e < n_expert:
             continue
-        pos, tok = torch.where((idx == e).T)  # by choice position, then token: transformers' eager loop's row order
         y = expert_fn(e, x_all[tok], w[tok, pos])
         out.index_add_(0, tok, (y * w[tok, pos, None]).to(out.dtype))
     return out.reshape(shape)
