@@ -36,7 +36,7 @@ from dynaquant.analysis.errors import (
     sample_tensor,
 )
 from dynaquant.analysis.moments import gram
-from dynaquant.sources.experts import dispatch, expert_linear, expert_matrix, find_experts, layout_of
+from dynaquant.sources.experts import dispatch, expert_linear, expert_matrix, expert_weight, find_experts, layout_of
 
 # Per experts module and input (gate/up's, down's), the full per-expert second moments (E, K, K) float32 are kept
 # up to this many bytes (Qwen3-30B-A3B's gate/up: 128 x 2048^2 x 4 = 2 GiB); beyond it (DeepSeek-V3's gate/up:
@@ -295,10 +295,9 @@ def expert_samples(module: torch.nn.Module, proj: str, st: ExpertStats, *, total
         (one ErrorSample per expert, experts that used a fallback).
     """
     samples, fallback = [], []
-    rows = None
+    rows = expert_sample_rows(st.n_expert, expert_weight(module, proj).shape[1], fraction)
     for e in range(st.n_expert):
         w = expert_matrix(module, proj, e).detach()  # one expert at a time (decoded if packed)
-        rows = expert_sample_rows(st.n_expert, w.shape[0], fraction) if rows is None else rows
         rw, imp, fb = st.row_weights(proj, e, total_tokens, fisher_total)
         if fb and (not defer_fisher or st.tokens[e] == 0):  # deferred: no Fisher token is counted yet
             fallback.append(e)

@@ -365,17 +365,30 @@ def open_safetensors(path: str | os.PathLike, device: str = "cpu") -> Iterator:
     Raises:
         InputError: the file is missing, unreadable or not a valid safetensors file.
     """
+    handle = _safe_open(path, device)
+    with _damaged_as_input_error(path), handle as f:
+        yield f
+
+
+def _safe_open(path: str | os.PathLike, device: str = "cpu"):
+    """``safetensors.safe_open(path, "pt", device)``, its opening errors raised as :class:`InputError` naming the file."""
     from safetensors import SafetensorError, safe_open
 
     try:
-        handle = safe_open(str(path), framework="pt", device=device)
+        return safe_open(str(path), framework="pt", device=device)
     except SafetensorError as e:
         raise InputError(f"{path}: not a valid safetensors file ({e})") from e
     except OSError as e:
         raise InputError(f"{path}: cannot read safetensors file: {e.strerror or e}") from e
+
+
+@contextmanager
+def _damaged_as_input_error(path: str | os.PathLike) -> Iterator[None]:
+    """The library's errors while reading tensors of an open file raised as :class:`InputError` naming the file."""
+    from safetensors import SafetensorError
+
     try:
-        with handle as f:
-            yield f
+        yield
     except SafetensorError as e:
         raise InputError(f"{path}: damaged safetensors file ({e})") from e
 
@@ -414,23 +427,14 @@ class SafetensorsReader:
         Raises:
             InputError: the file is missing, unreadable, not a valid safetensors file, or damaged (names the file).
         """
-        from safetensors import SafetensorError, safe_open
-
         key = str(path)
         with self._lock:
             entry = self._open.pop(key, None)
             if entry is None:
-                try:
-                    entry = [safe_open(key, framework="pt", device="cpu"), 0]
-                except SafetensorError as e:
-                    raise InputError(f"{path}: not a valid safetensors file ({e})") from e
-                except OSError as e:
-                    raise InputError(f"{path}: cannot read safetensors file: {e.strerror or e}") from e
+                entry = [_safe_open(path), 0]
                 self.opens += 1
-            try:
+            with _damaged_as_input_error(path):
                 x = entry[0].get_tensor(name)
-            except SafetensorError as e:
-                raise InputError(f"{path}: damaged safetensors file ({e})") from e
             entry[1] += x.numel() * x.element_size()
             if entry[1] < self.remap_bytes:  # kept (most recently used last)
                 self._open[key] = entry
