@@ -9,13 +9,18 @@ Configurations of dynaquant.kernels.iq3_search (module flags, set per run):
   new_lists    as new with LISTS_FROM=256 (IQ3_XXS walks its exact candidate lists too): today's defaults
   new_lists64  as new_lists with BLOCK 64 / 2 warps (smaller programs: shorter list walks)
   new_lists32  as new_lists with BLOCK 32 / 1 warp
+  tilesC       as new_lists with WALK_CHUNK=C (C = 4, 8, 16): a list walk takes C candidates a step as a (lanes, C)
+               tile (the same choices; new_lists and the others above walk one candidate a step)
+  tiles8_64    as tiles8 with BLOCK 64 / 2 warps
+The first configuration is the base of the ratios and byte comparisons (``old`` by default; ``--configs
+new_lists,tiles4,tiles8,tiles16`` compares the tiled walks with the one-at-a-time walk).
 Times ``dynaquant.quant.codecs.quantize`` of a random 4096 x 14336 float32 tensor with a random positive imatrix
-(median of 7 runs after 2 warm-ups, CUDA synchronized), prints weights/s, the weighted error ratio to old, the
-bytes / rows equal to old, a gguf-py decode check of the new bytes, a torch.profiler top-15 CUDA kernel table of one
+(median of 7 runs after 2 warm-ups, CUDA synchronized), prints weights/s, the weighted error ratio to the base, the
+bytes / rows equal to the base, a gguf-py decode check of the new bytes, a torch.profiler top-15 CUDA kernel table of one
 encode under the fastest new configuration, and one JSON line at the end.
 
 usage: python3 benchmarks/iq3_configs.py [--configs old,new,new_lists,new_lists64,new_lists32] (on a GPU, ~1 min)
-H100 run of 2026-12-07: benchmarks/out/iq3-configs-h100.json.
+H100 runs: benchmarks/out/iq3-configs-h100.json (2026-12-07, old .. new_lists32), iq3-configs-tiles-*.json (the tiles).
 """
 
 from __future__ import annotations
@@ -32,11 +37,14 @@ from dynaquant.kernels import iq3_search as ks
 from dynaquant.quant.codecs import dequantize, quantize
 
 CONFIGS = {
-    "old": dict(PACKED=False, SUMS=False, CONSIDER=False, LISTS_FROM=512, _BLOCK=128, _WARPS=4),
-    "new": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=512, _BLOCK=128, _WARPS=4),
-    "new_lists": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=128, _WARPS=4),
-    "new_lists64": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=64, _WARPS=2),
-    "new_lists32": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=32, _WARPS=1),
+    "old": dict(PACKED=False, SUMS=False, CONSIDER=False, LISTS_FROM=512, _BLOCK=128, _WARPS=4, WALK_CHUNK=1),
+    "new": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=512, _BLOCK=128, _WARPS=4, WALK_CHUNK=1),
+    "new_lists": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=128, _WARPS=4, WALK_CHUNK=1),
+    "new_lists64": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=64, _WARPS=2, WALK_CHUNK=1),
+    "new_lists32": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=32, _WARPS=1, WALK_CHUNK=1),
+    **{f"tiles{c}": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=128, _WARPS=4, WALK_CHUNK=c)
+       for c in (4, 8, 16)},
+    "tiles8_64": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=64, _WARPS=2, WALK_CHUNK=8),
 }
 DEFAULT_CONFIGS = ("old", "new", "new_lists", "new_lists64")  # --configs to choose (each compiles its own kernels)
 DEFAULTS = {k: getattr(ks, k) for k in CONFIGS["new"]}
@@ -80,7 +88,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
     configs = ap.parse_args().configs.split(",")
-    assert configs[0] == "old" and all(c in CONFIGS for c in configs), f"configs: old first, then of {list(CONFIGS)}"
+    assert all(c in CONFIGS for c in configs), f"configs: of {list(CONFIGS)} (the first one the base)"
     assert torch.cuda.is_available(), "needs CUDA"
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(4096, 14336, device="cuda", generator=g)
@@ -92,7 +100,7 @@ def main():
             res = {}
             base = None
             for cfg in configs:
-                if fmt == "IQ3_S" and cfg == "new_lists":
+                if fmt == "IQ3_S" and cfg == "new_lists" and cfg != configs[0]:
                     continue  # IQ3_S walks lists under "new" already (LISTS_FROM=512)
                 configure(cfg)
                 t0 = time.perf_counter()
@@ -103,16 +111,17 @@ def main():
                 e = werr(x, b, fmt, imp)
                 if base is None:
                     base = (b, e)
-                r = {"s": round(s, 5), "weights_per_s": x.numel() / s, "werr_ratio_vs_old": e / base[1],
-                     "bytes_equal_old": bool(torch.equal(b, base[0])),
-                     "rows_equal_old": float((b == base[0]).all(1).float().mean()), "gguf_decode_ok": gguf_ok(b, fmt),
+                r = {"s": round(s, 5), "weights_per_s": x.numel() / s, "werr_ratio_vs_base": e / base[1],
+                     "bytes_equal_base": bool(torch.equal(b, base[0])),
+                     "rows_equal_base": float((b == base[0]).all(1).float().mean()), "gguf_decode_ok": gguf_ok(b, fmt),
                      "compile_s": round(comp, 2)}
                 res[cfg] = r
                 print(fmt, cfg, {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
                 del b
-            best = min((c for c in res if c != "old"), key=lambda c: res[c]["s"])
+            best = min((c for c in res if c != configs[0]), key=lambda c: res[c]["s"], default=configs[0])
+            res["base"] = configs[0]
             res["best_new"] = best
-            res["speedup_best_vs_old"] = res["old"]["s"] / res[best]["s"]
+            res["speedup_best_vs_base"] = res[configs[0]]["s"] / res[best]["s"]
             summary["results"][fmt] = res
             # profile one encode of the fastest new configuration
             configure(best)

@@ -450,6 +450,43 @@ def test_iq3_packed_tables_change_nothing(interpreted, name, parity, full, lists
         assert all(u.dtype == v.dtype and torch.equal(u.cpu(), v.cpu()) for u, v in zip(new, old))
 
 
+@pytest.mark.parametrize("name,parity,full", [("IQ3_XXS", True, False), ("IQ3_XXS", True, True), ("IQ3_S", False, False)])
+@pytest.mark.parametrize("chunk", [4, 16])
+def test_iq3_walk_in_tiles_changes_nothing(interpreted, name, parity, full, chunk):
+    """A list walk taking ``chunk`` candidates a step (a (lanes, chunk) tile, its leftmost maximum) chooses what the
+    one-at-a-time walk chooses, bit for bit: the assignment (points and flips), its terms and sums, step 1's update,
+    and the bare search's scores; lists longer than a chunk (IQ3_XXS's reach 61) and shorter than one both occur. A
+    chunk that is not a power of two is refused."""
+    from dynaquant.kernels import iq3_search
+    from dynaquant.quant.codecs import iq3
+
+    x, w, a = _iq3_assign_inputs(name, 13)
+    x[2] *= 40.0  # far-off targets: long lists
+    tables = tuple(t.to(DEVICE) for t in (*iq3._grid_map(name, "cpu"), *iq3._grid_table(name, "cpu")))
+    xd, wd, ad = x.to(DEVICE), w.to(DEVICE), a.to(DEVICE)
+    for out, sums in (("stats", False), ("error", True)):
+        one = [t for t in iq3_search.assign(xd, wd, ad, parity, full, out, True, *tables, sums=sums, chunk=1)
+               if t is not None]
+        tiled = [t for t in iq3_search.assign(xd, wd, ad, parity, full, out, True, *tables, sums=sums, chunk=chunk)
+                 if t is not None]
+        assert len(one) == (4 if out == "stats" else 3)
+        assert all(u.dtype == v.dtype and torch.equal(u.cpu(), v.cpu()) for u, v in zip(tiled, one))
+    bg = torch.full(a.shape, -1.0, dtype=torch.float64, device=DEVICE)
+    ba = torch.zeros_like(ad)
+    one = iq3_search.consider(xd, wd, ad, parity, bg, ba, *tables, chunk=1)
+    tiled = iq3_search.consider(xd, wd, ad, parity, bg, ba, *tables, chunk=chunk)
+    assert all(torch.equal(u.cpu(), v.cpu()) for u, v in zip(tiled, one))
+    xa = x.abs().reshape(-1, 4)
+    f = torch.cat([2 * w.reshape(-1, 4) * xa, -w.reshape(-1, 4)], 1)
+    odd = torch.rand(f.shape[0], generator=torch.Generator().manual_seed(3)) < 0.5
+    args = (f.to(DEVICE), xa.to(DEVICE), odd.to(DEVICE) if parity else None, None, *tables)
+    one = iq3_search.nearest_variants(*args, chunk=1)
+    tiled = iq3_search.nearest_variants(*args, chunk=chunk)
+    assert all(torch.equal(u.cpu(), v.cpu()) for u, v in zip(tiled, one))
+    with pytest.raises(ValueError, match="power of two"):
+        iq3_search.nearest_variants(*args, chunk=3)
+
+
 @pytest.mark.parametrize("name,parity,full", [("IQ3_XXS", True, True), ("IQ3_S", False, False)])
 def test_iq3_assign_sums(interpreted, name, parity, full):
     """``sums=True``: the fused assignment's (n, 8) sub-block sums formed in the kernel equal the reference's
