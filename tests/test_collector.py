@@ -191,3 +191,31 @@ def test_output_head_runs_only_where_its_logits_are_read(model, chunks, fisher_s
     assert st.input("lm_head").tokens == im.counts["lm_head"] == chunks.numel()
     assert st.outputs["lm_head"].absmax.shape == (head.out_features,)
     assert (st.outputs["lm_head"].fisher is not None) == (fisher_sequences > 0)
+
+
+def test_rows_give_the_same_hessians_as_the_sums(model, chunks):
+    """``Collect(rows=True)`` (GPTQ's held-out check) keeps every call's input rows instead of adding their x x^T:
+    the H formed from them on demand equals the accumulated one bit for bit, for every input (shared ones too), as do
+    the token counts, the diagonals and the activation statistics; what it holds is tokens x K a call, not K x K; a
+    dropped input keeps its diagonal. Partial mode (several ranks) refuses it."""
+    from dynaquant.analysis.stats import Collector, ModelStats
+
+    sums = collect(model, chunks[:2], Collect(fisher_sequences=0), progress=False)
+    rows = collect(model, chunks[:2], Collect(fisher_sequences=0, rows=True), progress=False)
+    assert sums.input_of == rows.input_of and set(sums.inputs) == set(rows.inputs)
+    for key, s in sums.inputs.items():
+        r = rows.inputs[key]
+        assert r.hessian_sum is None and len(r.rows) == 2 and r.rows[0].shape == (chunks.shape[1], s.hessian_sum.shape[0])
+        assert r.tokens == s.tokens and r.modules == s.modules
+        assert torch.equal(r.hessian, s.hessian) and torch.equal(r.diag(), s.diag())
+        assert torch.equal(r.absmax, s.absmax) and r.sq_sum == s.sq_sum and r.qerr_sum == s.qerr_sum
+    key = next(iter(rows.inputs))
+    diag = sums.inputs[key].diag().clone()
+    rows.inputs[key].drop_hessian()
+    assert rows.inputs[key].rows is None and torch.equal(rows.inputs[key].diag(), diag)
+    with pytest.raises(ValueError, match="dropped"):
+        rows.inputs[key].hessian_on(None)
+    with pytest.raises(ValueError, match="hessian=True"):
+        Collect(hessian=False, rows=True)
+    with pytest.raises(ValueError, match="partial"):
+        Collector(model, ModelStats(), Collect(rows=True), partial=True)

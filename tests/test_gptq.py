@@ -224,3 +224,42 @@ def test_output_error_definition():
     expected = torch.trace(dw @ h.double() @ dw.T) / torch.trace(w.double() @ h.double() @ w.double().T)
     assert output_error(w, d, h) == pytest.approx(float(expected), rel=1e-9)
     assert output_error(w, w, h) == 0.0
+
+
+def _stats_with(device):
+    from dynaquant.analysis.stats import InputStats, ModelStats
+
+    g = torch.Generator().manual_seed(0)
+    st = ModelStats()
+    for k, name in ((8, "a"), (12, "b")):
+        x = torch.randn(20, k, generator=g)
+        st.inputs[name] = InputStats([name], (x.T @ x).to(device), tokens=20)
+        st.input_of[name] = name
+    return st
+
+
+def test_hessians_stay_where_they_are_off_cuda():
+    """Whole-model GPTQ's H on a CPU run: nothing moved (0 bytes), the same tensors."""
+    from dynaquant.pipeline.gptq import hessians_to_host
+
+    st = _stats_with("cpu")
+    before = {k: s.hessian_sum for k, s in st.inputs.items()}
+    assert hessians_to_host(st, "cpu") == 0
+    assert all(st.inputs[k].hessian_sum is v for k, v in before.items())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_hessians_go_to_host_when_the_gpu_could_not_hold_them_twice(monkeypatch):
+    """With less free GPU memory than the H take, they move to host memory (their bytes returned) and each H formed
+    back on the GPU is the one formed there before, bit for bit; with room enough they stay."""
+    from dynaquant.pipeline.gptq import hessians_to_host
+
+    st = _stats_with("cuda")
+    ref = {k: s.hessian_on("cuda") for k, s in st.inputs.items()}
+    total = sum(s.hessian_sum.numel() * 4 for s in st.inputs.values())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (total, 10 * total))
+    assert hessians_to_host(st, "cuda") == 0 and all(s.hessian_sum.is_cuda for s in st.inputs.values())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (total - 1, 10 * total))
+    assert hessians_to_host(st, "cuda") == total
+    assert all(s.hessian_sum.device.type == "cpu" for s in st.inputs.values())
+    assert all(torch.equal(st.inputs[k].hessian_on("cuda"), h) for k, h in ref.items())

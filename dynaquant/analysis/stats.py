@@ -48,6 +48,8 @@ class InputStats:
         absmax: (K,) float32 max |x| per channel.
         sq_sum: float, sum of x^2 over tokens and channels.
         qerr_sum: {"int8": float, "int4": float}, sum of squared per-token absmax quantization errors.
+        rows: with ``Collect(rows=True)``: each call's (tokens, K) float32 input rows, in call order, kept instead of
+            ``hessian_sum`` (None); :attr:`hessian` and :meth:`diag` form the sum from them on demand.
     """
 
     modules: list[str]
@@ -57,6 +59,17 @@ class InputStats:
     sq_sum: float = 0.0
     qerr_sum: dict = field(default_factory=lambda: {"int8": 0.0, "int4": 0.0})
     diag_sum: torch.Tensor | None = None  # (K,) the diagonal of a dropped hessian_sum
+    rows: list[torch.Tensor] | None = None
+
+    def _sum(self) -> torch.Tensor | None:
+        """``hessian_sum``, or its sum formed from :attr:`rows` (each call's x x^T, added in call order: the
+        operations of the accumulation, so the same bits); None when neither is kept."""
+        if self.hessian_sum is not None or not self.rows:
+            return self.hessian_sum
+        h = gram(self.rows[0])
+        for x in self.rows[1:]:
+            h += gram(x)
+        return h
 
     @property
     def hessian(self) -> torch.Tensor:
@@ -65,12 +78,20 @@ class InputStats:
         Raises:
             ValueError: the matrix was dropped (:meth:`drop_hessian`).
         """
-        if self.hessian_sum is None:
+        return self.hessian_on(None)
+
+    def hessian_on(self, device) -> torch.Tensor:
+        """:attr:`hessian` formed on ``device`` (None: where the sums are): the sum moved, then divided (a sum kept
+        in host memory divided on the GPU; one correctly rounded division, the same bits on either)."""
+        h = self._sum()
+        if h is None:
             raise ValueError(f"the second moments of {self.modules[0]}'s input were dropped after its block")
-        return self.hessian_sum / max(self.tokens, 1)
+        return (h if device is None else h.to(device)) / max(self.tokens, 1)
 
     def diag(self) -> torch.Tensor:
         """(K,) float32 the sum over tokens of x^2 per column (the diagonal of ``hessian_sum``, kept when dropped)."""
+        if self.hessian_sum is None and self.rows:
+            return torch.diagonal(self._sum()).clone()
         return torch.diagonal(self.hessian_sum) if self.hessian_sum is not None else self.diag_sum
 
     @property
@@ -79,10 +100,10 @@ class InputStats:
         return self.diag() / max(self.tokens, 1)
 
     def drop_hessian(self) -> None:
-        """Free the (K, K) matrix, keeping its diagonal (the imatrix)."""
-        if self.hessian_sum is not None:
-            self.diag_sum = torch.diagonal(self.hessian_sum).clone()
-            self.hessian_sum = None
+        """Free the (K, K) matrix (or the rows it is formed from), keeping its diagonal (the imatrix)."""
+        if self.hessian_sum is not None or self.rows:
+            self.diag_sum = self.diag().clone()
+            self.hessian_sum, self.rows = None, None
 
     def quant_rel_error(self) -> dict[str, float]:
         """Relative error ``||Q(x) - x|| / ||x||`` of per-token absmax quantization, per bit width."""
@@ -194,16 +215,24 @@ class Collect:
             statistics of a MoE model differ in the last bits from those of a pass without it.
         fisher_sequences: the first this many sequences also get a backward pass for the Fisher diagonals
             (labels sampled from the model's own next-token distribution); needs ``hessian``.
+        rows: with ``hessian``, every call's float32 input rows are kept (:attr:`InputStats.rows`) instead of their
+            x x^T added into H: tokens x K floats a call, not K x K a module, for a pass of few sequences over a whole
+            model (GPTQ's two held-out sequences: 1024 rows of a Llama-3-8B down_proj input are 59 MB, its H 822 MB;
+            the 32 blocks' H 32 GB, their rows 3.5 GB). H is formed from them on demand, the same bits. One process
+            only (not with ``partial``).
     """
 
     imatrix: bool = False
     hessian: bool = True
     experts: bool = True
     fisher_sequences: int = 0
+    rows: bool = False
 
     def __post_init__(self):
         if self.fisher_sequences > 0 and not self.hessian:
             raise ValueError("the Fisher diagonals are kept with the activation statistics: Collect(hessian=True)")
+        if self.rows and not self.hessian:
+            raise ValueError("the input rows stand in for H: Collect(hessian=True)")
 
 
 def _token_quant_err(x: torch.Tensor, levels: int) -> torch.Tensor:
@@ -240,6 +269,8 @@ class Collector:
 
     def __init__(self, model, st: ModelStats, what: Collect, device: torch.device | None = None,
                  partial: bool = False):
+        if what.rows and partial:
+            raise ValueError("Collect(rows=True) keeps one process's rows: not in partial mode")
         self.main, self.what, self.partial = st, what, partial
         self.st: ModelStats | None = None if partial else st
         self.fisher = False  # True while a Fisher sequence runs (read by the experts forwards too)
@@ -352,15 +383,22 @@ class Collector:
         im.counts[name] = im.counts.get(name, 0) + x.shape[0]
 
     @torch.no_grad()
-    def _accumulate_input(self, name, x):
-        x = x.reshape(-1, x.shape[-1]).to(torch.float32)
+    def _accumulate_input(self, name, inp):
+        x = inp.reshape(-1, inp.shape[-1]).to(torch.float32)
         s = self.st.inputs.get(name)
         k = x.shape[1]
-        h = gram(x)  # this call's, then added
-        if s is None:
-            s = self.st.inputs[name] = InputStats([name], h, absmax=torch.zeros(k, dtype=torch.float32, device=x.device))
+        if self.what.rows:  # this call's rows kept (a copy: the model's activation may be reused in place)
+            r = x.clone() if x.data_ptr() == inp.data_ptr() else x
+            if s is None:
+                s = self.st.inputs[name] = InputStats([name], None, absmax=torch.zeros(k, dtype=torch.float32,
+                                                                                       device=x.device), rows=[r])
+            else:
+                s.rows.append(r)
+        elif s is None:
+            s = self.st.inputs[name] = InputStats([name], gram(x), absmax=torch.zeros(k, dtype=torch.float32,
+                                                                                      device=x.device))
         else:
-            s.hessian_sum += h
+            s.hessian_sum += gram(x)  # this call's, then added
         s.tokens += x.shape[0]
         s.absmax = torch.maximum(s.absmax, x.abs().amax(0))
         sq, q8, q4 = torch.stack([(x * x).sum(), _token_quant_err(x, 127), _token_quant_err(x, 7)]).tolist()  # one sync

@@ -10,7 +10,7 @@ import torch
 
 from dynaquant.analysis.calibration import CalibrationSpec
 from dynaquant.analysis.calibration import calibration_chunks as calibration_ids
-from dynaquant.analysis.stats import collect_stats, module_of
+from dynaquant.analysis.stats import Collect, collect, collect_stats, module_of
 from dynaquant.distributed import group
 from dynaquant.pipeline.source import kept_types
 from dynaquant.quant.codecs import dequantize
@@ -34,8 +34,13 @@ class GPTQRounding:
             raise ValueError(f"GPTQ needs at least 3 calibration sequences of {spec.seq_len} tokens; the text gives "
                              f"{chunks.shape[0]}")
         self.fit = stats if stats is not None else collect_stats(model, chunks[:-2], fisher_sequences=0, progress=progress)
-        self.check = collect_stats(model, chunks[-2:], fisher_sequences=0, progress=False)
+        # the held-out check keeps its two sequences' input rows, not their H (a Llama-3-8B's 32 blocks: 3.5 GB
+        # against 32 GB beside the fit's H, which overflowed an 80 GB GPU); H formed per tensor, the same bits
+        self.check = collect(model, chunks[-2:], Collect(fisher_sequences=0, rows=True), progress=False)
         self.damp, self.device = damp, device
+        self.offloaded = hessians_to_host(self.fit, device)
+        if self.offloaded:
+            timings["gptq_h_on_host_bytes"] = self.offloaded
         self.ratios: dict[str, list[float]] = {}
         self.used: dict[str, int] = {}
         self.plain_only: dict[str, int] = {}  # formats GPTQ does not round (supports_gptq False): encoded plainly
@@ -53,8 +58,8 @@ class GPTQRounding:
         if not supports_gptq(fmt):
             self.record(fmt.name, None, False)
             return None
-        h_fit = self.fit.input(module).hessian.to(self.device)
-        h_check = self.check.input(module).hessian.to(self.device)
+        h_fit = self.fit.input(module).hessian_on(self.device)
+        h_check = self.check.input(module).hessian_on(self.device)
         plain = encode_tensor(w, fmt, imp) if plain is None else plain
         g = gptq_round(w, fmt, h_fit, imp, damp=self.damp)
         e_plain = output_error(w, dequantize(plain, fmt).to(w.device), h_check)
@@ -84,6 +89,24 @@ class GPTQRounding:
         for f, n in self.plain_only.items():
             out[f] = {"tensors": n, "gptq": 0, "mean_ratio": None, "plain_only": True}
         return out
+
+
+def hessians_to_host(stats, device) -> int:
+    """Move the whole-model GPTQ's (K, K) input sums to host memory when the GPU could not hold them twice over:
+    its free memory (``torch.cuda.mem_get_info``, with them and the model on it) below their bytes, the room the later
+    stages (the corrections' decoded weights, each tensor's rounding) then lack. Each goes back to the GPU when its
+    tensors are rounded (:meth:`GPTQRounding.encode`): the same values. A float32 Llama-3-8B's are 33 GB beside its
+    30 GB of weights: moved on an 80 GB H100, kept on a 141 GB H200. Returns the bytes moved (0: kept; not a CUDA
+    device)."""
+    dev = torch.device(device)
+    held = [s for s in stats.inputs.values() if s.hessian_sum is not None and s.hessian_sum.device.type == "cuda"]
+    total = sum(s.hessian_sum.numel() * s.hessian_sum.element_size() for s in held)
+    if dev.type != "cuda" or not held or torch.cuda.mem_get_info(dev)[0] >= total:
+        return 0
+    for s in held:
+        s.hessian_sum = s.hessian_sum.cpu()
+    torch.cuda.empty_cache()
+    return total
 
 
 class StoredRounding:
