@@ -9,18 +9,19 @@ Configurations of dynaquant.kernels.iq3_search (module flags, set per run):
   new_lists    as new with LISTS_FROM=256 (IQ3_XXS walks its exact candidate lists too): today's defaults
   new_lists64  as new_lists with BLOCK 64 / 2 warps (smaller programs: shorter list walks)
   new_lists32  as new_lists with BLOCK 32 / 1 warp
-  tilesC       as new_lists with WALK_CHUNK=C (C = 4, 8, 16): a list walk takes C candidates a step as a (lanes, C)
-               tile (the same choices; new_lists and the others above walk one candidate a step)
-  tiles8_64    as tiles8 with BLOCK 64 / 2 warps
+  prefetch     as new_lists with PREFETCH=True: a list walk loads candidate k + 1's word before it scores candidate k
+  prefetch64   as prefetch with BLOCK 64 / 2 warps
 The first configuration is the base of the ratios and byte comparisons (``old`` by default; ``--configs
-new_lists,tiles4,tiles8,tiles16`` compares the tiled walks with the one-at-a-time walk).
+new_lists,prefetch,prefetch64`` compares the prefetching walk with the plain one). Session 33 also tried walks taking
+4, 8 or 16 candidates a step as a (lanes, C) tile, the tile's leftmost maximum (the same bytes): IQ3_XXS 3.3e8 /
+2.6e8 / 1.2e8 weights/s against the plain walk's 8.1e8 (out/iq3-configs-tiles-h100.json): the code was removed.
 Times ``dynaquant.quant.codecs.quantize`` of a random 4096 x 14336 float32 tensor with a random positive imatrix
 (median of 7 runs after 2 warm-ups, CUDA synchronized), prints weights/s, the weighted error ratio to the base, the
 bytes / rows equal to the base, a gguf-py decode check of the new bytes, a torch.profiler top-15 CUDA kernel table of one
 encode under the fastest new configuration, and one JSON line at the end.
 
 usage: python3 benchmarks/iq3_configs.py [--configs old,new,new_lists,new_lists64,new_lists32] (on a GPU, ~1 min)
-H100 runs: benchmarks/out/iq3-configs-h100.json (2026-12-07, old .. new_lists32), iq3-configs-tiles-*.json (the tiles).
+H100 runs: benchmarks/out/iq3-configs-h100.json (2026-12-07, old .. new_lists32), iq3-configs-tiles-h100.json (tiles).
 """
 
 from __future__ import annotations
@@ -37,14 +38,13 @@ from dynaquant.kernels import iq3_search as ks
 from dynaquant.quant.codecs import dequantize, quantize
 
 CONFIGS = {
-    "old": dict(PACKED=False, SUMS=False, CONSIDER=False, LISTS_FROM=512, _BLOCK=128, _WARPS=4, WALK_CHUNK=1),
-    "new": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=512, _BLOCK=128, _WARPS=4, WALK_CHUNK=1),
-    "new_lists": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=128, _WARPS=4, WALK_CHUNK=1),
-    "new_lists64": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=64, _WARPS=2, WALK_CHUNK=1),
-    "new_lists32": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=32, _WARPS=1, WALK_CHUNK=1),
-    **{f"tiles{c}": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=128, _WARPS=4, WALK_CHUNK=c)
-       for c in (4, 8, 16)},
-    "tiles8_64": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=64, _WARPS=2, WALK_CHUNK=8),
+    "old": dict(PACKED=False, SUMS=False, CONSIDER=False, LISTS_FROM=512, _BLOCK=128, _WARPS=4, PREFETCH=False),
+    "new": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=512, _BLOCK=128, _WARPS=4, PREFETCH=False),
+    "new_lists": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=128, _WARPS=4, PREFETCH=False),
+    "new_lists64": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=64, _WARPS=2, PREFETCH=False),
+    "new_lists32": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=32, _WARPS=1, PREFETCH=False),
+    "prefetch": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=128, _WARPS=4, PREFETCH=True),
+    "prefetch64": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=64, _WARPS=2, PREFETCH=True),
 }
 DEFAULT_CONFIGS = ("old", "new", "new_lists", "new_lists64")  # --configs to choose (each compiles its own kernels)
 DEFAULTS = {k: getattr(ks, k) for k in CONFIGS["new"]}

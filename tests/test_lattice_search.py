@@ -451,12 +451,10 @@ def test_iq3_packed_tables_change_nothing(interpreted, name, parity, full, lists
 
 
 @pytest.mark.parametrize("name,parity,full", [("IQ3_XXS", True, False), ("IQ3_XXS", True, True), ("IQ3_S", False, False)])
-@pytest.mark.parametrize("chunk", [4, 16])
-def test_iq3_walk_in_tiles_changes_nothing(interpreted, name, parity, full, chunk):
-    """A list walk taking ``chunk`` candidates a step (a (lanes, chunk) tile, its leftmost maximum) chooses what the
-    one-at-a-time walk chooses, bit for bit: the assignment (points and flips), its terms and sums, step 1's update,
-    and the bare search's scores; lists longer than a chunk (IQ3_XXS's reach 61) and shorter than one both occur. A
-    chunk that is not a power of two is refused."""
+def test_iq3_walk_with_prefetch_changes_nothing(interpreted, name, parity, full):
+    """A list walk that loads candidate k + 1's word before it scores candidate k (``prefetch``) chooses what the
+    plain walk chooses, bit for bit: the assignment (points and flips), its terms and sums, step 1's update, and the
+    bare search's scores; lists shorter than 8 and longer than 40 candidates are walked."""
     from dynaquant.kernels import iq3_search
     from dynaquant.quant.codecs import iq3
 
@@ -465,26 +463,32 @@ def test_iq3_walk_in_tiles_changes_nothing(interpreted, name, parity, full, chun
     tables = tuple(t.to(DEVICE) for t in (*iq3._grid_map(name, "cpu"), *iq3._grid_table(name, "cpu")))
     xd, wd, ad = x.to(DEVICE), w.to(DEVICE), a.to(DEVICE)
     for out, sums in (("stats", False), ("error", True)):
-        one = [t for t in iq3_search.assign(xd, wd, ad, parity, full, out, True, *tables, sums=sums, chunk=1)
-               if t is not None]
-        tiled = [t for t in iq3_search.assign(xd, wd, ad, parity, full, out, True, *tables, sums=sums, chunk=chunk)
+        plain = [t for t in iq3_search.assign(xd, wd, ad, parity, full, out, True, *tables, sums=sums, prefetch=False)
                  if t is not None]
-        assert len(one) == (4 if out == "stats" else 3)
-        assert all(u.dtype == v.dtype and torch.equal(u.cpu(), v.cpu()) for u, v in zip(tiled, one))
+        pf = [t for t in iq3_search.assign(xd, wd, ad, parity, full, out, True, *tables, sums=sums, prefetch=True)
+              if t is not None]
+        assert len(plain) == (4 if out == "stats" else 3)
+        assert all(u.dtype == v.dtype and torch.equal(u.cpu(), v.cpu()) for u, v in zip(pf, plain))
     bg = torch.full(a.shape, -1.0, dtype=torch.float64, device=DEVICE)
     ba = torch.zeros_like(ad)
-    one = iq3_search.consider(xd, wd, ad, parity, bg, ba, *tables, chunk=1)
-    tiled = iq3_search.consider(xd, wd, ad, parity, bg, ba, *tables, chunk=chunk)
-    assert all(torch.equal(u.cpu(), v.cpu()) for u, v in zip(tiled, one))
-    xa = x.abs().reshape(-1, 4)
-    f = torch.cat([2 * w.reshape(-1, 4) * xa, -w.reshape(-1, 4)], 1)
+    plain = iq3_search.consider(xd, wd, ad, parity, bg, ba, *tables, prefetch=False)
+    pf = iq3_search.consider(xd, wd, ad, parity, bg, ba, *tables, prefetch=True)
+    assert all(torch.equal(u.cpu(), v.cpu()) for u, v in zip(pf, plain))
+    v = x.abs().reshape(-1, 8, 8, 4)
+    big_a = a.clamp_min(1e-8)[:, :, None, None].expand_as(v)  # the groups' sub-block scales (the zero one tiny)
+    wg = w.reshape(v.shape)
+    f = torch.cat([2 * wg * v, -big_a * wg], -1).reshape(-1, 8)
+    t = (v / big_a).reshape(-1, 4)
     odd = torch.rand(f.shape[0], generator=torch.Generator().manual_seed(3)) < 0.5
-    args = (f.to(DEVICE), xa.to(DEVICE), odd.to(DEVICE) if parity else None, None, *tables)
-    one = iq3_search.nearest_variants(*args, chunk=1)
-    tiled = iq3_search.nearest_variants(*args, chunk=chunk)
-    assert all(torch.equal(u.cpu(), v.cpu()) for u, v in zip(tiled, one))
-    with pytest.raises(ValueError, match="power of two"):
-        iq3_search.nearest_variants(*args, chunk=3)
+    args = (f.to(DEVICE), t.to(DEVICE), odd.to(DEVICE) if parity else None, None, *tables)
+    plain = iq3_search.nearest_variants(*args, prefetch=False)
+    pf = iq3_search.nearest_variants(*args, prefetch=True)
+    assert all(torch.equal(u.cpu(), v.cpu()) for u, v in zip(pf, plain))
+    cnt = iq3._candidates(name)[1]
+    kmap, mids = iq3._grid_map(name, "cpu")
+    u = (torch.bucketize(t, mids) << (3 * torch.arange(4))).sum(1)
+    walked = cnt[u][kmap[u] < 0]
+    assert walked.min() < 8 and walked.max() > 40  # short lists and long ones (past any 32-lane warp's worth)
 
 
 @pytest.mark.parametrize("name,parity,full", [("IQ3_XXS", True, True), ("IQ3_S", False, False)])

@@ -55,7 +55,7 @@ PACKED = True  # grid lookups and candidate lists as packed words (iq3_tables.pa
 SUMS = True  # assign(sums=True) sums the terms a sub-block in the kernel (else torch sums the written terms)
 CONSIDER = True  # consider() updates step 1's running best in the kernel (else torch, from assign's sums)
 LISTS_FROM = 256  # grids of this many points or more walk candidate lists by default (both IQ3 grids)
-WALK_CHUNK = 1  # candidates a step of a list walk, as a (lanes, WALK_CHUNK) tile (1: one at a time; packed words only)
+PREFETCH = False  # list walks load the next candidate's word before scoring this one (packed words only)
 _WARPS = 4
 
 
@@ -124,33 +124,24 @@ def _take(take, s, i, best, arg):
 
 @triton.jit
 def _walk(cand_ptr, cnt_ptr, grid_ptr, g2_ptr, l0, l1, l2, l3, s0, s1, s2, s3, f0, f1, f2, f3, f4, f5, f6, f7, need,
-          best, arg, K: tl.constexpr, FB: tl.constexpr, GSTEP: tl.constexpr, CH: tl.constexpr):
+          best, arg, K: tl.constexpr, FB: tl.constexpr, GSTEP: tl.constexpr, PF: tl.constexpr):
     # an off-grid variant's best point: the exact candidates of its level pattern (the points no other point
     # dominates), ascending, strict '>' keeping the first maximum; lanes not in need keep (best, arg); FB > 0:
     # cand_ptr holds packed points (one 4-byte load a candidate), else indices (then 8 loads of grid and squares);
-    # CH > 1 (packed only): CH candidates a step as a (lanes, CH) tile, the tile's first maximum taken where it beats
-    # the running best (the same choice as one at a time: within the tile the leftmost maximum, across tiles '>')
+    # PF (packed only): candidate k + 1's word is loaded before candidate k is scored (its load in flight meanwhile)
     u = l0 + 8 * l1 + 64 * l2 + 512 * l3
     cnt = tl.load(cnt_ptr + u, mask=need, other=0)
     b = tl.full(best.shape, float("-inf"), tl.float32)
     j = tl.zeros(arg.shape, tl.int32)
-    if CH > 1 and FB > 0:
-        kk = tl.arange(0, CH)[None, :]
-        row = (u * K)[:, None]
-        cn = cnt[:, None]
-        nd = need[:, None]
-        t0, t1, t2, t3 = s0[:, None], s1[:, None], s2[:, None], s3[:, None]
-        e0, e1, e2, e3 = f0[:, None], f1[:, None], f2[:, None], f3[:, None]
-        e4, e5, e6, e7 = f4[:, None], f5[:, None], f6[:, None], f7[:, None]
-        for k0 in range(0, tl.max(cnt, axis=0), CH):
-            kc = k0 + kk
-            m = nd & (kc < cn)
-            word = tl.load(cand_ptr + row + kc, mask=m, other=0)
-            v = _word_score(word, t0, t1, t2, t3, e0, e1, e2, e3, e4, e5, e6, e7, FB, GSTEP)
-            v = tl.where(m, v, float("-inf"))
-            vb, at = tl.max(v, axis=1, return_indices=True, return_indices_tie_break_left=True)
-            p = tl.sum(tl.where(kk == at[:, None], word >> (4 * FB), 0), axis=1)
-            b, j = _take(vb > b, vb, p, b, j)
+    if PF and FB > 0:
+        row = cand_ptr + u * K
+        word = tl.load(row, mask=need & (cnt > 0), other=0)
+        for k in range(tl.max(cnt, axis=0)):
+            m = need & (k < cnt)
+            nxt = tl.load(row + (k + 1), mask=need & (k + 1 < cnt), other=0)
+            v = _word_score(word, s0, s1, s2, s3, f0, f1, f2, f3, f4, f5, f6, f7, FB, GSTEP)
+            b, j = _take(m & (v > b), v, word >> (4 * FB), b, j)
+            word = nxt
     else:
         for k in range(tl.max(cnt, axis=0)):
             m = need & (k < cnt)
@@ -168,7 +159,7 @@ def _walk(cand_ptr, cnt_ptr, grid_ptr, g2_ptr, l0, l1, l2, l3, s0, s1, s2, s3, f
 @triton.jit
 def _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k, rm, kmap_ptr, mids_ptr, grid_ptr, g2_ptr, cand_ptr,
             cnt_ptr, P: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr, LISTS: tl.constexpr,
-            FB: tl.constexpr, GSTEP: tl.constexpr, CH: tl.constexpr):
+            FB: tl.constexpr, GSTEP: tl.constexpr, PF: tl.constexpr):
     # the best point (score, index) of each variant of the lanes' groups (features f, targets t): variant 0 the
     # group, V = 2: weight k flipped, V = 5: weight i flipped in variant 1 + i (on the odd lanes; others unused)
     i1 = tl.zeros((BLOCK,), tl.int32)
@@ -222,20 +213,20 @@ def _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k, rm, kmap_ptr
     if LISTS:  # each off-grid variant walks its pattern's exact candidate list
         i0 = i0.to(tl.int32)
         s0, i0 = _walk(cand_ptr, cnt_ptr, grid_ptr, g2_ptr, a0, a1, a2, a3, one, one, one, one, f0, f1, f2, f3, f4, f5,
-                       f6, f7, rm & (i0 < 0), s0, i0, K, FB, GSTEP, CH)
+                       f6, f7, rm & (i0 < 0), s0, i0, K, FB, GSTEP, PF)
         if V == 2:
             s1, i1 = _walk(cand_ptr, cnt_ptr, grid_ptr, g2_ptr, tl.where(k == 0, z0, a0), tl.where(k == 1, z1, a1),
                            tl.where(k == 2, z2, a2), tl.where(k == 3, z3, a3), sg0, sg1, sg2, sg3, f0, f1, f2, f3, f4,
-                           f5, f6, f7, odd & (i1 < 0), s1, i1.to(tl.int32), K, FB, GSTEP, CH)
+                           f5, f6, f7, odd & (i1 < 0), s1, i1.to(tl.int32), K, FB, GSTEP, PF)
         if V == 5:
             s1, i1 = _walk(cand_ptr, cnt_ptr, grid_ptr, g2_ptr, z0, a1, a2, a3, neg, one, one, one, f0, f1, f2, f3, f4,
-                           f5, f6, f7, odd & (i1 < 0), s1, i1.to(tl.int32), K, FB, GSTEP, CH)
+                           f5, f6, f7, odd & (i1 < 0), s1, i1.to(tl.int32), K, FB, GSTEP, PF)
             s2, i2 = _walk(cand_ptr, cnt_ptr, grid_ptr, g2_ptr, a0, z1, a2, a3, one, neg, one, one, f0, f1, f2, f3, f4,
-                           f5, f6, f7, odd & (i2 < 0), s2, i2.to(tl.int32), K, FB, GSTEP, CH)
+                           f5, f6, f7, odd & (i2 < 0), s2, i2.to(tl.int32), K, FB, GSTEP, PF)
             s3, i3 = _walk(cand_ptr, cnt_ptr, grid_ptr, g2_ptr, a0, a1, z2, a3, one, one, neg, one, f0, f1, f2, f3, f4,
-                           f5, f6, f7, odd & (i3 < 0), s3, i3.to(tl.int32), K, FB, GSTEP, CH)
+                           f5, f6, f7, odd & (i3 < 0), s3, i3.to(tl.int32), K, FB, GSTEP, PF)
             s4, i4 = _walk(cand_ptr, cnt_ptr, grid_ptr, g2_ptr, a0, a1, a2, z3, one, one, one, neg, f0, f1, f2, f3, f4,
-                           f5, f6, f7, odd & (i4 < 0), s4, i4.to(tl.int32), K, FB, GSTEP, CH)
+                           f5, f6, f7, odd & (i4 < 0), s4, i4.to(tl.int32), K, FB, GSTEP, PF)
     elif tl.max(off.to(tl.int32), axis=0) > 0:
         # the whole grid, every variant from the same products; strict '>' keeps the first maximum
         b0 = tl.full((BLOCK,), float("-inf"), tl.float32)
@@ -286,7 +277,7 @@ def _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k, rm, kmap_ptr
 def nearest_variants_kernel(f_ptr, t_ptr, odd_ptr, at_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr,
                             score_ptr, idx_ptr, n, P: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
                             BLOCK: tl.constexpr, LISTS: tl.constexpr, FB: tl.constexpr, GSTEP: tl.constexpr,
-                            CH: tl.constexpr):
+                            PF: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     rm = rows < n
@@ -310,7 +301,7 @@ def nearest_variants_kernel(f_ptr, t_ptr, odd_ptr, at_ptr, kmap_ptr, mids_ptr, g
         k = tl.load(at_ptr + rows, mask=rm, other=0).to(tl.int32)
     s0, i0, s1, i1, s2, i2, s3, i3, s4, i4 = _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k, rm, kmap_ptr,
                                                      mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr, P, V, K, BLOCK,
-                                                     LISTS, FB, GSTEP, CH)
+                                                     LISTS, FB, GSTEP, PF)
     out = rows * V
     tl.store(score_ptr + out, s0, mask=rm)
     tl.store(idx_ptr + out, i0.to(tl.int64), mask=rm)
@@ -410,7 +401,7 @@ def _sub_sums(t0, t1, t2, t3, u0, u1, u2, u3, rm, BLOCK: tl.constexpr):
 def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_ptr, pts_ptr, cand_ptr, cnt_ptr,
                   idx_ptr, flip_ptr, p_ptr, q_ptr, bg_ptr, ba_ptr, n, P: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
                   BLOCK: tl.constexpr, LISTS: tl.constexpr, OUT: tl.constexpr, IDX: tl.constexpr, FB: tl.constexpr,
-                  GSTEP: tl.constexpr, SUMS: tl.constexpr, BEST: tl.constexpr, CH: tl.constexpr):
+                  GSTEP: tl.constexpr, SUMS: tl.constexpr, BEST: tl.constexpr, PF: tl.constexpr):
     # one lane an 8-group (two halves of 4 weights, groups 2 l and 2 l + 1 of the (n * 64) groups)
     pid = tl.program_id(0)
     lane = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -436,7 +427,7 @@ def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_
         k1 = _argmin4(u0 * q0 * q0, u1 * q1 * q1, u2 * q2 * q2, u3 * q3 * q3)
     s0, i0, s1, i1, s2, i2, s3, i3, s4, i4 = _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k0, rm, kmap_ptr,
                                                      mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr, P, V, K, BLOCK,
-                                                     LISTS, FB, GSTEP, CH)
+                                                     LISTS, FB, GSTEP, PF)
     h0 = i0
     h1 = i0
     fa0 = lane < 0  # no flips (all False)
@@ -449,11 +440,11 @@ def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_
     fb3 = fa0
     if V == 1:
         h1 = _search(e0, e1, e2, e3, e4, e5, e6, e7, r0, r1, r2, r3, odd, k1, rm, kmap_ptr, mids_ptr, grid_ptr, g2_ptr,
-                     cand_ptr, cnt_ptr, P, V, K, BLOCK, LISTS, FB, GSTEP, CH)[1]
+                     cand_ptr, cnt_ptr, P, V, K, BLOCK, LISTS, FB, GSTEP, PF)[1]
     else:
         z0, j0, z1, j1, z2, j2, z3, j3, z4, j4 = _search(e0, e1, e2, e3, e4, e5, e6, e7, r0, r1, r2, r3, odd, k1, rm,
                                                          kmap_ptr, mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr, P, V,
-                                                         K, BLOCK, LISTS, FB, GSTEP, CH)
+                                                         K, BLOCK, LISTS, FB, GSTEP, PF)
         # per 8-group: an odd one flips one weight, in the half where the pair scores best (ties: half 0)
         sa, ja, va = _best_flip(s1, i1, s2, i2, s3, i3, s4, i4, V)
         sb, jb, vb = _best_flip(z1, j1, z2, j2, z3, j3, z4, j4, V)
@@ -519,17 +510,10 @@ def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_
                 tl.store(q_ptr + sb, _sub_sums(qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, rm, BLOCK), mask=sm)
 
 
-def _chunk(chunk: int | None) -> int:
-    c = WALK_CHUNK if chunk is None else chunk
-    if c < 1 or c & (c - 1):
-        raise ValueError(f"the walk's chunk must be a power of two >= 1, got {c}")
-    return c
-
-
 def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None, flip_at: torch.Tensor | None,
                      kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor,
                      g8: torch.Tensor, lists: bool | None = None,
-                     packed: bool | None = None, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     packed: bool | None = None, prefetch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused :func:`dynaquant.quant.codecs.iq3.nearest_variants_torch`: same arguments, same result (module
     docstring for the rounding); ``lists``: off-grid variants walk their exact candidate lists (else the whole
     grid); None: lists on grids of at least :data:`LISTS_FROM` points (both: with the packed words and in-kernel
@@ -553,13 +537,13 @@ def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None,
     lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
     nearest_variants_kernel[(triton.cdiv(r, _BLOCK),)](
         fc, tc, oc, ac, kc, mc, gc, g2, cand, cnt, score, idx, r, P=gc.shape[0], V=nv, K=cand.shape[1], BLOCK=_BLOCK,
-        LISTS=lists, FB=fb, GSTEP=gstep, CH=_chunk(chunk), num_warps=_WARPS)
+        LISTS=lists, FB=fb, GSTEP=gstep, PF=PREFETCH if prefetch is None else prefetch, num_warps=_WARPS)
     return score, idx
 
 
 def assign(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full: bool, out: str, want_idx: bool,
            kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor, lists: bool | None = None,
-           packed: bool | None = None, sums: bool = False, fused_sums: bool | None = None, chunk: int | None = None):
+           packed: bool | None = None, sums: bool = False, fused_sums: bool | None = None, prefetch: bool | None = None):
     """Fused :func:`dynaquant.quant.codecs._iq3_search.assign_torch` (the fast path ``iq3.assign``): same arguments
     (``nearest`` is this module's search, ``lists`` and ``packed`` as :func:`nearest_variants`), one launch. With
     ``sums`` False its result equals the composition of :func:`nearest_variants` and the torch steps bit for bit (the
@@ -590,7 +574,7 @@ def assign(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full
         assign_kernel[(triton.cdiv(lanes, _BLOCK),)](
             xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, idx, flip, p, q, p, p, lanes, P=gc.shape[0], V=nv,
             K=cand.shape[1], BLOCK=_BLOCK, LISTS=lists, OUT=steps.OUTS.index(out), IDX=want_idx, FB=fb, GSTEP=gstep,
-            SUMS=in_kernel, BEST=False, CH=_chunk(chunk), num_warps=_WARPS)
+            SUMS=in_kernel, BEST=False, PF=PREFETCH if prefetch is None else prefetch, num_warps=_WARPS)
     if sums and not in_kernel:
         p, q = p.sum(-1), (q.sum(-1) if out == "stats" else p)
     if not want_idx:
@@ -600,7 +584,7 @@ def assign(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full
 
 def consider(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, best_gain: torch.Tensor,
              best_a: torch.Tensor, kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor,
-             lists: bool | None = None, packed: bool | None = None, chunk: int | None = None):
+             lists: bool | None = None, packed: bool | None = None, prefetch: bool | None = None):
     """Fused :func:`dynaquant.quant.codecs._iq3_search.consider_torch` (the fast path ``iq3.consider``, one candidate
     scale of step 1): the assignment for scales ``a``, its least-squares sums a sub-block and the running best's
     update in one launch (:data:`CONSIDER`; else :func:`assign` with ``sums`` and the reference's update in torch).
@@ -609,7 +593,7 @@ def consider(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, be
     n = x.shape[0]
     if not (CONSIDER and SUMS) or n == 0:
         p, q = assign(x, w, a, parity, False, "stats", False, kmap, mids, grid, g8, lists, packed, sums=True,
-                      chunk=chunk)[2:]
+                      prefetch=prefetch)[2:]
         return steps.best_scale_update(p.double(), q.double(), best_gain, best_a)
     if x.shape != (n, 8, 32) or w.shape != x.shape or a.shape != (n, 8) or best_gain.shape != (n, 8) \
             or best_a.shape != (n, 8):
@@ -628,5 +612,5 @@ def consider(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, be
     assign_kernel[(triton.cdiv(lanes, _BLOCK),)](
         xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, gain, gain, gain, scale, bg, ba, lanes, P=gc.shape[0],
         V=2 if parity else 1, K=cand.shape[1], BLOCK=_BLOCK, LISTS=lists, OUT=0, IDX=False, FB=fb, GSTEP=gstep,
-        SUMS=True, BEST=True, CH=_chunk(chunk), num_warps=_WARPS)
+        SUMS=True, BEST=True, PF=PREFETCH if prefetch is None else prefetch, num_warps=_WARPS)
     return gain, scale
