@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import re
 import signal
@@ -576,3 +577,77 @@ def test_save_plan_on_a_full_disk_keeps_the_previous_file(tiny, tmp_path, monkey
 def test_check_outputs_accepts_a_plain_new_output(tmp_path):
     check_outputs([Output(tmp_path / "new" / "deeper" / "o.gguf", 1000)], inputs={"plan": None, "report": {"x": 1}})
     assert list(tmp_path.iterdir()) == []  # nothing created by the check
+
+
+# --- a whole-model run that cannot fit its GPU: refused before the model is loaded -----------------------------------
+
+def _llama8b_infos():
+    from dynaquant.quant.plan import TensorInfo
+
+    t = [TensorInfo("token_embd.weight", None, (128256, 4096)), TensorInfo("output.weight", None, (128256, 4096)),
+         TensorInfo("output_norm.weight", None, (4096,), False)]
+    for i in range(32):
+        for name, shape in (("attn_q", (4096, 4096)), ("attn_k", (1024, 4096)), ("attn_v", (1024, 4096)),
+                            ("attn_output", (4096, 4096)), ("ffn_gate", (14336, 4096)), ("ffn_up", (14336, 4096)),
+                            ("ffn_down", (4096, 14336))):
+            t.append(TensorInfo(f"blk.{i}.{name}.weight", None, shape))
+        t += [TensorInfo(f"blk.{i}.attn_norm.weight", None, (4096,), False),
+              TensorInfo(f"blk.{i}.ffn_norm.weight", None, (4096,), False)]
+    return t
+
+
+class _Props:
+    def __init__(self, total):
+        self.total_memory = total
+
+
+def test_whole_model_gpu_bytes_of_the_8b_shape():
+    """Llama-3-8B's shapes: 8.03 B parameters in float32, and per block one (K, K) float32 input sum a distinct
+    width (4096 and 14336; q/k/v, o and gate/up counted once between them)."""
+    from dynaquant.pipeline.preflight import whole_model_gpu_bytes
+
+    infos = _llama8b_infos()
+    n = sum(math.prod(t.shape) for t in infos)
+    assert 8.0e9 < n < 8.1e9
+    assert whole_model_gpu_bytes(infos, moments=False) == (4 * n, 0)
+    assert whole_model_gpu_bytes(infos, moments=True) == (4 * n, 4 * 32 * (4096**2 + 14336**2))
+
+
+def test_whole_model_gpu_check_refuses_what_cannot_fit(monkeypatch):
+    """On a 24 GiB GPU the 8B shape is refused (naming the source, the parts and --stream); on an 80 GiB one it
+    passes; a CPU run asks nothing of CUDA."""
+    import torch
+
+    from dynaquant.pipeline.preflight import check_whole_model_gpu
+
+    infos = _llama8b_infos()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: _Props(24 * 2**30))
+    with pytest.raises(InputError, match=r"^/m/llama: a whole-model run needs at least 56\.4 GiB on cuda .*"
+                                         r"29\.\d GiB of float32 weights \+ 2\d\.\d GiB of calibration input moments.*"
+                                         r"24\.0 GiB: add --stream"):
+        check_whole_model_gpu(infos, "cuda", True, "/m/llama")
+    with pytest.raises(InputError, match="needs at least 29.9 GiB"):
+        check_whole_model_gpu(infos, "cuda", False, "/m/llama")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: _Props(80 * 2**30))
+    check_whole_model_gpu(infos, "cuda:0", True, "/m/llama")
+
+    def no_cuda(d):
+        raise AssertionError("CUDA asked on a CPU run")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_cuda)
+    check_whole_model_gpu(infos, "cpu", True, "/m/llama")
+
+
+def test_quantize_refuses_a_model_too_large_for_the_gpu_before_loading_it(tiny, tmp_path, no_model_load, monkeypatch):
+    """``quantize`` on a CUDA device whose memory cannot hold the model: an InputError naming the source and
+    ``--stream`` before the model is loaded, no output written."""
+    import torch
+
+    from dynaquant import quantize
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: _Props(2**10))  # below the tiny model's bytes
+    ckpt, _ = tiny
+    out = tmp_path / "o.gguf"
+    with pytest.raises(InputError, match="add --stream") as e:
+        quantize(str(ckpt), bpw=6.0, output=out, device="cuda", progress=False)
+    assert str(ckpt) in str(e.value) and not out.exists()

@@ -13,7 +13,8 @@ second, with an :class:`~dynaquant.errors.InputError` naming the output and the 
   killed runs of the same outputs are removed (:func:`dynaquant.workdir.remove_stale`).
 
 ``quantize``, ``analyze``, ``make_dynamic_plan`` and the HTML report call :func:`check_outputs`, the
-pipelines also :func:`check_budget`.
+pipelines also :func:`check_budget`; ``quantize`` without ``--stream`` on a GPU :func:`check_whole_model_gpu` (a
+model whose weights and input moments cannot fit the GPU is refused before it is loaded).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dynaquant.workdir import remove_stale
 MAX_BPW = 32.0  # F32, the widest format: no budget above it changes a plan
 MAX_SIZE_BYTES = 2**63 - 1  # no file is larger (off_t)
 F32_BYTES = 4  # the widest element any target writes
+GIB = 2**30
 
 
 def check_budget(bpw: Any = None, size: Any = None, *, bpw_name: str = "bpw", size_name: str = "size") -> None:
@@ -268,3 +270,46 @@ def check_outputs(outputs: Sequence[Output], *, inputs: Mapping[str, Any] | None
         if total > free:
             raise InputError(f"{out}: not enough free disk space in {folder}: the run writes up to {total} bytes "
                              f"({total / 1e6:.1f} MB), {free} bytes ({free / 1e6:.1f} MB) are free")
+
+
+def whole_model_gpu_bytes(tensors: Iterable[Any], moments: bool) -> tuple[int, int]:
+    """Lower bounds of what a whole-model run (no ``--stream``) holds on its GPU at once, from the shapes alone:
+    (the model's tensors in float32, as ``sources.model.load_model`` loads them; with ``moments``, the calibration's
+    float32 (K, K) input sums: per block, one for each distinct input width of its matmul weights, the analysis' and
+    GPTQ's). Both only count what certainly is there (shared inputs counted once, experts' moments not at all).
+
+    Args:
+        tensors: items with ``shape``, ``quantizable`` and ``layer`` (``quant.plan.TensorInfo``).
+    """
+    tensors = list(tensors)
+    weights = F32_BYTES * sum(math.prod(t.shape) for t in tensors)
+    widths: set[tuple[int, int]] = set()
+    if moments:
+        widths = {(t.layer, t.shape[-1]) for t in tensors if t.quantizable and len(t.shape) == 2 and t.layer is not None}
+    return weights, F32_BYTES * sum(k * k for _, k in widths)
+
+
+def check_whole_model_gpu(tensors: Iterable[Any], device: Any, moments: bool, source: Any) -> None:
+    """Refuse a whole-model run that cannot fit its GPU, before the model is loaded.
+
+    Args:
+        tensors: as :func:`whole_model_gpu_bytes`.
+        device: the run's device; nothing is checked off CUDA.
+        moments: the run collects the calibration's input moments (an analysis or GPTQ).
+        source: the model's path or name, for the message.
+    Raises:
+        InputError: :func:`whole_model_gpu_bytes`' lower bound above the GPU's memory, naming the source, both parts
+            and ``--stream`` (block by block: a GPU holds one block's tensors and moments).
+    """
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return
+    weights, h = whole_model_gpu_bytes(tensors, moments)
+    total = torch.cuda.get_device_properties(dev).total_memory
+    if weights + h > total:
+        parts = f"{weights / GIB:.1f} GiB of float32 weights" + (f" + {h / GIB:.1f} GiB of calibration input moments"
+                                                                 if h else "")
+        raise InputError(f"{source}: a whole-model run needs at least {(weights + h) / GIB:.1f} GiB on {dev} ({parts}); "
+                         f"the GPU has {total / GIB:.1f} GiB: add --stream (block by block)")

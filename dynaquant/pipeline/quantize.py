@@ -31,7 +31,14 @@ from dynaquant.pipeline.evaluate import evaluate_written
 from dynaquant.pipeline.fit import fit_errors, fit_target
 from dynaquant.pipeline.gptq import GPTQRounding
 from dynaquant.pipeline.plan import PlanStart, check_imatrix_needs, imatrix_path, plan_before_model, plan_from_report
-from dynaquant.pipeline.preflight import Output, check_budget, check_outputs, plan_json_bytes_bound, tensor_bytes_bound
+from dynaquant.pipeline.preflight import (
+    Output,
+    check_budget,
+    check_outputs,
+    check_whole_model_gpu,
+    plan_json_bytes_bound,
+    tensor_bytes_bound,
+)
 from dynaquant.pipeline.publish import Publisher
 from dynaquant.pipeline.ranks import check_distributed, encode_planned, tensor_bar, write_output_ranks
 from dynaquant.pipeline.run_state import RunState
@@ -274,6 +281,8 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
     output = pub.stage(final, target, inputs, source)
     rounds = auto_rounds(cfg.correct_rounds, device) if start.dynamic else 0  # measured corrections of the plan
     model_needed = target.needs_model or needs_imatrix or needs_analysis or cfg.gptq or rounds > 0
+    if model_needed and not cfg.stream:  # refused before loading when the weights (and moments) cannot fit the GPU
+        check_whole_model_gpu(tensors, device, needs_analysis or cfg.gptq, source.path)
     hf_model = load_model(source, device=device) if model_needed and not cfg.stream else None
     tokenizer = None
     if hf_model is not None:  # NaN/Inf: refused (or replaced) before any forward pass
