@@ -651,3 +651,19 @@ def test_quantize_refuses_a_model_too_large_for_the_gpu_before_loading_it(tiny, 
     with pytest.raises(InputError, match="add --stream") as e:
         quantize(str(ckpt), bpw=6.0, output=out, device="cuda", progress=False)
     assert str(ckpt) in str(e.value) and not out.exists()
+
+
+def test_analyze_refuses_a_model_too_large_for_the_gpu_before_loading_it(tiny, tmp_path, no_model_load, monkeypatch):
+    """``analyze`` (whole model) likewise, its weights counted in its ``dtype`` (bfloat16: half the bytes)."""
+    import torch
+
+    from dynaquant import analyze
+    from dynaquant.pipeline.preflight import whole_model_gpu_bytes
+
+    ckpt, _ = tiny
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: _Props(2**10))
+    with pytest.raises(InputError, match="bfloat16 weights.*add --stream"):
+        analyze(str(ckpt), tmp_path / "rep", device="cuda", dtype="bfloat16", progress=False)
+    assert not (tmp_path / "rep").exists()
+    infos = _llama8b_infos()
+    assert 2 * whole_model_gpu_bytes(infos, False, 2)[0] == whole_model_gpu_bytes(infos, False)[0]

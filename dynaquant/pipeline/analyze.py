@@ -38,7 +38,7 @@ from dynaquant.pipeline.analysis_report import (
 from dynaquant.pipeline.corrections import check_options as check_correct_options
 from dynaquant.pipeline.corrections import correct_in_model
 from dynaquant.pipeline.plan import error_fn_from_report
-from dynaquant.pipeline.preflight import Output, analysis_bytes_bound, check_outputs
+from dynaquant.pipeline.preflight import Output, analysis_bytes_bound, check_outputs, check_whole_model_gpu
 from dynaquant.pipeline.source import default_device, kept_types, model_info, open_tensor_source, tensor_infos
 from dynaquant.pipeline.targets import gguf_planning_overhead
 from dynaquant.quant.codecs import get_codec
@@ -351,6 +351,7 @@ def run_analyze(model: str | os.PathLike | None, output_dir: str | os.PathLike |
                                      max_cpu_memory=cfg.max_cpu_memory, max_gpu_memory=cfg.max_gpu_memory,
                                      offload_dir=cfg.offload_dir, allow_nonfinite=cfg.allow_nonfinite)
         return _finish_analysis(res, output_dir, ts, spec, timings, t0)
+    check_whole_model_gpu(tensors, cfg.device or default_device(), True, source.path, getattr(torch, cfg.dtype))
     hf_model = load_model(source, dtype=getattr(torch, cfg.dtype), device=cfg.device or default_device())
     check_model_finite(hf_model, source_names(ts), str(source.path), cfg.allow_nonfinite)  # before any forward pass
     tokenizer = load_tokenizer(source)

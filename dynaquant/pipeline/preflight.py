@@ -272,9 +272,10 @@ def check_outputs(outputs: Sequence[Output], *, inputs: Mapping[str, Any] | None
                              f"({total / 1e6:.1f} MB), {free} bytes ({free / 1e6:.1f} MB) are free")
 
 
-def whole_model_gpu_bytes(tensors: Iterable[Any], moments: bool) -> tuple[int, int]:
+def whole_model_gpu_bytes(tensors: Iterable[Any], moments: bool, weight_bytes: int = F32_BYTES) -> tuple[int, int]:
     """Lower bounds of what a whole-model run (no ``--stream``) holds on its GPU at once, from the shapes alone:
-    (the model's tensors in float32, as ``sources.model.load_model`` loads them; with ``moments``, the calibration's
+    (the model's tensors at ``weight_bytes`` an element: float32 as ``sources.model.load_model`` loads them by default;
+    with ``moments``, the calibration's
     float32 (K, K) input sums: per block, one for each distinct input width of its matmul weights, the analysis' and
     GPTQ's). Both only count what certainly is there (shared inputs counted once, experts' moments not at all).
 
@@ -282,14 +283,14 @@ def whole_model_gpu_bytes(tensors: Iterable[Any], moments: bool) -> tuple[int, i
         tensors: items with ``shape``, ``quantizable`` and ``layer`` (``quant.plan.TensorInfo``).
     """
     tensors = list(tensors)
-    weights = F32_BYTES * sum(math.prod(t.shape) for t in tensors)
+    weights = weight_bytes * sum(math.prod(t.shape) for t in tensors)
     widths: set[tuple[int, int]] = set()
     if moments:
         widths = {(t.layer, t.shape[-1]) for t in tensors if t.quantizable and len(t.shape) == 2 and t.layer is not None}
     return weights, F32_BYTES * sum(k * k for _, k in widths)
 
 
-def check_whole_model_gpu(tensors: Iterable[Any], device: Any, moments: bool, source: Any) -> None:
+def check_whole_model_gpu(tensors: Iterable[Any], device: Any, moments: bool, source: Any, dtype: Any = None) -> None:
     """Refuse a whole-model run that cannot fit its GPU, before the model is loaded.
 
     Args:
@@ -297,6 +298,7 @@ def check_whole_model_gpu(tensors: Iterable[Any], device: Any, moments: bool, so
         device: the run's device; nothing is checked off CUDA.
         moments: the run collects the calibration's input moments (an analysis or GPTQ).
         source: the model's path or name, for the message.
+        dtype: the torch dtype the model is loaded in (None: float32).
     Raises:
         InputError: :func:`whole_model_gpu_bytes`' lower bound above the GPU's memory, naming the source, both parts
             and ``--stream`` (block by block: a GPU holds one block's tensors and moments).
@@ -306,10 +308,12 @@ def check_whole_model_gpu(tensors: Iterable[Any], device: Any, moments: bool, so
     dev = torch.device(device)
     if dev.type != "cuda":
         return
-    weights, h = whole_model_gpu_bytes(tensors, moments)
+    dtype = dtype or torch.float32
+    weights, h = whole_model_gpu_bytes(tensors, moments, dtype.itemsize)
     total = torch.cuda.get_device_properties(dev).total_memory
     if weights + h > total:
-        parts = f"{weights / GIB:.1f} GiB of float32 weights" + (f" + {h / GIB:.1f} GiB of calibration input moments"
-                                                                 if h else "")
+        parts = f"{weights / GIB:.1f} GiB of {str(dtype).removeprefix('torch.')} weights"
+        if h:
+            parts += f" + {h / GIB:.1f} GiB of calibration input moments"
         raise InputError(f"{source}: a whole-model run needs at least {(weights + h) / GIB:.1f} GiB on {dev} ({parts}); "
                          f"the GPU has {total / GIB:.1f} GiB: add --stream (block by block)")
