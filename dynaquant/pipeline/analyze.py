@@ -351,8 +351,9 @@ def run_analyze(model: str | os.PathLike | None, output_dir: str | os.PathLike |
                                      max_cpu_memory=cfg.max_cpu_memory, max_gpu_memory=cfg.max_gpu_memory,
                                      offload_dir=cfg.offload_dir, allow_nonfinite=cfg.allow_nonfinite)
         return _finish_analysis(res, output_dir, ts, spec, timings, t0)
-    check_whole_model_gpu(tensors, cfg.device or default_device(), True, source.path, getattr(torch, cfg.dtype))
-    hf_model = load_model(source, dtype=getattr(torch, cfg.dtype), device=cfg.device or default_device())
+    device, dtype = cfg.device or default_device(), getattr(torch, cfg.dtype)
+    check_whole_model_gpu(tensors, device, True, source.path, dtype)
+    hf_model = load_model(source, dtype=dtype, device=device)
     check_model_finite(hf_model, source_names(ts), str(source.path), cfg.allow_nonfinite)  # before any forward pass
     tokenizer = load_tokenizer(source)
     timings["load_s"] = time.perf_counter() - t0

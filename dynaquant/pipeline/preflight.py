@@ -13,8 +13,9 @@ second, with an :class:`~dynaquant.errors.InputError` naming the output and the 
   killed runs of the same outputs are removed (:func:`dynaquant.workdir.remove_stale`).
 
 ``quantize``, ``analyze``, ``make_dynamic_plan`` and the HTML report call :func:`check_outputs`, the
-pipelines also :func:`check_budget`; ``quantize`` without ``--stream`` on a GPU :func:`check_whole_model_gpu` (a
-model whose weights and input moments cannot fit the GPU is refused before it is loaded).
+pipelines also :func:`check_budget`; ``quantize`` and ``analyze`` without ``--stream`` on a GPU
+:func:`check_whole_model_gpu` (a model whose weights and input moments cannot fit the GPU is refused before it is
+loaded).
 """
 
 from __future__ import annotations
@@ -275,9 +276,9 @@ def check_outputs(outputs: Sequence[Output], *, inputs: Mapping[str, Any] | None
 def whole_model_gpu_bytes(tensors: Iterable[Any], moments: bool, weight_bytes: int = F32_BYTES) -> tuple[int, int]:
     """Lower bounds of what a whole-model run (no ``--stream``) holds on its GPU at once, from the shapes alone:
     (the model's tensors at ``weight_bytes`` an element: float32 as ``sources.model.load_model`` loads them by default;
-    with ``moments``, the calibration's
-    float32 (K, K) input sums: per block, one for each distinct input width of its matmul weights, the analysis' and
-    GPTQ's). Both only count what certainly is there (shared inputs counted once, experts' moments not at all).
+    with ``moments``, the calibration's float32 (K, K) input sums: per block, one for each distinct input width of its
+    matmul weights, the analysis' and GPTQ's). Both only count what certainly is there (shared inputs counted once,
+    experts' moments not at all).
 
     Args:
         tensors: items with ``shape``, ``quantizable`` and ``layer`` (``quant.plan.TensorInfo``).

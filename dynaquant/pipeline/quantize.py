@@ -281,9 +281,10 @@ def _run_quantize(model: str | os.PathLike | None, cfg: QuantizeConfig, pub: Pub
     output = pub.stage(final, target, inputs, source)
     rounds = auto_rounds(cfg.correct_rounds, device) if start.dynamic else 0  # measured corrections of the plan
     model_needed = target.needs_model or needs_imatrix or needs_analysis or cfg.gptq or rounds > 0
+    hf_model = None
     if model_needed and not cfg.stream:  # refused before loading when the weights (and moments) cannot fit the GPU
         check_whole_model_gpu(tensors, device, needs_analysis or cfg.gptq, source.path)
-    hf_model = load_model(source, device=device) if model_needed and not cfg.stream else None
+        hf_model = load_model(source, device=device)
     tokenizer = None
     if hf_model is not None:  # NaN/Inf: refused (or replaced) before any forward pass
         check_model_finite(hf_model, source_names(ts), str(source.path), cfg.allow_nonfinite)
