@@ -184,7 +184,8 @@ def test_fused_records_are_the_search_then_the_pack(name, n):
 def test_fused_paths_registered():
     assert fastpaths.lookup("blockfit.encode_scale", "cpu") is nb.encode_scale
     assert fastpaths.lookup("blockfit.encode_pow2", "cpu") is nb.encode_pow2
-    assert fastpaths.fused_path("blockfit.encode_scale", torch.zeros(1), "triton") is None  # (no Triton version)
+    assert fastpaths.fused_path("blockfit.encode_pow2", torch.zeros(1), "triton") is None  # (no Triton version)
+    assert fastpaths.fused_path("blockfit.encode_scale", torch.zeros(1), "torch") is None
 
 
 def test_switched_off_by_the_environment(fresh_registry, monkeypatch):

@@ -83,6 +83,26 @@ def test_registered():
     from dynaquant.kernels import scalefit
 
     assert fastpaths.lookup("blockfit.fit_scale") is scalefit.fit_scale
+    assert fastpaths.lookup("blockfit.encode_scale") is scalefit.encode_scale
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q5_0", "IQ4_NL"])
+def test_encode_scale_writes_the_records(name):
+    """The kernel that writes the block records itself gives, byte for byte, the records of its own search's scale
+    and codes packed in torch (``pack_record``, each codec's ``pack``), and the codec takes it under ``"triton"``."""
+    from dynaquant.kernels import scalefit
+    from dynaquant.quant.codecs._records import pack_record
+
+    codec = get_codec(name)
+    grid, targets, anchors, lloyd, ulps = _codec_search(name)
+    x, w = _blocks(192 if HAS_CUDA else 40, 32, seed=3)
+    rec = scalefit.encode_scale(x, w, grid, targets, anchors, lloyd, ulps, codec.record)
+    d, codes = scalefit.fit_scale(x, w, grid, targets, anchors, lloyd, ulps)
+    assert rec.dtype == torch.uint8 and rec.shape == (x.shape[0], codec.format.type_size)
+    assert torch.equal(rec, pack_record(codec.record, bf.half_bytes(d), codes))
+    assert torch.equal(rec, codec.pack((d,), codes))
+    assert torch.equal(codec.encode_blocks(x, w, backend="triton"), rec)
+    assert scalefit.encode_scale(x[:0], w[:0], grid, targets, anchors, lloyd, ulps, codec.record).shape == (0, rec.shape[1])
 
 
 def test_a_fast_path_that_does_not_load_is_logged(monkeypatch, caplog):
@@ -176,7 +196,7 @@ def test_int_zero_matches_reference(bits, group):
     _check_errors(err(*r_t), err(*r_k), x, w)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "IQ4_NL", "IQ4_XS", "INT4_G128", "INT2_G128_ASYM"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "IQ4_NL", "IQ4_XS", "INT4_G128", "INT2_G128_ASYM"])
 def test_codec_backends(name):
     """The codecs take the kernels through ``quantize(..., backend=)``: most rows' bytes equal the reference's,
     and the decoded error is no worse in total."""

@@ -58,7 +58,7 @@ for _name, _attr in (("lattice.nearest_codewords", "nearest_codewords"), ("latti
     fastpaths.register(_name, _loader("dynaquant.kernels.lattice_search", _attr))
 fastpaths.register("iq1.sub_scales", _loader("dynaquant.kernels.iq1_search", "sub_scales"))
 fastpaths.register("iq2.stored_scale_costs", _loader("dynaquant.kernels.lattice_search", "stored_scale_costs"))
-for _attr in ("fit_scale", "fit_affine", "fit_int_zero"):
+for _attr in ("fit_scale", "encode_scale", "fit_affine", "fit_int_zero"):
     fastpaths.register(f"blockfit.{_attr}", _loader("dynaquant.kernels.scalefit", _attr))
 for _attr in ("fit_scale", "fit_pow2", "encode_scale", "encode_pow2"):
     fastpaths.register(f"blockfit.{_attr}", _loader("dynaquant.kernels.native.blockfit", _attr, True), device="cpu")

@@ -33,7 +33,7 @@ from dynaquant.kernels.kquant_triton import round_clamp
 from dynaquant.quant.codecs import _blockfit as bf
 from dynaquant.quant.codecs.consts import device_constant
 
-__all__ = ["fit_scale", "fit_affine", "fit_int_zero", "supported"]
+__all__ = ["fit_scale", "encode_scale", "fit_affine", "fit_int_zero", "supported"]
 
 _TILE = 2048  # elements of a program's (blocks, n) tile
 _OPTS = {"num_warps": 4, "enable_fp_fusion": False}
@@ -123,7 +123,8 @@ def _consider(d, x, w, best_err, best_df, vlut_ptr, LINEAR: tl.constexpr, LO: tl
 def fit_scale_kernel(x_ptr, w_ptr, tgt_ptr, off_ptr, ulp_ptr, lv_ptr, vlut_ptr, clut_ptr, d_ptr, code_ptr,
                      B, NT, NA, NU, NLEV: tl.constexpr, AMAX: tl.constexpr, ZERO: tl.constexpr, LINEAR: tl.constexpr,
                      LO: tl.constexpr, HI: tl.constexpr, KMIN: tl.constexpr, KMAX: tl.constexpr,
-                     LLOYD: tl.constexpr, N: tl.constexpr, BLOCK_B: tl.constexpr):
+                     LLOYD: tl.constexpr, N: tl.constexpr, BLOCK_B: tl.constexpr, REC: tl.constexpr = 0,
+                     COFF: tl.constexpr = 0, RB: tl.constexpr = 0):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
     rmask = rows < B
     cols = tl.arange(0, N)
@@ -169,8 +170,34 @@ def fit_scale_kernel(x_ptr, w_ptr, tgt_ptr, off_ptr, ulp_ptr, lv_ptr, vlut_ptr, 
                                          KMIN, KMAX)
     codes = _code(x / tl.where(best_df == 0, 1.0, best_df)[:, None], clut_ptr, LINEAR, LO, HI, KMIN, KMAX)
     codes = tl.where(best_df[:, None] == 0, ZERO, codes)
-    tl.store(d_ptr + rows, best_df.to(tl.float16), mask=rmask)
-    tl.store(code_ptr + offs, codes.to(tl.int64), mask=rmask[:, None])
+    if REC == 0:
+        tl.store(d_ptr + rows, best_df.to(tl.float16), mask=rmask)
+        tl.store(code_ptr + offs, codes.to(tl.int64), mask=rmask[:, None])
+    else:
+        _write_record(code_ptr, rows, rmask, cols, best_df, codes + COFF, REC, N, RB)
+
+
+@triton.jit
+def _write_record(out_ptr, rows, rmask, cols, df, c, REC: tl.constexpr, N: tl.constexpr, RB: tl.constexpr):
+    """Block records (:func:`dynaquant.quant.codecs._records.pack_record`, ``scale_bytes`` 2, one block a record):
+    the fp16 ``d`` little-endian, then the stored codes ``c`` (int32, (B, N)) as ``i8`` (REC 1), ``nibbles`` (2) or
+    ``q5`` (3)."""
+    base = out_ptr + rows * RB
+    bits = df.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    tl.store(base, (bits & 255).to(tl.uint8), mask=rmask)
+    tl.store(base + 1, ((bits >> 8) & 255).to(tl.uint8), mask=rmask)
+    if REC == 1:
+        tl.store(base[:, None] + 2 + cols[None, :], (c & 255).to(tl.uint8), mask=rmask[:, None])
+    else:
+        q0 = 2
+        if REC == 3:  # qh: bit j of the little-endian word = bit 4 of c[j]
+            qh = tl.sum(((c >> 4) & 1).to(tl.int64) << cols[None, :].to(tl.int64), 1)
+            for k in tl.static_range(N // 8):
+                tl.store(base + 2 + k, ((qh >> (8 * k)) & 255).to(tl.uint8), mask=rmask)
+            q0 = 2 + N // 8
+        lo, hi = tl.split(tl.permute(tl.reshape(c & 15, (c.shape[0], 2, N // 2)), (0, 2, 1)))
+        half = tl.arange(0, N // 2)
+        tl.store(base[:, None] + q0 + half[None, :], (lo | (hi << 4)).to(tl.uint8), mask=rmask[:, None])
 
 
 @triton.jit
@@ -394,6 +421,47 @@ def fit_scale(
         LINEAR=grid.linear, LO=float(grid.lo), HI=float(grid.hi), KMIN=float(kmin), KMAX=float(kmax),
         LLOYD=int(lloyd_steps), N=n, BLOCK_B=block, **_OPTS)
     return d, codes
+
+
+_RECORD_KINDS = {"i8": 1, "nibbles": 2, "q5": 3}
+
+
+def encode_scale(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    grid: bf.Grid,
+    targets: Sequence[float],
+    anchor_offsets: Sequence[int],
+    lloyd_steps: int,
+    ulps: Sequence[int],
+    record,
+) -> torch.Tensor:
+    """:func:`dynaquant.quant.codecs._records.encode_scale_torch`, fused: :func:`fit_scale`'s search with the block
+    records written by the kernel (no (B, n) int64 codes, no torch pack): x, w (B, n) float32 -> (B, record_bytes(n))
+    uint8, byte for byte :func:`~dynaquant.quant.codecs._records.pack_record` of :func:`fit_scale`'s scale and codes.
+    Records of one block with a 2-byte scale, codes ``"i8"``, ``"nibbles"`` or ``"q5"`` (n = 32) and no
+    ``code_map`` (``Q8_0``, ``Q4_0``, ``Q5_0``, ``IQ4_NL``); other records pack :func:`fit_scale`'s results."""
+    from dynaquant.quant.codecs._records import pack_record
+
+    kind = _RECORD_KINDS.get(record.codes)
+    if (kind is None or record.scale_bytes != 2 or record.sub_blocks != 1 or record.code_map is not None
+            or (kind == 3 and x.shape[-1] != 32) or not supported(x, grid) or w.shape != x.shape):
+        d, codes = fit_scale(x, w, grid, targets, anchor_offsets, lloyd_steps, ulps)
+        return pack_record(record, bf.half_bytes(d), codes)
+    b, n = x.shape
+    xc, wc, block = _inputs(x, w)
+    tgt, off, ulp, lv, vlut, clut = _tables(grid, targets, anchor_offsets, ulps, x.device)
+    rb = record.record_bytes(n)
+    out = torch.empty(b, rb, dtype=torch.uint8, device=x.device)
+    if b == 0:
+        return out
+    kmin, kmax = (grid.kmin, grid.kmax) if grid.half_int and not grid.linear else (0, 0)
+    fit_scale_kernel[(triton.cdiv(b, block),)](
+        xc, wc, tgt, off, ulp, lv, vlut, clut, out, out, b, len(targets), len(anchor_offsets), len(ulps),
+        NLEV=len(grid.levels), AMAX=float(max(abs(grid.lo), abs(grid.hi))), ZERO=grid.zero_code(),
+        LINEAR=grid.linear, LO=float(grid.lo), HI=float(grid.hi), KMIN=float(kmin), KMAX=float(kmax),
+        LLOYD=int(lloyd_steps), N=n, BLOCK_B=block, REC=kind, COFF=int(record.code_offset), RB=rb, **_OPTS)
+    return out
 
 
 def fit_affine(

@@ -400,9 +400,9 @@ class ScaleCodec(Codec):
         return (self._fit(x, w, backend)[0],)
 
     def encode_blocks(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto", variant: str | None = None) -> torch.Tensor:
-        """As :meth:`Codec.encode_blocks`; ``backend`` chooses the scale search's fused kernel (:func:`fit_scale`), or
-        on the CPU the one that also writes the records (``blockfit.encode_scale``, :attr:`record`); ``variant`` is
-        unused."""
+        """As :meth:`Codec.encode_blocks`; ``backend`` chooses the search that also writes the records
+        (``blockfit.encode_scale``, :attr:`record`: Triton on CUDA, compiled C on the CPU), else the scale search's
+        fused kernel (:func:`fit_scale`) and :meth:`pack`; ``variant`` is unused."""
         fused = fused_path("blockfit.encode_scale", x, backend) if self.record is not None else None
         if fused is not None:
             args = (self.grid, self.targets, self.anchor_offsets, self.lloyd_steps, self.ulps, self.record)

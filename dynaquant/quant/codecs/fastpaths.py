@@ -138,7 +138,9 @@ def fast_path(name: str, x: torch.Tensor, backend: str = "auto"):
 
 
 def fused_path(name: str, x: torch.Tensor, backend: str = "auto"):
-    """:func:`fast_path` for a search that has no Triton version (``blockfit.encode_scale``, ``blockfit.encode_pow2``:
-    the search and the write of the block records fused): None under ``"torch"`` and ``"triton"`` (the codec then
-    runs its search's own fast path and packs), else as :func:`fast_path`."""
+    """:func:`fast_path` for a search fused with the write of its block records (``blockfit.encode_scale``,
+    ``blockfit.encode_pow2``): None under ``"torch"``; under ``"triton"`` the Triton version where one is registered,
+    else None (the codec then runs its search's own fast path and packs); else as :func:`fast_path`."""
+    if backend == "triton":
+        return lookup(name, "cuda")
     return fast_path(name, x, backend) if backend in ("auto", "native") else None
