@@ -73,7 +73,9 @@ def _check_errors(e_t: torch.Tensor, e_k: torch.Tensor, x: torch.Tensor, w: torc
     rounding of the block's energy ``sum(w x^2)`` (the affine gain cancels terms far larger than the error), so a
     near-tie may fall either way, by at most that rounding; on average the kernel is no worse."""
     energy = (w * x * x).sum(1).double()
-    assert (e_k <= e_t * 1.02 + 2e-4 * energy).all()
+    bad = (~(e_k <= e_t * 1.02 + 2e-4 * energy)).nonzero().flatten().tolist()
+    assert not bad, "blocks (index, reference error, kernel error, energy): " + ", ".join(
+        f"({i}, {e_t[i].item():.6g}, {e_k[i].item():.6g}, {energy[i].item():.6g})" for i in bad[:8])
     floor = 1e-6 * energy + 1e-30  # (a block the reference fits exactly: a rounding of its scale away)
     ratio = (e_k + floor) / (e_t + floor)
     assert ratio.log().mean().exp() <= 1.002

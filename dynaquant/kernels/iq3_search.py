@@ -46,17 +46,27 @@ from dynaquant.quant.codecs import iq3
 
 __all__ = ["assign", "consider", "nearest_variants"]
 
-_BLOCK = 128  # groups a program (one a lane)
+_BLOCK = 32  # groups a program (one a lane)
 # Measured on an H100 (2026-12-07, benchmarks/iq3_configs.py, a 4096 x 14336 tensor; out/iq3-configs-h100.json): the
 # three paths below on and IQ3_XXS walking its lists too: IQ3_XXS 4.70e8 -> 8.14e8, IQ3_S 7.89e8 -> 1.46e9 weights/s,
 # weighted error 1.0000002-4 of the former path's (near-ties in float32 sums), gguf-py decodes the bytes. Programs of
-# 64 groups (2 warps) gained 5 % on IQ3_S and nothing on IQ3_XXS: 128 kept.
+# 64 groups (2 warps) gained 5 % on IQ3_S and nothing on IQ3_XXS. Session 34 (out/iq3-configs-prefetch-h100.json, the
+# same bytes in every configuration): the prefetching walk in programs of 32 groups (one warp: a walk runs to the
+# longest list among its warp's groups, not its program's four warps') IQ3_XXS 8.11e8 -> 8.88e8, IQ3_S 1.47e9 ->
+# 1.54e9; prefetching alone in programs of 128: 8.14e8 / 1.35e9.
 PACKED = True  # grid lookups and candidate lists as packed words (iq3_tables.packed_points; the same values, fewer loads)
 SUMS = True  # assign(sums=True) sums the terms a sub-block in the kernel (else torch sums the written terms)
 CONSIDER = True  # consider() updates step 1's running best in the kernel (else torch, from assign's sums)
 LISTS_FROM = 256  # grids of this many points or more walk candidate lists by default (both IQ3 grids)
-PREFETCH = False  # list walks load the next candidate's word before scoring this one (packed words only)
-_WARPS = 4
+PREFETCH = True  # list walks load the next candidate's word before scoring this one (packed words only)
+_WARPS = 1
+_INTERPRETED_BLOCK = 128  # groups a program off CUDA (Triton's interpreter: per-program cost; the same results)
+
+
+def _block(device: torch.device) -> int:
+    """Groups a program on ``device``: :data:`_BLOCK` on CUDA, :data:`_INTERPRETED_BLOCK` in Triton's interpreter
+    (a lane's search and a sub-block's sums do not depend on the program size; the interpreter's time does)."""
+    return _BLOCK if device.type == "cuda" else _INTERPRETED_BLOCK
 
 
 @triton.jit
@@ -535,8 +545,9 @@ def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None,
     gc, g2, mc, kc, _, cand, cnt, fb, gstep = tables.launch_tables(grid, kmap, mids, dev,
                                                                        PACKED if packed is None else packed)
     lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
-    nearest_variants_kernel[(triton.cdiv(r, _BLOCK),)](
-        fc, tc, oc, ac, kc, mc, gc, g2, cand, cnt, score, idx, r, P=gc.shape[0], V=nv, K=cand.shape[1], BLOCK=_BLOCK,
+    blk = _block(dev)
+    nearest_variants_kernel[(triton.cdiv(r, blk),)](
+        fc, tc, oc, ac, kc, mc, gc, g2, cand, cnt, score, idx, r, P=gc.shape[0], V=nv, K=cand.shape[1], BLOCK=blk,
         LISTS=lists, FB=fb, GSTEP=gstep, PF=PREFETCH if prefetch is None else prefetch, num_warps=_WARPS)
     return score, idx
 
@@ -571,9 +582,10 @@ def assign(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full
         lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
         lanes = n * 32
         nv = (5 if full else 2) if parity else 1
-        assign_kernel[(triton.cdiv(lanes, _BLOCK),)](
+        blk = _block(dev)
+        assign_kernel[(triton.cdiv(lanes, blk),)](
             xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, idx, flip, p, q, p, p, lanes, P=gc.shape[0], V=nv,
-            K=cand.shape[1], BLOCK=_BLOCK, LISTS=lists, OUT=steps.OUTS.index(out), IDX=want_idx, FB=fb, GSTEP=gstep,
+            K=cand.shape[1], BLOCK=blk, LISTS=lists, OUT=steps.OUTS.index(out), IDX=want_idx, FB=fb, GSTEP=gstep,
             SUMS=in_kernel, BEST=False, PF=PREFETCH if prefetch is None else prefetch, num_warps=_WARPS)
     if sums and not in_kernel:
         p, q = p.sum(-1), (q.sum(-1) if out == "stats" else p)
@@ -609,8 +621,9 @@ def consider(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, be
                                                                      PACKED if packed is None else packed)
     lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
     lanes = n * 32
-    assign_kernel[(triton.cdiv(lanes, _BLOCK),)](
+    blk = _block(dev)
+    assign_kernel[(triton.cdiv(lanes, blk),)](
         xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, gain, gain, gain, scale, bg, ba, lanes, P=gc.shape[0],
-        V=2 if parity else 1, K=cand.shape[1], BLOCK=_BLOCK, LISTS=lists, OUT=0, IDX=False, FB=fb, GSTEP=gstep,
+        V=2 if parity else 1, K=cand.shape[1], BLOCK=blk, LISTS=lists, OUT=0, IDX=False, FB=fb, GSTEP=gstep,
         SUMS=True, BEST=True, PF=PREFETCH if prefetch is None else prefetch, num_warps=_WARPS)
     return gain, scale
