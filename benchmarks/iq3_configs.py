@@ -11,7 +11,10 @@ Configurations of dynaquant.kernels.iq3_search (module flags, set per run):
   new_lists32  as new_lists with BLOCK 32 / 1 warp
   prefetch     as new_lists with PREFETCH=True: a list walk loads candidate k + 1's word before it scores candidate k
   prefetch64   as prefetch with BLOCK 64 / 2 warps
-  prefetch32   as prefetch with BLOCK 32 / 1 warp
+  prefetch32   as prefetch with BLOCK 32 / 1 warp (the default since session 34)
+  ordered32    as prefetch32 with ORDER=True: the lanes taken in the order of their list-walk work (lane_order, once a
+               chunk), the sub-block sums in a second kernel
+  ordered128   as ordered32 with BLOCK 128 / 4 warps
 The first configuration is the base of the ratios and byte comparisons (``old`` by default; ``--configs
 new_lists,prefetch,prefetch64`` compares the prefetching walk with the plain one). Session 33 also tried walks taking
 4, 8 or 16 candidates a step as a (lanes, C) tile, the tile's leftmost maximum (the same bytes): IQ3_XXS 3.3e8 /
@@ -39,14 +42,17 @@ from dynaquant.kernels import iq3_search as ks
 from dynaquant.quant.codecs import dequantize, quantize
 
 CONFIGS = {
-    "old": dict(PACKED=False, SUMS=False, CONSIDER=False, LISTS_FROM=512, _BLOCK=128, _WARPS=4, PREFETCH=False),
-    "new": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=512, _BLOCK=128, _WARPS=4, PREFETCH=False),
-    "new_lists": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=128, _WARPS=4, PREFETCH=False),
-    "new_lists64": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=64, _WARPS=2, PREFETCH=False),
-    "new_lists32": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=32, _WARPS=1, PREFETCH=False),
-    "prefetch": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=128, _WARPS=4, PREFETCH=True),
-    "prefetch64": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=64, _WARPS=2, PREFETCH=True),
-    "prefetch32": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=32, _WARPS=1, PREFETCH=True),
+    "old": dict(PACKED=False, SUMS=False, CONSIDER=False, LISTS_FROM=512, _BLOCK=128, _WARPS=4, PREFETCH=False, ORDER=False),
+    "new": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=512, _BLOCK=128, _WARPS=4, PREFETCH=False, ORDER=False),
+    "new_lists": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=128, _WARPS=4, PREFETCH=False, ORDER=False),
+    "new_lists64": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=64, _WARPS=2, PREFETCH=False, ORDER=False),
+    "new_lists32": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=32, _WARPS=1, PREFETCH=False, ORDER=False),
+    "prefetch": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=128, _WARPS=4, PREFETCH=True, ORDER=False),
+    "prefetch64": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=64, _WARPS=2, PREFETCH=True, ORDER=False),
+    "prefetch32": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=32, _WARPS=1, PREFETCH=True, ORDER=False),
+    "ordered32": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=32, _WARPS=1, PREFETCH=True, ORDER=True),
+    "ordered128": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=128, _WARPS=4, PREFETCH=True,
+                       ORDER=True),
 }
 DEFAULT_CONFIGS = ("old", "new", "new_lists", "new_lists64")  # --configs to choose (each compiles its own kernels)
 DEFAULTS = {k: getattr(ks, k) for k in CONFIGS["new"]}

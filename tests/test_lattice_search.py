@@ -497,6 +497,56 @@ def test_iq3_walk_with_prefetch_changes_nothing(interpreted, name, parity, full,
     assert walked.min() < 8 and walked.max() > 40  # short lists and long ones (past any 32-lane warp's worth)
 
 
+@pytest.mark.parametrize("name,parity,full", [("IQ3_XXS", True, False), ("IQ3_XXS", True, True), ("IQ3_S", False, False)])
+def test_iq3_lane_order_changes_nothing(interpreted, name, parity, full, monkeypatch):
+    """Lanes taken in another order (``order``: a random permutation, and :func:`lane_order`'s under ``ORDER``, the
+    sub-block sums then added by the second kernel) give, bit for bit, what memory order gives: the assignment, its
+    terms and sums, and step 1's update."""
+    from dynaquant.kernels import iq3_search, iq3_tables
+    from dynaquant.quant.codecs import iq3
+
+    x, w, a = _iq3_assign_inputs(name, 5)
+    x[1] *= 40.0  # long lists
+    tables = tuple(t.to(DEVICE) for t in (*iq3._grid_map(name, "cpu"), *iq3._grid_table(name, "cpu")))
+    xd, wd, ad = x.to(DEVICE), w.to(DEVICE), a.to(DEVICE)
+    lanes = x.shape[0] * 32
+    rand = torch.randperm(lanes, generator=torch.Generator().manual_seed(4)).to(torch.int32).to(DEVICE)
+    cnt = iq3_tables.launch_tables(tables[2], tables[0], tables[1], DEVICE, True)[6]
+    sorted_ = iq3_search.lane_order(xd, ad, *tables[:2], cnt)
+    assert torch.equal(sorted_.sort().values.long().cpu(), torch.arange(lanes))  # a permutation
+    assert not torch.equal(sorted_.long().cpu(), torch.arange(lanes))
+    bg = torch.full(a.shape, -1.0, dtype=torch.float64, device=DEVICE)
+    ba = torch.zeros_like(ad)
+    for out, sums in (("stats", True), ("error", True), ("stats", False)):
+        base = iq3_search.assign(xd, wd, ad, parity, full, out, True, *tables, sums=sums)
+        for order in (rand, None):
+            with monkeypatch.context() as m:
+                m.setattr(iq3_search, "ORDER", order is None)
+                got = iq3_search.assign(xd, wd, ad, parity, full, out, True, *tables, sums=sums, order=order)
+            assert all((u is None and v is None) or torch.equal(u.cpu(), v.cpu()) for u, v in zip(got, base))
+    base = iq3_search.consider(xd, wd, ad, parity, bg, ba, *tables)
+    got = iq3_search.consider(xd, wd, ad, parity, bg, ba, *tables, order=rand)
+    assert all(torch.equal(u.cpu(), v.cpu()) for u, v in zip(got, base))
+    with pytest.raises(ValueError, match="order must be"):
+        iq3_search.consider(xd, wd, ad, parity, bg, ba, *tables, order=rand[1:])
+
+
+def test_iq3_encoder_in_lane_order(interpreted, monkeypatch):
+    """The IQ3_XXS encoder with ``ORDER`` on (each chunk's lane order made at its first fused call, reused by the
+    rest) writes the bytes it writes in memory order."""
+    from dynaquant.kernels import iq3_search
+    from dynaquant.quant.codecs import quantize
+
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(2, 512, generator=g) * 0.02).to(DEVICE)
+    im = torch.exp(torch.randn(512, generator=g)).to(DEVICE)
+    base = quantize(x, "IQ3_XXS", im, backend="triton").cpu()
+    monkeypatch.setattr(iq3_search, "ORDER", True)
+    monkeypatch.setattr(iq3_search, "_ORDERS", {})
+    assert torch.equal(quantize(x, "IQ3_XXS", im, backend="triton").cpu(), base)
+    assert iq3_search._ORDERS  # (the order was made and used)
+
+
 @pytest.mark.parametrize("name,parity,full", [("IQ3_XXS", True, True), ("IQ3_S", False, False)])
 def test_iq3_assign_sums(interpreted, name, parity, full):
     """``sums=True``: the fused assignment's (n, 8) sub-block sums formed in the kernel equal the reference's

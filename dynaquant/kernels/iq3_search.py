@@ -36,6 +36,8 @@ Importing this module imports Triton.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -60,6 +62,7 @@ CONSIDER = True  # consider() updates step 1's running best in the kernel (else 
 LISTS_FROM = 256  # grids of this many points or more walk candidate lists by default (both IQ3 grids)
 PREFETCH = True  # list walks load the next candidate's word before scoring this one (packed words only)
 _WARPS = 1
+ORDER = False  # assign / consider take the lanes sorted by their list-walk work (lane_order; the same results)
 _INTERPRETED_BLOCK = 128  # groups a program off CUDA (Triton's interpreter: per-program cost; the same results)
 
 
@@ -401,21 +404,66 @@ def _emit(p_ptr, q_ptr, flip_ptr, base, rm, g, x, w, v, fl, j: tl.constexpr, a, 
 
 
 @triton.jit
+def _lane_sum(t0, t1, t2, t3, u0, u1, u2, u3):
+    # a lane's 8 terms, pairwise
+    return ((t0 + t1) + (t2 + t3)) + ((u0 + u1) + (u2 + u3))
+
+
+@triton.jit
 def _sub_sums(t0, t1, t2, t3, u0, u1, u2, u3, rm, BLOCK: tl.constexpr):
     # per sub-block (4 consecutive lanes) sums of the lanes' 8 terms: pairwise within a lane, then over the 4 lanes
-    s = ((t0 + t1) + (t2 + t3)) + ((u0 + u1) + (u2 + u3))
-    return tl.sum(tl.reshape(tl.where(rm, s, 0.0), (BLOCK // 4, 4)), axis=1)
+    return tl.sum(tl.reshape(tl.where(rm, _lane_sum(t0, t1, t2, t3, u0, u1, u2, u3), 0.0), (BLOCK // 4, 4)), axis=1)
+
+
+@triton.jit
+def _sub_store(ps, qs, sb, sm, p_ptr, q_ptr, bg_ptr, ba_ptr, OUT: tl.constexpr, BEST: tl.constexpr):
+    # the sub-blocks' sums stored, or with BEST step 1's running best (steps.best_scale_update's float64 operations):
+    # p, q the updated (gain, A)
+    if BEST:
+        sxg = ps.to(tl.float64)
+        sgg = qs.to(tl.float64)
+        nz = sgg != 0
+        den = tl.where(nz, sgg, 1.0)
+        gain = tl.where(nz, (sxg * sxg) / den, 0.0)
+        bg = tl.load(bg_ptr + sb, mask=sm, other=0.0)
+        take = (gain > bg) & (sxg > 0)
+        tl.store(p_ptr + sb, tl.where(take, gain, bg), mask=sm)
+        ba = tl.load(ba_ptr + sb, mask=sm, other=0.0)
+        tl.store(q_ptr + sb, tl.where(take, tl.where(nz, sxg / den, 0.0).to(tl.float32), ba), mask=sm)
+    else:
+        tl.store(p_ptr + sb, ps, mask=sm)
+        if OUT == 0:
+            tl.store(q_ptr + sb, qs, mask=sm)
+
+
+@triton.jit
+def sub_sums_kernel(lp_ptr, lq_ptr, p_ptr, q_ptr, bg_ptr, ba_ptr, nsub, OUT: tl.constexpr, BEST: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    # the second pass of an assignment run in lane order (ORDER): each sub-block's 4 lane sums added as
+    # :func:`_sub_sums` adds them, then stored as :func:`_sub_store` stores them
+    sb = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    sm = sb < nsub
+    offs = sb[:, None] * 4 + tl.arange(0, 4)[None, :]
+    ps = tl.sum(tl.load(lp_ptr + offs, mask=sm[:, None], other=0.0), axis=1)
+    qs = tl.sum(tl.load(lq_ptr + offs, mask=sm[:, None], other=0.0), axis=1)
+    _sub_store(ps, qs, sb, sm, p_ptr, q_ptr, bg_ptr, ba_ptr, OUT, BEST)
 
 
 @triton.jit
 def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_ptr, pts_ptr, cand_ptr, cnt_ptr,
-                  idx_ptr, flip_ptr, p_ptr, q_ptr, bg_ptr, ba_ptr, n, P: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
-                  BLOCK: tl.constexpr, LISTS: tl.constexpr, OUT: tl.constexpr, IDX: tl.constexpr, FB: tl.constexpr,
-                  GSTEP: tl.constexpr, SUMS: tl.constexpr, BEST: tl.constexpr, PF: tl.constexpr):
-    # one lane an 8-group (two halves of 4 weights, groups 2 l and 2 l + 1 of the (n * 64) groups)
+                  idx_ptr, flip_ptr, p_ptr, q_ptr, bg_ptr, ba_ptr, perm_ptr, lp_ptr, lq_ptr, n, P: tl.constexpr,
+                  V: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr, LISTS: tl.constexpr, OUT: tl.constexpr,
+                  IDX: tl.constexpr, FB: tl.constexpr, GSTEP: tl.constexpr, SUMS: tl.constexpr, BEST: tl.constexpr,
+                  PF: tl.constexpr, PERM: tl.constexpr = False):
+    # one lane an 8-group (two halves of 4 weights, groups 2 l and 2 l + 1 of the (n * 64) groups); PERM: program
+    # position i takes lane perm[i], and with SUMS each lane's sums go to lp, lq (sub_sums_kernel adds them)
     pid = tl.program_id(0)
-    lane = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    rm = lane < n
+    pos = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    rm = pos < n
+    if PERM:
+        lane = tl.load(perm_ptr + pos, mask=rm, other=0).to(tl.int64)
+    else:
+        lane = pos
     a = tl.load(a_ptr + lane // 4, mask=rm, other=0.0)
     ia = tl.load(ia_ptr + lane // 4, mask=rm, other=0.0)
     na = -a
@@ -499,25 +547,71 @@ def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_
     pb2, qb2 = _emit(p_ptr, q_ptr, flip_ptr, b1, rm, gb2, y2, u2, q2, fb2, 2, a, OUT, IDX, SUMS)
     pb3, qb3 = _emit(p_ptr, q_ptr, flip_ptr, b1, rm, gb3, y3, u3, q3, fb3, 3, a, OUT, IDX, SUMS)
     if SUMS:  # (n, 8) sums a sub-block instead of (n, 8, 32) terms
-        sb = pid.to(tl.int64) * (BLOCK // 4) + tl.arange(0, BLOCK // 4).to(tl.int64)
-        sm = sb < n // 4
-        ps = _sub_sums(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, rm, BLOCK)
-        if BEST:  # step 1's running best (steps.best_scale_update's float64 operations): p, q the updated (gain, A)
-            qs = _sub_sums(qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, rm, BLOCK)
-            sxg = ps.to(tl.float64)
-            sgg = qs.to(tl.float64)
-            nz = sgg != 0
-            den = tl.where(nz, sgg, 1.0)
-            gain = tl.where(nz, (sxg * sxg) / den, 0.0)
-            bg = tl.load(bg_ptr + sb, mask=sm, other=0.0)
-            take = (gain > bg) & (sxg > 0)
-            tl.store(p_ptr + sb, tl.where(take, gain, bg), mask=sm)
-            ba = tl.load(ba_ptr + sb, mask=sm, other=0.0)
-            tl.store(q_ptr + sb, tl.where(take, tl.where(nz, sxg / den, 0.0).to(tl.float32), ba), mask=sm)
+        if PERM:
+            tl.store(lp_ptr + lane, _lane_sum(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3), mask=rm)
+            tl.store(lq_ptr + lane, _lane_sum(qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3), mask=rm)
         else:
-            tl.store(p_ptr + sb, ps, mask=sm)
-            if OUT == 0:
-                tl.store(q_ptr + sb, _sub_sums(qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, rm, BLOCK), mask=sm)
+            sb = pid.to(tl.int64) * (BLOCK // 4) + tl.arange(0, BLOCK // 4).to(tl.int64)
+            sm = sb < n // 4
+            ps = _sub_sums(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, rm, BLOCK)
+            qs = _sub_sums(qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, rm, BLOCK)
+            _sub_store(ps, qs, sb, sm, p_ptr, q_ptr, bg_ptr, ba_ptr, OUT, BEST)
+
+
+def lane_order(x: torch.Tensor, a: torch.Tensor, kmap: torch.Tensor, mids: torch.Tensor, cnt: torch.Tensor) -> torch.Tensor:
+    """The lanes (8-groups) of ``x`` (n, 8, 32) in the order of their estimated list-walk work under the sub-block
+    scales ``a`` (n, 8): (n * 32,) int32, a stable argsort of each lane's off-grid list lengths (both halves, unflipped
+    patterns; doubled for an odd-parity group, whose flipped patterns walk too). ``cnt``: the candidate count of each
+    level pattern (:func:`.iq3_tables.launch_tables`). A program taking lanes in this order walks lists of similar
+    length on every lane, where in memory order its loop runs to the longest list of any of its lanes (counted on the
+    benchmark tensor's step-1 scales: 81-117 loop steps against 139-151 for a warp's four walks; with a lane's walks
+    merged too, 31-51). Any permutation gives the same results: this one only decides which lanes share a program."""
+    t = (x.abs() / a.clamp_min(1e-30).unsqueeze(-1)).reshape(-1, 4).contiguous()
+    u = (torch.bucketize(t, mids) << (3 * torch.arange(4, device=x.device))).sum(1)
+    c = torch.where(kmap[u] < 0, cnt.to(torch.int64)[u], 0).reshape(-1, 2).sum(1)
+    odd = ((x.reshape(-1, 8) < 0).sum(1) % 2) == 1
+    return torch.argsort(c * (1 + odd.to(torch.int64)), stable=True).to(torch.int32)
+
+
+_ORDERS: dict = {}
+
+
+def _order(x, a, kmap, mids, cnt, order):
+    """The lane order of a launch: ``order`` when given, else with :data:`ORDER` the :func:`lane_order` of ``x`` (made
+    on the first call with this tensor object, a chunk of the encoder, and reused by its later calls, whose scales
+    differ: the order only balances the work, any permutation gives the same results), else None (memory order)."""
+    if order is not None:
+        if order.shape != (x.shape[0] * 32,) or order.dtype != torch.int32 or order.device != x.device:
+            raise ValueError(f"order must be ({x.shape[0] * 32},) int32 lanes on {x.device}, got "
+                             f"{tuple(order.shape)} {order.dtype} on {order.device}")
+        return order
+    if not ORDER:
+        return None
+    last = _ORDERS.get("last")  # (one read and one write of a pair: encoders on other threads may replace it)
+    if last is None or last[0]() is not x or last[1].numel() != x.shape[0] * 32:
+        last = (weakref.ref(x), lane_order(x, a, kmap, mids, cnt))
+        _ORDERS["last"] = last
+    return last[1]
+
+
+def _launch_assign(xc, wc, ac, ia, tabs, idx, flip, p, q, bg, ba, n, parity_v, lists, out_i, want_idx, sums, best,
+                   prefetch, perm):
+    """One :data:`assign_kernel` launch over the n * 32 lanes of ``xc``; with ``perm`` the lanes in that order and,
+    with ``sums``, the sub-blocks' sums added (and step 1's best updated) by :data:`sub_sums_kernel`."""
+    gc, g2, mc, kc, pts, cand, cnt, fb, gstep = tabs
+    lanes = n * 32
+    blk = _block(xc.device)
+    lp = lq = p
+    if perm is not None and sums:
+        lp = torch.empty(lanes, dtype=torch.float32, device=xc.device)
+        lq = torch.empty_like(lp)
+    assign_kernel[(triton.cdiv(lanes, blk),)](
+        xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, idx, flip, p, q, bg, ba, p if perm is None else perm, lp, lq,
+        lanes, P=gc.shape[0], V=parity_v, K=cand.shape[1], BLOCK=blk, LISTS=lists, OUT=out_i, IDX=want_idx, FB=fb,
+        GSTEP=gstep, SUMS=sums, BEST=best, PF=PREFETCH if prefetch is None else prefetch, PERM=perm is not None,
+        num_warps=_WARPS)
+    if perm is not None and sums:
+        sub_sums_kernel[(triton.cdiv(n * 8, 128),)](lp, lq, p, q, bg, ba, n * 8, OUT=out_i, BEST=best, BLOCK=128)
 
 
 def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None, flip_at: torch.Tensor | None,
@@ -554,14 +648,17 @@ def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None,
 
 def assign(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full: bool, out: str, want_idx: bool,
            kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor, lists: bool | None = None,
-           packed: bool | None = None, sums: bool = False, fused_sums: bool | None = None, prefetch: bool | None = None):
+           packed: bool | None = None, sums: bool = False, fused_sums: bool | None = None, prefetch: bool | None = None,
+           order: torch.Tensor | None = None):
     """Fused :func:`dynaquant.quant.codecs._iq3_search.assign_torch` (the fast path ``iq3.assign``): same arguments
     (``nearest`` is this module's search, ``lists`` and ``packed`` as :func:`nearest_variants`), one launch. With
     ``sums`` False its result equals the composition of :func:`nearest_variants` and the torch steps bit for bit (the
     same operations in the same order; the interpreter tests check it). With ``sums`` the (n, 8) sums a sub-block
     are formed in the kernel (``fused_sums``, default :data:`SUMS`: no (n, 8, 32) terms written and read back; each
     lane's 8 terms pairwise, then the 4 lanes: float32 rounding differs from torch's ``sum(-1)``) or by torch from the
-    terms (bit for bit the reference's). Raises ValueError on an unknown ``out`` or shapes that disagree."""
+    terms (bit for bit the reference's). ``order``: the lanes' order in the programs ((n * 32,) int32, a permutation;
+    None: :func:`lane_order` with :data:`ORDER`, else memory order), the same results in any order.
+    Raises ValueError on an unknown ``out`` or shapes that disagree."""
     if out not in steps.OUTS:
         raise ValueError(f"out must be one of {steps.OUTS}, got {out!r}")
     n = x.shape[0]
@@ -577,16 +674,12 @@ def assign(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full
     idx = torch.empty(n, 8, 8, dtype=torch.int64, device=dev) if want_idx else p
     flip = torch.zeros(n, 8, 32, dtype=torch.uint8, device=dev) if want_idx else p
     if n:
-        gc, g2, mc, kc, pts, cand, cnt, fb, gstep = tables.launch_tables(grid, kmap, mids, dev,
-                                                                         PACKED if packed is None else packed)
+        tabs = tables.launch_tables(grid, kmap, mids, dev, PACKED if packed is None else packed)
         lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
-        lanes = n * 32
         nv = (5 if full else 2) if parity else 1
-        blk = _block(dev)
-        assign_kernel[(triton.cdiv(lanes, blk),)](
-            xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, idx, flip, p, q, p, p, lanes, P=gc.shape[0], V=nv,
-            K=cand.shape[1], BLOCK=blk, LISTS=lists, OUT=steps.OUTS.index(out), IDX=want_idx, FB=fb, GSTEP=gstep,
-            SUMS=in_kernel, BEST=False, PF=PREFETCH if prefetch is None else prefetch, num_warps=_WARPS)
+        perm = _order(x, a, kmap, mids, tabs[6], order)
+        _launch_assign(xc, wc, ac, ia, tabs, idx, flip, p, q, p, p, n, nv, lists, steps.OUTS.index(out), want_idx,
+                       in_kernel, False, prefetch, perm)
     if sums and not in_kernel:
         p, q = p.sum(-1), (q.sum(-1) if out == "stats" else p)
     if not want_idx:
@@ -596,16 +689,18 @@ def assign(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full
 
 def consider(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, best_gain: torch.Tensor,
              best_a: torch.Tensor, kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor,
-             lists: bool | None = None, packed: bool | None = None, prefetch: bool | None = None):
+             lists: bool | None = None, packed: bool | None = None, prefetch: bool | None = None,
+             order: torch.Tensor | None = None):
     """Fused :func:`dynaquant.quant.codecs._iq3_search.consider_torch` (the fast path ``iq3.consider``, one candidate
     scale of step 1): the assignment for scales ``a``, its least-squares sums a sub-block and the running best's
     update in one launch (:data:`CONSIDER`; else :func:`assign` with ``sums`` and the reference's update in torch).
     The update is the reference's float64 operations on the kernel's sums (:func:`assign`'s ``sums`` order). Same
-    arguments; returns the new (best_gain (n, 8) float64, best_a (n, 8) float32). Raises ValueError as :func:`assign`."""
+    arguments (``order`` as :func:`assign`'s); returns the new (best_gain (n, 8) float64, best_a (n, 8) float32).
+    Raises ValueError as :func:`assign`."""
     n = x.shape[0]
     if not (CONSIDER and SUMS) or n == 0:
         p, q = assign(x, w, a, parity, False, "stats", False, kmap, mids, grid, g8, lists, packed, sums=True,
-                      prefetch=prefetch)[2:]
+                      prefetch=prefetch, order=order)[2:]
         return steps.best_scale_update(p.double(), q.double(), best_gain, best_a)
     if x.shape != (n, 8, 32) or w.shape != x.shape or a.shape != (n, 8) or best_gain.shape != (n, 8) \
             or best_a.shape != (n, 8):
@@ -617,13 +712,9 @@ def consider(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, be
     ia = steps.inv_scale(ac)
     bg, ba = best_gain.to(torch.float64).contiguous(), best_a.to(torch.float32).contiguous()
     gain, scale = torch.empty_like(bg), torch.empty_like(ba)
-    gc, g2, mc, kc, pts, cand, cnt, fb, gstep = tables.launch_tables(grid, kmap, mids, dev,
-                                                                     PACKED if packed is None else packed)
+    tabs = tables.launch_tables(grid, kmap, mids, dev, PACKED if packed is None else packed)
     lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
-    lanes = n * 32
-    blk = _block(dev)
-    assign_kernel[(triton.cdiv(lanes, blk),)](
-        xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, gain, gain, gain, scale, bg, ba, lanes, P=gc.shape[0],
-        V=2 if parity else 1, K=cand.shape[1], BLOCK=blk, LISTS=lists, OUT=0, IDX=False, FB=fb, GSTEP=gstep,
-        SUMS=True, BEST=True, PF=PREFETCH if prefetch is None else prefetch, num_warps=_WARPS)
+    perm = _order(x, a, kmap, mids, tabs[6], order)
+    _launch_assign(xc, wc, ac, ia, tabs, gain, gain, gain, scale, bg, ba, n, 2 if parity else 1, lists, 0, False, True,
+                   True, prefetch, perm)
     return gain, scale
