@@ -408,19 +408,26 @@ def fit_scale(
     if not supported(x, grid) or w.shape != x.shape:
         return bf.fit_scale_torch(x, w, grid, targets, anchor_offsets, lloyd_steps, ulps)
     b, n = x.shape
-    xc, wc, block = _inputs(x, w)
-    tgt, off, ulp, lv, vlut, clut = _tables(grid, targets, anchor_offsets, ulps, x.device)
     d = torch.empty(b, dtype=torch.float16, device=x.device)
     codes = torch.empty(b, n, dtype=torch.int64, device=x.device)
+    _launch_scale(x, w, grid, targets, anchor_offsets, lloyd_steps, ulps, d, codes)
+    return d, codes
+
+
+def _launch_scale(x, w, grid, targets, anchor_offsets, lloyd_steps, ulps, d, out, rec: int = 0, coff: int = 0) -> None:
+    """One :data:`fit_scale_kernel` launch over the (B, n) blocks of ``x``: ``d`` and int64 codes ``out`` (``rec``
+    0), or the block records into ``out`` (``rec`` > 0, codes offset by ``coff``; ``d`` unused)."""
+    b, n = x.shape
     if b == 0:
-        return d, codes
+        return
+    xc, wc, block = _inputs(x, w)
+    tgt, off, ulp, lv, vlut, clut = _tables(grid, targets, anchor_offsets, ulps, x.device)
     kmin, kmax = (grid.kmin, grid.kmax) if grid.half_int and not grid.linear else (0, 0)
     fit_scale_kernel[(triton.cdiv(b, block),)](
-        xc, wc, tgt, off, ulp, lv, vlut, clut, d, codes, b, len(targets), len(anchor_offsets), len(ulps),
+        xc, wc, tgt, off, ulp, lv, vlut, clut, d, out, b, len(targets), len(anchor_offsets), len(ulps),
         NLEV=len(grid.levels), AMAX=float(max(abs(grid.lo), abs(grid.hi))), ZERO=grid.zero_code(),
         LINEAR=grid.linear, LO=float(grid.lo), HI=float(grid.hi), KMIN=float(kmin), KMAX=float(kmax),
-        LLOYD=int(lloyd_steps), N=n, BLOCK_B=block, **_OPTS)
-    return d, codes
+        LLOYD=int(lloyd_steps), N=n, BLOCK_B=block, REC=rec, COFF=coff, RB=out.shape[1] if rec else 0, **_OPTS)
 
 
 _RECORD_KINDS = {"i8": 1, "nibbles": 2, "q5": 3}
@@ -449,18 +456,8 @@ def encode_scale(
         d, codes = fit_scale(x, w, grid, targets, anchor_offsets, lloyd_steps, ulps)
         return pack_record(record, bf.half_bytes(d), codes)
     b, n = x.shape
-    xc, wc, block = _inputs(x, w)
-    tgt, off, ulp, lv, vlut, clut = _tables(grid, targets, anchor_offsets, ulps, x.device)
-    rb = record.record_bytes(n)
-    out = torch.empty(b, rb, dtype=torch.uint8, device=x.device)
-    if b == 0:
-        return out
-    kmin, kmax = (grid.kmin, grid.kmax) if grid.half_int and not grid.linear else (0, 0)
-    fit_scale_kernel[(triton.cdiv(b, block),)](
-        xc, wc, tgt, off, ulp, lv, vlut, clut, out, out, b, len(targets), len(anchor_offsets), len(ulps),
-        NLEV=len(grid.levels), AMAX=float(max(abs(grid.lo), abs(grid.hi))), ZERO=grid.zero_code(),
-        LINEAR=grid.linear, LO=float(grid.lo), HI=float(grid.hi), KMIN=float(kmin), KMAX=float(kmax),
-        LLOYD=int(lloyd_steps), N=n, BLOCK_B=block, REC=kind, COFF=int(record.code_offset), RB=rb, **_OPTS)
+    out = torch.empty(b, record.record_bytes(n), dtype=torch.uint8, device=x.device)
+    _launch_scale(x, w, grid, targets, anchor_offsets, lloyd_steps, ulps, out, out, kind, int(record.code_offset))
     return out
 
 
