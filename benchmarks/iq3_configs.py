@@ -15,6 +15,8 @@ Configurations of dynaquant.kernels.iq3_search (module flags, set per run):
   ordered32    as prefetch32 with ORDER=True: the lanes taken in the order of their list-walk work (lane_order, once a
                chunk), the sub-block sums in a second kernel
   ordered128   as ordered32 with BLOCK 128 / 4 warps
+  merged32     as prefetch32 with MERGE=True: a lane's list walks (both halves, IQ3_XXS's flipped variants) in one loop
+  merged_ordered32  as ordered32 with MERGE=True
 The first configuration is the base of the ratios and byte comparisons (``old`` by default; ``--configs
 new_lists,prefetch,prefetch64`` compares the prefetching walk with the plain one). Session 33 also tried walks taking
 4, 8 or 16 candidates a step as a (lanes, C) tile, the tile's leftmost maximum (the same bytes): IQ3_XXS 3.3e8 /
@@ -41,18 +43,27 @@ import dynaquant.kernels  # noqa: F401  (registers the fast paths)
 from dynaquant.kernels import iq3_search as ks
 from dynaquant.quant.codecs import dequantize, quantize
 
+_BASE = dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=128, _WARPS=4, PREFETCH=False, ORDER=False,
+             MERGE=False)  # "new_lists"
+
+
+def _cfg(**kw):
+    return {**_BASE, **kw}
+
+
 CONFIGS = {
-    "old": dict(PACKED=False, SUMS=False, CONSIDER=False, LISTS_FROM=512, _BLOCK=128, _WARPS=4, PREFETCH=False, ORDER=False),
-    "new": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=512, _BLOCK=128, _WARPS=4, PREFETCH=False, ORDER=False),
-    "new_lists": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=128, _WARPS=4, PREFETCH=False, ORDER=False),
-    "new_lists64": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=64, _WARPS=2, PREFETCH=False, ORDER=False),
-    "new_lists32": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=32, _WARPS=1, PREFETCH=False, ORDER=False),
-    "prefetch": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=128, _WARPS=4, PREFETCH=True, ORDER=False),
-    "prefetch64": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=64, _WARPS=2, PREFETCH=True, ORDER=False),
-    "prefetch32": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=32, _WARPS=1, PREFETCH=True, ORDER=False),
-    "ordered32": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=32, _WARPS=1, PREFETCH=True, ORDER=True),
-    "ordered128": dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=128, _WARPS=4, PREFETCH=True,
-                       ORDER=True),
+    "old": _cfg(PACKED=False, SUMS=False, CONSIDER=False, LISTS_FROM=512),
+    "new": _cfg(LISTS_FROM=512),
+    "new_lists": _cfg(),
+    "new_lists64": _cfg(_BLOCK=64, _WARPS=2),
+    "new_lists32": _cfg(_BLOCK=32, _WARPS=1),
+    "prefetch": _cfg(PREFETCH=True),
+    "prefetch64": _cfg(PREFETCH=True, _BLOCK=64, _WARPS=2),
+    "prefetch32": _cfg(PREFETCH=True, _BLOCK=32, _WARPS=1),
+    "ordered32": _cfg(PREFETCH=True, _BLOCK=32, _WARPS=1, ORDER=True),
+    "ordered128": _cfg(PREFETCH=True, ORDER=True),
+    "merged32": _cfg(PREFETCH=True, _BLOCK=32, _WARPS=1, MERGE=True),
+    "merged_ordered32": _cfg(PREFETCH=True, _BLOCK=32, _WARPS=1, ORDER=True, MERGE=True),
 }
 DEFAULT_CONFIGS = ("old", "new", "new_lists", "new_lists64")  # --configs to choose (each compiles its own kernels)
 DEFAULTS = {k: getattr(ks, k) for k in CONFIGS["new"]}

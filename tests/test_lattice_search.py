@@ -497,6 +497,36 @@ def test_iq3_walk_with_prefetch_changes_nothing(interpreted, name, parity, full,
     assert walked.min() < 8 and walked.max() > 40  # short lists and long ones (past any 32-lane warp's worth)
 
 
+@pytest.mark.parametrize("name,parity", [("IQ3_XXS", True), ("IQ3_S", False)])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_iq3_merged_walk_changes_nothing(interpreted, name, parity, prefetch):
+    """A lane's list walks in one loop (``merge``: the halves and, for IQ3_XXS, their flipped variants one after the
+    other) choose what one walk at a time chooses, bit for bit: the assignment (points and flips), its terms, its
+    in-kernel sums and step 1's update, with lanes whose walks are empty, short and past 40 candidates in one program,
+    in memory order and in lane order."""
+    from dynaquant.kernels import iq3_search
+    from dynaquant.quant.codecs import iq3
+
+    x, w, a = _iq3_assign_inputs(name, 17)
+    x[2] *= 40.0  # far-off targets: long lists
+    x[3, :, ::3] = 0.0  # on-grid groups among walking ones
+    tables = tuple(t.to(DEVICE) for t in (*iq3._grid_map(name, "cpu"), *iq3._grid_table(name, "cpu")))
+    xd, wd, ad = x.to(DEVICE), w.to(DEVICE), a.to(DEVICE)
+    for out, sums in (("stats", False), ("error", True), ("stats", True)):
+        base = iq3_search.assign(xd, wd, ad, parity, False, out, True, *tables, sums=sums, prefetch=prefetch,
+                                 merge=False)
+        got = iq3_search.assign(xd, wd, ad, parity, False, out, True, *tables, sums=sums, prefetch=prefetch, merge=True)
+        assert all((u is None and v is None) or torch.equal(u.cpu(), v.cpu()) for u, v in zip(got, base))
+        assert bool(base[1].any()) == parity  # IQ3_XXS's odd groups flip a weight
+    bg = torch.full(a.shape, -1.0, dtype=torch.float64, device=DEVICE)
+    ba = torch.zeros_like(ad)
+    base = iq3_search.consider(xd, wd, ad, parity, bg, ba, *tables, prefetch=prefetch, merge=False)
+    rand = torch.randperm(x.shape[0] * 32, generator=torch.Generator().manual_seed(4)).to(torch.int32).to(DEVICE)
+    for order in (None, rand):
+        got = iq3_search.consider(xd, wd, ad, parity, bg, ba, *tables, prefetch=prefetch, merge=True, order=order)
+        assert all(torch.equal(u.cpu(), v.cpu()) for u, v in zip(got, base))
+
+
 @pytest.mark.parametrize("name,parity,full", [("IQ3_XXS", True, False), ("IQ3_XXS", True, True), ("IQ3_S", False, False)])
 def test_iq3_lane_order_changes_nothing(interpreted, name, parity, full, monkeypatch):
     """Lanes taken in another order (``order``: a random permutation, and :func:`lane_order`'s under ``ORDER``, the

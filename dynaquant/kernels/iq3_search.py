@@ -63,6 +63,7 @@ LISTS_FROM = 256  # grids of this many points or more walk candidate lists by de
 PREFETCH = True  # list walks load the next candidate's word before scoring this one (packed words only)
 _WARPS = 1
 ORDER = False  # assign / consider take the lanes sorted by their list-walk work (lane_order; the same results)
+MERGE = False  # assign / consider (not the full variants) walk a lane's lists in one loop (_merged_walks; the same results)
 _INTERPRETED_BLOCK = 128  # groups a program off CUDA (Triton's interpreter: per-program cost; the same results)
 
 
@@ -172,9 +173,10 @@ def _walk(cand_ptr, cnt_ptr, grid_ptr, g2_ptr, l0, l1, l2, l3, s0, s1, s2, s3, f
 @triton.jit
 def _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k, rm, kmap_ptr, mids_ptr, grid_ptr, g2_ptr, cand_ptr,
             cnt_ptr, P: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr, LISTS: tl.constexpr,
-            FB: tl.constexpr, GSTEP: tl.constexpr, PF: tl.constexpr):
+            FB: tl.constexpr, GSTEP: tl.constexpr, PF: tl.constexpr, WALK: tl.constexpr):
     # the best point (score, index) of each variant of the lanes' groups (features f, targets t): variant 0 the
-    # group, V = 2: weight k flipped, V = 5: weight i flipped in variant 1 + i (on the odd lanes; others unused)
+    # group, V = 2: weight k flipped, V = 5: weight i flipped in variant 1 + i (on the odd lanes; others unused);
+    # LISTS without WALK: the on-grid variants' only (index -1 off the grid: the caller walks, _merged_walks)
     i1 = tl.zeros((BLOCK,), tl.int32)
     i2 = i1
     i3 = i1
@@ -223,7 +225,9 @@ def _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k, rm, kmap_ptr
         i4, s4 = _on_grid(kmap_ptr, grid_ptr, g2_ptr, a0, a1, a2, z3, one, one, one, neg,
                           f0, f1, f2, f3, f4, f5, f6, f7, odd, FB, GSTEP)
         off = off | (odd & ((i1 < 0) | (i2 < 0) | (i3 < 0) | (i4 < 0)))
-    if LISTS:  # each off-grid variant walks its pattern's exact candidate list
+    if LISTS and not WALK:
+        i0 = i0.to(tl.int32)
+    elif LISTS:  # each off-grid variant walks its pattern's exact candidate list
         i0 = i0.to(tl.int32)
         s0, i0 = _walk(cand_ptr, cnt_ptr, grid_ptr, g2_ptr, a0, a1, a2, a3, one, one, one, one, f0, f1, f2, f3, f4, f5,
                        f6, f7, rm & (i0 < 0), s0, i0, K, FB, GSTEP, PF)
@@ -287,6 +291,139 @@ def _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k, rm, kmap_ptr
 
 
 @triton.jit
+def _pattern(l0, l1, l2, l3):
+    # a level pattern's entry (the index of kmap and of the candidate lists)
+    return l0 + 8 * l1 + 64 * l2 + 512 * l3
+
+
+@triton.jit
+def _flip_pattern(t0, t1, t2, t3, k, m0, m1, m2, m3, m4, m5, m6):
+    # the level pattern of a group with weight k flipped (its level from the negated target, as _search forms it)
+    a0 = tl.where(k == 0, _levels(-t0, m0, m1, m2, m3, m4, m5, m6), _levels(t0, m0, m1, m2, m3, m4, m5, m6))
+    a1 = tl.where(k == 1, _levels(-t1, m0, m1, m2, m3, m4, m5, m6), _levels(t1, m0, m1, m2, m3, m4, m5, m6))
+    a2 = tl.where(k == 2, _levels(-t2, m0, m1, m2, m3, m4, m5, m6), _levels(t2, m0, m1, m2, m3, m4, m5, m6))
+    a3 = tl.where(k == 3, _levels(-t3, m0, m1, m2, m3, m4, m5, m6), _levels(t3, m0, m1, m2, m3, m4, m5, m6))
+    return _pattern(a0, a1, a2, a3)
+
+
+@triton.jit
+def _merged_at(k, e0, e1, e2, u0, u1, u2, u3, K: tl.constexpr, V: tl.constexpr):
+    # merged step k of a lane: its walk (0 half a, 1 half a flipped, 2 half b, 3 half b flipped; e0 <= e1 <= e2 the
+    # walks' cumulative ends) and the offset of its candidate in the lists
+    if V == 2:
+        w = (k >= e0).to(tl.int32) + (k >= e1).to(tl.int32) + (k >= e2).to(tl.int32)
+        start = tl.where(w == 0, 0, tl.where(w == 1, e0, tl.where(w == 2, e1, e2)))
+        u = tl.where(w == 0, u0, tl.where(w == 1, u1, tl.where(w == 2, u2, u3)))
+    else:
+        w = 2 * (k >= e0).to(tl.int32)
+        start = tl.where(w == 0, 0, e0)
+        u = tl.where(w == 0, u0, u2)
+    return w, u * K + (k - start)
+
+
+@triton.jit
+def _merged_score(word, w, sa0, sa1, sa2, sa3, sb0, sb1, sb2, sb3, f0, f1, f2, f3, f4, f5, f6, f7, e0, e1, e2, e3,
+                  e4, e5, e6, e7, FB: tl.constexpr, GSTEP: tl.constexpr, V: tl.constexpr):
+    # :func:`_word_score` of a candidate of walk w: half b's features for w >= 2, the flipped walks' signs (w 1, 3)
+    hb = w >= 2
+    if V == 2:
+        one = tl.full(sa0.shape, 1.0, tl.float32)
+        g0 = tl.where(w == 1, sa0, tl.where(w == 3, sb0, one))
+        g1 = tl.where(w == 1, sa1, tl.where(w == 3, sb1, one))
+        g2 = tl.where(w == 1, sa2, tl.where(w == 3, sb2, one))
+        g3 = tl.where(w == 1, sa3, tl.where(w == 3, sb3, one))
+    else:
+        g0, g1, g2, g3 = sa0, sa1, sa2, sa3
+    return _word_score(word, g0, g1, g2, g3, tl.where(hb, e0, f0), tl.where(hb, e1, f1), tl.where(hb, e2, f2),
+                       tl.where(hb, e3, f3), tl.where(hb, e4, f4), tl.where(hb, e5, f5), tl.where(hb, e6, f6),
+                       tl.where(hb, e7, f7), FB, GSTEP)
+
+
+@triton.jit
+def _merged_walks(cand_ptr, cnt_ptr, mids_ptr, t0, t1, t2, t3, r0, r1, r2, r3, k0, k1, rm, odd, f0, f1, f2, f3, f4,
+                  f5, f6, f7, e0, e1, e2, e3, e4, e5, e6, e7, s0, i0, s1, i1, z0, j0, z1, j1, K: tl.constexpr,
+                  FB: tl.constexpr, GSTEP: tl.constexpr, PF: tl.constexpr, V: tl.constexpr):
+    # a lane's list walks (V = 1: halves a and b; V = 2: each half and its weight-k flipped variant on odd lanes) in
+    # one loop of (sum of the lane's list lengths) steps, where :func:`_walk` called a walk at a time loops to each
+    # walk's longest list in the program; each walk scans its list ascending with strict '>' as _walk does: the
+    # same results. (s, i): the on-grid results of _search without WALK (index -1 off the grid), returned updated
+    m0 = tl.load(mids_ptr + 0)
+    m1 = tl.load(mids_ptr + 1)
+    m2 = tl.load(mids_ptr + 2)
+    m3 = tl.load(mids_ptr + 3)
+    m4 = tl.load(mids_ptr + 4)
+    m5 = tl.load(mids_ptr + 5)
+    m6 = tl.load(mids_ptr + 6)
+    n0 = rm & (i0 < 0)
+    n2 = rm & (j0 < 0)
+    ua = _pattern(_levels(t0, m0, m1, m2, m3, m4, m5, m6), _levels(t1, m0, m1, m2, m3, m4, m5, m6),
+                  _levels(t2, m0, m1, m2, m3, m4, m5, m6), _levels(t3, m0, m1, m2, m3, m4, m5, m6))
+    ub = _pattern(_levels(r0, m0, m1, m2, m3, m4, m5, m6), _levels(r1, m0, m1, m2, m3, m4, m5, m6),
+                  _levels(r2, m0, m1, m2, m3, m4, m5, m6), _levels(r3, m0, m1, m2, m3, m4, m5, m6))
+    c0 = tl.load(cnt_ptr + ua, mask=n0, other=0)
+    c2 = tl.load(cnt_ptr + ub, mask=n2, other=0)
+    one = tl.full(t0.shape, 1.0, tl.float32)
+    sa0, sa1, sa2, sa3 = one, one, one, one
+    sb0, sb1, sb2, sb3 = one, one, one, one
+    ua1 = ua
+    ub1 = ub
+    n1 = rm & (ua < 0)  # (all False)
+    n3 = n1
+    if V == 2:
+        n1 = odd & (i1 < 0)
+        n3 = odd & (j1 < 0)
+        ua1 = _flip_pattern(t0, t1, t2, t3, k0, m0, m1, m2, m3, m4, m5, m6)
+        ub1 = _flip_pattern(r0, r1, r2, r3, k1, m0, m1, m2, m3, m4, m5, m6)
+        sa0, sa1, sa2, sa3 = tl.where(k0 == 0, -one, one), tl.where(k0 == 1, -one, one), tl.where(k0 == 2, -one, one), \
+            tl.where(k0 == 3, -one, one)
+        sb0, sb1, sb2, sb3 = tl.where(k1 == 0, -one, one), tl.where(k1 == 1, -one, one), tl.where(k1 == 2, -one, one), \
+            tl.where(k1 == 3, -one, one)
+        c1 = tl.load(cnt_ptr + ua1, mask=n1, other=0)
+        c3 = tl.load(cnt_ptr + ub1, mask=n3, other=0)
+        d0 = c0
+        d1 = d0 + c1
+        d2 = d1 + c2
+        tot = d2 + c3
+    else:
+        d0 = c0
+        d1 = c0
+        d2 = c0 + c2
+        tot = d2
+    b0 = tl.full(s0.shape, float("-inf"), tl.float32)
+    b1 = b0
+    b2 = b0
+    b3 = b0
+    a0 = tl.zeros(t0.shape, tl.int32)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    w, off = _merged_at(0, d0, d1, d2, ua, ua1, ub, ub1, K, V)
+    if PF:
+        word = tl.load(cand_ptr + off, mask=tot > 0, other=0)
+    for k in range(tl.max(tot, axis=0)):
+        m = k < tot
+        wn, offn = _merged_at(k + 1, d0, d1, d2, ua, ua1, ub, ub1, K, V)
+        if PF:
+            nxt = tl.load(cand_ptr + offn, mask=k + 1 < tot, other=0)
+        else:
+            word = tl.load(cand_ptr + off, mask=m, other=0)
+        v = _merged_score(word, w, sa0, sa1, sa2, sa3, sb0, sb1, sb2, sb3, f0, f1, f2, f3, f4, f5, f6, f7, e0, e1, e2,
+                          e3, e4, e5, e6, e7, FB, GSTEP, V)
+        p = word >> (4 * FB)
+        b0, a0 = _take(m & (w == 0) & (v > b0), v, p, b0, a0)
+        b2, a2 = _take(m & (w == 2) & (v > b2), v, p, b2, a2)
+        if V == 2:
+            b1, a1 = _take(m & (w == 1) & (v > b1), v, p, b1, a1)
+            b3, a3 = _take(m & (w == 3) & (v > b3), v, p, b3, a3)
+        w = wn
+        off = offn
+        if PF:
+            word = nxt
+    return (tl.where(n0, b0, s0), tl.where(n0, a0, i0), tl.where(n1, b1, s1), tl.where(n1, a1, i1),
+            tl.where(n2, b2, z0), tl.where(n2, a2, j0), tl.where(n3, b3, z1), tl.where(n3, a3, j1))
+
+
+@triton.jit
 def nearest_variants_kernel(f_ptr, t_ptr, odd_ptr, at_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr,
                             score_ptr, idx_ptr, n, P: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
                             BLOCK: tl.constexpr, LISTS: tl.constexpr, FB: tl.constexpr, GSTEP: tl.constexpr,
@@ -314,7 +451,7 @@ def nearest_variants_kernel(f_ptr, t_ptr, odd_ptr, at_ptr, kmap_ptr, mids_ptr, g
         k = tl.load(at_ptr + rows, mask=rm, other=0).to(tl.int32)
     s0, i0, s1, i1, s2, i2, s3, i3, s4, i4 = _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k, rm, kmap_ptr,
                                                      mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr, P, V, K, BLOCK,
-                                                     LISTS, FB, GSTEP, PF)
+                                                     LISTS, FB, GSTEP, PF, True)
     out = rows * V
     tl.store(score_ptr + out, s0, mask=rm)
     tl.store(idx_ptr + out, i0.to(tl.int64), mask=rm)
@@ -454,9 +591,11 @@ def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_
                   idx_ptr, flip_ptr, p_ptr, q_ptr, bg_ptr, ba_ptr, perm_ptr, lp_ptr, lq_ptr, n, P: tl.constexpr,
                   V: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr, LISTS: tl.constexpr, OUT: tl.constexpr,
                   IDX: tl.constexpr, FB: tl.constexpr, GSTEP: tl.constexpr, SUMS: tl.constexpr, BEST: tl.constexpr,
-                  PF: tl.constexpr, PERM: tl.constexpr = False):
+                  PF: tl.constexpr, PERM: tl.constexpr = False, MERGE: tl.constexpr = False,
+                  WALK: tl.constexpr = True):
     # one lane an 8-group (two halves of 4 weights, groups 2 l and 2 l + 1 of the (n * 64) groups); PERM: program
-    # position i takes lane perm[i], and with SUMS each lane's sums go to lp, lq (sub_sums_kernel adds them)
+    # position i takes lane perm[i], and with SUMS each lane's sums go to lp, lq (sub_sums_kernel adds them); MERGE
+    # (V < 5, LISTS, FB > 0; WALK = not MERGE): the lane's list walks in one loop (_merged_walks)
     pid = tl.program_id(0)
     pos = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     rm = pos < n
@@ -485,9 +624,16 @@ def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_
         k1 = _argmin4(u0 * q0 * q0, u1 * q1 * q1, u2 * q2 * q2, u3 * q3 * q3)
     s0, i0, s1, i1, s2, i2, s3, i3, s4, i4 = _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k0, rm, kmap_ptr,
                                                      mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr, P, V, K, BLOCK,
-                                                     LISTS, FB, GSTEP, PF)
+                                                     LISTS, FB, GSTEP, PF, WALK)
+    z0, j0, z1, j1, z2, j2, z3, j3, z4, j4 = _search(e0, e1, e2, e3, e4, e5, e6, e7, r0, r1, r2, r3, odd, k1, rm,
+                                                     kmap_ptr, mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr, P, V,
+                                                     K, BLOCK, LISTS, FB, GSTEP, PF, WALK)
+    if MERGE:  # the lane's walks in one loop (V < 5, lists of packed words)
+        s0, i0, s1, i1, z0, j0, z1, j1 = _merged_walks(cand_ptr, cnt_ptr, mids_ptr, t0, t1, t2, t3, r0, r1, r2, r3, k0,
+                                                       k1, rm, odd, f0, f1, f2, f3, f4, f5, f6, f7, e0, e1, e2, e3, e4,
+                                                       e5, e6, e7, s0, i0, s1, i1, z0, j0, z1, j1, K, FB, GSTEP, PF, V)
     h0 = i0
-    h1 = i0
+    h1 = j0
     fa0 = lane < 0  # no flips (all False)
     fa1 = fa0
     fa2 = fa0
@@ -496,13 +642,7 @@ def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_
     fb1 = fa0
     fb2 = fa0
     fb3 = fa0
-    if V == 1:
-        h1 = _search(e0, e1, e2, e3, e4, e5, e6, e7, r0, r1, r2, r3, odd, k1, rm, kmap_ptr, mids_ptr, grid_ptr, g2_ptr,
-                     cand_ptr, cnt_ptr, P, V, K, BLOCK, LISTS, FB, GSTEP, PF)[1]
-    else:
-        z0, j0, z1, j1, z2, j2, z3, j3, z4, j4 = _search(e0, e1, e2, e3, e4, e5, e6, e7, r0, r1, r2, r3, odd, k1, rm,
-                                                         kmap_ptr, mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr, P, V,
-                                                         K, BLOCK, LISTS, FB, GSTEP, PF)
+    if V > 1:
         # per 8-group: an odd one flips one weight, in the half where the pair scores best (ties: half 0)
         sa, ja, va = _best_flip(s1, i1, s2, i2, s3, i3, s4, i4, V)
         sb, jb, vb = _best_flip(z1, j1, z2, j2, z3, j3, z4, j4, V)
@@ -595,10 +735,12 @@ def _order(x, a, kmap, mids, cnt, order):
 
 
 def _launch_assign(xc, wc, ac, ia, tabs, idx, flip, p, q, bg, ba, n, parity_v, lists, out_i, want_idx, sums, best,
-                   prefetch, perm):
+                   prefetch, perm, merge):
     """One :data:`assign_kernel` launch over the n * 32 lanes of ``xc``; with ``perm`` the lanes in that order and,
-    with ``sums``, the sub-blocks' sums added (and step 1's best updated) by :data:`sub_sums_kernel`."""
+    with ``sums``, the sub-blocks' sums added (and step 1's best updated) by :data:`sub_sums_kernel`; ``merge`` (None:
+    :data:`MERGE`) the merged walk where it applies (lists of packed words, not the full variants)."""
     gc, g2, mc, kc, pts, cand, cnt, fb, gstep = tabs
+    merge = (MERGE if merge is None else merge) and lists and fb > 0 and parity_v < 5
     lanes = n * 32
     blk = _block(xc.device)
     lp = lq = p
@@ -609,7 +751,7 @@ def _launch_assign(xc, wc, ac, ia, tabs, idx, flip, p, q, bg, ba, n, parity_v, l
         xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, idx, flip, p, q, bg, ba, p if perm is None else perm, lp, lq,
         lanes, P=gc.shape[0], V=parity_v, K=cand.shape[1], BLOCK=blk, LISTS=lists, OUT=out_i, IDX=want_idx, FB=fb,
         GSTEP=gstep, SUMS=sums, BEST=best, PF=PREFETCH if prefetch is None else prefetch, PERM=perm is not None,
-        num_warps=_WARPS)
+        MERGE=bool(merge), WALK=not merge, num_warps=_WARPS)
     if perm is not None and sums:
         sub_sums_kernel[(triton.cdiv(n * 8, 128),)](lp, lq, p, q, bg, ba, n * 8, OUT=out_i, BEST=best, BLOCK=128)
 
@@ -649,7 +791,7 @@ def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None,
 def assign(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full: bool, out: str, want_idx: bool,
            kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor, lists: bool | None = None,
            packed: bool | None = None, sums: bool = False, fused_sums: bool | None = None, prefetch: bool | None = None,
-           order: torch.Tensor | None = None):
+           order: torch.Tensor | None = None, merge: bool | None = None):
     """Fused :func:`dynaquant.quant.codecs._iq3_search.assign_torch` (the fast path ``iq3.assign``): same arguments
     (``nearest`` is this module's search, ``lists`` and ``packed`` as :func:`nearest_variants`), one launch. With
     ``sums`` False its result equals the composition of :func:`nearest_variants` and the torch steps bit for bit (the
@@ -657,7 +799,8 @@ def assign(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full
     are formed in the kernel (``fused_sums``, default :data:`SUMS`: no (n, 8, 32) terms written and read back; each
     lane's 8 terms pairwise, then the 4 lanes: float32 rounding differs from torch's ``sum(-1)``) or by torch from the
     terms (bit for bit the reference's). ``order``: the lanes' order in the programs ((n * 32,) int32, a permutation;
-    None: :func:`lane_order` with :data:`ORDER`, else memory order), the same results in any order.
+    None: :func:`lane_order` with :data:`ORDER`, else memory order), the same results in any order. ``merge`` (None:
+    :data:`MERGE`): a lane's list walks in one loop (not with ``full``'s five variants), the same results.
     Raises ValueError on an unknown ``out`` or shapes that disagree."""
     if out not in steps.OUTS:
         raise ValueError(f"out must be one of {steps.OUTS}, got {out!r}")
@@ -679,7 +822,7 @@ def assign(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full
         nv = (5 if full else 2) if parity else 1
         perm = _order(x, a, kmap, mids, tabs[6], order)
         _launch_assign(xc, wc, ac, ia, tabs, idx, flip, p, q, p, p, n, nv, lists, steps.OUTS.index(out), want_idx,
-                       in_kernel, False, prefetch, perm)
+                       in_kernel, False, prefetch, perm, merge)
     if sums and not in_kernel:
         p, q = p.sum(-1), (q.sum(-1) if out == "stats" else p)
     if not want_idx:
@@ -690,17 +833,17 @@ def assign(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full
 def consider(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, best_gain: torch.Tensor,
              best_a: torch.Tensor, kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor,
              lists: bool | None = None, packed: bool | None = None, prefetch: bool | None = None,
-             order: torch.Tensor | None = None):
+             order: torch.Tensor | None = None, merge: bool | None = None):
     """Fused :func:`dynaquant.quant.codecs._iq3_search.consider_torch` (the fast path ``iq3.consider``, one candidate
     scale of step 1): the assignment for scales ``a``, its least-squares sums a sub-block and the running best's
     update in one launch (:data:`CONSIDER`; else :func:`assign` with ``sums`` and the reference's update in torch).
     The update is the reference's float64 operations on the kernel's sums (:func:`assign`'s ``sums`` order). Same
-    arguments (``order`` as :func:`assign`'s); returns the new (best_gain (n, 8) float64, best_a (n, 8) float32).
+    arguments (``order``, ``merge`` as :func:`assign`'s); returns the new (best_gain (n, 8) float64, best_a (n, 8) float32).
     Raises ValueError as :func:`assign`."""
     n = x.shape[0]
     if not (CONSIDER and SUMS) or n == 0:
         p, q = assign(x, w, a, parity, False, "stats", False, kmap, mids, grid, g8, lists, packed, sums=True,
-                      prefetch=prefetch, order=order)[2:]
+                      prefetch=prefetch, order=order, merge=merge)[2:]
         return steps.best_scale_update(p.double(), q.double(), best_gain, best_a)
     if x.shape != (n, 8, 32) or w.shape != x.shape or a.shape != (n, 8) or best_gain.shape != (n, 8) \
             or best_a.shape != (n, 8):
@@ -716,5 +859,5 @@ def consider(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, be
     lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
     perm = _order(x, a, kmap, mids, tabs[6], order)
     _launch_assign(xc, wc, ac, ia, tabs, gain, gain, gain, scale, bg, ba, n, 2 if parity else 1, lists, 0, False, True,
-                   True, prefetch, perm)
+                   True, prefetch, perm, merge)
     return gain, scale
