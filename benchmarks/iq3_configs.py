@@ -123,7 +123,14 @@ def main():
                     continue  # IQ3_S walks lists under "new" already (LISTS_FROM=512)
                 configure(cfg)
                 t0 = time.perf_counter()
-                quantize(x[:64], fmt, imp)  # compile
+                try:
+                    quantize(x[:64], fmt, imp)  # compile
+                except Exception as e:  # (a configuration that does not compile here: recorded, the rest run)
+                    if cfg == configs[0]:
+                        raise
+                    res[cfg] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    print(fmt, cfg, res[cfg], flush=True)
+                    continue
                 torch.cuda.synchronize()
                 comp = time.perf_counter() - t0
                 s, b = timed(x, fmt, imp)
@@ -137,7 +144,8 @@ def main():
                 res[cfg] = r
                 print(fmt, cfg, {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
                 del b
-            best = min((c for c in res if c != configs[0]), key=lambda c: res[c]["s"], default=configs[0])
+            best = min((c for c in res if c != configs[0] and "s" in res[c]), key=lambda c: res[c]["s"],
+                       default=configs[0])
             res["base"] = configs[0]
             res["best_new"] = best
             res["speedup_best_vs_base"] = res[configs[0]]["s"] / res[best]["s"]
