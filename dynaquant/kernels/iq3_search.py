@@ -307,36 +307,23 @@ def _flip_pattern(t0, t1, t2, t3, k, m0, m1, m2, m3, m4, m5, m6):
 
 
 @triton.jit
-def _merged_at(k, e0, e1, e2, u0, u1, u2, u3, K: tl.constexpr, V: tl.constexpr):
-    # merged step k of a lane: its walk (0 half a, 1 half a flipped, 2 half b, 3 half b flipped; e0 <= e1 <= e2 the
-    # walks' cumulative ends) and the offset of its candidate in the lists
-    if V == 2:
-        w = (k >= e0).to(tl.int32) + (k >= e1).to(tl.int32) + (k >= e2).to(tl.int32)
-        start = tl.where(w == 0, 0, tl.where(w == 1, e0, tl.where(w == 2, e1, e2)))
-        u = tl.where(w == 0, u0, tl.where(w == 1, u1, tl.where(w == 2, u2, u3)))
-    else:
-        w = 2 * (k >= e0).to(tl.int32)
-        start = tl.where(w == 0, 0, e0)
-        u = tl.where(w == 0, u0, u2)
-    return w, u * K + (k - start)
+def _sel4(w, x0, x1, x2, x3):
+    # x_w for walk w in 0..3
+    return tl.where(w < 2, tl.where(w == 0, x0, x1), tl.where(w == 2, x2, x3))
 
 
 @triton.jit
-def _merged_score(word, w, sa0, sa1, sa2, sa3, sb0, sb1, sb2, sb3, f0, f1, f2, f3, f4, f5, f6, f7, e0, e1, e2, e3,
-                  e4, e5, e6, e7, FB: tl.constexpr, GSTEP: tl.constexpr, V: tl.constexpr):
-    # :func:`_word_score` of a candidate of walk w: half b's features for w >= 2, the flipped walks' signs (w 1, 3)
-    hb = w >= 2
+def _merged_at(k, d0, d1, d2, o0, o1, o2, o3, V: tl.constexpr):
+    # merged step k of a lane: its walk w (0 half a, 1 half a flipped, 2 half b, 3 half b flipped; d0 <= d1 <= d2
+    # the walks' cumulative ends) and its candidate's offset in the lists (o_w: walk w's row less its start)
     if V == 2:
-        one = tl.full(sa0.shape, 1.0, tl.float32)
-        g0 = tl.where(w == 1, sa0, tl.where(w == 3, sb0, one))
-        g1 = tl.where(w == 1, sa1, tl.where(w == 3, sb1, one))
-        g2 = tl.where(w == 1, sa2, tl.where(w == 3, sb2, one))
-        g3 = tl.where(w == 1, sa3, tl.where(w == 3, sb3, one))
+        w = (k >= d0).to(tl.int32) + (k >= d1).to(tl.int32) + (k >= d2).to(tl.int32)
+        o = _sel4(w, o0, o1, o2, o3)
     else:
-        g0, g1, g2, g3 = sa0, sa1, sa2, sa3
-    return _word_score(word, g0, g1, g2, g3, tl.where(hb, e0, f0), tl.where(hb, e1, f1), tl.where(hb, e2, f2),
-                       tl.where(hb, e3, f3), tl.where(hb, e4, f4), tl.where(hb, e5, f5), tl.where(hb, e6, f6),
-                       tl.where(hb, e7, f7), FB, GSTEP)
+        hb = k >= d0
+        w = 2 * hb.to(tl.int32)
+        o = tl.where(hb, o2, o0)
+    return w, o + k
 
 
 @triton.jit
@@ -345,8 +332,9 @@ def _merged_walks(cand_ptr, cnt_ptr, mids_ptr, t0, t1, t2, t3, r0, r1, r2, r3, k
                   FB: tl.constexpr, GSTEP: tl.constexpr, PF: tl.constexpr, V: tl.constexpr):
     # a lane's list walks (V = 1: halves a and b; V = 2: each half and its weight-k flipped variant on odd lanes) in
     # one loop of (sum of the lane's list lengths) steps, where :func:`_walk` called a walk at a time loops to each
-    # walk's longest list in the program; each walk scans its list ascending with strict '>' as _walk does: the
-    # same results. (s, i): the on-grid results of _search without WALK (index -1 off the grid), returned updated
+    # walk's longest list in the program; each walk scans its list ascending with strict '>' as _walk does, its
+    # signed features (sign * f: exact) precomputed: the same results. (s, i): the on-grid results of _search
+    # without WALK (index -1 off the grid), returned updated
     m0 = tl.load(mids_ptr + 0)
     m1 = tl.load(mids_ptr + 1)
     m2 = tl.load(mids_ptr + 2)
@@ -362,11 +350,6 @@ def _merged_walks(cand_ptr, cnt_ptr, mids_ptr, t0, t1, t2, t3, r0, r1, r2, r3, k
                   _levels(r2, m0, m1, m2, m3, m4, m5, m6), _levels(r3, m0, m1, m2, m3, m4, m5, m6))
     c0 = tl.load(cnt_ptr + ua, mask=n0, other=0)
     c2 = tl.load(cnt_ptr + ub, mask=n2, other=0)
-    one = tl.full(t0.shape, 1.0, tl.float32)
-    sa0, sa1, sa2, sa3 = one, one, one, one
-    sb0, sb1, sb2, sb3 = one, one, one, one
-    ua1 = ua
-    ub1 = ub
     n1 = rm & (ua < 0)  # (all False)
     n3 = n1
     if V == 2:
@@ -374,21 +357,27 @@ def _merged_walks(cand_ptr, cnt_ptr, mids_ptr, t0, t1, t2, t3, r0, r1, r2, r3, k
         n3 = odd & (j1 < 0)
         ua1 = _flip_pattern(t0, t1, t2, t3, k0, m0, m1, m2, m3, m4, m5, m6)
         ub1 = _flip_pattern(r0, r1, r2, r3, k1, m0, m1, m2, m3, m4, m5, m6)
-        sa0, sa1, sa2, sa3 = tl.where(k0 == 0, -one, one), tl.where(k0 == 1, -one, one), tl.where(k0 == 2, -one, one), \
-            tl.where(k0 == 3, -one, one)
-        sb0, sb1, sb2, sb3 = tl.where(k1 == 0, -one, one), tl.where(k1 == 1, -one, one), tl.where(k1 == 2, -one, one), \
-            tl.where(k1 == 3, -one, one)
         c1 = tl.load(cnt_ptr + ua1, mask=n1, other=0)
         c3 = tl.load(cnt_ptr + ub1, mask=n3, other=0)
         d0 = c0
         d1 = d0 + c1
         d2 = d1 + c2
         tot = d2 + c3
+        o0, o1, o2, o3 = ua * K, ua1 * K - d0, ub * K - d1, ub1 * K - d2
+        # the flipped walks' features: weight k's linear feature negated (the sign _walk multiplies by, exact)
+        g0, g1, g2, g3 = tl.where(k0 == 0, -f0, f0), tl.where(k0 == 1, -f1, f1), tl.where(k0 == 2, -f2, f2), \
+            tl.where(k0 == 3, -f3, f3)
+        h0, h1, h2, h3 = tl.where(k1 == 0, -e0, e0), tl.where(k1 == 1, -e1, e1), tl.where(k1 == 2, -e2, e2), \
+            tl.where(k1 == 3, -e3, e3)
     else:
         d0 = c0
         d1 = c0
-        d2 = c0 + c2
-        tot = d2
+        d2 = c0
+        tot = c0 + c2
+        o0, o1, o2, o3 = ua * K, ua * K, ub * K - d0, ub * K - d0
+        g0, g1, g2, g3 = f0, f1, f2, f3
+        h0, h1, h2, h3 = e0, e1, e2, e3
+    one = tl.full(t0.shape, 1.0, tl.float32)
     b0 = tl.full(s0.shape, float("-inf"), tl.float32)
     b1 = b0
     b2 = b0
@@ -397,18 +386,25 @@ def _merged_walks(cand_ptr, cnt_ptr, mids_ptr, t0, t1, t2, t3, r0, r1, r2, r3, k
     a1 = a0
     a2 = a0
     a3 = a0
-    w, off = _merged_at(0, d0, d1, d2, ua, ua1, ub, ub1, K, V)
+    w, off = _merged_at(0, d0, d1, d2, o0, o1, o2, o3, V)
     if PF:
         word = tl.load(cand_ptr + off, mask=tot > 0, other=0)
     for k in range(tl.max(tot, axis=0)):
         m = k < tot
-        wn, offn = _merged_at(k + 1, d0, d1, d2, ua, ua1, ub, ub1, K, V)
+        wn, offn = _merged_at(k + 1, d0, d1, d2, o0, o1, o2, o3, V)
         if PF:
             nxt = tl.load(cand_ptr + offn, mask=k + 1 < tot, other=0)
         else:
             word = tl.load(cand_ptr + off, mask=m, other=0)
-        v = _merged_score(word, w, sa0, sa1, sa2, sa3, sb0, sb1, sb2, sb3, f0, f1, f2, f3, f4, f5, f6, f7, e0, e1, e2,
-                          e3, e4, e5, e6, e7, FB, GSTEP, V)
+        hb = w >= 2
+        if V == 2:
+            v = _word_score(word, one, one, one, one, _sel4(w, f0, g0, e0, h0), _sel4(w, f1, g1, e1, h1),
+                            _sel4(w, f2, g2, e2, h2), _sel4(w, f3, g3, e3, h3), tl.where(hb, e4, f4),
+                            tl.where(hb, e5, f5), tl.where(hb, e6, f6), tl.where(hb, e7, f7), FB, GSTEP)
+        else:
+            v = _word_score(word, one, one, one, one, tl.where(hb, e0, f0), tl.where(hb, e1, f1),
+                            tl.where(hb, e2, f2), tl.where(hb, e3, f3), tl.where(hb, e4, f4), tl.where(hb, e5, f5),
+                            tl.where(hb, e6, f6), tl.where(hb, e7, f7), FB, GSTEP)
         p = word >> (4 * FB)
         b0, a0 = _take(m & (w == 0) & (v > b0), v, p, b0, a0)
         b2, a2 = _take(m & (w == 2) & (v > b2), v, p, b2, a2)
@@ -698,28 +694,42 @@ def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_
             _sub_store(ps, qs, sb, sm, p_ptr, q_ptr, bg_ptr, ba_ptr, OUT, BEST)
 
 
-def lane_order(x: torch.Tensor, a: torch.Tensor, kmap: torch.Tensor, mids: torch.Tensor, cnt: torch.Tensor) -> torch.Tensor:
-    """The lanes (8-groups) of ``x`` (n, 8, 32) in the order of their estimated list-walk work under the sub-block
-    scales ``a`` (n, 8): (n * 32,) int32, a stable argsort of each lane's off-grid list lengths (both halves, unflipped
-    patterns; doubled for an odd-parity group, whose flipped patterns walk too). ``cnt``: the candidate count of each
-    level pattern (:func:`.iq3_tables.launch_tables`). A program taking lanes in this order walks lists of similar
-    length on every lane, where in memory order its loop runs to the longest list of any of its lanes (counted on the
-    benchmark tensor's step-1 scales: 81-117 loop steps against 139-151 for a warp's four walks; with a lane's walks
-    merged too, 31-51). Any permutation gives the same results: this one only decides which lanes share a program."""
-    t = (x.abs() / a.clamp_min(1e-30).unsqueeze(-1)).reshape(-1, 4).contiguous()
-    u = (torch.bucketize(t, mids) << (3 * torch.arange(4, device=x.device))).sum(1)
-    c = torch.where(kmap[u] < 0, cnt.to(torch.int64)[u], 0).reshape(-1, 2).sum(1)
+def lane_order(x: torch.Tensor, a: torch.Tensor, kmap: torch.Tensor, mids: torch.Tensor, cnt: torch.Tensor,
+               w: torch.Tensor | None = None, parity: bool = True) -> torch.Tensor:
+    """The lanes (8-groups) of ``x`` (n, 8, 32) in the order of their list-walk work under the sub-block scales ``a``
+    (n, 8): (n * 32,) int32, a stable argsort of each lane's summed off-grid list lengths. ``cnt``: the candidate
+    count of each level pattern (:func:`.iq3_tables.launch_tables`). Both halves' unflipped patterns count; with
+    ``parity`` an odd-parity group's flipped patterns walk too: with the importances ``w`` (n, 8, 32) counted exactly
+    (each half's weight of least ``w x**2`` flipped, as :func:`assign` flips it without ``full``), without them
+    estimated as the unflipped count again. A program taking lanes in this order walks lists of similar length on
+    every lane, where in memory order its loop runs to the longest list of any of its lanes (counted on a random
+    4096-column tensor's IQ3_XXS scales near the type's: a warp's four walks one at a time 140-152 loop steps, in
+    this order 75-112; the walks merged (:data:`MERGE`) 95-115 in memory order, 28-47 in this order). Any
+    permutation gives the same results: this one only decides which lanes share a program."""
+    t = (x.abs() / a.clamp_min(1e-30).unsqueeze(-1)).reshape(-1, 2, 4)
+    shifts = 3 * torch.arange(4, device=x.device)
+    u = (torch.bucketize(t.contiguous(), mids) << shifts).sum(-1)
+    c = torch.where(kmap[u] < 0, cnt.to(torch.int64)[u], 0).sum(1)
+    if not parity:
+        return torch.argsort(c, stable=True).to(torch.int32)
     odd = ((x.reshape(-1, 8) < 0).sum(1) % 2) == 1
-    return torch.argsort(c * (1 + odd.to(torch.int64)), stable=True).to(torch.int32)
+    if w is None:
+        return torch.argsort(c * (1 + odd.to(torch.int64)), stable=True).to(torch.int32)
+    k = torch.argmin(w.reshape(-1, 2, 4) * x.abs().reshape(-1, 2, 4) ** 2, dim=-1, keepdim=True)
+    tf = t.scatter(-1, k, -t.gather(-1, k))  # the flipped weight's target negated (its level from -t)
+    uf = (torch.bucketize(tf.contiguous(), mids) << shifts).sum(-1)
+    cf = torch.where(odd.unsqueeze(-1) & (kmap[uf] < 0), cnt.to(torch.int64)[uf], 0).sum(1)
+    return torch.argsort(c + cf, stable=True).to(torch.int32)
 
 
 _ORDERS: dict = {}
 
 
-def _order(x, a, kmap, mids, cnt, order):
-    """The lane order of a launch: ``order`` when given, else with :data:`ORDER` the :func:`lane_order` of ``x`` (made
-    on the first call with this tensor object, a chunk of the encoder, and reused by its later calls, whose scales
-    differ: the order only balances the work, any permutation gives the same results), else None (memory order)."""
+def _order(x, a, kmap, mids, cnt, order, w, parity):
+    """The lane order of a launch: ``order`` when given, else with :data:`ORDER` the :func:`lane_order` of ``x``
+    (importances ``w``, None to estimate the flipped walks; ``parity``), made on the first call with this tensor
+    object (a chunk of the encoder) and reused by its later calls, whose scales differ: the order only balances the
+    work, any permutation gives the same results; else None (memory order)."""
     if order is not None:
         if order.shape != (x.shape[0] * 32,) or order.dtype != torch.int32 or order.device != x.device:
             raise ValueError(f"order must be ({x.shape[0] * 32},) int32 lanes on {x.device}, got "
@@ -729,7 +739,7 @@ def _order(x, a, kmap, mids, cnt, order):
         return None
     last = _ORDERS.get("last")  # (one read and one write of a pair: encoders on other threads may replace it)
     if last is None or last[0]() is not x or last[1].numel() != x.shape[0] * 32:
-        last = (weakref.ref(x), lane_order(x, a, kmap, mids, cnt))
+        last = (weakref.ref(x), lane_order(x, a, kmap, mids, cnt, w, parity))
         _ORDERS["last"] = last
     return last[1]
 
@@ -820,7 +830,7 @@ def assign(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full
         tabs = tables.launch_tables(grid, kmap, mids, dev, PACKED if packed is None else packed)
         lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
         nv = (5 if full else 2) if parity else 1
-        perm = _order(x, a, kmap, mids, tabs[6], order)
+        perm = _order(x, a, kmap, mids, tabs[6], order, None if full else w, parity)
         _launch_assign(xc, wc, ac, ia, tabs, idx, flip, p, q, p, p, n, nv, lists, steps.OUTS.index(out), want_idx,
                        in_kernel, False, prefetch, perm, merge)
     if sums and not in_kernel:
@@ -857,7 +867,7 @@ def consider(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, be
     gain, scale = torch.empty_like(bg), torch.empty_like(ba)
     tabs = tables.launch_tables(grid, kmap, mids, dev, PACKED if packed is None else packed)
     lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
-    perm = _order(x, a, kmap, mids, tabs[6], order)
+    perm = _order(x, a, kmap, mids, tabs[6], order, w, parity)
     _launch_assign(xc, wc, ac, ia, tabs, gain, gain, gain, scale, bg, ba, n, 2 if parity else 1, lists, 0, False, True,
                    True, prefetch, perm, merge)
     return gain, scale
