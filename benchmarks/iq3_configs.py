@@ -17,6 +17,7 @@ Configurations of dynaquant.kernels.iq3_search (module flags, set per run):
   ordered128   as ordered32 with BLOCK 128 / 4 warps
   merged32     as prefetch32 with MERGE=True: a lane's list walks (both halves, IQ3_XXS's flipped variants) in one loop
   merged_ordered32  as ordered32 with MERGE=True
+  merged_ordered128  as ordered128 with MERGE=True
 The first configuration is the base of the ratios and byte comparisons (``old`` by default; ``--configs
 new_lists,prefetch,prefetch64`` compares the prefetching walk with the plain one). Session 33 also tried walks taking
 4, 8 or 16 candidates a step as a (lanes, C) tile, the tile's leftmost maximum (the same bytes): IQ3_XXS 3.3e8 /
@@ -64,6 +65,7 @@ CONFIGS = {
     "ordered128": _cfg(PREFETCH=True, ORDER=True),
     "merged32": _cfg(PREFETCH=True, _BLOCK=32, _WARPS=1, MERGE=True),
     "merged_ordered32": _cfg(PREFETCH=True, _BLOCK=32, _WARPS=1, ORDER=True, MERGE=True),
+    "merged_ordered128": _cfg(PREFETCH=True, ORDER=True, MERGE=True),
 }
 DEFAULT_CONFIGS = ("old", "new", "new_lists", "new_lists64")  # --configs to choose (each compiles its own kernels)
 DEFAULTS = {k: getattr(ks, k) for k in CONFIGS["new"]}
