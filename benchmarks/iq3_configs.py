@@ -12,12 +12,15 @@ Configurations of dynaquant.kernels.iq3_search (module flags, set per run):
   prefetch     as new_lists with PREFETCH=True: a list walk loads candidate k + 1's word before it scores candidate k
   prefetch64   as prefetch with BLOCK 64 / 2 warps
   prefetch32   as prefetch with BLOCK 32 / 1 warp (the default since session 34)
-  ordered32    as prefetch32 with ORDER=True: the lanes taken in the order of their list-walk work (lane_order, once a
-               chunk), the sub-block sums in a second kernel
-  ordered128   as ordered32 with BLOCK 128 / 4 warps
-  merged32     as prefetch32 with MERGE=True: a lane's list walks (both halves, IQ3_XXS's flipped variants) in one loop
-  merged_ordered32  as ordered32 with MERGE=True
-  merged_ordered128  as ordered128 with MERGE=True
+Session 35 also built and measured (H100, out/iq3-configs-order-merge-h100.json; the code was removed): the lanes
+taken in the order of their counted list-walk work (a stable argsort once a chunk, the sub-block sums then added by a
+second kernel), and a lane's list walks merged into one loop (the halves and IQ3_XXS's flipped variants one after the
+other: 90 SASS instructions a step against the separate walk's 53). Counted on a random tensor's scales a warp's
+loop steps fall from 140-152 to 75-112 in that order, and to 28-47 merged in that order, yet every variant was slower
+than prefetch32: IQ3_XXS 8.85e8 (prefetch32) / 7.06e8 (ordered) / 6.68e8 (merged) / 6.17e8 (both), IQ3_S 1.54e9 /
+1.06e9 / 1.22e9 / 1.07e9 (the same bytes merged; ordered, the sub-block sums add in another order on CUDA: 99 % of
+rows equal). So the walk's time is not its loop steps; a likely reason, not measured: neighbouring groups in memory
+order walk the same candidate rows (one L2 sector serves many lanes), which sorted or merged lanes no longer share.
 The first configuration is the base of the ratios and byte comparisons (``old`` by default; ``--configs
 new_lists,prefetch,prefetch64`` compares the prefetching walk with the plain one). Session 33 also tried walks taking
 4, 8 or 16 candidates a step as a (lanes, C) tile, the tile's leftmost maximum (the same bytes): IQ3_XXS 3.3e8 /
@@ -44,8 +47,7 @@ import dynaquant.kernels  # noqa: F401  (registers the fast paths)
 from dynaquant.kernels import iq3_search as ks
 from dynaquant.quant.codecs import dequantize, quantize
 
-_BASE = dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=128, _WARPS=4, PREFETCH=False, ORDER=False,
-             MERGE=False)  # "new_lists"
+_BASE = dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=128, _WARPS=4, PREFETCH=False)  # "new_lists"
 
 
 def _cfg(**kw):
@@ -61,11 +63,6 @@ CONFIGS = {
     "prefetch": _cfg(PREFETCH=True),
     "prefetch64": _cfg(PREFETCH=True, _BLOCK=64, _WARPS=2),
     "prefetch32": _cfg(PREFETCH=True, _BLOCK=32, _WARPS=1),
-    "ordered32": _cfg(PREFETCH=True, _BLOCK=32, _WARPS=1, ORDER=True),
-    "ordered128": _cfg(PREFETCH=True, ORDER=True),
-    "merged32": _cfg(PREFETCH=True, _BLOCK=32, _WARPS=1, MERGE=True),
-    "merged_ordered32": _cfg(PREFETCH=True, _BLOCK=32, _WARPS=1, ORDER=True, MERGE=True),
-    "merged_ordered128": _cfg(PREFETCH=True, ORDER=True, MERGE=True),
 }
 DEFAULT_CONFIGS = ("old", "new", "new_lists", "new_lists64")  # --configs to choose (each compiles its own kernels)
 DEFAULTS = {k: getattr(ks, k) for k in CONFIGS["new"]}

@@ -36,8 +36,6 @@ Importing this module imports Triton.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import triton
 import triton.language as tl
@@ -62,8 +60,6 @@ CONSIDER = True  # consider() updates step 1's running best in the kernel (else 
 LISTS_FROM = 256  # grids of this many points or more walk candidate lists by default (both IQ3 grids)
 PREFETCH = True  # list walks load the next candidate's word before scoring this one (packed words only)
 _WARPS = 1
-ORDER = False  # assign / consider take the lanes sorted by their list-walk work (lane_order; the same results)
-MERGE = False  # assign / consider (not the full variants) walk a lane's lists in one loop (_merged_walks; the same results)
 _INTERPRETED_BLOCK = 128  # groups a program off CUDA (Triton's interpreter: per-program cost; the same results)
 
 
@@ -173,10 +169,9 @@ def _walk(cand_ptr, cnt_ptr, grid_ptr, g2_ptr, l0, l1, l2, l3, s0, s1, s2, s3, f
 @triton.jit
 def _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k, rm, kmap_ptr, mids_ptr, grid_ptr, g2_ptr, cand_ptr,
             cnt_ptr, P: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr, LISTS: tl.constexpr,
-            FB: tl.constexpr, GSTEP: tl.constexpr, PF: tl.constexpr, WALK: tl.constexpr):
+            FB: tl.constexpr, GSTEP: tl.constexpr, PF: tl.constexpr):
     # the best point (score, index) of each variant of the lanes' groups (features f, targets t): variant 0 the
-    # group, V = 2: weight k flipped, V = 5: weight i flipped in variant 1 + i (on the odd lanes; others unused);
-    # LISTS without WALK: the on-grid variants' only (index -1 off the grid: the caller walks, _merged_walks)
+    # group, V = 2: weight k flipped, V = 5: weight i flipped in variant 1 + i (on the odd lanes; others unused)
     i1 = tl.zeros((BLOCK,), tl.int32)
     i2 = i1
     i3 = i1
@@ -225,9 +220,7 @@ def _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k, rm, kmap_ptr
         i4, s4 = _on_grid(kmap_ptr, grid_ptr, g2_ptr, a0, a1, a2, z3, one, one, one, neg,
                           f0, f1, f2, f3, f4, f5, f6, f7, odd, FB, GSTEP)
         off = off | (odd & ((i1 < 0) | (i2 < 0) | (i3 < 0) | (i4 < 0)))
-    if LISTS and not WALK:
-        i0 = i0.to(tl.int32)
-    elif LISTS:  # each off-grid variant walks its pattern's exact candidate list
+    if LISTS:  # each off-grid variant walks its pattern's exact candidate list
         i0 = i0.to(tl.int32)
         s0, i0 = _walk(cand_ptr, cnt_ptr, grid_ptr, g2_ptr, a0, a1, a2, a3, one, one, one, one, f0, f1, f2, f3, f4, f5,
                        f6, f7, rm & (i0 < 0), s0, i0, K, FB, GSTEP, PF)
@@ -291,135 +284,6 @@ def _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k, rm, kmap_ptr
 
 
 @triton.jit
-def _pattern(l0, l1, l2, l3):
-    # a level pattern's entry (the index of kmap and of the candidate lists)
-    return l0 + 8 * l1 + 64 * l2 + 512 * l3
-
-
-@triton.jit
-def _flip_pattern(t0, t1, t2, t3, k, m0, m1, m2, m3, m4, m5, m6):
-    # the level pattern of a group with weight k flipped (its level from the negated target, as _search forms it)
-    a0 = tl.where(k == 0, _levels(-t0, m0, m1, m2, m3, m4, m5, m6), _levels(t0, m0, m1, m2, m3, m4, m5, m6))
-    a1 = tl.where(k == 1, _levels(-t1, m0, m1, m2, m3, m4, m5, m6), _levels(t1, m0, m1, m2, m3, m4, m5, m6))
-    a2 = tl.where(k == 2, _levels(-t2, m0, m1, m2, m3, m4, m5, m6), _levels(t2, m0, m1, m2, m3, m4, m5, m6))
-    a3 = tl.where(k == 3, _levels(-t3, m0, m1, m2, m3, m4, m5, m6), _levels(t3, m0, m1, m2, m3, m4, m5, m6))
-    return _pattern(a0, a1, a2, a3)
-
-
-@triton.jit
-def _sel4(w, x0, x1, x2, x3):
-    # x_w for walk w in 0..3
-    return tl.where(w < 2, tl.where(w == 0, x0, x1), tl.where(w == 2, x2, x3))
-
-
-@triton.jit
-def _merged_at(k, d0, d1, d2, o0, o1, o2, o3, V: tl.constexpr):
-    # merged step k of a lane: its walk w (0 half a, 1 half a flipped, 2 half b, 3 half b flipped; d0 <= d1 <= d2
-    # the walks' cumulative ends) and its candidate's offset in the lists (o_w: walk w's row less its start)
-    if V == 2:
-        w = (k >= d0).to(tl.int32) + (k >= d1).to(tl.int32) + (k >= d2).to(tl.int32)
-        o = _sel4(w, o0, o1, o2, o3)
-    else:
-        hb = k >= d0
-        w = 2 * hb.to(tl.int32)
-        o = tl.where(hb, o2, o0)
-    return w, o + k
-
-
-@triton.jit
-def _merged_walks(cand_ptr, cnt_ptr, mids_ptr, t0, t1, t2, t3, r0, r1, r2, r3, k0, k1, rm, odd, f0, f1, f2, f3, f4,
-                  f5, f6, f7, e0, e1, e2, e3, e4, e5, e6, e7, s0, i0, s1, i1, z0, j0, z1, j1, K: tl.constexpr,
-                  FB: tl.constexpr, GSTEP: tl.constexpr, PF: tl.constexpr, V: tl.constexpr):
-    # a lane's list walks (V = 1: halves a and b; V = 2: each half and its weight-k flipped variant on odd lanes) in
-    # one loop of (sum of the lane's list lengths) steps, where :func:`_walk` called a walk at a time loops to each
-    # walk's longest list in the program; each walk scans its list ascending with strict '>' as _walk does, its
-    # signed features (sign * f: exact) precomputed: the same results. (s, i): the on-grid results of _search
-    # without WALK (index -1 off the grid), returned updated
-    m0 = tl.load(mids_ptr + 0)
-    m1 = tl.load(mids_ptr + 1)
-    m2 = tl.load(mids_ptr + 2)
-    m3 = tl.load(mids_ptr + 3)
-    m4 = tl.load(mids_ptr + 4)
-    m5 = tl.load(mids_ptr + 5)
-    m6 = tl.load(mids_ptr + 6)
-    n0 = rm & (i0 < 0)
-    n2 = rm & (j0 < 0)
-    ua = _pattern(_levels(t0, m0, m1, m2, m3, m4, m5, m6), _levels(t1, m0, m1, m2, m3, m4, m5, m6),
-                  _levels(t2, m0, m1, m2, m3, m4, m5, m6), _levels(t3, m0, m1, m2, m3, m4, m5, m6))
-    ub = _pattern(_levels(r0, m0, m1, m2, m3, m4, m5, m6), _levels(r1, m0, m1, m2, m3, m4, m5, m6),
-                  _levels(r2, m0, m1, m2, m3, m4, m5, m6), _levels(r3, m0, m1, m2, m3, m4, m5, m6))
-    c0 = tl.load(cnt_ptr + ua, mask=n0, other=0)
-    c2 = tl.load(cnt_ptr + ub, mask=n2, other=0)
-    n1 = rm & (ua < 0)  # (all False)
-    n3 = n1
-    if V == 2:
-        n1 = odd & (i1 < 0)
-        n3 = odd & (j1 < 0)
-        ua1 = _flip_pattern(t0, t1, t2, t3, k0, m0, m1, m2, m3, m4, m5, m6)
-        ub1 = _flip_pattern(r0, r1, r2, r3, k1, m0, m1, m2, m3, m4, m5, m6)
-        c1 = tl.load(cnt_ptr + ua1, mask=n1, other=0)
-        c3 = tl.load(cnt_ptr + ub1, mask=n3, other=0)
-        d0 = c0
-        d1 = d0 + c1
-        d2 = d1 + c2
-        tot = d2 + c3
-        o0, o1, o2, o3 = ua * K, ua1 * K - d0, ub * K - d1, ub1 * K - d2
-        # the flipped walks' features: weight k's linear feature negated (the sign _walk multiplies by, exact)
-        g0, g1, g2, g3 = tl.where(k0 == 0, -f0, f0), tl.where(k0 == 1, -f1, f1), tl.where(k0 == 2, -f2, f2), \
-            tl.where(k0 == 3, -f3, f3)
-        h0, h1, h2, h3 = tl.where(k1 == 0, -e0, e0), tl.where(k1 == 1, -e1, e1), tl.where(k1 == 2, -e2, e2), \
-            tl.where(k1 == 3, -e3, e3)
-    else:
-        d0 = c0
-        d1 = c0
-        d2 = c0
-        tot = c0 + c2
-        o0, o1, o2, o3 = ua * K, ua * K, ub * K - d0, ub * K - d0
-        g0, g1, g2, g3 = f0, f1, f2, f3
-        h0, h1, h2, h3 = e0, e1, e2, e3
-    one = tl.full(t0.shape, 1.0, tl.float32)
-    b0 = tl.full(s0.shape, float("-inf"), tl.float32)
-    b1 = b0
-    b2 = b0
-    b3 = b0
-    a0 = tl.zeros(t0.shape, tl.int32)
-    a1 = a0
-    a2 = a0
-    a3 = a0
-    w, off = _merged_at(0, d0, d1, d2, o0, o1, o2, o3, V)
-    if PF:
-        word = tl.load(cand_ptr + off, mask=tot > 0, other=0)
-    for k in range(tl.max(tot, axis=0)):
-        m = k < tot
-        wn, offn = _merged_at(k + 1, d0, d1, d2, o0, o1, o2, o3, V)
-        if PF:
-            nxt = tl.load(cand_ptr + offn, mask=k + 1 < tot, other=0)
-        else:
-            word = tl.load(cand_ptr + off, mask=m, other=0)
-        hb = w >= 2
-        if V == 2:
-            v = _word_score(word, one, one, one, one, _sel4(w, f0, g0, e0, h0), _sel4(w, f1, g1, e1, h1),
-                            _sel4(w, f2, g2, e2, h2), _sel4(w, f3, g3, e3, h3), tl.where(hb, e4, f4),
-                            tl.where(hb, e5, f5), tl.where(hb, e6, f6), tl.where(hb, e7, f7), FB, GSTEP)
-        else:
-            v = _word_score(word, one, one, one, one, tl.where(hb, e0, f0), tl.where(hb, e1, f1),
-                            tl.where(hb, e2, f2), tl.where(hb, e3, f3), tl.where(hb, e4, f4), tl.where(hb, e5, f5),
-                            tl.where(hb, e6, f6), tl.where(hb, e7, f7), FB, GSTEP)
-        p = word >> (4 * FB)
-        b0, a0 = _take(m & (w == 0) & (v > b0), v, p, b0, a0)
-        b2, a2 = _take(m & (w == 2) & (v > b2), v, p, b2, a2)
-        if V == 2:
-            b1, a1 = _take(m & (w == 1) & (v > b1), v, p, b1, a1)
-            b3, a3 = _take(m & (w == 3) & (v > b3), v, p, b3, a3)
-        w = wn
-        off = offn
-        if PF:
-            word = nxt
-    return (tl.where(n0, b0, s0), tl.where(n0, a0, i0), tl.where(n1, b1, s1), tl.where(n1, a1, i1),
-            tl.where(n2, b2, z0), tl.where(n2, a2, j0), tl.where(n3, b3, z1), tl.where(n3, a3, j1))
-
-
-@triton.jit
 def nearest_variants_kernel(f_ptr, t_ptr, odd_ptr, at_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr,
                             score_ptr, idx_ptr, n, P: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
                             BLOCK: tl.constexpr, LISTS: tl.constexpr, FB: tl.constexpr, GSTEP: tl.constexpr,
@@ -447,7 +311,7 @@ def nearest_variants_kernel(f_ptr, t_ptr, odd_ptr, at_ptr, kmap_ptr, mids_ptr, g
         k = tl.load(at_ptr + rows, mask=rm, other=0).to(tl.int32)
     s0, i0, s1, i1, s2, i2, s3, i3, s4, i4 = _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k, rm, kmap_ptr,
                                                      mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr, P, V, K, BLOCK,
-                                                     LISTS, FB, GSTEP, PF, True)
+                                                     LISTS, FB, GSTEP, PF)
     out = rows * V
     tl.store(score_ptr + out, s0, mask=rm)
     tl.store(idx_ptr + out, i0.to(tl.int64), mask=rm)
@@ -537,68 +401,21 @@ def _emit(p_ptr, q_ptr, flip_ptr, base, rm, g, x, w, v, fl, j: tl.constexpr, a, 
 
 
 @triton.jit
-def _lane_sum(t0, t1, t2, t3, u0, u1, u2, u3):
-    # a lane's 8 terms, pairwise
-    return ((t0 + t1) + (t2 + t3)) + ((u0 + u1) + (u2 + u3))
-
-
-@triton.jit
 def _sub_sums(t0, t1, t2, t3, u0, u1, u2, u3, rm, BLOCK: tl.constexpr):
     # per sub-block (4 consecutive lanes) sums of the lanes' 8 terms: pairwise within a lane, then over the 4 lanes
-    return tl.sum(tl.reshape(tl.where(rm, _lane_sum(t0, t1, t2, t3, u0, u1, u2, u3), 0.0), (BLOCK // 4, 4)), axis=1)
-
-
-@triton.jit
-def _sub_store(ps, qs, sb, sm, p_ptr, q_ptr, bg_ptr, ba_ptr, OUT: tl.constexpr, BEST: tl.constexpr):
-    # the sub-blocks' sums stored, or with BEST step 1's running best (steps.best_scale_update's float64 operations):
-    # p, q the updated (gain, A)
-    if BEST:
-        sxg = ps.to(tl.float64)
-        sgg = qs.to(tl.float64)
-        nz = sgg != 0
-        den = tl.where(nz, sgg, 1.0)
-        gain = tl.where(nz, (sxg * sxg) / den, 0.0)
-        bg = tl.load(bg_ptr + sb, mask=sm, other=0.0)
-        take = (gain > bg) & (sxg > 0)
-        tl.store(p_ptr + sb, tl.where(take, gain, bg), mask=sm)
-        ba = tl.load(ba_ptr + sb, mask=sm, other=0.0)
-        tl.store(q_ptr + sb, tl.where(take, tl.where(nz, sxg / den, 0.0).to(tl.float32), ba), mask=sm)
-    else:
-        tl.store(p_ptr + sb, ps, mask=sm)
-        if OUT == 0:
-            tl.store(q_ptr + sb, qs, mask=sm)
-
-
-@triton.jit
-def sub_sums_kernel(lp_ptr, lq_ptr, p_ptr, q_ptr, bg_ptr, ba_ptr, nsub, OUT: tl.constexpr, BEST: tl.constexpr,
-                    BLOCK: tl.constexpr):
-    # the second pass of an assignment run in lane order (ORDER): each sub-block's 4 lane sums added as
-    # :func:`_sub_sums` adds them, then stored as :func:`_sub_store` stores them
-    sb = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    sm = sb < nsub
-    offs = sb[:, None] * 4 + tl.arange(0, 4)[None, :]
-    ps = tl.sum(tl.load(lp_ptr + offs, mask=sm[:, None], other=0.0), axis=1)
-    qs = tl.sum(tl.load(lq_ptr + offs, mask=sm[:, None], other=0.0), axis=1)
-    _sub_store(ps, qs, sb, sm, p_ptr, q_ptr, bg_ptr, ba_ptr, OUT, BEST)
+    s = ((t0 + t1) + (t2 + t3)) + ((u0 + u1) + (u2 + u3))
+    return tl.sum(tl.reshape(tl.where(rm, s, 0.0), (BLOCK // 4, 4)), axis=1)
 
 
 @triton.jit
 def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_ptr, pts_ptr, cand_ptr, cnt_ptr,
-                  idx_ptr, flip_ptr, p_ptr, q_ptr, bg_ptr, ba_ptr, perm_ptr, lp_ptr, lq_ptr, n, P: tl.constexpr,
-                  V: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr, LISTS: tl.constexpr, OUT: tl.constexpr,
-                  IDX: tl.constexpr, FB: tl.constexpr, GSTEP: tl.constexpr, SUMS: tl.constexpr, BEST: tl.constexpr,
-                  PF: tl.constexpr, PERM: tl.constexpr = False, MERGE: tl.constexpr = False,
-                  WALK: tl.constexpr = True):
-    # one lane an 8-group (two halves of 4 weights, groups 2 l and 2 l + 1 of the (n * 64) groups); PERM: program
-    # position i takes lane perm[i], and with SUMS each lane's sums go to lp, lq (sub_sums_kernel adds them); MERGE
-    # (V < 5, LISTS, FB > 0; WALK = not MERGE): the lane's list walks in one loop (_merged_walks)
+                  idx_ptr, flip_ptr, p_ptr, q_ptr, bg_ptr, ba_ptr, n, P: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
+                  BLOCK: tl.constexpr, LISTS: tl.constexpr, OUT: tl.constexpr, IDX: tl.constexpr, FB: tl.constexpr,
+                  GSTEP: tl.constexpr, SUMS: tl.constexpr, BEST: tl.constexpr, PF: tl.constexpr):
+    # one lane an 8-group (two halves of 4 weights, groups 2 l and 2 l + 1 of the (n * 64) groups)
     pid = tl.program_id(0)
-    pos = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    rm = pos < n
-    if PERM:
-        lane = tl.load(perm_ptr + pos, mask=rm, other=0).to(tl.int64)
-    else:
-        lane = pos
+    lane = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    rm = lane < n
     a = tl.load(a_ptr + lane // 4, mask=rm, other=0.0)
     ia = tl.load(ia_ptr + lane // 4, mask=rm, other=0.0)
     na = -a
@@ -620,16 +437,9 @@ def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_
         k1 = _argmin4(u0 * q0 * q0, u1 * q1 * q1, u2 * q2 * q2, u3 * q3 * q3)
     s0, i0, s1, i1, s2, i2, s3, i3, s4, i4 = _search(f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3, odd, k0, rm, kmap_ptr,
                                                      mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr, P, V, K, BLOCK,
-                                                     LISTS, FB, GSTEP, PF, WALK)
-    z0, j0, z1, j1, z2, j2, z3, j3, z4, j4 = _search(e0, e1, e2, e3, e4, e5, e6, e7, r0, r1, r2, r3, odd, k1, rm,
-                                                     kmap_ptr, mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr, P, V,
-                                                     K, BLOCK, LISTS, FB, GSTEP, PF, WALK)
-    if MERGE:  # the lane's walks in one loop (V < 5, lists of packed words)
-        s0, i0, s1, i1, z0, j0, z1, j1 = _merged_walks(cand_ptr, cnt_ptr, mids_ptr, t0, t1, t2, t3, r0, r1, r2, r3, k0,
-                                                       k1, rm, odd, f0, f1, f2, f3, f4, f5, f6, f7, e0, e1, e2, e3, e4,
-                                                       e5, e6, e7, s0, i0, s1, i1, z0, j0, z1, j1, K, FB, GSTEP, PF, V)
+                                                     LISTS, FB, GSTEP, PF)
     h0 = i0
-    h1 = j0
+    h1 = i0
     fa0 = lane < 0  # no flips (all False)
     fa1 = fa0
     fa2 = fa0
@@ -638,7 +448,13 @@ def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_
     fb1 = fa0
     fb2 = fa0
     fb3 = fa0
-    if V > 1:
+    if V == 1:
+        h1 = _search(e0, e1, e2, e3, e4, e5, e6, e7, r0, r1, r2, r3, odd, k1, rm, kmap_ptr, mids_ptr, grid_ptr, g2_ptr,
+                     cand_ptr, cnt_ptr, P, V, K, BLOCK, LISTS, FB, GSTEP, PF)[1]
+    else:
+        z0, j0, z1, j1, z2, j2, z3, j3, z4, j4 = _search(e0, e1, e2, e3, e4, e5, e6, e7, r0, r1, r2, r3, odd, k1, rm,
+                                                         kmap_ptr, mids_ptr, grid_ptr, g2_ptr, cand_ptr, cnt_ptr, P, V,
+                                                         K, BLOCK, LISTS, FB, GSTEP, PF)
         # per 8-group: an odd one flips one weight, in the half where the pair scores best (ties: half 0)
         sa, ja, va = _best_flip(s1, i1, s2, i2, s3, i3, s4, i4, V)
         sb, jb, vb = _best_flip(z1, j1, z2, j2, z3, j3, z4, j4, V)
@@ -683,87 +499,25 @@ def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_
     pb2, qb2 = _emit(p_ptr, q_ptr, flip_ptr, b1, rm, gb2, y2, u2, q2, fb2, 2, a, OUT, IDX, SUMS)
     pb3, qb3 = _emit(p_ptr, q_ptr, flip_ptr, b1, rm, gb3, y3, u3, q3, fb3, 3, a, OUT, IDX, SUMS)
     if SUMS:  # (n, 8) sums a sub-block instead of (n, 8, 32) terms
-        if PERM:
-            tl.store(lp_ptr + lane, _lane_sum(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3), mask=rm)
-            tl.store(lq_ptr + lane, _lane_sum(qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3), mask=rm)
-        else:
-            sb = pid.to(tl.int64) * (BLOCK // 4) + tl.arange(0, BLOCK // 4).to(tl.int64)
-            sm = sb < n // 4
-            ps = _sub_sums(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, rm, BLOCK)
+        sb = pid.to(tl.int64) * (BLOCK // 4) + tl.arange(0, BLOCK // 4).to(tl.int64)
+        sm = sb < n // 4
+        ps = _sub_sums(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, rm, BLOCK)
+        if BEST:  # step 1's running best (steps.best_scale_update's float64 operations): p, q the updated (gain, A)
             qs = _sub_sums(qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, rm, BLOCK)
-            _sub_store(ps, qs, sb, sm, p_ptr, q_ptr, bg_ptr, ba_ptr, OUT, BEST)
-
-
-def lane_order(x: torch.Tensor, a: torch.Tensor, kmap: torch.Tensor, mids: torch.Tensor, cnt: torch.Tensor,
-               w: torch.Tensor | None = None, parity: bool = True) -> torch.Tensor:
-    """The lanes (8-groups) of ``x`` (n, 8, 32) in the order of their list-walk work under the sub-block scales ``a``
-    (n, 8): (n * 32,) int32, a stable argsort of each lane's summed off-grid list lengths. ``cnt``: the candidate
-    count of each level pattern (:func:`.iq3_tables.launch_tables`). Both halves' unflipped patterns count; with
-    ``parity`` an odd-parity group's flipped patterns walk too: with the importances ``w`` (n, 8, 32) counted exactly
-    (each half's weight of least ``w x**2`` flipped, as :func:`assign` flips it without ``full``), without them
-    estimated as the unflipped count again. A program taking lanes in this order walks lists of similar length on
-    every lane, where in memory order its loop runs to the longest list of any of its lanes (counted on a random
-    4096-column tensor's IQ3_XXS scales near the type's: a warp's four walks one at a time 140-152 loop steps, in
-    this order 75-112; the walks merged (:data:`MERGE`) 95-115 in memory order, 28-47 in this order). Any
-    permutation gives the same results: this one only decides which lanes share a program."""
-    t = (x.abs() / a.clamp_min(1e-30).unsqueeze(-1)).reshape(-1, 2, 4)
-    shifts = 3 * torch.arange(4, device=x.device)
-    u = (torch.bucketize(t.contiguous(), mids) << shifts).sum(-1)
-    c = torch.where(kmap[u] < 0, cnt.to(torch.int64)[u], 0).sum(1)
-    if not parity:
-        return torch.argsort(c, stable=True).to(torch.int32)
-    odd = ((x.reshape(-1, 8) < 0).sum(1) % 2) == 1
-    if w is None:
-        return torch.argsort(c * (1 + odd.to(torch.int64)), stable=True).to(torch.int32)
-    k = torch.argmin(w.reshape(-1, 2, 4) * x.abs().reshape(-1, 2, 4) ** 2, dim=-1, keepdim=True)
-    tf = t.scatter(-1, k, -t.gather(-1, k))  # the flipped weight's target negated (its level from -t)
-    uf = (torch.bucketize(tf.contiguous(), mids) << shifts).sum(-1)
-    cf = torch.where(odd.unsqueeze(-1) & (kmap[uf] < 0), cnt.to(torch.int64)[uf], 0).sum(1)
-    return torch.argsort(c + cf, stable=True).to(torch.int32)
-
-
-_ORDERS: dict = {}
-
-
-def _order(x, a, kmap, mids, cnt, order, w, parity):
-    """The lane order of a launch: ``order`` when given, else with :data:`ORDER` the :func:`lane_order` of ``x``
-    (importances ``w``, None to estimate the flipped walks; ``parity``), made on the first call with this tensor
-    object (a chunk of the encoder) and reused by its later calls, whose scales differ: the order only balances the
-    work, any permutation gives the same results; else None (memory order)."""
-    if order is not None:
-        if order.shape != (x.shape[0] * 32,) or order.dtype != torch.int32 or order.device != x.device:
-            raise ValueError(f"order must be ({x.shape[0] * 32},) int32 lanes on {x.device}, got "
-                             f"{tuple(order.shape)} {order.dtype} on {order.device}")
-        return order
-    if not ORDER:
-        return None
-    last = _ORDERS.get("last")  # (one read and one write of a pair: encoders on other threads may replace it)
-    if last is None or last[0]() is not x or last[1].numel() != x.shape[0] * 32:
-        last = (weakref.ref(x), lane_order(x, a, kmap, mids, cnt, w, parity))
-        _ORDERS["last"] = last
-    return last[1]
-
-
-def _launch_assign(xc, wc, ac, ia, tabs, idx, flip, p, q, bg, ba, n, parity_v, lists, out_i, want_idx, sums, best,
-                   prefetch, perm, merge):
-    """One :data:`assign_kernel` launch over the n * 32 lanes of ``xc``; with ``perm`` the lanes in that order and,
-    with ``sums``, the sub-blocks' sums added (and step 1's best updated) by :data:`sub_sums_kernel`; ``merge`` (None:
-    :data:`MERGE`) the merged walk where it applies (lists of packed words, not the full variants)."""
-    gc, g2, mc, kc, pts, cand, cnt, fb, gstep = tabs
-    merge = (MERGE if merge is None else merge) and lists and fb > 0 and parity_v < 5
-    lanes = n * 32
-    blk = _block(xc.device)
-    lp = lq = p
-    if perm is not None and sums:
-        lp = torch.empty(lanes, dtype=torch.float32, device=xc.device)
-        lq = torch.empty_like(lp)
-    assign_kernel[(triton.cdiv(lanes, blk),)](
-        xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, idx, flip, p, q, bg, ba, p if perm is None else perm, lp, lq,
-        lanes, P=gc.shape[0], V=parity_v, K=cand.shape[1], BLOCK=blk, LISTS=lists, OUT=out_i, IDX=want_idx, FB=fb,
-        GSTEP=gstep, SUMS=sums, BEST=best, PF=PREFETCH if prefetch is None else prefetch, PERM=perm is not None,
-        MERGE=bool(merge), WALK=not merge, num_warps=_WARPS)
-    if perm is not None and sums:
-        sub_sums_kernel[(triton.cdiv(n * 8, 128),)](lp, lq, p, q, bg, ba, n * 8, OUT=out_i, BEST=best, BLOCK=128)
+            sxg = ps.to(tl.float64)
+            sgg = qs.to(tl.float64)
+            nz = sgg != 0
+            den = tl.where(nz, sgg, 1.0)
+            gain = tl.where(nz, (sxg * sxg) / den, 0.0)
+            bg = tl.load(bg_ptr + sb, mask=sm, other=0.0)
+            take = (gain > bg) & (sxg > 0)
+            tl.store(p_ptr + sb, tl.where(take, gain, bg), mask=sm)
+            ba = tl.load(ba_ptr + sb, mask=sm, other=0.0)
+            tl.store(q_ptr + sb, tl.where(take, tl.where(nz, sxg / den, 0.0).to(tl.float32), ba), mask=sm)
+        else:
+            tl.store(p_ptr + sb, ps, mask=sm)
+            if OUT == 0:
+                tl.store(q_ptr + sb, _sub_sums(qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, rm, BLOCK), mask=sm)
 
 
 def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None, flip_at: torch.Tensor | None,
@@ -800,18 +554,14 @@ def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None,
 
 def assign(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full: bool, out: str, want_idx: bool,
            kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor, lists: bool | None = None,
-           packed: bool | None = None, sums: bool = False, fused_sums: bool | None = None, prefetch: bool | None = None,
-           order: torch.Tensor | None = None, merge: bool | None = None):
+           packed: bool | None = None, sums: bool = False, fused_sums: bool | None = None, prefetch: bool | None = None):
     """Fused :func:`dynaquant.quant.codecs._iq3_search.assign_torch` (the fast path ``iq3.assign``): same arguments
     (``nearest`` is this module's search, ``lists`` and ``packed`` as :func:`nearest_variants`), one launch. With
     ``sums`` False its result equals the composition of :func:`nearest_variants` and the torch steps bit for bit (the
     same operations in the same order; the interpreter tests check it). With ``sums`` the (n, 8) sums a sub-block
     are formed in the kernel (``fused_sums``, default :data:`SUMS`: no (n, 8, 32) terms written and read back; each
     lane's 8 terms pairwise, then the 4 lanes: float32 rounding differs from torch's ``sum(-1)``) or by torch from the
-    terms (bit for bit the reference's). ``order``: the lanes' order in the programs ((n * 32,) int32, a permutation;
-    None: :func:`lane_order` with :data:`ORDER`, else memory order), the same results in any order. ``merge`` (None:
-    :data:`MERGE`): a lane's list walks in one loop (not with ``full``'s five variants), the same results.
-    Raises ValueError on an unknown ``out`` or shapes that disagree."""
+    terms (bit for bit the reference's). Raises ValueError on an unknown ``out`` or shapes that disagree."""
     if out not in steps.OUTS:
         raise ValueError(f"out must be one of {steps.OUTS}, got {out!r}")
     n = x.shape[0]
@@ -827,12 +577,16 @@ def assign(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full
     idx = torch.empty(n, 8, 8, dtype=torch.int64, device=dev) if want_idx else p
     flip = torch.zeros(n, 8, 32, dtype=torch.uint8, device=dev) if want_idx else p
     if n:
-        tabs = tables.launch_tables(grid, kmap, mids, dev, PACKED if packed is None else packed)
+        gc, g2, mc, kc, pts, cand, cnt, fb, gstep = tables.launch_tables(grid, kmap, mids, dev,
+                                                                         PACKED if packed is None else packed)
         lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
+        lanes = n * 32
         nv = (5 if full else 2) if parity else 1
-        perm = _order(x, a, kmap, mids, tabs[6], order, None if full else w, parity)
-        _launch_assign(xc, wc, ac, ia, tabs, idx, flip, p, q, p, p, n, nv, lists, steps.OUTS.index(out), want_idx,
-                       in_kernel, False, prefetch, perm, merge)
+        blk = _block(dev)
+        assign_kernel[(triton.cdiv(lanes, blk),)](
+            xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, idx, flip, p, q, p, p, lanes, P=gc.shape[0], V=nv,
+            K=cand.shape[1], BLOCK=blk, LISTS=lists, OUT=steps.OUTS.index(out), IDX=want_idx, FB=fb, GSTEP=gstep,
+            SUMS=in_kernel, BEST=False, PF=PREFETCH if prefetch is None else prefetch, num_warps=_WARPS)
     if sums and not in_kernel:
         p, q = p.sum(-1), (q.sum(-1) if out == "stats" else p)
     if not want_idx:
@@ -842,18 +596,16 @@ def assign(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full
 
 def consider(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, best_gain: torch.Tensor,
              best_a: torch.Tensor, kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor,
-             lists: bool | None = None, packed: bool | None = None, prefetch: bool | None = None,
-             order: torch.Tensor | None = None, merge: bool | None = None):
+             lists: bool | None = None, packed: bool | None = None, prefetch: bool | None = None):
     """Fused :func:`dynaquant.quant.codecs._iq3_search.consider_torch` (the fast path ``iq3.consider``, one candidate
     scale of step 1): the assignment for scales ``a``, its least-squares sums a sub-block and the running best's
     update in one launch (:data:`CONSIDER`; else :func:`assign` with ``sums`` and the reference's update in torch).
     The update is the reference's float64 operations on the kernel's sums (:func:`assign`'s ``sums`` order). Same
-    arguments (``order``, ``merge`` as :func:`assign`'s); returns the new (best_gain (n, 8) float64, best_a (n, 8) float32).
-    Raises ValueError as :func:`assign`."""
+    arguments; returns the new (best_gain (n, 8) float64, best_a (n, 8) float32). Raises ValueError as :func:`assign`."""
     n = x.shape[0]
     if not (CONSIDER and SUMS) or n == 0:
         p, q = assign(x, w, a, parity, False, "stats", False, kmap, mids, grid, g8, lists, packed, sums=True,
-                      prefetch=prefetch, order=order, merge=merge)[2:]
+                      prefetch=prefetch)[2:]
         return steps.best_scale_update(p.double(), q.double(), best_gain, best_a)
     if x.shape != (n, 8, 32) or w.shape != x.shape or a.shape != (n, 8) or best_gain.shape != (n, 8) \
             or best_a.shape != (n, 8):
@@ -865,9 +617,13 @@ def consider(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, be
     ia = steps.inv_scale(ac)
     bg, ba = best_gain.to(torch.float64).contiguous(), best_a.to(torch.float32).contiguous()
     gain, scale = torch.empty_like(bg), torch.empty_like(ba)
-    tabs = tables.launch_tables(grid, kmap, mids, dev, PACKED if packed is None else packed)
+    gc, g2, mc, kc, pts, cand, cnt, fb, gstep = tables.launch_tables(grid, kmap, mids, dev,
+                                                                     PACKED if packed is None else packed)
     lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
-    perm = _order(x, a, kmap, mids, tabs[6], order, w, parity)
-    _launch_assign(xc, wc, ac, ia, tabs, gain, gain, gain, scale, bg, ba, n, 2 if parity else 1, lists, 0, False, True,
-                   True, prefetch, perm, merge)
+    lanes = n * 32
+    blk = _block(dev)
+    assign_kernel[(triton.cdiv(lanes, blk),)](
+        xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, gain, gain, gain, scale, bg, ba, lanes, P=gc.shape[0],
+        V=2 if parity else 1, K=cand.shape[1], BLOCK=blk, LISTS=lists, OUT=0, IDX=False, FB=fb, GSTEP=gstep,
+        SUMS=True, BEST=True, PF=PREFETCH if prefetch is None else prefetch, num_warps=_WARPS)
     return gain, scale
