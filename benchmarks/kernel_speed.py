@@ -18,6 +18,9 @@ rows (one decode step's linear layers summed: 32 x (q, k, v, o, gate, up, down) 
 rows (32 x (qkv, o, gate+up, down) + lm_head: the calls ``dynaquant.load`` makes, q/k/v and gate/up
 stacked), both against bf16 called as transformers calls it, and a table printed at the end.
 
+``--pdl`` launches the M = 1 GEMV with programmatic dependent launch (``triton_linear.PDL``): a call's programs load
+their first weight tile while the previous call finishes (consecutive calls of a sequence overlap).
+
 ``--gemv-xpre`` runs the M = 1 rows on the resident-activation GEMV (``tuning.resident_gemv_config``) where the
 format has it (symmetric INT4 / INT2, MXFP4, NVFP4), whatever ``choose_config`` picks.
 
@@ -285,6 +288,8 @@ def main(argv=None) -> int:
                     help="comma list of LaunchConfig gemm options (xa, post_scale, warp_spec, max_regs=128, "
                          "block_k=32, ...) forced on every call with M >= 16 (on the default gemm tile, else a "
                          "128 x 128 / 16 x 64 one); in a sweep it is the default the candidates are compared with")
+    ap.add_argument("--pdl", action="store_true",
+                    help="launch the M = 1 GEMV with programmatic dependent launch (triton_linear.PDL; Hopper+)")
     ap.add_argument("--quick", action="store_true", help="fewer copies and shorter timing (a smoke run)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new rows after this many seconds")
     ap.add_argument("--dry-run", action="store_true",
@@ -304,6 +309,10 @@ def main(argv=None) -> int:
 
     if args.quick:
         MIN_BYTES = 64 << 20
+    if args.pdl:
+        from dynaquant.kernels import triton_linear
+
+        triton_linear.PDL = True
     t_start = time.time()
     dev = torch.device(DEVICE)
     info = device_info(dev)
@@ -316,6 +325,7 @@ def main(argv=None) -> int:
               "l2_bytes": getattr(props, "L2_cache_size", None), "torch": torch.__version__, "triton": triton.__version__,
               "cuda": torch.version.cuda, "python": platform.python_version(), "git": _git(),
               "ceiling": ceiling, "min_bytes_per_sequence": MIN_BYTES, "gemv_xpre": args.gemv_xpre,
+              "pdl": args.pdl,
               "timing": "median of CUDA-graph replays of a sequence of calls over distinct weight copies, / calls"}
     out = Writer(Path(args.out), header)
     log.info("device %s, read ceiling %.0f GB/s (sum), copy %.0f GB/s", props.name, ceiling["read_bandwidth_gbps"],

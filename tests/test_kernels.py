@@ -493,3 +493,59 @@ def test_cuda_full_size(fmt):
             ref = x.float() @ w.t()
             assert rel_err(y, ref) < 5e-3, (fmt, n, k, m)
         assert torch.allclose(dequantize(pw, torch.float32), w, rtol=1e-6, atol=0)  # NVFP4: s * (1 / gs) vs s / gs
+
+
+def test_pdl_is_off_off_hopper(monkeypatch):
+    """Programmatic dependent launch (``triton_linear.PDL``) is never asked of Triton's interpreter or a CPU tensor:
+    the GEMV there is the usual one whatever the flag."""
+    from dynaquant.kernels import triton_linear
+
+    monkeypatch.setattr(triton_linear, "PDL", True)
+    x = torch.randn(1, 256)
+    assert triton_linear._pdl(x) == {}
+    if INTERPRETED:
+        f = "INT4_G128"
+        gen = torch.Generator().manual_seed(26)
+        pw = packed_weight(f, 16, 256, gen)
+        xd = x.to(DEVICE, torch.float16)
+        assert rel_err(linear(xd, pw, config=LaunchConfig("gemv", 1, 16, 1, 1, 4, 1, True)), fp32_ref(xd, pw)) < \
+            tolerance(torch.float16)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", ["INT4_G128", "INT2_G128", "MXFP4_G32", "INT4_G128_ASYM"])
+@pytest.mark.parametrize("split", [1, 2])
+def test_cuda_gemv_pdl_changes_nothing(fmt, split, monkeypatch):
+    """The GEMV launched with programmatic dependent launch gives, bit for bit, what the usual launch gives: eager and
+    as a CUDA graph of consecutive calls (each call's first weight tile loaded before the previous call ends), the
+    split-K counters reset after every call."""
+    from dynaquant.kernels import triton_linear
+
+    if torch.cuda.get_device_capability()[0] < 9 or not triton_linear.HAS_GDC:
+        pytest.skip("programmatic dependent launch needs Hopper and Triton 3.4+")
+    gen = torch.Generator().manual_seed(27)
+    n, k = 4096, 4096
+    pws = [packed_weight(fmt, n, k, gen) for _ in range(3)]
+    cfg = LaunchConfig("gemv", 1, 16, 1, split, 4, 1, True)
+    x = torch.randn(1, k, generator=gen).to(DEVICE, torch.bfloat16)
+
+    def chain(x):  # each call's input is the previous call's output, directly (the dependency the wait honours)
+        for pw in pws:
+            x = linear(x, pw, config=cfg)
+        return x
+
+    base = chain(x)
+    monkeypatch.setattr(triton_linear, "PDL", True)
+    assert triton_linear._pdl(x) == {"PDL": True, "launch_pdl": True}
+    assert torch.equal(chain(x), base)
+    chain(x)  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    xs = x.clone()
+    with torch.cuda.graph(g):
+        ys = chain(xs)
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(ys, base)
+    assert all(int(pw.counters.abs().sum()) == 0 for pw in pws)

@@ -25,7 +25,23 @@ from dynaquant.kernels.packing import PackedWeight
 from dynaquant.kernels.triton_half2 import X_UNSCALE, word_dot, word_pair_dot
 from dynaquant.kernels.tuning import LaunchConfig
 
+try:  # grid dependency control (Triton 3.4+): programmatic dependent launch on Hopper and later
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_GDC = True
+except ImportError:  # pragma: no cover - older Triton: PDL stays off (stand-ins never compiled: PDL is False)
+    HAS_GDC = False
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
 KIND_INT, KIND_MX, KIND_NV = 0, 1, 2
+PDL = False  # the M = 1 GEMV launched with programmatic dependent launch (off until measured; see _gemv_kernel)
 MAGIC = 150 << 23  # float32 bits of 2**23, passed at run time (see _int_field)
 X_SCALE_FP4 = 2.0 ** 100  # activations' scale on the FP4 GEMV path (weights decode to e2m1 * 2**-126)
 FP4_UNSCALE = 2.0 ** 26  # 2**126 / 2**100
@@ -257,9 +273,13 @@ def _gemv_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
                  N, KW, KH, NG, out_mul, magic, NT, NT_C: tl.constexpr,
                  KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ZC: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, PREFETCH: tl.constexpr,
-                 SPLIT_K: tl.constexpr, HALF2: tl.constexpr, ASM: tl.constexpr, CW: tl.constexpr, PAIRS: tl.constexpr):
+                 SPLIT_K: tl.constexpr, HALF2: tl.constexpr, ASM: tl.constexpr, CW: tl.constexpr, PAIRS: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """Words [BLOCK_N, BLOCK_KW] per iteration (16-byte loads along K, whole groups or parts of one);
     NT iterations per program. PREFETCH loads the next tile's words before decoding the current one.
+    PDL (launched with programmatic dependent launch, Hopper+): the program lets the next kernel launch at once and
+    loads its first weight tile (static data) before it waits for the previous kernel (``griddepcontrol``); the
+    activations, the split-K workspace and the output are touched only after the wait.
     HALF2 (symmetric INT4 / INT2, FP4): each word's dot product in packed fp16 (:mod:`.triton_half2`; ASM: its
     PTX), scaled once a run of CW words (:func:`_half2_part`; PAIRS: two words a register); the FP4 codes then enter
     as ``e2m1 / 16`` (``out_mul`` without the float32 path's ``2**26``)."""
@@ -277,8 +297,12 @@ def _gemv_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
     kw0 = pid_k * NT * BLOCK_KW
+    if PDL:
+        gdc_launch_dependents()
     if PREFETCH:
         w_next = tl.load(wrow + (kw0 + rw)[None, :])
+    if PDL:
+        gdc_wait()
     for t in range(0, NT_C if NT_C > 0 else NT):  # (an assigned ternary trips the 3.6 interpreter)
         base = kw0 + t * BLOCK_KW  # a multiple of BLOCK_KW, so of WPG or of the tile's part of a group
         word = base + rw
@@ -483,12 +507,21 @@ def _launch_args(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
                 out_multiplier(packed, not cfg.half2), MAGIC, nt)
         return _gemv_kernel, grid, args, dict(common, NT_C=nt if gps_c else 0, BLOCK_KW=cfg.groups * wpg,
                                               PREFETCH=cfg.prefetch, HALF2=cfg.half2, ASM=not interpreting(),
-                                              CW=min(cfg.scale_words, wpg), PAIRS=cfg.pairs), y
+                                              CW=min(cfg.scale_words, wpg), PAIRS=cfg.pairs, **_pdl(x2)), y
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
     args = (x2, packed.qweight, qh, packed.scales, z, b, y, ws, packed.counters, m, n, kw, kh, ng, x2.stride(0),
             y.stride(0), out_multiplier(packed, False), MAGIC, gps)
     return _mm_kernel, grid, args, dict(common, GPS_C=gps_c, BLOCK_M=cfg.block_m, NGT=cfg.groups,
                                         DOT_F32=interpreting()), y
+
+
+def _pdl(x2: torch.Tensor) -> dict:
+    """The GEMV's launch options for :data:`PDL`: on (``PDL`` constexpr and Triton's ``launch_pdl``) only on a CUDA
+    device of capability 9.0+ with a Triton that has grid dependency control, never in the interpreter."""
+    if not PDL or not HAS_GDC or interpreting() or x2.device.type != "cuda" \
+            or torch.cuda.get_device_capability(x2.device)[0] < 9:
+        return {}
+    return {"PDL": True, "launch_pdl": True}
 
 
 def run_linear(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig) -> torch.Tensor:
