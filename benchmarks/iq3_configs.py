@@ -30,7 +30,11 @@ Times ``dynaquant.quant.codecs.quantize`` of a random 4096 x 14336 float32 tenso
 bytes / rows equal to the base, a gguf-py decode check of the new bytes, a torch.profiler top-15 CUDA kernel table of one
 encode under the fastest new configuration, and one JSON line at the end.
 
-usage: python3 benchmarks/iq3_configs.py [--configs old,new,new_lists,new_lists64,new_lists32] (on a GPU, ~1 min)
+``--breakdown``: one encode of each type under the defaults, its assignment launches' CUDA time by kind (H100,
+session 35, out/iq3-breakdown-h100-s35.json: IQ3_XXS 66.5 ms wall, 47.6 ms in 72 launches: step 1's 40 candidate
+scales 24.6 ms, 24 exact-error assignments 15.0 ms, 4 full-flip ones 5.5 ms, 4 with indices 2.5 ms).
+
+usage: python3 benchmarks/iq3_configs.py [--configs old,new,new_lists,new_lists64,new_lists32] [--breakdown] (GPU)
 H100 runs: benchmarks/out/iq3-configs-h100.json (2026-12-07, old .. new_lists32), iq3-configs-tiles-h100.json (tiles).
 """
 
@@ -100,18 +104,64 @@ def gguf_ok(b, fmt, rows=64):
     return bool(np.array_equal(ref.view(np.uint32), ours.reshape(ref.shape).view(np.uint32)))
 
 
+def breakdown(x, imp):
+    """One encode of each IQ3 type under today's defaults: its wall time and the CUDA time of its assignment
+    launches by kind (V variants, OUT 0 stats / 1 error, IDX, SUMS, BEST: step 1's candidates are (V, 0, False,
+    True, True)), by CUDA events around each launch."""
+    import collections
+
+    orig = ks.assign_kernel
+    rec = []
+
+    class Timed:  # ks.assign_kernel[grid](...) with events around the launch
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                orig[grid](*a, **k)
+                e1.record()
+                rec.append((str((k["V"], k["OUT"], k["IDX"], k["SUMS"], k["BEST"])), e0, e1))
+            return launch
+
+    out = {}
+    for fmt in ("IQ3_XXS", "IQ3_S"):
+        quantize(x, fmt, imp)
+        torch.cuda.synchronize()
+        rec.clear()
+        ks.assign_kernel = Timed()
+        try:
+            t = time.perf_counter()
+            quantize(x, fmt, imp)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+        finally:
+            ks.assign_kernel = orig
+        agg = collections.defaultdict(lambda: [0, 0.0])
+        for key, e0, e1 in rec:
+            agg[key][0] += 1
+            agg[key][1] += e0.elapsed_time(e1)
+        out[fmt] = {"wall_ms": round(wall * 1e3, 2), "assign_ms": round(sum(v[1] for v in agg.values()), 2),
+                    "by_kind (V, OUT, IDX, SUMS, BEST)": {k: {"calls": v[0], "ms": round(v[1], 2)} for k, v in agg.items()}}
+    return out
+
+
 def main():
     import argparse
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
-    configs = ap.parse_args().configs.split(",")
+    ap.add_argument("--breakdown", action="store_true", help="only the assignment launches' times by kind (defaults)")
+    args = ap.parse_args()
+    configs = args.configs.split(",")
     assert all(c in CONFIGS for c in configs), f"configs: of {list(CONFIGS)} (the first one the base)"
     assert torch.cuda.is_available(), "needs CUDA"
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(4096, 14336, device="cuda", generator=g)
     x *= torch.exp(0.5 * torch.randn(4096, 1, device="cuda", generator=g))
     imp = torch.rand(14336, device="cuda", generator=g) + 0.05
+    if args.breakdown:
+        print(json.dumps({"device": torch.cuda.get_device_name(), "shape": list(x.shape), **breakdown(x, imp)}))
+        return
     summary = {"device": torch.cuda.get_device_name(), "shape": list(x.shape), "results": {}}
     try:
         for fmt in ("IQ3_XXS", "IQ3_S"):

@@ -41,7 +41,9 @@ except ImportError:  # pragma: no cover - older Triton: PDL stays off (stand-ins
         pass
 
 KIND_INT, KIND_MX, KIND_NV = 0, 1, 2
-PDL = False  # the M = 1 GEMV launched with programmatic dependent launch (off until measured; see _gemv_kernel)
+# the M = 1 GEMV launched with programmatic dependent launch (_gemv_kernel's PDL). Off: on the H100 (session 35,
+# benchmarks/out/kernels-h100-m1-pdl-s35.json) the fused decode step moved -4 % .. +4 % against bf16, no clear gain
+PDL = False
 MAGIC = 150 << 23  # float32 bits of 2**23, passed at run time (see _int_field)
 X_SCALE_FP4 = 2.0 ** 100  # activations' scale on the FP4 GEMV path (weights decode to e2m1 * 2**-126)
 FP4_UNSCALE = 2.0 ** 26  # 2**126 / 2**100
