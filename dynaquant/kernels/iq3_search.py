@@ -60,12 +60,14 @@ CONSIDER = True  # consider() updates step 1's running best in the kernel (else 
 LISTS_FROM = 256  # grids of this many points or more walk candidate lists by default (both IQ3 grids)
 PREFETCH = True  # list walks load the next candidate's word before scoring this one (packed words only)
 _WARPS = 1
-_INTERPRETED_BLOCK = 128  # groups a program off CUDA (Triton's interpreter: per-program cost; the same results)
+_INTERPRETED_BLOCK = 128  # groups a program off CUDA (Triton's interpreter: its time is per program)
 
 
 def _block(device: torch.device) -> int:
-    """Groups a program on ``device``: :data:`_BLOCK` on CUDA, :data:`_INTERPRETED_BLOCK` in Triton's interpreter
-    (a lane's search and a sub-block's sums do not depend on the program size; the interpreter's time does)."""
+    """Groups a program on ``device``: :data:`_BLOCK` on CUDA, :data:`_INTERPRETED_BLOCK` in Triton's interpreter.
+    In the interpreter the results do not depend on the program size; compiled, the in-kernel sub-block sums may add
+    in another order for another size (the H100 gave other IQ3_XXS bytes for 32 and 128), so a CUDA run's bytes hold
+    for its size."""
     return _BLOCK if device.type == "cuda" else _INTERPRETED_BLOCK
 
 
