@@ -12,6 +12,8 @@ Configurations of dynaquant.kernels.iq3_search (module flags, set per run):
   prefetch     as new_lists with PREFETCH=True: a list walk loads candidate k + 1's word before it scores candidate k
   prefetch64   as prefetch with BLOCK 64 / 2 warps
   prefetch32   as prefetch with BLOCK 32 / 1 warp (the default since session 34)
+  levels       as prefetch32 with dynaquant.quant.codecs.iq3.FUSED_LEVELS (a round's levels l, l + 1, l - 1 in one
+               launch, iq3.exact_levels; the same bytes): built in session 36 without a GPU, to be measured
 Session 35 also built and measured (H100, out/iq3-configs-order-merge-h100.json; the code was removed): the lanes
 taken in the order of their counted list-walk work (a stable argsort once a chunk, the sub-block sums then added by a
 second kernel), and a lane's list walks merged into one loop (the halves and IQ3_XXS's flipped variants one after the
@@ -30,11 +32,19 @@ Times ``dynaquant.quant.codecs.quantize`` of a random 4096 x 14336 float32 tenso
 bytes / rows equal to the base, a gguf-py decode check of the new bytes, a torch.profiler top-15 CUDA kernel table of one
 encode under the fastest new configuration, and one JSON line at the end.
 
-``--breakdown``: one encode of each type under the defaults, its assignment launches' CUDA time by kind (H100,
-session 35, out/iq3-breakdown-h100-s35.json: IQ3_XXS 66.5 ms wall, 47.6 ms in 72 launches: step 1's 40 candidate
-scales 24.6 ms, 24 exact-error assignments 15.0 ms, 4 full-flip ones 5.5 ms, 4 with indices 2.5 ms).
+``--breakdown``: one encode of each type under the defaults, its search launches' CUDA time by kind and the time
+outside them (H100, session 35, out/iq3-breakdown-h100-s35.json, the code before session 36: IQ3_XXS 66.5 ms wall,
+47.6 ms in 72 assignment launches: step 1's 40 candidate scales 24.6 ms, 24 exact-error assignments 15.0 ms, 4
+full-flip ones 5.5 ms, 4 with indices 2.5 ms; ~19 ms outside them). Session 36 (no GPU) moved most of those 19 ms
+into the launches, by the byte counts of the torch ops a chunk of 65 520 super-blocks runs around them (IQ3_XXS, a
+CPU stand-in of the CUDA path: ``--op-bytes``): 6.2 GB in 257 ops before, 1.9 GB in 177 after (IQ3_S 6.5 GB / 246
+ops -> 2.3 GB / 167), with the ``levels`` configuration 1.1 GB in 105 (IQ3_S 1.5 GB / 95); the exact
+errors' launches now also form the least-squares sums the next round starts from (no torch pass over the points),
+the fp16 scale pick is one launch that makes its candidates and keeps the winner (no (n, C, 8) float64 errors written
+and summed), the rounds select uint8 / int16 indices, not int64.
 
 usage: python3 benchmarks/iq3_configs.py [--configs old,new,new_lists,new_lists64,new_lists32] [--breakdown] (GPU)
+       python3 benchmarks/iq3_configs.py --op-bytes (CPU)
 H100 runs: benchmarks/out/iq3-configs-h100.json (2026-12-07, old .. new_lists32), iq3-configs-tiles-h100.json (tiles).
 """
 
@@ -48,8 +58,9 @@ import numpy as np
 import torch
 
 import dynaquant.kernels  # noqa: F401  (registers the fast paths)
+from dynaquant.kernels import iq3_scales
 from dynaquant.kernels import iq3_search as ks
-from dynaquant.quant.codecs import dequantize, quantize
+from dynaquant.quant.codecs import dequantize, iq3, quantize
 
 _BASE = dict(PACKED=True, SUMS=True, CONSIDER=True, LISTS_FROM=256, _BLOCK=128, _WARPS=4, PREFETCH=False)  # "new_lists"
 
@@ -67,14 +78,16 @@ CONFIGS = {
     "prefetch": _cfg(PREFETCH=True),
     "prefetch64": _cfg(PREFETCH=True, _BLOCK=64, _WARPS=2),
     "prefetch32": _cfg(PREFETCH=True, _BLOCK=32, _WARPS=1),
+    "levels": _cfg(PREFETCH=True, _BLOCK=32, _WARPS=1, FUSED_LEVELS=True),
 }
 DEFAULT_CONFIGS = ("old", "new", "new_lists", "new_lists64")  # --configs to choose (each compiles its own kernels)
-DEFAULTS = {k: getattr(ks, k) for k in CONFIGS["new"]}
+CODEC_FLAGS = ("FUSED_LEVELS",)  # flags of dynaquant.quant.codecs.iq3 (the rest are iq3_search's)
+DEFAULTS = {k: getattr(iq3 if k in CODEC_FLAGS else ks, k) for k in CONFIGS["levels"]}
 
 
 def configure(name):
-    for k, v in CONFIGS[name].items():
-        setattr(ks, k, v)
+    for k, v in {"FUSED_LEVELS": False, **CONFIGS[name]}.items():
+        setattr(iq3 if k in CODEC_FLAGS else ks, k, v)
 
 
 def timed(x, fmt, imp, reps=7, warm=2):
@@ -105,22 +118,31 @@ def gguf_ok(b, fmt, rows=64):
 
 
 def breakdown(x, imp):
-    """One encode of each IQ3 type under today's defaults: its wall time and the CUDA time of its assignment
-    launches by kind (V variants, OUT 0 stats / 1 error, IDX, SUMS, BEST: step 1's candidates are (V, 0, False,
-    True, True)), by CUDA events around each launch."""
+    """One encode of each IQ3 type under today's defaults: its wall time and the CUDA time of its search launches by
+    kind, by CUDA events around each launch: ``assign`` (V variants, OUT 0 stats / 1 error, IDX, SUMS, BEST, STATS:
+    step 1's candidates are (V, 0, False, True, True, False), the exact errors with their sums (V, 1, True, True, False,
+    True)), ``pick`` (the fp16 scale pick) and ``levels`` (a round's levels in one launch, where on); ``outside_ms``:
+    the wall time not in them (torch ops, launch gaps)."""
     import collections
 
-    orig = ks.assign_kernel
+    kernels = {"assign": (ks, "assign_kernel"), "levels": (ks, "exact_levels_kernel"), "pick": (iq3_scales, "pick_kernel")}
+    origs = {name: getattr(mod, attr) for name, (mod, attr) in kernels.items()}
     rec = []
 
-    class Timed:  # ks.assign_kernel[grid](...) with events around the launch
+    class Timed:  # kernel[grid](...) with events around the launch
+        def __init__(self, name):
+            self.name = name
+
         def __getitem__(self, grid):
             def launch(*a, **k):
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record()
-                orig[grid](*a, **k)
+                origs[self.name][grid](*a, **k)
                 e1.record()
-                rec.append((str((k["V"], k["OUT"], k["IDX"], k["SUMS"], k["BEST"])), e0, e1))
+                key = self.name
+                if self.name == "assign":
+                    key += str((k["V"], k["OUT"], k["IDX"], k["SUMS"], k["BEST"], k["STATS"]))
+                rec.append((key, e0, e1))
             return launch
 
     out = {}
@@ -128,21 +150,84 @@ def breakdown(x, imp):
         quantize(x, fmt, imp)
         torch.cuda.synchronize()
         rec.clear()
-        ks.assign_kernel = Timed()
+        for name, (mod, attr) in kernels.items():
+            setattr(mod, attr, Timed(name))
         try:
             t = time.perf_counter()
             quantize(x, fmt, imp)
             torch.cuda.synchronize()
             wall = time.perf_counter() - t
         finally:
-            ks.assign_kernel = orig
+            for name, (mod, attr) in kernels.items():
+                setattr(mod, attr, origs[name])
         agg = collections.defaultdict(lambda: [0, 0.0])
         for key, e0, e1 in rec:
             agg[key][0] += 1
             agg[key][1] += e0.elapsed_time(e1)
-        out[fmt] = {"wall_ms": round(wall * 1e3, 2), "assign_ms": round(sum(v[1] for v in agg.values()), 2),
-                    "by_kind (V, OUT, IDX, SUMS, BEST)": {k: {"calls": v[0], "ms": round(v[1], 2)} for k, v in agg.items()}}
+        inside = sum(v[1] for v in agg.values())
+        out[fmt] = {"wall_ms": round(wall * 1e3, 2), "launches_ms": round(inside, 2),
+                    "outside_ms": round(wall * 1e3 - inside, 2),
+                    "by_kind": {k: {"calls": v[0], "ms": round(v[1], 2)} for k, v in agg.items()}}
     return out
+
+
+def op_bytes(fmt: str, n: int = 256, chunk: int = 65520) -> dict:
+    """The torch ops an encode runs around its fast paths, counted on the CPU (no GPU needed): ``fmt``'s full search
+    (the knobs other devices run) on ``n`` random super-blocks, each fast path replaced by its torch reference (not
+    counted: a launch on CUDA), every other aten op's operand and result bytes (views excluded) scaled to a CUDA chunk
+    of ``chunk`` super-blocks (16.7M weights). Returns the launches by fast path, the op count and the bytes."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from dynaquant.quant.codecs import _lattice as lat
+    from dynaquant.quant.codecs import fastpaths, get_codec
+
+    views = {"view", "slice", "unsqueeze", "squeeze", "detach", "permute", "expand", "select", "alias", "t",
+             "transpose", "_unsafe_view", "as_strided", "lift_fresh"}
+    paused, ops, launches = [False], collections.Counter(), collections.Counter()
+    nbytes = collections.Counter()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if not paused[0] and name not in views:
+                ops[name] += 1
+                nbytes[name] += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
+                                    if isinstance(t, torch.Tensor))
+            return out
+
+    def reference(name):
+        module, attr = fastpaths.NAMES[name].rsplit(".", 1)
+        fn = getattr(__import__(module, fromlist=[attr]), attr)
+
+        def run(*a, **k):
+            paused[0] = True
+            launches[name] += 1
+            try:
+                return fn(*a, **k)
+            finally:
+                paused[0] = False
+        return run
+
+    codec = get_codec(fmt)
+    real_fast, real_knob = lat.fast_path, type(codec)._knob
+    lat.fast_path = lambda name, x, backend="auto": reference(name) if name.startswith("iq3.") else None
+    type(codec)._knob = lambda self, name, device: getattr(self, name)
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(n, 256, generator=g) * torch.rand(n, 1, generator=g)
+        w = torch.rand(n, 256, generator=g) + 0.1
+        with Count():
+            codec.encode_blocks(x, w)
+    finally:
+        lat.fast_path, type(codec)._knob = real_fast, real_knob
+    scale = chunk / n
+    return {"launches": dict(launches), "torch_ops": sum(ops.values()),
+            "MB_per_chunk": round(sum(nbytes.values()) * scale / 1e6, 1),
+            "largest_MB": {k: round(v * scale / 1e6, 1) for k, v in nbytes.most_common(8)}}
 
 
 def main():
@@ -151,7 +236,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
     ap.add_argument("--breakdown", action="store_true", help="only the assignment launches' times by kind (defaults)")
+    ap.add_argument("--op-bytes", action="store_true",
+                    help="only count the torch ops around the fast paths (CPU; bytes scaled to a CUDA chunk)")
     args = ap.parse_args()
+    if args.op_bytes:
+        print(json.dumps({fmt: op_bytes(fmt) for fmt in ("IQ3_XXS", "IQ3_S")}))
+        return
     configs = args.configs.split(",")
     assert all(c in CONFIGS for c in configs), f"configs: of {list(CONFIGS)} (the first one the base)"
     assert torch.cuda.is_available(), "needs CUDA"

@@ -531,6 +531,84 @@ def test_iq3_assign_sums(interpreted, name, parity, full):
             torch.testing.assert_close(fused[k], ref[k], rtol=1e-6, atol=1e-12)
 
 
+@pytest.mark.parametrize("name,parity,full,idx_dtype", [("IQ3_XXS", True, False, torch.uint8),
+                                                         ("IQ3_XXS", True, True, torch.int64),
+                                                         ("IQ3_S", False, False, torch.int16)])
+def test_iq3_exact_is_the_assignments_error_and_sums(interpreted, name, parity, full, idx_dtype):
+    """``iq3.exact`` (one launch: the exact error's sub-block sums and the same assignment's least-squares sums) gives
+    bit for bit what the fused assignment gives for ``out="error"`` and for ``out="stats"`` with in-kernel sums, its
+    points and flips (in the narrow index type asked for) equal the reference's, and its sums equal the reference's
+    torch sums to float32 rounding; an index type too narrow for the grid is refused."""
+    from dynaquant.kernels.iq3_search import assign, exact
+    from dynaquant.quant.codecs import _iq3_search as steps
+    from dynaquant.quant.codecs import iq3
+
+    x, w, a = _iq3_assign_inputs(name, 21)
+    tables = tuple(t.to(DEVICE) for t in (*iq3._grid_map(name, "cpu"), *iq3._grid_table(name, "cpu")))
+    xd, wd, ad = x.to(DEVICE), w.to(DEVICE), a.to(DEVICE)
+    idx, flip, err, sxg, sgg = (t.cpu() for t in exact(xd, wd, ad, parity, full, *tables, idx_dtype=idx_dtype))
+    assert idx.dtype == idx_dtype and flip.dtype == torch.bool and err.shape == sxg.shape == sgg.shape == (5, 8)
+    e_idx, e_flip, e_err, _ = (None if t is None else t.cpu()
+                               for t in assign(xd, wd, ad, parity, full, "error", True, *tables, sums=True, fused_sums=True))
+    s_idx, s_flip, s_x, s_g = (None if t is None else t.cpu()
+                               for t in assign(xd, wd, ad, parity, full, "stats", True, *tables, sums=True, fused_sums=True))
+    assert torch.equal(idx.long(), e_idx) and torch.equal(flip, e_flip) and torch.equal(idx.long(), s_idx)
+    assert torch.equal(err, e_err) and torch.equal(sxg, s_x) and torch.equal(sgg, s_g)
+    ref = [t.cpu() for t in steps.exact_torch(xd, wd, ad, parity, full, *tables, idx_dtype=idx_dtype)]
+    assert ref[0].dtype == idx_dtype and torch.equal(idx, ref[0]) and torch.equal(flip, ref[1])
+    for got, want in zip((err, sxg, sgg), ref[2:]):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-12)
+    assert (sgg > 0).float().mean() > 0.9 and sgg[1, 2] > 0 and err[1, 2] > 0  # (scale 0: the points still count)
+    if name == "IQ3_S":
+        with pytest.raises(ValueError, match="idx_dtype"):
+            exact(xd, wd, ad, parity, full, *tables, idx_dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("name,parity,kind,deltas", [("IQ3_XXS", True, "half", (1, -1)), ("IQ3_S", False, "odd", (1, -1)),
+                                                      ("IQ3_XXS", True, "half", (-1,)), ("IQ3_S", False, "odd", ())])
+def test_iq3_exact_levels_keep_the_better_level(interpreted, name, parity, kind, deltas):
+    """``iq3.exact_levels`` (a round's levels l, l + 1, l - 1 in one launch) equals, bit for bit, ``best_levels`` over
+    one ``iq3.exact`` launch a level with the scales torch computes (levels at 0 and 15 clamped, a zero ``d``), keeps
+    a later level only where its error is strictly less, and agrees with its torch reference (same points; sums to
+    float32 rounding)."""
+    from dynaquant.kernels.iq3_search import exact, exact_levels
+    from dynaquant.quant.codecs import _iq3_search as steps
+    from dynaquant.quant.codecs import iq3
+
+    x, w, _ = _iq3_assign_inputs(name, 31)
+    n = x.shape[0]
+    g = torch.Generator().manual_seed(31)
+    amax = x.abs().amax(-1).amax(-1)
+    d = (amax / (0.25 * 62 if name == "IQ3_XXS" else 15.0 * 15)).half().float()
+    d[4] = 0.0
+    lsc = torch.randint(0, 16, (n, 8), generator=g)
+    lsc[0, :4] = torch.tensor([0, 15, 0, 15])
+    tables = tuple(t.to(DEVICE) for t in (*iq3._grid_map(name, "cpu"), *iq3._grid_table(name, "cpu")))
+    xd, wd, dd, ld = (t.to(DEVICE) for t in (x, w, d, lsc))
+    dt = torch.uint8 if name == "IQ3_XXS" else torch.int16
+    got = [t.cpu() for t in exact_levels(xd, wd, dd, ld, deltas, kind, parity, *tables, idx_dtype=dt)]
+
+    def one(lt):
+        i, f, e, sx, sg = exact(xd, wd, steps.sub_scale(dd, lt, kind), parity, False, *tables, idx_dtype=dt)
+        return e, i, f, sx, sg
+
+    want = [t.cpu() for t in steps.best_levels(one, ld, deltas)]
+    assert got[1].dtype == dt and got[2].dtype == torch.bool and got[5].dtype == torch.int64
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    if deltas:
+        assert (got[5] != lsc).any() and (got[5] == lsc).any()
+    else:
+        assert torch.equal(got[5], lsc)
+    errs = [one(torch.clamp(ld + dl, 0, 15))[0].cpu() for dl in (0, *deltas)]
+    assert torch.equal(got[0], torch.stack(errs).min(0).values)
+    ref = steps.exact_levels_torch(xd, wd, dd, ld, deltas, kind, parity, *tables, idx_dtype=dt)
+    ref = [t.cpu() for t in ref]
+    assert torch.equal(got[5], ref[5]) and torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2])
+    for a, b in zip((got[0], got[3], got[4]), (ref[0], ref[3], ref[4])):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-12)
+
+
 @pytest.mark.parametrize("name,parity", [("IQ3_XXS", True), ("IQ3_S", False)])
 def test_iq3_consider_updates_as_the_reference(interpreted, name, parity, monkeypatch):
     """Step 1's fused candidate (``iq3.consider``: assignment, sums and the running best's update in one launch) gives
@@ -577,31 +655,47 @@ def test_iq3_consider_updates_as_the_reference(interpreted, name, parity, monkey
 
 
 @pytest.mark.parametrize("c", [0.25, 1.0])
-def test_iq3_pick_errors_equal_the_reference(interpreted, c):
-    """The fp16 ``d`` search's candidate errors (float64) from the kernel equal the torch reference's bit for bit,
-    with a zero scale, a sub-block without importance, a zero candidate and candidates past the last level (l = 15)."""
-    from dynaquant.kernels.iq3_scales import pick_errors
+@pytest.mark.parametrize("n_extra", [0, 2])
+def test_iq3_pick_equals_the_reference(interpreted, c, n_extra):
+    """The fp16 ``d`` search's pick from the kernel (the candidates made there: ``max A / (c t)`` and the extra ones,
+    rounded to fp16, tiny ones kept at 2**-24, negative ones 0; each candidate's 8 sub-block errors in float64, summed
+    pairwise; the first least total; its levels) equals the torch reference's bit for bit, with a zero scale, a
+    sub-block without importance (every candidate ties: the first is taken), an all-zero super-block, extra candidates
+    that are negative, tiny, past float16's range or a copy of a step's candidate, candidates past the last level
+    (l = 15), and candidate counts that are not powers of two; the levels are those the errors name."""
+    from dynaquant.kernels.iq3_scales import pick
     from dynaquant.quant.codecs import _iq3_search as steps
     from dynaquant.quant.codecs import _kquant_search as kqs
 
     g = torch.Generator().manual_seed(1)
-    n = 37  # 37 x 63 lanes: a partial last program
+    n = 37  # a partial last program
     a = torch.rand(n, 8, generator=g) * 3
     a[0, 3] = 0.0
+    a[2] = 0.0
     sgg = (torch.rand(n, 8, generator=g) * 5).double()
     sgg[1] = 0.0
     ts = torch.linspace(18.0, 33.0, 61, dtype=torch.float64)
-    cand = kqs.f16_candidates(torch.cat([a.amax(1, keepdim=True) / (c * ts), torch.rand(n, 2, generator=g) * 0.01], 1))
-    cand[2] = 0.0
-    ref = steps.pick_errors_torch(a, sgg, cand, c)
-    got = pick_errors(a.to(DEVICE), sgg.to(DEVICE), cand.to(DEVICE), c).cpu()
-    assert got.dtype == torch.float64 and got.shape == (n, 63, 8)
-    assert torch.equal(got, ref) and (ref[1] == 0).all() and ref.gt(0).float().mean() > 0.5
-    # the levels the encoder keeps for the best candidate are the reference's (its own l search, one candidate)
-    best = ref.sum(-1).argmin(1)
-    d = cand.gather(1, best[:, None]).squeeze(1)
-    lsc = steps.pick_levels(a, sgg, d, c)
-    assert lsc.min() >= 0 and lsc.max() <= 15 and (lsc == 15).any()
+    extra = None
+    if n_extra:
+        extra = (torch.rand(n, n_extra, generator=g) * a.amax(1, keepdim=True) / (c * 25)).double()
+        extra[3, 0], extra[4, 1], extra[5, 0], extra[6, 1] = -0.01, 1e-9, 1e6, 0.0
+        extra[7, 0] = float(kqs.f16_candidates(a[7].amax() / (c * ts[5:6])))  # equals step 5's candidate
+    ref_d, ref_lsc = steps.pick_torch(a, sgg, ts, extra, c)
+    d, lsc = (t.cpu() for t in pick(a.to(DEVICE), sgg.to(DEVICE), ts.to(DEVICE),
+                                    None if extra is None else extra.to(DEVICE), c))
+    assert d.dtype == torch.float32 and lsc.dtype == torch.int64 and d.shape == (n,) and lsc.shape == (n, 8)
+    assert torch.equal(d, ref_d) and torch.equal(lsc, ref_lsc)
+    assert torch.equal(d.half().float(), d) and (d >= 0).all() and lsc.min() >= 0 and lsc.max() <= 15
+    assert (lsc == 15).any() and d[2] == 0
+    # the reference is today's candidates and errors: d is the first candidate of least pairwise total
+    am = a.amax(1, keepdim=True)
+    cand = kqs.f16_candidates(torch.cat([am / (c * ts), *([] if extra is None else [extra])], 1)).clamp_min(0)
+    totals = steps.pairwise8(steps.pick_errors_torch(a, sgg, cand, c))
+    best = totals.argmin(1)
+    assert torch.equal(d, cand.gather(1, best[:, None]).squeeze(1)) and best[1] == 0
+    e, ls, i = steps._pick_terms(a, sgg, d[:, None], c)
+    assert torch.equal(lsc, ls.gather(-1, i.unsqueeze(-1)).squeeze(-1).squeeze(1).long())
+    assert torch.equal(steps.pairwise8(torch.arange(8.0).expand(2, 8)), torch.full((2,), 28.0))
 
 
 def _spy(monkeypatch, name):
@@ -619,24 +713,43 @@ def _spy(monkeypatch, name):
 
 
 @pytest.mark.parametrize("name", ["IQ3_XXS", "IQ3_S"])
-def test_iq3_encoder_on_fused_path(interpreted, name, monkeypatch):
+@pytest.mark.parametrize("knobs", ["cpu", "full"])
+def test_iq3_encoder_on_fused_path(interpreted, name, knobs, monkeypatch):
     """IQ3's assignment through the fused kernels (forced on CPU, interpreted; the torch side on CPU searches the exact
-    candidate lists): the fused assignment ``iq3.assign`` is called for the scale search and the exact errors, the
-    bytes decode as gguf-py does and are as good as torch's; with ``iq3.assign`` taken away the assignment runs the
+    candidate lists), with the CPU's short search or the full one other devices run (two rounds, ``l`` +- 1, IQ3_XXS's
+    final flip pass): the fused assignment ``iq3.assign`` is called for the scale search, ``iq3.exact`` for the exact
+    errors (with their least-squares sums, the next round's start) and ``iq3.pick`` for ``d``; the bytes decode as
+    gguf-py does and are as good as torch's; with a round's levels in one launch (``iq3.exact_levels``) the bytes are
+    the same; with ``iq3.assign`` and ``iq3.exact`` taken away the assignment runs the
     fused search ``iq3.nearest_variants`` and the torch steps around it, and the bytes are the same."""
-    from dynaquant.quant.codecs import fastpaths, quantize
+    from dynaquant.quant.codecs import fastpaths, get_codec, quantize
 
+    if knobs == "full":
+        monkeypatch.setattr(type(get_codec(name)), "cpu_search", {})
     g = torch.Generator().manual_seed(4)
     x = (torch.randn(3, 512, generator=g) * 0.02).to(DEVICE)
     x[0, :32] = 0.0  # a zero sub-block (scale 0)
     im = torch.exp(torch.randn(512, generator=g)).to(DEVICE)
-    calls = _spy(monkeypatch, "iq3.assign")
+    calls, exact, picks = (_spy(monkeypatch, k) for k in ("iq3.assign", "iq3.exact", "iq3.pick"))
     ref = quantize(x, name, im, backend="torch").cpu()
-    assert not calls
+    assert not calls and not exact and not picks
     ours = quantize(x, name, im, backend="triton").cpu()
-    assert {c[5] for c in calls} == {"stats", "error"} and all(c[3] == (name == "IQ3_XXS") for c in calls)
+    assert {c[5] for c in calls} == {"stats"} and all(c[3] == (name == "IQ3_XXS") for c in calls + exact)
+    rounds, deltas = (1, 0) if knobs == "cpu" else (2, 2)
+    assert len(picks) == rounds and len(exact) == rounds * (1 + deltas) + (knobs == "full" and name == "IQ3_XXS")
+    assert all(c[4] for c in exact[rounds * (1 + deltas):]) and not any(c[4] for c in exact[:rounds * (1 + deltas)])
     _assert_as_good_as_torch(x, im, name, ours, ref)
+    if knobs == "full":  # a round's levels in one launch (iq3.exact_levels): the same bytes
+        from dynaquant.quant.codecs import iq3
+
+        monkeypatch.setattr(iq3, "FUSED_LEVELS", True)
+        levels = _spy(monkeypatch, "iq3.exact_levels")
+        n_exact = len(exact)
+        assert torch.equal(quantize(x, name, im, backend="triton").cpu(), ours)
+        assert len(levels) == rounds and len(exact) - n_exact == (name == "IQ3_XXS")  # (only the final flip pass)
+        monkeypatch.setattr(iq3, "FUSED_LEVELS", False)
     monkeypatch.setitem(fastpaths._LOADED, "iq3.assign", None)
+    monkeypatch.setitem(fastpaths._LOADED, "iq3.exact", None)
     searches = _spy(monkeypatch, "iq3.nearest_variants")
     unfused = quantize(x, name, im, backend="triton").cpu()
     assert searches and all((c[2] is None, c[3] is None) == ((True, True) if name == "IQ3_S" else (False, c[3] is None))

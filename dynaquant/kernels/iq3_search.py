@@ -27,7 +27,12 @@ scattered back) and in the (rows, P) score matrices' reductions, not in arithmet
 - :func:`assign` with ``sums=True`` (the encoder's calls) sums the per-weight terms of each sub-block in the kernel
   (:data:`SUMS`) and writes (n, 8) sums, not (n, 8, 32) terms that torch reads back to sum;
 - :func:`consider` (fast path ``iq3.consider``) is one candidate scale of step 1 in one launch: the assignment, its
-  sums and the running best's float64 update (:data:`CONSIDER`), where ~17 small torch ops a candidate ran.
+  sums and the running best's float64 update (:data:`CONSIDER`), where ~17 small torch ops a candidate ran;
+- :func:`exact` (fast path ``iq3.exact``) is the exact error of an assignment under the stored scales with that
+  assignment's least-squares sums, the next round's start (a torch pass over the points before), and its indices in
+  the narrowest integer type of the grid; :func:`exact_levels` (``iq3.exact_levels``, off by default:
+  :data:`dynaquant.quant.codecs.iq3.FUSED_LEVELS`) does a round's levels ``l``, ``l + 1``, ``l - 1`` in one launch,
+  the better kept a sub-block in registers.
 
 Sums run in a fixed order, not torch's, so scores can differ from the reference by float32 rounding and a near-tie
 can pick the other point (the tests compare the errors, and the bytes through gguf-py's decoder).
@@ -44,7 +49,7 @@ from dynaquant.kernels import iq3_tables as tables
 from dynaquant.quant.codecs import _iq3_search as steps
 from dynaquant.quant.codecs import iq3
 
-__all__ = ["assign", "consider", "nearest_variants"]
+__all__ = ["assign", "consider", "exact", "exact_levels", "nearest_variants"]
 
 _BLOCK = 32  # groups a program (one a lane)
 # Measured on an H100 (2026-12-07, benchmarks/iq3_configs.py, a 4096 x 14336 tensor; out/iq3-configs-h100.json): the
@@ -331,22 +336,22 @@ def nearest_variants_kernel(f_ptr, t_ptr, odd_ptr, at_ptr, kmap_ptr, mids_ptr, g
 
 
 @triton.jit
-def _half(x_ptr, w_ptr, base, rm, na, ia):
-    # one half (4 weights) of the lanes' 8-groups: x, w, |x|, x < 0 and the features f = [2 w |x|, -a w], t = |x| / a
-    x0 = tl.load(x_ptr + base + 0, mask=rm, other=0.0)
-    x1 = tl.load(x_ptr + base + 1, mask=rm, other=0.0)
-    x2 = tl.load(x_ptr + base + 2, mask=rm, other=0.0)
-    x3 = tl.load(x_ptr + base + 3, mask=rm, other=0.0)
-    w0 = tl.load(w_ptr + base + 0, mask=rm, other=0.0)
-    w1 = tl.load(w_ptr + base + 1, mask=rm, other=0.0)
-    w2 = tl.load(w_ptr + base + 2, mask=rm, other=0.0)
-    w3 = tl.load(w_ptr + base + 3, mask=rm, other=0.0)
+def _load4(ptr, base, rm):
+    # 4 consecutive float32 values of each lane
+    return (tl.load(ptr + base + 0, mask=rm, other=0.0), tl.load(ptr + base + 1, mask=rm, other=0.0),
+            tl.load(ptr + base + 2, mask=rm, other=0.0), tl.load(ptr + base + 3, mask=rm, other=0.0))
+
+
+@triton.jit
+def _features(x0, x1, x2, x3, w0, w1, w2, w3, a, ia):
+    # one half (4 weights) of the lanes' 8-groups: |x| and the features f = [2 w |x|, -a w], t = |x| / a
+    na = -a
     v0 = tl.abs(x0)
     v1 = tl.abs(x1)
     v2 = tl.abs(x2)
     v3 = tl.abs(x3)
-    return (x0, x1, x2, x3, w0, w1, w2, w3, v0, v1, v2, v3, 2.0 * w0 * v0, 2.0 * w1 * v1, 2.0 * w2 * v2, 2.0 * w3 * v3,
-            na * w0, na * w1, na * w2, na * w3, v0 * ia, v1 * ia, v2 * ia, v3 * ia)
+    return (v0, v1, v2, v3, 2.0 * w0 * v0, 2.0 * w1 * v1, 2.0 * w2 * v2, 2.0 * w3 * v3, na * w0, na * w1, na * w2, na * w3,
+            v0 * ia, v1 * ia, v2 * ia, v3 * ia)
 
 
 @triton.jit
@@ -410,23 +415,46 @@ def _sub_sums(t0, t1, t2, t3, u0, u1, u2, u3, rm, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_ptr, pts_ptr, cand_ptr, cnt_ptr,
-                  idx_ptr, flip_ptr, p_ptr, q_ptr, bg_ptr, ba_ptr, n, P: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
-                  BLOCK: tl.constexpr, LISTS: tl.constexpr, OUT: tl.constexpr, IDX: tl.constexpr, FB: tl.constexpr,
-                  GSTEP: tl.constexpr, SUMS: tl.constexpr, BEST: tl.constexpr, PF: tl.constexpr):
-    # one lane an 8-group (two halves of 4 weights, groups 2 l and 2 l + 1 of the (n * 64) groups)
-    pid = tl.program_id(0)
-    lane = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    rm = lane < n
-    a = tl.load(a_ptr + lane // 4, mask=rm, other=0.0)
-    ia = tl.load(ia_ptr + lane // 4, mask=rm, other=0.0)
-    na = -a
-    b0 = lane * 8
-    b1 = b0 + 4
-    (x0, x1, x2, x3, w0, w1, w2, w3, v0, v1, v2, v3, f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3) = _half(
-        x_ptr, w_ptr, b0, rm, na, ia)
-    (y0, y1, y2, y3, u0, u1, u2, u3, q0, q1, q2, q3, e0, e1, e2, e3, e4, e5, e6, e7, r0, r1, r2, r3) = _half(
-        x_ptr, w_ptr, b1, rm, na, ia)
+def _stats_sums(rm, ga0, ga1, ga2, ga3, gb0, gb1, gb2, gb3, x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2, w3, u0, u1, u2,
+                u3, v0, v1, v2, v3, q0, q1, q2, q3, fa0, fa1, fa2, fa3, fb0, fb1, fb2, fb3, a, BLOCK: tl.constexpr):
+    # the least-squares sums (sum w v g, sum w g g) a sub-block of the lanes' assignment: _emit's OUT 0 terms, summed
+    # by _sub_sums (bit for bit what an OUT 0 launch of the same assignment stores)
+    pa0, qa0 = _emit(a, a, a, 0, rm, ga0, x0, w0, v0, fa0, 0, a, 0, False, True)
+    pa1, qa1 = _emit(a, a, a, 0, rm, ga1, x1, w1, v1, fa1, 1, a, 0, False, True)
+    pa2, qa2 = _emit(a, a, a, 0, rm, ga2, x2, w2, v2, fa2, 2, a, 0, False, True)
+    pa3, qa3 = _emit(a, a, a, 0, rm, ga3, x3, w3, v3, fa3, 3, a, 0, False, True)
+    pb0, qb0 = _emit(a, a, a, 0, rm, gb0, y0, u0, q0, fb0, 0, a, 0, False, True)
+    pb1, qb1 = _emit(a, a, a, 0, rm, gb1, y1, u1, q1, fb1, 1, a, 0, False, True)
+    pb2, qb2 = _emit(a, a, a, 0, rm, gb2, y2, u2, q2, fb2, 2, a, 0, False, True)
+    pb3, qb3 = _emit(a, a, a, 0, rm, gb3, y3, u3, q3, fb3, 3, a, 0, False, True)
+    return (_sub_sums(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, rm, BLOCK),
+            _sub_sums(qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, rm, BLOCK))
+
+
+@triton.jit
+def _error_sums(rm, ga0, ga1, ga2, ga3, gb0, gb1, gb2, gb3, x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2, w3, u0, u1, u2,
+                u3, v0, v1, v2, v3, q0, q1, q2, q3, fa0, fa1, fa2, fa3, fb0, fb1, fb2, fb3, a, BLOCK: tl.constexpr):
+    # the exact error sum w (x - y)**2 a sub-block of the lanes' assignment under scales a: _emit's OUT 1 terms, summed
+    # by _sub_sums (bit for bit what an OUT 1 launch stores)
+    pa0 = _emit(a, a, a, 0, rm, ga0, x0, w0, v0, fa0, 0, a, 1, False, True)[0]
+    pa1 = _emit(a, a, a, 0, rm, ga1, x1, w1, v1, fa1, 1, a, 1, False, True)[0]
+    pa2 = _emit(a, a, a, 0, rm, ga2, x2, w2, v2, fa2, 2, a, 1, False, True)[0]
+    pa3 = _emit(a, a, a, 0, rm, ga3, x3, w3, v3, fa3, 3, a, 1, False, True)[0]
+    pb0 = _emit(a, a, a, 0, rm, gb0, y0, u0, q0, fb0, 0, a, 1, False, True)[0]
+    pb1 = _emit(a, a, a, 0, rm, gb1, y1, u1, q1, fb1, 1, a, 1, False, True)[0]
+    pb2 = _emit(a, a, a, 0, rm, gb2, y2, u2, q2, fb2, 2, a, 1, False, True)[0]
+    pb3 = _emit(a, a, a, 0, rm, gb3, y3, u3, q3, fb3, 3, a, 1, False, True)[0]
+    return _sub_sums(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, rm, BLOCK)
+
+
+@triton.jit
+def _assign_lanes(x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2, w3, u0, u1, u2, u3, a, ia, rm, kmap_ptr, mids_ptr,
+                  grid_ptr, g2_ptr, cand_ptr, cnt_ptr, P: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
+                  BLOCK: tl.constexpr, LISTS: tl.constexpr, FB: tl.constexpr, GSTEP: tl.constexpr, PF: tl.constexpr):
+    # the lanes' 8-groups (halves x, w and y, u) under sub-block scales a (ia = 1 / a, 0 where a is 0): each half's
+    # grid index (h0, h1) and the flips (fa*, fb*: weight decoded with the sign opposite to x's)
+    (v0, v1, v2, v3, f0, f1, f2, f3, f4, f5, f6, f7, t0, t1, t2, t3) = _features(x0, x1, x2, x3, w0, w1, w2, w3, a, ia)
+    (q0, q1, q2, q3, e0, e1, e2, e3, e4, e5, e6, e7, r0, r1, r2, r3) = _features(y0, y1, y2, y3, u0, u1, u2, u3, a, ia)
     odd = rm
     k0 = tl.zeros((BLOCK,), tl.int32)
     k1 = k0
@@ -442,7 +470,7 @@ def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_
                                                      LISTS, FB, GSTEP, PF)
     h0 = i0
     h1 = i0
-    fa0 = lane < 0  # no flips (all False)
+    fa0 = rm & ~rm  # no flips (all False)
     fa1 = fa0
     fa2 = fa0
     fa3 = fa0
@@ -473,9 +501,12 @@ def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_
             wb = vb - 1
         fa0, fa1, fa2, fa3 = ta & (wa == 0), ta & (wa == 1), ta & (wa == 2), ta & (wa == 3)
         fb0, fb1, fb2, fb3 = tb & (wb == 0), tb & (wb == 1), tb & (wb == 2), tb & (wb == 3)
-    if IDX:
-        tl.store(idx_ptr + lane * 2, h0.to(tl.int64), mask=rm)
-        tl.store(idx_ptr + lane * 2 + 1, h1.to(tl.int64), mask=rm)
+    return h0, h1, fa0, fa1, fa2, fa3, fb0, fb1, fb2, fb3
+
+
+@triton.jit
+def _points(pts_ptr, grid_ptr, h0, h1, rm, FB: tl.constexpr, GSTEP: tl.constexpr):
+    # the coordinates of each half's grid point (h0, h1): packed words (FB > 0) or the float grid
     h0 = tl.where(rm, h0, 0)
     h1 = tl.where(rm, h1, 0)
     if FB > 0:  # each half's point: one packed word
@@ -492,6 +523,36 @@ def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_
         gb1 = tl.load(grid_ptr + h1 * 4 + 1, mask=rm, other=0.0)
         gb2 = tl.load(grid_ptr + h1 * 4 + 2, mask=rm, other=0.0)
         gb3 = tl.load(grid_ptr + h1 * 4 + 3, mask=rm, other=0.0)
+    return ga0, ga1, ga2, ga3, gb0, gb1, gb2, gb3
+
+
+@triton.jit
+def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_ptr, pts_ptr, cand_ptr, cnt_ptr,
+                  idx_ptr, flip_ptr, p_ptr, q_ptr, bg_ptr, ba_ptr, sx_ptr, sg_ptr, n, P: tl.constexpr, V: tl.constexpr,
+                  K: tl.constexpr, BLOCK: tl.constexpr, LISTS: tl.constexpr, OUT: tl.constexpr, IDX: tl.constexpr,
+                  FB: tl.constexpr, GSTEP: tl.constexpr, SUMS: tl.constexpr, BEST: tl.constexpr, PF: tl.constexpr,
+                  STATS: tl.constexpr):
+    # one lane an 8-group (two halves of 4 weights, groups 2 l and 2 l + 1 of the (n * 64) groups)
+    pid = tl.program_id(0)
+    lane = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    rm = lane < n
+    a = tl.load(a_ptr + lane // 4, mask=rm, other=0.0)
+    ia = tl.load(ia_ptr + lane // 4, mask=rm, other=0.0)
+    b0 = lane * 8
+    b1 = b0 + 4
+    x0, x1, x2, x3 = _load4(x_ptr, b0, rm)
+    w0, w1, w2, w3 = _load4(w_ptr, b0, rm)
+    y0, y1, y2, y3 = _load4(x_ptr, b1, rm)
+    u0, u1, u2, u3 = _load4(w_ptr, b1, rm)
+    v0, v1, v2, v3 = tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3)
+    q0, q1, q2, q3 = tl.abs(y0), tl.abs(y1), tl.abs(y2), tl.abs(y3)
+    h0, h1, fa0, fa1, fa2, fa3, fb0, fb1, fb2, fb3 = _assign_lanes(
+        x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2, w3, u0, u1, u2, u3, a, ia, rm, kmap_ptr, mids_ptr, grid_ptr,
+        g2_ptr, cand_ptr, cnt_ptr, P, V, K, BLOCK, LISTS, FB, GSTEP, PF)
+    if IDX:  # in idx_ptr's integer type (int64, or narrower where the grid's indices fit)
+        tl.store(idx_ptr + lane * 2, h0.to(idx_ptr.dtype.element_ty), mask=rm)
+        tl.store(idx_ptr + lane * 2 + 1, h1.to(idx_ptr.dtype.element_ty), mask=rm)
+    ga0, ga1, ga2, ga3, gb0, gb1, gb2, gb3 = _points(pts_ptr, grid_ptr, h0, h1, rm, FB, GSTEP)
     pa0, qa0 = _emit(p_ptr, q_ptr, flip_ptr, b0, rm, ga0, x0, w0, v0, fa0, 0, a, OUT, IDX, SUMS)
     pa1, qa1 = _emit(p_ptr, q_ptr, flip_ptr, b0, rm, ga1, x1, w1, v1, fa1, 1, a, OUT, IDX, SUMS)
     pa2, qa2 = _emit(p_ptr, q_ptr, flip_ptr, b0, rm, ga2, x2, w2, v2, fa2, 2, a, OUT, IDX, SUMS)
@@ -520,6 +581,95 @@ def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_
             tl.store(p_ptr + sb, ps, mask=sm)
             if OUT == 0:
                 tl.store(q_ptr + sb, _sub_sums(qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, rm, BLOCK), mask=sm)
+        if STATS:  # with the exact error (OUT 1): the same assignment's least-squares sums, as OUT 0 forms them
+            sx, sg = _stats_sums(rm, ga0, ga1, ga2, ga3, gb0, gb1, gb2, gb3, x0, x1, x2, x3, y0, y1, y2, y3, w0, w1,
+                                 w2, w3, u0, u1, u2, u3, v0, v1, v2, v3, q0, q1, q2, q3, fa0, fa1, fa2, fa3, fb0, fb1,
+                                 fb2, fb3, a, BLOCK)
+            tl.store(sx_ptr + sb, sx, mask=sm)
+            tl.store(sg_ptr + sb, sg, mask=sm)
+
+
+@triton.jit
+def _by_sub_block(t, BLOCK: tl.constexpr):
+    # a (BLOCK // 4,) value a sub-block to its 4 lanes (BLOCK,)
+    return tl.reshape(tl.broadcast_to(t[:, None], (BLOCK // 4, 4)), (BLOCK,))
+
+
+@triton.jit
+def _level_scale(d, lt, HALF: tl.constexpr):
+    # _iq3_search.sub_scale's float32 operations: IQ3_XXS (HALF) (d (0.5 + l)) 0.5, IQ3_S d (1 + 2 l)
+    if HALF:
+        return (d * (0.5 + lt.to(tl.float32))) * 0.5
+    return d * (1 + 2 * lt).to(tl.float32)
+
+
+@triton.jit
+def exact_levels_kernel(x_ptr, w_ptr, d_ptr, l_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_ptr, pts_ptr, cand_ptr, cnt_ptr,
+                        idx_ptr, flip_ptr, e_ptr, sx_ptr, sg_ptr, lo_ptr, n, P: tl.constexpr, V: tl.constexpr,
+                        K: tl.constexpr, BLOCK: tl.constexpr, LISTS: tl.constexpr, FB: tl.constexpr,
+                        GSTEP: tl.constexpr, PF: tl.constexpr, HALF: tl.constexpr, ND: tl.constexpr, D1: tl.constexpr,
+                        D2: tl.constexpr):
+    # one lane an 8-group, as assign_kernel; its sub-block's level l, then l + D1, l + D2 (the first ND; clamped to
+    # 0..15), each assigned under the scale the level decodes to, the exact error and least-squares sums a sub-block
+    # formed as assign_kernel's OUT 1 / STATS launch forms them; a later level kept only where its error is strictly
+    # less (_iq3_search.best_levels); the kept level's points, flips, sums and level stored
+    pid = tl.program_id(0)
+    lane = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    rm = lane < n
+    sb = pid.to(tl.int64) * (BLOCK // 4) + tl.arange(0, BLOCK // 4).to(tl.int64)
+    sm = sb < n // 4
+    d = tl.load(d_ptr + lane // 32, mask=rm, other=0.0)
+    l0 = tl.load(l_ptr + lane // 4, mask=rm, other=0).to(tl.int32)
+    b0 = lane * 8
+    b1 = b0 + 4
+    x0, x1, x2, x3 = _load4(x_ptr, b0, rm)
+    w0, w1, w2, w3 = _load4(w_ptr, b0, rm)
+    y0, y1, y2, y3 = _load4(x_ptr, b1, rm)
+    u0, u1, u2, u3 = _load4(w_ptr, b1, rm)
+    v0, v1, v2, v3 = tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3)
+    q0, q1, q2, q3 = tl.abs(y0), tl.abs(y1), tl.abs(y2), tl.abs(y3)
+    for c in tl.static_range(1 + ND):
+        if c == 0:
+            lt = l0
+        elif c == 1:
+            lt = tl.minimum(tl.maximum(l0 + D1, 0), 15)
+        else:
+            lt = tl.minimum(tl.maximum(l0 + D2, 0), 15)
+        a = _level_scale(d, lt, HALF)
+        ia = tl.where(a > 0, tl.math.div_rn(tl.full(a.shape, 1.0, tl.float32), tl.where(a > 0, a, 1.0)), 0.0)
+        h0, h1, fa0, fa1, fa2, fa3, fb0, fb1, fb2, fb3 = _assign_lanes(
+            x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2, w3, u0, u1, u2, u3, a, ia, rm, kmap_ptr, mids_ptr, grid_ptr,
+            g2_ptr, cand_ptr, cnt_ptr, P, V, K, BLOCK, LISTS, FB, GSTEP, PF)
+        ga0, ga1, ga2, ga3, gb0, gb1, gb2, gb3 = _points(pts_ptr, grid_ptr, h0, h1, rm, FB, GSTEP)
+        es = _error_sums(rm, ga0, ga1, ga2, ga3, gb0, gb1, gb2, gb3, x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2, w3,
+                         u0, u1, u2, u3, v0, v1, v2, v3, q0, q1, q2, q3, fa0, fa1, fa2, fa3, fb0, fb1, fb2, fb3, a, BLOCK)
+        sx, sg = _stats_sums(rm, ga0, ga1, ga2, ga3, gb0, gb1, gb2, gb3, x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2,
+                             w3, u0, u1, u2, u3, v0, v1, v2, v3, q0, q1, q2, q3, fa0, fa1, fa2, fa3, fb0, fb1, fb2, fb3,
+                             a, BLOCK)
+        if c == 0:
+            be, bsx, bsg, bl, bh0, bh1 = es, sx, sg, lt, h0, h1
+            ba0, ba1, ba2, ba3, bb0, bb1, bb2, bb3 = fa0, fa1, fa2, fa3, fb0, fb1, fb2, fb3
+        else:
+            take = es < be  # (BLOCK // 4,)
+            tk = _by_sub_block(take, BLOCK)  # its lanes
+            be, bsx, bsg = tl.where(take, es, be), tl.where(take, sx, bsx), tl.where(take, sg, bsg)
+            bl, bh0, bh1 = tl.where(tk, lt, bl), tl.where(tk, h0, bh0), tl.where(tk, h1, bh1)
+            ba0, ba1, ba2, ba3 = tl.where(tk, fa0, ba0), tl.where(tk, fa1, ba1), tl.where(tk, fa2, ba2), tl.where(tk, fa3, ba3)
+            bb0, bb1, bb2, bb3 = tl.where(tk, fb0, bb0), tl.where(tk, fb1, bb1), tl.where(tk, fb2, bb2), tl.where(tk, fb3, bb3)
+    tl.store(e_ptr + sb, be, mask=sm)
+    tl.store(sx_ptr + sb, bsx, mask=sm)
+    tl.store(sg_ptr + sb, bsg, mask=sm)
+    tl.store(lo_ptr + lane // 4, bl.to(tl.int64), mask=rm & (lane % 4 == 0))
+    tl.store(idx_ptr + lane * 2, bh0.to(idx_ptr.dtype.element_ty), mask=rm)
+    tl.store(idx_ptr + lane * 2 + 1, bh1.to(idx_ptr.dtype.element_ty), mask=rm)
+    tl.store(flip_ptr + b0 + 0, ba0.to(tl.int8), mask=rm)
+    tl.store(flip_ptr + b0 + 1, ba1.to(tl.int8), mask=rm)
+    tl.store(flip_ptr + b0 + 2, ba2.to(tl.int8), mask=rm)
+    tl.store(flip_ptr + b0 + 3, ba3.to(tl.int8), mask=rm)
+    tl.store(flip_ptr + b1 + 0, bb0.to(tl.int8), mask=rm)
+    tl.store(flip_ptr + b1 + 1, bb1.to(tl.int8), mask=rm)
+    tl.store(flip_ptr + b1 + 2, bb2.to(tl.int8), mask=rm)
+    tl.store(flip_ptr + b1 + 3, bb3.to(tl.int8), mask=rm)
 
 
 def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None, flip_at: torch.Tensor | None,
@@ -586,14 +736,111 @@ def assign(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full
         nv = (5 if full else 2) if parity else 1
         blk = _block(dev)
         assign_kernel[(triton.cdiv(lanes, blk),)](
-            xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, idx, flip, p, q, p, p, lanes, P=gc.shape[0], V=nv,
+            xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, idx, flip, p, q, p, p, p, p, lanes, P=gc.shape[0], V=nv,
             K=cand.shape[1], BLOCK=blk, LISTS=lists, OUT=steps.OUTS.index(out), IDX=want_idx, FB=fb, GSTEP=gstep,
-            SUMS=in_kernel, BEST=False, PF=PREFETCH if prefetch is None else prefetch, num_warps=_WARPS)
+            SUMS=in_kernel, BEST=False, PF=PREFETCH if prefetch is None else prefetch, STATS=False, num_warps=_WARPS)
     if sums and not in_kernel:
         p, q = p.sum(-1), (q.sum(-1) if out == "stats" else p)
     if not want_idx:
         return None, None, p, (q if out == "stats" else None)
     return idx, flip.view(torch.bool), p, (q if out == "stats" else None)
+
+
+def exact(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full: bool, kmap: torch.Tensor,
+          mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor, idx_dtype: torch.dtype = torch.int64,
+          lists: bool | None = None, packed: bool | None = None, prefetch: bool | None = None):
+    """Fused :func:`dynaquant.quant.codecs._iq3_search.exact_torch` (the fast path ``iq3.exact``: the encoder's exact
+    error of an assignment under its stored scales, with that assignment's least-squares sums): one launch of
+    :func:`assign`'s kernel that forms, from the same assignment, the sub-block sums of the exact error (what
+    :func:`assign` with ``out="error"`` and ``sums`` stores) and of the least-squares terms (what ``out="stats"``
+    stores), bit for bit both, so the encoder's next round needs no torch pass over the weights for the latter.
+
+    Args:
+        x, w: (n, 8, 32) float32 weights and importance; a: (n, 8) float32 sub-block scales (>= 0); parity, full: as
+            :func:`assign`; kmap, mids, grid, g8: the tables of :func:`assign`.
+        idx_dtype: the indices' integer type (torch.uint8 holds a 256-point grid's, torch.int16 a 512-point one's:
+            an eighth or a quarter of int64's bytes for the encoder's selections).
+    Returns:
+        (idx (n, 8, 8) ``idx_dtype``, flip (n, 8, 32) bool, err, sxg, sgg (n, 8) float32: the sub-block sums of
+        ``w (x - y)**2``, ``w v g`` and ``w g g``).
+    Raises:
+        ValueError: shapes that disagree, or an ``idx_dtype`` that cannot hold the grid's indices.
+    """
+    n = x.shape[0]
+    if x.shape != (n, 8, 32) or w.shape != x.shape or a.shape != (n, 8):
+        raise ValueError(f"expected x, w (n, 8, 32) and a (n, 8), got {tuple(x.shape)}, {tuple(w.shape)}, {tuple(a.shape)}")
+    if idx_dtype.is_floating_point or idx_dtype == torch.bool or grid.shape[0] - 1 > torch.iinfo(idx_dtype).max:
+        raise ValueError(f"idx_dtype {idx_dtype} cannot hold the indices of a {grid.shape[0]}-point grid")
+    dev = x.device
+    xc, wc = x.to(torch.float32).contiguous(), w.to(torch.float32).contiguous()
+    ac = a.to(torch.float32).contiguous()
+    ia = steps.inv_scale(ac)
+    err, sxg, sgg = (torch.empty(n, 8, dtype=torch.float32, device=dev) for _ in range(3))
+    idx = torch.empty(n, 8, 8, dtype=idx_dtype, device=dev)
+    flip = torch.zeros(n, 8, 32, dtype=torch.uint8, device=dev)
+    if n:
+        gc, g2, mc, kc, pts, cand, cnt, fb, gstep = tables.launch_tables(grid, kmap, mids, dev,
+                                                                         PACKED if packed is None else packed)
+        lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
+        lanes = n * 32
+        nv = (5 if full else 2) if parity else 1
+        blk = _block(dev)
+        assign_kernel[(triton.cdiv(lanes, blk),)](
+            xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, idx, flip, err, err, err, err, sxg, sgg, lanes,
+            P=gc.shape[0], V=nv, K=cand.shape[1], BLOCK=blk, LISTS=lists, OUT=1, IDX=True, FB=fb, GSTEP=gstep,
+            SUMS=True, BEST=False, PF=PREFETCH if prefetch is None else prefetch, STATS=True, num_warps=_WARPS)
+    return idx, flip.view(torch.bool), err, sxg, sgg
+
+
+def exact_levels(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, lsc: torch.Tensor, deltas: tuple, kind: str,
+                 parity: bool, kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor,
+                 idx_dtype: torch.dtype = torch.int64, lists: bool | None = None, packed: bool | None = None,
+                 prefetch: bool | None = None):
+    """Fused :func:`dynaquant.quant.codecs._iq3_search.exact_levels_torch` (the fast path ``iq3.exact_levels``): a
+    round's levels ``l`` and ``l + delta`` in one launch: x and w read once, each level's scales
+    (:func:`._iq3_search.sub_scale`) and assignment made in the kernel, its exact error and least-squares sums a
+    sub-block formed as :func:`exact` forms them, the better level kept a sub-block in registers; bit for bit
+    :func:`._iq3_search.best_levels` of :func:`exact` a level (the scales and their inverses are the torch operations'
+    float32 results: ``div_rn``).
+
+    Args:
+        x, w: (n, 8, 32) float32; d: (n,) float32 fp16 super-block scales; lsc: (n, 8) int64 levels (0..15); deltas:
+            up to two level offsets tried after ``l``; kind: :data:`._iq3_search.SCALE_KINDS`; parity: IQ3_XXS's
+            even sign parity (the one-flip variants; ``full`` is False); kmap, mids, grid, g8: the tables of
+            :func:`assign`; idx_dtype: the indices' integer type (as :func:`exact`).
+    Returns:
+        (err, sxg, sgg (n, 8) float32, idx (n, 8, 8) ``idx_dtype``, flip (n, 8, 32) bool, l (n, 8) int64) in
+        :func:`._iq3_search.best_levels`' order: (err, idx, flip, sxg, sgg, l).
+    Raises:
+        ValueError: shapes that disagree, more than two deltas, an unknown ``kind`` or an ``idx_dtype`` too narrow.
+    """
+    n = x.shape[0]
+    deltas = tuple(int(v) for v in deltas)
+    if x.shape != (n, 8, 32) or w.shape != x.shape or d.shape != (n,) or lsc.shape != (n, 8) or len(deltas) > 2:
+        raise ValueError(f"expected x, w (n, 8, 32), d (n,), lsc (n, 8) and at most two deltas, got {tuple(x.shape)}, "
+                         f"{tuple(w.shape)}, {tuple(d.shape)}, {tuple(lsc.shape)}, {deltas}")
+    if kind not in steps.SCALE_KINDS:
+        raise ValueError(f"kind must be one of {steps.SCALE_KINDS}, got {kind!r}")
+    if idx_dtype.is_floating_point or idx_dtype == torch.bool or grid.shape[0] - 1 > torch.iinfo(idx_dtype).max:
+        raise ValueError(f"idx_dtype {idx_dtype} cannot hold the indices of a {grid.shape[0]}-point grid")
+    dev = x.device
+    err, sxg, sgg = (torch.empty(n, 8, dtype=torch.float32, device=dev) for _ in range(3))
+    idx = torch.empty(n, 8, 8, dtype=idx_dtype, device=dev)
+    flip = torch.empty(n, 8, 32, dtype=torch.uint8, device=dev)
+    lo = torch.empty(n, 8, dtype=torch.int64, device=dev)
+    if n:
+        gc, g2, mc, kc, pts, cand, cnt, fb, gstep = tables.launch_tables(grid, kmap, mids, dev,
+                                                                         PACKED if packed is None else packed)
+        lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
+        lanes = n * 32
+        blk = _block(dev)
+        exact_levels_kernel[(triton.cdiv(lanes, blk),)](
+            x.to(torch.float32).contiguous(), w.to(torch.float32).contiguous(), d.to(torch.float32).contiguous(),
+            lsc.to(torch.int64).contiguous(), kc, mc, gc, g2, pts, cand, cnt, idx, flip, err, sxg, sgg, lo, lanes,
+            P=gc.shape[0], V=2 if parity else 1, K=cand.shape[1], BLOCK=blk, LISTS=lists, FB=fb, GSTEP=gstep,
+            PF=PREFETCH if prefetch is None else prefetch, HALF=kind == "half", ND=len(deltas),
+            D1=deltas[0] if deltas else 0, D2=deltas[1] if len(deltas) > 1 else 0, num_warps=_WARPS)
+    return err, idx, flip.view(torch.bool), sxg, sgg, lo
 
 
 def consider(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, best_gain: torch.Tensor,
@@ -625,7 +872,8 @@ def consider(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, be
     lanes = n * 32
     blk = _block(dev)
     assign_kernel[(triton.cdiv(lanes, blk),)](
-        xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, gain, gain, gain, scale, bg, ba, lanes, P=gc.shape[0],
-        V=2 if parity else 1, K=cand.shape[1], BLOCK=blk, LISTS=lists, OUT=0, IDX=False, FB=fb, GSTEP=gstep,
-        SUMS=True, BEST=True, PF=PREFETCH if prefetch is None else prefetch, num_warps=_WARPS)
+        xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, gain, gain, gain, scale, bg, ba, gain, gain, lanes,
+        P=gc.shape[0], V=2 if parity else 1, K=cand.shape[1], BLOCK=blk, LISTS=lists, OUT=0, IDX=False, FB=fb,
+        GSTEP=gstep, SUMS=True, BEST=True, PF=PREFETCH if prefetch is None else prefetch, STATS=False,
+        num_warps=_WARPS)
     return gain, scale

@@ -1,10 +1,12 @@
 """IQ3 assignment steps shared by the codecs' torch path and the references of their fused fast paths.
 
 :func:`assign_variants` is :meth:`dynaquant.quant.codecs.iq3._IQ3._assign` given a nearest-point search of
-:func:`nearest_variants_torch`'s contract; :func:`assign_torch` adds what the encoder
-computes from an assignment (the per-weight terms of the least-squares sums, or of the exact error) and is the
-reference of the fused fast path ``iq3.assign`` (:mod:`dynaquant.kernels.iq3_search`); :func:`pick_errors_torch`
-is the reference of ``iq3.pick_errors``, the fp16 ``d`` search's candidate errors. Pure torch; the operations are
+:func:`nearest_variants_torch`'s contract; :func:`assign_torch` adds what the encoder computes from an assignment (the
+per-weight terms of the least-squares sums, or of the exact error) and is the reference of the fused fast path
+``iq3.assign`` (:mod:`dynaquant.kernels.iq3_search`); :func:`exact_torch` (the exact error and the least-squares sums
+of one assignment) is the reference of ``iq3.exact``, :func:`pick_torch` (from :func:`pick_errors_torch`'s terms) of
+``iq3.pick``, the fp16 ``d`` search's pick, :func:`exact_levels_torch` (each sub-block's best level, :func:`best_levels`)
+of ``iq3.exact_levels``. Pure torch; the operations are
 the encoder's own, in its order, so a fast path that repeats them gives the same bytes.
 """
 
@@ -138,6 +140,89 @@ def assign_torch(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool
     return (idx, flip, p, q) if want_idx else (None, None, p, q)
 
 
+def exact_torch(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full: bool, kmap: torch.Tensor,
+                mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor, idx_dtype: torch.dtype = torch.int64,
+                nearest: Callable | None = None):
+    """The exact error of the assignment for sub-block scales ``a`` and that assignment's least-squares sums (the
+    reference of the fast path ``iq3.exact``): :func:`assign_torch` with ``out="error"`` and ``sums``, then
+    :func:`stats_terms` of the same points summed by ``sum(-1)``.
+
+    Args:
+        x, w: (n, 8, 32) float32; a: (n, 8) float32 (>= 0); parity, full, kmap, mids, grid, g8, nearest: as
+            :func:`assign_torch`; idx_dtype: the returned indices' integer type.
+    Returns:
+        (idx (n, 8, 8) ``idx_dtype``, flip (n, 8, 32) bool, err, sxg, sgg (n, 8) float32).
+    Raises:
+        ValueError: as :func:`assign_torch`.
+    """
+    idx, flip, err, _ = assign_torch(x, w, a, parity, full, "error", True, kmap, mids, grid, g8, nearest, sums=True)
+    n = x.shape[0]
+    p, q = stats_terms(x.abs(), w, grid.index_select(0, idx.reshape(-1)).reshape(n, _N_SUB, 32), flip)
+    return idx.to(idx_dtype), flip, err, p.sum(-1), q.sum(-1)
+
+
+SCALE_KINDS = ("half", "odd")  # IQ3_XXS: A = (d (0.5 + l)) 0.5; IQ3_S: A = d (1 + 2 l)
+
+
+def sub_scale(d: torch.Tensor, lsc: torch.Tensor, kind: str) -> torch.Tensor:
+    """Decode's float32 sub-block scales (n, 8) for fp16 ``d`` (n,) float32 and levels ``l`` (n, 8) integer:
+    ``kind`` ``"half"`` (IQ3_XXS) ``(d (0.5 + l)) 0.5``, ``"odd"`` (IQ3_S) ``d (1 + 2 l)`` (gguf-py's operations)."""
+    if kind == "half":
+        return (d.unsqueeze(-1) * (0.5 + lsc.to(torch.float32))) * 0.5
+    return d.unsqueeze(-1) * (1 + 2 * lsc).to(torch.float32)
+
+
+def best_levels(exact: Callable, lsc: torch.Tensor, deltas) -> tuple:
+    """Step 3: each sub-block's level ``l`` and its ``l + delta`` (clamped to 0..15, in ``deltas``' order), the one of
+    least exact error kept (a later one only where strictly less).
+
+    Args:
+        exact: ``exact(l)`` -> (err (n, 8) float, idx (n, 8, 8), flip (n, 8, 32) bool, sxg, sgg (n, 8) or None):
+            the assignment under levels ``l`` (n, 8) int64 and its exact error (and least-squares sums).
+        lsc: (n, 8) int64 levels; deltas: the offsets tried after ``l`` itself.
+    Returns:
+        (err, idx, flip, sxg, sgg, l) of the kept level a sub-block (sxg, sgg None where ``exact`` gives None).
+    """
+    err, idx, flip, sxg, sgg = exact(lsc)
+    for delta in deltas:
+        lt = (lsc + delta).clamp(0, 15)
+        et, it, ft, sx, sg = exact(lt)
+        take = et < err
+        err = torch.where(take, et, err)
+        lsc = torch.where(take, lt, lsc)
+        idx = torch.where(take.unsqueeze(-1), it, idx)
+        flip = torch.where(take.unsqueeze(-1), ft, flip)
+        if sxg is not None:
+            sxg, sgg = torch.where(take, sx, sxg), torch.where(take, sg, sgg)
+    return err, idx, flip, sxg, sgg, lsc
+
+
+def exact_levels_torch(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, lsc: torch.Tensor, deltas: tuple,
+                       kind: str, parity: bool, kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor,
+                       g8: torch.Tensor, idx_dtype: torch.dtype = torch.int64):
+    """Step 3 on the exact errors (the reference of the fast path ``iq3.exact_levels``): :func:`best_levels` of
+    :func:`exact_torch` under the scales :func:`sub_scale` gives for ``d`` (n,) float32 and each level tried.
+
+    Args:
+        x, w: (n, 8, 32) float32; d: (n,) float32; lsc: (n, 8) int64 (0..15); deltas: level offsets; kind: one of
+            :data:`SCALE_KINDS`; parity, tables: as :func:`exact_torch` (``full`` False); idx_dtype: the indices' type.
+    Returns:
+        (err, idx, flip, sxg, sgg, l): err, sxg, sgg (n, 8) float32, idx (n, 8, 8) ``idx_dtype``, flip (n, 8, 32)
+        bool, l (n, 8) int64.
+    Raises:
+        ValueError: an unknown ``kind``, or as :func:`assign_torch`.
+    """
+    if kind not in SCALE_KINDS:
+        raise ValueError(f"kind must be one of {SCALE_KINDS}, got {kind!r}")
+
+    def exact(lt):
+        idx, flip, err, sxg, sgg = exact_torch(x, w, sub_scale(d, lt, kind), parity, False, kmap, mids, grid, g8,
+                                               idx_dtype)
+        return err, idx, flip, sxg, sgg
+
+    return best_levels(exact, lsc, deltas)
+
+
 def best_scale_update(sxg: torch.Tensor, sgg: torch.Tensor, best_gain: torch.Tensor,
                       best_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 1's running choice of sub-block scale: a candidate's least-squares sums ``sxg``, ``sgg`` (n, 8) float64
@@ -173,7 +258,7 @@ def _pick_terms(a: torch.Tensor, sgg: torch.Tensor, cand: torch.Tensor, c: float
 
 
 def pick_errors_torch(a: torch.Tensor, sgg: torch.Tensor, cand: torch.Tensor, c: float) -> torch.Tensor:
-    """The fp16 ``d`` search's candidate errors (the reference of the fast path ``iq3.pick_errors``).
+    """The fp16 ``d`` search's candidate errors per sub-block.
 
     Args:
         a: (n, 8) float32 continuous sub-block scales; sgg: (n, 8) float64 ``sum w g**2`` of their points;
@@ -183,6 +268,36 @@ def pick_errors_torch(a: torch.Tensor, sgg: torch.Tensor, cand: torch.Tensor, c:
         ``l0 = clamp(floor((A / (c d) - 1) / 2), 0, 15)``, ``l0 + 1`` clamped to 15.
     """
     return _pick_terms(a, sgg, cand, c)[0]
+
+
+def pairwise8(e: torch.Tensor) -> torch.Tensor:
+    """``((e0 + e1) + (e2 + e3)) + ((e4 + e5) + (e6 + e7))`` over the last axis (size 8): a fixed order a kernel
+    repeats (torch's ``sum(-1)`` adds in an order of its own, another on each device)."""
+    s = e[..., 0::2] + e[..., 1::2]
+    s = s[..., 0::2] + s[..., 1::2]
+    return s[..., 0] + s[..., 1]
+
+
+def pick_torch(a: torch.Tensor, sgg: torch.Tensor, ts: torch.Tensor, extra: torch.Tensor | None,
+               c: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 2's pick (the reference of the fast path ``iq3.pick``): the fp16 super-block scale ``d`` of least total
+    error and its sub-block levels.
+
+    Args:
+        a: (n, 8) float32 continuous sub-block scales; sgg: (n, 8) float64 ``sum w g**2`` of their points;
+        ts: (T,) float64 steps: candidates ``max A / (c t)``; extra: (n, E) float64 more candidates, or None; c: the
+            format's ``A = c d (2 l + 1)`` factor.
+    Returns:
+        (d (n,) float32: the candidate (each rounded to fp16 by :func:`._kquant_search.f16_candidates`, negative ones
+        0) of least :func:`pairwise8` sum of :func:`pick_errors_torch`, the first on a tie; l (n, 8) int64:
+        :func:`pick_levels` for it).
+    """
+    am = a.amax(1, keepdim=True)
+    cand = kqs.f16_candidates(torch.cat([am / (c * ts), *([] if extra is None else [extra])], 1))  # (n, C) float32
+    cand = cand.clamp_min(0)
+    best = pairwise8(pick_errors_torch(a, sgg, cand, c)).argmin(1)
+    d = cand.gather(1, best[:, None]).squeeze(1)
+    return d, pick_levels(a, sgg, d, c)
 
 
 def pick_levels(a: torch.Tensor, sgg: torch.Tensor, d: torch.Tensor, c: float) -> torch.Tensor:

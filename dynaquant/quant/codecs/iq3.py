@@ -87,6 +87,12 @@ _CPU_BLOCKS = 2048
 
 _tables: dict = {}
 
+# Step 3's levels l, l + 1, l - 1 of a round in one launch (the fast path ``iq3.exact_levels``: x and w read once, the
+# better level kept a sub-block in the kernel) instead of one ``iq3.exact`` launch a level and torch selections between
+# them; the same bytes. Built without a GPU (2026-12-07, session 36): off until an H100 run measures it
+# (benchmarks/iq3_configs.py --configs ...,levels).
+FUSED_LEVELS = False
+
 
 def _grid_table(name: str, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(grid (P, 4) float32, G8 (8, P) = [g; g**2]) of gguf-py's ``IQ3_XXS``/``IQ3_S`` grid."""
@@ -174,8 +180,9 @@ def _ksigns(device) -> torch.Tensor:
     return _tables[key]
 
 
-def _bits(device, n: int = 8) -> torch.Tensor:
-    return torch.arange(n, device=device, dtype=torch.int64)
+def _bits(device, n: int = 8, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``0 .. n - 1`` (n,) ``dtype`` on ``device`` (made once: :func:`.consts.device_constant`)."""
+    return device_constant(tuple(range(n)), dtype, device)
 
 
 class _IQ3(Codec):
@@ -183,6 +190,7 @@ class _IQ3(Codec):
 
     grid_name: str
     scale_mul: float  # c in A = c * d * (2 l + 1)
+    scale_kind: str  # decode's sub-block scale: _iq3_search.sub_scale's kind
     parity: bool  # signs of 8 weights must have even parity (IQ3_XXS)
     # Step 1: A = max|x| / t for these t (grid value units).
     step1_t: tuple[float, ...]
@@ -319,29 +327,55 @@ class _IQ3(Codec):
     # ------------------------------------------------------------------ scales
 
     def _sub_scale(self, d: torch.Tensor, lsc: torch.Tensor) -> torch.Tensor:
-        """Decode's float32 sub-block scale for fp16 ``d`` (n,) float32 and ``l`` (n, 8) int64."""
-        raise NotImplementedError
+        """Decode's float32 sub-block scale for fp16 ``d`` (n,) float32 and ``l`` (n, 8) int64
+        (:func:`._iq3_search.sub_scale` of :attr:`scale_kind`)."""
+        return steps.sub_scale(d, lsc, self.scale_kind)
 
     def _exact_error(self, x, w, xa, neg, d, lsc, full, backend: str = "auto"):
-        """Assignment under the stored scales and its exact error per sub-block (n, 8) float64."""
+        """The assignment under the stored scales and its exact error: (err (n, 8) float64, idx, flip, sxg, sgg), where
+        sxg, sgg are the assignment's least-squares sums (n, 8) float64 from the fast path ``iq3.exact`` (its indices
+        in :meth:`_idx_dtype`), or None, None from the torch steps (int64 indices)."""
         dl = self._sub_scale(d, lsc)
-        fused = self._fused(xa, backend)
-        if fused is not None:
-            idx, flip, e, _ = fused(x, w, dl, self.parity, full, "error", True, *self._tables(xa.device), sums=True)
-            return e.double(), idx, flip
+        exact = self._fast("iq3.exact", xa, backend)
+        if exact is not None:
+            idx, flip, e, sxg, sgg = exact(x, w, dl, self.parity, full, *self._tables(xa.device),
+                                           idx_dtype=self._idx_dtype(xa.device))
+            return e.double(), idx, flip, sxg.double(), sgg.double()
         idx, flip = self._assign(xa, w, neg, dl, full, backend)
         e = steps.error_terms(x, w, neg, dl, self._points(idx), flip)
-        return e.sum(-1).double(), idx, flip
+        return e.sum(-1).double(), idx, flip, None, None
+
+    def _best_levels(self, x, w, xa, neg, d, lsc, backend: str = "auto"):
+        """Step 3: :func:`._iq3_search.best_levels` over :attr:`l_deltas` on the exact errors: (err (n, 8) float64, idx,
+        flip, sxg, sgg, l), in one launch by the fast path ``iq3.exact_levels`` where it is on (:data:`FUSED_LEVELS`),
+        else by :meth:`_exact_error` a level."""
+        deltas = tuple(self._knob("l_deltas", x.device))
+        fused = self._fast("iq3.exact_levels", xa, backend) if FUSED_LEVELS else None
+        if fused is not None:
+            err, idx, flip, sxg, sgg, lsc = fused(x, w, d, lsc, deltas, self.scale_kind, self.parity,
+                                                  *self._tables(xa.device), idx_dtype=self._idx_dtype(xa.device))
+            return err.double(), idx, flip, sxg.double(), sgg.double(), lsc
+        return steps.best_levels(lambda lt: self._exact_error(x, w, xa, neg, d, lt, False, backend), lsc, deltas)
+
+    def _idx_dtype(self, device) -> torch.dtype:
+        """The narrowest integer type of the grid's indices (uint8 for IQ3_XXS's 256 points, int16 for IQ3_S's 512): the
+        fast path's indices, which the rounds select between (an eighth or a quarter of int64's bytes)."""
+        return torch.uint8 if _grid_table(self.grid_name, device)[0].shape[0] <= 256 else torch.int16
 
     @staticmethod
-    def _fused(x: torch.Tensor, backend: str):
-        """The fused assignment ``iq3.assign`` (:func:`._iq3_search.assign_torch`'s contract) for ``backend`` on ``x``'s
-        device, or None: the torch backend, or no fused assignment there (CPU: the compiled search; one not
+    def _fast(name: str, x: torch.Tensor, backend: str):
+        """The fast path ``name`` (``iq3.assign``, ``iq3.exact``: Triton) for ``backend`` on ``x``'s device, or None:
+        the torch backend, or none there (CPU: the compiled search has only the nearest-point search; one not
         registered or not loading), where :meth:`_assign` and the torch steps serve."""
         try:
-            return lat.fast_path("iq3.assign", x, backend)
+            return lat.fast_path(name, x, backend)
         except RuntimeError:
             return None
+
+    @classmethod
+    def _fused(cls, x: torch.Tensor, backend: str):
+        """The fused assignment ``iq3.assign`` (:func:`._iq3_search.assign_torch`'s contract) or None (:meth:`_fast`)."""
+        return cls._fast("iq3.assign", x, backend)
 
     def _tables(self, device) -> tuple[torch.Tensor, ...]:
         """The search tables of :func:`nearest_variants_torch` (kmap, mids, grid, g8) on ``device``."""
@@ -390,20 +424,16 @@ class _IQ3(Codec):
         return idx, flip, p.double(), q.double()
 
     def _pick_d(self, a: torch.Tensor, sgg: torch.Tensor, extra: list[torch.Tensor], backend: str = "auto"):
-        """Step 2: (d (n,) float32 fp16 values, l (n, 8) int64) ranked by the quadratic error; the candidates' errors
-        by the fast path ``iq3.pick_errors`` where there is one (:func:`._iq3_search.pick_errors_torch`)."""
-        c = self.scale_mul
-        am = a.amax(1, keepdim=True)
+        """Step 2: (d (n,) float32 fp16 values, l (n, 8) int64): among ``max A / (c t)`` for :attr:`d_steps` and the
+        ``extra`` (n, 1) float64 candidates, the one of least quadratic error (its errors summed in
+        :func:`._iq3_search.pairwise8`'s order), by the fast path ``iq3.pick`` where there is one
+        (:func:`._iq3_search.pick_torch`)."""
         ts = device_constant(self.d_steps, torch.float64, a.device)
-        cand = kqs.f16_candidates(torch.cat([am / (c * ts), *extra], 1))  # (n, C) float32
-        cand = cand.clamp_min(0)
         try:
-            errors = lat.fast_path("iq3.pick_errors", a, backend) or steps.pick_errors_torch
+            pick = lat.fast_path("iq3.pick", a, backend) or steps.pick_torch
         except RuntimeError:  # none for this backend (the compiled CPU search has none)
-            errors = steps.pick_errors_torch
-        best = errors(a, sgg, cand, c).sum(-1).argmin(1, keepdim=True)  # (n, 1)
-        d = cand.gather(1, best).squeeze(1)
-        return d, steps.pick_levels(a, sgg, d, c)
+            pick = steps.pick_torch
+        return pick(a, sgg, ts, torch.cat(extra, 1) if extra else None, self.scale_mul)
 
     def _encode(self, x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, ...]:
         n = x.shape[0]
@@ -412,15 +442,14 @@ class _IQ3(Codec):
         xa, neg = x.abs(), x < 0
         a = self._step1(x, xa, w, neg, backend)
         fused = self._fused(xa, backend)
-        if fused is not None:
-            idx, flip, sxg, sgg = self._ls_stats_fused(fused, x, w, a, True)
+        if fused is not None:  # round 0's sums (its points are not kept: every round assigns under stored scales)
+            sxg, sgg = self._ls_stats_fused(fused, x, w, a, False)[2:]
         else:
-            idx, flip = self._assign(xa, w, neg, a, False, backend)
-        best = None
-        rounds = self._knob("rounds", x.device)
-        for r in range(rounds):
-            if fused is None or r > 0:
-                sxg, sgg = self._ls_stats(xa, w, idx, flip)
+            sxg, sgg = self._ls_stats(xa, w, *self._assign(xa, w, neg, a, False, backend))
+        best = None  # (d, l, idx, flip, error a super-block, sxg, sgg)
+        for r in range(self._knob("rounds", x.device)):
+            if r > 0:  # the best configuration's least-squares sums: from the fast path, else from its points
+                sxg, sgg = (best[5], best[6]) if best[5] is not None else self._ls_stats(xa, w, best[2], best[3])
             a = kqs.safe_div(sxg, sgg).clamp_min(0)
             extra = []
             if best is not None:
@@ -428,27 +457,18 @@ class _IQ3(Codec):
                 d_ls = kqs.safe_div((kf * sxg).sum(1), (kf * kf * sgg).sum(1))
                 extra = [best[0].double().unsqueeze(1), d_ls.unsqueeze(1)]
             d, lsc = self._pick_d(a, sgg, extra, backend)
-            err, idx, flip = self._exact_error(x, w, xa, neg, d, lsc, False, backend)
-            for delta in self._knob("l_deltas", x.device):
-                lt = (lsc + delta).clamp(0, 15)
-                et, it, ft = self._exact_error(x, w, xa, neg, d, lt, False, backend)
-                take = et < err
-                err = torch.where(take, et, err)
-                lsc = torch.where(take, lt, lsc)
-                idx = torch.where(take.unsqueeze(-1), it, idx)
-                flip = torch.where(take.unsqueeze(-1), ft, flip)
-            cfg = (d, lsc, idx, flip, err.sum(-1))
+            err, idx, flip, esx, esg, lsc = self._best_levels(x, w, xa, neg, d, lsc, backend)
+            cfg = (d, lsc, idx, flip, err.sum(-1), esx, esg)
             if best is None:
                 best = cfg
             else:
                 take = cfg[4] < best[4]
-                best = tuple(torch.where(take.view(-1, *([1] * (c.ndim - 1))), c, b) for c, b in zip(cfg, best))
-            if r + 1 < rounds:
-                idx, flip = best[2], best[3]
-        d, lsc, idx, flip, err0 = best
+                best = tuple(None if c is None else torch.where(take.view(-1, *([1] * (c.ndim - 1))), c, b)
+                             for c, b in zip(cfg, best))
+        d, lsc, idx, flip, err0 = best[:5]
         if self.parity and self._knob("full_flip", x.device):
             # Final assignment with every flip choice, kept where it is better.
-            err1, idx1, flip1 = self._exact_error(x, w, xa, neg, d, lsc, True, backend)
+            err1, idx1, flip1 = self._exact_error(x, w, xa, neg, d, lsc, True, backend)[:3]
             take = (err1.sum(-1) < err0).view(-1, 1, 1)
             idx, flip = torch.where(take, idx1, idx), torch.where(take, flip1, flip)
         zero = d == 0
@@ -500,19 +520,17 @@ class IQ3_XXS(_IQ3):
     format_name = "IQ3_XXS"
     grid_name = "IQ3_XXS"
     scale_mul = 0.25
+    scale_kind = "half"
     parity = True
     step1_t = tuple(float(t) for t in np.linspace(44.0, 78.0, 8))
     cpu_search = {**_IQ3.cpu_search, "step1_t": (50.0, 62.0)}
-
-    def _sub_scale(self, d, lsc):
-        return (d.unsqueeze(-1) * (0.5 + lsc.to(torch.float32))) * 0.5
 
     def _pack(self, d, lsc, idx, negative) -> torch.Tensor:
         n = d.shape[0]
         d16 = d.to(torch.float16).contiguous().view(torch.uint8).reshape(n, 2)
         qs = idx.reshape(n, 64).to(torch.uint8)
-        bits = negative.reshape(n, _N_SUB, 4, 8)[..., :7].to(torch.int64) << _bits(d.device, 7)
-        s7 = bits.sum(-1)  # (n, 8, 4)
+        bits = negative.reshape(n, _N_SUB, 4, 8)[..., :7].to(torch.uint8) << _bits(d.device, 7, torch.uint8)
+        s7 = bits.sum(-1)  # (n, 8, 4) int64 (the (n, 8, 4, 7) bits in uint8: an eighth of int64's bytes)
         word = (s7 << (7 * _bits(d.device, 4))).sum(-1) | (lsc.to(torch.int64) << 28)  # (n, 8)
         wb = ((word.unsqueeze(-1) >> (8 * _bits(d.device, 4))) & 255).reshape(n, 32).to(torch.uint8)
         return torch.cat([d16, qs, wb], 1)
@@ -543,12 +561,10 @@ class IQ3_S(_IQ3):
     format_name = "IQ3_S"
     grid_name = "IQ3_S"
     scale_mul = 1.0
+    scale_kind = "odd"
     parity = False
     step1_t = tuple(float(t) for t in np.linspace(11.0, 19.5, 8))
     cpu_search = {**_IQ3.cpu_search, "step1_t": (12.0, 15.5)}
-
-    def _sub_scale(self, d, lsc):
-        return d.unsqueeze(-1) * (1 + 2 * lsc).to(torch.float32)
 
     def _pack(self, d, lsc, idx, negative) -> torch.Tensor:
         n = d.shape[0]
@@ -556,7 +572,7 @@ class IQ3_S(_IQ3):
         idx = idx.reshape(n, 64).to(torch.int64)
         qs = idx & 255
         qh = (((idx >> 8) & 1).reshape(n, 8, 8) << _bits(d.device)).sum(-1)
-        signs = (negative.reshape(n, 32, 8).to(torch.int64) << _bits(d.device)).sum(-1)
+        signs = (negative.reshape(n, 32, 8).to(torch.uint8) << _bits(d.device, 8, torch.uint8)).sum(-1)
         lsc = lsc.to(torch.int64)
         scales = lsc[:, 0::2] | (lsc[:, 1::2] << 4)
         return torch.cat([d16, torch.cat([qs, qh, signs, scales], 1).to(torch.uint8)], 1)
