@@ -63,6 +63,7 @@ def _f16_candidate(v, TINY: tl.constexpr, F16MAX: tl.constexpr):
 @triton.jit
 def _candidates(a_ptr, ts_ptr, ex_ptr, row, col, rm, am, T, E, c, TINY: tl.constexpr, F16MAX: tl.constexpr):
     # candidate col of each row: max A / (c t_col) for col < T, else the row's extra column col - T (float64 in)
+    col = col + 0 * row  # the pointers in the masks' shape (a load broadcasts its mask, not always its pointer)
     st = rm & (col < T)
     cts = c * tl.load(ts_ptr + col, mask=st, other=1.0)
     v = tl.where(col < T, am.to(tl.float64) / cts,
