@@ -809,8 +809,8 @@ def exact_levels(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, lsc: torch.T
             even sign parity (the one-flip variants; ``full`` is False); kmap, mids, grid, g8: the tables of
             :func:`assign`; idx_dtype: the indices' integer type (as :func:`exact`).
     Returns:
-        (err, sxg, sgg (n, 8) float32, idx (n, 8, 8) ``idx_dtype``, flip (n, 8, 32) bool, l (n, 8) int64) in
-        :func:`._iq3_search.best_levels`' order: (err, idx, flip, sxg, sgg, l).
+        (err (n, 8) float32, idx (n, 8, 8) ``idx_dtype``, flip (n, 8, 32) bool, sxg, sgg (n, 8) float32, l (n, 8)
+        int64): the kept level's, in :func:`._iq3_search.best_levels`' order.
     Raises:
         ValueError: shapes that disagree, more than two deltas, an unknown ``kind`` or an ``idx_dtype`` too narrow.
     """

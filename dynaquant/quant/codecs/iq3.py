@@ -90,7 +90,7 @@ _tables: dict = {}
 # Step 3's levels l, l + 1, l - 1 of a round in one launch (the fast path ``iq3.exact_levels``: x and w read once, the
 # better level kept a sub-block in the kernel) instead of one ``iq3.exact`` launch a level and torch selections between
 # them; the same bytes. Built without a GPU (2026-12-07, session 36): off until an H100 run measures it
-# (benchmarks/iq3_configs.py --configs ...,levels).
+# (benchmarks/iq3_configs.py --configs prefetch32,levels).
 FUSED_LEVELS = False
 
 
@@ -364,7 +364,8 @@ class _IQ3(Codec):
 
     @staticmethod
     def _fast(name: str, x: torch.Tensor, backend: str):
-        """The fast path ``name`` (``iq3.assign``, ``iq3.exact``: Triton) for ``backend`` on ``x``'s device, or None:
+        """The fast path ``name`` (``iq3.assign``, ``iq3.exact``, ``iq3.exact_levels``: Triton) for ``backend`` on ``x``'s
+        device, or None:
         the torch backend, or none there (CPU: the compiled search has only the nearest-point search; one not
         registered or not loading), where :meth:`_assign` and the torch steps serve."""
         try:
