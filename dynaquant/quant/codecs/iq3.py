@@ -365,9 +365,8 @@ class _IQ3(Codec):
     @staticmethod
     def _fast(name: str, x: torch.Tensor, backend: str):
         """The fast path ``name`` (``iq3.assign``, ``iq3.exact``, ``iq3.exact_levels``: Triton) for ``backend`` on ``x``'s
-        device, or None:
-        the torch backend, or none there (CPU: the compiled search has only the nearest-point search; one not
-        registered or not loading), where :meth:`_assign` and the torch steps serve."""
+        device, or None: the torch backend, or none there (CPU: the compiled search has only the nearest-point search;
+        one not registered or not loading), where :meth:`_assign` and the torch steps serve."""
         try:
             return lat.fast_path(name, x, backend)
         except RuntimeError:
