@@ -14,6 +14,9 @@ Configurations of dynaquant.kernels.iq3_search (module flags, set per run):
   prefetch32   as prefetch with BLOCK 32 / 1 warp (the default since session 34)
   levels       as prefetch32 with dynaquant.quant.codecs.iq3.FUSED_LEVELS (a round's levels l, l + 1, l - 1 in one
                launch, iq3.exact_levels; the same bytes): built in session 36 without a GPU, to be measured
+  step1        as prefetch32 with iq3.FUSED_STEP1 (step 1's candidate scales and Lloyd steps in one launch, iq3.step1;
+               the same bytes): likewise
+  fused        both
 Session 35 also built and measured (H100, out/iq3-configs-order-merge-h100.json; the code was removed): the lanes
 taken in the order of their counted list-walk work (a stable argsort once a chunk, the sub-block sums then added by a
 second kernel), and a lane's list walks merged into one loop (the halves and IQ3_XXS's flipped variants one after the
@@ -79,14 +82,16 @@ CONFIGS = {
     "prefetch64": _cfg(PREFETCH=True, _BLOCK=64, _WARPS=2),
     "prefetch32": _cfg(PREFETCH=True, _BLOCK=32, _WARPS=1),
     "levels": _cfg(PREFETCH=True, _BLOCK=32, _WARPS=1, FUSED_LEVELS=True),
+    "step1": _cfg(PREFETCH=True, _BLOCK=32, _WARPS=1, FUSED_STEP1=True),
+    "fused": _cfg(PREFETCH=True, _BLOCK=32, _WARPS=1, FUSED_LEVELS=True, FUSED_STEP1=True),
 }
 DEFAULT_CONFIGS = ("old", "new", "new_lists", "new_lists64")  # --configs to choose (each compiles its own kernels)
-CODEC_FLAGS = ("FUSED_LEVELS",)  # flags of dynaquant.quant.codecs.iq3 (the rest are iq3_search's)
-DEFAULTS = {k: getattr(iq3 if k in CODEC_FLAGS else ks, k) for k in CONFIGS["levels"]}
+CODEC_FLAGS = ("FUSED_LEVELS", "FUSED_STEP1")  # flags of dynaquant.quant.codecs.iq3 (the rest are iq3_search's)
+DEFAULTS = {k: getattr(iq3 if k in CODEC_FLAGS else ks, k) for k in CONFIGS["fused"]}
 
 
 def configure(name):
-    for k, v in {"FUSED_LEVELS": False, **CONFIGS[name]}.items():
+    for k, v in {"FUSED_LEVELS": False, "FUSED_STEP1": False, **CONFIGS[name]}.items():
         setattr(iq3 if k in CODEC_FLAGS else ks, k, v)
 
 
@@ -125,7 +130,8 @@ def breakdown(x, imp):
     the wall time not in them (torch ops, launch gaps)."""
     import collections
 
-    kernels = {"assign": (ks, "assign_kernel"), "levels": (ks, "exact_levels_kernel"), "pick": (iq3_scales, "pick_kernel")}
+    kernels = {"assign": (ks, "assign_kernel"), "levels": (ks, "exact_levels_kernel"), "step1": (ks, "step1_kernel"),
+               "pick": (iq3_scales, "pick_kernel")}
     origs = {name: getattr(mod, attr) for name, (mod, attr) in kernels.items()}
     rec = []
 

@@ -609,6 +609,37 @@ def test_iq3_exact_levels_keep_the_better_level(interpreted, name, parity, kind,
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-12)
 
 
+@pytest.mark.parametrize("name,parity,lloyd", [("IQ3_XXS", True, 2), ("IQ3_S", False, 2), ("IQ3_XXS", True, 0)])
+def test_iq3_step1_in_one_launch(interpreted, name, parity, lloyd):
+    """``iq3.step1`` (step 1's candidate scales and Lloyd steps in one launch) equals, bit for bit, ``step1_torch``
+    over the fused ``iq3.consider`` a candidate (with a zero sub-block and a zero candidate), and is close to the pure
+    torch reference (its own float order can take another point on a near-tie)."""
+    from dynaquant.kernels import iq3_search
+    from dynaquant.quant.codecs import _iq3_search as steps
+    from dynaquant.quant.codecs import iq3
+
+    x, w, _ = _iq3_assign_inputs(name, 41)
+    x[2, 5] = 0.0
+    amax = x.abs().amax(-1)
+    ts = (44.0, 53.7, 62.0, 78.0) if name == "IQ3_XXS" else (11.0, 14.6, 19.5)
+    cand = torch.stack([amax / t for t in ts], -1)
+    cand[3, 1, 0] = 0.0
+    tables = tuple(t.to(DEVICE) for t in (*iq3._grid_map(name, "cpu"), *iq3._grid_table(name, "cpu")))
+    xd, wd, cd = x.to(DEVICE), w.to(DEVICE), cand.to(DEVICE)
+    got = iq3_search.step1(xd, wd, cd, lloyd, parity, *tables).cpu()
+
+    def fused(a, bg, ba):
+        return iq3_search.consider(xd, wd, a, parity, bg, ba, *tables)
+
+    want = steps.step1_torch(xd, wd, cd, lloyd, parity, *tables, consider=fused).cpu()
+    assert got.dtype == torch.float32 and got.shape == (5, 8) and torch.equal(got, want)
+    assert got[2, 5] == 0 and (got > 0).float().mean() > 0.9
+    ref = steps.step1_torch(x, w, cand, lloyd, parity, *(t.cpu() for t in tables))
+    assert ((ref - got).abs() <= 1e-3 * ref.abs()).float().mean() > 0.8
+    if lloyd:  # the Lloyd steps move the scales off the candidates
+        assert not torch.equal(got, steps.step1_torch(xd, wd, cd, 0, parity, *tables, consider=fused).cpu())
+
+
 @pytest.mark.parametrize("name,parity", [("IQ3_XXS", True), ("IQ3_S", False)])
 def test_iq3_consider_updates_as_the_reference(interpreted, name, parity, monkeypatch):
     """Step 1's fused candidate (``iq3.consider``: assignment, sums and the running best's update in one launch) gives
@@ -719,8 +750,8 @@ def test_iq3_encoder_on_fused_path(interpreted, name, knobs, monkeypatch):
     candidate lists), with the CPU's short search or the full one other devices run (two rounds, ``l`` +- 1, IQ3_XXS's
     final flip pass): the fused assignment ``iq3.assign`` is called for the scale search, ``iq3.exact`` for the exact
     errors (with their least-squares sums, the next round's start) and ``iq3.pick`` for ``d``; the bytes decode as
-    gguf-py does and are as good as torch's; with a round's levels in one launch (``iq3.exact_levels``) the bytes are
-    the same; with ``iq3.assign`` and ``iq3.exact`` taken away the assignment runs the
+    gguf-py does and are as good as torch's; with a round's levels in one launch (``iq3.exact_levels``) and step 1 in
+    one launch (``iq3.step1``) the bytes are the same; with ``iq3.assign`` and ``iq3.exact`` taken away the assignment runs the
     fused search ``iq3.nearest_variants`` and the torch steps around it, and the bytes are the same."""
     from dynaquant.quant.codecs import fastpaths, get_codec, quantize
 
@@ -730,7 +761,8 @@ def test_iq3_encoder_on_fused_path(interpreted, name, knobs, monkeypatch):
     x = (torch.randn(3, 512, generator=g) * 0.02).to(DEVICE)
     x[0, :32] = 0.0  # a zero sub-block (scale 0)
     im = torch.exp(torch.randn(512, generator=g)).to(DEVICE)
-    calls, exact, picks = (_spy(monkeypatch, k) for k in ("iq3.assign", "iq3.exact", "iq3.pick"))
+    calls, exact, picks, considers = (_spy(monkeypatch, k) for k in ("iq3.assign", "iq3.exact", "iq3.pick",
+                                                                      "iq3.consider"))
     ref = quantize(x, name, im, backend="torch").cpu()
     assert not calls and not exact and not picks
     ours = quantize(x, name, im, backend="triton").cpu()
@@ -744,11 +776,14 @@ def test_iq3_encoder_on_fused_path(interpreted, name, knobs, monkeypatch):
         from dynaquant.quant.codecs import iq3
 
         monkeypatch.setattr(iq3, "FUSED_LEVELS", True)
-        levels = _spy(monkeypatch, "iq3.exact_levels")
-        n_exact = len(exact)
+        monkeypatch.setattr(iq3, "FUSED_STEP1", True)
+        levels, step1 = _spy(monkeypatch, "iq3.exact_levels"), _spy(monkeypatch, "iq3.step1")
+        n_exact, n_consider = len(exact), len(considers)
         assert torch.equal(quantize(x, name, im, backend="triton").cpu(), ours)
         assert len(levels) == rounds and len(exact) - n_exact == (name == "IQ3_XXS")  # (only the final flip pass)
+        assert len(step1) == 1 and len(considers) == n_consider
         monkeypatch.setattr(iq3, "FUSED_LEVELS", False)
+        monkeypatch.setattr(iq3, "FUSED_STEP1", False)
     monkeypatch.setitem(fastpaths._LOADED, "iq3.assign", None)
     monkeypatch.setitem(fastpaths._LOADED, "iq3.exact", None)
     searches = _spy(monkeypatch, "iq3.nearest_variants")

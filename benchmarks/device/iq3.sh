@@ -1,7 +1,7 @@
 #!/bin/bash
 # Device run for IQ3 on CUDA (issue 16): the native IQ3 tests, one encode's launches by kind (iq3_configs.py
-# --breakdown), the default against a round's levels in one launch (--configs prefetch32,levels), then encode.sh
-# (every type against llama.cpp in one run, or the types given).
+# --breakdown), the default against a round's levels and step 1 each in one launch (--configs
+# prefetch32,levels,step1,fused), then encode.sh (every type against llama.cpp in one run, or the types given).
 # usage: bash benchmarks/device/iq3.sh OUT [encode_speed.py options, e.g. --types IQ3_XXS,IQ3_S]
 # Polling-friendly: setsid nohup bash benchmarks/device/iq3.sh /root/dq/iq3-out & ; then read OUT/status.
 # Writes OUT/iq3.log, OUT/tests.txt, OUT/breakdown.json, OUT/configs.txt and encode.sh's files.
@@ -13,8 +13,8 @@ python3 -m pytest -q -p no:cacheprovider tests/test_lattice_search.py -k iq3 > "
 tail -3 "$OUT/tests.txt"
 status "iq3: breakdown"
 python3 benchmarks/iq3_configs.py --breakdown > "$OUT/breakdown.json" || status "FAILED breakdown"
-status "iq3: configs prefetch32,levels"
-python3 benchmarks/iq3_configs.py --configs prefetch32,levels > "$OUT/configs.txt" 2>&1 || status "FAILED configs"
+status "iq3: configs prefetch32,levels,step1,fused"
+python3 benchmarks/iq3_configs.py --configs prefetch32,levels,step1,fused > "$OUT/configs.txt" 2>&1 || status "FAILED configs"
 tail -1 "$OUT/configs.txt"
 status "iq3: encode.sh"
 bash "$(dirname "$0")/encode.sh" "$OUT" "$@"

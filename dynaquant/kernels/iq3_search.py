@@ -32,7 +32,8 @@ scattered back) and in the (rows, P) score matrices' reductions, not in arithmet
   assignment's least-squares sums, the next round's start (a torch pass over the points before), and its indices in
   the narrowest integer type of the grid; :func:`exact_levels` (``iq3.exact_levels``, off by default:
   :data:`dynaquant.quant.codecs.iq3.FUSED_LEVELS`) does a round's levels ``l``, ``l + 1``, ``l - 1`` in one launch,
-  the better kept a sub-block in registers.
+  the better kept a sub-block in registers; :func:`step1` (``iq3.step1``, off by default:
+  :data:`dynaquant.quant.codecs.iq3.FUSED_STEP1`) does step 1's candidate scales and Lloyd steps in one launch.
 
 Sums run in a fixed order, not torch's, so scores can differ from the reference by float32 rounding and a near-tie
 can pick the other point (the tests compare the errors, and the bytes through gguf-py's decoder).
@@ -49,7 +50,7 @@ from dynaquant.kernels import iq3_tables as tables
 from dynaquant.quant.codecs import _iq3_search as steps
 from dynaquant.quant.codecs import iq3
 
-__all__ = ["assign", "consider", "exact", "exact_levels", "nearest_variants"]
+__all__ = ["assign", "consider", "exact", "exact_levels", "nearest_variants", "step1"]
 
 _BLOCK = 32  # groups a program (one a lane)
 # Measured on an H100 (2026-12-07, benchmarks/iq3_configs.py, a 4096 x 14336 tensor; out/iq3-configs-h100.json): the
@@ -567,16 +568,10 @@ def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_
         ps = _sub_sums(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, rm, BLOCK)
         if BEST:  # step 1's running best (steps.best_scale_update's float64 operations): p, q the updated (gain, A)
             qs = _sub_sums(qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, rm, BLOCK)
-            sxg = ps.to(tl.float64)
-            sgg = qs.to(tl.float64)
-            nz = sgg != 0
-            den = tl.where(nz, sgg, 1.0)
-            gain = tl.where(nz, (sxg * sxg) / den, 0.0)
-            bg = tl.load(bg_ptr + sb, mask=sm, other=0.0)
-            take = (gain > bg) & (sxg > 0)
-            tl.store(p_ptr + sb, tl.where(take, gain, bg), mask=sm)
-            ba = tl.load(ba_ptr + sb, mask=sm, other=0.0)
-            tl.store(q_ptr + sb, tl.where(take, tl.where(nz, sxg / den, 0.0).to(tl.float32), ba), mask=sm)
+            bg, ba = _gain_update(ps, qs, tl.load(bg_ptr + sb, mask=sm, other=0.0),
+                                  tl.load(ba_ptr + sb, mask=sm, other=0.0))
+            tl.store(p_ptr + sb, bg, mask=sm)
+            tl.store(q_ptr + sb, ba, mask=sm)
         else:
             tl.store(p_ptr + sb, ps, mask=sm)
             if OUT == 0:
@@ -670,6 +665,55 @@ def exact_levels_kernel(x_ptr, w_ptr, d_ptr, l_ptr, kmap_ptr, mids_ptr, grid_ptr
     tl.store(flip_ptr + b1 + 1, bb1.to(tl.int8), mask=rm)
     tl.store(flip_ptr + b1 + 2, bb2.to(tl.int8), mask=rm)
     tl.store(flip_ptr + b1 + 3, bb3.to(tl.int8), mask=rm)
+
+
+@triton.jit
+def _gain_update(sx, sg, bg, ba):
+    # step 1's running best (_iq3_search.best_scale_update's float64 operations) from float32 sums sx, sg
+    sxg = sx.to(tl.float64)
+    sgg = sg.to(tl.float64)
+    nz = sgg != 0
+    den = tl.where(nz, sgg, 1.0)
+    gain = tl.where(nz, (sxg * sxg) / den, 0.0)
+    take = (gain > bg) & (sxg > 0)
+    return tl.where(take, gain, bg), tl.where(take, tl.where(nz, sxg / den, 0.0).to(tl.float32), ba)
+
+
+@triton.jit
+def step1_kernel(x_ptr, w_ptr, c_ptr, ba_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_ptr, pts_ptr, cand_ptr, cnt_ptr, n,
+                 P: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr, LISTS: tl.constexpr,
+                 FB: tl.constexpr, GSTEP: tl.constexpr, PF: tl.constexpr, T: tl.constexpr, LLOYD: tl.constexpr):
+    # one lane an 8-group, as assign_kernel; the sub-blocks' T candidate scales (c_ptr: (n, 8, T)) then LLOYD times
+    # the best so far, each assigned (V variants), its least-squares sums formed as assign_kernel's BEST launch forms
+    # them and the running best updated in registers; the best scale stored
+    pid = tl.program_id(0)
+    lane = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    rm = lane < n
+    sb = pid.to(tl.int64) * (BLOCK // 4) + tl.arange(0, BLOCK // 4).to(tl.int64)
+    sm = sb < n // 4
+    b0 = lane * 8
+    b1 = b0 + 4
+    x0, x1, x2, x3 = _load4(x_ptr, b0, rm)
+    w0, w1, w2, w3 = _load4(w_ptr, b0, rm)
+    y0, y1, y2, y3 = _load4(x_ptr, b1, rm)
+    u0, u1, u2, u3 = _load4(w_ptr, b1, rm)
+    v0, v1, v2, v3 = tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3)
+    q0, q1, q2, q3 = tl.abs(y0), tl.abs(y1), tl.abs(y2), tl.abs(y3)
+    bg = tl.full((BLOCK // 4,), -1.0, tl.float64)
+    ba = tl.zeros((BLOCK // 4,), tl.float32)
+    for k in range(T + LLOYD):
+        a_sb = tl.load(c_ptr + sb * T + k, mask=sm & (k < T), other=0.0)
+        a = _by_sub_block(tl.where(k < T, a_sb, ba), BLOCK)
+        ia = tl.where(a > 0, tl.math.div_rn(tl.full(a.shape, 1.0, tl.float32), tl.where(a > 0, a, 1.0)), 0.0)
+        h0, h1, fa0, fa1, fa2, fa3, fb0, fb1, fb2, fb3 = _assign_lanes(
+            x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2, w3, u0, u1, u2, u3, a, ia, rm, kmap_ptr, mids_ptr, grid_ptr,
+            g2_ptr, cand_ptr, cnt_ptr, P, V, K, BLOCK, LISTS, FB, GSTEP, PF)
+        ga0, ga1, ga2, ga3, gb0, gb1, gb2, gb3 = _points(pts_ptr, grid_ptr, h0, h1, rm, FB, GSTEP)
+        sx, sg = _stats_sums(rm, ga0, ga1, ga2, ga3, gb0, gb1, gb2, gb3, x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2,
+                             w3, u0, u1, u2, u3, v0, v1, v2, v3, q0, q1, q2, q3, fa0, fa1, fa2, fa3, fb0, fb1, fb2, fb3,
+                             a, BLOCK)
+        bg, ba = _gain_update(sx, sg, bg, ba)
+    tl.store(ba_ptr + sb, ba, mask=sm)
 
 
 def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None, flip_at: torch.Tensor | None,
@@ -790,6 +834,42 @@ def exact(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full:
             P=gc.shape[0], V=nv, K=cand.shape[1], BLOCK=blk, LISTS=lists, OUT=1, IDX=True, FB=fb, GSTEP=gstep,
             SUMS=True, BEST=False, PF=PREFETCH if prefetch is None else prefetch, STATS=True, num_warps=_WARPS)
     return idx, flip.view(torch.bool), err, sxg, sgg
+
+
+def step1(x: torch.Tensor, w: torch.Tensor, cand: torch.Tensor, lloyd: int, parity: bool, kmap: torch.Tensor,
+          mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor, lists: bool | None = None,
+          packed: bool | None = None, prefetch: bool | None = None) -> torch.Tensor:
+    """Fused :func:`dynaquant.quant.codecs._iq3_search.step1_torch` (the fast path ``iq3.step1``): step 1 in one
+    launch: x and w read once, each candidate scale and then each Lloyd step assigned in turn, the running best
+    (float64 gain, float32 scale) kept a sub-block in registers; bit for bit :func:`step1_torch` with :func:`consider`
+    a candidate (the inverse scales as torch's: ``div_rn``).
+
+    Args:
+        x, w: (n, 8, 32) float32; cand: (n, 8, T) float32 candidate scales (>= 0); lloyd: refits after them; parity:
+            IQ3_XXS's even sign parity (the one-flip variants); kmap, mids, grid, g8: the tables of :func:`assign`.
+    Returns:
+        (n, 8) float32 best scales.
+    Raises:
+        ValueError: shapes that disagree.
+    """
+    n = x.shape[0]
+    if x.shape != (n, 8, 32) or w.shape != x.shape or cand.ndim != 3 or cand.shape[:2] != (n, 8) or lloyd < 0:
+        raise ValueError(f"expected x, w (n, 8, 32), cand (n, 8, T) and lloyd >= 0, got {tuple(x.shape)}, "
+                         f"{tuple(w.shape)}, {tuple(cand.shape)}, {lloyd}")
+    dev = x.device
+    best = torch.zeros(n, 8, dtype=torch.float32, device=dev)
+    if n and cand.shape[-1] + lloyd:
+        gc, g2, mc, kc, pts, cl, cnt, fb, gstep = tables.launch_tables(grid, kmap, mids, dev,
+                                                                       PACKED if packed is None else packed)
+        lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
+        lanes = n * 32
+        blk = _block(dev)
+        step1_kernel[(triton.cdiv(lanes, blk),)](
+            x.to(torch.float32).contiguous(), w.to(torch.float32).contiguous(), cand.to(torch.float32).contiguous(),
+            best, kc, mc, gc, g2, pts, cl, cnt, lanes, P=gc.shape[0], V=2 if parity else 1, K=cl.shape[1], BLOCK=blk,
+            LISTS=lists, FB=fb, GSTEP=gstep, PF=PREFETCH if prefetch is None else prefetch, T=cand.shape[-1],
+            LLOYD=int(lloyd), num_warps=_WARPS)
+    return best
 
 
 def exact_levels(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, lsc: torch.Tensor, deltas: tuple, kind: str,

@@ -3,11 +3,12 @@
 :func:`assign_variants` is :meth:`dynaquant.quant.codecs.iq3._IQ3._assign` given a nearest-point search of
 :func:`nearest_variants_torch`'s contract; :func:`assign_torch` adds what the encoder computes from an assignment (the
 per-weight terms of the least-squares sums, or of the exact error) and is the reference of the fused fast path
-``iq3.assign`` (:mod:`dynaquant.kernels.iq3_search`); :func:`exact_torch` (the exact error and the least-squares sums
-of one assignment) is the reference of ``iq3.exact``, :func:`pick_torch` (from :func:`pick_errors_torch`'s terms) of
-``iq3.pick``, the fp16 ``d`` search's pick, :func:`exact_levels_torch` (each sub-block's best level, :func:`best_levels`)
-of ``iq3.exact_levels``. Pure torch; the operations are
-the encoder's own, in its order, so a fast path that repeats them gives the same bytes.
+``iq3.assign`` (:mod:`dynaquant.kernels.iq3_search`). The references of the other fast paths: :func:`consider_torch`
+(one step-1 candidate) of ``iq3.consider``, :func:`step1_torch` (all of step 1) of ``iq3.step1``, :func:`exact_torch`
+(the exact error and the least-squares sums of one assignment) of ``iq3.exact``, :func:`exact_levels_torch` (each
+sub-block's best level, :func:`best_levels`) of ``iq3.exact_levels``, :func:`pick_torch` (from
+:func:`pick_errors_torch`'s terms) of ``iq3.pick``, the fp16 ``d`` search's pick. Pure torch; the operations are the
+encoder's own, in its order, so a fast path that repeats them gives the same bytes.
 """
 
 from __future__ import annotations
@@ -242,6 +243,31 @@ def consider_torch(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bo
     Returns the new (best_gain, best_a). Raises ValueError as :func:`assign_torch`."""
     p, q = assign_torch(x, w, a, parity, False, "stats", False, kmap, mids, grid, g8, sums=True)[2:]
     return best_scale_update(p.double(), q.double(), best_gain, best_a)
+
+
+def step1_torch(x: torch.Tensor, w: torch.Tensor, cand: torch.Tensor, lloyd: int, parity: bool, kmap: torch.Tensor,
+                mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor, consider: Callable | None = None) -> torch.Tensor:
+    """Step 1 (the reference of the fast path ``iq3.step1``): the running best of :func:`consider_torch` over each
+    candidate scale, then ``lloyd`` refits (the best so far considered again).
+
+    Args:
+        x, w: (n, 8, 32) float32; cand: (n, 8, T) float32 candidate sub-block scales (>= 0); lloyd: refits;
+        parity, kmap, mids, grid, g8: as :func:`consider_torch`; consider: ``consider(a, best_gain, best_a)`` ->
+            (best_gain, best_a) (default :func:`consider_torch` with these arguments; the tests pass the fast path
+            ``iq3.consider`` to show the fused step equals the composition).
+    Returns:
+        (n, 8) float32: the scales of largest gain (0 where no candidate had a positive ``sum w v g``).
+    """
+    if consider is None:
+        def consider(a, bg, ba):
+            return consider_torch(x, w, a, parity, bg, ba, kmap, mids, grid, g8)
+    best_gain = torch.full(cand.shape[:2], -1.0, dtype=torch.float64, device=x.device)
+    best_a = torch.zeros(cand.shape[:2], dtype=torch.float32, device=x.device)
+    for k in range(cand.shape[-1]):
+        best_gain, best_a = consider(cand[..., k], best_gain, best_a)
+    for _ in range(lloyd):
+        best_gain, best_a = consider(best_a, best_gain, best_a)
+    return best_a
 
 
 def _pick_terms(a: torch.Tensor, sgg: torch.Tensor, cand: torch.Tensor, c: float):

@@ -41,6 +41,7 @@ NAMES = {
     "iq3.pick": "dynaquant.quant.codecs._iq3_search.pick_torch",
     "iq3.exact": "dynaquant.quant.codecs._iq3_search.exact_torch",
     "iq3.exact_levels": "dynaquant.quant.codecs._iq3_search.exact_levels_torch",
+    "iq3.step1": "dynaquant.quant.codecs._iq3_search.step1_torch",
     "iq3.consider": "dynaquant.quant.codecs._iq3_search.consider_torch",
     "blockfit.fit_scale": "dynaquant.quant.codecs._blockfit.fit_scale_torch",
     "blockfit.fit_affine": "dynaquant.quant.codecs._blockfit.fit_affine_torch",

@@ -92,6 +92,10 @@ _tables: dict = {}
 # them; the same bytes. Built without a GPU (2026-12-07, session 36): off until an H100 run measures it
 # (benchmarks/iq3_configs.py --configs prefetch32,levels).
 FUSED_LEVELS = False
+# Step 1's candidate scales and its Lloyd steps in one launch (the fast path ``iq3.step1``: x and w read once, the
+# running best kept a sub-block in registers) instead of one ``iq3.consider`` launch a candidate; the same bytes. Built
+# without a GPU (session 36): off until measured (benchmarks/iq3_configs.py --configs prefetch32,step1).
+FUSED_STEP1 = False
 
 
 def _grid_table(name: str, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -364,9 +368,9 @@ class _IQ3(Codec):
 
     @staticmethod
     def _fast(name: str, x: torch.Tensor, backend: str):
-        """The fast path ``name`` (``iq3.assign``, ``iq3.exact``, ``iq3.exact_levels``: Triton) for ``backend`` on ``x``'s
-        device, or None: the torch backend, or none there (CPU: the compiled search has only the nearest-point search;
-        one not registered or not loading), where :meth:`_assign` and the torch steps serve."""
+        """The fast path ``name`` (``iq3.assign``, ``iq3.exact``, ``iq3.exact_levels``, ``iq3.step1``: Triton) for
+        ``backend`` on ``x``'s device, or None: the torch backend, or none there (CPU: the compiled search has only the
+        nearest-point search; one not registered or not loading), where :meth:`_assign` and the torch steps serve."""
         try:
             return lat.fast_path(name, x, backend)
         except RuntimeError:
@@ -384,6 +388,10 @@ class _IQ3(Codec):
     def _step1(self, x, xa, w, neg, backend: str = "auto") -> torch.Tensor:
         """Step 1: the best continuous sub-block scales ``A`` (n, 8) float32 (0 for an all-zero sub-block)."""
         amax = xa.amax(-1)
+        fused_step = self._fast("iq3.step1", xa, backend) if FUSED_STEP1 else None
+        if fused_step is not None:  # every candidate and the Lloyd steps in one launch
+            cand = torch.stack([amax / t for t in self._knob("step1_t", xa.device)], -1)  # (n, 8, T): as below
+            return fused_step(x, w, cand, self._knob("lloyd_steps", xa.device), self.parity, *self._tables(x.device))
         best_gain = torch.full(amax.shape, -1.0, dtype=torch.float64, device=xa.device)
         best_a = torch.zeros_like(amax)
         fused = self._fused(xa, backend)
