@@ -21,7 +21,7 @@ from dynaquant.quant.codecs import _kquant_search as kqs
 __all__ = ["pick"]
 
 # Super-blocks a program, each with all its candidates: a (_ROWS, C rounded up to a power of 2) tile, one element a
-# thread in 8 warps for IQ3's 61-63 candidates. Offline sm_90 compiles (Triton 3.9's ptxas): 88 registers, no spills;
+# thread in 8 warps for IQ3's 61-63 candidates. Offline sm_90 compiles (Triton 3.9's ptxas): 94 registers, no spills;
 # 8 super-blocks in 4 warps spilled (255 registers, 48 bytes of stack: the float64 divisions of two elements a thread).
 _ROWS = 4
 _WARPS = 8

@@ -344,6 +344,25 @@ def _load4(ptr, base, rm):
 
 
 @triton.jit
+def _lane_weights(x_ptr, w_ptr, lane, rm):
+    # a lane's 8-group: the offsets of its halves (b0, b1), their weights x, y, importances w, u and |x|, |y|
+    b0 = lane * 8
+    b1 = b0 + 4
+    x0, x1, x2, x3 = _load4(x_ptr, b0, rm)
+    w0, w1, w2, w3 = _load4(w_ptr, b0, rm)
+    y0, y1, y2, y3 = _load4(x_ptr, b1, rm)
+    u0, u1, u2, u3 = _load4(w_ptr, b1, rm)
+    return (b0, b1, x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2, w3, u0, u1, u2, u3, tl.abs(x0), tl.abs(x1),
+            tl.abs(x2), tl.abs(x3), tl.abs(y0), tl.abs(y1), tl.abs(y2), tl.abs(y3))
+
+
+@triton.jit
+def _inv_scale(a):
+    # _iq3_search.inv_scale: 1 / a (IEEE, div_rn, as torch's) where a > 0, else 0
+    return tl.where(a > 0, tl.math.div_rn(tl.full(a.shape, 1.0, tl.float32), tl.where(a > 0, a, 1.0)), 0.0)
+
+
+@triton.jit
 def _features(x0, x1, x2, x3, w0, w1, w2, w3, a, ia):
     # one half (4 weights) of the lanes' 8-groups: |x| and the features f = [2 w |x|, -a w], t = |x| / a
     na = -a
@@ -416,36 +435,22 @@ def _sub_sums(t0, t1, t2, t3, u0, u1, u2, u3, rm, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _stats_sums(rm, ga0, ga1, ga2, ga3, gb0, gb1, gb2, gb3, x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2, w3, u0, u1, u2,
-                u3, v0, v1, v2, v3, q0, q1, q2, q3, fa0, fa1, fa2, fa3, fb0, fb1, fb2, fb3, a, BLOCK: tl.constexpr):
-    # the least-squares sums (sum w v g, sum w g g) a sub-block of the lanes' assignment: _emit's OUT 0 terms, summed
-    # by _sub_sums (bit for bit what an OUT 0 launch of the same assignment stores)
-    pa0, qa0 = _emit(a, a, a, 0, rm, ga0, x0, w0, v0, fa0, 0, a, 0, False, True)
-    pa1, qa1 = _emit(a, a, a, 0, rm, ga1, x1, w1, v1, fa1, 1, a, 0, False, True)
-    pa2, qa2 = _emit(a, a, a, 0, rm, ga2, x2, w2, v2, fa2, 2, a, 0, False, True)
-    pa3, qa3 = _emit(a, a, a, 0, rm, ga3, x3, w3, v3, fa3, 3, a, 0, False, True)
-    pb0, qb0 = _emit(a, a, a, 0, rm, gb0, y0, u0, q0, fb0, 0, a, 0, False, True)
-    pb1, qb1 = _emit(a, a, a, 0, rm, gb1, y1, u1, q1, fb1, 1, a, 0, False, True)
-    pb2, qb2 = _emit(a, a, a, 0, rm, gb2, y2, u2, q2, fb2, 2, a, 0, False, True)
-    pb3, qb3 = _emit(a, a, a, 0, rm, gb3, y3, u3, q3, fb3, 3, a, 0, False, True)
+def _term_sums(rm, ga0, ga1, ga2, ga3, gb0, gb1, gb2, gb3, x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2, w3, u0, u1, u2,
+               u3, v0, v1, v2, v3, q0, q1, q2, q3, fa0, fa1, fa2, fa3, fb0, fb1, fb2, fb3, a, OUT: tl.constexpr,
+               BLOCK: tl.constexpr):
+    # the sub-block sums of _emit's OUT terms of the lanes' assignment, summed by _sub_sums (bit for bit what an
+    # OUT launch of the same assignment stores): OUT 0 (sum w v g, sum w g g), OUT 1 the exact error sum w (x - y)**2
+    # under scales a (twice)
+    pa0, qa0 = _emit(a, a, a, 0, rm, ga0, x0, w0, v0, fa0, 0, a, OUT, False, True)
+    pa1, qa1 = _emit(a, a, a, 0, rm, ga1, x1, w1, v1, fa1, 1, a, OUT, False, True)
+    pa2, qa2 = _emit(a, a, a, 0, rm, ga2, x2, w2, v2, fa2, 2, a, OUT, False, True)
+    pa3, qa3 = _emit(a, a, a, 0, rm, ga3, x3, w3, v3, fa3, 3, a, OUT, False, True)
+    pb0, qb0 = _emit(a, a, a, 0, rm, gb0, y0, u0, q0, fb0, 0, a, OUT, False, True)
+    pb1, qb1 = _emit(a, a, a, 0, rm, gb1, y1, u1, q1, fb1, 1, a, OUT, False, True)
+    pb2, qb2 = _emit(a, a, a, 0, rm, gb2, y2, u2, q2, fb2, 2, a, OUT, False, True)
+    pb3, qb3 = _emit(a, a, a, 0, rm, gb3, y3, u3, q3, fb3, 3, a, OUT, False, True)
     return (_sub_sums(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, rm, BLOCK),
             _sub_sums(qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, rm, BLOCK))
-
-
-@triton.jit
-def _error_sums(rm, ga0, ga1, ga2, ga3, gb0, gb1, gb2, gb3, x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2, w3, u0, u1, u2,
-                u3, v0, v1, v2, v3, q0, q1, q2, q3, fa0, fa1, fa2, fa3, fb0, fb1, fb2, fb3, a, BLOCK: tl.constexpr):
-    # the exact error sum w (x - y)**2 a sub-block of the lanes' assignment under scales a: _emit's OUT 1 terms, summed
-    # by _sub_sums (bit for bit what an OUT 1 launch stores)
-    pa0 = _emit(a, a, a, 0, rm, ga0, x0, w0, v0, fa0, 0, a, 1, False, True)[0]
-    pa1 = _emit(a, a, a, 0, rm, ga1, x1, w1, v1, fa1, 1, a, 1, False, True)[0]
-    pa2 = _emit(a, a, a, 0, rm, ga2, x2, w2, v2, fa2, 2, a, 1, False, True)[0]
-    pa3 = _emit(a, a, a, 0, rm, ga3, x3, w3, v3, fa3, 3, a, 1, False, True)[0]
-    pb0 = _emit(a, a, a, 0, rm, gb0, y0, u0, q0, fb0, 0, a, 1, False, True)[0]
-    pb1 = _emit(a, a, a, 0, rm, gb1, y1, u1, q1, fb1, 1, a, 1, False, True)[0]
-    pb2 = _emit(a, a, a, 0, rm, gb2, y2, u2, q2, fb2, 2, a, 1, False, True)[0]
-    pb3 = _emit(a, a, a, 0, rm, gb3, y3, u3, q3, fb3, 3, a, 1, False, True)[0]
-    return _sub_sums(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, rm, BLOCK)
 
 
 @triton.jit
@@ -539,14 +544,8 @@ def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_
     rm = lane < n
     a = tl.load(a_ptr + lane // 4, mask=rm, other=0.0)
     ia = tl.load(ia_ptr + lane // 4, mask=rm, other=0.0)
-    b0 = lane * 8
-    b1 = b0 + 4
-    x0, x1, x2, x3 = _load4(x_ptr, b0, rm)
-    w0, w1, w2, w3 = _load4(w_ptr, b0, rm)
-    y0, y1, y2, y3 = _load4(x_ptr, b1, rm)
-    u0, u1, u2, u3 = _load4(w_ptr, b1, rm)
-    v0, v1, v2, v3 = tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3)
-    q0, q1, q2, q3 = tl.abs(y0), tl.abs(y1), tl.abs(y2), tl.abs(y3)
+    (b0, b1, x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2, w3, u0, u1, u2, u3, v0, v1, v2, v3, q0, q1, q2,
+     q3) = _lane_weights(x_ptr, w_ptr, lane, rm)
     h0, h1, fa0, fa1, fa2, fa3, fb0, fb1, fb2, fb3 = _assign_lanes(
         x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2, w3, u0, u1, u2, u3, a, ia, rm, kmap_ptr, mids_ptr, grid_ptr,
         g2_ptr, cand_ptr, cnt_ptr, P, V, K, BLOCK, LISTS, FB, GSTEP, PF)
@@ -577,9 +576,9 @@ def assign_kernel(x_ptr, w_ptr, a_ptr, ia_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_
             if OUT == 0:
                 tl.store(q_ptr + sb, _sub_sums(qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, rm, BLOCK), mask=sm)
         if STATS:  # with the exact error (OUT 1): the same assignment's least-squares sums, as OUT 0 forms them
-            sx, sg = _stats_sums(rm, ga0, ga1, ga2, ga3, gb0, gb1, gb2, gb3, x0, x1, x2, x3, y0, y1, y2, y3, w0, w1,
-                                 w2, w3, u0, u1, u2, u3, v0, v1, v2, v3, q0, q1, q2, q3, fa0, fa1, fa2, fa3, fb0, fb1,
-                                 fb2, fb3, a, BLOCK)
+            sx, sg = _term_sums(rm, ga0, ga1, ga2, ga3, gb0, gb1, gb2, gb3, x0, x1, x2, x3, y0, y1, y2, y3, w0, w1,
+                                w2, w3, u0, u1, u2, u3, v0, v1, v2, v3, q0, q1, q2, q3, fa0, fa1, fa2, fa3, fb0, fb1,
+                                fb2, fb3, a, 0, BLOCK)
             tl.store(sx_ptr + sb, sx, mask=sm)
             tl.store(sg_ptr + sb, sg, mask=sm)
 
@@ -615,14 +614,8 @@ def exact_levels_kernel(x_ptr, w_ptr, d_ptr, l_ptr, kmap_ptr, mids_ptr, grid_ptr
     sm = sb < n // 4
     d = tl.load(d_ptr + lane // 32, mask=rm, other=0.0)
     l0 = tl.load(l_ptr + lane // 4, mask=rm, other=0).to(tl.int32)
-    b0 = lane * 8
-    b1 = b0 + 4
-    x0, x1, x2, x3 = _load4(x_ptr, b0, rm)
-    w0, w1, w2, w3 = _load4(w_ptr, b0, rm)
-    y0, y1, y2, y3 = _load4(x_ptr, b1, rm)
-    u0, u1, u2, u3 = _load4(w_ptr, b1, rm)
-    v0, v1, v2, v3 = tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3)
-    q0, q1, q2, q3 = tl.abs(y0), tl.abs(y1), tl.abs(y2), tl.abs(y3)
+    (b0, b1, x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2, w3, u0, u1, u2, u3, v0, v1, v2, v3, q0, q1, q2,
+     q3) = _lane_weights(x_ptr, w_ptr, lane, rm)
     for c in tl.static_range(1 + ND):
         if c == 0:
             lt = l0
@@ -631,16 +624,17 @@ def exact_levels_kernel(x_ptr, w_ptr, d_ptr, l_ptr, kmap_ptr, mids_ptr, grid_ptr
         else:
             lt = tl.minimum(tl.maximum(l0 + D2, 0), 15)
         a = _level_scale(d, lt, HALF)
-        ia = tl.where(a > 0, tl.math.div_rn(tl.full(a.shape, 1.0, tl.float32), tl.where(a > 0, a, 1.0)), 0.0)
+        ia = _inv_scale(a)
         h0, h1, fa0, fa1, fa2, fa3, fb0, fb1, fb2, fb3 = _assign_lanes(
             x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2, w3, u0, u1, u2, u3, a, ia, rm, kmap_ptr, mids_ptr, grid_ptr,
             g2_ptr, cand_ptr, cnt_ptr, P, V, K, BLOCK, LISTS, FB, GSTEP, PF)
         ga0, ga1, ga2, ga3, gb0, gb1, gb2, gb3 = _points(pts_ptr, grid_ptr, h0, h1, rm, FB, GSTEP)
-        es = _error_sums(rm, ga0, ga1, ga2, ga3, gb0, gb1, gb2, gb3, x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2, w3,
-                         u0, u1, u2, u3, v0, v1, v2, v3, q0, q1, q2, q3, fa0, fa1, fa2, fa3, fb0, fb1, fb2, fb3, a, BLOCK)
-        sx, sg = _stats_sums(rm, ga0, ga1, ga2, ga3, gb0, gb1, gb2, gb3, x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2,
-                             w3, u0, u1, u2, u3, v0, v1, v2, v3, q0, q1, q2, q3, fa0, fa1, fa2, fa3, fb0, fb1, fb2, fb3,
-                             a, BLOCK)
+        es = _term_sums(rm, ga0, ga1, ga2, ga3, gb0, gb1, gb2, gb3, x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2, w3,
+                        u0, u1, u2, u3, v0, v1, v2, v3, q0, q1, q2, q3, fa0, fa1, fa2, fa3, fb0, fb1, fb2, fb3, a, 1,
+                        BLOCK)[0]
+        sx, sg = _term_sums(rm, ga0, ga1, ga2, ga3, gb0, gb1, gb2, gb3, x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2,
+                            w3, u0, u1, u2, u3, v0, v1, v2, v3, q0, q1, q2, q3, fa0, fa1, fa2, fa3, fb0, fb1, fb2, fb3,
+                            a, 0, BLOCK)
         if c == 0:
             be, bsx, bsg, bl, bh0, bh1 = es, sx, sg, lt, h0, h1
             ba0, ba1, ba2, ba3, bb0, bb1, bb2, bb3 = fa0, fa1, fa2, fa3, fb0, fb1, fb2, fb3
@@ -691,27 +685,21 @@ def step1_kernel(x_ptr, w_ptr, c_ptr, ba_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_p
     rm = lane < n
     sb = pid.to(tl.int64) * (BLOCK // 4) + tl.arange(0, BLOCK // 4).to(tl.int64)
     sm = sb < n // 4
-    b0 = lane * 8
-    b1 = b0 + 4
-    x0, x1, x2, x3 = _load4(x_ptr, b0, rm)
-    w0, w1, w2, w3 = _load4(w_ptr, b0, rm)
-    y0, y1, y2, y3 = _load4(x_ptr, b1, rm)
-    u0, u1, u2, u3 = _load4(w_ptr, b1, rm)
-    v0, v1, v2, v3 = tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3)
-    q0, q1, q2, q3 = tl.abs(y0), tl.abs(y1), tl.abs(y2), tl.abs(y3)
+    (b0, b1, x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2, w3, u0, u1, u2, u3, v0, v1, v2, v3, q0, q1, q2,
+     q3) = _lane_weights(x_ptr, w_ptr, lane, rm)
     bg = tl.full((BLOCK // 4,), -1.0, tl.float64)
     ba = tl.zeros((BLOCK // 4,), tl.float32)
     for k in range(T + LLOYD):
         a_sb = tl.load(c_ptr + sb * T + k, mask=sm & (k < T), other=0.0)
         a = _by_sub_block(tl.where(k < T, a_sb, ba), BLOCK)
-        ia = tl.where(a > 0, tl.math.div_rn(tl.full(a.shape, 1.0, tl.float32), tl.where(a > 0, a, 1.0)), 0.0)
+        ia = _inv_scale(a)
         h0, h1, fa0, fa1, fa2, fa3, fb0, fb1, fb2, fb3 = _assign_lanes(
             x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2, w3, u0, u1, u2, u3, a, ia, rm, kmap_ptr, mids_ptr, grid_ptr,
             g2_ptr, cand_ptr, cnt_ptr, P, V, K, BLOCK, LISTS, FB, GSTEP, PF)
         ga0, ga1, ga2, ga3, gb0, gb1, gb2, gb3 = _points(pts_ptr, grid_ptr, h0, h1, rm, FB, GSTEP)
-        sx, sg = _stats_sums(rm, ga0, ga1, ga2, ga3, gb0, gb1, gb2, gb3, x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2,
-                             w3, u0, u1, u2, u3, v0, v1, v2, v3, q0, q1, q2, q3, fa0, fa1, fa2, fa3, fb0, fb1, fb2, fb3,
-                             a, BLOCK)
+        sx, sg = _term_sums(rm, ga0, ga1, ga2, ga3, gb0, gb1, gb2, gb3, x0, x1, x2, x3, y0, y1, y2, y3, w0, w1, w2,
+                            w3, u0, u1, u2, u3, v0, v1, v2, v3, q0, q1, q2, q3, fa0, fa1, fa2, fa3, fb0, fb1, fb2, fb3,
+                            a, 0, BLOCK)
         bg, ba = _gain_update(sx, sg, bg, ba)
     tl.store(ba_ptr + sb, ba, mask=sm)
 
@@ -790,6 +778,12 @@ def assign(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full
     return idx, flip.view(torch.bool), p, (q if out == "stats" else None)
 
 
+def _check_idx_dtype(idx_dtype: torch.dtype, grid: torch.Tensor) -> None:
+    """Raise ValueError unless ``idx_dtype`` is an integer type that holds every index of ``grid`` (P, 4)."""
+    if idx_dtype.is_floating_point or idx_dtype == torch.bool or grid.shape[0] - 1 > torch.iinfo(idx_dtype).max:
+        raise ValueError(f"idx_dtype {idx_dtype} cannot hold the indices of a {grid.shape[0]}-point grid")
+
+
 def exact(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full: bool, kmap: torch.Tensor,
           mids: torch.Tensor, grid: torch.Tensor, g8: torch.Tensor, idx_dtype: torch.dtype = torch.int64,
           lists: bool | None = None, packed: bool | None = None, prefetch: bool | None = None):
@@ -813,8 +807,7 @@ def exact(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full:
     n = x.shape[0]
     if x.shape != (n, 8, 32) or w.shape != x.shape or a.shape != (n, 8):
         raise ValueError(f"expected x, w (n, 8, 32) and a (n, 8), got {tuple(x.shape)}, {tuple(w.shape)}, {tuple(a.shape)}")
-    if idx_dtype.is_floating_point or idx_dtype == torch.bool or grid.shape[0] - 1 > torch.iinfo(idx_dtype).max:
-        raise ValueError(f"idx_dtype {idx_dtype} cannot hold the indices of a {grid.shape[0]}-point grid")
+    _check_idx_dtype(idx_dtype, grid)
     dev = x.device
     xc, wc = x.to(torch.float32).contiguous(), w.to(torch.float32).contiguous()
     ac = a.to(torch.float32).contiguous()
@@ -901,8 +894,7 @@ def exact_levels(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, lsc: torch.T
                          f"{tuple(w.shape)}, {tuple(d.shape)}, {tuple(lsc.shape)}, {deltas}")
     if kind not in steps.SCALE_KINDS:
         raise ValueError(f"kind must be one of {steps.SCALE_KINDS}, got {kind!r}")
-    if idx_dtype.is_floating_point or idx_dtype == torch.bool or grid.shape[0] - 1 > torch.iinfo(idx_dtype).max:
-        raise ValueError(f"idx_dtype {idx_dtype} cannot hold the indices of a {grid.shape[0]}-point grid")
+    _check_idx_dtype(idx_dtype, grid)
     dev = x.device
     err, sxg, sgg = (torch.empty(n, 8, dtype=torch.float32, device=dev) for _ in range(3))
     idx = torch.empty(n, 8, 8, dtype=idx_dtype, device=dev)

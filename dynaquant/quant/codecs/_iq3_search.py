@@ -81,6 +81,11 @@ def assign_variants(xa: torch.Tensor, w: torch.Tensor, neg: torch.Tensor, a: tor
     return idx, flip.reshape(n, _N_SUB, 32)
 
 
+def points(grid: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """(n, 8, 8) grid indices -> (n, 8, 32) float32 coordinates of ``grid`` (P, 4)."""
+    return grid.index_select(0, idx.reshape(-1)).reshape(idx.shape[0], _N_SUB, 32)
+
+
 def stats_terms(xa: torch.Tensor, w: torch.Tensor, g: torch.Tensor, flip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-weight terms of the least-squares sums of an assignment: ``(w v g, w g g)``, each (n, 8, 32) float32, for
     ``|x|``, importance, grid values ``g`` and ``flip`` (n, 8, 32) (``v`` is ``|x|`` negated where flipped)."""
@@ -131,7 +136,7 @@ def assign_torch(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool
         nearest = nearest_variants_torch
     xa, neg = x.abs(), x < 0
     idx, flip = assign_variants(xa, w, neg, a, parity, full, lambda f, t, o, k: nearest(f, t, o, k, kmap, mids, grid, g8))
-    g = grid.index_select(0, idx.reshape(-1)).reshape(n, _N_SUB, 32)
+    g = points(grid, idx)
     if out == "stats":
         p, q = stats_terms(xa, w, g, flip)
     else:
@@ -157,8 +162,7 @@ def exact_torch(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool,
         ValueError: as :func:`assign_torch`.
     """
     idx, flip, err, _ = assign_torch(x, w, a, parity, full, "error", True, kmap, mids, grid, g8, nearest, sums=True)
-    n = x.shape[0]
-    p, q = stats_terms(x.abs(), w, grid.index_select(0, idx.reshape(-1)).reshape(n, _N_SUB, 32), flip)
+    p, q = stats_terms(x.abs(), w, points(grid, idx), flip)
     return idx.to(idx_dtype), flip, err, p.sum(-1), q.sum(-1)
 
 
