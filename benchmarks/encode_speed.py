@@ -360,6 +360,13 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def iq3_fused_flags() -> dict:
+    """The IQ3 encoder's one-launch switches in force (``dynaquant.quant.codecs.iq3.FUSED_*``)."""
+    from dynaquant.quant.codecs import iq3
+
+    return {"FUSED_LEVELS": iq3.FUSED_LEVELS, "FUSED_STEP1": iq3.FUSED_STEP1}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--types", default="all", help="gguf, runtime, all (default) or comma-separated format names")
@@ -380,6 +387,8 @@ def main(argv=None) -> int:
     p.add_argument("--libggml", default=None, help="path of libggml-base (else $DYNAQUANT_LIBGGML, else llama-cpp-python's)")
     p.add_argument("--torch-baseline", action="store_true",
                    help="also time the torch reference on the device for codecs with fast paths (backend='torch')")
+    p.add_argument("--iq3-fused", choices=("none", "levels", "step1", "both"), default=None,
+                   help="set dynaquant.quant.codecs.iq3.FUSED_LEVELS / FUSED_STEP1 for this run (default: the module's)")
     p.add_argument("--out", type=Path, default=HERE / "out" / "encode_speed.json")
     p.add_argument("--resume", action="store_true", help="keep the result rows of an existing --out, run the missing types")
     p.add_argument("--summary", action="store_true", help="print the table of an existing --out and exit")
@@ -398,6 +407,11 @@ def main(argv=None) -> int:
         p.error("--device cuda but CUDA is not available")
     lib, lib_path = load_libggml(args.libggml)
     types = parse_types(args.types)
+    if args.iq3_fused is not None:
+        from dynaquant.quant.codecs import iq3
+
+        iq3.FUSED_LEVELS = args.iq3_fused in ("levels", "both")
+        iq3.FUSED_STEP1 = args.iq3_fused in ("step1", "both")
     x, imatrix = make_tensor(args.rows)
     header = {
         "row": "header",
@@ -415,6 +429,7 @@ def main(argv=None) -> int:
             "llama_threads": args.llama_threads,
             "torch_threads": torch.get_num_threads(),
             "error_decoder": "dynaquant.quant.codecs.dequantize on the device (both encoders' bytes)",
+            "iq3_fused": iq3_fused_flags(),
         },
     }
     rows: list[dict] = [header]
