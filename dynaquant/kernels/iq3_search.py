@@ -704,6 +704,19 @@ def step1_kernel(x_ptr, w_ptr, c_ptr, ba_ptr, kmap_ptr, mids_ptr, grid_ptr, g2_p
     tl.store(ba_ptr + sb, ba, mask=sm)
 
 
+def _launch(grid: torch.Tensor, kmap: torch.Tensor, mids: torch.Tensor, dev: torch.device, items: int,
+            lists: bool | None, packed: bool | None, prefetch: bool | None):
+    """What every search launch shares: (program grid over ``items`` lanes or rows, the tables (kmap, mids, grid,
+    g2, pts, cand, cnt) as :func:`.iq3_tables.launch_tables` places them on ``dev``, the shared constexprs and
+    ``num_warps``), with ``lists`` / ``packed`` / ``prefetch`` None taking the module defaults."""
+    gc, g2, mc, kc, pts, cand, cnt, fb, gstep = tables.launch_tables(grid, kmap, mids, dev,
+                                                                     PACKED if packed is None else packed)
+    blk = _block(dev)
+    meta = dict(P=gc.shape[0], K=cand.shape[1], BLOCK=blk, LISTS=grid.shape[0] >= LISTS_FROM if lists is None else lists,
+                FB=fb, GSTEP=gstep, PF=PREFETCH if prefetch is None else prefetch, num_warps=_WARPS)
+    return (triton.cdiv(items, blk),), (kc, mc, gc, g2, pts, cand, cnt), meta
+
+
 def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None, flip_at: torch.Tensor | None,
                      kmap: torch.Tensor, mids: torch.Tensor, grid: torch.Tensor,
                      g8: torch.Tensor, lists: bool | None = None,
@@ -726,13 +739,8 @@ def nearest_variants(f: torch.Tensor, t: torch.Tensor, odd: torch.Tensor | None,
     tc = t.to(device=dev, dtype=torch.float32).contiguous()
     oc = odd.to(device=dev, dtype=torch.int8).contiguous() if odd is not None else fc
     ac = flip_at.to(device=dev, dtype=torch.int32).contiguous() if flip_at is not None else fc
-    gc, g2, mc, kc, _, cand, cnt, fb, gstep = tables.launch_tables(grid, kmap, mids, dev,
-                                                                       PACKED if packed is None else packed)
-    lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
-    blk = _block(dev)
-    nearest_variants_kernel[(triton.cdiv(r, blk),)](
-        fc, tc, oc, ac, kc, mc, gc, g2, cand, cnt, score, idx, r, P=gc.shape[0], V=nv, K=cand.shape[1], BLOCK=blk,
-        LISTS=lists, FB=fb, GSTEP=gstep, PF=PREFETCH if prefetch is None else prefetch, num_warps=_WARPS)
+    pgrid, (kc, mc, gc, g2, _, cand, cnt), meta = _launch(grid, kmap, mids, dev, r, lists, packed, prefetch)
+    nearest_variants_kernel[pgrid](fc, tc, oc, ac, kc, mc, gc, g2, cand, cnt, score, idx, r, V=nv, **meta)
     return score, idx
 
 
@@ -761,16 +769,10 @@ def assign(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full
     idx = torch.empty(n, 8, 8, dtype=torch.int64, device=dev) if want_idx else p
     flip = torch.zeros(n, 8, 32, dtype=torch.uint8, device=dev) if want_idx else p
     if n:
-        gc, g2, mc, kc, pts, cand, cnt, fb, gstep = tables.launch_tables(grid, kmap, mids, dev,
-                                                                         PACKED if packed is None else packed)
-        lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
-        lanes = n * 32
-        nv = (5 if full else 2) if parity else 1
-        blk = _block(dev)
-        assign_kernel[(triton.cdiv(lanes, blk),)](
-            xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, idx, flip, p, q, p, p, p, p, lanes, P=gc.shape[0], V=nv,
-            K=cand.shape[1], BLOCK=blk, LISTS=lists, OUT=steps.OUTS.index(out), IDX=want_idx, FB=fb, GSTEP=gstep,
-            SUMS=in_kernel, BEST=False, PF=PREFETCH if prefetch is None else prefetch, STATS=False, num_warps=_WARPS)
+        pgrid, tabs, meta = _launch(grid, kmap, mids, dev, n * 32, lists, packed, prefetch)
+        assign_kernel[pgrid](
+            xc, wc, ac, ia, *tabs, idx, flip, p, q, p, p, p, p, n * 32, V=(5 if full else 2) if parity else 1,
+            OUT=steps.OUTS.index(out), IDX=want_idx, SUMS=in_kernel, BEST=False, STATS=False, **meta)
     if sums and not in_kernel:
         p, q = p.sum(-1), (q.sum(-1) if out == "stats" else p)
     if not want_idx:
@@ -816,16 +818,10 @@ def exact(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, full:
     idx = torch.empty(n, 8, 8, dtype=idx_dtype, device=dev)
     flip = torch.zeros(n, 8, 32, dtype=torch.uint8, device=dev)
     if n:
-        gc, g2, mc, kc, pts, cand, cnt, fb, gstep = tables.launch_tables(grid, kmap, mids, dev,
-                                                                         PACKED if packed is None else packed)
-        lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
-        lanes = n * 32
-        nv = (5 if full else 2) if parity else 1
-        blk = _block(dev)
-        assign_kernel[(triton.cdiv(lanes, blk),)](
-            xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, idx, flip, err, err, err, err, sxg, sgg, lanes,
-            P=gc.shape[0], V=nv, K=cand.shape[1], BLOCK=blk, LISTS=lists, OUT=1, IDX=True, FB=fb, GSTEP=gstep,
-            SUMS=True, BEST=False, PF=PREFETCH if prefetch is None else prefetch, STATS=True, num_warps=_WARPS)
+        pgrid, tabs, meta = _launch(grid, kmap, mids, dev, n * 32, lists, packed, prefetch)
+        assign_kernel[pgrid](
+            xc, wc, ac, ia, *tabs, idx, flip, err, err, err, err, sxg, sgg, n * 32, V=(5 if full else 2) if parity else 1,
+            OUT=1, IDX=True, SUMS=True, BEST=False, STATS=True, **meta)
     return idx, flip.view(torch.bool), err, sxg, sgg
 
 
@@ -852,16 +848,10 @@ def step1(x: torch.Tensor, w: torch.Tensor, cand: torch.Tensor, lloyd: int, pari
     dev = x.device
     best = torch.zeros(n, 8, dtype=torch.float32, device=dev)
     if n and cand.shape[-1] + lloyd:
-        gc, g2, mc, kc, pts, cl, cnt, fb, gstep = tables.launch_tables(grid, kmap, mids, dev,
-                                                                       PACKED if packed is None else packed)
-        lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
-        lanes = n * 32
-        blk = _block(dev)
-        step1_kernel[(triton.cdiv(lanes, blk),)](
+        pgrid, tabs, meta = _launch(grid, kmap, mids, dev, n * 32, lists, packed, prefetch)
+        step1_kernel[pgrid](
             x.to(torch.float32).contiguous(), w.to(torch.float32).contiguous(), cand.to(torch.float32).contiguous(),
-            best, kc, mc, gc, g2, pts, cl, cnt, lanes, P=gc.shape[0], V=2 if parity else 1, K=cl.shape[1], BLOCK=blk,
-            LISTS=lists, FB=fb, GSTEP=gstep, PF=PREFETCH if prefetch is None else prefetch, T=cand.shape[-1],
-            LLOYD=int(lloyd), num_warps=_WARPS)
+            best, *tabs, n * 32, V=2 if parity else 1, T=cand.shape[-1], LLOYD=int(lloyd), **meta)
     return best
 
 
@@ -901,17 +891,12 @@ def exact_levels(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, lsc: torch.T
     flip = torch.empty(n, 8, 32, dtype=torch.uint8, device=dev)
     lo = torch.empty(n, 8, dtype=torch.int64, device=dev)
     if n:
-        gc, g2, mc, kc, pts, cand, cnt, fb, gstep = tables.launch_tables(grid, kmap, mids, dev,
-                                                                         PACKED if packed is None else packed)
-        lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
-        lanes = n * 32
-        blk = _block(dev)
-        exact_levels_kernel[(triton.cdiv(lanes, blk),)](
+        pgrid, tabs, meta = _launch(grid, kmap, mids, dev, n * 32, lists, packed, prefetch)
+        exact_levels_kernel[pgrid](
             x.to(torch.float32).contiguous(), w.to(torch.float32).contiguous(), d.to(torch.float32).contiguous(),
-            lsc.to(torch.int64).contiguous(), kc, mc, gc, g2, pts, cand, cnt, idx, flip, err, sxg, sgg, lo, lanes,
-            P=gc.shape[0], V=2 if parity else 1, K=cand.shape[1], BLOCK=blk, LISTS=lists, FB=fb, GSTEP=gstep,
-            PF=PREFETCH if prefetch is None else prefetch, HALF=kind == "half", ND=len(deltas),
-            D1=deltas[0] if deltas else 0, D2=deltas[1] if len(deltas) > 1 else 0, num_warps=_WARPS)
+            lsc.to(torch.int64).contiguous(), *tabs, idx, flip, err, sxg, sgg, lo, n * 32, V=2 if parity else 1,
+            HALF=kind == "half", ND=len(deltas), D1=deltas[0] if deltas else 0, D2=deltas[1] if len(deltas) > 1 else 0,
+            **meta)
     return err, idx, flip.view(torch.bool), sxg, sgg, lo
 
 
@@ -938,14 +923,8 @@ def consider(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, parity: bool, be
     ia = steps.inv_scale(ac)
     bg, ba = best_gain.to(torch.float64).contiguous(), best_a.to(torch.float32).contiguous()
     gain, scale = torch.empty_like(bg), torch.empty_like(ba)
-    gc, g2, mc, kc, pts, cand, cnt, fb, gstep = tables.launch_tables(grid, kmap, mids, dev,
-                                                                     PACKED if packed is None else packed)
-    lists = grid.shape[0] >= LISTS_FROM if lists is None else lists
-    lanes = n * 32
-    blk = _block(dev)
-    assign_kernel[(triton.cdiv(lanes, blk),)](
-        xc, wc, ac, ia, kc, mc, gc, g2, pts, cand, cnt, gain, gain, gain, scale, bg, ba, gain, gain, lanes,
-        P=gc.shape[0], V=2 if parity else 1, K=cand.shape[1], BLOCK=blk, LISTS=lists, OUT=0, IDX=False, FB=fb,
-        GSTEP=gstep, SUMS=True, BEST=True, PF=PREFETCH if prefetch is None else prefetch, STATS=False,
-        num_warps=_WARPS)
+    pgrid, tabs, meta = _launch(grid, kmap, mids, dev, n * 32, lists, packed, prefetch)
+    assign_kernel[pgrid](
+        xc, wc, ac, ia, *tabs, gain, gain, gain, scale, bg, ba, gain, gain, n * 32, V=2 if parity else 1, OUT=0,
+        IDX=False, SUMS=True, BEST=True, STATS=False, **meta)
     return gain, scale
