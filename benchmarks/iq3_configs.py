@@ -46,6 +46,8 @@ errors' launches now also form the least-squares sums the next round starts from
 the fp16 scale pick is one launch that makes its candidates and keeps the winner (no (n, C, 8) float64 errors written
 and summed), the rounds select uint8 / int16 indices, not int64.
 
+``--choose CONFIGS_TXT``: the ``--iq3-fused`` value for encode_speed.py from a ``--configs`` run's output (no GPU).
+
 usage: python3 benchmarks/iq3_configs.py [--configs old,new,new_lists,new_lists64,new_lists32] [--breakdown] (GPU)
        python3 benchmarks/iq3_configs.py --op-bytes (CPU)
 H100 runs: benchmarks/out/iq3-configs-h100.json (2026-12-07, old .. new_lists32), iq3-configs-tiles-h100.json (tiles).
@@ -236,6 +238,21 @@ def op_bytes(fmt: str, n: int = 256, chunk: int = 65520) -> dict:
             "largest_MB": {k: round(v * scale / 1e6, 1) for k, v in nbytes.most_common(8)}}
 
 
+FUSED_CHOICES = {"prefetch32": "none", "levels": "levels", "step1": "step1", "fused": "both"}
+
+
+def choose_fused(configs_txt: str) -> str:
+    """``encode_speed.py --iq3-fused``'s value for the configuration fastest on IQ3_XXS among ``prefetch32`` (the
+    default), ``levels``, ``step1`` and ``fused`` whose bytes equal the base's, read from a ``--configs`` run's output
+    (its last line, the JSON summary); ``none`` where there is no summary or none qualifies."""
+    try:
+        r = json.loads(configs_txt.strip().splitlines()[-1])["results"]["IQ3_XXS"]
+    except (IndexError, KeyError, ValueError):
+        return "none"
+    ok = [c for c in FUSED_CHOICES if "s" in r.get(c, {}) and r[c]["bytes_equal_base"]]
+    return FUSED_CHOICES[min(ok, key=lambda c: r[c]["s"])] if ok else "none"
+
+
 def main():
     import argparse
 
@@ -244,7 +261,12 @@ def main():
     ap.add_argument("--breakdown", action="store_true", help="only the assignment launches' times by kind (defaults)")
     ap.add_argument("--op-bytes", action="store_true",
                     help="only count the torch ops around the fast paths (CPU; bytes scaled to a CUDA chunk)")
+    ap.add_argument("--choose", metavar="CONFIGS_TXT",
+                    help="print encode_speed.py --iq3-fused's value from a --configs run's output (device scripts)")
     args = ap.parse_args()
+    if args.choose:
+        print(choose_fused(open(args.choose).read()))
+        return
     if args.op_bytes:
         print(json.dumps({fmt: op_bytes(fmt) for fmt in ("IQ3_XXS", "IQ3_S")}))
         return

@@ -18,12 +18,7 @@ status "iq3: configs prefetch32,levels,step1,fused"
 python3 benchmarks/iq3_configs.py --configs prefetch32,levels,step1,fused > "$OUT/configs.txt" 2>&1 || status "FAILED configs"
 tail -1 "$OUT/configs.txt"
 # the fastest of prefetch32 (today's default), levels, step1 and fused on IQ3_XXS runs the encode table
-FUSED=$(tail -1 "$OUT/configs.txt" | python3 -c '
-import json, sys
-r = json.load(sys.stdin)["results"]["IQ3_XXS"]
-names = {"prefetch32": "none", "levels": "levels", "step1": "step1", "fused": "both"}
-ok = [c for c in names if "s" in r.get(c, {}) and r[c]["bytes_equal_base"]]
-print(names[min(ok, key=lambda c: r[c]["s"])] if ok else "none")' 2>/dev/null || echo none)
+FUSED=$(python3 benchmarks/iq3_configs.py --choose "$OUT/configs.txt" 2>/dev/null || echo none)
 status "iq3: encode.sh (--iq3-fused $FUSED)"
 bash "$(dirname "$0")/encode.sh" "$OUT" --iq3-fused "$FUSED" "$@"
 status "iq3: done"
