@@ -31,7 +31,7 @@ the scale search), each with its own best grid point.
 
 1. per sub-block, candidate scales ``A = max|x| / t`` (``t`` over the grid's top values),
    each assignment followed by a weighted least-squares refit of ``A``; the best refit
-   scale, then two assign/refit (Lloyd) steps;
+   scale (``lloyd_steps`` further assign/refit steps from it: none by default);
 2. the fp16 ``d``: candidates ``max A / (c t)`` (``A = c d (2 l + 1)``, ``c = 1/4`` for
    IQ3_XXS, 1 for IQ3_S), each with the best odd multiple ``2 l + 1`` per sub-block, ranked
    by the fixed points' quadratic error ``Sgg (c d (2l+1) - A)**2``;
@@ -44,7 +44,7 @@ On CPU (with :mod:`dynaquant.kernels` imported and a C compiler, the assignment 
 the off-grid groups search exact candidate lists instead of the whole grid (the grid
 points no other grid point dominates with respect to the rounded pattern,
 :func:`._lattice.dominance_candidates`: 20-23 on average, at most 61/74), and the search is
-lighter (``cpu_search``: two step-1 scales, no Lloyd steps, one round of steps 2-3 without
+lighter (``cpu_search``: two step-1 scales, one round of steps 2-3 without
 the ``l +- 1`` tries, no final IQ3_XXS flip pass); other devices run the full search above.
 
 These are vector codes: a weight is not rounded on its own, so ``fit_params`` (GPTQ's
@@ -200,15 +200,19 @@ class _IQ3(Codec):
     step1_t: tuple[float, ...]
     # Step 2: d = max A / (c t) for these t (odd multiples 2 l + 1 reach 31).
     d_steps = tuple(18.0 + 0.25 * i for i in range(61))  # 18 .. 33
-    lloyd_steps = 2
+    # Assign/refit (Lloyd) steps after step 1's candidates: 0 since 2026-12-08. Two of them changed the weighted
+    # error by 0.0036 % (IQ3_XXS) and 0.0017 % (IQ3_S) on benchmarks/encode_speed.py's tensor (1024 rows, the full
+    # search on the CPU) and cost 2 of step 1's 10 assignment passes (step 1 was 37 % of an IQ3_XXS encode on the
+    # H100).
+    lloyd_steps = 0
     rounds = 2
     l_deltas = (1, -1)  # step 3: l + delta tried on the exact error
     full_flip = True  # IQ3_XXS: a final assignment trying every weight of an odd 8-group as the flipped one
-    # The CPU search: overrides of the attributes above (two step-1 scales, no Lloyd steps,
+    # The CPU search: overrides of the attributes above (two step-1 scales,
     # one round, no l +- 1 tries, no final flip pass): about 3-4x faster at a few % more
     # error (IQ3_S 0.73 vs 0.71 of llama.cpp's on benchmarks/encode_speed.py's tensor,
     # IQ3_XXS 0.78 vs 0.75). Other devices run the full search.
-    cpu_search: dict = {"lloyd_steps": 0, "rounds": 1, "l_deltas": (), "full_flip": False}
+    cpu_search: dict = {"rounds": 1, "l_deltas": (), "full_flip": False}
 
     def _knob(self, name: str, device: torch.device):
         """Search attribute ``name`` for a search on ``device`` (:attr:`cpu_search` on CPU)."""
@@ -389,7 +393,7 @@ class _IQ3(Codec):
         """Step 1: the best continuous sub-block scales ``A`` (n, 8) float32 (0 for an all-zero sub-block)."""
         amax = xa.amax(-1)
         fused_step = self._fast("iq3.step1", xa, backend) if FUSED_STEP1 else None
-        if fused_step is not None:  # every candidate and the Lloyd steps in one launch
+        if fused_step is not None:  # every candidate (and any Lloyd steps) in one launch
             cand = torch.stack([amax / t for t in self._knob("step1_t", xa.device)], -1)  # (n, 8, T): as below
             return fused_step(x, w, cand, self._knob("lloyd_steps", xa.device), self.parity, *self._tables(x.device))
         best_gain = torch.full(amax.shape, -1.0, dtype=torch.float64, device=xa.device)
