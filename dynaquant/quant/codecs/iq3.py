@@ -372,9 +372,10 @@ class _IQ3(Codec):
 
     @staticmethod
     def _fast(name: str, x: torch.Tensor, backend: str):
-        """The fast path ``name`` (``iq3.assign``, ``iq3.exact``, ``iq3.exact_levels``, ``iq3.step1``: Triton) for
-        ``backend`` on ``x``'s device, or None: the torch backend, or none there (CPU: the compiled search has only the
-        nearest-point search; one not registered or not loading), where :meth:`_assign` and the torch steps serve."""
+        """The fast path ``name`` (``iq3.assign``, ``iq3.consider``, ``iq3.exact``, ``iq3.exact_levels``, ``iq3.step1``:
+        Triton) for ``backend`` on ``x``'s device, or None: the torch backend, or none there (CPU: the compiled search
+        has only the nearest-point search; one not registered or not loading), where :meth:`_assign` and the torch
+        steps serve."""
         try:
             return lat.fast_path(name, x, backend)
         except RuntimeError:
@@ -390,39 +391,27 @@ class _IQ3(Codec):
         return (*_grid_map(self.grid_name, device), *_grid_table(self.grid_name, device))
 
     def _step1(self, x, xa, w, neg, backend: str = "auto") -> torch.Tensor:
-        """Step 1: the best continuous sub-block scales ``A`` (n, 8) float32 (0 for an all-zero sub-block)."""
+        """Step 1: the best continuous sub-block scales ``A`` (n, 8) float32 (0 for an all-zero sub-block), by
+        :func:`._iq3_search.step1_torch` with this backend's candidate step, or in one launch (``iq3.step1``)."""
         amax = xa.amax(-1)
+        cand = torch.stack([amax / t for t in self._knob("step1_t", xa.device)], -1)  # (n, 8, T)
+        lloyd, tables = self._knob("lloyd_steps", xa.device), self._tables(x.device)
         fused_step = self._fast("iq3.step1", xa, backend) if FUSED_STEP1 else None
         if fused_step is not None:  # every candidate (and any Lloyd steps) in one launch
-            cand = torch.stack([amax / t for t in self._knob("step1_t", xa.device)], -1)  # (n, 8, T): as below
-            return fused_step(x, w, cand, self._knob("lloyd_steps", xa.device), self.parity, *self._tables(x.device))
-        best_gain = torch.full(amax.shape, -1.0, dtype=torch.float64, device=xa.device)
-        best_a = torch.zeros_like(amax)
+            return fused_step(x, w, cand, lloyd, self.parity, *tables)
         fused = self._fused(xa, backend)
+        update = self._fast("iq3.consider", xa, backend) if fused is not None else None  # the fused candidate step
 
-        update = None
-        if fused is not None:  # the fused candidate step (iq3.consider) where there is one
-            try:
-                update = lat.fast_path("iq3.consider", xa, backend)
-            except RuntimeError:
-                update = None
-
-        def consider(a):
-            nonlocal best_gain, best_a
+        def consider(a, best_gain, best_a):
             if update is not None:
-                best_gain, best_a = update(x, w, a, self.parity, best_gain, best_a, *self._tables(x.device))
-                return
+                return update(x, w, a, self.parity, best_gain, best_a, *tables)
             if fused is not None:
                 sxg, sgg = self._ls_stats_fused(fused, x, w, a, False)[2:]
             else:
                 sxg, sgg = self._ls_stats(xa, w, *self._assign(xa, w, neg, a, False, backend))
-            best_gain, best_a = steps.best_scale_update(sxg, sgg, best_gain, best_a)
+            return steps.best_scale_update(sxg, sgg, best_gain, best_a)
 
-        for t in self._knob("step1_t", xa.device):
-            consider(amax / t)
-        for _ in range(self._knob("lloyd_steps", xa.device)):
-            consider(best_a)
-        return best_a
+        return steps.step1_torch(x, w, cand, lloyd, self.parity, *tables, consider=consider)
 
     def _ls_stats(self, xa, w, idx, flip):
         """The least-squares sums (sxg, sgg) (n, 8) float64 of an assignment: ``sum w v g``, ``sum w g g``."""
