@@ -361,10 +361,24 @@ def summary(rows: list[dict]) -> str:
 
 
 def iq3_fused_flags() -> dict:
-    """The IQ3 encoder's one-launch switches in force (``dynaquant.quant.codecs.iq3.FUSED_*``)."""
+    """The IQ3 encoder's one-launch switches in force (``dynaquant.quant.codecs.iq3.FUSED_FLAGS``)."""
     from dynaquant.quant.codecs import iq3
 
-    return {"FUSED_LEVELS": iq3.FUSED_LEVELS, "FUSED_STEP1": iq3.FUSED_STEP1}
+    return {k: getattr(iq3, k) for k in iq3.FUSED_FLAGS}
+
+
+def set_iq3_fused(value: str) -> None:
+    """Set the IQ3 one-launch switches from ``--iq3-fused``: ``none`` or comma-separated names of
+    ``iq3.FUSED_FLAGS`` without ``FUSED_`` (``levels,step1``); the named ones on, the others off.
+
+    Raises ValueError for a name that is not a switch."""
+    from dynaquant.quant.codecs import iq3
+
+    on = {"FUSED_" + n.strip().upper() for n in value.split(",") if n.strip() and n.strip() != "none"}
+    if on - set(iq3.FUSED_FLAGS):
+        raise ValueError(f"--iq3-fused: {sorted(on - set(iq3.FUSED_FLAGS))} not of {list(iq3.FUSED_FLAGS)}")
+    for k in iq3.FUSED_FLAGS:
+        setattr(iq3, k, k in on)
 
 
 def main(argv=None) -> int:
@@ -387,8 +401,9 @@ def main(argv=None) -> int:
     p.add_argument("--libggml", default=None, help="path of libggml-base (else $DYNAQUANT_LIBGGML, else llama-cpp-python's)")
     p.add_argument("--torch-baseline", action="store_true",
                    help="also time the torch reference on the device for codecs with fast paths (backend='torch')")
-    p.add_argument("--iq3-fused", choices=("none", "levels", "step1", "both"), default=None,
-                   help="set dynaquant.quant.codecs.iq3.FUSED_LEVELS / FUSED_STEP1 for this run (default: the module's)")
+    p.add_argument("--iq3-fused", default=None, metavar="none|levels,step1",
+                   help="the IQ3 one-launch switches on for this run (dynaquant.quant.codecs.iq3.FUSED_FLAGS without "
+                        "FUSED_, comma-separated; the others off; default: the module's)")
     p.add_argument("--out", type=Path, default=HERE / "out" / "encode_speed.json")
     p.add_argument("--resume", action="store_true", help="keep the result rows of an existing --out, run the missing types")
     p.add_argument("--summary", action="store_true", help="print the table of an existing --out and exit")
@@ -408,10 +423,10 @@ def main(argv=None) -> int:
     lib, lib_path = load_libggml(args.libggml)
     types = parse_types(args.types)
     if args.iq3_fused is not None:
-        from dynaquant.quant.codecs import iq3
-
-        iq3.FUSED_LEVELS = args.iq3_fused in ("levels", "both")
-        iq3.FUSED_STEP1 = args.iq3_fused in ("step1", "both")
+        try:
+            set_iq3_fused(args.iq3_fused)
+        except ValueError as e:
+            p.error(str(e))
     x, imatrix = make_tensor(args.rows)
     header = {
         "row": "header",

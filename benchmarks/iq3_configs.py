@@ -88,12 +88,12 @@ CONFIGS = {
     "fused": _cfg(PREFETCH=True, _BLOCK=32, _WARPS=1, FUSED_LEVELS=True, FUSED_STEP1=True),
 }
 DEFAULT_CONFIGS = ("old", "new", "new_lists", "new_lists64")  # --configs to choose (each compiles its own kernels)
-CODEC_FLAGS = ("FUSED_LEVELS", "FUSED_STEP1")  # flags of dynaquant.quant.codecs.iq3 (the rest are iq3_search's)
+CODEC_FLAGS = iq3.FUSED_FLAGS  # flags of dynaquant.quant.codecs.iq3 (the rest are iq3_search's)
 DEFAULTS = {k: getattr(iq3 if k in CODEC_FLAGS else ks, k) for k in CONFIGS["fused"]}
 
 
 def configure(name):
-    for k, v in {"FUSED_LEVELS": False, "FUSED_STEP1": False, **CONFIGS[name]}.items():
+    for k, v in {**dict.fromkeys(CODEC_FLAGS, False), **CONFIGS[name]}.items():
         setattr(iq3 if k in CODEC_FLAGS else ks, k, v)
 
 
@@ -238,7 +238,14 @@ def op_bytes(fmt: str, n: int = 256, chunk: int = 65520) -> dict:
             "largest_MB": {k: round(v * scale / 1e6, 1) for k, v in nbytes.most_common(8)}}
 
 
-FUSED_CHOICES = {"prefetch32": "none", "levels": "levels", "step1": "step1", "fused": "both"}
+FUSED_CHOICES = ("prefetch32", "levels", "step1", "fused")  # the default's configuration and its one-launch variants
+
+
+def fused_value(name: str) -> str:
+    """``encode_speed.py --iq3-fused``'s value for configuration ``name``: its codec switches that are on, without
+    ``FUSED_`` (``levels,step1``), or ``none``."""
+    on = [k[len("FUSED_"):].lower() for k in CODEC_FLAGS if CONFIGS[name].get(k)]
+    return ",".join(on) or "none"
 
 
 def choose_fused(configs_txt: str) -> str:
@@ -250,7 +257,7 @@ def choose_fused(configs_txt: str) -> str:
     except (IndexError, KeyError, ValueError):
         return "none"
     ok = [c for c in FUSED_CHOICES if "s" in r.get(c, {}) and r[c]["bytes_equal_base"]]
-    return FUSED_CHOICES[min(ok, key=lambda c: r[c]["s"])] if ok else "none"
+    return fused_value(min(ok, key=lambda c: r[c]["s"])) if ok else "none"
 
 
 def main():

@@ -24,7 +24,8 @@ def test_choose_fused_takes_the_fastest_with_the_default_bytes():
 
     txt = _summary(prefetch32=(0.066, True), levels=(0.060, True), step1=(0.058, True), fused=(0.050, False))
     assert iq3_configs.choose_fused(txt) == "step1"  # fused is faster but its bytes differ
-    assert iq3_configs.choose_fused(_summary(prefetch32=(0.066, True), fused=(0.050, True))) == "both"
+    assert iq3_configs.choose_fused(_summary(prefetch32=(0.066, True), fused=(0.050, True))) == "levels,step1"
+    assert iq3_configs.choose_fused(_summary(prefetch32=(0.066, True), levels=(0.050, True))) == "levels"
     assert iq3_configs.choose_fused(_summary(prefetch32=(0.05, True), levels=(0.06, True))) == "none"
     assert iq3_configs.choose_fused("Traceback ...\nRuntimeError: CUDA") == "none"  # a failed run
     assert iq3_configs.choose_fused("") == "none"
@@ -43,3 +44,8 @@ def test_encode_speed_iq3_fused_sets_and_records_the_switches(tmp_path, monkeypa
     head = json.loads(out.read_text())[0]
     assert head["config"]["iq3_fused"] == {"FUSED_LEVELS": False, "FUSED_STEP1": True}
     assert (iq3.FUSED_LEVELS, iq3.FUSED_STEP1) == (False, True)
+    assert encode_speed.main(["--types", "Q8_0", "--rows", "4", "--cpu-seconds", "0.01", "--repeats", "1",
+                              "--iq3-fused", "none", "--out", str(out)]) == 0
+    assert (iq3.FUSED_LEVELS, iq3.FUSED_STEP1) == (False, False)
+    with pytest.raises(SystemExit):  # not a switch: argparse's error, exit 2
+        encode_speed.main(["--types", "Q8_0", "--iq3-fused", "level", "--out", str(out)])

@@ -96,6 +96,8 @@ FUSED_LEVELS = False
 # running best kept a sub-block in registers) instead of one ``iq3.consider`` launch a candidate; the same bytes. Built
 # without a GPU (session 36): off until measured (benchmarks/iq3_configs.py --configs prefetch32,step1).
 FUSED_STEP1 = False
+# The one-launch switches above, by name (benchmarks set them by these names: encode_speed.py --iq3-fused, iq3_configs.py).
+FUSED_FLAGS = ("FUSED_LEVELS", "FUSED_STEP1")
 
 
 def _grid_table(name: str, device) -> tuple[torch.Tensor, torch.Tensor]:
