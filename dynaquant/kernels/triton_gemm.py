@@ -81,6 +81,33 @@ def scaled_tile(w, hsrc, zoff, sc, magic, KIND: tl.constexpr, BITS: tl.constexpr
 
 
 @triton.jit
+def store_tile(out, ym, yn, tile, pid_k, M, N, b_ptr, y_ptr, ws_ptr, cnt_ptr, stride_ym, HAS_BIAS: tl.constexpr,
+               SPLIT_K: tl.constexpr):
+    """Store a program's float32 output tile ``out`` at rows ``ym`` / columns ``yn`` of ``y`` (broadcast index
+    tensors in ``out``'s orientation), bias added, in y's dtype. With a K split the tile's partials go to the
+    float32 workspace and the last program of output tile ``tile`` adds them up (its counter reset for the next
+    call). Shared by the Triton and Gluon GEMMs."""
+    mask = (ym < M) & (yn < N)
+    if SPLIT_K > 1:
+        part = ws_ptr + ym * N + yn
+        tl.store(part + pid_k * M * N, out, mask=mask)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            out = tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")  # (no zeros_like: Gluon wants a layout)
+            for s in range(1, SPLIT_K):
+                out += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+            if HAS_BIAS:
+                out += tl.load(b_ptr + yn, mask=yn < N, other=0.0).to(tl.float32)
+            tl.store(y_ptr + ym * stride_ym + yn, out.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        if HAS_BIAS:
+            out += tl.load(b_ptr + yn, mask=yn < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + ym * stride_ym + yn, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _gemm_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
                  M, N, KW, KH, NG, stride_xm, stride_ym, out_mul, magic, NKT, NKT_C: tl.constexpr,
                  KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ZC: tl.constexpr,
@@ -142,25 +169,8 @@ def _gemm_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
     else:
         ym = rm[None, :]
         yn = rn[:, None]
-    mask = (ym < M) & (yn < N)
-    if SPLIT_K > 1:  # float32 partials; the last program of the tile adds them up (counter reset for the next call)
-        tile = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
-        part = ws_ptr + ym * N + yn
-        tl.store(part + pid_k * M * N, out, mask=mask)
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if done == SPLIT_K - 1:
-            out = tl.zeros_like(out)
-            for s in range(SPLIT_K):
-                out += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(cnt_ptr + tile, 0)
-            if HAS_BIAS:
-                out += tl.load(b_ptr + yn, mask=yn < N, other=0.0).to(tl.float32)
-            tl.store(y_ptr + ym * stride_ym + yn, out.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        if HAS_BIAS:
-            out += tl.load(b_ptr + yn, mask=yn < N, other=0.0).to(tl.float32)
-        tl.store(y_ptr + ym * stride_ym + yn, out.to(y_ptr.dtype.element_ty), mask=mask)
+    store_tile(out, ym, yn, pid_m * tl.cdiv(N, BLOCK_N) + pid_n, pid_k, M, N, b_ptr, y_ptr, ws_ptr, cnt_ptr, stride_ym,
+               HAS_BIAS, SPLIT_K)
 
 
 def _launch_args(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig):
@@ -180,7 +190,12 @@ def _launch_args(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
 
 
 def run_gemm(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig) -> torch.Tensor:
-    """``x2 (M, K) @ dequant(W).T + bias`` on the fused GEMM path (``cfg.path == "gemm"``; no super weights)."""
+    """``x2 (M, K) @ dequant(W).T + bias`` on the fused GEMM path (``cfg.path == "gemm"``; no super weights); with
+    ``cfg.gluon`` the Hopper kernel of :mod:`dynaquant.kernels.gluon_gemm`."""
+    if cfg.gluon:
+        from dynaquant.kernels.gluon_gemm import run_gluon_gemm
+
+        return run_gluon_gemm(x2, packed, bias, cfg)
     grid, args, kwargs, y = _launch_args(x2, packed, bias, cfg)
     _gemm_kernel[grid](*args, **kwargs)
     return y
@@ -188,5 +203,9 @@ def run_gemm(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, 
 
 def compile_gemm(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig) -> None:
     """Compile (without running) the kernel :func:`run_gemm` would launch."""
+    if cfg.gluon:
+        from dynaquant.kernels.gluon_gemm import compile_gluon_gemm
+
+        return compile_gluon_gemm(x2, packed, bias, cfg)
     grid, args, kwargs, _ = _launch_args(x2, packed, bias, cfg)
     _gemm_kernel.warmup(*args, grid=grid, **kwargs)

@@ -62,6 +62,9 @@ class LaunchConfig:
             warp partitions, where the compiler supports them for the target; 4+ warps).
         max_regs: ``gemm``: Triton's ``maxnreg`` (registers a thread; 0: the compiler's choice). 128 at 8 warps lets
             two programs share a multiprocessor, so one program's decode runs while the other's ``wgmma`` does.
+        gluon: ``gemm`` on Hopper: the Gluon kernel (:mod:`dynaquant.kernels.gluon_gemm`: activation tiles by TMA,
+            the next weight tile decoded while the tensor cores multiply this one); token tiles of 64+ (zero-filled
+            past M), whole warp groups, 3+ stages; none of the Triton kernel's options above.
     """
 
     path: str
@@ -81,6 +84,7 @@ class LaunchConfig:
     post_scale: bool = False
     warp_spec: bool = False
     max_regs: int = 0
+    gluon: bool = False
 
 
 @dataclass(frozen=True)
@@ -119,10 +123,24 @@ def _gemm_valid(cfg: LaunchConfig, fmt: KernelFormat, m: int, n: int, k: int) ->
     bk, g, s = cfg.block_k, fmt.group_size, cfg.split_k
     words = bk // epw if bk % epw == 0 else 0
     tiles = -(-m // max(cfg.block_m, 1)) * -(-n // max(cfg.block_n, 1))
+    if cfg.gluon and not _gluon_valid(cfg):
+        return False
     return (min(cfg.block_m, cfg.block_n) >= 16 and bk >= 32 and k % bk == 0 and words > 0 and words & (words - 1) == 0
             and (g % bk == 0 or bk % g == 0) and s >= 1 and (k // bk) % s == 0 and (s == 1 or tiles <= -(-n // 16))
             and (not cfg.post_scale or bk <= g) and (not cfg.warp_spec or cfg.num_warps >= 4)
             and (cfg.max_regs == 0 or 24 <= cfg.max_regs <= 255))
+
+
+GLUON_SMEM = 227 * 1024  # shared memory a Hopper block may take (bytes)
+
+
+def _gluon_valid(cfg: LaunchConfig) -> bool:
+    """The Gluon GEMM's limits: ``wgmma``'s 64-row M and warp groups, activation tiles ``num_stages - 2`` ahead, a
+    weight tile of at most 256 rows (one instruction's N), the slots in shared memory (16-bit activations: ``stages``
+    token tiles and 3 decoded weight tiles), and none of the Triton kernel's options."""
+    smem = 2 * cfg.block_k * (cfg.num_stages * cfg.block_m + 3 * cfg.block_n)
+    return (cfg.block_m >= 64 and cfg.num_warps in (4, 8) and cfg.num_stages >= 3 and 16 <= cfg.block_n <= 256
+            and smem <= GLUON_SMEM - 1024 and not (cfg.xa or cfg.post_scale or cfg.warp_spec or cfg.max_regs))
 
 
 def has_half2(fmt: KernelFormat) -> bool:
@@ -135,7 +153,7 @@ def valid_config(cfg: LaunchConfig, fmt: KernelFormat, m: int, n: int, k: int) -
     """Whether ``cfg`` can run this shape: the K split and the K tile divide the row's groups."""
     if cfg.path == "gemm":
         return _gemm_valid(cfg, fmt, m, n, k)
-    if cfg.xa or cfg.post_scale or cfg.warp_spec or cfg.max_regs:
+    if cfg.xa or cfg.post_scale or cfg.warp_spec or cfg.max_regs or cfg.gluon:
         return False
     n_groups = k // fmt.group_size
     if cfg.split_k < 1 or n_groups % cfg.split_k or (n_groups // cfg.split_k) % cfg.groups:
@@ -479,6 +497,27 @@ def gemm_candidates(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) 
         for bn, bk, warps in ((32, 128, 4), (64, 128, 4), (64, 64, 4), (128, 128, 8), (128, 64, 4)):
             out += [LaunchConfig("gemm", 16, bn, 1, s, warps, 3, False, bk) for s in (1, 2, 4, 8)]
     out += gemm_variant_candidates(fmt, m, n, k, dev)
+    out += gluon_candidates(fmt, m, n, k, dev)
+    return [c for c in dict.fromkeys(out) if valid_config(c, fmt, m, n, k)]
+
+
+def gluon_candidates(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) -> list[LaunchConfig]:
+    """The Gluon GEMM's tiles worth timing on Hopper (none measured yet, none a default; empty elsewhere): token
+    tiles of 64 (at M <= 64: one tile, K split 1-8 for a memory-bound shape) to 256 (at M = 256 every weight tile
+    decoded once), 64-256 weight rows, K tiles of 64 or 128, 4-8 warps, 3-4 stages, and a K split where the output
+    tiles are fewer than the multiprocessors. Offline sm_90 compiles (Triton 3.6 and 3.9): no spills up to 256 x 128
+    x 128 and 128 x 256 x 64 (INT4 252 / 250 registers); 256 x 256 spills."""
+    if dev.capability[0] != 9:
+        return []
+    top = min(max(_pow2_at_least(m, 64), 64), 256)
+    tiles = ((64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (64, 128, 64, 4, 4), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3),
+             (128, 256, 64, 8, 4), (256, 128, 64, 8, 4), (256, 64, 128, 8, 3), (256, 128, 64, 8, 3))
+    out = []
+    for bm, bn, bk, warps, stages in tiles:
+        bm = min(bm, top)
+        splits = (1, 2, 4, 8) if m <= 64 else (1, _split_to(-(-m // bm) * -(-n // bn), k // bk, dev))
+        for s in dict.fromkeys(splits):
+            out.append(LaunchConfig("gemm", bm, bn, 1, s, warps, stages, False, bk, gluon=True))
     return [c for c in dict.fromkeys(out) if valid_config(c, fmt, m, n, k)]
 
 
