@@ -36,17 +36,17 @@ H100 = DeviceInfo("NVIDIA H100 80GB HBM3", 132, (9, 0))
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def gemm(bm, bn, bk, warps, stages, split=1):
-    return LaunchConfig("gemm", bm, bn, 1, split, warps, stages, False, bk, gluon=True)
+def gemm(bm, bn, bk, warps, stages, split=1, ahead2=False):
+    return LaunchConfig("gemm", bm, bn, 1, split, warps, stages, ahead2, bk, gluon=True)
 
 
-CASES = [  # format, (token tile, weight rows, K tile, warps, stages, K split), activations, bias
-    ("INT4_G128", (256, 128, 64, 8, 4, 1), "bfloat16", False),
-    ("INT2_G128", (256, 128, 64, 8, 4, 1), "bfloat16", False),
-    ("MXFP4_G32", (128, 128, 128, 8, 3, 2), "bfloat16", True),
-    ("NVFP4_G16", (128, 256, 64, 8, 4, 1), "bfloat16", False),
-    ("INT3_G128", (128, 128, 64, 8, 3, 1), "float16", False),
-    ("INT4_G64_ASYM", (64, 64, 128, 4, 4, 4), "float16", True),
+CASES = [  # format, (token tile, weight rows, K tile, warps, stages, K split, words 2 tiles ahead), activations, bias
+    ("INT4_G128", (256, 128, 64, 8, 4, 1, 1), "bfloat16", False),
+    ("INT2_G128", (256, 128, 64, 8, 4, 1, 0), "bfloat16", False),
+    ("MXFP4_G32", (128, 128, 128, 8, 3, 2, 1), "bfloat16", True),
+    ("NVFP4_G16", (128, 256, 64, 8, 4, 1, 0), "bfloat16", False),
+    ("INT3_G128", (128, 128, 64, 8, 3, 1, 1), "float16", False),
+    ("INT4_G64_ASYM", (64, 64, 128, 4, 4, 4, 1), "float16", True),
 ]
 
 # Run in a child without TRITON_INTERPRET (the interpreter's jit functions cannot be compiled into a Gluon kernel):
@@ -62,8 +62,8 @@ cuobjdump = sys.argv[1]
 out = []
 for fmt, tile, dtype, bias in json.loads(sys.argv[2]):
     f = KernelFormat.parse(fmt)
-    bm, bn, bk, warps, stages, split = tile
-    cfg = LaunchConfig("gemm", bm, bn, 1, split, warps, stages, False, bk, gluon=True)
+    bm, bn, bk, warps, stages, split, ahead = tile
+    cfg = LaunchConfig("gemm", bm, bn, 1, split, warps, stages, bool(ahead), bk, gluon=True)
     n, k, dt = 14336, 4096, getattr(torch, dtype)
     qbits = 2 if f.bits == 3 else f.bits
     sdt = torch.uint8 if f.is_fp4 else torch.float16
@@ -104,7 +104,7 @@ def test_compiles_for_sm90_pipelined(case, sm90_reports):
     (``WARPGROUP.DEPBAR.LE gsb0, 0x1``), all of them once after it; ptxas serializes them instead (a ``0x0`` wait
     after every one) where the pipeline is ill formed, as a zero-trip path through the loop made it. No stack
     (spills), and at most the shared memory the configuration check allows (valid here)."""
-    fmt, (bm, bn, bk, warps, stages, split), _, _ = CASES[case]
+    fmt, (bm, bn, bk, warps, stages, split, _), _, _ = CASES[case]
     assert valid_config(gemm(bm, bn, bk, warps, stages, split), KernelFormat.parse(fmt), 256, 14336, 4096)
     r = sm90_reports[case]
     assert r["hgmma"] == r["per_tile"], r
@@ -149,8 +149,8 @@ def test_gluon_config_checks():
 @pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("fmt", ["INT4_G128", "INT2_G128", "MXFP4_G32", "NVFP4_G16", "INT3_G128", "INT4_G64_ASYM",
                                  "INT8_G128_ASYM"])
-@pytest.mark.parametrize("cfg", [gemm(256, 128, 64, 8, 4), gemm(128, 128, 128, 8, 3, 2), gemm(64, 128, 64, 4, 4, 4),
-                                 gemm(128, 256, 64, 8, 4)])
+@pytest.mark.parametrize("cfg", [gemm(256, 128, 64, 8, 4), gemm(128, 128, 128, 8, 3, 2, True),
+                                 gemm(64, 128, 64, 4, 4, 4, True), gemm(128, 256, 64, 8, 4)])
 def test_cuda_gluon_gemm(fmt, cfg):
     """Against the float32 reference on a Hopper GPU: partial token and row tiles (19 and 300 tokens, 1000 rows),
     a full one, bias, K splits (counters reset after each call), bf16 and fp16, and a CUDA graph replay."""

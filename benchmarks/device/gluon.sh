@@ -2,9 +2,9 @@
 # Device run of the Gluon GEMM (issue 17, dynaquant/kernels/gluon_gemm.py; built without a GPU in session 38), cheapest
 # and most telling steps first: its native tests (tests/test_gluon_gemm.py: every runtime format against the float32
 # reference, K splits, a CUDA graph; the sm_90 compile checks), then kernel_speed.py's decode step at M = 256 and 64
-# with the default kernels and with the Gluon kernel forced on the same tiles (--force-gemm gluon) and on 256-token
-# tiles, then M = 16 on a 64-token Gluon tile, then the sweep of M = 256 (every candidate, the Gluon tiles among them)
-# for INT4_G128. Every kernel_speed run times bf16 in the same run; compare ratios within a run.
+# with the default kernels and with the Gluon kernel forced on the same tiles (--force-gemm gluon, then with the words
+# two tiles ahead) and on 256-token tiles, then M = 16 on a 64-token Gluon tile, then the sweep of M = 256 (every
+# candidate, the Gluon tiles among them) for INT4_G128. Every kernel_speed run times bf16 in the same run; compare ratios within a run.
 # usage: bash benchmarks/device/gluon.sh OUT   (in the foreground with the call's $OUT: what finished comes back)
 # Writes OUT/gluon.log, OUT/status, OUT/gluon-tests.txt, OUT/k-*.json, OUT/summary.txt (the step rows).
 LOGNAME_=gluon.log
@@ -33,9 +33,11 @@ K="python3 benchmarks/kernel_speed.py --formats $F"
 status "gluon: M = 256, 64 default"; $K --m 256,64 --out "$OUT/k-default.json" || status "FAILED default"
 status "gluon: M = 256, 64 gluon"; $K --m 256,64 --force-gemm gluon --out "$OUT/k-gluon.json" || status "FAILED gluon"
 steps "$OUT/k-default.json" "$OUT/k-gluon.json"
-status "gluon: M = 256 gluon 256-token tiles"
-$K --m 256 --force-gemm gluon,block_m=256,block_k=64,num_stages=4 --out "$OUT/k-gluon256.json" || status "FAILED gluon256"
-steps "$OUT/k-gluon256.json"
+status "gluon: M = 256 gluon, words two tiles ahead; 256-token tiles"
+$K --m 256 --force-gemm gluon,prefetch --out "$OUT/k-gluon-pf.json" || status "FAILED gluon prefetch"
+$K --m 256 --force-gemm gluon,prefetch,block_m=256,block_k=64,num_stages=4 --out "$OUT/k-gluon256.json" \
+  || status "FAILED gluon256"
+steps "$OUT/k-gluon-pf.json" "$OUT/k-gluon256.json"
 status "gluon: M = 16 default and gluon 64-token tiles"
 $K --m 16 --out "$OUT/k16-default.json" || status "FAILED m16 default"
 $K --m 16 --force-gemm gluon,block_m=64,num_stages=4 --out "$OUT/k16-gluon.json" || status "FAILED m16 gluon"

@@ -9,9 +9,10 @@ overlap. This kernel is written in Gluon (Triton's explicit-layout dialect) to c
 
 - the activations' tiles come by TMA (``STAGES`` shared-memory slots, one mbarrier each, ``STAGES - 2`` tiles
   ahead), zero-filled past M;
-- the packed words (and scales, zeros, INT3's high-bit plane) of tile ``i + 1`` are loaded into registers while
-  tile ``i`` decodes, with the decoders of the Triton path (:func:`dynaquant.kernels.triton_gemm.scaled_tile`: the
-  same ``round((code - zero) * scale)`` weight values as dequantize-then-cuBLAS);
+- the packed words (and scales, zeros, INT3's high-bit plane) of tile ``i + 1`` (``i + 2`` with ``cfg.prefetch``:
+  the loads' latency can exceed one tile's MMA) are loaded into registers while tile ``i`` decodes, with the
+  decoders of the Triton path (:func:`dynaquant.kernels.triton_gemm.scaled_tile`: the same
+  ``round((code - zero) * scale)`` weight values as dequantize-then-cuBLAS);
 - the decoded tile is stored to one of three shared-memory slots in the ``wgmma`` operand layout (NVMMA swizzle),
   fenced for the async proxy, and every warp passes one barrier;
 - ``acc (BLOCK_M, BLOCK_N) += X_tile @ W_tile^T`` is issued asynchronously (``warpgroup_mma``, x from shared memory
@@ -89,7 +90,7 @@ def _gluon_gemm_kernel(x_desc, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_pt
                        M, N, KW, KH, NG, stride_ym, out_mul, magic, NKT,
                        KIND: gl.constexpr, BITS: gl.constexpr, G: gl.constexpr, ASYM: gl.constexpr, ZC: gl.constexpr,
                        HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT_K: gl.constexpr, STAGES: gl.constexpr,
-                       WORD_LAYOUT: gl.constexpr, W_LAYOUT: gl.constexpr, MMA_LAYOUT: gl.constexpr):
+                       AHEAD: gl.constexpr, WORD_LAYOUT: gl.constexpr, W_LAYOUT: gl.constexpr, MMA_LAYOUT: gl.constexpr):
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     DT: gl.constexpr = x_desc.dtype
@@ -119,9 +120,12 @@ def _gluon_gemm_kernel(x_desc, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_pt
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA_LAYOUT)
     w, sc, zoff, hsrc = _words(qw_ptr, qh_ptr, s_ptr, z_ptr, row, rw, t0, KW, KH, NG, KIND, BITS, ASYM, ZC, KWT, WPG,
                                ONE_GROUP)
+    if AHEAD == 2:  # tile 1's words too (tile 0's again where there is one tile)
+        w1, sc1, zoff1, hsrc1 = _words(qw_ptr, qh_ptr, s_ptr, z_ptr, row, rw, t0 + gl.minimum(1, NKT - 1), KW, KH, NG,
+                                       KIND, BITS, ASYM, ZC, KWT, WPG, ONE_GROUP)
     for i in range(NKT):
-        # the next tile's words in flight (the last tile reloads itself: no branch in the loop-carried values)
-        tn = t0 + gl.minimum(i + 1, NKT - 1)
+        # tile i + AHEAD's words in flight (past the end the last tile reloads itself: no branch in the carried values)
+        tn = t0 + gl.minimum(i + AHEAD, NKT - 1)
         w_n, sc_n, zoff_n, hsrc_n = _words(qw_ptr, qh_ptr, s_ptr, z_ptr, row, rw, tn, KW, KH, NG, KIND, BITS, ASYM, ZC,
                                            KWT, WPG, ONE_GROUP)
         wt = scaled_tile(w, hsrc, zoff, sc, magic, KIND, BITS, EPW, DT)  # [BLOCK_N, BLOCK_K]
@@ -137,10 +141,11 @@ def _gluon_gemm_kernel(x_desc, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_pt
         mbarrier.wait(bars.index(si), (i // STAGES) & 1)
         acc = warpgroup_mma(x_smem.index(si), w_slot.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        w = w_n
-        sc = sc_n
-        zoff = zoff_n
-        hsrc = hsrc_n
+        if AHEAD == 2:
+            w, sc, zoff, hsrc = w1, sc1, zoff1, hsrc1
+            w1, sc1, zoff1, hsrc1 = w_n, sc_n, zoff_n, hsrc_n
+        else:
+            w, sc, zoff, hsrc = w_n, sc_n, zoff_n, hsrc_n
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     for b in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(b))
@@ -210,6 +215,7 @@ def _launch(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, c
     args = (x_desc, packed.qweight, qh, packed.scales, z, b, y, ws, packed.counters, m, n, kw, kh, ng, y.stride(0),
             out_multiplier(packed, False), MAGIC, k // cfg.block_k // split)
     kwargs = dict(HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, SPLIT_K=split, STAGES=cfg.num_stages,
+                  AHEAD=2 if cfg.prefetch else 1,
                   num_warps=cfg.num_warps, **layouts(cfg, packed.fmt.bits, x2.dtype), **format_constants(packed))
     return grid, args, kwargs, y
 
@@ -265,6 +271,7 @@ def compile_sm90(packed: PackedWeight, m: int, cfg: LaunchConfig, dtype: torch.d
            "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "KW": "i32", "KH": "i32", "NG": "i32",
            "stride_ym": "i32", "out_mul": "fp32", "magic": "i32", "NKT": "i32"}
     constexprs = dict(HAS_BIAS=bias, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k, STAGES=cfg.num_stages,
+                      AHEAD=2 if cfg.prefetch else 1,
                       **layouts(cfg, packed.fmt.bits, dtype), **format_constants(packed))
     sig.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(_gluon_gemm_kernel, sig, constexprs)

@@ -40,7 +40,8 @@ class LaunchConfig:
         groups: quantization groups per loop iteration (the K tile is ``groups * group_size``).
         split_k: programs along K per output tile (partials in float32, reduced by the last one).
         num_warps, num_stages: Triton's launch options.
-        prefetch: ``gemv``: load the next K tile's words before decoding the current one (registers).
+        prefetch: ``gemv``: load the next K tile's words before decoding the current one (registers); ``gemm`` with
+            ``gluon``: load them two K tiles ahead instead of one.
         block_k: ``gemm``: weights along K a loop iteration (at least 32, a power-of-two number of packed
             words that divides a group or is made of whole groups; 0 elsewhere).
         half2: ``gemv``, symmetric INT4 / INT2 and FP4: each packed word's dot product in fp16 pairs
@@ -504,9 +505,10 @@ def gemm_candidates(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) 
 def gluon_candidates(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo) -> list[LaunchConfig]:
     """The Gluon GEMM's tiles worth timing on Hopper (none measured yet, none a default; empty elsewhere): token
     tiles of 64 (at M <= 64: one tile, K split 1-8 for a memory-bound shape) to 256 (at M = 256 every weight tile
-    decoded once), 64-256 weight rows, K tiles of 64 or 128, 4-8 warps, 3-4 stages, and a K split where the output
-    tiles are fewer than the multiprocessors. Offline sm_90 compiles (Triton 3.6 and 3.9): no spills up to 256 x 128
-    x 128 and 128 x 256 x 64 (INT4 252 / 250 registers); 256 x 256 spills."""
+    decoded once), 64-256 weight rows, K tiles of 64 or 128, 4-8 warps, 3-4 stages, a K split where the output
+    tiles are fewer than the multiprocessors, the words one or two tiles ahead (``prefetch``). Offline sm_90
+    compiles (Triton 3.6 and 3.9): no spills up to 256 x 128 x 128 and 128 x 256 x 64 (INT4 252 / 250 registers);
+    256 x 256 spills."""
     if dev.capability[0] != 9:
         return []
     top = min(max(_pow2_at_least(m, 64), 64), 256)
@@ -517,7 +519,7 @@ def gluon_candidates(fmt: KernelFormat, m: int, n: int, k: int, dev: DeviceInfo)
         bm = min(bm, top)
         splits = (1, 2, 4, 8) if m <= 64 else (1, _split_to(-(-m // bm) * -(-n // bn), k // bk, dev))
         for s in dict.fromkeys(splits):
-            out.append(LaunchConfig("gemm", bm, bn, 1, s, warps, stages, False, bk, gluon=True))
+            out += [LaunchConfig("gemm", bm, bn, 1, s, warps, stages, pf, bk, gluon=True) for pf in (False, True)]
     return [c for c in dict.fromkeys(out) if valid_config(c, fmt, m, n, k)]
 
 
