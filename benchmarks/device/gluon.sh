@@ -26,10 +26,15 @@ PY
   tail -n 20 "$OUT/summary.txt"
 }
 status "gluon: native tests"
-python3 -m pytest -q -p no:cacheprovider -x tests/test_gluon_gemm.py > "$OUT/gluon-tests.txt" 2>&1 \
-  || status "FAILED gluon tests (see gluon-tests.txt)"
+# never run on a GPU before: a wrong mbarrier phase would hang, so every step has a time limit, and nothing is timed
+# unless the tests pass
+if ! timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/test_gluon_gemm.py > "$OUT/gluon-tests.txt" 2>&1; then
+  tail -30 "$OUT/gluon-tests.txt"
+  status "FAILED gluon tests (see gluon-tests.txt): nothing timed"
+  exit 1
+fi
 tail -3 "$OUT/gluon-tests.txt"
-K="python3 benchmarks/kernel_speed.py --formats $F"
+K="timeout 240 python3 benchmarks/kernel_speed.py --formats $F"
 status "gluon: M = 256, 64 default"; $K --m 256,64 --out "$OUT/k-default.json" || status "FAILED default"
 status "gluon: M = 256, 64 gluon"; $K --m 256,64 --force-gemm gluon --out "$OUT/k-gluon.json" || status "FAILED gluon"
 steps "$OUT/k-default.json" "$OUT/k-gluon.json"
@@ -43,7 +48,7 @@ $K --m 16 --out "$OUT/k16-default.json" || status "FAILED m16 default"
 $K --m 16 --force-gemm gluon,block_m=64,num_stages=4 --out "$OUT/k16-gluon.json" || status "FAILED m16 gluon"
 steps "$OUT/k16-default.json" "$OUT/k16-gluon.json"
 status "gluon: sweep M = 256 INT4_G128"
-python3 benchmarks/kernel_speed.py --formats INT4_G128 --m 256 --sweep --sweep-m 256 --sweep-formats INT4_G128 \
+timeout 300 python3 benchmarks/kernel_speed.py --formats INT4_G128 --m 256 --sweep --sweep-m 256 --sweep-formats INT4_G128 \
   --budget-s 240 --out "$OUT/k-sweep256.json" || status "FAILED sweep"
 steps "$OUT/k-sweep256.json"
 status "gluon: done"
