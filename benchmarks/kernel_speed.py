@@ -218,7 +218,10 @@ def prewarm(jobs, threads: int = 16) -> float:
         fmt, n, k, m, cfg = job
         try:
             x = torch.empty(m, k, dtype=torch.bfloat16, device=DEVICE)
-            compile_ = compile_gemm if cfg.path == "gemm" else compile_resident if cfg.resident else compile_linear
+            if cfg.path == "gemm" and cfg.gluon:
+                from dynaquant.kernels.gluon_gemm import compile_gluon_gemm as compile_
+            else:
+                compile_ = compile_gemm if cfg.path == "gemm" else compile_resident if cfg.resident else compile_linear
             compile_(x, dummy_packed(fmt, n, k), None, cfg)
         except Exception as e:  # reported when the call runs
             log.warning("prewarm %s: %r", job, e)

@@ -27,7 +27,7 @@ of ``PackedWeight.counters``, reset for the next call), as the Triton path does.
 differs from dequantize-then-cuBLAS.
 
 Needs Triton's Gluon (3.5+) and a CUDA device of compute capability 9.x; bf16 / fp16 activations whose rows are
-16-byte aligned (TMA). Imported lazily by :func:`dynaquant.kernels.triton_gemm.run_gemm`. :func:`compile_sm90`
+16-byte aligned (TMA). Imported lazily by :func:`dynaquant.kernels.linear`. :func:`compile_sm90`
 compiles it without a GPU (the CPU tests' check that it builds, and builds pipelined).
 """
 

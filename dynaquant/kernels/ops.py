@@ -74,7 +74,11 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = No
     cfg = config if config is not None else choose_config(packed.fmt, m, n, k, device_info(x.device))
     if not valid_config(cfg, packed.fmt, m, n, k):
         raise ValueError(f"launch configuration {cfg} does not fit m={m}, n={n}, k={k} in {packed.fmt.name}")
-    if cfg.path == "gemm":
+    if cfg.path == "gemm" and cfg.gluon:
+        from dynaquant.kernels import gluon_gemm
+
+        y = gluon_gemm.run_gluon_gemm(x2, packed, bias, cfg)
+    elif cfg.path == "gemm":
         from dynaquant.kernels import triton_gemm
 
         y = triton_gemm.run_gemm(x2, packed, bias, cfg)

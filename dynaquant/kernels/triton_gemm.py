@@ -190,12 +190,8 @@ def _launch_args(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
 
 
 def run_gemm(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig) -> torch.Tensor:
-    """``x2 (M, K) @ dequant(W).T + bias`` on the fused GEMM path (``cfg.path == "gemm"``; no super weights); with
-    ``cfg.gluon`` the Hopper kernel of :mod:`dynaquant.kernels.gluon_gemm`."""
-    if cfg.gluon:
-        from dynaquant.kernels.gluon_gemm import run_gluon_gemm
-
-        return run_gluon_gemm(x2, packed, bias, cfg)
+    """``x2 (M, K) @ dequant(W).T + bias`` on the fused GEMM path (``cfg.path == "gemm"``; no super weights; the
+    ``cfg.gluon`` kernel is :func:`dynaquant.kernels.gluon_gemm.run_gluon_gemm`)."""
     grid, args, kwargs, y = _launch_args(x2, packed, bias, cfg)
     _gemm_kernel[grid](*args, **kwargs)
     return y
@@ -203,9 +199,5 @@ def run_gemm(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, 
 
 def compile_gemm(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig) -> None:
     """Compile (without running) the kernel :func:`run_gemm` would launch."""
-    if cfg.gluon:
-        from dynaquant.kernels.gluon_gemm import compile_gluon_gemm
-
-        return compile_gluon_gemm(x2, packed, bias, cfg)
     grid, args, kwargs, _ = _launch_args(x2, packed, bias, cfg)
     _gemm_kernel.warmup(*args, grid=grid, **kwargs)
