@@ -47,13 +47,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dynaquant.kernels.packing import PackedWeight
-from dynaquant.kernels.triton_gemm import scaled_tile, store_tile
+from dynaquant.kernels.triton_gemm import scaled_tile, store_tile, tile_words
 from dynaquant.kernels.triton_linear import (
     MAGIC,
     call_buffers,
     format_constants,
-    group_scale,
-    hi_source,
     out_multiplier,
 )
 from dynaquant.kernels.tuning import LaunchConfig
@@ -68,20 +66,13 @@ _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 @gluon.jit
 def _words(qw_ptr, qh_ptr, s_ptr, z_ptr, row, rw, t, KW, KH, NG, KIND: gl.constexpr, BITS: gl.constexpr,
            ASYM: gl.constexpr, ZC: gl.constexpr, KWT: gl.constexpr, WPG: gl.constexpr, ONE_GROUP: gl.constexpr):
-    """K tile ``t``'s packed words [BLOCK_N, KWT] of rows ``row`` [BLOCK_N, 1], their float32 scales and zero
-    offsets (a row's, or a word's where the tile spans groups) and the high-bit source (:func:`hi_source`)."""
-    word = t * KWT + rw
-    w = gl.load(qw_ptr + row * KW + word[None, :])
-    if ONE_GROUP:
-        goff = row * NG + (t * KWT) // WPG
-    else:
-        goff = row * NG + (word // WPG)[None, :]
-    sc = group_scale(gl.load(s_ptr + goff), KIND)
+    """:func:`~dynaquant.kernels.triton_gemm.tile_words` and the zero offsets: the loaded zeros, or the symmetric
+    constant as a tensor (a loop-carried value keeps its type)."""
+    w, goff, sc, hsrc = tile_words(qw_ptr, qh_ptr, s_ptr, row, rw, t, KW, KH, NG, KIND, BITS, KWT, WPG, ONE_GROUP)
     if ASYM:
         zoff = gl.load(z_ptr + goff).to(gl.float32)
     else:
         zoff = gl.full(sc.shape, ZC, gl.float32, sc.type.layout)
-    hsrc = hi_source(w, qh_ptr, row, KH, word, BITS)
     return w, sc, zoff, hsrc
 
 
@@ -199,6 +190,12 @@ def x_layout(cfg: LaunchConfig, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([cfg.block_m, cfg.block_k], _gl_dtype(dtype))
 
 
+def _constexprs(cfg: LaunchConfig, packed: PackedWeight, dtype: torch.dtype, has_bias: bool) -> dict:
+    """The kernel's compile-time arguments for a launch configuration, weight format and activation dtype."""
+    return dict(HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k, STAGES=cfg.num_stages,
+                AHEAD=2 if cfg.prefetch else 1, **layouts(cfg, packed.fmt.bits, dtype), **format_constants(packed))
+
+
 def _launch(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig):
     if not (x2.is_cuda and torch.cuda.get_device_capability(x2.device)[0] == 9):
         raise ValueError(f"the Gluon GEMM runs on CUDA devices of compute capability 9.x, not on {x2.device}")
@@ -214,10 +211,7 @@ def _launch(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, c
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
     args = (x_desc, packed.qweight, qh, packed.scales, z, b, y, ws, packed.counters, m, n, kw, kh, ng, y.stride(0),
             out_multiplier(packed, False), MAGIC, k // cfg.block_k // split)
-    kwargs = dict(HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, SPLIT_K=split, STAGES=cfg.num_stages,
-                  AHEAD=2 if cfg.prefetch else 1,
-                  num_warps=cfg.num_warps, **layouts(cfg, packed.fmt.bits, x2.dtype), **format_constants(packed))
-    return grid, args, kwargs, y
+    return grid, args, dict(_constexprs(cfg, packed, x2.dtype, bias is not None), num_warps=cfg.num_warps), y
 
 
 def run_gluon_gemm(x2: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, cfg: LaunchConfig) -> torch.Tensor:
@@ -270,9 +264,7 @@ def compile_sm90(packed: PackedWeight, m: int, cfg: LaunchConfig, dtype: torch.d
            "s_ptr": _PTR[packed.scales.dtype], "z_ptr": _PTR[z.dtype], "b_ptr": _PTR[dtype], "y_ptr": _PTR[dtype],
            "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "KW": "i32", "KH": "i32", "NG": "i32",
            "stride_ym": "i32", "out_mul": "fp32", "magic": "i32", "NKT": "i32"}
-    constexprs = dict(HAS_BIAS=bias, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k, STAGES=cfg.num_stages,
-                      AHEAD=2 if cfg.prefetch else 1,
-                      **layouts(cfg, packed.fmt.bits, dtype), **format_constants(packed))
+    constexprs = _constexprs(cfg, packed, dtype, bias)
     sig.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(_gluon_gemm_kernel, sig, constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})

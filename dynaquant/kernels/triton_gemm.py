@@ -81,6 +81,22 @@ def scaled_tile(w, hsrc, zoff, sc, magic, KIND: tl.constexpr, BITS: tl.constexpr
 
 
 @triton.jit
+def tile_words(qw_ptr, qh_ptr, s_ptr, row, rw, t, KW, KH, NG, KIND: tl.constexpr, BITS: tl.constexpr,
+               KWT: tl.constexpr, WPG: tl.constexpr, ONE_GROUP: tl.constexpr):
+    """K tile ``t``'s packed words ``w`` [R, KWT] of rows ``row`` [R, 1] (``rw``: ``arange(KWT)``), the offsets
+    ``goff`` of their groups' scales and zeros ([R, 1] where the tile lies in one group, else [R, KWT]), the float32
+    scales and the high-bit source (:func:`hi_source`). Shared by the Triton and Gluon GEMMs."""
+    word = t * KWT + rw
+    w = tl.load(qw_ptr + row * KW + word[None, :])
+    if ONE_GROUP:
+        goff = row * NG + (t * KWT) // WPG
+    else:
+        goff = row * NG + (word // WPG)[None, :]
+    sc = group_scale(tl.load(s_ptr + goff), KIND)
+    return w, goff, sc, hi_source(w, qh_ptr, row, KH, word, BITS)
+
+
+@triton.jit
 def store_tile(out, ym, yn, tile, pid_k, M, N, b_ptr, y_ptr, ws_ptr, cnt_ptr, stride_ym, HAS_BIAS: tl.constexpr,
                SPLIT_K: tl.constexpr):
     """Store a program's float32 output tile ``out`` at rows ``ym`` / columns ``yn`` of ``y`` (broadcast index
@@ -135,18 +151,11 @@ def _gemm_kernel(x_ptr, qw_ptr, qh_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
     nkt = NKT_C if NKT_C > 0 else NKT
     t0 = pid_k * nkt
     for t in tl.range(t0, t0 + nkt, warp_specialize=WS):  # pipelined by the launch's num_stages
-        word = t * KWT + rw
-        w = tl.load(qw_ptr + row * KW + word[None, :])  # [BLOCK_N, KWT]
-        if ONE_GROUP:
-            goff = row * NG + (t * KWT) // WPG  # [BLOCK_N, 1]
-        else:
-            goff = row * NG + (word // WPG)[None, :]  # [BLOCK_N, KWT]
-        sc = group_scale(tl.load(s_ptr + goff), KIND)
+        w, goff, sc, hsrc = tile_words(qw_ptr, qh_ptr, s_ptr, row, rw, t, KW, KH, NG, KIND, BITS, KWT, WPG, ONE_GROUP)
         if ASYM:
             zoff = tl.load(z_ptr + goff).to(tl.float32)
         else:
             zoff = ZC
-        hsrc = hi_source(w, qh_ptr, row, KH, word, BITS)
         if POST:  # exact codes (one group a tile): the scale multiplies the tile's float32 product
             wt = tile_values(w, hsrc, zoff, magic, KIND, BITS, EPW, DT)  # [BLOCK_N, BLOCK_K]
         else:
