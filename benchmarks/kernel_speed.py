@@ -187,10 +187,11 @@ def n_copies(nbytes: int) -> int:
     return max(1, min(256, math.ceil(MIN_BYTES / nbytes)))
 
 
-def dummy_packed(fmt: str, n: int, k: int) -> PackedWeight:
-    """A PackedWeight of the right shapes and dtypes, contents uninitialised (for compiling only)."""
+def dummy_packed(fmt: str, n: int, k: int, device: str | None = None) -> PackedWeight:
+    """A PackedWeight of the right shapes and dtypes on ``device`` (default :data:`DEVICE`), contents uninitialised
+    (for compiling only)."""
     f = KernelFormat.parse(fmt)
-    dev = DEVICE
+    dev = device or DEVICE
     g = f.group_size
     bits = 2 if f.bits == 3 else f.bits
     sdt = torch.uint8 if f.is_fp4 else torch.float16

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,22 +57,17 @@ import json, os, re, subprocess, sys, tempfile
 import torch
 from dynaquant.kernels import KernelFormat, LaunchConfig
 from dynaquant.kernels import gluon_gemm
-from dynaquant.kernels.packing import PackedWeight
 
-cuobjdump = sys.argv[1]
+cuobjdump, benchmarks = sys.argv[1], sys.argv[3]
+sys.path.insert(0, benchmarks)
+from kernel_speed import dummy_packed
 out = []
 for fmt, tile, dtype, bias in json.loads(sys.argv[2]):
     f = KernelFormat.parse(fmt)
     bm, bn, bk, warps, stages, split, ahead = tile
     cfg = LaunchConfig("gemm", bm, bn, 1, split, warps, stages, bool(ahead), bk, gluon=True)
-    n, k, dt = 14336, 4096, getattr(torch, dtype)
-    qbits = 2 if f.bits == 3 else f.bits
-    sdt = torch.uint8 if f.is_fp4 else torch.float16
-    pw = PackedWeight(f, n, k, torch.empty(n, k * qbits // 32, dtype=torch.int32),
-                      torch.empty(n, k // 32, dtype=torch.int32) if f.bits == 3 else None,
-                      torch.empty(n, k // f.group_size, dtype=sdt),
-                      None if f.symmetric else torch.empty(n, k // f.group_size, dtype=torch.uint8), 1.0, None,
-                      torch.zeros(-(-n // 16), dtype=torch.int32))
+    dt = getattr(torch, dtype)
+    pw = dummy_packed(fmt, 14336, 4096, device="cpu")
     kernel = gluon_gemm.compile_sm90(pw, 256, cfg, dt, bias)
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as fh:
         fh.write(kernel.asm["cubin"])
@@ -92,8 +88,9 @@ def sm90_reports():
     if not os.path.exists(CUOBJDUMP):
         pytest.skip("Triton without its CUDA tools")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE, CUOBJDUMP, json.dumps(CASES)], capture_output=True, text=True,
-                         env=env, timeout=600)
+    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    run = subprocess.run([sys.executable, "-c", _COMPILE, CUOBJDUMP, json.dumps(CASES), benchmarks], capture_output=True,
+                         text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
