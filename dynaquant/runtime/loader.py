@@ -33,7 +33,6 @@ extension adds exact format names and super weights.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -54,6 +53,7 @@ from dynaquant.quant.runtime import (
     runtime_format,
     to_compressed_tensors,
 )
+from dynaquant.runtime import linear_op
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +158,13 @@ class DynaLinear(nn.Module):
         self._packed = None
         self._fused: tuple[_FusedProjection, int] | None = None
         self._released = False  # the checkpoint buffers are placeholders; the kernel layout holds the weight
+        self._handle = linear_op.register(self)  # this layer in compiled graphs (dynaquant::linear)
         _state_dict_hook(self, _released_state)
         self._register_load_state_dict_pre_hook(_before_load, with_module=True)
+
+    def __setstate__(self, state) -> None:  # (copy.deepcopy, pickle: the copy is a layer of its own)
+        super().__setstate__(state)
+        self._handle = linear_op.register(self)
 
     def extra_repr(self) -> str:
         fused = f", fused={self._fused[0].names[self._fused[1]]}" if self._fused is not None else ""
@@ -239,7 +244,13 @@ class DynaLinear(nn.Module):
                              scales[a:b].contiguous(), None if zeros is None else zeros[a:b].contiguous(), gs, sw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _eager_forward()(self, x)
+        if torch.compiler.is_compiling():  # dynaquant::linear nodes of the compiled graph: no graph break
+            return _traced_forward(self, x)
+        return _dyna_forward(self, x)
+
+    def op_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward as ``dynaquant::linear`` runs it: (..., N) contiguous in x's dtype."""
+        return _dyna_forward(self, x).contiguous()
 
 
 _RELEASED = ("weight_packed", "weight_scale", "weight_zero_point")  # the weight's bytes (the shape, global scale: kept)
@@ -271,6 +282,15 @@ def _before_load(module: DynaLinear, state_dict, prefix, *args) -> None:
     module._op = module._packed = module._fused = module._rw = None
 
 
+def _traced_forward(self: DynaLinear, x: torch.Tensor) -> torch.Tensor:
+    """The forward as ``torch.compile`` traces it (:mod:`.linear_op`): a member of a fused group on the kernel path
+    takes its columns of the group's one call, any other layer is one call of its own."""
+    if self._fused is not None and not self._fused[0].separate and _kernel_input(x):
+        group, index = self._fused
+        return group.traced_output(index, x)
+    return torch.ops.dynaquant.linear(x, self._handle, self.out_features)
+
+
 def _dyna_forward(self: DynaLinear, x: torch.Tensor) -> torch.Tensor:
     if self._fused is not None and _kernel_input(x):
         group, index = self._fused
@@ -279,14 +299,6 @@ def _dyna_forward(self: DynaLinear, x: torch.Tensor) -> torch.Tensor:
         return self._op.linear(x, self._packed, None if self.bias is None else self.bias.to(x.dtype))
     w = self.dequantize().to(device=x.device, dtype=x.dtype)
     return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
-
-
-@functools.cache
-def _eager_forward():
-    """DynaLinear's forward, kept out of ``torch.compile`` graphs: the Triton kernels and the fused-call
-    bookkeeping run eagerly between the compiled parts (a CUDA graph captures both). Made on first use, so
-    importing this module loads neither ``torch._dynamo`` nor Triton."""
-    return torch.compiler.disable(_dyna_forward)
 
 
 # Sibling projections that read the same input, in the order transformers calls them (Llama, Mistral,
@@ -310,6 +322,12 @@ class _FusedProjection:
         self._views: dict[int, object] = {}
         self._x: torch.Tensor | None = None
         self._pending: dict[int, torch.Tensor] = {}
+        self._traced: tuple | None = None  # (x, output, members taken) while torch.compile traces the group
+        self.handle = linear_op.register(self)  # the group's one call in compiled graphs (dynaquant::linear)
+
+    def __setstate__(self, state) -> None:  # (copy.deepcopy, pickle: the copy is a group of its own)
+        self.__dict__.update(state)
+        self.handle = linear_op.register(self)
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
         if self.separate:
@@ -323,6 +341,22 @@ class _FusedProjection:
         if not self._pending:
             self._x = None
         return out
+
+    def op_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The group's one kernel call, (..., N_group) contiguous (``dynaquant::linear``)."""
+        return self.op.linear(x, self.packed, None if self.bias is None else self.bias.to(x.dtype)).contiguous()
+
+    def traced_output(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`output` as ``torch.compile`` traces it: the first member traced with ``x`` adds the group's
+        ``dynaquant::linear`` node, the others slice its output (a trace-time record, cleared once every member
+        has taken its columns; the compiler need not share x's buffer between the calls)."""
+        t = self._traced
+        if t is None or t[0] is not x or index in t[2]:
+            t = (x, torch.ops.dynaquant.linear(x, self.handle, self.bounds[-1][1]), ())
+        taken = t[2] + (index,)
+        self._traced = None if len(taken) == len(self.bounds) else (t[0], t[1], taken)
+        a, b = self.bounds[index]
+        return t[1][..., a:b]
 
 
 def _concat(rws: list[RuntimeWeight]) -> RuntimeWeight | None:

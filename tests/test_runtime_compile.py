@@ -1,0 +1,156 @@
+"""DynaLinear under ``torch.compile``: one ``dynaquant::linear`` node a call (dynaquant.runtime.linear_op), so a
+quantized model compiles as one graph (``fullgraph=True``), fused q/k/v and gate/up stay one call each, and
+transformers' ``generate`` with a static cache compiles it whole. On the CPU with a stand-in kernel op (the same
+contract as the Triton kernels' op: ``prepare`` / ``linear``), and with the torch reference path."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import dynaquant.runtime.loader as rt
+from dynaquant.quant.runtime import decode, encode, to_compressed_tensors
+from dynaquant.runtime import linear_op
+from dynaquant.runtime.loader import DynaLinear, fuse_projections
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+IDS = torch.tensor([[1, 5, 9, 200, 7], [3, 4, 5, 6, 7]])
+
+
+def _model(dtype: torch.dtype, fmt: str = "INT4_G64") -> LlamaForCausalLM:
+    """A 2-layer Llama whose every linear layer (lm_head too) is a prepared DynaLinear in ``fmt``."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=320, max_position_embeddings=128)
+    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, torch.nn.Linear):
+            lin = DynaLinear(mod.in_features, mod.out_features, fmt, dtype=dtype)
+            for k, v in to_compressed_tensors(encode(mod.weight.detach().float(), fmt)).items():
+                getattr(lin, k).copy_(v)
+            lin.prepare()
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, lin)
+    return model
+
+
+@pytest.fixture
+def stand_in_kernel(monkeypatch):
+    """A stand-in kernel op on the CPU (bf16 inputs take it, as CUDA bf16 inputs take the Triton kernels);
+    yields the list of output widths of its calls."""
+    calls: list[int] = []
+
+    class StandIn:
+        @staticmethod
+        def prepare(weight):
+            return decode(weight)
+
+        @staticmethod
+        def linear(x, packed, bias):
+            calls.append(packed.shape[0])
+            return torch.nn.functional.linear(x, packed.to(x.dtype), bias)
+
+    monkeypatch.setattr(rt, "_kernel_device", lambda t: True)
+    monkeypatch.setattr(rt, "kernel_op", lambda fmt: StandIn)
+    yield calls
+
+
+def _graph_breaks() -> int:
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_fused_model_compiles_as_one_graph_with_one_call_a_group(stand_in_kernel, backend):
+    """fullgraph=True holds; the compiled model makes the same kernel calls as eager (q/k/v one, gate/up one:
+    9 for 2 layers and lm_head), and its logits equal eager's (bit for bit through aot_eager; Inductor computes
+    the norms in its own order). Batch 2 x 5 tokens: the members' slices are strided views."""
+    model = _model(torch.bfloat16)
+    assert fuse_projections(model) == 4
+    with torch.no_grad():
+        stand_in_kernel.clear()
+        ref = model(IDS).logits
+        eager_calls = list(stand_in_kernel)
+        torch._dynamo.reset()
+        breaks = _graph_breaks()
+        compiled = torch.compile(model, fullgraph=True, backend=backend)
+        compiled(IDS)
+        stand_in_kernel.clear()
+        out = compiled(IDS).logits
+    assert eager_calls == [256, 128, 512, 128] * 2 + [320]  # q/k/v, o, gate/up, down; lm_head
+    assert sorted(stand_in_kernel) == sorted(eager_calls)
+    assert _graph_breaks() == breaks
+    groups = {m._fused[0] for m in model.modules() if isinstance(m, DynaLinear) and m._fused is not None}
+    assert len(groups) == 4 and all(g._traced is None for g in groups)  # the trace-time record is cleared
+    if backend == "aot_eager":
+        assert torch.equal(out, ref)
+    else:
+        assert (out.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
+        assert torch.equal(out.argmax(-1), ref.argmax(-1))
+
+
+def test_reference_path_compiles_as_one_graph():
+    """No kernel (CPU float32: the torch reference): one graph as well, equal to eager."""
+    model = _model(torch.float32, "INT3_G32_ASYM")
+    with torch.no_grad():
+        ref = model(IDS).logits
+        torch._dynamo.reset()
+        out = torch.compile(model, fullgraph=True, backend="aot_eager")(IDS).logits
+    assert torch.equal(out, ref)
+
+
+def test_static_cache_generate_compiles_whole():
+    """transformers' generate with a static cache, compiled with fullgraph=True (its auto-compile path, which on
+    CUDA takes mode reduce-overhead): one graph, the same greedy tokens as without compiling."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    model = _model(torch.float32)
+    ids = IDS[:1]
+    ref = model.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static", disable_compile=True)
+    torch._dynamo.reset()
+    breaks = _graph_breaks()
+    cc = CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+    cc._compile_all_devices = True  # (transformers compiles on accelerators only unless told)
+    out = model.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static", compile_config=cc)
+    assert torch.equal(out, ref) and _graph_breaks() == breaks
+
+
+def test_op_fake_matches_real_and_copies_are_layers_of_their_own():
+    """opcheck (fake vs real, schema); a deep copy gets its own handle; a deleted layer's handle is refused."""
+    lin = _model(torch.float32).model.layers[0].mlp.down_proj
+    x = torch.randn(3, 256)
+    torch.library.opcheck(torch.ops.dynaquant.linear.default, (x, lin._handle, 128),
+                          test_utils=("test_schema", "test_faketensor"))
+    dup = copy.deepcopy(lin)
+    assert dup._handle != lin._handle
+    with torch.no_grad():
+        torch.nn.init.zeros_(dup.weight_scale)  # (the copy's weight only: every output 0)
+        dup.prepare()
+        assert torch.equal(torch.ops.dynaquant.linear(x, lin._handle, 128), lin(x))
+        assert torch.equal(torch.ops.dynaquant.linear(x, dup._handle, 128), torch.zeros(3, 128))
+    handle = dup._handle
+    del dup
+    gc.collect()
+    with pytest.raises(RuntimeError, match=f"layer {handle} no longer exists"):
+        torch.ops.dynaquant.linear(x, handle, 128)
+    with pytest.raises(RuntimeError, match="not \\(..., 64\\)"):
+        linear_op.linear(x, lin._handle, 64)
+
+
+def test_decode_benchmark_counts_no_graph_breaks(tmp_path):
+    """benchmarks/decode.py's dry run compiled: every row says 0 graph breaks (DynaLinear layers included)."""
+    import json
+
+    import decode as bench
+
+    out = tmp_path / "decode.json"
+    assert bench.main(["--dry-run", "--compile", "yes", "--compile-mode", "default", "--batch", "1", "--steps", "2",
+                       "--reps", "1", "--plans", "bf16,INT4_G128", "--prompt", "4", "--out", str(out)]) == 0
+    rows = [r for r in json.loads(out.read_text()) if r["row"] == "decode"]
+    assert [r["plan"] for r in rows] == ["bf16", "INT4_G128"] and all(r["graph_breaks"] == 0 for r in rows)
