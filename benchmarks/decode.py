@@ -3,7 +3,7 @@
 For each plan (``bf16``, ``INT4_G128``, ``INT2_G128``, ...) and batch size (1, 16): a LlamaForCausalLM of
 Llama-3-8B's shapes (hidden 4096, 32 layers, 32 heads / 8 KV heads, FFN 14336, vocab 128256) with random
 weights (transformers' normal init, never zeros), its linear layers replaced by
-:class:`dynaquant.runtime.loader.DynaLinear` in the plan's format (encoded on the GPU by the reference encoder;
+:class:`dynaquant.runtime.linear.DynaLinear` in the plan's format (encoded on the GPU by the reference encoder;
 ``lm_head`` in ``--head-format`` where given, default the plan's format at 4 bits and above, INT4_G128
 below), q/k/v and gate/up fused as ``dynaquant.load`` does (``--no-fuse``: separate calls). A prompt of
 ``--prompt`` tokens is prefilled into a transformers ``StaticCache``; then greedy decoding of ``--steps``
@@ -41,7 +41,7 @@ except ImportError:
 
 from dynaquant.quant.formats import get_format  # noqa: E402
 from dynaquant.quant.runtime import encode, to_compressed_tensors  # noqa: E402
-from dynaquant.runtime.loader import DynaLinear, fuse_projections  # noqa: E402
+from dynaquant.runtime.linear import DynaLinear, fuse_projections  # noqa: E402
 
 log = logging.getLogger("decode")
 

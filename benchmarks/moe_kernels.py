@@ -5,7 +5,7 @@ One routed-experts layer (the experts module alone: router and shared experts ex
 M = 1, 16 and 256 tokens:
 
 - ``ours``: :class:`dynaquant.runtime.moe.DynaExperts` with its experts' layouts stacked (as ``dynaquant.load``
-  leaves a MoE checkpoint: :func:`dynaquant.runtime.loader.fuse_experts`), random codes of the format (never zeros):
+  leaves a MoE checkpoint: :func:`dynaquant.runtime.linear.fuse_experts`), random codes of the format (never zeros):
   routing, two grouped launches (:mod:`dynaquant.kernels.grouped`), the activation and the weighted sum;
 - ``hf_eager``: the installed transformers' experts module (bf16 3-D parameters) with its ``eager`` implementation,
   a Python loop over the routed experts;

@@ -257,6 +257,7 @@ def test_a_loaded_moe_model_runs_its_experts_grouped(tmp_path, monkeypatch):
     from test_moe_runtime import _direct_plan
 
     import dynaquant.kernels as kernels
+    import dynaquant.runtime.linear as rt_linear
     import dynaquant.runtime.loader as rt
     from dynaquant.exporters.safetensors.writer import unquantized_linears, write_safetensors
     from dynaquant.quant.runtime import encode
@@ -274,8 +275,8 @@ def test_a_loaded_moe_model_runs_its_experts_grouped(tmp_path, monkeypatch):
                       lambda e, w: encode_experts(w, e.format) if w.ndim == 3 else encode(w, e.format),
                       model.config.to_dict(), ignore=unquantized_linears(model, plan), progress=False)
     if not HAS_CUDA:  # (on CUDA: the kernels as dynaquant.load picks them)
-        monkeypatch.setattr(rt, "_kernel_device", lambda t: True)
-        monkeypatch.setattr(rt, "kernel_op", lambda fmt: rt._PackLinearOp(kernels))
+        monkeypatch.setattr(rt_linear, "_kernel_device", lambda t: True)
+        monkeypatch.setattr(rt_linear, "kernel_op", lambda fmt: rt_linear._PackLinearOp(kernels))
     loop = rt.load(tmp_path / "q", device=DEVICE, dtype=torch.bfloat16, fuse=False)
     grouped = rt.load(tmp_path / "q", device=DEVICE, dtype=torch.bfloat16)
     mods = [m for m in grouped.modules() if isinstance(m, DynaExperts)]

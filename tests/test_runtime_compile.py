@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import dynaquant.runtime.loader as rt
+import dynaquant.runtime.linear as rt_linear
 from dynaquant.quant.runtime import decode, encode, to_compressed_tensors
 from dynaquant.runtime import linear_op
-from dynaquant.runtime.loader import DynaLinear, fuse_projections
+from dynaquant.runtime.linear import DynaLinear, fuse_projections
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -57,8 +57,8 @@ def stand_in_kernel(monkeypatch):
             calls.append(packed.shape[0])
             return torch.nn.functional.linear(x, packed.to(x.dtype), bias)
 
-    monkeypatch.setattr(rt, "_kernel_device", lambda t: True)
-    monkeypatch.setattr(rt, "kernel_op", lambda fmt: StandIn)
+    monkeypatch.setattr(rt_linear, "_kernel_device", lambda t: True)
+    monkeypatch.setattr(rt_linear, "kernel_op", lambda fmt: StandIn)
     yield calls
 
 

@@ -19,12 +19,13 @@ import torch
 from test_plan import SMOL, smollm2_tensors
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-import dynaquant.runtime.loader as rt
+import dynaquant.runtime.linear as rt_linear
 from dynaquant.exporters.safetensors.writer import module_regexes, unquantized_linears, write_safetensors
 from dynaquant.quant.plan import Plan, PlanEntry
 from dynaquant.quant.planner import BudgetError, Rule, default_rules, make_plan
 from dynaquant.quant.runtime import decode, encode
-from dynaquant.runtime.loader import DynaLinear, load
+from dynaquant.runtime.linear import DynaLinear
+from dynaquant.runtime.loader import load
 
 MIXED = ("INT4_G128", "INT3_G32_ASYM", "INT2_G64_ASYM", "INT8_G32", "MXFP4_G32", "NVFP4_G16", "INT4_G64_ASYM", "INT2_G32")
 
@@ -185,8 +186,8 @@ def test_dynalinear_bias_and_kernel_hook(monkeypatch):
         def linear(x, packed, bias):
             return torch.nn.functional.linear(x, packed.to(x.dtype), bias)
 
-    monkeypatch.setattr(rt, "_kernel_device", lambda t: True)
-    monkeypatch.setattr(rt, "kernel_op", lambda fmt: FakeOp)
+    monkeypatch.setattr(rt_linear, "_kernel_device", lambda t: True)
+    monkeypatch.setattr(rt_linear, "kernel_op", lambda fmt: FakeOp)
     lin.prepare()
     assert calls == ["INT4_G64"] and lin._op is FakeOp and lin._rw is None
     assert torch.allclose(lin(x.to(torch.bfloat16)).float(), ref, atol=0.05, rtol=0.02)
@@ -301,7 +302,7 @@ def test_dynamic_plan_for_safetensors_from_a_report(tmp_path):
 @pytest.mark.parametrize("name", ["INT4_G128", "INT3_G32_ASYM", "INT2_G64", "INT8_G32_ASYM", "MXFP4_G32", "NVFP4_G16"])
 def test_kernels_package_takes_runtime_weights(name):
     """dynaquant.kernels' pack/linear consume the RuntimeWeight contract (torch path on CPU, float32)."""
-    op = rt.kernel_op(name)
+    op = rt_linear.kernel_op(name)
     assert op is not None
     w = torch.randn(40, 256, generator=torch.Generator().manual_seed(9))
     rw = encode(w, name, super_weights=([2, 39], [5, 255]))
@@ -326,8 +327,8 @@ def test_fused_projections_equal_separate_calls(tmp_path, monkeypatch):
             calls.append(packed.shape[0])
             return torch.nn.functional.linear(x, packed.to(x.dtype), bias)
 
-    monkeypatch.setattr(rt, "_kernel_device", lambda t: True)
-    monkeypatch.setattr(rt, "kernel_op", lambda fmt: FakeOp)
+    monkeypatch.setattr(rt_linear, "_kernel_device", lambda t: True)
+    monkeypatch.setattr(rt_linear, "kernel_op", lambda fmt: FakeOp)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(3)  # Qwen2: q/k/v have biases, which the fused call keeps
@@ -344,7 +345,7 @@ def test_fused_projections_equal_separate_calls(tmp_path, monkeypatch):
     ids = torch.tensor([[1, 5, 9, 200, 7]])
     sep = load(out, device="cpu", dtype=torch.bfloat16, fuse=False)
     fused = load(out, device="cpu", dtype=torch.bfloat16)
-    assert rt.fuse_projections(fused) == 0  # already fused
+    assert rt_linear.fuse_projections(fused) == 0  # already fused
     groups = {m._fused[0] for m in fused.modules() if isinstance(m, DynaLinear) and m._fused is not None}
     assert len(groups) == 3  # layer 0 q/k/v, both gate/up; layer 1 q/k/v mixes INT4_G64 and INT8_G32
     calls.clear()
@@ -367,8 +368,8 @@ def _real_kernel_op(monkeypatch):
     """The kernels package's pack / linear / unpack as the op, on the CPU (its torch fallback): the release path."""
     import dynaquant.kernels as kernels
 
-    monkeypatch.setattr(rt, "_kernel_device", lambda t: True)
-    monkeypatch.setattr(rt, "kernel_op", lambda fmt: rt._PackLinearOp(kernels))
+    monkeypatch.setattr(rt_linear, "_kernel_device", lambda t: True)
+    monkeypatch.setattr(rt_linear, "kernel_op", lambda fmt: rt_linear._PackLinearOp(kernels))
 
 
 @pytest.mark.parametrize("fmt", MIXED)
@@ -390,7 +391,7 @@ def test_dynalinear_keeps_one_copy_the_kernel_layout(monkeypatch, fmt):
     _real_kernel_op(monkeypatch)
     lin.prepare()
     assert lin._released and lin._op is not None
-    assert all(getattr(lin, n).numel() == 0 for n in rt._RELEASED if hasattr(lin, n))  # one copy: the layout
+    assert all(getattr(lin, n).numel() == 0 for n in rt_linear._RELEASED if hasattr(lin, n))  # one copy: the layout
     got = lin.state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype
                                              for k in want)
@@ -424,7 +425,7 @@ def test_loaded_model_releases_its_buffers_and_saves_the_checkpoint(tmp_path, mo
     layers = [x for x in m.modules() if isinstance(x, DynaLinear)]
     assert layers and all(x._released for x in layers) and any(x._fused is not None for x in layers)
     sd = m.state_dict()
-    quantized = [k for k in stored if k.rpartition(".")[2] in rt._RELEASED]
+    quantized = [k for k in stored if k.rpartition(".")[2] in rt_linear._RELEASED]
     assert quantized and all(torch.equal(sd[k], stored[k]) for k in quantized)
     ref = load(out, device="cpu", dtype=torch.bfloat16, kernels=False)
     ids = torch.tensor([[1, 5, 9, 200, 7]])

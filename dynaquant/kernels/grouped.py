@@ -171,7 +171,7 @@ def grouped_linear(x2: torch.Tensor, packed: PackedWeight, routing: Routing, *, 
         half2, words: ``gemv`` only: the packed-fp16 word products (symmetric INT4 / INT2;
             :mod:`dynaquant.kernels.triton_half2`) and the most words of a row a loop iteration.
         act: None, or ``"silu"``: each expert's N rows are its gate (the first N / 2) then its up projection (the
-            stacked gate/up layout of :func:`dynaquant.runtime.loader.fuse_experts`), and the result is
+            stacked gate/up layout of :func:`dynaquant.runtime.linear.fuse_experts`), and the result is
             ``act(gate) * up`` (the kernel's epilogue where it runs without super weights, rounded as the torch ops
             on the (S, N) product round; else those torch ops). Not with ``slot_weights``.
     Returns:

@@ -1,5 +1,5 @@
 """``dynaquant::linear``: a quantized linear layer's call as one PyTorch custom op, so that ``torch.compile`` traces
-a model with :class:`~dynaquant.runtime.loader.DynaLinear` layers as one graph (``fullgraph=True`` holds), each
+a model with :class:`~dynaquant.runtime.linear.DynaLinear` layers as one graph (``fullgraph=True`` holds), each
 call an opaque node that runs the layer's own forward (its Triton kernel, or the torch reference).
 
 Without it every DynaLinear call was a graph break: a compiled Llama was cut into ~4 graphs a decoder layer, and

@@ -22,11 +22,11 @@ expects the old names; such a checkpoint needs the rename ``mlp.experts.{e}.gate
 
 :func:`dynaquant.load` replaces each experts module whose checkpoint holds per-expert tensors by a
 :class:`DynaExperts`: E children ``0 .. E-1``, each with ``gate_proj``, ``up_proj``, ``down_proj`` linear
-layers (:class:`~dynaquant.runtime.loader.DynaLinear` where quantized, else ``nn.Linear``), and a forward with
+layers (:class:`~dynaquant.runtime.linear.DynaLinear` where quantized, else ``nn.Linear``), and a forward with
 transformers' signature ``forward(hidden_states, top_k_index, top_k_weights)`` and semantics (fused:
 ``down(act(gate x) * up x)``; gpt-oss: biases and the module's own ``_apply_gate`` on the interleaved
 gate/up output), so the model's own MoE block and router run unchanged. On CUDA each expert's gate and up run
-as one kernel call (:func:`dynaquant.runtime.loader.fuse_projections` finds them as siblings).
+as one kernel call (:func:`dynaquant.runtime.linear.fuse_projections` finds them as siblings).
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ class DynaExperts(nn.Module):
         else:
             self.act_fn = source.act_fn
         self.inter = inter
-        # (gate/up group, down group) of the experts' stacked kernel layouts, set by loader.fuse_experts
+        # (gate/up group, down group) of the experts' stacked kernel layouts, set by linear.fuse_experts
         self.grouped = None
 
     def expert(self, e: int) -> nn.Module:
