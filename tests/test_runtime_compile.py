@@ -1,4 +1,4 @@
-"""DynaLinear under ``torch.compile``: one ``dynaquant::linear`` node a call (dynaquant.runtime.linear_op), so a
+"""DynaLinear under ``torch.compile``: one ``dynaquant::linear`` node a call (dynaquant.runtime.custom_ops), so a
 quantized model compiles as one graph (``fullgraph=True``), fused q/k/v and gate/up stay one call each, and
 transformers' ``generate`` with a static cache compiles it whole. On the CPU with a stand-in kernel op (the same
 contract as the Triton kernels' op: ``prepare`` / ``linear``), and with the torch reference path."""
@@ -16,8 +16,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import dynaquant.runtime.linear as rt_linear
 from dynaquant.quant.runtime import decode, encode, to_compressed_tensors
-from dynaquant.runtime import linear_op
+from dynaquant.runtime import custom_ops
 from dynaquant.runtime.linear import DynaLinear, fuse_projections
+from dynaquant.runtime.moe import DynaExperts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -139,8 +140,8 @@ def test_op_fake_matches_real_and_copies_are_layers_of_their_own():
     gc.collect()
     with pytest.raises(RuntimeError, match=f"layer {handle} no longer exists"):
         torch.ops.dynaquant.linear(x, handle, 128)
-    with pytest.raises(RuntimeError, match="not \\(..., 64\\)"):
-        linear_op.linear(x, lin._handle, 64)
+    with pytest.raises(RuntimeError, match=r"returned \(3, 128\), not \(3, 64\)"):
+        custom_ops.linear(x, lin._handle, 64)
 
 
 def test_decode_benchmark_counts_no_graph_breaks(tmp_path):
@@ -154,3 +155,35 @@ def test_decode_benchmark_counts_no_graph_breaks(tmp_path):
                        "--reps", "1", "--plans", "bf16,INT4_G128", "--prompt", "4", "--out", str(out)]) == 0
     rows = [r for r in json.loads(out.read_text()) if r["row"] == "decode"]
     assert [r["plan"] for r in rows] == ["bf16", "INT4_G128"] and all(r["graph_breaks"] == 0 for r in rows)
+
+
+def test_moe_model_compiles_as_one_graph(tmp_path):
+    """A loaded mixture-of-experts checkpoint (tiny gpt-oss, INT2 routed experts, the per-expert loop on the CPU):
+    each experts layer is one ``dynaquant::experts`` node (the routing's data-dependent shapes stay inside it), so
+    fullgraph=True holds; logits equal eager's."""
+    import test_moe_runtime as moe_t
+
+    import dynaquant
+    from dynaquant.exporters.safetensors.writer import unquantized_linears, write_safetensors
+
+    model = moe_t._direct_model("gpt_oss")
+    weights = moe_t.checkpoint_weights(model)
+    plan = moe_t._direct_plan(model, weights, bpw=moe_t.BPW["gpt_oss"])
+
+    def enc(e, w):
+        return moe_t.encode_experts(w, e.format, None) if w.ndim == 3 else encode(w, e.format)
+
+    write_safetensors(tmp_path / "q", plan, weights, enc, model.config.to_dict(), progress=False,
+                      ignore=unquantized_linears(model, plan))
+    q = dynaquant.load(tmp_path / "q", device="cpu")
+    ids = IDS[:1]
+    with torch.no_grad():
+        ref = q(ids).logits
+        torch._dynamo.reset()
+        out = torch.compile(q, fullgraph=True, backend="aot_eager")(ids).logits
+    assert torch.equal(out, ref)
+    layer = next(m for m in q.modules() if isinstance(m, DynaExperts))
+    hidden = torch.randn(3, layer.expert(0).gate_proj.in_features)
+    index, weights = torch.tensor([[0, 1], [2, 3], [1, 1]]), torch.rand(3, 2)
+    torch.library.opcheck(torch.ops.dynaquant.experts.default, (hidden, index, weights, layer._handle),
+                          test_utils=("test_schema", "test_faketensor"))

@@ -1,5 +1,5 @@
 """Runtime: dynaquant's safetensors checkpoints in PyTorch. ``loader.load`` builds the model (``dynaquant.load``),
-``linear.DynaLinear`` runs a quantized linear layer through ``dynaquant.kernels`` (``linear_op``: as one node under
+``linear.DynaLinear`` runs a quantized linear layer through ``dynaquant.kernels`` (``custom_ops``: as one node under
 ``torch.compile``), ``moe.DynaExperts`` a layer's
 routed experts; ``decoded`` runs a GGUF file's decoded weights in the source's transformers model (evaluation)."""
 

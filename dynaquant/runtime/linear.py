@@ -9,7 +9,7 @@ A :class:`DynaLinear` holds the compressed-tensors tensors as stored (``weight_p
   float32 (:func:`dynaquant.quant.runtime.decode`, super weights restored), cast it to the
   input's dtype and call ``F.linear``; the same checkpoint runs everywhere.
 
-Under ``torch.compile`` each call is one ``dynaquant::linear`` node (:mod:`.linear_op`): no graph break.
+Under ``torch.compile`` each call is one ``dynaquant::linear`` node (:mod:`.custom_ops`): no graph break.
 
 Kernel hook (:func:`kernel_op`, looked up lazily: ``dynaquant.kernels`` is never imported at load
 time of this module). An op is any object with::
@@ -45,7 +45,7 @@ from dynaquant.quant.runtime import (
     runtime_format,
     to_compressed_tensors,
 )
-from dynaquant.runtime import linear_op
+from dynaquant.runtime import custom_ops
 
 log = logging.getLogger(__name__)
 
@@ -150,13 +150,13 @@ class DynaLinear(nn.Module):
         self._packed = None
         self._fused: tuple[_FusedProjection, int] | None = None
         self._released = False  # the checkpoint buffers are placeholders; the kernel layout holds the weight
-        self._handle = linear_op.register(self)  # this layer in compiled graphs (dynaquant::linear)
+        self._handle = custom_ops.register(self)  # this layer in compiled graphs (dynaquant::linear)
         _state_dict_hook(self, _released_state)
         self._register_load_state_dict_pre_hook(_before_load, with_module=True)
 
     def __setstate__(self, state) -> None:  # (copy.deepcopy, pickle: the copy is a layer of its own)
         super().__setstate__(state)
-        self._handle = linear_op.register(self)
+        self._handle = custom_ops.register(self)
 
     def extra_repr(self) -> str:
         fused = f", fused={self._fused[0].names[self._fused[1]]}" if self._fused is not None else ""
@@ -275,7 +275,7 @@ def _before_load(module: DynaLinear, state_dict, prefix, *args) -> None:
 
 
 def _traced_forward(self: DynaLinear, x: torch.Tensor) -> torch.Tensor:
-    """The forward as ``torch.compile`` traces it (:mod:`.linear_op`): a member of a fused group on the kernel path
+    """The forward as ``torch.compile`` traces it (:mod:`.custom_ops`): a member of a fused group on the kernel path
     takes its columns of the group's one call, any other layer is one call of its own."""
     if self._fused is not None and not self._fused[0].separate and _kernel_input(x):
         group, index = self._fused
@@ -315,11 +315,11 @@ class _FusedProjection:
         self._x: torch.Tensor | None = None
         self._pending: dict[int, torch.Tensor] = {}
         self._traced: tuple | None = None  # (x, output, members taken) while torch.compile traces the group
-        self.handle = linear_op.register(self)  # the group's one call in compiled graphs (dynaquant::linear)
+        self.handle = custom_ops.register(self)  # the group's one call in compiled graphs (dynaquant::linear)
 
     def __setstate__(self, state) -> None:  # (copy.deepcopy, pickle: the copy is a group of its own)
         self.__dict__.update(state)
-        self.handle = linear_op.register(self)
+        self.handle = custom_ops.register(self)
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
         if self.separate:

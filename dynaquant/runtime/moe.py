@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from dynaquant.quant.runtime import RuntimeWeight, encode
+from dynaquant.runtime import custom_ops
 from dynaquant.sources.experts import PROJS, dispatch, expert_weight, find_experts, layout_of
 
 log = logging.getLogger(__name__)
@@ -219,6 +220,11 @@ class DynaExperts(nn.Module):
         self.inter = inter
         # (gate/up group, down group) of the experts' stacked kernel layouts, set by linear.fuse_experts
         self.grouped = None
+        self._handle = custom_ops.register(self)  # this layer in compiled graphs (dynaquant::experts)
+
+    def __setstate__(self, state) -> None:  # (copy.deepcopy, pickle: the copy is a layer of its own)
+        super().__setstate__(state)
+        self._handle = custom_ops.register(self)
 
     def expert(self, e: int) -> nn.Module:
         """Expert ``e``'s module (``gate_proj``, ``up_proj``, ``down_proj``)."""
@@ -235,12 +241,20 @@ class DynaExperts(nn.Module):
             top_k_index: (T, k) int64 chosen experts; values outside ``0 .. E-1`` (masked choices) are skipped.
             top_k_weights: (T, k) routing weights.
         Returns:
-            (same shape as hidden_states) ``sum_j w[t, j] * expert_{idx[t, j]}(x_t)`` in the input's dtype.
+            (same shape as hidden_states) ``sum_j w[t, j] * expert_{idx[t, j]}(x_t)`` in the input's dtype. Under
+            ``torch.compile``, one ``dynaquant::experts`` node (:mod:`.custom_ops`) that runs :meth:`op_forward`.
         """
+        if torch.compiler.is_compiling():
+            return torch.ops.dynaquant.experts(hidden_states, top_k_index, top_k_weights, self._handle)
+        return self.op_forward(hidden_states, top_k_index, top_k_weights)
+
+    def op_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The forward run eagerly (grouped launches, or the loop over routed experts), contiguous."""
         g = self.grouped
         if g is not None and g[0].intact and g[1].intact:
-            return self._grouped_forward(hidden_states, top_k_index, top_k_weights)
-        return dispatch(hidden_states, top_k_index, top_k_weights, self.num_experts, self._expert)
+            return self._grouped_forward(hidden_states, top_k_index, top_k_weights).contiguous()
+        return dispatch(hidden_states, top_k_index, top_k_weights, self.num_experts, self._expert).contiguous()
 
     def _grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                          top_k_weights: torch.Tensor) -> torch.Tensor:
