@@ -113,12 +113,52 @@ def held_memory(model: nn.Module, linear_bytes: int, device: torch.device) -> di
     return {"gpu_held_bytes": held, "checkpoint_bytes": ckpt, "held_vs_checkpoint": held / ckpt}
 
 
+# kernel-name patterns -> the part of a decode step they are (first match wins; --profile's per-step breakdown)
+KERNEL_KINDS = (
+    ("dynaquant", ("_gemv_kernel", "_gemm_kernel", "_resident_kernel", "_grouped", "_route", "_dequant", "_mm_kernel")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
+    ("matmul", ("triton_tem", "gemm", "gemv", "cutlass", "xmma", "nvjet", "sm90_", "splitk")),  # cuBLAS, mm templates
+    ("inductor", ("triton_",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The part of a decode step a CUDA kernel named ``name`` belongs to (:data:`KERNEL_KINDS`), else ``other``."""
+    low = name.lower()
+    return next((kind for kind, pats in KERNEL_KINDS if any(p in low for p in pats)), "other")
+
+
+def profile_steps(run, rewind, steps: int) -> dict:
+    """CUDA kernel time a decode step, by :func:`kernel_kind` and by kernel (the 25 longest), from torch.profiler
+    over ``steps`` replays of ``run`` (a CUDA graph's kernels are reported one by one): microseconds a step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rewind()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    kinds: dict[str, float] = {}
+    top = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if not us:
+            continue
+        kinds[kernel_kind(ev.key)] = kinds.get(kernel_kind(ev.key), 0.0) + us / steps
+        top.append((us / steps, ev.count / steps, ev.key))
+    top.sort(reverse=True)
+    return {"us_per_step": {k: round(v, 1) for k, v in sorted(kinds.items())},
+            "total_us_per_step": round(sum(kinds.values()), 1),
+            "top": [{"kernel": k[:120], "us_per_step": round(u, 1), "calls_per_step": round(c, 2)} for u, c, k in top[:25]]}
+
+
 def decode_time(model: nn.Module, batch: int, prompt: int, steps: int, graphs: bool, reps: int,
-                compile_: bool = False, compile_mode: str = COMPILE_MODE) -> dict:
+                compile_: bool = False, compile_mode: str = COMPILE_MODE, profile: bool = False) -> dict:
     """Median seconds for ``steps`` greedy decode steps after a ``prompt``-token prefill (static cache);
     ``compile_``: the decode step's forward through ``torch.compile`` in ``compile_mode`` (each DynaLinear call one
     ``dynaquant::linear`` node running its Triton kernel; ``graph_breaks`` counts the breaks), all of it then
-    captured as one CUDA graph."""
+    captured as one CUDA graph. ``profile`` (CUDA): also the step's kernel time by part (:func:`profile_steps`)."""
     from transformers import StaticCache
 
     dev = next(model.parameters()).device
@@ -171,13 +211,14 @@ def decode_time(model: nn.Module, batch: int, prompt: int, steps: int, graphs: b
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
+        prof = profile_steps(run, rewind, min(steps, 16)) if profile and dev.type == "cuda" else None
     t = statistics.median(times[1:])
     breaks = None
     if compile_:
         mode += f" + torch.compile ({compile_mode})"
         breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks0
     return {"time_s": t, "tokens_per_s": batch * steps / t, "ms_per_step": 1e3 * t / steps, "mode": mode,
-            "graph_breaks": breaks, "times_s": times[1:]}
+            "graph_breaks": breaks, "times_s": times[1:], **({"profile": prof} if prof else {})}
 
 
 def _write(out: Path, rows: list) -> None:
@@ -204,6 +245,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-mode", default=COMPILE_MODE, choices=("default", "max-autotune-no-cudagraphs"),
                     help="torch.compile's mode (default: issue 17's definition of compiled bf16; the CUDA graph is "
                          "this script's own, so no mode that makes its own)")
+    ap.add_argument("--profile", action="store_true", help="CUDA: each row also gets the step's kernel time by part "
+                    "(our kernels, bf16 matmuls, attention, Inductor's other kernels) and its 25 longest kernels")
     ap.add_argument("--dry-run", action="store_true", help="tiny model on CPU, eager (checks the script)")
     ap.add_argument("--out", default=str(HERE / "out" / "decode.json"))
     args = ap.parse_args(argv)
@@ -257,7 +300,8 @@ def main(argv=None) -> int:
                  memory.get("held_vs_checkpoint"))
         for b, comp in [(b, c) for c in {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
                         for b in batches]:
-            r = decode_time(model, b, args.prompt, args.steps, not args.no_graphs, args.reps, comp, args.compile_mode)
+            r = decode_time(model, b, args.prompt, args.steps, not args.no_graphs, args.reps, comp, args.compile_mode,
+                            args.profile)
             if plan == "bf16":
                 base[(b, comp)] = r["tokens_per_s"]
             row = {"row": "decode", "plan": plan, "head_format": head, "batch": b, "compiled": comp, **r,

@@ -207,3 +207,18 @@ def test_cuda_compiled_model_matches_eager(fmt):
             out = compiled(ids.cuda()).logits.float()
             assert (out - ref).abs().max() <= 0.02 * ref.abs().max()
             assert torch.equal(out.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("_gemv_kernel", "dynaquant"), ("_gluon_gemm_kernel", "dynaquant"), ("_grouped_gemv_kernel", "dynaquant"),
+    ("triton_poi_fused_add_mul_0", "inductor"), ("triton_red_fused__to_copy_mean_pow_1", "inductor"),
+    ("triton_tem_fused_mm_2", "matmul"), ("nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NTN", "matmul"),
+    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>", "matmul"),
+    ("void pytorch_flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<...>>", "attention"),
+    ("Memset (Device)", "other"),
+])
+def test_decode_profile_kinds(name, kind):
+    """benchmarks/decode.py --profile's split of a step's kernels: ours, bf16 matmuls, attention, Inductor's."""
+    import decode as bench
+
+    assert bench.kernel_kind(name) == kind

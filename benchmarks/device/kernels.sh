@@ -19,7 +19,7 @@ if [[ $STEPS == *,moe,* ]]; then
 fi
 if [[ $STEPS == *,decode,* ]]; then
   status "decode.py"
-  python3 benchmarks/decode.py --plans bf16,INT4_G128,INT2_G128 --compile both --out "$OUT/decode.json" \
+  python3 benchmarks/decode.py --plans bf16,INT4_G128,INT2_G128 --compile both --profile --out "$OUT/decode.json" \
     || status "FAILED decode"
 fi
 if [[ $STEPS == *,tests,* ]]; then
