@@ -145,7 +145,8 @@ def profile_steps(run, rewind, steps: int) -> dict:
         us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
         if not us:
             continue
-        kinds[kernel_kind(ev.key)] = kinds.get(kernel_kind(ev.key), 0.0) + us / steps
+        kind = kernel_kind(ev.key)
+        kinds[kind] = kinds.get(kind, 0.0) + us / steps
         top.append((us / steps, ev.count / steps, ev.key))
     top.sort(reverse=True)
     return {"us_per_step": {k: round(v, 1) for k, v in sorted(kinds.items())},

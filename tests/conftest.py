@@ -126,3 +126,28 @@ def smollm2_weights(default_source, default_imatrix):
         w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
         out.append((name, dither(w, 32, seed=i), default_imatrix.mean(hf_for[name])))
     return out
+
+
+@pytest.fixture
+def stand_in_kernel(monkeypatch):
+    """A stand-in kernel op for DynaLinear on the CPU (``dynaquant.runtime.linear``'s kernel hook: bf16 inputs take
+    it, as CUDA bf16 inputs take the Triton kernels; the weight decoded, ``F.linear``); yields the list of output
+    widths of its calls."""
+    import dynaquant.runtime.linear as rt_linear
+    from dynaquant.quant.runtime import decode
+
+    calls: list[int] = []
+
+    class StandIn:
+        @staticmethod
+        def prepare(weight):
+            return decode(weight)
+
+        @staticmethod
+        def linear(x, packed, bias):
+            calls.append(packed.shape[0])
+            return torch.nn.functional.linear(x, packed.to(x.dtype), bias)
+
+    monkeypatch.setattr(rt_linear, "_kernel_device", lambda t: True)
+    monkeypatch.setattr(rt_linear, "kernel_op", lambda fmt: StandIn)
+    yield calls

@@ -14,8 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import dynaquant.runtime.linear as rt_linear
-from dynaquant.quant.runtime import decode, encode, to_compressed_tensors
+from dynaquant.quant.runtime import encode, to_compressed_tensors
 from dynaquant.runtime import custom_ops
 from dynaquant.runtime.linear import DynaLinear, fuse_projections
 from dynaquant.runtime.moe import DynaExperts
@@ -40,27 +39,6 @@ def _model(dtype: torch.dtype, fmt: str = "INT4_G64") -> LlamaForCausalLM:
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr, lin)
     return model
-
-
-@pytest.fixture
-def stand_in_kernel(monkeypatch):
-    """A stand-in kernel op on the CPU (bf16 inputs take it, as CUDA bf16 inputs take the Triton kernels);
-    yields the list of output widths of its calls."""
-    calls: list[int] = []
-
-    class StandIn:
-        @staticmethod
-        def prepare(weight):
-            return decode(weight)
-
-        @staticmethod
-        def linear(x, packed, bias):
-            calls.append(packed.shape[0])
-            return torch.nn.functional.linear(x, packed.to(x.dtype), bias)
-
-    monkeypatch.setattr(rt_linear, "_kernel_device", lambda t: True)
-    monkeypatch.setattr(rt_linear, "kernel_op", lambda fmt: StandIn)
-    yield calls
 
 
 def _graph_breaks() -> int:

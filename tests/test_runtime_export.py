@@ -312,23 +312,10 @@ def test_kernels_package_takes_runtime_weights(name):
     assert torch.allclose(y, torch.nn.functional.linear(x, decode(rw), bias), rtol=1e-5, atol=1e-5)
 
 
-def test_fused_projections_equal_separate_calls(tmp_path, monkeypatch):
+def test_fused_projections_equal_separate_calls(tmp_path, stand_in_kernel):
     """q/k/v and gate/up fused into one call each (stand-in kernel op): same logits as separate calls,
     any call order, biases and super weights kept; a format mismatch leaves that group unfused."""
-    calls = []
-
-    class FakeOp:
-        @staticmethod
-        def prepare(weight):
-            return decode(weight)
-
-        @staticmethod
-        def linear(x, packed, bias):
-            calls.append(packed.shape[0])
-            return torch.nn.functional.linear(x, packed.to(x.dtype), bias)
-
-    monkeypatch.setattr(rt_linear, "_kernel_device", lambda t: True)
-    monkeypatch.setattr(rt_linear, "kernel_op", lambda fmt: FakeOp)
+    calls = stand_in_kernel
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(3)  # Qwen2: q/k/v have biases, which the fused call keeps
